@@ -1,0 +1,48 @@
+# The two commands a fresh machine needs: `make demo` and `make test`.
+# Both bootstrap .venv idempotently. On a machine without CUDA, torch==2.13.0 (the CPU build)
+# is installed before the package, so that the package's `torch` requirement is already met
+# and pip never pulls a multi-GB CUDA build.
+
+PY      ?= python3
+VENV    ?= .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.mqnc-installed
+PYTEST_ARGS ?=
+
+.PHONY: venv test demo lint format env clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install --upgrade --quiet pip
+
+$(STAMP): $(VPY) pyproject.toml
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "CUDA device found: installing the package with its default torch"; \
+	else \
+		echo "No CUDA device: installing torch==2.13.0 (CPU build) first"; \
+		$(VPY) -m pip install --quiet torch==2.13.0; \
+	fi
+	$(VPY) -m pip install --quiet -e '.[test,hf,notebooks,dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m pytest correctness -q $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(VENV)/bin/mqnc selfcheck
+
+env: $(STAMP)
+	$(VENV)/bin/mqnc env
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,5 @@
+import sys
+
+from mqnc.cli import main
+
+sys.exit(main())

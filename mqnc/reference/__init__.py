@@ -1,0 +1,20 @@
+"""fp64 torch references, one module per kernel family, shared by tests, benchmarks and notebooks.
+
+- :mod:`mqnc.reference.merge`: the M-way online-softmax merge, (o, lse) and (o, m, l) forms.
+- :mod:`mqnc.reference.attention`: partial absorbed-MLA attention, dense paged and sparse top-k.
+"""
+
+from mqnc.reference.attention import (
+    mla_decode_reference,
+    mla_sparse_reference,
+    partial_attention_reference,
+)
+from mqnc.reference.merge import merge_ml_reference, merge_reference
+
+__all__ = [
+    "merge_reference",
+    "merge_ml_reference",
+    "partial_attention_reference",
+    "mla_decode_reference",
+    "mla_sparse_reference",
+]

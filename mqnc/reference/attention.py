@@ -1,0 +1,106 @@
+"""fp64 references of partial absorbed-MLA attention, dense paged and sparse top-k.
+
+Kernels: ``mqnc.triton_kernels.mla_decode`` and ``mqnc.triton_kernels.mla_sparse``.
+
+Every query row (token ``b``, head ``h``) is ``d_qk = d_c + d_r`` wide (576 for DeepSeek); a
+cache entry is one ``d_qk`` vector per token shared by all heads, whose first ``d_v`` dims are
+also the value. For a key set ``K_b``::
+
+    s[b, h, j] = softmax_scale * <q[b, h], kv[j]>          j in K_b
+    lse[b, h]  = log(sum_j exp(s[b, h, j]))               natural log; -inf if K_b is empty
+    o[b, h]    = sum_j exp(s[b, h, j] - lse[b, h]) * kv[j, :d_v]        0 if K_b is empty
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["partial_attention_reference", "mla_decode_reference", "mla_sparse_reference"]
+
+
+def partial_attention_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    valid: torch.Tensor,
+    softmax_scale: float,
+    d_v: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query token over its own valid subset of a key set, in float64.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, H, d_qk]`` absorbed query rows, any float dtype.
+    kv : torch.Tensor
+        ``[B, N, d_qk]`` (per-token key sets) or ``[N, d_qk]`` (one set for all tokens).
+    valid : torch.Tensor
+        ``[B, N]`` bool: which entries each query token attends.
+    softmax_scale : float
+        The model's scale (DeepSeek with YaRN: ``192**-0.5 * mscale**2``).
+    d_v : int
+        Value width: the first ``d_v`` dims of each entry.
+
+    Returns
+    -------
+    o : ``[B, H, d_v]`` float64; lse : ``[B, H]`` float64 (natural log).
+    """
+    q = q.to(torch.float64)
+    kv = kv.to(torch.float64)
+    if kv.dim() == 2:
+        kv = kv.unsqueeze(0).expand(q.shape[0], -1, -1)
+    # Masked entries may hold NaN (the tests poison padding): zero them before any product.
+    kv = torch.where(valid[..., None], kv, torch.zeros_like(kv))
+    s = torch.einsum("bhd,bnd->bhn", q, kv) * softmax_scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    empty = torch.isneginf(lse)
+    p = torch.exp(s - torch.where(empty, torch.zeros_like(lse), lse)[..., None])
+    o = torch.einsum("bhn,bnd->bhd", p, kv[..., :d_v])
+    return o, lse
+
+
+def mla_decode_reference(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    softmax_scale: float,
+    d_v: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense partial attention over a paged pool, in float64.
+
+    ``kv_pool [num_blocks, block_size, d_qk]``; token ``t`` of query token ``b`` lives at
+    ``kv_pool[block_table[b, t // block_size], t % block_size]`` for ``t < cache_seqlens[b]``.
+    Returns ``o [B, H, d_v]`` and natural-log ``lse [B, H]``, float64.
+    """
+    num_blocks, block_size, d_qk = kv_pool.shape
+    B = q.shape[0]
+    max_len = int(cache_seqlens.max()) if B else 0
+    t = torch.arange(max_len, device=kv_pool.device)
+    valid = t[None, :] < cache_seqlens[:, None].to(t.device).long()
+    # Table entries past a row's length are never read (they may hold anything, e.g. -1).
+    blocks = block_table.long()[:, (t // block_size)]
+    blocks = torch.where(valid, blocks, torch.zeros_like(blocks))
+    slots = blocks * block_size + (t % block_size)[None, :]
+    kv = kv_pool.reshape(num_blocks * block_size, d_qk)[slots]
+    return partial_attention_reference(q, kv, valid, softmax_scale, d_v)
+
+
+def mla_sparse_reference(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    d_v: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse top-k partial attention, in float64.
+
+    ``indices [B, topk]`` int address the pool's flattened token axis
+    (``kv_pool.reshape(-1, d_qk)``); ``-1`` marks an unused slot. Entries are attended at their
+    canonical positions (no rotation). Returns ``o [B, H, d_v]``, ``lse [B, H]`` float64.
+    """
+    d_qk = kv_pool.shape[-1]
+    flat = kv_pool.reshape(-1, d_qk)
+    valid = indices >= 0
+    kv = flat[torch.where(valid, indices, torch.zeros_like(indices)).long()]
+    return partial_attention_reference(q, kv, valid, softmax_scale, d_v)

@@ -1,0 +1,51 @@
+"""Choose between compiled and interpreted kernels, once, before Triton is imported.
+
+Called by the CLI commands that run kernels and by the test suite; never at import time of
+``mqnc`` (importing the package must not probe the GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+__all__ = ["use_interpreter_without_cuda", "kernel_mode", "device_name"]
+
+
+def use_interpreter_without_cuda() -> bool:
+    """Set ``TRITON_INTERPRET=1`` when no CUDA device exists; returns whether it is set.
+
+    Must run before ``triton`` is imported to take effect; if Triton is already imported the
+    environment is left as it is and the current mode is returned.
+    """
+    if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernel_mode() -> str:
+    """``"interpreted"`` (TRITON_INTERPRET=1) or ``"compiled"``."""
+    return "interpreted" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "compiled"
+
+
+def device_name() -> str:
+    """The CUDA device's name, or the CPU's model string on a CPU-only machine."""
+    import platform
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"CPU: {model} ({os.cpu_count()} cores)"

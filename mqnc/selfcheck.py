@@ -1,0 +1,59 @@
+"""``mqnc selfcheck``: run every kernel once against its fp64 reference and say what was verified.
+
+What ``make demo`` runs until the agentic fan-in demo lands. Small shapes, CPU interpreter when
+no GPU exists; exits non-zero if any check exceeds its bound from ``mqnc.testing.TOLERANCES``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["run_checks", "register"]
+
+
+def _check_merge(torch, dtype):
+    from mqnc.reference import merge_reference
+    from mqnc.testing import assert_close, tolerance
+    from mqnc.triton_kernels import merge_partials
+
+    g = torch.Generator().manual_seed(0)
+    M, B, H, D = 5, 2, 16, 512
+    o = torch.randn(M, B, H, D, generator=g).clamp(-4, 4).to(dtype)
+    lse = torch.randn(M, B, H, generator=g) * 3
+    lse[1, 0, :4] = float("-inf")  # empty partials
+    lse[:, 1, 0] = float("inf")  # an all-empty row, as FlashMLA marks it
+    o_ref, lse_ref = merge_reference(o, lse)
+    o_out, lse_out = merge_partials(o, lse)
+    s_o = assert_close(o_out, o_ref, tolerance("merge", dtype), name="o")
+    s_l = assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")
+    return f"merge_partials M={M} B={B} H={H} Dv={D} {str(dtype)[6:]}: o {s_o}; lse max_abs={s_l.max_abs:.2e}"
+
+
+def run_checks() -> list[str]:
+    """Run the checks; returns one line per check, raises AssertionError on the first failure."""
+    from mqnc.runtime import use_interpreter_without_cuda
+
+    use_interpreter_without_cuda()
+    import torch
+
+    lines = []
+    for dtype in (torch.float32, torch.bfloat16):
+        lines.append(_check_merge(torch, dtype))
+    return lines
+
+
+def _run(args) -> int:
+    from mqnc.runtime import device_name, kernel_mode
+
+    try:
+        lines = run_checks()
+    except AssertionError as exc:
+        print(f"FAILED: {exc}")
+        return 1
+    print(f"mqnc self-check on {device_name()} (kernels {kernel_mode()}):")
+    for line in lines:
+        print(f"  ok  {line}")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("selfcheck", help="run each kernel once against its fp64 reference")
+    p.set_defaults(func=_run)

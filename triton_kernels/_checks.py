@@ -1,0 +1,57 @@
+"""Input validation shared by the launchers: every error names the argument, expected and got.
+
+Validation is by exceptions (``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong
+shape, device or value), never by ``assert``, which ``python -O`` removes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["check_tensor", "check_same_device", "FLOAT_DTYPES", "dtype_name"]
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: int | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
+    shape: Sequence[int | None] | None = None,
+    contiguous_last: bool = False,
+) -> torch.Tensor:
+    """Check one tensor argument; ``shape`` entries of None match any size."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        expected = ", ".join(dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name}: invalid dtype, expected one of ({expected}), got {dtype_name(t.dtype)}")
+    if shape is not None:
+        if len(shape) != t.dim() or any(
+            s is not None and s != got for s, got in zip(shape, t.shape, strict=True)
+        ):
+            want = tuple("*" if s is None else s for s in shape)
+            raise ValueError(f"{name}: expected shape {want}, got {tuple(t.shape)}")
+    if contiguous_last and t.dim() and t.stride(-1) != 1:
+        raise ValueError(f"{name}: expected unit stride on the last dim, got strides {t.stride()}")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor) -> torch.device:
+    """All tensors on one device; returns it."""
+    devices = {name: t.device for name, t in tensors.items()}
+    first_name, first = next(iter(devices.items()))
+    for name, dev in devices.items():
+        if dev != first:
+            raise ValueError(f"{name}: expected device {first} (as {first_name}), got {dev}")
+    return first

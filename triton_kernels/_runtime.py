@@ -1,0 +1,60 @@
+"""Launch-time helpers shared by every kernel: interpreter mode, the launch lock, output allocation.
+
+Nothing here touches a GPU at import time. Whether kernels run compiled or interpreted is decided
+by ``TRITON_INTERPRET=1`` (read by Triton when it is imported; the test suite sets it itself when
+no CUDA device exists).
+
+Environment switches (the only ones the kernels read):
+
+``TRITON_INTERPRET=1``
+    Run kernels under Triton's CPU interpreter. Launchers then take one process-wide lock (the
+    interpreter is not thread-safe: two threads launching at once fail with "Did you forget to
+    add @triton.jit ?", seen with triton 3.9.0) and upcast ``tl.dot`` operands to fp32 (bf16
+    dots are wrong under the interpreter).
+``MQNC_POISON_OUTPUTS=1``
+    Fill every output a launcher allocates with NaN before the kernel writes it, so an element a
+    kernel forgets to write fails the comparison. The test suite sets it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+
+__all__ = ["interpreting", "launch_lock", "dot_in_fp32", "new_output", "poisoning"]
+
+_LOCK = threading.RLock()
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def launch_lock():
+    """The process-wide launch lock when interpreting, a no-op context on a GPU."""
+    return _LOCK if interpreting() else contextlib.nullcontext()
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Constexpr flag for kernels: upcast ``tl.dot`` operands to fp32.
+
+    Only under the interpreter and only for bf16 (its bf16 dot multiplies raw bit patterns);
+    the compiled GPU path keeps bf16 operands on the tensor cores.
+    """
+    return interpreting() and dtype == torch.bfloat16
+
+
+def poisoning() -> bool:
+    """True when freshly allocated outputs are NaN-filled (``MQNC_POISON_OUTPUTS=1``)."""
+    return os.environ.get("MQNC_POISON_OUTPUTS", "0") not in ("", "0")
+
+
+def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocate a kernel output: uninitialised, or NaN-filled when poisoning is on."""
+    if poisoning():
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
