@@ -16,6 +16,7 @@ __all__ = ["main", "SUBCOMMANDS"]
 SUBCOMMANDS = [
     "mqnc.env",
     "mqnc.selfcheck",
+    "mqnc.costcli",
 ]
 
 
