@@ -41,7 +41,8 @@ def collect() -> dict:
         "kernels": kernel_mode(),
     }
     if torch.cuda.is_available():
-        info["capability"] = "sm_%d%d" % torch.cuda.get_device_capability()
+        major, minor = torch.cuda.get_device_capability()
+        info["capability"] = f"sm_{major}{minor}"
         info["cuda"] = torch.version.cuda
     return info
 
@@ -60,6 +61,8 @@ def _run(args) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("env", help="print versions, device and kernel mode (for bug reports)")
+    p = subparsers.add_parser(
+        "env", help="print versions, device and kernel mode (for bug reports)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_run)

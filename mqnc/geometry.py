@@ -78,11 +78,15 @@ class MLAGeometry:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"MLAGeometry.{field}: expected a positive int, got {value!r}")
         if self.d_r % 2:
-            raise ValueError(f"MLAGeometry.d_r: expected an even width (RoPE pairs), got {self.d_r}")
+            raise ValueError(
+                f"MLAGeometry.d_r: expected an even width (RoPE pairs), got {self.d_r}"
+            )
         for field in ("q_lora_rank", "topk", "value_dim"):
             value = getattr(self, field)
             if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ValueError(f"MLAGeometry.{field}: expected None or a positive int, got {value!r}")
+                raise ValueError(
+                    f"MLAGeometry.{field}: expected None or a positive int, got {value!r}"
+                )
         for field in ("cache_dtype", "wire_dtype"):
             value = getattr(self, field)
             if value not in _DTYPE_BYTES:
@@ -136,7 +140,9 @@ class MLAGeometry:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any] | Any, name: str | None = None) -> MLAGeometry:
+    def from_hf_config(
+        cls, config: Mapping[str, Any] | Any, name: str | None = None
+    ) -> MLAGeometry:
         """Build from a Hugging Face config (a dict or a ``PretrainedConfig``).
 
         Reads ``kv_lora_rank``, ``qk_rope_head_dim``, ``num_attention_heads``,
@@ -148,20 +154,27 @@ class MLAGeometry:
             to_dict = getattr(config, "to_dict", None)
             if to_dict is None:
                 raise TypeError(
-                    f"config: expected a dict or a transformers PretrainedConfig, got {type(config)!r}"
+                    "config: expected a dict or a transformers PretrainedConfig, "
+                    f"got {type(config)!r}"
                 )
             config = to_dict()
         if "kv_lora_rank" not in config and isinstance(config.get("text_config"), Mapping):
             config = config["text_config"]
         missing = [
             k
-            for k in ("kv_lora_rank", "qk_rope_head_dim", "num_attention_heads", "num_hidden_layers")
+            for k in (
+                "kv_lora_rank",
+                "qk_rope_head_dim",
+                "num_attention_heads",
+                "num_hidden_layers",
+            )
             if config.get(k) is None
         ]
         if missing:
             raise ValueError(f"config: not an MLA config, missing {missing}")
         return cls(
-            name=name or str(config.get("_name_or_path") or config.get("model_type") or "hf-config"),
+            name=name
+            or str(config.get("_name_or_path") or config.get("model_type") or "hf-config"),
             d_c=int(config["kv_lora_rank"]),
             d_r=int(config["qk_rope_head_dim"]),
             heads=int(config["num_attention_heads"]),
@@ -177,36 +190,69 @@ class MLAGeometry:
 PRESET_CONFIGS: dict[str, dict[str, Any]] = {
     # deepseek-ai/DeepSeek-V2-Lite config.json: the paper's measured instance (§3).
     "deepseek-v2-lite": dict(
-        kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=16, num_hidden_layers=27,
-        qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        num_attention_heads=16,
+        num_hidden_layers=27,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        q_lora_rank=None,
     ),
     # deepseek-ai/DeepSeek-V3 (and DeepSeek-R1, same architecture) config.json.
     "deepseek-v3": dict(
-        kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=128, num_hidden_layers=61,
-        qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        num_attention_heads=128,
+        num_hidden_layers=61,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        q_lora_rank=1536,
     ),
     # deepseek-ai/DeepSeek-V3.2-Exp config.json: V3 attention plus the DSA indexer, index_topk 2048.
     "deepseek-v3.2": dict(
-        kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=128, num_hidden_layers=61,
-        qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=1536, index_topk=2048,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        num_attention_heads=128,
+        num_hidden_layers=61,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        q_lora_rank=1536,
+        index_topk=2048,
     ),
     # moonshotai/Kimi-K2-Instruct config.json (DeepseekV3 architecture, 64 heads).
     "kimi-k2": dict(
-        kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=64, num_hidden_layers=61,
-        qk_nope_head_dim=128, v_head_dim=128, q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        num_attention_heads=64,
+        num_hidden_layers=61,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        q_lora_rank=1536,
     ),
     # zai-org GLM-5 family (transformers GlmMoeDsaConfig defaults, model_type glm_moe_dsa):
     # MLA with DSA, index_topk 2048. GLM-5.1 shares the GLM-5 architecture.
     "glm-5.1": dict(
-        kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=64, num_hidden_layers=78,
-        qk_nope_head_dim=192, v_head_dim=256, q_lora_rank=2048, index_topk=2048,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        num_attention_heads=64,
+        num_hidden_layers=78,
+        qk_nope_head_dim=192,
+        v_head_dim=256,
+        q_lora_rank=2048,
+        index_topk=2048,
     ),
     # deepseek-ai/DeepSeek-V4-Flash-Base (transformers DeepseekV4Config defaults): shared-KV MQA
     # with a 512-wide entry of which 64 dims carry RoPE, selection over compressed entries
     # with index_topk 512. Here d_c = 448, d_r = 64 so that d_qk = 512 as published.
     "deepseek-v4-flash": dict(
-        kv_lora_rank=448, qk_rope_head_dim=64, num_attention_heads=64, num_hidden_layers=43,
-        qk_nope_head_dim=448, v_head_dim=512, q_lora_rank=1024, index_topk=512,
+        kv_lora_rank=448,
+        qk_rope_head_dim=64,
+        num_attention_heads=64,
+        num_hidden_layers=43,
+        qk_nope_head_dim=448,
+        v_head_dim=512,
+        q_lora_rank=1024,
+        index_topk=512,
     ),
 }
 
@@ -222,4 +268,6 @@ def get_preset(name: str) -> MLAGeometry:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"model: unknown preset {name!r}; expected one of {sorted(PRESETS)}") from None
+        raise ValueError(
+            f"model: unknown preset {name!r}; expected one of {sorted(PRESETS)}"
+        ) from None

@@ -24,7 +24,8 @@ def _check_merge(torch, dtype):
     o_out, lse_out = merge_partials(o, lse)
     s_o = assert_close(o_out, o_ref, tolerance("merge", dtype), name="o")
     s_l = assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")
-    return f"merge_partials M={M} B={B} H={H} Dv={D} {str(dtype)[6:]}: o {s_o}; lse max_abs={s_l.max_abs:.2e}"
+    shape = f"M={M} B={B} H={H} Dv={D} {str(dtype)[6:]}"
+    return f"merge_partials {shape}: o {s_o}; lse max_abs={s_l.max_abs:.2e}"
 
 
 def run_checks() -> list[str]:

@@ -31,24 +31,123 @@ class Tolerance:
 # Unit roundoff: fp32 2^-24 = 6.0e-8, fp16 2^-11 = 4.9e-4, bf16 2^-8 = 3.9e-3.
 TOLERANCES: dict[tuple[str, str], Tolerance] = {
     ("merge", "float32"): Tolerance(
-        1e-6, 1e-6,
+        1e-6,
+        1e-6,
         "fp32 accumulation of M <= 8 convex-weighted terms with |o| <= ~4: a few ulp of fp32; "
         "the paper measures <= 4e-7 max-abs (§3.3), the issue bounds it at 1e-6.",
     ),
     ("merge", "float16"): Tolerance(
-        4e-3, 1e-3,
+        4e-3,
+        1e-3,
         "the fp32 result is rounded once to fp16 on store: half an fp16 ulp at |o| <= ~4 "
         "is 2e-3; inputs are compared after the same rounding so input error is excluded.",
     ),
     ("merge", "bfloat16"): Tolerance(
-        3.2e-2, 8e-3,
+        3.2e-2,
+        8e-3,
         "the fp32 result is rounded once to bf16 on store: half a bf16 ulp at |o| <= ~4 is "
         "1.6e-2 (the bf16 floor); bounded at one ulp.",
     ),
     ("merge_lse", "float32"): Tolerance(
-        1e-5, 1e-6,
+        1e-5,
+        1e-6,
         "fp32 log/exp of values up to ~1e4 in magnitude (the extreme-gap tests): "
         "ulp(1e4) in fp32 is 1e-3, so the bound is relative; 1e-5 absolute holds for |lse| <= 30.",
+    ),
+    # Partial absorbed-MLA attention (mla_decode_partial, mla_sparse_partial), inputs ~N(0, 1),
+    # 576-wide rows, the DeepSeek scale (~0.115): |o| <= max |kv| < ~6, |lse| < ~40.
+    ("mla", "float32"): Tolerance(
+        1e-5,
+        2e-6,
+        "fp32 scores (576-term dot, ieee on GPU) and an fp32 online softmax over <= a few "
+        "thousand entries: relative error ~1e-6 in each weight, |o| < ~6 gives < 1e-5 max-abs.",
+    ),
+    ("mla", "float16"): Tolerance(
+        4e-3,
+        1e-3,
+        "o is rounded once to fp16 on store (half an ulp at |o| < 8 is 2e-3) and the softmax "
+        "weights p to fp16 for the PV product (2^-11 relative, a convex combination of values "
+        "< ~6: < 2e-3 more); scores are exact products accumulated in fp32.",
+    ),
+    ("mla", "bfloat16"): Tolerance(
+        3.2e-2,
+        8e-3,
+        "o is rounded once to bf16 on store (half an ulp at 4 <= |o| < 8 is 1.6e-2) and, on the "
+        "GPU, p to bf16 for the PV product (2^-9 relative on a convex combination of values "
+        "< ~6: < 1.2e-2 worst case, far less on average); bounded at one bf16 ulp.",
+    ),
+    ("mla_lse", "float32"): Tolerance(
+        5e-5,
+        1e-6,
+        "natural-log LSE in fp32 from scores that are exact products of the stored inputs "
+        "accumulated in fp32 over 576 dims (|q.k| < ~150, scaled by ~0.115: a few 1e-6), plus "
+        "exp2/log2 in fp32; the same bound for every input dtype (the inputs are exact).",
+    ),
+    ("mla_routed", "float32"): Tolerance(
+        1e-6,
+        1e-6,
+        "M-way merge of disjoint holder partials vs one call over the union, fp32 inputs: the "
+        "kernels' fp32 arithmetic differs only in grouping; the paper measures <= 4e-7 (§3.3).",
+    ),
+    ("mla_routed", "bfloat16"): Tolerance(
+        2e-3,
+        1e-3,
+        "routed (per-holder partials rounded to bf16, merged, rounded again) vs one call over the "
+        "union (rounded once): about one bf16 ulp of |o|, so the issue's 2e-3 max-abs (paper: "
+        "0.0012-0.0014 on FlashMLA, §3.3) holds where |o| < 0.25, as for attention spread over "
+        "hundreds of entries; the tests assert that premise on their inputs.",
+    ),
+    # RoPE delta rotation (rope_splice, rope_rotate) vs the fp64 reference, inputs |x| <= 4 per
+    # dim so |out| <= 4*sqrt(2) < 8. Kernel: angle reduced exactly in fp64, fp32 cos/sin ~1 ulp.
+    ("rope", "float32"): Tolerance(
+        1e-6,
+        2e-7,
+        "fp32 rotation: reduced angle rounded to fp32 (<= 5e-8 rad), cos/sin polynomials ~1 ulp, "
+        "two products and a sum of |x| <= 4 (ulp(4) = 4.8e-7): measured <= 4e-7 for any "
+        "|delta| < 2^31; the fp32 angle a naive kernel forms would be off by 4e-3 rad at 1e5.",
+    ),
+    ("rope", "float16"): Tolerance(
+        1.96e-3,
+        5e-4,
+        "the fp32 result is rounded once to fp16: half an ulp at 4 <= |out| < 8 is 1.953e-3 "
+        "(plus the <= 1e-6 fp32 error that can only tip a near-tie).",
+    ),
+    ("rope", "bfloat16"): Tolerance(
+        1.563e-2,
+        3e-3,
+        "the fp32 result is rounded once to bf16: half an ulp at 4 <= |out| < 8 is 1.5625e-2 "
+        "(plus the <= 1e-6 fp32 error that can only tip a near-tie); RMS below u = 3.9e-3.",
+    ),
+    # Two roundings: a rotated input that was itself rounded (delta then -delta; a splice of keys
+    # encoded at p vs encoding at p + delta): the input's rounding error, rotated (<= sqrt(2) half
+    # ulps per component), plus the output's half ulp, i.e. (1 + sqrt(2)) half ulps at |x| < 8.
+    ("rope_twice", "float32"): Tolerance(
+        1.6e-6,
+        3e-7,
+        "(1 + sqrt 2) * half an fp32 ulp at |x| < 8 (2.4e-7 each) plus the kernel's <= 1e-6.",
+    ),
+    ("rope_twice", "float16"): Tolerance(
+        4.8e-3,
+        1e-3,
+        "(1 + sqrt 2) * half an fp16 ulp at 4 <= |x| < 8 (1.953e-3) = 4.72e-3.",
+    ),
+    ("rope_twice", "bfloat16"): Tolerance(
+        3.8e-2,
+        6e-3,
+        "(1 + sqrt 2) * half a bf16 ulp at 4 <= |x| < 8 (1.5625e-2) = 3.77e-2.",
+    ),
+    ("rope_vs_hf", "float32"): Tolerance(
+        1.5e-3,
+        3e-4,
+        "vs transformers' own RoPE at positions < 4096: it forms angles p * inv_freq in fp32, "
+        "off by up to half an ulp of 4096 (1.2e-4 rad), i.e. <= 4*sqrt(2)*1.2e-4 = 6.9e-4 per "
+        "component at |x| <= 4; twice that when both the old and new positions come from it.",
+    ),
+    ("rope_scores", "float32"): Tolerance(
+        6e-4,
+        1e-6,
+        "q.k over 576 dims after rotating q and k in fp32: only the 64 rope dims move, each by "
+        "<= 1e-6 at |x| <= 4 (<= 2 * 64 * 4 * 1e-6 = 5.1e-4 worst case), plus fp32 dot rounding.",
     ),
 }
 
@@ -71,7 +170,10 @@ class CloseStats:
     n: int
 
     def __str__(self) -> str:
-        return f"max_abs={self.max_abs:.3e} max_rel={self.max_rel:.3e} rms_rel={self.rms_rel:.3e} n={self.n}"
+        return (
+            f"max_abs={self.max_abs:.3e} max_rel={self.max_rel:.3e} "
+            f"rms_rel={self.rms_rel:.3e} n={self.n}"
+        )
 
 
 def compare(actual: torch.Tensor, expected: torch.Tensor) -> CloseStats:
@@ -80,7 +182,9 @@ def compare(actual: torch.Tensor, expected: torch.Tensor) -> CloseStats:
     Raises ``AssertionError`` when shapes differ or when the NaN, +inf or -inf masks differ.
     """
     if actual.shape != expected.shape:
-        raise AssertionError(f"shape mismatch: actual {tuple(actual.shape)} vs expected {tuple(expected.shape)}")
+        raise AssertionError(
+            f"shape mismatch: actual {tuple(actual.shape)} vs expected {tuple(expected.shape)}"
+        )
     a = actual.detach().to(device="cpu", dtype=torch.float64)
     e = expected.detach().to(device="cpu", dtype=torch.float64)
     for label, fn in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
@@ -99,7 +203,9 @@ def compare(actual: torch.Tensor, expected: torch.Tensor) -> CloseStats:
     max_abs = float(diff.max())
     max_rel = float((diff / e.abs().clamp_min(1e-30)).max())
     rms_e = float(e.pow(2).mean().sqrt())
-    rms_rel = float(diff.pow(2).mean().sqrt()) / rms_e if rms_e > 0 else float(diff.pow(2).mean().sqrt())
+    rms_rel = (
+        float(diff.pow(2).mean().sqrt()) / rms_e if rms_e > 0 else float(diff.pow(2).mean().sqrt())
+    )
     return CloseStats(max_abs, max_rel, rms_rel, int(e.numel()))
 
 

@@ -1,1 +1,1 @@
-"""Benchmarks: each module has a CLI (``python -m perf.bench_x``) and appends to one results file."""
+"""Benchmarks: each a module with a CLI (``python -m perf.bench_x``), one results file."""

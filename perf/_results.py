@@ -37,7 +37,10 @@ DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "results.jsonl"
 def git_commit() -> str:
     try:
         return subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, check=True,
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
             cwd=Path(__file__).resolve().parent,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
@@ -96,10 +99,23 @@ def record(
     if nbytes is not None and unit == "us" and p50 > 0:
         gbps = nbytes / (p50 * 1e-6) / 1e9
     rec = dict(
-        bench=bench, variant=variant, x=x, x_name=x_name, p20=p20, p50=p50, p80=p80, unit=unit,
-        bytes=nbytes, gbps=gbps, device=device_name(), transport=transport, backend=backend,
-        version=__version__, commit=git_commit(),
-        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), extra=extra or {},
+        bench=bench,
+        variant=variant,
+        x=x,
+        x_name=x_name,
+        p20=p20,
+        p50=p50,
+        p80=p80,
+        unit=unit,
+        bytes=nbytes,
+        gbps=gbps,
+        device=device_name(),
+        transport=transport,
+        backend=backend,
+        version=__version__,
+        commit=git_commit(),
+        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        extra=extra or {},
     )
     out = Path(path or os.environ.get("MQNC_RESULTS") or DEFAULT_RESULTS)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,9 @@ def check_tensor(
         raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
         expected = ", ".join(dtype_name(d) for d in dtypes)
-        raise TypeError(f"{name}: invalid dtype, expected one of ({expected}), got {dtype_name(t.dtype)}")
+        raise TypeError(
+            f"{name}: invalid dtype, expected one of ({expected}), got {dtype_name(t.dtype)}"
+        )
     if shape is not None:
         if len(shape) != t.dim() or any(
             s is not None and s != got for s, got in zip(shape, t.shape, strict=True)

@@ -42,7 +42,9 @@ def cuobjdump_path() -> str:
 
 def compile_for(spec: dict, arch: int = 90) -> KernelResources:
     """Compile one ``compile_specs()`` entry for ``sm_<arch>`` and read its resource usage."""
-    src = ASTSource(fn=spec["fn"], signature=spec["signature"], constexprs=spec.get("constexprs", {}))
+    src = ASTSource(
+        fn=spec["fn"], signature=spec["signature"], constexprs=spec.get("constexprs", {})
+    )
     options = {k: spec[k] for k in ("num_warps", "num_stages") if k in spec}
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
@@ -64,6 +66,43 @@ def compile_for(spec: dict, arch: int = 90) -> KernelResources:
 
     mma = tuple(sorted(set(re.findall(r"\b(HGMMA|HMMA|IMMA)\b", sass))))
     return KernelResources(
-        name=spec["name"], registers=field("REG"), stack=field("STACK"), local=field("LOCAL"),
-        shared=int(kernel.metadata.shared), mma=mma,
+        name=spec["name"],
+        registers=field("REG"),
+        stack=field("STACK"),
+        local=field("LOCAL"),
+        shared=int(kernel.metadata.shared),
+        mma=mma,
     )
+
+
+def compile_all(arch: int = 90) -> list[dict]:
+    """Compile every ``compile_specs()`` entry of every kernel module; one dict per kernel.
+
+    Must run with ``TRITON_INTERPRET`` unset (under the interpreter ``@triton.jit`` yields
+    interpreted functions that cannot be compiled); the test suite calls it in a subprocess.
+    A kernel that fails to compile is reported with its error instead of raising.
+    """
+    import importlib
+
+    from mqnc.triton_kernels import KERNEL_MODULES
+
+    out = []
+    for module in KERNEL_MODULES:
+        mod = importlib.import_module(f"mqnc.triton_kernels.{module}")
+        for spec in mod.compile_specs():
+            try:
+                out.append({"ok": True, **dataclasses.asdict(compile_for(spec, arch))})
+            except Exception as exc:  # noqa: BLE001 - reported to the caller, which fails the test
+                out.append(
+                    {"ok": False, "name": spec["name"], "error": f"{type(exc).__name__}: {exc}"}
+                )
+    return out
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("unset TRITON_INTERPRET to compile for a GPU target")
+    print(json.dumps(compile_all(int(sys.argv[1]) if len(sys.argv) > 1 else 90)))

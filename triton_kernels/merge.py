@@ -61,12 +61,25 @@ def _merge_weights(lse_ptr, stride_lse_m, M):
 
 @triton.jit
 def _merge_partials_kernel(
-    O_in, LSE_in, O_out, LSE_out,
-    M, H, D,
-    stride_om, stride_ob, stride_oh, stride_od,
-    stride_lm, stride_lb, stride_lh,
-    stride_yb, stride_yh, stride_yd,
-    stride_zb, stride_zh,
+    O_in,
+    LSE_in,
+    O_out,
+    LSE_out,
+    M,
+    H,
+    D,
+    stride_om,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_lm,
+    stride_lb,
+    stride_lh,
+    stride_yb,
+    stride_yh,
+    stride_yd,
+    stride_zb,
+    stride_zh,
     BLOCK_D: tl.constexpr,
 ):
     """One program per (b, h) row: weights from the M lse values, then the weighted sum of o."""
@@ -112,9 +125,17 @@ def _launch(o: torch.Tensor, lse: torch.Tensor, o_out: torch.Tensor, lse_out: to
         return
     with launch_lock():
         _merge_partials_kernel[(B * H,)](
-            o, lse, o_out, lse_out,
-            M, H, D,
-            *o.stride(), *lse.stride(), *o_out.stride(), *lse_out.stride(),
+            o,
+            lse,
+            o_out,
+            lse_out,
+            M,
+            H,
+            D,
+            *o.stride(),
+            *lse.stride(),
+            *o_out.stride(),
+            *lse_out.stride(),
             BLOCK_D=_block_d(D),
         )
 
@@ -236,17 +257,38 @@ def ml_from_lse(lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def compile_specs():
     """Kernels of this file at their production sizes, for the sm_90 compile test."""
     sig = {
-        "O_in": "*bf16", "LSE_in": "*fp32", "O_out": "*bf16", "LSE_out": "*fp32",
-        "M": "i32", "H": "i32", "D": "i32",
-        **{k: "i32" for k in (
-            "stride_om", "stride_ob", "stride_oh", "stride_od",
-            "stride_lm", "stride_lb", "stride_lh",
-            "stride_yb", "stride_yh", "stride_yd",
-            "stride_zb", "stride_zh",
-        )},
+        "O_in": "*bf16",
+        "LSE_in": "*fp32",
+        "O_out": "*bf16",
+        "LSE_out": "*fp32",
+        "M": "i32",
+        "H": "i32",
+        "D": "i32",
+        **{
+            k: "i32"
+            for k in (
+                "stride_om",
+                "stride_ob",
+                "stride_oh",
+                "stride_od",
+                "stride_lm",
+                "stride_lb",
+                "stride_lh",
+                "stride_yb",
+                "stride_yh",
+                "stride_yd",
+                "stride_zb",
+                "stride_zh",
+            )
+        },
         "BLOCK_D": "constexpr",
     }
     return [
-        dict(name="merge_partials[bf16,D=512]", fn=_merge_partials_kernel, signature=sig,
-             constexprs={"BLOCK_D": 512}, num_warps=4),
+        dict(
+            name="merge_partials[bf16,D=512]",
+            fn=_merge_partials_kernel,
+            signature=sig,
+            constexprs={"BLOCK_D": 512},
+            num_warps=4,
+        ),
     ]

@@ -2,6 +2,7 @@
 
 - :mod:`mqnc.reference.merge`: the M-way online-softmax merge, (o, lse) and (o, m, l) forms.
 - :mod:`mqnc.reference.attention`: partial absorbed-MLA attention, dense paged and sparse top-k.
+- :mod:`mqnc.reference.rope`: RoPE encoding at positions, the delta rotation, the splice.
 """
 
 from mqnc.reference.attention import (
@@ -10,6 +11,12 @@ from mqnc.reference.attention import (
     partial_attention_reference,
 )
 from mqnc.reference.merge import merge_ml_reference, merge_reference
+from mqnc.reference.rope import (
+    rope_delta_reference,
+    rope_encode_reference,
+    rope_rotate_reference,
+    rope_splice_reference,
+)
 
 __all__ = [
     "merge_reference",
@@ -17,4 +24,8 @@ __all__ = [
     "partial_attention_reference",
     "mla_decode_reference",
     "mla_sparse_reference",
+    "rope_encode_reference",
+    "rope_delta_reference",
+    "rope_rotate_reference",
+    "rope_splice_reference",
 ]

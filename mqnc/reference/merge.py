@@ -51,9 +51,13 @@ def merge_ml_reference(
     m = m.to(torch.float64)
     l = l.to(torch.float64)
     empty = l <= 0
-    lse = torch.where(empty, torch.full_like(m, float("-inf")), m + torch.log(torch.where(empty, 1.0, l)))
+    lse = torch.where(
+        empty, torch.full_like(m, float("-inf")), m + torch.log(torch.where(empty, 1.0, l))
+    )
     o_out, lse_out = merge_reference(o, lse)
     m_out = torch.where(empty, torch.full_like(m, float("-inf")), m).max(dim=0).values
     m_out_safe = torch.where(torch.isneginf(m_out), torch.zeros_like(m_out), m_out)
-    l_out = torch.where(torch.isneginf(lse_out), torch.zeros_like(lse_out), torch.exp(lse_out - m_out_safe))
+    l_out = torch.where(
+        torch.isneginf(lse_out), torch.zeros_like(lse_out), torch.exp(lse_out - m_out_safe)
+    )
     return o_out, torch.where(torch.isneginf(m_out), torch.zeros_like(m_out), m_out), l_out

@@ -1,0 +1,302 @@
+"""The M-way online-softmax merge kernel against the fp64 reference, and its algebra (§3.3).
+
+Properties: agreement with fp64 for every dtype, commutativity, associativity, the zero-weight
+identity, partition invariance (M disjoint partitions of a key set merge to one call over the
+union), extreme LSE gaps, all-empty rows, and the two-way in-place streaming form.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mqnc.reference import merge_ml_reference, merge_reference, partial_attention_reference
+from mqnc.testing import assert_close, compare, tolerance
+from mqnc.triton_kernels import (
+    lse_from_base2,
+    lse_from_ml,
+    lse_to_base2,
+    merge_partials,
+    merge_partials_into,
+    ml_from_lse,
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+INF = float("inf")
+# Observed maxima, collected across the run and printed at the end (`pytest -s`) for the notes.
+OBSERVED: dict[str, float] = {}
+
+
+def _note(key: str, value: float) -> None:
+    OBSERVED[key] = max(OBSERVED.get(key, 0.0), value)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_observed():
+    yield
+    for key, value in sorted(OBSERVED.items()):
+        print(f"[merge observed] {key}: max_abs={value:.3e}")
+
+
+@st.composite
+def partials(draw, max_m=8, dtypes=DTYPES):
+    """Random partials [M, B, H, D] with some empty ones (-inf or +inf lse) and NaN garbage in
+    their o (an empty partial's o must never be read)."""
+    M = draw(st.integers(1, max_m))
+    B = draw(st.integers(1, 2))
+    H = draw(st.integers(1, 3))
+    D = draw(st.sampled_from([1, 7, 64, 100, 512, 576]))
+    dtype = draw(st.sampled_from(dtypes))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    o = (torch.rand(M, B, H, D, generator=g) * 8 - 4).to(dtype)
+    lse = torch.randn(M, B, H, generator=g) * draw(st.sampled_from([0.1, 3.0, 30.0]))
+    empty = torch.rand(M, B, H, generator=g) < draw(st.sampled_from([0.0, 0.3, 0.8]))
+    pos = torch.rand(M, B, H, generator=g) < 0.5
+    lse = torch.where(empty & pos, INF, torch.where(empty, -INF, lse))
+    o = torch.where(empty[..., None], torch.full_like(o, float("nan")), o)
+    return o, lse
+
+
+def _tol(dtype):
+    return tolerance("merge", dtype)
+
+
+@given(partials())
+def test_merge_matches_fp64_reference(p):
+    o, lse = p
+    o_ref, lse_ref = merge_reference(o, lse)
+    o_out, lse_out = merge_partials(o, lse)
+    assert o_out.dtype == o.dtype and lse_out.dtype == torch.float32
+    s = assert_close(o_out, o_ref, _tol(o.dtype), name="o")
+    _note(f"reference o {o.dtype}", s.max_abs)
+    s = assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")
+    _note("reference lse", s.max_abs)
+
+
+@given(partials(dtypes=[torch.float32]), st.randoms(use_true_random=False))
+def test_merge_commutative(p, rnd):
+    o, lse = p
+    perm = list(range(o.shape[0]))
+    rnd.shuffle(perm)
+    a = merge_partials(o, lse)
+    b = merge_partials(o[perm], lse[perm])
+    o_ref, lse_ref = merge_reference(o, lse)
+    for out in (a, b):
+        assert_close(out[0], o_ref, _tol(torch.float32), name="o")
+        assert_close(out[1], lse_ref, tolerance("merge_lse", "float32"), name="lse")
+    s = compare(a[0], b[0])
+    _note("commutativity o (permuted vs original)", s.max_abs)
+    assert s.max_abs <= _tol(torch.float32).atol
+
+
+@given(partials(dtypes=[torch.float32]), st.randoms(use_true_random=False))
+def test_merge_associative(p, rnd):
+    """Any grouping into sub-merges, then a merge of the sub-results, equals one M-way merge."""
+    o, lse = p
+    M = o.shape[0]
+    cuts = sorted(rnd.sample(range(1, M), rnd.randint(0, M - 1))) if M > 1 else []
+    bounds = [0, *cuts, M]
+    subs = [merge_partials(o[a:b], lse[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    o2, lse2 = merge_partials(torch.stack([s[0] for s in subs]), torch.stack([s[1] for s in subs]))
+    o_ref, lse_ref = merge_reference(o, lse)
+    # Two merge levels: besides the single-merge bound per level, each sub-result's lse is
+    # rounded to fp32 (relative error 2^-24 of |lse|), which perturbs its weight by that much
+    # relative, moving o by at most |o_i - o| <= 8 (|o| <= 4) times it.
+    finite = lse[torch.isfinite(lse)]
+    lse_max = float(finite.abs().max()) if finite.numel() else 0.0
+    atol = 2 * _tol(torch.float32).atol + 8 * lse_max * 2**-24
+    s = assert_close(o2, o_ref, atol=atol, rms_rtol=2 * _tol(torch.float32).rms_rtol, name="o")
+    _note("associativity o", s.max_abs)
+    assert_close(lse2, lse_ref, tolerance("merge_lse", "float32"), name="lse")
+
+
+@given(partials(), st.integers(1, 4), st.booleans())
+def test_zero_weight_identity(p, n_empty, plus_inf):
+    """Empty partials (lse = -inf, or +inf as FlashMLA writes) are neutral, bit for bit, even
+    when their o holds NaN."""
+    o, lse = p
+    M, B, H, D = o.shape
+    e_o = torch.full((n_empty, B, H, D), float("nan"), dtype=o.dtype)
+    e_lse = torch.full((n_empty, B, H), INF if plus_inf else -INF)
+    base = merge_partials(o, lse)
+    with_empty = merge_partials(torch.cat([e_o, o, e_o]), torch.cat([e_lse, lse, e_lse]))
+    assert torch.equal(base[0], with_empty[0]) or compare(base[0], with_empty[0]).max_abs == 0.0
+    assert torch.equal(base[1], with_empty[1])
+
+
+def test_all_empty_rows_give_zero_and_neg_inf():
+    o = torch.full((3, 2, 4, 64), float("nan"))
+    lse = torch.tensor([-INF, INF, -INF]).view(3, 1, 1).expand(3, 2, 4).contiguous()
+    o_out, lse_out = merge_partials(o, lse)
+    assert torch.equal(o_out, torch.zeros_like(o_out))
+    assert torch.isneginf(lse_out).all()
+
+
+@given(
+    st.integers(1, 8),
+    st.integers(0, 96),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+    st.integers(0, 2**31 - 1),
+)
+def test_partition_invariance(M, n_keys, dtype, seed):
+    """Split a key set into M disjoint random partitions (some empty), attend each (fp64
+    reference, the holder's partial), merge: equals one reference call over the union (§3.3)."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, d_qk, d_v = 2, 3, 576, 512
+    q = torch.randn(B, H, d_qk, generator=g, dtype=torch.float64)
+    kv = torch.randn(n_keys, d_qk, generator=g, dtype=torch.float64)
+    scale = 192**-0.5
+    owner = torch.randint(0, M, (n_keys,), generator=g)
+    parts_o, parts_lse = [], []
+    for i in range(M):
+        valid = (owner == i)[None, :].expand(B, -1)
+        o_i, lse_i = partial_attention_reference(q, kv, valid, scale, d_v)
+        parts_o.append(o_i)
+        parts_lse.append(lse_i)
+    o = torch.stack(parts_o).to(dtype)  # the partial as it would cross the wire
+    lse = torch.stack(parts_lse).to(torch.float32)
+    o_out, lse_out = merge_partials(o, lse)
+    o_ref, lse_ref = partial_attention_reference(
+        q, kv, torch.ones(B, n_keys, dtype=torch.bool), scale, d_v
+    )
+    s = assert_close(o_out, o_ref, _tol(dtype), name="o")
+    _note(f"partition invariance o {dtype}", s.max_abs)
+    assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")
+
+
+@pytest.mark.parametrize("gap", [1e4, 1e3, 100.0, 30.0])
+def test_extreme_lse_gaps(gap):
+    """Partials whose lse differ by up to 1e4: the small one underflows to weight 0 without
+    NaN, and large absolute lse values keep their relative accuracy."""
+    g = torch.Generator().manual_seed(1)
+    o = torch.rand(3, 2, 2, 128, generator=g) * 2 - 1
+    lse = torch.tensor([0.0, -gap, gap]).view(3, 1, 1).expand(3, 2, 2).contiguous()
+    lse[1, 1, 1] = -INF
+    o_out, lse_out = merge_partials(o, lse)
+    o_ref, lse_ref = merge_reference(o, lse)
+    assert_close(o_out, o_ref, _tol(torch.float32), name="o")
+    # |lse| ~ gap: fp32 carries ~7 digits, so the bound on lse is relative to its size.
+    tol = tolerance("merge_lse", "float32")
+    assert_close(lse_out, lse_ref, atol=max(tol.atol, 2 * gap * 2**-24), name="lse")
+    assert torch.isfinite(o_out).all()
+
+
+@given(partials(max_m=6))
+def test_streaming_in_place_merge_equals_m_way(p):
+    o, lse = p
+    M, B, H, D = o.shape
+    acc_o = torch.zeros(B, H, D, dtype=o.dtype)
+    acc_lse = torch.full((B, H), -INF)
+    for i in range(M):
+        merge_partials_into(acc_o, acc_lse, o[i].contiguous(), lse[i].contiguous())
+    o_ref, lse_ref = merge_reference(o, lse)
+    # Each fold rounds the running o to its dtype once: M roundings at most in bf16 / fp16.
+    tol = _tol(o.dtype)
+    atol = tol.atol if o.dtype == torch.float32 else tol.atol * M
+    s = assert_close(acc_o, o_ref, atol=atol, rms_rtol=tol.rms_rtol * M, name="o")
+    _note(f"streaming o {o.dtype}", s.max_abs)
+    assert_close(acc_lse, lse_ref, tolerance("merge_lse", "float32"), name="lse")
+
+
+def test_non_contiguous_inputs():
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(4, 3, 2, 640, generator=g)
+    o = base.permute(1, 2, 0, 3)[..., :600]  # [M=3, B=2, H=4, D=600], strided
+    lse = torch.randn(2, 4, 3, generator=g).permute(2, 0, 1)
+    o_out, lse_out = merge_partials(o, lse)
+    o_ref, lse_ref = merge_reference(o, lse)
+    assert_close(o_out, o_ref, _tol(torch.float32), name="o")
+    assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")
+
+
+def test_concurrent_launches_from_threads():
+    """Under the interpreter the launch lock serialises launches; on a GPU it is a no-op."""
+    g = torch.Generator().manual_seed(3)
+    o = torch.randn(4, 2, 2, 64, generator=g)
+    lse = torch.randn(4, 2, 2, generator=g)
+    o_ref, _ = merge_reference(o, lse)
+    errors: list[BaseException] = []
+
+    def work():
+        try:
+            for _ in range(5):
+                out, _ = merge_partials(o, lse)
+                assert_close(out, o_ref, _tol(torch.float32), name="o")
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_lse_base_conversions_round_trip():
+    lse = torch.tensor([-INF, -3.0, 0.0, 2.5, 80.0])
+    two = lse_to_base2(lse)
+    assert torch.allclose(two[1:], lse[1:] / math.log(2))
+    assert torch.equal(lse_from_base2(two)[0:1], lse[0:1])
+    assert_close(lse_from_base2(two), lse, atol=1e-5, name="lse round trip")
+
+
+def test_ml_form_is_equivalent():
+    """(o, m, l) wire statistics merge to the same result as the (o, lse) form."""
+    g = torch.Generator().manual_seed(4)
+    o = torch.randn(3, 2, 2, 32, generator=g, dtype=torch.float64)
+    m = torch.randn(3, 2, 2, generator=g, dtype=torch.float64)
+    l = torch.rand(3, 2, 2, generator=g, dtype=torch.float64) * 5
+    l[0, 0, 0] = 0.0  # empty
+    lse = lse_from_ml(m, l)
+    o_a, lse_a = merge_reference(o, lse)
+    o_b, m_b, l_b = merge_ml_reference(o, m, l)
+    assert_close(o_b, o_a, atol=1e-12, name="o")
+    assert_close(lse_from_ml(m_b, l_b), lse_a, atol=1e-12, name="lse")
+    m2, l2 = ml_from_lse(lse)
+    assert_close(lse_from_ml(m2, l2), lse, atol=1e-12, name="ml_from_lse")
+
+
+@pytest.mark.parametrize(
+    "o, lse, err, match",
+    [
+        (torch.zeros(2, 1, 1, 8), torch.zeros(2, 1), ValueError, "lse: expected 3 dims"),
+        (torch.zeros(1, 1, 8), torch.zeros(1, 1, 1), ValueError, "o: expected 4 dims"),
+        (
+            torch.zeros(2, 1, 1, 8),
+            torch.zeros(3, 1, 1),
+            ValueError,
+            r"lse: expected shape \(2, 1, 1\)",
+        ),
+        (
+            torch.zeros(2, 1, 1, 8),
+            torch.zeros(2, 1, 1, dtype=torch.float64),
+            TypeError,
+            "lse: invalid dtype",
+        ),
+        (
+            torch.zeros(2, 1, 1, 8, dtype=torch.int32),
+            torch.zeros(2, 1, 1),
+            TypeError,
+            "o: invalid dtype",
+        ),
+        (torch.zeros(0, 1, 1, 8), torch.zeros(0, 1, 1), ValueError, "M >= 1"),
+        (torch.zeros(2, 1, 1, 8), torch.tensor([[[0.0]], [[float("nan")]]]), ValueError, "NaN"),
+        ([[0.0]], torch.zeros(1, 1, 1), TypeError, "o: expected a torch.Tensor"),
+    ],
+)
+def test_merge_rejects_bad_input(o, lse, err, match):
+    with pytest.raises(err, match=match):
+        merge_partials(o, lse)
+
+
+def test_merge_into_rejects_mismatched_dtype():
+    acc = torch.zeros(1, 2, 8)
+    with pytest.raises(TypeError, match="o_new: invalid dtype"):
+        merge_partials_into(acc, torch.zeros(1, 2), acc.to(torch.bfloat16), torch.zeros(1, 2))
