@@ -13,9 +13,10 @@ from mqnc.triton_kernels.merge import (
     merge_partials_into,
     ml_from_lse,
 )
+from mqnc.triton_kernels.splice import rope_rotate, rope_splice
 
 # Every kernel module, for the sm_90 compile test (each defines ``compile_specs()``).
-KERNEL_MODULES = ["merge"]
+KERNEL_MODULES = ["merge", "splice"]
 
 __all__ = [
     "KERNEL_MODULES",
@@ -25,4 +26,6 @@ __all__ = [
     "lse_from_base2",
     "lse_from_ml",
     "ml_from_lse",
+    "rope_splice",
+    "rope_rotate",
 ]

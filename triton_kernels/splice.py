@@ -1,0 +1,486 @@
+"""The delta-rotation splice and the query rotation (§2.2, §3.2 of the paper).
+
+Re-homing a cached chunk to a new offset (fetch's position-adaptation tax, §2.2, §7) copies its
+entries of all ``L`` layers into the requester's paged pool and rotates their 64 decoupled-RoPE
+dims by ``R(delta)``, ``delta = new - old`` position. The paper measured this splice at
+~2.8-3.1 ms per chunk on an H100, ~80% of it a launch-bound per-layer rotation; here it is one
+launch for all layers (grid: token tiles x layers). The requester-side counterpart is
+:func:`rope_rotate`: rotating the query by the opposite delta before routing keeps the holder
+position-oblivious (§3.2).
+
+Numerics. The first ``d_c`` dims (the latent ``c_KV``) are copied bit-exactly (same dtype in
+and out, a load and a store). The rope dims are rotated in float32 and rounded once to the pool
+dtype. Angles reach ``delta * inv_freq ~ 1e5`` rad at the positions a 160k-context model sees,
+where a float32 angle is off by up to ``ulp(1e5) / 2 = 4e-3`` rad; so each program forms the
+angle in float64 (``delta`` is an integer and ``inv_freq`` a float32 value: the product is exact
+for ``|delta| < 2**29``), reduces it mod 2π in float64 (two-constant Cody-Waite), and only then
+takes float32 ``cos``/``sin`` of the reduced angle in ``[-π, π]`` (libdevice's accurate
+``cosf``/``sinf`` on sm_90, no ``MUFU`` approximation). The angle error is then ~2e-7 rad
+whatever the delta. The float64 work is 32 angles per token per program, negligible next to the
+copy. Frequencies come from :class:`mqnc.rope.RopeSpec` (DeepSeek's float32 values, YaRN
+included); the pure ``R(delta)`` carries no YaRN cos/sin factor (it was applied at encoding).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from mqnc.rope import RopeSpec
+from mqnc.triton_kernels._checks import FLOAT_DTYPES, check_same_device, check_tensor, dtype_name
+from mqnc.triton_kernels._runtime import interpreting, launch_lock, new_output
+
+__all__ = ["rope_splice", "rope_rotate", "compile_specs"]
+
+_HALF_PI_HI = 1.5707963267948966  # float64 nearest pi/2
+_HALF_PI_LO = 6.123233995736766e-17  # pi/2 - _HALF_PI_HI
+_TWO_OVER_PI = 2.0 / math.pi
+_MAX_ABS_DELTA = 2**31 - 1  # exact float64 angles need |delta| < 2**29; accurate to 2**31
+
+BLOCK_T = 8  # tokens per program (sm_90, 4 warps: 64 registers, 8 programs per SM resident)
+BLOCK_D = 128  # latent dims per copy step
+NUM_WARPS = 4
+
+
+@triton.jit
+def _cos_sin(ang, HALF_PI_HI: tl.constexpr, HALF_PI_LO: tl.constexpr, TWO_OVER_PI: tl.constexpr):
+    """float32 (cos, sin) of float64 angles of any size.
+
+    The angle is reduced in float64 to ``r = ang - k * pi/2`` in ``[-pi/4, pi/4]`` (two-constant
+    Cody-Waite: the error stays ~1e-16 * |k| rad), then cos/sin of ``r`` are float32 minimax
+    polynomials (Cephes ``sinf``/``cosf``, ~1 ulp on ``[-pi/4, pi/4]``) and the quadrant
+    ``k mod 4`` picks signs and swaps. Written out rather than ``tl.cos``/``tl.sin`` because
+    libdevice's ``cosf``/``sinf`` carry a Payne-Hanek branch for huge arguments whose local
+    array costs 32 bytes of stack per thread on sm_90, and because it makes the interpreter and
+    the GPU compute the same thing.
+    """
+    k = tl.floor(ang * TWO_OVER_PI + 0.5)
+    r = ((ang - k * HALF_PI_HI) - k * HALF_PI_LO).to(tl.float32)
+    q = k.to(tl.int64) & 3
+    z = r * r
+    sin_r = ((-1.9515295891e-4 * z + 8.3321608736e-3) * z - 1.6666654611e-1) * z * r + r
+    cos_r = ((2.443315711809948e-5 * z - 1.388731625493765e-3) * z + 4.166664568298827e-2) * z * z
+    cos_r = cos_r - 0.5 * z + 1.0
+    swap = (q & 1) == 1
+    c = tl.where(swap, sin_r, cos_r)
+    s = tl.where(swap, cos_r, sin_r)
+    c = tl.where((q == 1) | (q == 2), -c, c)
+    s = tl.where(q >= 2, -s, s)
+    return c, s
+
+
+@triton.jit
+def _round(y, DST, BF16_RNE: tl.constexpr):
+    """Round float32 ``y`` to DST's dtype, to nearest even.
+
+    ``BF16_RNE`` (interpreter only, bf16 only): round by integer arithmetic, because Triton
+    3.9.0's interpreter truncates float32 -> bfloat16 casts (its ``rtne`` mode drops the
+    mantissa carry); compiled kernels use the hardware's round-to-nearest-even cast.
+    """
+    if BF16_RNE:
+        u = y.to(tl.uint32, bitcast=True)
+        u = u + 0x7FFF + ((u >> 16) & 1)
+        return (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return y.to(DST.dtype.element_ty)
+
+
+@triton.jit
+def _rope_splice_kernel(
+    SRC,
+    DST,
+    SLOTS,
+    DELTA,
+    INV_FREQ,
+    T,
+    delta_scalar,
+    block_size,
+    stride_sl,
+    stride_st,
+    stride_dl,
+    stride_db,
+    stride_ds,
+    D_NOPE: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    DELTA_PER_TOKEN: tl.constexpr,
+    BF16_RNE: tl.constexpr,
+    HALF_PI_HI: tl.constexpr,
+    HALF_PI_LO: tl.constexpr,
+    TWO_OVER_PI: tl.constexpr,
+):
+    """One program per (token tile, layer): copy D_NOPE dims, rotate D_ROPE dims by delta."""
+    pid_t = tl.program_id(0)
+    layer = tl.program_id(1).to(tl.int64)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
+    if HAS_SLOTS:
+        slot = tl.load(SLOTS + offs_t, mask=mask_t, other=0).to(tl.int64)
+    else:
+        slot = offs_t.to(tl.int64)
+    src_row = SRC + layer * stride_sl + offs_t.to(tl.int64) * stride_st
+    dst_row = (
+        DST + layer * stride_dl + (slot // block_size) * stride_db + (slot % block_size) * stride_ds
+    )
+
+    # The latent c_KV: a bit-exact copy (load and store in the same dtype).
+    offs_d = tl.arange(0, BLOCK_D)
+    for d0 in tl.static_range(0, D_NOPE, BLOCK_D):
+        m = mask_t[:, None] & (d0 + offs_d[None, :] < D_NOPE)
+        x = tl.load(src_row[:, None] + (d0 + offs_d[None, :]), mask=m)
+        tl.store(dst_row[:, None] + (d0 + offs_d[None, :]), x, mask=m)
+
+    # The rope dims: pair i rotated by delta * inv_freq[i].
+    HALF: tl.constexpr = D_ROPE // 2
+    offs_p = tl.arange(0, HALF)
+    if INTERLEAVED:
+        i1 = 2 * offs_p
+        i2 = 2 * offs_p + 1
+    else:
+        i1 = offs_p
+        i2 = offs_p + HALF
+    if DELTA_PER_TOKEN:
+        d = tl.load(DELTA + offs_t, mask=mask_t, other=0).to(tl.float64)
+    else:
+        d = tl.zeros([BLOCK_T], dtype=tl.float64) + delta_scalar
+    f = tl.load(INV_FREQ + offs_p)  # float64 holding the model's float32 frequencies
+    c, s = _cos_sin(d[:, None] * f[None, :], HALF_PI_HI, HALF_PI_LO, TWO_OVER_PI)
+    x1 = tl.load(src_row[:, None] + (D_NOPE + i1[None, :]), mask=mask_t[:, None]).to(tl.float32)
+    x2 = tl.load(src_row[:, None] + (D_NOPE + i2[None, :]), mask=mask_t[:, None]).to(tl.float32)
+    y1 = x1 * c - x2 * s
+    y2 = x2 * c + x1 * s
+    tl.store(
+        dst_row[:, None] + (D_NOPE + i1[None, :]), _round(y1, DST, BF16_RNE), mask=mask_t[:, None]
+    )
+    tl.store(
+        dst_row[:, None] + (D_NOPE + i2[None, :]), _round(y2, DST, BF16_RNE), mask=mask_t[:, None]
+    )
+
+
+_FREQ_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _freq_table(rope: RopeSpec, device: torch.device) -> torch.Tensor:
+    """The spec's frequencies as a float64 tensor on ``device``, cached (one copy per device)."""
+    key = (rope.inv_freq, str(device))
+    t = _FREQ_TABLES.get(key)
+    if t is None:
+        t = torch.tensor(rope.inv_freq, dtype=torch.float64, device=device)
+        _FREQ_TABLES[key] = t
+    return t
+
+
+def _check_rope(rope: object, width: int, name: str) -> RopeSpec:
+    if not isinstance(rope, RopeSpec):
+        raise TypeError(f"rope: expected a mqnc.rope.RopeSpec, got {type(rope).__name__}")
+    half = rope.pairs
+    if half & (half - 1):
+        raise ValueError(f"rope.rope_dim: expected 2 * a power of two, got {rope.rope_dim}")
+    if width <= rope.rope_dim:
+        raise ValueError(
+            f"{name}: expected the last dim (d_c + d_r) to exceed rope.rope_dim = {rope.rope_dim}, "
+            f"got {width}"
+        )
+    return rope
+
+
+def _check_scalar_delta(delta: object) -> int:
+    if isinstance(delta, bool) or not isinstance(delta, int):
+        raise TypeError(
+            f"delta: expected an int or an int64 torch.Tensor, got {type(delta).__name__}"
+        )
+    if abs(delta) > _MAX_ABS_DELTA:
+        raise ValueError(f"delta: expected |delta| <= {_MAX_ABS_DELTA}, got {delta}")
+    return delta
+
+
+def _check_delta_values(delta: torch.Tensor) -> None:
+    if delta.numel() and int(delta.abs().max()) > _MAX_ABS_DELTA:
+        raise ValueError(
+            f"delta: expected |delta| <= {_MAX_ABS_DELTA}, "
+            f"got max |delta| = {int(delta.abs().max())}"
+        )
+
+
+def _launch(src, dst, slots, delta, freq, T, L, block_size, strides_src, strides_dst, rope):
+    if T == 0 or L == 0:
+        return
+    per_token = isinstance(delta, torch.Tensor)
+    grid = (triton.cdiv(T, BLOCK_T), L)
+    with launch_lock():
+        _rope_splice_kernel[grid](
+            src,
+            dst,
+            slots if slots is not None else freq,
+            delta if per_token else freq,
+            freq,
+            T,
+            0 if per_token else delta,
+            block_size,
+            *strides_src,
+            *strides_dst,
+            D_NOPE=src.shape[-1] - rope.rope_dim,
+            D_ROPE=rope.rope_dim,
+            BLOCK_T=BLOCK_T,
+            BLOCK_D=BLOCK_D,
+            INTERLEAVED=rope.layout == "interleaved",
+            HAS_SLOTS=slots is not None,
+            DELTA_PER_TOKEN=per_token,
+            BF16_RNE=interpreting() and dst.dtype == torch.bfloat16,
+            HALF_PI_HI=_HALF_PI_HI,
+            HALF_PI_LO=_HALF_PI_LO,
+            TWO_OVER_PI=_TWO_OVER_PI,
+            num_warps=NUM_WARPS,
+        )
+
+
+def rope_splice(
+    chunk: torch.Tensor,
+    pool: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    delta: int | torch.Tensor,
+    rope: RopeSpec,
+    *,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Splice a chunk of all layers into a paged pool, re-homing it by ``delta`` positions.
+
+    One kernel launch for all ``L`` layers (§2.2): token ``t`` of layer ``l`` goes to flattened
+    slot ``slot_mapping[t]`` of layer ``l``'s pool; its first ``d_c`` dims are copied
+    bit-exactly and its last ``d_r`` rope dims rotated by ``R(delta[t])`` in float32 (angles
+    reduced in float64, see the module docstring) and rounded once to the pool dtype.
+
+    Parameters
+    ----------
+    chunk : torch.Tensor
+        ``[L, ct, d_c + d_r]`` (576 = 512 + 64 for DeepSeek), bf16 / fp16 / fp32, unit stride on
+        the last dim; rope dims encoded at the chunk's old positions in ``rope.layout``.
+    pool : torch.Tensor
+        ``[L, num_blocks, block_size, d_c + d_r]``, same dtype and device as ``chunk``, unit
+        stride on the last dim. Written in place at the given slots; other slots untouched.
+    slot_mapping : torch.Tensor
+        ``[ct]`` int64: slot of each token in the flattened ``[num_blocks * block_size]`` axis
+        (block ``slot // block_size``, offset ``slot % block_size``), the same for every layer.
+        Must be in range and free of duplicates (checked when ``validate``).
+    delta : int or torch.Tensor
+        New minus old position: one int for the whole chunk (a contiguous re-homing), or
+        ``[ct]`` int64, one per token. ``|delta| <= 2**31 - 1``.
+    rope : RopeSpec
+        Frequencies and pair layout (:class:`mqnc.rope.RopeSpec`).
+    validate : bool
+        Check slot range, duplicates and delta range (host syncs); pass False on a hot path
+        once the inputs are known good.
+
+    Returns
+    -------
+    torch.Tensor
+        ``pool`` (modified in place).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mqnc.rope import RopeSpec
+    >>> from mqnc.triton_kernels.splice import rope_splice
+    >>> rope = RopeSpec.from_preset("deepseek-v2-lite")
+    >>> chunk = torch.randn(27, 55, 576).to(torch.bfloat16)
+    >>> pool = torch.zeros(27, 4, 64, 576, dtype=torch.bfloat16)
+    >>> _ = rope_splice(chunk, pool, torch.arange(64, 119), 1000, rope)
+    >>> torch.equal(pool.view(27, 256, 576)[:, 64:119, :512], chunk[..., :512])
+    True
+    """
+    check_tensor("chunk", chunk, ndim=3, dtypes=FLOAT_DTYPES, contiguous_last=True)
+    L, ct, D = chunk.shape
+    _check_rope(rope, D, "chunk")
+    check_tensor("pool", pool, ndim=4, dtypes=FLOAT_DTYPES, contiguous_last=True)
+    if pool.dtype != chunk.dtype:
+        raise TypeError(
+            f"pool: invalid dtype, expected {dtype_name(chunk.dtype)} (chunk's dtype: the "
+            f"latent is copied bit-exactly), got {dtype_name(pool.dtype)}"
+        )
+    check_tensor("pool", pool, shape=(L, None, None, D))
+    _, num_blocks, block_size, _ = pool.shape
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,), shape=(ct,))
+    tensors = dict(chunk=chunk, pool=pool, slot_mapping=slot_mapping)
+    if isinstance(delta, torch.Tensor):
+        check_tensor("delta", delta, ndim=1, dtypes=(torch.int64,), shape=(ct,))
+        tensors["delta"] = delta
+    else:
+        _check_scalar_delta(delta)
+    device = check_same_device(**tensors)
+    if validate and ct:
+        n_slots = num_blocks * block_size
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        if lo < 0 or hi >= n_slots:
+            bad = slot_mapping[(slot_mapping < 0) | (slot_mapping >= n_slots)][:5].tolist()
+            raise ValueError(
+                f"slot_mapping: expected slots in [0, {n_slots}) (num_blocks {num_blocks} x "
+                f"block_size {block_size}), got out-of-range slots {bad}"
+            )
+        uniq = torch.unique(slot_mapping)
+        if uniq.numel() != ct:
+            vals, counts = torch.unique(slot_mapping, return_counts=True)
+            raise ValueError(
+                f"slot_mapping: expected distinct slots, got {ct - uniq.numel()} duplicates "
+                f"(e.g. {vals[counts > 1][:5].tolist()})"
+            )
+        if isinstance(delta, torch.Tensor):
+            _check_delta_values(delta)
+    if delta is not None and isinstance(delta, torch.Tensor) and not delta.is_contiguous():
+        delta = delta.contiguous()
+    if not slot_mapping.is_contiguous():
+        slot_mapping = slot_mapping.contiguous()
+    _launch(
+        chunk,
+        pool,
+        slot_mapping,
+        delta,
+        _freq_table(rope, device),
+        ct,
+        L,
+        block_size,
+        (chunk.stride(0), chunk.stride(1)),
+        (pool.stride(0), pool.stride(1), pool.stride(2)),
+        rope,
+    )
+    return pool
+
+
+def rope_rotate(x: torch.Tensor, delta: int | torch.Tensor, rope: RopeSpec) -> torch.Tensor:
+    """Rotate the rope dims of query (or key) rows by ``R(delta)``; the rest is copied.
+
+    The requester applies this to its absorbed query with the opposite of the holder's offset
+    before routing, so that the holder attends its cache at canonical positions and stays
+    position-oblivious (§3.2): ``<R(-s) q, k(p)> = <q, R(s) k(p)>`` for a chunk the requester
+    sees at offset ``s`` from where the holder cached it.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[..., d_c + d_r]`` (e.g. a query batch ``[B, H, 576]``), bf16 / fp16 / fp32, pairs in
+        ``rope.layout``.
+    delta : int or torch.Tensor
+        One int, or an int64 tensor whose shape is a prefix of ``x.shape[:-1]`` (``[B]`` for
+        ``[B, H, 576]``: one delta per query token) or equal to it.
+    rope : RopeSpec
+
+    Returns
+    -------
+    torch.Tensor
+        Same shape and dtype as ``x``: first ``d_c`` dims bit-identical, last ``d_r`` rotated
+        in float32 and rounded once.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mqnc.rope import RopeSpec
+    >>> from mqnc.triton_kernels.splice import rope_rotate
+    >>> q = torch.randn(2, 16, 576)
+    >>> rope_rotate(q, torch.tensor([-5, 7]), RopeSpec.from_preset("deepseek-v2-lite")).shape
+    torch.Size([2, 16, 576])
+    """
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    if x.dim() < 1:
+        raise ValueError(f"x: expected at least 1 dim, got shape {tuple(x.shape)}")
+    D = x.shape[-1]
+    _check_rope(rope, D, "x")
+    rows = x.shape[:-1]
+    if isinstance(delta, torch.Tensor):
+        check_tensor("delta", delta, dtypes=(torch.int64,))
+        k = delta.dim()
+        if tuple(delta.shape) != tuple(rows[:k]):
+            raise ValueError(
+                f"delta: expected shape equal to a prefix of x.shape[:-1] = {tuple(rows)}, "
+                f"got {tuple(delta.shape)}"
+            )
+        check_same_device(x=x, delta=delta)
+        _check_delta_values(delta)
+        delta = delta.reshape(*delta.shape, *([1] * (len(rows) - k))).expand(rows).reshape(-1)
+        delta = delta.contiguous()
+    else:
+        _check_scalar_delta(delta)
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    n = x2.shape[0]
+    out = new_output(x.shape, x.dtype, x.device)
+    out2 = out.view(-1, D)
+    _launch(
+        x2,
+        out2,
+        None,
+        delta,
+        _freq_table(rope, x.device),
+        n,
+        1,
+        1,
+        (0, x2.stride(0)),
+        (0, out2.stride(0), 0),
+        rope,
+    )
+    return out
+
+
+def compile_specs():
+    """Kernels of this file at production sizes (bf16, 576 = 512 + 64, BLOCK_T tokens per
+    program; the grid's second axis is the L = 27 layers), for the sm_90 compile test."""
+    base = {
+        "SRC": "*bf16",
+        "DST": "*bf16",
+        "SLOTS": "*i64",
+        "DELTA": "*i64",
+        "INV_FREQ": "*fp64",
+        "T": "i32",
+        "delta_scalar": "i64",
+        "block_size": "i32",
+        "stride_sl": "i64",
+        "stride_st": "i32",
+        "stride_dl": "i64",
+        "stride_db": "i64",
+        "stride_ds": "i32",
+    }
+    ce_names = (
+        "D_NOPE",
+        "D_ROPE",
+        "BLOCK_T",
+        "BLOCK_D",
+        "INTERLEAVED",
+        "HAS_SLOTS",
+        "DELTA_PER_TOKEN",
+        "BF16_RNE",
+        "HALF_PI_HI",
+        "HALF_PI_LO",
+        "TWO_OVER_PI",
+    )
+    sig = {**base, **{k: "constexpr" for k in ce_names}}
+    specs = []
+    for name, interleaved, has_slots, per_token in (
+        ("rope_splice[bf16,576,interleaved,delta=int]", True, True, False),
+        ("rope_splice[bf16,576,interleaved,delta=[ct]]", True, True, True),
+        ("rope_splice[bf16,576,half,delta=[ct]]", False, True, True),
+        ("rope_rotate[bf16,576,interleaved,delta=[rows]]", True, False, True),
+    ):
+        ce = dict(
+            D_NOPE=512,
+            D_ROPE=64,
+            BLOCK_T=BLOCK_T,
+            BLOCK_D=BLOCK_D,
+            INTERLEAVED=interleaved,
+            HAS_SLOTS=has_slots,
+            DELTA_PER_TOKEN=per_token,
+            BF16_RNE=False,
+            HALF_PI_HI=_HALF_PI_HI,
+            HALF_PI_LO=_HALF_PI_LO,
+            TWO_OVER_PI=_TWO_OVER_PI,
+        )
+        specs.append(
+            dict(
+                name=name, fn=_rope_splice_kernel, signature=sig, constexprs=ce, num_warps=NUM_WARPS
+            )
+        )
+    return specs
