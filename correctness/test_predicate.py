@@ -1,0 +1,194 @@
+"""The route / fetch / local predicate (``mqnc.predicate``): argmin, margins, grids, closed forms.
+
+Each check compares the predicate against the cost-model terms it is defined from (§5.1:
+argmin over the three costs) or against an independently written formula.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mqnc import costmodel as cm
+from mqnc import predicate as pr
+from mqnc.fabric import FABRICS, get_fabric
+from mqnc.geometry import get_preset
+
+V2 = get_preset("deepseek-v2-lite")
+IBGDA = get_fabric("h100-ibgda")
+finite = dict(allow_nan=False, allow_infinity=False)
+fabric_names = st.sampled_from(sorted(FABRICS))
+
+
+@given(
+    m_q=st.floats(1, 1e6, **finite),
+    c_t=st.floats(1, 1e5, **finite),
+    fab=fabric_names,
+    c_us=st.floats(0.5, 1.5, **finite),
+)
+def test_decide_is_the_argmin_of_the_terms(m_q, c_t, fab, c_us):
+    f = FABRICS[fab]
+    d = pr.decide(V2, f, m_q, c_t, c_us=c_us)
+    costs = {
+        "route": cm.t_route(V2, f, m_q).total,
+        "fetch": cm.t_fetch(V2, f, c_t).total,
+        "local": cm.t_local(V2, c_t, c_us),
+    }
+    assert d.costs == pytest.approx(costs, rel=1e-12)
+    ranked = sorted(costs, key=costs.get)
+    assert costs[d.primitive] == costs[ranked[0]]
+    assert d.margin_us == pytest.approx(costs[ranked[1]] - costs[ranked[0]], rel=1e-9, abs=1e-9)
+    assert d.margin_us >= 0 and d.margin_ratio >= 1
+
+
+def test_allow_restricts_the_choice():
+    d = pr.decide(V2, IBGDA, 256, 2048, allow=("fetch", "local"))
+    assert d.primitive == "fetch" and d.runner_up == "local"
+    only = pr.decide(V2, IBGDA, 256, 2048, allow=("local",))
+    assert only.primitive == "local" and only.runner_up is None and math.isinf(only.margin_us)
+
+
+def test_decide_errors():
+    with pytest.raises(TypeError, match="geometry: expected an MLAGeometry"):
+        pr.decide("v2", IBGDA, 256, 2048)
+    with pytest.raises(TypeError, match="fabric: expected a FabricProfile"):
+        pr.decide(V2, "h100-ibgda", 256, 2048)
+    with pytest.raises(ValueError, match="m_q: expected a finite number > 0, got -1"):
+        pr.decide(V2, IBGDA, -1, 2048)
+    with pytest.raises(ValueError, match="c_t: expected a finite number > 0"):
+        pr.decide(V2, IBGDA, 1, float("nan"))
+    with pytest.raises(TypeError, match="m_q: expected a number"):
+        pr.decide(V2, IBGDA, "1", 2048)
+    with pytest.raises(ValueError, match="allow: expected a non-empty subset"):
+        pr.decide(V2, IBGDA, 1, 2048, allow=("teleport",))
+    with pytest.raises(ValueError, match="use decide_grid"):
+        pr.decide(V2, IBGDA, np.array([1.0, 2.0]), 2048)
+
+
+@given(
+    fab=fabric_names,
+    seed=st.integers(0, 2**31 - 1),
+    topk=st.sampled_from([None, 512, 2048]),
+    holders=st.integers(1, 7),
+    factor=st.floats(0.05, 1, **finite),
+)
+def test_grid_matches_scalar_decisions(fab, seed, topk, holders, factor):
+    f = FABRICS[fab]
+    rng = np.random.default_rng(seed)
+    m = np.exp(rng.uniform(0, np.log(1e5), 6))
+    c = np.exp(rng.uniform(0, np.log(1e4), 5))
+    cong = cm.Congestion(bw_factor=factor, probe_add_us=5.0)
+    kw = dict(topk=topk, holders=holders, congestion=cong)
+    grid = pr.crossover_map(V2, f, m, c, **kw)
+    assert grid.choice.shape == (6, 5)
+    for i in range(6):
+        for j in range(5):
+            d = pr.decide(V2, f, float(m[i]), float(c[j]), **kw)
+            assert grid.primitive[i, j] == d.primitive
+            assert grid.route_us[i, j] == pytest.approx(d.route.total, rel=1e-12)
+            assert grid.fetch_us[i, j] == pytest.approx(d.fetch.total, rel=1e-12)
+            assert grid.margin_us[i, j] == pytest.approx(d.margin_us, rel=1e-9, abs=1e-9)
+
+
+def test_bw_sweep_sets_both_bandwidths():
+    bw = np.geomspace(0.2, 1000, 7)
+    sweep = pr.bw_sweep(V2, IBGDA, bw)
+    for i, b in enumerate(bw):
+        f = IBGDA.replace(bw_gbps=float(b), bulk_bw_gbps=float(b))
+        d = pr.decide(V2, f, 256, 2048)
+        assert sweep.route_us[i] == pytest.approx(d.route.total, rel=1e-12)
+        assert sweep.fetch_us[i] == pytest.approx(d.fetch.total, rel=1e-12)
+        # Fig. 6(a): route stays cheapest across the whole sweep.
+        assert d.primitive == "route"
+    assert sweep.fraction("route") == 1.0
+
+
+@given(m_q=st.floats(1, 1e4, **finite), c_t=st.floats(1, 1e4, **finite))
+def test_wire_break_even_and_saving(m_q, c_t):
+    rows = pr.wire_break_even_rows(V2, c_t)
+    assert rows * V2.qp_row_bytes == pytest.approx(c_t * V2.kv_bytes_per_token_layer)
+    saving = pr.wire_byte_saving(V2, m_q, c_t)
+    route_b = cm.route_bytes(V2, m_q)
+    chunk_b = cm.fetch_bytes(V2, c_t, layers=1)
+    assert saving == pytest.approx(1 - route_b / chunk_b)
+    assert (saving > 0) == (m_q < rows) or math.isclose(m_q, rows, rel_tol=1e-12)
+
+
+def test_selection_break_even_needs_a_budget():
+    with pytest.raises(ValueError, match="no selection budget"):
+        pr.selection_break_even_rows(V2)
+
+
+@pytest.mark.parametrize("splice", [cm.SPLICE_PAPER, cm.SPLICE_NOMINAL], ids=["profile", "flat"])
+@pytest.mark.parametrize("c_us", [0.5, 1.0, 1.5])
+@pytest.mark.parametrize("bw", [19.0, 70.0, 235.0])
+def test_fetch_local_crossover_equalises_costs(splice, c_us, bw):
+    x = pr.fetch_local_crossover_tokens(V2, IBGDA, c_us=c_us, splice=splice, bw_gbps=bw)
+    fetch = cm.t_fetch(V2, IBGDA, x, splice=splice, bw_gbps=bw).total
+    assert fetch == pytest.approx(cm.t_local(V2, x, c_us), rel=1e-7)
+    for c_t, want in ((0.5 * x, "local"), (2 * x, "fetch")):
+        d = pr.decide(
+            V2,
+            IBGDA.replace(bulk_bw_gbps=bw),
+            1,
+            c_t,
+            c_us=c_us,
+            splice=splice,
+            allow=("fetch", "local"),
+        )
+        assert d.primitive == want
+
+
+def test_fetch_local_crossover_infinite_when_pull_costs_more():
+    slow = IBGDA.replace(bulk_bw_gbps=0.1)
+    assert math.isinf(pr.fetch_local_crossover_tokens(V2, slow, c_us=0.5))
+
+
+@pytest.mark.parametrize("fab", sorted(FABRICS))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_route_fetch_inversion_equalises_costs(fab, tp):
+    f = FABRICS[fab]
+    rows = pr.route_fetch_inversion_rows(V2, f, 2048, tp=tp)
+    assert cm.t_route(V2, f, rows, tp=tp).total == pytest.approx(
+        cm.t_fetch(V2, f, 2048).total, rel=1e-9
+    )
+
+
+@given(
+    m_q=st.floats(1, 1e6, **finite),
+    c_t=st.floats(1, 1e4, **finite),
+    shrink=st.floats(0.01, 1, **finite),
+)
+def test_route_region_is_closed_under_smaller_batches(m_q, c_t, shrink):
+    """Route's cost grows with M_q and the others do not depend on it: fewer rows keep route."""
+    if pr.decide(V2, IBGDA, m_q, c_t).primitive == "route":
+        assert pr.decide(V2, IBGDA, m_q * shrink, c_t).primitive == "route"
+
+
+def test_amortisation_steps():
+    n = pr.amortisation_steps(V2, IBGDA, 256, 2048)
+    r = cm.t_route(V2, IBGDA, 256)
+    fetch = cm.t_fetch(V2, IBGDA, 2048).total
+    assert fetch + n * r.compute == pytest.approx(n * r.total)
+
+
+def test_rank_fabrics_is_sorted_by_route_round_trip():
+    ranked = pr.rank_fabrics(V2, FABRICS.values(), 256)
+    times = [t for _, t in ranked]
+    assert times == sorted(times) and {n for n, _ in ranked} == set(FABRICS)
+    for name, t in ranked:
+        assert t == pytest.approx(cm.t_route(V2, FABRICS[name], 256).transport)
+
+
+def test_decision_to_dict_is_json_ready():
+    import json
+
+    d = pr.decide(V2, IBGDA, 256, 2048, congestion=cm.Congestion(0.5, 10.0), host=cm.HOST_PAPER)
+    out = json.loads(json.dumps(d.to_dict()))
+    assert out["primitive"] == d.primitive
+    assert out["route"]["total"] == pytest.approx(d.route.total)
+    assert out["inputs"]["congestion"]["bw_factor"] == 0.5
