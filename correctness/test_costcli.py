@@ -1,0 +1,178 @@
+"""``mqnc predict | crossover | fit | presets`` through ``mqnc.cli.main``.
+
+The fit test feeds a results file written by ``perf/_results.record`` from known constants plus
+noise and checks the command recovers them; the others check the commands against the library
+functions they wrap and their errors.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from mqnc import predicate as pr
+from mqnc.cli import main
+from mqnc.fabric import FABRICS, FabricProfile, get_fabric
+from mqnc.geometry import PRESETS, get_preset
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_presets_lists_models_and_fabrics(capsys):
+    rc, out, _ = run(capsys, "presets")
+    assert rc == 0
+    for name in list(PRESETS) + list(FABRICS):
+        assert name in out
+    rc, out, _ = run(capsys, "presets", "--json")
+    data = json.loads(out)
+    assert data["fabrics"]["h100-ibgda"]["t_probe_us"] == FABRICS["h100-ibgda"].t_probe_us
+    assert data["models"]["deepseek-v2-lite"]["qp_row_bytes"] == 2184
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--mq", "256", "--ct", "2048"],
+        ["--mq", "64", "--ct", "32", "--fabric", "a40-pcie4", "--c-us", "0.5"],
+        ["--mq", "1024", "--topk", "2048", "--holders", "7", "--model", "deepseek-v3.2"],
+        ["--mq", "256", "--congestion-bw", "0.4", "--congestion-probe-us", "25", "--tp", "2"],
+    ],
+)
+def test_predict_matches_decide(capsys, argv):
+    rc, out, _ = run(capsys, "predict", "--json", *argv)
+    assert rc == 0
+    got = json.loads(out)
+    rc, table, _ = run(capsys, "predict", *argv)
+    assert rc == 0 and f"decision: {got['primitive']}" in table
+    inputs = got["inputs"]
+    from mqnc.costmodel import Congestion
+
+    cong = inputs["congestion"]
+    d = pr.decide(
+        get_preset(inputs["model"]),
+        get_fabric(inputs["fabric"]),
+        inputs["m_q"],
+        inputs["c_t"],
+        topk=inputs["topk"],
+        holders=inputs["holders"],
+        c_us=inputs["c_us"],
+        tp=inputs["tp"],
+        congestion=Congestion(**cong) if cong else None,
+    )
+    assert got["primitive"] == d.primitive
+    assert got["costs"] == pytest.approx(d.costs, rel=1e-12)
+
+
+def test_predict_flags(capsys):
+    rc, out, _ = run(
+        capsys,
+        "predict",
+        "--json",
+        "--splice-ms",
+        "1",
+        "--host-overhead",
+        "--allow",
+        "fetch",
+        "local",
+    )
+    d = json.loads(out)
+    assert rc == 0 and d["fetch"]["splice"] == 1000 and d["route"]["host"] > 3500
+    assert d["primitive"] in ("fetch", "local")
+    rc, out, _ = run(capsys, "predict", "--json", "--no-splice")
+    assert json.loads(out)["fetch"]["splice"] == 0
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["predict", "--fabric", "nvlink9"], "h100-ibgda"),
+        (["predict", "--model", "gpt-5"], "deepseek-v2-lite"),
+        (["predict", "--mq", "-3"], "m_q: expected a finite number > 0"),
+        (["predict", "--splice-ms", "1", "--no-splice"], "at most one of"),
+        (["fit", "/nonexistent/results.jsonl"], "no such file"),
+    ],
+)
+def test_errors_name_the_valid_choices(capsys, argv, needle):
+    rc, _, err = run(capsys, *argv)
+    assert rc == 2 and needle in err
+
+
+def test_fit_recovers_constants_from_a_results_file(tmp_path, capsys):
+    from perf._results import record
+
+    rng = np.random.default_rng(1)
+    path = tmp_path / "results.jsonl"
+    probe, bw, turn = 6.5, 30.0, 4.0
+    for _ in range(5):
+        p = probe * (1 + 0.01 * rng.standard_normal())
+        record("probe", "my-fabric", 1, (p, p, p), x_name="bytes", path=path)
+    for m in 2 ** np.arange(0, 13):
+        for _ in range(3):
+            t = (probe + turn + m * 2184 / (bw * 1e3)) * (1 + 0.01 * rng.standard_normal())
+            record("route", "my-fabric", int(m), (t, t, t), x_name="M_q", path=path)
+    record("splice", "kernel", 2048, (900.0, 1000.0, 1100.0), x_name="c_t", path=path)
+    out_json = tmp_path / "fab.json"
+    rc, out, _ = run(
+        capsys, "fit", str(path), "--json", "--save", str(out_json), "--link-peak-gbps", "50"
+    )
+    assert rc == 0
+    res = json.loads(out)["my-fabric"]
+    assert abs(res["bw_gbps"] - bw) / bw < 0.03
+    assert abs(res["t_probe_us"] - probe) < 0.2 and abs(res["turnaround_us"] - turn) < 2.0
+    assert res["mape_amortised_affine"] < 0.03
+    prof = FabricProfile.load(out_json)
+    assert prof.name == "my-fabric" and prof.link_peak_gbps == 50.0
+    rc, table, _ = run(capsys, "fit", str(path))
+    assert rc == 0 and "my-fabric" in table
+    # the saved profile and the measured splice feed `mqnc predict`
+    rc, out, _ = run(
+        capsys, "predict", "--json", "--fabric", str(out_json), "--splice-from", str(path)
+    )
+    d = json.loads(out)
+    assert rc == 0 and d["inputs"]["fabric"] == "my-fabric" and d["fetch"]["splice"] == 1000.0
+    assert d["route"]["probe"] == pytest.approx(prof.t_probe_us)
+
+
+def test_crossover_writes_csv_and_png(tmp_path, capsys):
+    out = tmp_path / "xo"
+    rc, stdout, _ = run(capsys, "crossover", "--out", str(out), "--points", "6")
+    assert rc == 0
+    names = {p.name for p in out.iterdir()}
+    assert names == {
+        "fig3b_wire_bytes.csv",
+        "crossover_cost.csv",
+        "fig6a_bw_sweep.csv",
+        "fig3b_crossover.png",
+        "fig6a_bw_sweep.png",
+    }
+    assert all((out / n).stat().st_size > 0 for n in names)
+    v2 = get_preset("deepseek-v2-lite")
+    with open(out / "fig3b_wire_bytes.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 36
+    for r in rows:
+        m, c = float(r["m_q"]), float(r["c_t"])
+        assert float(r["route_saving_pct"]) == pytest.approx(
+            100 * (1 - m * 2184 / (c * v2.kv_bytes_per_token_layer))
+        )
+    with open(out / "fig6a_bw_sweep.csv") as f:
+        sweep = list(csv.DictReader(f))
+    assert len(sweep) == 6 and all(r["primitive"] == "route" for r in sweep)
+    assert float(sweep[0]["bw_gbps"]) == pytest.approx(0.2)
+    with open(out / "crossover_cost.csv") as f:
+        cost = list(csv.DictReader(f))
+    for r in cost:
+        d = pr.decide(v2, FABRICS["h100-ibgda"], float(r["m_q"]), float(r["c_t"]))
+        assert r["primitive"] == d.primitive
+
+
+def test_crossover_csv_only(tmp_path, capsys):
+    rc, _, _ = run(capsys, "crossover", "--out", str(tmp_path), "--points", "4", "--no-png")
+    assert rc == 0 and not list(tmp_path.glob("*.png"))
