@@ -48,7 +48,7 @@ def _hf_config(rope_scaling=V2_LITE_SCALING, theta=10000.0, cls=None, new_keys=F
     return cls(rope_scaling=rope_scaling, rope_theta=theta, **kw)
 
 
-# ---- RopeSpec vs transformers ------------------------------------------------------------------
+# ---- RopeSpec vs transformers ----
 @pytest.mark.parametrize("new_keys", [False, True], ids=["rope_scaling", "rope_parameters"])
 @pytest.mark.parametrize("model", ["v3", "v2"])
 def test_v2_lite_frequencies_match_transformers_bitwise(new_keys, model):
@@ -149,7 +149,7 @@ def test_missing_factor_from_max_positions():
     assert RopeSpec.from_hf_config(cfg).yarn.factor == 40.0
 
 
-# ---- the fp64 reference rotation vs transformers' rotations --------------------------------------
+# ---- the fp64 reference rotation vs transformers' rotations ----
 def _hf_cos_sin(cfg, positions):
     emb = v3.DeepseekV3RotaryEmbedding(cfg)
     x = torch.zeros(1, dtype=torch.float32)
@@ -223,7 +223,7 @@ def test_reference_matches_hf_deepseek_v2_complex():
     )
 
 
-# ---- algebra of the reference ------------------------------------------------------------------
+# ---- algebra of the reference ----
 @given(
     p=st.integers(0, 200_000),
     delta=st.integers(-200_000, 200_000),

@@ -45,7 +45,7 @@ def _nan_pool(L, num_blocks, block_size, dtype, device):
     return torch.full((L, num_blocks, block_size, D), float("nan"), dtype=dtype, device=device)
 
 
-# ---- splice vs the fp64 reference ----------------------------------------------------------------
+# ---- splice vs the fp64 reference ----
 @given(
     L=st.integers(1, 3),
     ct=st.integers(1, 40),
@@ -115,7 +115,7 @@ def test_splice_empty_chunk_is_a_no_op():
     assert torch.isnan(pool).all()
 
 
-# ---- splice(chunk at p, delta) == encoding at p + delta ------------------------------------------
+# ---- splice(chunk at p, delta) == encoding at p + delta ----
 @given(
     ct=st.integers(1, 24),
     p0=st.integers(0, 100_000),
@@ -144,7 +144,7 @@ def test_splice_equals_encoding_at_new_positions(ct, p0, delta, layout, yarn, dt
     assert_close(pool[:, 0], expected, tolerance("rope_twice", dtype), name="spliced keys")
 
 
-# ---- rope_rotate ---------------------------------------------------------------------------------
+# ---- rope_rotate ----
 @given(
     B=st.integers(1, 4),
     H=st.sampled_from([1, 3, 16]),
@@ -214,7 +214,7 @@ def test_scores_invariant_when_queries_and_keys_shift(layout):
         assert_close(s, s_ref, tolerance("rope_scores", "float32"), name=f"scores, delta={delta}")
 
 
-# ---- transformers' own RoPE at the new positions ---------------------------------------------------
+# ---- transformers' own RoPE at the new positions ----
 def test_splice_agrees_with_transformers_at_new_positions():
     """Keys encoded by transformers at p and spliced by delta equal transformers' encoding at
     p + delta, in both cache layouts: DeepseekV3 (interleave variant: interleaved in, half-split
@@ -260,7 +260,7 @@ def test_splice_agrees_with_transformers_at_new_positions():
         assert_close(pool[:, 0, :, D_C:], new[0, 0].expand(L, T, 64), tol, name=f"HF {layout}")
 
 
-# ---- §3.3 negative control -------------------------------------------------------------------------
+# ---- §3.3 negative control ----
 def test_rehoming_a_scattered_selection_breaks_attention_canonical_is_exact():
     """A sparse selection attended at its canonical positions (route: holders attend it in place
     and partials merge) reproduces attention exactly; re-homing the same scattered entries to
@@ -303,7 +303,7 @@ def test_rehoming_a_scattered_selection_breaks_attention_canonical_is_exact():
     assert rel.min() >= 0.2, f"re-homing changed attention by only {rel.tolist()}"
 
 
-# ---- validation --------------------------------------------------------------------------------------
+# ---- validation ----
 def _valid_args(device):
     chunk = torch.zeros(2, 4, D, device=device)
     pool = torch.zeros(2, 2, 4, D, device=device)
