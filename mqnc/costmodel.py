@@ -99,6 +99,11 @@ LOCAL_C_US = 1.0
 """Default ``c`` for a point estimate of ``T_local``: the middle of §5.1's [0.5, 1.5] range."""
 
 
+def is_scalar(x) -> bool:
+    """True for a Python or numpy scalar (fast path for plain ints and floats)."""
+    return type(x) in (int, float) or np.ndim(x) == 0
+
+
 def bytes_to_us(nbytes, gbps):
     """Microseconds to move ``nbytes`` at ``gbps`` (1 GB/s = 1e3 bytes per microsecond)."""
     return nbytes / (gbps * 1e3)
@@ -161,9 +166,9 @@ class SpliceProfile:
         """Splice time (us) at chunk size ``c_t`` (a float or a numpy array)."""
         tok, us = self.tokens, self.us
         if len(tok) == 1:
-            return us[0] if np.ndim(c_t) == 0 else np.full(np.shape(c_t), us[0])
+            return us[0] if is_scalar(c_t) else np.full(np.shape(c_t), us[0])
         slope = (us[-1] - us[-2]) / (tok[-1] - tok[-2])
-        if np.ndim(c_t) == 0:
+        if is_scalar(c_t):
             x = float(c_t)
             if x <= tok[0]:
                 return us[0]
@@ -794,6 +799,8 @@ def _read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 
 def _check_count(name: str, value: Any) -> None:
+    if type(value) is int and value >= 1:
+        return
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
 

@@ -52,6 +52,7 @@ from mqnc.costmodel import (
     RouteCost,
     SpliceProfile,
     bytes_to_us,
+    is_scalar,
     t_fetch,
     t_local,
     t_local_range,
@@ -152,7 +153,9 @@ def _check_inputs(geometry, fabric, allow) -> tuple[str, ...]:
 
 
 def _check_positive(name: str, value: Any) -> None:
-    if np.ndim(value) == 0:
+    if type(value) in (int, float) and value > 0 and value != math.inf:
+        return
+    if is_scalar(value):
         if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
             raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
         if not (math.isfinite(value) and value > 0):
@@ -225,7 +228,7 @@ def decide(
     _check_positive("m_q", m_q)
     _check_positive("c_t", c_t)
     _check_positive("c_us", c_us)
-    if np.ndim(m_q) or np.ndim(c_t):
+    if not (is_scalar(m_q) and is_scalar(c_t)):
         raise ValueError("m_q, c_t: expected scalars; use decide_grid for arrays")
     if topk is not None:
         _check_positive("topk", topk)
