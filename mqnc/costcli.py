@@ -332,6 +332,7 @@ def _plots(args, geometry, fabric, m_axis, c_axis, saving, grid, bw_axis, sweep,
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
 
+    from mqnc.predicate import PRIMITIVES as PRIMS
     from mqnc.predicate import wire_break_even_rows
 
     out = []
@@ -366,8 +367,13 @@ def _plots(args, geometry, fabric, m_axis, c_axis, saving, grid, bw_axis, sweep,
         yscale="log",
         xlabel="chunk tokens $c_t$",
         ylabel="query rows $M_q$",
-        title=f"argmin total cost ({fabric.name}): route / fetch / local",
+        title=f"argmin total cost ({fabric.name})",
     )
+    from matplotlib.patches import Patch
+
+    colors = ("#2ca02c", "#d62728", "#9467bd")
+    handles = [Patch(color=c, label=n) for c, n in zip(colors, PRIMS, strict=True)]
+    ax.legend(handles=handles, loc="lower right")
     path = os.path.join(args.out, "fig3b_crossover.png")
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -378,6 +384,29 @@ def _plots(args, geometry, fabric, m_axis, c_axis, saving, grid, bw_axis, sweep,
     ax.plot(bw_axis, sweep.fetch_us, color="#d62728", label="fetch (pull + splice)")
     ax.fill_between(bw_axis, lo, hi, color="#9467bd", alpha=0.25, label="local band")
     ax.plot(bw_axis, sweep.local_us, color="#9467bd")
+    from mqnc.fabric import FABRICS
+
+    route_bws = [f.bw_gbps for f in FABRICS.values()]
+    ax.axvspan(
+        min(route_bws),
+        max(route_bws),
+        color="#2ca02c",
+        alpha=0.12,
+        label="measured route effBW (Table 2)",
+    )
+    for f in FABRICS.values():
+        if f.link_peak_gbps and bw_axis[0] <= f.link_peak_gbps <= bw_axis[-1]:
+            ax.axvline(f.link_peak_gbps, color="gray", ls=":", lw=1)
+            ax.text(
+                f.link_peak_gbps,
+                ax.get_ylim()[1],
+                f.name,
+                rotation=90,
+                fontsize=6,
+                va="top",
+                ha="right",
+                color="gray",
+            )
     ax.set(
         xscale="log",
         yscale="log",
