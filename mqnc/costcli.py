@@ -68,6 +68,9 @@ def _route_options(p: argparse.ArgumentParser) -> None:
         help="splice profile from a results file (bench 'splice', x = c_t, p50 us)",
     )
     p.add_argument(
+        "--splice-variant", default=None, help="with --splice-from: only records of this variant"
+    )
+    p.add_argument(
         "--no-splice",
         action="store_true",
         help="no splice (a true prefix at its cached position, §6.3)",
@@ -131,7 +134,7 @@ def _resolve(args):
     elif args.splice_ms is not None:
         splice = cm.SpliceProfile.flat(args.splice_ms * 1e3)
     elif args.splice_from is not None:
-        splice = cm.SpliceProfile.from_results(args.splice_from)
+        splice = cm.SpliceProfile.from_results(args.splice_from, variant=args.splice_variant)
     else:
         splice = cm.SPLICE_PAPER
     congestion = None
