@@ -47,16 +47,25 @@ def git_commit() -> str:
         return "unknown"
 
 
-def time_fn(fn: Callable[[], object], *, warmup: int = 3, reps: int = 20, min_time_s: float = 0.0):
+def time_fn(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 3,
+    reps: int = 20,
+    min_time_s: float = 0.0,
+    cuda: bool | None = None,
+):
     """Time ``fn`` and return (p20, p50, p80) in microseconds.
 
-    On a GPU each repetition is bracketed by CUDA events after a synchronize; on the CPU by
-    ``time.perf_counter_ns``. ``reps`` repetitions after ``warmup`` untimed ones (at least
-    ``min_time_s`` of timed work when given).
+    With ``cuda`` (default: whether a CUDA device exists) each repetition is bracketed by CUDA
+    events; otherwise by ``time.perf_counter_ns`` (pass ``cuda=False`` for host-only work on a
+    GPU machine). ``reps`` repetitions after ``warmup`` untimed ones (at least ``min_time_s`` of
+    timed work when given).
     """
     import torch
 
-    cuda = torch.cuda.is_available()
+    if cuda is None:
+        cuda = torch.cuda.is_available()
     for _ in range(warmup):
         fn()
     if cuda:
