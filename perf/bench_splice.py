@@ -1,0 +1,189 @@
+"""Benchmark the delta-rotation splice (§2.2, §7): one launch for all layers vs one per layer.
+
+The paper measured fetch's splice at 2.77/2.78/2.91/3.06 ms for c_t = 55/1024/2048/4096 on an
+H100 (DeepSeek-V2-Lite, L = 27), ~80% of it a launch-bound per-layer delta-rotation kernel.
+This bench times, in the same run and on the same inputs (bf16, 576 = 512 + 64, YaRN
+frequencies, per-token delta, scattered slots):
+
+``one-launch``   :func:`mqnc.triton_kernels.splice.rope_splice` over all L layers.
+``per-layer``    the same kernel launched once per layer (the paper's structure).
+``torch``        the torch path (cos/sin table from float64 angles, gather-rotate-scatter),
+                 batched over layers; ``torch-per-layer`` the same, one layer at a time.
+
+On a GPU the Triton variants run compiled; on a CPU they run under the interpreter at the
+smallest size only (c_t = 55), and the torch variants at every size. ``bytes`` is what the
+splice must move: each entry read once and written once, ``2 * L * c_t * 576 * 2`` bytes. The
+issue's goal on an H200: 27 layers x 2048 tokens in <= 60 us (>= 50x under ~3 ms).
+
+Usage: ``python -m perf.bench_splice [--quick] [--ct 55 2048] [--layers 27]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from mqnc.runtime import use_interpreter_without_cuda
+
+PAPER_SPLICE_US = {55: 2770.0, 1024: 2780.0, 2048: 2910.0, 4096: 3060.0}  # §7, H100
+
+
+def splice_torch(chunk, pool, slot_mapping, delta, rope, per_layer: bool = False):
+    """The splice in torch ops: float64 angles -> float32 cos/sin, rotate, scatter."""
+    import torch
+
+    L, ct, D = chunk.shape
+    d_c = D - rope.rope_dim
+    first, second = rope.pair_indices()
+    i1 = torch.tensor(first, device=chunk.device) + d_c
+    i2 = torch.tensor(second, device=chunk.device) + d_c
+    freq = torch.tensor(rope.inv_freq, dtype=torch.float64, device=chunk.device)
+    flat = pool.view(L, -1, D)
+
+    def one(src, dst):
+        d = (
+            delta
+            if isinstance(delta, torch.Tensor)
+            else torch.full((ct,), delta, device=src.device)
+        )
+        ang = d.to(torch.float64)[:, None] * freq
+        c, s = torch.cos(ang).float(), torch.sin(ang).float()
+        x1, x2 = src[..., i1].float(), src[..., i2].float()
+        rows = src.clone()
+        rows[..., i1] = (x1 * c - x2 * s).to(src.dtype)
+        rows[..., i2] = (x2 * c + x1 * s).to(src.dtype)
+        dst[..., slot_mapping, :] = rows
+
+    if per_layer:
+        for layer in range(L):
+            one(chunk[layer], flat[layer])
+    else:
+        one(chunk, flat)
+    return pool
+
+
+def run(ct_list, layers: int, quick: bool, record_results: bool = True) -> list[dict]:
+    use_interpreter_without_cuda()
+    import torch
+
+    from mqnc.rope import RopeSpec
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    rope = RopeSpec.from_preset("deepseek-v2-lite")
+    out = []
+    for ct in ct_list:
+        out += _bench_ct(ct, layers, quick, record_results, device, cuda, rope)
+    return out
+
+
+def _bench_ct(ct, layers, quick, record_results, device, cuda, rope) -> list[dict]:
+    import torch
+
+    from mqnc.runtime import kernel_mode
+    from mqnc.triton_kernels.splice import rope_splice
+    from perf._results import record, time_fn
+
+    dtype = torch.bfloat16
+    out = []
+    g = torch.Generator().manual_seed(ct)
+    chunk = torch.randn(layers, ct, 576, generator=g).to(dtype).to(device)
+    block_size = 64
+    num_blocks = 2 * (-(-ct // block_size))
+    pool = torch.zeros(layers, num_blocks, block_size, 576, dtype=dtype, device=device)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:ct].to(device)
+    delta = torch.randint(-100_000, 100_000, (ct,), generator=g).to(device)
+    nbytes = 2 * layers * ct * 576 * chunk.element_size()
+
+    variants = {}
+    if cuda or ct <= 64:
+        backend = "triton" if kernel_mode() == "compiled" else "interpreter"
+        variants["one-launch"] = (
+            backend,
+            lambda: rope_splice(chunk, pool, slots, delta, rope, validate=False),
+        )
+
+        def per_layer():
+            for layer in range(layers):
+                rope_splice(
+                    chunk[layer : layer + 1],
+                    pool[layer : layer + 1],
+                    slots,
+                    delta,
+                    rope,
+                    validate=False,
+                )
+
+        variants["per-layer"] = (backend, per_layer)
+    variants["torch"] = ("torch", lambda: splice_torch(chunk, pool, slots, delta, rope))
+    variants["torch-per-layer"] = (
+        "torch",
+        lambda: splice_torch(chunk, pool, slots, delta, rope, per_layer=True),
+    )
+
+    # Correctness of what is timed: every variant must produce the same pool.
+    pools = {}
+    for name, (_, fn) in variants.items():
+        pool.zero_()
+        fn()
+        pools[name] = pool.clone()
+    ref = pools["torch"]
+    for name, p in pools.items():
+        if not torch.equal(p[..., :512], ref[..., :512]):
+            raise AssertionError(f"{name}: latent dims differ from the torch path")
+        err = (p[..., 512:].float() - ref[..., 512:].float()).abs().max().item()
+        if err > 0.0625:  # one bf16 ulp at |x| < 8 (two independent roundings)
+            raise AssertionError(f"{name}: rope dims differ from the torch path by {err}")
+
+    interp = not cuda
+    reps = 3 if (quick or interp) else 50
+    warmup = 1 if (quick or interp) else 10
+    times = {}
+    for name, (backend, fn) in variants.items():
+        if backend == "interpreter":  # seconds per call: the correctness call warmed it up
+            times[name] = (backend, time_fn(fn, warmup=0, reps=1))
+        else:
+            times[name] = (backend, time_fn(fn, warmup=warmup, reps=reps))
+    for name, (backend, pct) in times.items():
+        base = times["torch-per-layer" if backend == "torch" else "per-layer"][1]
+        extra = {
+            "layers": layers,
+            "dtype": "bf16",
+            "delta": "per-token",
+            "block_size": block_size,
+            "speedup_vs_per_layer": base[1] / pct[1],
+            "paper_us_h100": PAPER_SPLICE_US.get(ct),
+        }
+        rec = dict(bench="splice", variant=name, x=ct, p=pct, backend=backend, extra=extra)
+        if record_results:
+            record(
+                "splice",
+                name,
+                ct,
+                pct,
+                x_name="ct",
+                nbytes=nbytes,
+                backend=backend,
+                extra=extra,
+            )
+        out.append(rec)
+        gbps = nbytes / (pct[1] * 1e-6) / 1e9
+        print(
+            f"ct={ct:5d} L={layers} {name:16s} [{backend:11s}] p50 {pct[1]:10.1f} us  "
+            f"{gbps:7.2f} GB/s  x{extra['speedup_vs_per_layer']:.2f} vs per-layer"
+        )
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="few repetitions (a smoke run)")
+    p.add_argument("--ct", type=int, nargs="+", default=[55, 1024, 2048, 4096])
+    p.add_argument("--layers", type=int, default=27)
+    p.add_argument("--no-record", action="store_true", help="print only, do not append results")
+    args = p.parse_args(argv)
+    run(args.ct, args.layers, args.quick, record_results=not args.no_record)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
