@@ -28,6 +28,30 @@ def _check_merge(torch, dtype):
     return f"merge_partials {shape}: o {s_o}; lse max_abs={s_l.max_abs:.2e}"
 
 
+def _check_splice(torch, dtype):
+    from mqnc.reference import rope_splice_reference
+    from mqnc.rope import RopeSpec
+    from mqnc.testing import assert_close, tolerance
+    from mqnc.triton_kernels import rope_splice
+
+    g = torch.Generator().manual_seed(0)
+    L, ct, block_size = 2, 24, 16
+    rope = RopeSpec.from_preset("deepseek-v2-lite")
+    chunk = torch.randn(L, ct, 576, generator=g).clamp(-4, 4).to(dtype)
+    pool = torch.full((L, 3, block_size, 576), float("nan"), dtype=dtype)
+    slots = torch.randperm(3 * block_size, generator=g)[:ct]
+    delta = torch.randint(-100_000, 100_000, (ct,), generator=g)
+    expected = rope_splice_reference(chunk, pool, slots, delta, rope)
+    rope_splice(chunk, pool, slots, delta, rope)
+    if not torch.equal(pool.view(L, -1, 576)[:, slots, :512], chunk[..., :512]):
+        raise AssertionError("rope_splice: the latent dims were not copied bit-exactly")
+    s = assert_close(pool, expected, tolerance("rope", dtype), name="pool")
+    return (
+        f"rope_splice L={L} ct={ct} block_size={block_size} delta=[ct] {str(dtype)[6:]}: "
+        f"latent bit-exact; rope {s}"
+    )
+
+
 def run_checks() -> list[str]:
     """Run the checks; returns one line per check, raises AssertionError on the first failure."""
     from mqnc.runtime import use_interpreter_without_cuda
@@ -38,6 +62,8 @@ def run_checks() -> list[str]:
     lines = []
     for dtype in (torch.float32, torch.bfloat16):
         lines.append(_check_merge(torch, dtype))
+    for dtype in (torch.float32, torch.bfloat16):
+        lines.append(_check_splice(torch, dtype))
     return lines
 
 
