@@ -67,9 +67,10 @@ def _tol(dtype):
     return tolerance("merge", dtype)
 
 
-@given(partials())
-def test_merge_matches_fp64_reference(p):
-    o, lse = p
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@given(data=st.data())
+def test_merge_matches_fp64_reference(dtype, data):
+    o, lse = data.draw(partials(dtypes=[dtype]))
     o_ref, lse_ref = merge_reference(o, lse)
     o_out, lse_out = merge_partials(o, lse)
     assert o_out.dtype == o.dtype and lse_out.dtype == torch.float32
@@ -150,7 +151,7 @@ def test_partition_invariance(M, n_keys, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     B, H, d_qk, d_v = 2, 3, 576, 512
     q = torch.randn(B, H, d_qk, generator=g, dtype=torch.float64)
-    kv = torch.randn(n_keys, d_qk, generator=g, dtype=torch.float64)
+    kv = torch.randn(n_keys, d_qk, generator=g, dtype=torch.float64).clamp(-3.9, 3.9)
     scale = 192**-0.5
     owner = torch.randint(0, M, (n_keys,), generator=g)
     parts_o, parts_lse = [], []
@@ -165,7 +166,7 @@ def test_partition_invariance(M, n_keys, dtype, seed):
     o_ref, lse_ref = partial_attention_reference(
         q, kv, torch.ones(B, n_keys, dtype=torch.bool), scale, d_v
     )
-    s = assert_close(o_out, o_ref, _tol(dtype), name="o")
+    s = assert_close(o_out, o_ref, tolerance("merge_wire", dtype), name="o")
     _note(f"partition invariance o {dtype}", s.max_abs)
     assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")
 

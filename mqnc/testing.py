@@ -37,16 +37,25 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
         "the paper measures <= 4e-7 max-abs (§3.3), the issue bounds it at 1e-6.",
     ),
     ("merge", "float16"): Tolerance(
-        4e-3,
-        1e-3,
-        "the fp32 result is rounded once to fp16 on store: half an fp16 ulp at |o| <= ~4 "
-        "is 2e-3; inputs are compared after the same rounding so input error is excluded.",
+        1e-3, 5e-4,
+        "the fp32 result is rounded once to fp16 on store (round to nearest): half an fp16 ulp "
+        "at |o| < 4 is 9.8e-4; the inputs are compared after the same rounding.",
     ),
     ("merge", "bfloat16"): Tolerance(
-        3.2e-2,
-        8e-3,
-        "the fp32 result is rounded once to bf16 on store: half a bf16 ulp at |o| <= ~4 is "
-        "1.6e-2 (the bf16 floor); bounded at one ulp.",
+        8e-3, 4e-3,
+        "the fp32 result is rounded once to bf16 on store (round to nearest even; under the "
+        "interpreter in software, since its cast truncates): half a bf16 ulp at |o| < 4 is "
+        "7.8e-3, the bf16 floor.",
+    ),
+    ("merge_wire", "float32"): Tolerance(
+        1e-6, 1e-6,
+        "partials cross the wire in fp32 (one rounding of o and lse each) and merge in fp32: "
+        "a few fp32 ulp at |o| < 4, the issue's 1e-6 bound (paper §3.3: <= 4e-7).",
+    ),
+    ("merge_wire", "bfloat16"): Tolerance(
+        1.6e-2, 8e-3,
+        "partials cross the wire in bf16 (half an ulp each, convexly combined) and the merged "
+        "result is stored in bf16 (another half ulp): one bf16 ulp at |o| < 4 is 1.56e-2.",
     ),
     ("merge_lse", "float32"): Tolerance(
         1e-5,

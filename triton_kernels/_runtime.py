@@ -9,8 +9,9 @@ Environment switches (the only ones the kernels read):
 ``TRITON_INTERPRET=1``
     Run kernels under Triton's CPU interpreter. Launchers then take one process-wide lock (the
     interpreter is not thread-safe: two threads launching at once fail with "Did you forget to
-    add @triton.jit ?", seen with triton 3.9.0) and upcast ``tl.dot`` operands to fp32 (bf16
-    dots are wrong under the interpreter).
+    add @triton.jit ?", seen with triton 3.9.0), upcast ``tl.dot`` operands to fp32 (bf16
+    dots are wrong under the interpreter) and round bf16 stores in software (the interpreter's
+    fp32 -> bf16 cast truncates).
 ``MQNC_POISON_OUTPUTS=1``
     Fill every output a launcher allocates with NaN before the kernel writes it, so an element a
     kernel forgets to write fails the comparison. The test suite sets it.
@@ -24,7 +25,14 @@ import threading
 
 import torch
 
-__all__ = ["interpreting", "launch_lock", "dot_in_fp32", "new_output", "poisoning"]
+__all__ = [
+    "interpreting",
+    "launch_lock",
+    "dot_in_fp32",
+    "bf16_rne_in_software",
+    "new_output",
+    "poisoning",
+]
 
 _LOCK = threading.RLock()
 
@@ -44,6 +52,15 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
 
     Only under the interpreter and only for bf16 (its bf16 dot multiplies raw bit patterns);
     the compiled GPU path keeps bf16 operands on the tensor cores.
+    """
+    return interpreting() and dtype == torch.bfloat16
+
+
+def bf16_rne_in_software(dtype: torch.dtype) -> bool:
+    """Constexpr flag for kernels that store bf16: round to nearest even by integer arithmetic.
+
+    Only under the interpreter, whose fp32 -> bf16 cast truncates (triton 3.9.0); see
+    ``mqnc.triton_kernels._numerics.round_to``. The compiled path uses the hardware cast.
     """
     return interpreting() and dtype == torch.bfloat16
 

@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from mqnc.triton_kernels._checks import FLOAT_DTYPES, check_same_device, check_tensor
-from mqnc.triton_kernels._runtime import launch_lock, new_output
+from mqnc.triton_kernels._numerics import round_to
+from mqnc.triton_kernels._runtime import bf16_rne_in_software, launch_lock, new_output
 
 __all__ = [
     "merge_partials",
@@ -81,6 +82,7 @@ def _merge_partials_kernel(
     stride_zb,
     stride_zh,
     BLOCK_D: tl.constexpr,
+    BF16_RNE: tl.constexpr,
 ):
     """One program per (b, h) row: weights from the M lse values, then the weighted sum of o."""
     row = tl.program_id(0)
@@ -103,7 +105,11 @@ def _merge_partials_kernel(
             if w > 0.0:  # an empty partial's o is never read (it may hold anything, even NaN)
                 o = tl.load(o_row + i * stride_om + (d0 + offs) * stride_od, mask=mask, other=0.0)
                 acc += w * o.to(tl.float32)
-        tl.store(y_row + (d0 + offs) * stride_yd, acc.to(O_out.dtype.element_ty), mask=mask)
+        tl.store(
+            y_row + (d0 + offs) * stride_yd,
+            round_to(acc, O_out.dtype.element_ty, BF16_RNE),
+            mask=mask,
+        )
 
     lse = tl.where(l > 0.0, m_safe + tl.log(l), -float("inf"))
     tl.store(LSE_out + b * stride_zb + h * stride_zh, lse)
@@ -137,6 +143,7 @@ def _launch(o: torch.Tensor, lse: torch.Tensor, o_out: torch.Tensor, lse_out: to
             *o_out.stride(),
             *lse_out.stride(),
             BLOCK_D=_block_d(D),
+            BF16_RNE=bf16_rne_in_software(o_out.dtype),
         )
 
 
@@ -282,13 +289,14 @@ def compile_specs():
             )
         },
         "BLOCK_D": "constexpr",
+        "BF16_RNE": "constexpr",
     }
     return [
         dict(
             name="merge_partials[bf16,D=512]",
             fn=_merge_partials_kernel,
             signature=sig,
-            constexprs={"BLOCK_D": 512},
+            constexprs={"BLOCK_D": 512, "BF16_RNE": False},
             num_warps=4,
         ),
     ]

@@ -31,7 +31,8 @@ import triton.language as tl
 
 from mqnc.rope import RopeSpec
 from mqnc.triton_kernels._checks import FLOAT_DTYPES, check_same_device, check_tensor, dtype_name
-from mqnc.triton_kernels._runtime import interpreting, launch_lock, new_output
+from mqnc.triton_kernels._numerics import round_to
+from mqnc.triton_kernels._runtime import bf16_rne_in_software, launch_lock, new_output
 
 __all__ = ["rope_splice", "rope_rotate", "compile_specs"]
 
@@ -70,22 +71,6 @@ def _cos_sin(ang, HALF_PI_HI: tl.constexpr, HALF_PI_LO: tl.constexpr, TWO_OVER_P
     c = tl.where((q == 1) | (q == 2), -c, c)
     s = tl.where(q >= 2, -s, s)
     return c, s
-
-
-@triton.jit
-def _round(y, DST, BF16_RNE: tl.constexpr):
-    """Round float32 ``y`` to DST's dtype, to nearest even.
-
-    ``BF16_RNE`` (interpreter only, bf16 only): round by integer arithmetic, because Triton
-    3.9.0's interpreter truncates float32 -> bfloat16 casts (its ``rtne`` mode drops the
-    mantissa carry); compiled kernels use the hardware's round-to-nearest-even cast.
-    """
-    if BF16_RNE:
-        u = y.to(tl.uint32, bitcast=True)
-        u = u + 0x7FFF + ((u >> 16) & 1)
-        return (u >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return y.to(DST.dtype.element_ty)
 
 
 @triton.jit
@@ -156,10 +141,14 @@ def _rope_splice_kernel(
     y1 = x1 * c - x2 * s
     y2 = x2 * c + x1 * s
     tl.store(
-        dst_row[:, None] + (D_NOPE + i1[None, :]), _round(y1, DST, BF16_RNE), mask=mask_t[:, None]
+        dst_row[:, None] + (D_NOPE + i1[None, :]),
+        round_to(y1, DST.dtype.element_ty, BF16_RNE),
+        mask=mask_t[:, None],
     )
     tl.store(
-        dst_row[:, None] + (D_NOPE + i2[None, :]), _round(y2, DST, BF16_RNE), mask=mask_t[:, None]
+        dst_row[:, None] + (D_NOPE + i2[None, :]),
+        round_to(y2, DST.dtype.element_ty, BF16_RNE),
+        mask=mask_t[:, None],
     )
 
 
@@ -232,7 +221,7 @@ def _launch(src, dst, slots, delta, freq, T, L, block_size, strides_src, strides
             INTERLEAVED=rope.layout == "interleaved",
             HAS_SLOTS=slots is not None,
             DELTA_PER_TOKEN=per_token,
-            BF16_RNE=interpreting() and dst.dtype == torch.bfloat16,
+            BF16_RNE=bf16_rne_in_software(dst.dtype),
             HALF_PI_HI=_HALF_PI_HI,
             HALF_PI_LO=_HALF_PI_LO,
             TWO_OVER_PI=_TWO_OVER_PI,
