@@ -13,10 +13,10 @@ and out, a load and a store). The rope dims are rotated in float32 and rounded o
 dtype. Angles reach ``delta * inv_freq ~ 1e5`` rad at the positions a 160k-context model sees,
 where a float32 angle is off by up to ``ulp(1e5) / 2 = 4e-3`` rad; so each program forms the
 angle in float64 (``delta`` is an integer and ``inv_freq`` a float32 value: the product is exact
-for ``|delta| < 2**29``), reduces it mod 2π in float64 (two-constant Cody-Waite), and only then
-takes float32 ``cos``/``sin`` of the reduced angle in ``[-π, π]`` (libdevice's accurate
-``cosf``/``sinf`` on sm_90, no ``MUFU`` approximation). The angle error is then ~2e-7 rad
-whatever the delta. The float64 work is 32 angles per token per program, negligible next to the
+for ``|delta| < 2**29``), reduces it mod pi/2 in float64 (two-constant Cody-Waite), and only then
+evaluates float32 minimax polynomials for cos/sin of the reduced angle (see ``_cos_sin``: no
+libdevice call, so no stack frame on sm_90, and the interpreter computes the same thing). The
+angle error is then ~2e-7 rad whatever the delta. The float64 work is 32 angles per token per program, negligible next to the
 copy. Frequencies come from :class:`mqnc.rope.RopeSpec` (DeepSeek's float32 values, YaRN
 included); the pure ``R(delta)`` carries no YaRN cos/sin factor (it was applied at encoding).
 """
