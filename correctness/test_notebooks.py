@@ -1,0 +1,321 @@
+"""The notebooks execute (nbclient) and draw every figure they promise, so they never rot.
+
+Each notebook runs in a fresh kernel of THIS interpreter (a kernel spec written to a temporary
+folder: nothing is registered globally), with matplotlib's Agg backend, ``MQNC_FIG_DIR`` set so
+that every figure is written as a PNG, and ``MQNC_RESULTS`` pointing at the results file under
+test. ``02_measurements`` runs three times: on a synthetic results file holding every record
+kind the figures read (generated here from the cost model with noise: the figures must all be
+drawn), on one holding only kernel benchmarks (the transport figures must be reported missing
+with the command that produces them) and on the repository's own results file.
+
+Also checked: the notebooks are stored without outputs, and the plotting functions report
+missing data with :class:`mqnc.plots.MissingData`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+pytest.importorskip("matplotlib")
+
+from mqnc import plots  # noqa: E402
+from mqnc.costmodel import GATHER_PAPER, Congestion, t_route  # noqa: E402
+from mqnc.fabric import FabricProfile  # noqa: E402
+from mqnc.geometry import get_preset  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+TIMEOUT_S = 120
+
+MODEL_FIGS = [
+    "fig1a_payload",
+    "fig1b_cost_vs_chunk",
+    "fig3b_wire_saving",
+    "fig3b_decision_map",
+    "fig6a_bw_sweep",
+]
+TRANSPORT_FIGS = {
+    "fig2b_route_fit": "perf.bench_route",
+    "fig4a_gather_vs_route": "perf.bench_fetch",
+    "fig4b_holder_compute": "perf.bench_holder",
+    "fig7_congestion": "perf.bench_congestion",
+}
+
+
+# ---- synthetic results: drawn from the cost model with multiplicative noise ----------------------
+
+
+def _rec(bench, variant, x, p50, *, x_name, rng, extra=None, backend="synthetic"):
+    spread = 1.0 + 0.03 * rng.random()
+    return dict(
+        bench=bench,
+        variant=variant,
+        x=x,
+        x_name=x_name,
+        p20=p50 / spread,
+        p50=p50,
+        p80=p50 * spread,
+        unit="us",
+        bytes=None,
+        gbps=None,
+        device="Synthetic GPU",
+        transport="synthetic",
+        backend=backend,
+        version="0",
+        commit="0",
+        date="2026-01-01T00:00:00+00:00",
+        extra=extra or {},
+    )
+
+
+def synthetic_records(
+    *, transport: bool = True, kernels: bool = True, noise: float = 0.02, seed: int = 0
+) -> list:
+    """Records of every kind the figures read, from a known fabric plus ``noise`` (relative)."""
+    rng = np.random.default_rng(seed)
+    g = get_preset("deepseek-v2-lite")
+    fab = FabricProfile("synthetic", t_probe_us=12.0, bw_gbps=20.0, turnaround_us=6.0)
+
+    def noisy(v):
+        return float(v * (1.0 + noise * rng.standard_normal()))
+
+    out = []
+    if transport:
+        for m_q in (1, 4, 16, 64, 256, 1024, 4096):
+            rt = t_route(g, fab, m_q).transport
+            out.append(_rec("route", "loopback", m_q, noisy(rt), x_name="m_q", rng=rng))
+            # Table 1's payload sweep at another row size
+            qp = 900
+            rt = fab.t_probe_us + fab.turnaround_us + m_q * qp / (fab.bw_gbps * 1e3)
+            extra = {"qp_row_bytes": qp}
+            out.append(
+                _rec("route", "loopback", m_q, noisy(rt), x_name="m_q", rng=rng, extra=extra)
+            )
+        out.append(_rec("probe", "loopback", 1, noisy(fab.t_probe_us), x_name="bytes", rng=rng))
+        for m in range(1, 8):
+            gather = GATHER_PAPER.per_layer_us(g, 2048, m)
+            out.append(
+                _rec("fetch", "gather top-2048", m, noisy(gather), x_name="holders", rng=rng)
+            )
+            fan = t_route(g, fab, 256).transport + 5.0
+            out.append(_rec("route_fanout", "M_q=256", m, noisy(fan), x_name="holders", rng=rng))
+        for ct in (256, 2048):
+            out.append(_rec("fetch", "contiguous", ct, noisy(3.0 * ct), x_name="c_t", rng=rng))
+        for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            t = 20.0 + 1.5 * max(0, n - 8)
+            out.append(_rec("holder", "dense c_t=2048", n, noisy(t), x_name="requesters", rng=rng))
+        for k in (1, 4, 8, 16):
+            out.append(
+                _rec("holder", "staging pool", k, noisy(40.0 * k), x_name="streams", rng=rng)
+            )
+        cong = Congestion(bw_factor=0.45, probe_add_us=25.0)
+        for k in (0, 1, 2, 3):
+            c = cong if k == 3 else None
+            probe = fab.t_probe_us + (c.probe_add_us if c else 0.0)
+            out.append(_rec("congestion", "probe", k, noisy(probe), x_name="flows", rng=rng))
+            for m_q in (256, 1024):
+                rt = t_route(g, fab, m_q, congestion=c).transport
+                out.append(_rec("congestion", f"M_q={m_q}", k, noisy(rt), x_name="flows", rng=rng))
+    if kernels:
+        for m in (2, 8):
+            for rows in (16, 1024, 16384):
+                t = 5.0 + 0.01 * m * rows
+                out.append(
+                    _rec(
+                        "merge", f"M={m}", rows, noisy(t), x_name="rows", rng=rng, backend="triton"
+                    )
+                )
+        for ct in (55, 1024, 2048):
+            out.append(
+                _rec(
+                    "splice",
+                    "one-launch",
+                    ct,
+                    noisy(100 + ct),
+                    x_name="ct",
+                    rng=rng,
+                    backend="triton",
+                )
+            )
+    return out
+
+
+def _write(path: Path, records: list) -> Path:
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
+# ---- execution -------------------------------------------------------------------------------
+
+
+def _kernel_manager(tmp: Path, env: dict):
+    """A kernel manager for this interpreter, from a kernel spec in ``tmp`` (not registered)."""
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import KernelManager
+
+    spec_dir = tmp / "kernels" / "mqnc-test"
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "mqnc test",
+        "language": "python",
+        "env": env,
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    ksm = KernelSpecManager(kernel_dirs=[str(tmp / "kernels")])
+    found = ksm.get_kernel_spec("mqnc-test")
+    if found.argv[0] != sys.executable:
+        raise RuntimeError(f"kernel spec resolves to {found.argv[0]}, not {sys.executable}")
+    return KernelManager(kernel_name="mqnc-test", kernel_spec_manager=ksm)
+
+
+def run_notebook(name: str, tmp: Path, *, results: Path | None) -> tuple[Path, str]:
+    """Execute ``notebooks/name`` with figures written to ``tmp/figs``; returns that folder and
+    the text of every stream output."""
+    fig_dir = tmp / "figs"
+    env = {"MPLBACKEND": "Agg", "MQNC_FIG_DIR": str(fig_dir)}
+    if results is not None:
+        env["MQNC_RESULTS"] = str(results)
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    km = _kernel_manager(tmp, env)
+    old = os.environ.pop("MQNC_RESULTS", None)  # the default path must come from the notebook
+    try:
+        client = nbclient.NotebookClient(
+            nb,
+            km=km,
+            timeout=TIMEOUT_S,
+            resources={"metadata": {"path": str(NOTEBOOKS)}},
+        )
+        client.execute()
+    finally:
+        if old is not None:
+            os.environ["MQNC_RESULTS"] = old
+    text = "\n".join(
+        out.get("text", "")
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if out.get("output_type") == "stream"
+    )
+    return fig_dir, text
+
+
+def assert_png(path: Path) -> None:
+    """The PNG exists, is not tiny, and is not a blank canvas."""
+    import matplotlib.image as mpimg
+
+    assert path.exists(), f"figure not written: {path.name}"
+    assert path.stat().st_size > 8_000, f"{path.name}: only {path.stat().st_size} bytes"
+    img = mpimg.imread(path)
+    rgb = img[..., :3].reshape(-1, 3)
+    assert rgb.std() > 0.05, f"{path.name}: looks blank (pixel std {rgb.std():.3f})"
+    # more than background, text and a single line: a figure uses several colours
+    assert len(np.unique((rgb * 255).astype(np.uint8), axis=0)) > 50, f"{path.name}: too plain"
+
+
+# ---- tests -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["01_cost_model.ipynb", "02_measurements.ipynb"])
+def test_stored_without_outputs(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [], f"{name}: a code cell carries outputs"
+            assert cell.execution_count is None, f"{name}: a code cell has an execution count"
+
+
+def test_cost_model_notebook(tmp_path):
+    fig_dir, text = run_notebook("01_cost_model.ipynb", tmp_path, results=None)
+    for fig in MODEL_FIGS:
+        assert_png(fig_dir / f"{fig}.png")
+    assert "not drawn" not in text
+
+
+def test_measurements_notebook_draws_every_figure(tmp_path):
+    results = _write(tmp_path / "results.jsonl", synthetic_records())
+    fig_dir, text = run_notebook("02_measurements.ipynb", tmp_path, results=results)
+    expected = [
+        *TRANSPORT_FIGS,
+        "fig2b_route_fit_qp900",
+        "bench_merge",
+        "bench_splice",
+        "bench_fetch_other",
+        "bench_holder_other",
+    ]
+    for fig in expected:
+        assert_png(fig_dir / f"{fig}.png")
+    assert "not drawn" not in text
+    assert re.search(r"missing: nothing", text)
+
+
+def test_measurements_notebook_reports_missing_records(tmp_path):
+    results = _write(tmp_path / "results.jsonl", synthetic_records(transport=False))
+    fig_dir, text = run_notebook("02_measurements.ipynb", tmp_path, results=results)
+    for fig, command in TRANSPORT_FIGS.items():
+        assert not (fig_dir / f"{fig}.png").exists()
+        line = next((ln for ln in text.splitlines() if ln.startswith(f"{fig}: not drawn")), None)
+        assert line is not None, f"{fig}: absence not reported"
+        assert f"python -m {command}" in line, line
+    for fig in ("bench_merge", "bench_splice"):
+        assert_png(fig_dir / f"{fig}.png")
+
+
+def test_measurements_notebook_on_repository_results(tmp_path):
+    """The committed results file (found from notebooks/ without MQNC_RESULTS): every bench in
+    it is drawn, every transport figure is drawn or reported missing."""
+    records = plots.read_results(ROOT / "perf" / "results" / "results.jsonl")
+    fig_dir, text = run_notebook("02_measurements.ipynb", tmp_path, results=None)
+    assert str(ROOT / "perf" / "results" / "results.jsonl") in text
+    for bench in plots.benches(records):
+        if bench not in plots.TRANSPORT_BENCHES:
+            assert_png(fig_dir / f"bench_{bench}.png")
+    for fig in TRANSPORT_FIGS:
+        assert (fig_dir / f"{fig}.png").exists() or f"{fig}: not drawn" in text
+
+
+def test_plots_missing_data_names_the_command():
+    g = get_preset("deepseek-v2-lite")
+    only_kernels = synthetic_records(transport=False)
+    cases = [
+        (plots.route_round_trip, (only_kernels, g), "perf.bench_route"),
+        (plots.gather_vs_route, (only_kernels,), "perf.bench_fetch"),
+        (plots.holder_compute, (only_kernels,), "perf.bench_holder"),
+        (plots.congestion_plot, (only_kernels, g), "perf.bench_congestion"),
+        (plots.bench_plot, (only_kernels, "merge_nope"), "merge_nope"),
+    ]
+    for fn, args, needle in cases:
+        with pytest.raises(plots.MissingData, match=re.escape(needle)):
+            fn(None, *args)  # raises before touching the axes
+
+
+def test_route_fit_recovers_the_generating_fabric():
+    """Fig. 2(b)'s fit, read back from the synthetic records: the generating constants."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    g = get_preset("deepseek-v2-lite")
+    fig, ax = plt.subplots()
+    fits = plots.route_round_trip(ax, synthetic_records(kernels=False, noise=0.002), g)
+    plt.close(fig)
+    ((key, res),) = fits.items()
+    assert key == ("Synthetic GPU", "loopback", g.qp_row_bytes)
+    assert res.probe_measured
+    assert res.bw_gbps == pytest.approx(20.0, rel=0.01)
+    assert res.t_probe_us == pytest.approx(12.0, rel=0.01)
+    assert res.turnaround_us == pytest.approx(6.0, abs=1.0)
