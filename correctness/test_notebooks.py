@@ -185,12 +185,15 @@ def run_notebook(name: str, tmp: Path, *, results: Path | None) -> tuple[Path, s
     """Execute ``notebooks/name`` with figures written to ``tmp/figs``; returns that folder and
     the text of every stream output."""
     fig_dir = tmp / "figs"
-    env = {"MPLBACKEND": "Agg", "MQNC_FIG_DIR": str(fig_dir)}
+    env = {"MPLBACKEND": "Agg", "MQNC_FIG_DIR": str(fig_dir), "IPYTHONDIR": str(tmp / "ipython")}
     if results is not None:
         env["MQNC_RESULTS"] = str(results)
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     km = _kernel_manager(tmp, env)
-    old = os.environ.pop("MQNC_RESULTS", None)  # the default path must come from the notebook
+    # The default results path must come from the notebook; connection files go to tmp.
+    saved = {k: os.environ.get(k) for k in ("MQNC_RESULTS", "JUPYTER_RUNTIME_DIR")}
+    os.environ.pop("MQNC_RESULTS", None)
+    os.environ["JUPYTER_RUNTIME_DIR"] = str(tmp / "runtime")
     try:
         client = nbclient.NotebookClient(
             nb,
@@ -200,8 +203,11 @@ def run_notebook(name: str, tmp: Path, *, results: Path | None) -> tuple[Path, s
         )
         client.execute()
     finally:
-        if old is not None:
-            os.environ["MQNC_RESULTS"] = old
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     text = "\n".join(
         out.get("text", "")
         for cell in nb.cells
