@@ -106,6 +106,18 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
         "0.0012-0.0014 on FlashMLA, §3.3) holds where |o| < 0.25, as for attention spread over "
         "hundreds of entries; the tests assert that premise on their inputs.",
     ),
+    # Routed over the wire (mqnc.holder / mqnc.requester): each holder's partial o is rounded to
+    # bf16 on the holder (it travels in bf16, §3.2), the M-way merge rounds again; one call over
+    # the union rounds once. Measured (fp64 simulation with round-to-nearest everywhere, 4
+    # holders, |o| < 0.25): max-abs 4.9e-4, RMS relative 2.7e-3.
+    ("route_wire", "bfloat16"): Tolerance(
+        2e-3,
+        3.9e-3,
+        "routed-and-merged vs one call over the union: three independent bf16 roundings (partial, "
+        "merged, single), each <= half an ulp (max-abs: one ulp of |o| < 0.25 is 9.8e-4, so 2e-3 "
+        "is the issue's bound) and each ulp(x)/sqrt(12) <= 2^-7/sqrt(12) RMS relative, so "
+        "sqrt(3) * 2^-7 / sqrt(12) = 2^-8 = 3.9e-3 RMS (mla_routed's 1e-3 is below that floor).",
+    ),
     # RoPE delta rotation (rope_splice, rope_rotate) vs the fp64 reference, inputs |x| <= 4 per
     # dim so |out| <= 4*sqrt(2) < 8. Kernel: angle reduced exactly in fp64, fp32 cos/sin ~1 ulp.
     ("rope", "float32"): Tolerance(

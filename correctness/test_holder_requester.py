@@ -1,0 +1,291 @@
+"""Holder and requester over the loopback engine: route / fetch / local / probe against fp64
+references, dispatcher batching, the query rotation, bad requests and cost records."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from mqnc import wire
+from mqnc.geometry import PRESETS
+from mqnc.holder import Holder
+from mqnc.reference import (
+    mla_sparse_reference,
+    partial_attention_reference,
+    rope_rotate_reference,
+)
+from mqnc.requester import ChunkInfo, RemoteError, Requester
+from mqnc.rope import RopeSpec
+from mqnc.testing import TOLERANCES, assert_close
+from mqnc.transport import INBOX, REPLY, LoopbackFabric, slot_bytes_for
+
+GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4)
+ROPE = RopeSpec.from_preset("deepseek-v2-lite")
+SCALE = ROPE.softmax_scale
+# Slots sized for fp32 rows and entries (the fp32 tests), which also fit bf16.
+SLOT = slot_bytes_for(
+    GEOM.replace(cache_dtype="fp32", wire_dtype="fp32"),
+    max_rows=64,
+    max_topk=64,
+    max_chunk_tokens=128,
+)
+
+
+def _chunk(seed, tokens, dtype=torch.bfloat16, std=0.5):
+    g = torch.Generator().manual_seed(seed)
+    return (std * torch.randn(GEOM.layers, tokens, GEOM.d_qk, generator=g)).to(dtype)
+
+
+def _q(seed, B, dtype=torch.bfloat16, std=0.5):
+    g = torch.Generator().manual_seed(seed)
+    return (std * torch.randn(B, GEOM.heads, GEOM.d_qk, generator=g)).to(dtype)
+
+
+def _all(B, n):
+    return torch.ones(B, n, dtype=torch.bool)
+
+
+class Setup:
+    """Rank 0 holds the chunks (served from a thread), ranks 1.. are requesters."""
+
+    def __init__(
+        self,
+        chunks: dict[int, torch.Tensor],
+        *,
+        world=2,
+        dtype=torch.bfloat16,
+        start=True,
+        timeout_s=20.0,
+        lanes=2,
+        model=None,
+    ):
+        self.fabric = LoopbackFabric(world, SLOT, lanes=lanes)
+        self.holder = Holder(
+            self.fabric.endpoint(0),
+            GEOM,
+            softmax_scale=SCALE,
+            num_blocks=8,
+            dtype=dtype,
+            poll_s=0.02,
+        )
+        for cid, kv in chunks.items():
+            self.holder.add_chunk(cid, kv, position=0)
+        self.requesters = [
+            Requester(
+                self.fabric.endpoint(r),
+                GEOM,
+                softmax_scale=SCALE,
+                rope=ROPE,
+                timeout_s=timeout_s,
+                pool_blocks=8,
+                dtype=dtype,
+                model=model,
+            )
+            for r in range(1, world)
+        ]
+        for req in self.requesters:
+            for cid, kv in chunks.items():
+                req.register(ChunkInfo(cid, kv.shape[1], 0, (0,)))
+        if start:
+            self.holder.start()
+
+    def close(self):
+        if self.holder._thread is not None:
+            self.holder.stop()
+        assert self.holder.failure is None
+
+
+def test_route_rotation_and_fetch_splice_agree_with_keys_at_the_new_position():
+    """§3.2: rotating q by -delta and attending canonical keys equals attending keys re-encoded
+    at the requester's offset; fetch's splice (§2.2) gives the same. fp32 end to end."""
+    kv = _chunk(1, 100, torch.float32)
+    s = Setup({5: kv}, dtype=torch.float32)
+    try:
+        req = s.requesters[0]
+        q = _q(2, 3, torch.float32)
+        offset = 12_345
+        keys_new = rope_rotate_reference(kv[1], offset, ROPE)  # keys as seen at the offset
+        o_ref, lse_ref = partial_attention_reference(q, keys_new, _all(3, 100), SCALE)
+        routed = req.route(5, q, 1, offset=offset)
+        assert_close(routed.o, o_ref, TOLERANCES[("mla", "float32")], name="routed o")
+        assert_close(routed.lse, lse_ref, TOLERANCES[("mla_lse", "float32")], name="routed lse")
+        lc = req.fetch(5, offset=offset)
+        local = req.attend_local(lc, q, 1)
+        assert_close(local.o, o_ref, TOLERANCES[("mla", "float32")], name="fetched o")
+        assert_close(local.lse, lse_ref, TOLERANCES[("mla_lse", "float32")], name="fetched lse")
+        rec = req.costs[-1]
+        assert rec.primitive == "fetch" and rec.splice_us > 0
+        assert rec.bytes_recv == wire.HEADER_BYTES + GEOM.chunk_bytes(100) * 2  # fp32 entries
+    finally:
+        s.close()
+
+
+def test_route_bf16_matches_reference_over_the_sent_rows():
+    """bf16: the routed partial equals the fp64 attention of the rows actually sent (q rotated
+    by the splice module's kernel, whose own accuracy test_splice checks) over the chunk."""
+    from mqnc.triton_kernels.splice import rope_rotate
+
+    kv = _chunk(3, 128)
+    s = Setup({7: kv})
+    try:
+        req = s.requesters[0]
+        q = _q(4, 2)
+        sent = rope_rotate(q, -777, ROPE)
+        o_ref, lse_ref = partial_attention_reference(sent, kv[0], _all(2, 128), SCALE)
+        part = req.route(7, q, 0, offset=777)
+        assert part.o.dtype == torch.bfloat16 and part.lse.dtype == torch.float32
+        assert_close(part.o, o_ref, TOLERANCES[("mla", "bfloat16")], name="o")
+        assert_close(part.lse, lse_ref, TOLERANCES[("mla_lse", "float32")], name="lse")
+    finally:
+        s.close()
+
+
+def test_dispatcher_batches_waiting_requesters_into_one_call():
+    """§6.3: route requests of two requesters (different chunks, same layer) waiting on one
+    holder run as ONE dense kernel call; a selection request runs as one sparse call."""
+    chunks = {1: _chunk(5, 70), 2: _chunk(6, 128)}
+    s = Setup(chunks, world=3, start=False)
+    r1, r2 = s.requesters
+    q1, q2 = _q(7, 2), _q(8, 3)
+    idx = torch.tensor([[0, 5, 69, -1], [3, 3, 10, 20]], dtype=torch.int32)
+    out = {}
+
+    def call(key, req, *args, **kw):
+        out[key] = req.route(*args, **kw)
+
+    threads = [
+        threading.Thread(target=call, args=("a", r1, 1, q1, 1)),
+        threading.Thread(target=call, args=("b", r2, 2, q2, 1)),
+        threading.Thread(target=call, args=("c", r1, 1, q1, 1), kwargs=dict(indices=idx)),
+    ]
+    for t in threads:
+        t.start()
+    inboxes = [s.fabric.layout.slot(INBOX, src, lane) for src in (1, 2) for lane in (0, 1)]
+    deadline = time.monotonic() + 20
+    while sum(s.holder.transport.signal(x) > 0 for x in inboxes) < 3:
+        assert time.monotonic() < deadline, "requests did not arrive"
+        time.sleep(0.01)
+    assert s.holder.serve_once(1.0) == 3
+    for t in threads:
+        t.join(20)
+    assert sorted(s.holder.stats.batch_requests) == [1, 2]  # one dense call of 2, one sparse
+    assert s.holder.stats.kernel_calls == 2
+    tol, tol_lse = TOLERANCES[("mla", "bfloat16")], TOLERANCES[("mla_lse", "float32")]
+    for key, q, cid in (("a", q1, 1), ("b", q2, 2)):
+        kv = chunks[cid][1]
+        o_ref, lse_ref = partial_attention_reference(q, kv, _all(q.shape[0], kv.shape[0]), SCALE)
+        assert_close(out[key].o, o_ref, tol, name=f"{key} o")
+        assert_close(out[key].lse, lse_ref, tol_lse, name=f"{key} lse")
+    pool = chunks[1][1].reshape(1, 70, GEOM.d_qk)
+    o_ref, lse_ref = mla_sparse_reference(q1, pool, idx, SCALE)
+    assert_close(out["c"].o, o_ref, tol, name="sparse o")
+    assert_close(out["c"].lse, lse_ref, tol_lse, name="sparse lse")
+    # The records of a batched call report the whole batch's kernel time.
+    assert out["a"].record.compute_us == out["b"].record.compute_us > 0
+
+
+def test_local_through_the_model_and_attend_policy():
+    kv = _chunk(9, 90)
+    calls = []
+
+    def model(chunk_id, offset):
+        calls.append((chunk_id, offset))
+        return kv
+
+    s = Setup({3: kv}, model=model, start=False)  # the holder never answers
+    try:
+        req = s.requesters[0]
+        req.timeout_s = 0.3
+        q = _q(10, 2)
+        part = req.attend(3, q, 0, order=("local",))
+        assert part.primitive == "local" and calls == [(3, 0)]
+        o_ref, lse_ref = partial_attention_reference(q, kv[0], _all(2, 90), SCALE)
+        assert_close(part.o, o_ref, TOLERANCES[("mla", "bfloat16")], name="local o")
+        assert_close(part.lse, lse_ref, TOLERANCES[("mla_lse", "float32")], name="local lse")
+        rec = [c for c in req.costs if c.primitive == "local"][0]
+        assert rec.prefill_us > 0
+    finally:
+        s.close()
+
+
+def test_probe_and_cost_terms():
+    s = Setup({1: _chunk(11, 64)})
+    try:
+        req = s.requesters[0]
+        rt = req.probe(0)
+        assert rt > 0 and req.last_probe_us[0] == rt and s.holder.stats.probes == 1
+        part = req.route(1, _q(12, 2), 0)
+        r = part.record
+        assert r.ok and r.primitive == "route" and r.peer == 0 and r.m_q == 2 * GEOM.heads
+        assert r.probe_us == rt and r.transfer_us > 0 and r.compute_us > 0
+        assert r.total_us >= r.compute_us and r.return_us >= 0
+        assert r.bytes_sent == wire.HEADER_BYTES + r.m_q * GEOM.q_row_bytes
+        assert r.bytes_recv == wire.HEADER_BYTES + r.m_q * GEOM.p_row_bytes
+        assert set(r.to_dict()) >= {
+            "probe_us",
+            "transfer_us",
+            "compute_us",
+            "return_us",
+            "merge_us",
+            "splice_us",
+            "prefill_us",
+        }
+    finally:
+        s.close()
+
+
+def test_bad_requests_get_an_error_and_the_holder_keeps_serving():
+    s = Setup({1: _chunk(13, 64)})
+    try:
+        req = s.requesters[0]
+        req.register(ChunkInfo(99, 64, 0, (0,)))  # the directory is wrong about chunk 99
+        with pytest.raises(RemoteError, match="chunk 99 is not hosted"):
+            req.route(99, _q(14, 1), 0)
+        with pytest.raises(RemoteError, match="indices"):
+            req.route(1, _q(14, 1), 0, indices=torch.tensor([[0, 64]], dtype=torch.int32))
+        # A corrupt message straight into the holder's inbox: an ERROR for that slot only.
+        t = req.transport
+        bad = wire.pack_probe(request_id=1, seq=50)
+        bad[10] ^= 0xFF
+        t.put_signal(0, t.layout.slot(INBOX, 1, 1), bad, 50)
+        reply = t.layout.slot(REPLY, 0, 1)
+        t.wait_signal(reply, 50, 10.0)
+        h, text = wire.unpack_error(wire.read_message(t, reply))
+        assert h.seq == 50 and "CRC" in text
+        req._seq[(0, 1)] = 50  # the lane's sequence moved on with the injected message
+        part = req.route(1, _q(15, 2), 1)  # still serving
+        assert part.o.shape == (2, GEOM.heads, GEOM.d_v)
+        assert s.holder.stats.errors == 3
+    finally:
+        s.close()
+
+
+def test_argument_errors():
+    s = Setup({1: _chunk(16, 64)}, start=False)
+    req = s.requesters[0]
+    q = _q(17, 2)
+    with pytest.raises(ValueError, match=r"q: expected shape \(B, H, 576\)"):
+        req.route(1, q[..., :512], 0)
+    with pytest.raises(TypeError, match="q: invalid dtype"):
+        req.route(1, q.float(), 0)
+    with pytest.raises(KeyError, match="chunk 2 is not in the directory"):
+        req.route(2, q, 0)
+    with pytest.raises(ValueError, match="layer"):
+        req.route(1, q, 2)
+    with pytest.raises(ValueError, match="canonical positions"):
+        req.route(1, q, 0, offset=5, indices=torch.zeros(2, 3, dtype=torch.int32))
+    norope = Requester(s.fabric.endpoint(1), GEOM, softmax_scale=SCALE)
+    norope.register(ChunkInfo(1, 64, 0, (0,)))
+    with pytest.raises(ValueError, match="rope"):
+        norope.route(1, q, 0, offset=5)
+    with pytest.raises(ValueError, match="timeout_s"):
+        Requester(s.fabric.endpoint(1), GEOM, softmax_scale=SCALE, timeout_s=0)
+    with pytest.raises(ValueError, match="kv: expected shape"):
+        s.holder.add_chunk(4, _chunk(1, 8)[:1])
+    with pytest.raises(ValueError, match="already hosted"):
+        s.holder.add_chunk(1, _chunk(1, 8))
+    with pytest.raises(ValueError, match="blocks"):
+        s.holder.add_chunk(5, _chunk(1, 64 * 8))

@@ -1,0 +1,160 @@
+"""The transport protocol: loopback semantics, and the gloo engine across real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mqnc.transport import (
+    INBOX,
+    REPLY,
+    LoopbackFabric,
+    PeerLost,
+    SlotLayout,
+    TransportTimeout,
+)
+
+WORKER = Path(__file__).with_name("test_multiprocess.py")
+
+
+def test_slot_layout_is_a_bijection():
+    lay = SlotLayout(world_size=5, lanes=3)
+    seen = set()
+    for ch in (INBOX, REPLY):
+        for src in range(5):
+            for lane in range(3):
+                s = lay.slot(ch, src, lane)
+                assert (lay.channel_of(s), lay.source_of(s), lay.lane_of(s)) == (ch, src, lane)
+                seen.add(s)
+    assert seen == set(range(lay.num_slots))
+    with pytest.raises(ValueError, match="source"):
+        lay.slot(INBOX, 5)
+    with pytest.raises(ValueError, match="lanes"):
+        SlotLayout(2, 0)
+
+
+def test_put_signal_read_get_and_monotonic_signals():
+    fab = LoopbackFabric(2, slot_bytes=256, lanes=3)  # 12 slots
+    a, b = fab.endpoints
+    data = torch.arange(100, dtype=torch.uint8)
+    a.put_signal(1, 3, data, seq=5)
+    assert b.wait_signal(3, 5, timeout=1.0) == 5
+    assert torch.equal(b.read(3, 100), data)
+    assert torch.equal(a.get(1, 3, 100, timeout=1.0), data)
+    a.put_signal(1, 3, data.flip(0), seq=2)  # a late, lower sequence number
+    assert b.signal(3) == 5  # never moves a signal back
+    assert b.wait_any({3: 5, 4: 1}, timeout=1.0) == [3]
+
+
+def test_wait_times_out_within_the_bound():
+    fab = LoopbackFabric(2, slot_bytes=256)
+    t0 = time.monotonic()
+    with pytest.raises(TransportTimeout, match="within 0.2"):
+        fab.endpoints[0].wait_signal(0, 1, timeout=0.2)
+    assert 0.2 <= time.monotonic() - t0 < 1.0
+    with pytest.raises(ValueError, match="timeout"):
+        fab.endpoints[0].wait_signal(0, 1, timeout=0)
+
+
+def test_put_argument_errors():
+    fab = LoopbackFabric(2, slot_bytes=128)
+    a = fab.endpoints[0]
+    with pytest.raises(ValueError, match="does not fit a slot of 128 B"):
+        a.put_signal(1, 0, torch.zeros(200, dtype=torch.uint8), 1)
+    with pytest.raises(TypeError, match="uint8"):
+        a.put_signal(1, 0, torch.zeros(10, dtype=torch.int32), 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        a.put_signal(1, 0, torch.zeros(20, dtype=torch.uint8)[::2], 1)
+    with pytest.raises(ValueError, match="peer"):
+        a.put_signal(2, 0, torch.zeros(2, dtype=torch.uint8), 1)
+    with pytest.raises(ValueError, match="slot"):
+        a.put_signal(1, a.num_slots, torch.zeros(2, dtype=torch.uint8), 1)
+
+
+def test_dead_rank_is_reported():
+    fab = LoopbackFabric(3, slot_bytes=128)
+    fab.kill(2)
+    with pytest.raises(PeerLost):
+        fab.endpoints[0].put_signal(2, 0, torch.zeros(4, dtype=torch.uint8), 1)
+    reply_from_2 = fab.layout.slot(REPLY, 2)
+    with pytest.raises(PeerLost):  # at once, not after the timeout
+        fab.endpoints[0].wait_signal(reply_from_2, 1, timeout=30.0)
+
+
+def test_waiter_wakes_on_a_put_from_another_thread():
+    fab = LoopbackFabric(2, slot_bytes=128)
+    got = []
+    t = threading.Thread(target=lambda: got.append(fab.endpoints[1].wait_signal(0, 1, 5.0)))
+    t.start()
+    time.sleep(0.05)
+    fab.endpoints[0].put_signal(1, 0, torch.ones(4, dtype=torch.uint8), 1)
+    t.join(5.0)
+    assert got == [1]
+
+
+def test_barrier_threads():
+    fab = LoopbackFabric(3, slot_bytes=128)
+    ts = [threading.Thread(target=e.barrier, args=(5.0,)) for e in fab.endpoints]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(5.0)
+    assert not any(t.is_alive() for t in ts)
+
+
+def _env():
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    return env
+
+
+def test_torchdist_engine_across_processes():
+    """A second process echoes puts back; get, barrier and a dead peer over real gloo."""
+    from mqnc.transport.torchdist import TorchDistTransport, free_port_store
+
+    store = free_port_store(2)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            str(WORKER),
+            "echo",
+            "--rank",
+            "1",
+            "--world",
+            "2",
+            "--port",
+            str(store.port),
+        ],
+        env=_env(),
+    )
+    t = None
+    try:
+        t = TorchDistTransport(0, 2, store, slot_bytes=4096, lanes=1, idle_timeout_s=120)
+        t.barrier(60.0)
+        inbox, reply = t.layout.slot(INBOX, 0), t.layout.slot(REPLY, 1)
+        for seq in (1, 2, 3):
+            data = torch.randint(0, 256, (1000 + seq,), dtype=torch.uint8)
+            t.put_signal(1, inbox, data, seq)
+            assert t.wait_signal(reply, seq, timeout=20.0) >= seq
+            assert torch.equal(t.read(reply, data.numel()), data)  # bytes moved exactly
+            # one-sided read of the peer's inbox slot holds what was put there
+            assert torch.equal(t.get(1, inbox, data.numel(), timeout=20.0), data)
+        with pytest.raises(TransportTimeout):
+            t.wait_signal(reply, 99, timeout=0.3)
+        t.put_signal(1, inbox, torch.zeros(1, dtype=torch.uint8), 100)  # asks the echo to die
+        t0 = time.monotonic()
+        with pytest.raises(PeerLost, match="gone"):
+            t.wait_signal(reply, 101, timeout=30.0)
+        assert time.monotonic() - t0 < 15.0  # the closed connection is seen, not the timeout
+        assert not t.peer_alive(1)
+    finally:
+        if t is not None:
+            t.close(timeout=1.0)
+        child.kill()
+        child.wait(30)

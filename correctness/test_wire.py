@@ -1,0 +1,246 @@
+"""Wire format (mqnc.wire): round trips, sizes from the geometry, rejection of bad buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mqnc import wire
+from mqnc.geometry import PRESETS
+
+G = PRESETS["deepseek-v2-lite"]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (NaN payloads included)."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
+
+
+def _rand(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def test_sizes_come_from_the_geometry():
+    """§3.2: q = 1152 B and p = 1032 B per row for DeepSeek-V2-Lite, q + p = 2184 B."""
+    B, H = 2, G.heads
+    q = _rand((B, H, G.d_qk), torch.bfloat16, 0)
+    buf = wire.pack_query(q, request_id=1, seq=1, chunk_id=3, layer=0)
+    assert buf.numel() - wire.HEADER_BYTES == B * H * G.q_row_bytes == B * H * 1152
+    o = _rand((B, H, G.d_v), torch.bfloat16, 1)
+    m, l = torch.zeros(B, H), torch.ones(B, H)
+    p = wire.pack_partial(o, m, l, request_id=1, seq=1)
+    assert p.numel() - wire.HEADER_BYTES == B * H * G.p_row_bytes == B * H * 1032
+    kv = _rand((G.layers, 5, G.d_qk), torch.bfloat16, 2)
+    c = wire.pack_chunk(kv, request_id=1, seq=1, chunk_id=3, layers=(0, G.layers), position=0)
+    assert c.numel() - wire.HEADER_BYTES == G.chunk_bytes(5)
+    assert wire.HEADER_BYTES % 16 == 0
+
+
+@given(
+    B=st.integers(1, 4),
+    H=st.integers(1, 5),
+    topk=st.integers(0, 6),
+    dtype=st.sampled_from(DTYPES),
+    ids=st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
+    layer=st.integers(0, G.layers - 1),
+    seed=st.integers(0, 2**16),
+)
+def test_query_round_trip(B, H, topk, dtype, ids, layer, seed):
+    q = _rand((B, H, G.d_qk), dtype, seed)
+    idx = None
+    if topk:
+        idx = torch.randint(
+            -1, 1000, (B, topk), generator=torch.Generator().manual_seed(seed), dtype=torch.int32
+        )
+    rid, seq, cid = ids
+    buf = wire.pack_query(q, request_id=rid, seq=seq, chunk_id=cid, layer=layer, indices=idx)
+    h, q2, idx2 = wire.unpack_query(buf, geometry=G)
+    assert (h.kind, h.request_id, h.seq, h.chunk_id) == (wire.Kind.ROUTE, rid, seq, cid)
+    assert (h.batch, h.heads, h.rows, h.layer_lo, h.layer_hi, h.topk) == (
+        B,
+        H,
+        B * H,
+        layer,
+        layer + 1,
+        topk,
+    )
+    assert _bits_equal(q2, q)
+    if topk:
+        assert torch.equal(idx2, idx)
+    else:
+        assert idx2 is None
+    assert buf.numel() == wire.HEADER_BYTES + wire.query_payload_bytes(B, H, G.d_qk, topk, dtype)
+
+
+@given(
+    B=st.integers(1, 4),
+    H=st.integers(1, 5),
+    dtype=st.sampled_from(DTYPES),
+    holder_ns=st.integers(0, 2**64 - 1),
+    seed=st.integers(0, 2**16),
+    empty_row=st.booleans(),
+)
+def test_partial_round_trip(B, H, dtype, holder_ns, seed, empty_row):
+    """The collapsed response (o, m, l) is one buffer and comes back bit-exact (§5.3)."""
+    o = _rand((B, H, G.d_v), dtype, seed)
+    m = _rand((B, H), torch.float32, seed + 1) * 10
+    l = _rand((B, H), torch.float32, seed + 2).abs() + 0.5
+    if empty_row:
+        m[0, 0], l[0, 0] = 0.0, 0.0
+    buf = wire.pack_partial(o, m, l, request_id=5, seq=9, chunk_id=2, layer=3, holder_ns=holder_ns)
+    h, o2, m2, l2 = wire.unpack_partial(buf, geometry=G)
+    assert h.kind == wire.Kind.PARTIAL and h.holder_ns == holder_ns and h.rows == B * H
+    assert _bits_equal(o2, o) and _bits_equal(m2, m) and _bits_equal(l2, l)
+
+
+def test_partial_into_staging_buffer():
+    o, m, l = _rand((2, 3, G.d_v), torch.bfloat16, 0), torch.zeros(2, 3), torch.ones(2, 3)
+    staging = torch.full((100_000,), 7, dtype=torch.uint8)
+    buf = wire.pack_partial(o, m, l, request_id=1, seq=1, out=staging)
+    assert buf.data_ptr() == staging.data_ptr()
+    _, o2, _, _ = wire.unpack_partial(staging)  # a slot larger than the message is fine
+    assert _bits_equal(o2, o)
+    with pytest.raises(ValueError, match="out"):
+        wire.pack_partial(o, m, l, request_id=1, seq=1, out=staging[:100])
+
+
+@given(
+    layers=st.tuples(st.integers(0, G.layers - 1), st.integers(1, 3)),
+    ct=st.integers(0, 9),
+    position=st.integers(-(2**40), 2**40),
+)
+def test_chunk_round_trip(layers, ct, position):
+    lo = layers[0]
+    hi = min(lo + layers[1], G.layers)
+    kv = _rand((hi - lo, ct, G.d_qk), torch.bfloat16, ct)
+    buf = wire.pack_chunk(kv, request_id=3, seq=4, chunk_id=11, layers=(lo, hi), position=position)
+    h, kv2 = wire.unpack_chunk(buf, geometry=G)
+    assert (h.layer_lo, h.layer_hi, h.batch, h.position) == (lo, hi, ct, position)
+    assert _bits_equal(kv2, kv)
+
+
+def test_probe_fetch_error_shutdown():
+    for ack in (False, True):
+        h = wire.parse_header(wire.pack_probe(request_id=2, seq=3, ack=ack))
+        assert h.kind == (wire.Kind.PROBE_ACK if ack else wire.Kind.PROBE)
+        assert h.payload_bytes == 0 and h.nbytes == wire.HEADER_BYTES
+    h = wire.parse_header(wire.pack_fetch(request_id=2, seq=3, chunk_id=4), geometry=G)
+    assert (h.kind, h.chunk_id, h.layer_lo, h.layer_hi) == (wire.Kind.FETCH, 4, 0, G.layers)
+    h, text = wire.unpack_error(wire.pack_error("chunk 4 unknown", request_id=2, seq=3))
+    assert text == "chunk 4 unknown" and h.request_id == 2
+    assert wire.parse_header(wire.pack_shutdown()).kind == wire.Kind.SHUTDOWN
+
+
+def _messages():
+    q = _rand((2, 3, G.d_qk), torch.bfloat16, 0)
+    idx = torch.tensor([[0, 5, -1], [7, 1, 2]], dtype=torch.int32)
+    o = _rand((2, 3, G.d_v), torch.bfloat16, 1)
+    return {
+        "route": wire.pack_query(q, request_id=1, seq=1, chunk_id=2, layer=1, indices=idx),
+        "partial": wire.pack_partial(o, torch.zeros(2, 3), torch.ones(2, 3), request_id=1, seq=1),
+        "probe": wire.pack_probe(request_id=1, seq=1),
+        "chunk": wire.pack_chunk(
+            _rand((1, 3, G.d_qk), torch.bfloat16, 2),
+            request_id=1,
+            seq=1,
+            chunk_id=2,
+            layers=(0, 1),
+            position=0,
+        ),
+    }
+
+
+MESSAGES = _messages()
+
+
+@given(name=st.sampled_from(sorted(MESSAGES)), data=st.data())
+def test_any_single_byte_corruption_is_rejected(name, data):
+    """Flipping any bit of any byte (header, padding or payload) is caught before use."""
+    buf = MESSAGES[name].clone()
+    pos = data.draw(st.integers(0, buf.numel() - 1))
+    bit = data.draw(st.integers(0, 7))
+    buf[pos] ^= 1 << bit
+    with pytest.raises(wire.WireError):
+        wire.parse_header(buf, geometry=G)
+
+
+@given(name=st.sampled_from(sorted(MESSAGES)), data=st.data())
+def test_truncation_is_rejected(name, data):
+    buf = MESSAGES[name]
+    n = data.draw(st.integers(0, buf.numel() - 1))
+    with pytest.raises(wire.WireError, match="truncated"):
+        wire.parse_header(buf[:n].clone(), geometry=G)
+
+
+def test_rejections_name_what_is_wrong():
+    route = MESSAGES["route"]
+    with pytest.raises(wire.WireError, match="unexpected message kind"):
+        wire.unpack_partial(route)
+    with pytest.raises(wire.WireError, match="width"):
+        wire.parse_header(route, geometry=G.replace(d_c=256))
+    with pytest.raises(wire.WireError, match="layer range"):
+        wire.parse_header(route, geometry=G.replace(layers=1))
+    bad = route.clone()
+    bad[:4] = torch.tensor(list(b"XXXX"), dtype=torch.uint8)
+    with pytest.raises(wire.WireError, match="magic"):
+        wire.parse_header(bad)
+    with pytest.raises(TypeError, match="buf"):
+        wire.parse_header(route.numpy())
+    with pytest.raises(TypeError, match="uint8"):
+        wire.parse_header(route.view(torch.int16))
+    with pytest.raises(ValueError, match="contiguous"):
+        wire.parse_header(route[::2])
+
+
+def test_pack_argument_errors():
+    q = _rand((2, 3, G.d_qk), torch.bfloat16, 0)
+    with pytest.raises(ValueError, match="q: expected 3 dims with last dim 576"):
+        wire.pack_query(q[..., :512], request_id=1, seq=1, chunk_id=1, layer=0)
+    with pytest.raises(TypeError, match="q: invalid dtype"):
+        wire.pack_query(q.to(torch.int32), request_id=1, seq=1, chunk_id=1, layer=0)
+    with pytest.raises(ValueError, match="layers"):
+        wire.pack_query(q, request_id=1, seq=1, chunk_id=1, layer=G.layers)
+    with pytest.raises(ValueError, match="request_id"):
+        wire.pack_query(q, request_id=-1, seq=1, chunk_id=1, layer=0)
+    with pytest.raises(TypeError, match="indices: invalid dtype"):
+        wire.pack_query(
+            q,
+            request_id=1,
+            seq=1,
+            chunk_id=1,
+            layer=0,
+            indices=torch.zeros(2, 4, dtype=torch.int64),
+        )
+    with pytest.raises(ValueError, match="indices: expected shape"):
+        wire.pack_query(
+            q,
+            request_id=1,
+            seq=1,
+            chunk_id=1,
+            layer=0,
+            indices=torch.zeros(3, 4, dtype=torch.int32),
+        )
+    o = _rand((2, 3, G.d_v), torch.bfloat16, 0)
+    with pytest.raises(TypeError, match="m: invalid dtype"):
+        wire.pack_partial(
+            o, torch.zeros(2, 3, dtype=torch.float64), torch.ones(2, 3), request_id=1, seq=1
+        )
+    with pytest.raises(ValueError, match="l: expected shape"):
+        wire.pack_partial(o, torch.zeros(2, 3), torch.ones(3, 2), request_id=1, seq=1)
+    with pytest.raises(ValueError, match="kv: expected 2 layers"):
+        wire.pack_chunk(
+            _rand((1, 3, G.d_qk), torch.bfloat16, 0),
+            request_id=1,
+            seq=1,
+            chunk_id=1,
+            layers=(0, 2),
+            position=0,
+        )
