@@ -100,11 +100,12 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     ),
     ("mla_routed", "bfloat16"): Tolerance(
         2e-3,
-        1e-3,
+        6e-3,
         "routed (per-holder partials rounded to bf16, merged, rounded again) vs one call over the "
         "union (rounded once): about one bf16 ulp of |o|, so the issue's 2e-3 max-abs (paper: "
         "0.0012-0.0014 on FlashMLA, §3.3) holds where |o| < 0.25, as for attention spread over "
-        "hundreds of entries; the tests assert that premise on their inputs.",
+        "hundreds of entries; the tests assert that premise on their inputs. RMS: three "
+        "independent bf16 roundings (partial, merged, union), each ~2^-9 / sqrt(3) relative.",
     ),
     # Routed over the wire (mqnc.holder / mqnc.requester): each holder's partial o is rounded to
     # bf16 on the holder (it travels in bf16, §3.2), the M-way merge rounds again; one call over

@@ -13,10 +13,12 @@ from mqnc.triton_kernels.merge import (
     merge_partials_into,
     ml_from_lse,
 )
+from mqnc.triton_kernels.mla_decode import mla_decode_partial
+from mqnc.triton_kernels.mla_sparse import mla_sparse_partial
 from mqnc.triton_kernels.splice import rope_rotate, rope_splice
 
 # Every kernel module, for the sm_90 compile test (each defines ``compile_specs()``).
-KERNEL_MODULES = ["merge", "splice"]
+KERNEL_MODULES = ["merge", "mla_decode", "mla_sparse", "splice"]
 
 __all__ = [
     "KERNEL_MODULES",
@@ -26,6 +28,8 @@ __all__ = [
     "lse_from_base2",
     "lse_from_ml",
     "ml_from_lse",
+    "mla_decode_partial",
+    "mla_sparse_partial",
     "rope_splice",
     "rope_rotate",
 ]

@@ -1,0 +1,156 @@
+"""Sparse top-k partial MLA attention (``mla_sparse_partial``) against the fp64 reference, and
+routed exactness under selection (§3.3, §5.4): a selected set scattered across the pool, split
+among M holders that each hold only their entries, attended per holder and merged, equals one
+call over the whole set.
+
+Outputs are NaN-poisoned (conftest) and every pool slot that is not selected is NaN, so a read
+of an unselected or masked (-1) slot fails the comparison.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mqnc.reference import mla_sparse_reference
+from mqnc.testing import assert_close, tolerance
+from mqnc.triton_kernels import merge_partials, mla_sparse_partial
+
+D_QK = 576
+SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite with YaRN
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Module-level rather than the ``device`` fixture: Hypothesis reuses function-scoped fixtures.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def selection(gen, B, topk, pool_tokens, unused_frac):
+    """``[B, topk]`` int32 indices drawn without replacement per row, a fraction set to -1."""
+    rows = []
+    for _ in range(B):
+        idx = torch.randperm(pool_tokens, generator=gen)[:topk]
+        drop = torch.rand(topk, generator=gen) < unused_frac
+        rows.append(torch.where(drop, torch.full_like(idx, -1), idx))
+    return torch.stack(rows).to(torch.int32)
+
+
+def pool_with(indices, num_blocks, block_size, dtype, gen, scale=1.0):
+    """A pool whose selected slots hold N(0, scale^2) entries and every other slot NaN."""
+    flat = torch.full((num_blocks * block_size, D_QK), float("nan"))
+    sel = indices[indices >= 0].long().unique()
+    flat[sel] = scale * torch.randn(sel.numel(), D_QK, generator=gen)
+    return flat.reshape(num_blocks, block_size, D_QK).to(device=DEVICE, dtype=dtype)
+
+
+@given(
+    dtype=st.sampled_from(DTYPES),
+    heads=st.sampled_from([1, 5, 16, 24]),
+    block_size=st.sampled_from([16, 64]),
+    B=st.integers(1, 3),
+    topk=st.integers(1, 200),
+    unused_frac=st.sampled_from([0.0, 0.3, 1.0]),
+    num_splits=st.sampled_from([None, 1, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_sparse_matches_fp64_reference(
+    dtype, heads, block_size, B, topk, unused_frac, num_splits, seed
+):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = math.ceil(topk / block_size) + 3
+    indices = selection(gen, B, topk, num_blocks * block_size, unused_frac)
+    pool = pool_with(indices, num_blocks, block_size, dtype, gen)
+    q = torch.randn(B, heads, D_QK, generator=gen).to(device=DEVICE, dtype=dtype)
+    indices = indices.to(DEVICE)
+    o, lse = mla_sparse_partial(q, pool, indices, softmax_scale=SCALE, num_splits=num_splits)
+    o_ref, lse_ref = mla_sparse_reference(q, pool, indices, SCALE)
+    assert_close(o, o_ref, tolerance("mla", dtype), name="o")
+    assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name="lse")
+
+
+def test_sparse_rows_with_no_valid_index_are_empty():
+    gen = torch.Generator().manual_seed(4)
+    indices = torch.tensor([[-1] * 40, [3, -1, 70, 5] * 10, [-1] * 40], dtype=torch.int32)
+    pool = pool_with(indices, 4, 32, torch.float32, gen)
+    q = torch.randn(3, 16, D_QK, generator=gen).to(DEVICE)
+    o, lse = mla_sparse_partial(q, pool, indices.to(DEVICE), softmax_scale=SCALE, num_splits=2)
+    for b in (0, 2):
+        assert torch.equal(o[b], torch.zeros_like(o[b])) and torch.isneginf(lse[b]).all()
+    o_ref, lse_ref = mla_sparse_reference(q, pool, indices.to(DEVICE), SCALE)
+    assert_close(o, o_ref, tolerance("mla", torch.float32), name="o")
+    assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name="lse")
+
+
+@settings(max_examples=12)  # up to 9 launches per example: keep the suite's CPU time bounded
+@given(
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    topk=st.integers(64, 256),
+    holders=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_routed_sparse_equals_one_call(dtype, topk, holders, seed):
+    """A top-k set scattered over a 4096-entry store, each entry assigned at random to one of M
+    holders; holder i holds only its entries (every other slot of its pool is NaN) and attends
+    its part of the selection; the merged partials equal one call over the whole set."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, block_size, num_blocks = 2, 16, 64, 64
+    indices = selection(gen, B, topk, num_blocks * block_size, 0.0)
+    # Entries ~ N(0, 0.15^2), q ~ N(0, 1.25^2): |o| < 0.25, the premise of the bf16 bound.
+    store = pool_with(indices, num_blocks, block_size, dtype, gen, scale=0.15)
+    q = (1.25 * torch.randn(B, H, D_QK, generator=gen)).to(device=DEVICE, dtype=dtype)
+    owner = torch.randint(0, holders, (num_blocks * block_size,), generator=gen)
+    partials = []
+    for i in range(holders):
+        mine = (owner == i).to(DEVICE)
+        held = torch.where(mine[:, None], store.reshape(-1, D_QK), float("nan"))
+        held = held.reshape(store.shape).to(dtype)
+        idx = indices.to(DEVICE)
+        idx = torch.where(mine[idx.long()], idx, torch.full_like(idx, -1))
+        partials.append(mla_sparse_partial(q, held, idx, softmax_scale=SCALE))
+    o_routed, lse_routed = merge_partials(
+        torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials])
+    )
+    o_one, lse_one = mla_sparse_partial(q, store, indices.to(DEVICE), softmax_scale=SCALE)
+    assert float(o_one.abs().max()) < 0.25
+    assert_close(o_routed, o_one, tolerance("mla_routed", dtype), name="o routed vs one call")
+    assert_close(lse_routed, lse_one, tolerance("mla_lse", "float32"), name="lse routed")
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(5)
+    indices = selection(gen, 2, 8, 64, 0.25)
+    pool = pool_with(indices, 4, 16, torch.float32, gen)
+    q = torch.randn(2, 4, D_QK, generator=gen).to(DEVICE)
+    return q, pool, indices.to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, match",
+    [
+        (lambda a: {**a, "indices": a["indices"].long()}, TypeError, "indices"),
+        (lambda a: {**a, "indices": a["indices"][:1]}, ValueError, "indices"),
+        (lambda a: {**a, "indices": a["indices"] + 64}, ValueError, r"indices: .*\[0, 64\)"),
+        (lambda a: {**a, "indices": a["indices"] - 100}, ValueError, "indices"),
+        (lambda a: {**a, "q": a["q"].to(torch.bfloat16)}, TypeError, "kv_pool"),
+        (lambda a: {**a, "kv_pool": a["kv_pool"][..., :320]}, ValueError, "kv_pool"),
+        (lambda a: {**a, "softmax_scale": float("nan")}, ValueError, "softmax_scale"),
+        (lambda a: {**a, "num_splits": -1}, ValueError, "num_splits"),
+    ],
+)
+def test_sparse_bad_input_names_the_argument(mutate, exc, match):
+    q, pool, indices = _inputs()
+    args = mutate(dict(q=q, kv_pool=pool, indices=indices, softmax_scale=SCALE))
+    with pytest.raises(exc, match=match):
+        mla_sparse_partial(args.pop("q"), args.pop("kv_pool"), args.pop("indices"), **args)
+
+
+def test_sparse_index_check_can_be_switched_off():
+    """With ``check_indices=False`` the host check is skipped (no sync); valid input still
+    matches the reference."""
+    q, pool, indices = _inputs()
+    o, lse = mla_sparse_partial(q, pool, indices, softmax_scale=SCALE, check_indices=False)
+    o_ref, lse_ref = mla_sparse_reference(q, pool, indices, SCALE)
+    assert_close(o, o_ref, tolerance("mla", torch.float32), name="o")
+    assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name="lse")

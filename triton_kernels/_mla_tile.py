@@ -1,0 +1,154 @@
+"""The tile loop shared by the dense paged and the sparse top-k partial MLA kernels (§3.3, §6.3).
+
+Private ``@triton.jit`` helpers; the public ops are ``mla_decode.mla_decode_partial`` and
+``mla_sparse.mla_sparse_partial``, which differ only in how they find a tile's cache rows (a
+block-table lookup, or the top-k indices) and share everything else here:
+
+- :func:`_load_query` loads the ``BLOCK_H`` heads of one query token as two tiles, the latent
+  part ``[BLOCK_H, D_LAT]`` and the rope part ``[BLOCK_H, D_PE]`` (``tl.arange`` needs
+  power-of-two extents, so the 576-wide head is split 512 + 64);
+- :func:`_attend_tile` streams one tile of ``BLOCK_N`` cache entries through an online softmax
+  for all ``BLOCK_H`` heads at once (every head attends the same entries, so each tile is read
+  once per program); the value is the latent part of the same loaded tile, never read again;
+- :func:`_store_partial` normalises and writes ``(o, lse)``; an empty row writes
+  ``o = 0, lse = -inf``.
+
+Decisions: scores are kept in base 2 (the scale is pre-multiplied by ``log2(e)`` so the loop
+uses ``exp2``) and converted to the natural-log LSE on store; the running max, denominator and
+accumulator are fp32; ``tl.dot`` takes the cache dtype (bf16 / fp16 on the tensor cores, fp32
+with ``input_precision="ieee"`` so fp32 inputs are not silently rounded to tf32), except under
+the interpreter with bf16, where ``DOT_FP32`` upcasts the operands (see ``_runtime.dot_in_fp32``).
+The softmax weights ``p`` are rounded to the cache dtype for the PV product, as FlashMLA does.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mqnc.triton_kernels._numerics import round_to
+
+LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_query(
+    Q,
+    b,
+    h0,
+    H,
+    stride_qb,
+    stride_qh,
+    BLOCK_H: tl.constexpr,
+    D_LAT: tl.constexpr,
+    D_PE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Heads ``h0 .. h0 + BLOCK_H`` of query token ``b``: ``(q_lat [BLOCK_H, D_LAT],
+    q_pe [BLOCK_H, D_PE], head mask [BLOCK_H])``; heads ``>= H`` load as 0 and are never stored."""
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    row = Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
+    q_lat = tl.load(row + tl.arange(0, D_LAT)[None, :], mask=mask_h[:, None], other=0.0)
+    q_pe = tl.load(row + D_LAT + tl.arange(0, D_PE)[None, :], mask=mask_h[:, None], other=0.0)
+    if DOT_FP32:
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+    return q_lat, q_pe, offs_h, mask_h
+
+
+@triton.jit
+def _attend_tile(
+    q_lat,
+    q_pe,
+    kv_rows,
+    valid,
+    m,
+    l,
+    acc,
+    qk_scale,
+    D_LAT: tl.constexpr,
+    D_PE: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One online-softmax step over ``BLOCK_N`` cache entries for ``BLOCK_H`` heads.
+
+    ``kv_rows`` [BLOCK_N] are pointers to the entries' first element (unit stride inside an
+    entry), ``valid`` [BLOCK_N] says which to attend (invalid rows are never read, so padding
+    may hold anything, NaN included). ``m`` [BLOCK_H] is the running max in base-2 units,
+    ``l`` [BLOCK_H] the denominator relative to it, ``acc`` [BLOCK_H, D_LAT] the unnormalised
+    output, all fp32. ``qk_scale = softmax_scale * log2(e)``.
+    """
+    kv_lat = tl.load(
+        kv_rows[:, None] + tl.arange(0, D_LAT)[None, :], mask=valid[:, None], other=0.0
+    )
+    kv_pe = tl.load(
+        kv_rows[:, None] + D_LAT + tl.arange(0, D_PE)[None, :], mask=valid[:, None], other=0.0
+    )
+    if DOT_FP32:
+        kv_lat = kv_lat.to(tl.float32)
+        kv_pe = kv_pe.to(tl.float32)
+    s = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
+    s = tl.dot(q_pe, tl.trans(kv_pe), acc=s, input_precision=PRECISION)
+    s = tl.where(valid[None, :], s * qk_scale, -float("inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    # A tile with no valid entry (possible for sparse indices) leaves m_new = -inf: shift by 0.
+    m_shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_shift)
+    p = tl.exp2(s - m_shift[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(kv_lat.dtype), kv_lat, acc=acc, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
+def _store_partial(
+    O,
+    LSE,
+    o_base,
+    lse_base,
+    offs_h,
+    mask_h,
+    stride_oh,
+    stride_lh,
+    m,
+    l,
+    acc,
+    D_LAT: tl.constexpr,
+    BF16_RNE: tl.constexpr,
+):
+    """Write ``o = acc / l`` in ``O``'s dtype (round to nearest even, ``_numerics.round_to``)
+    and the natural-log ``lse = (m + log2 l) ln 2``; a row that attended nothing (``l = 0``)
+    writes ``o = 0, lse = -inf``."""
+    nonempty = l > 0.0
+    inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l, 1.0), 0.0)
+    o = acc * inv_l[:, None]
+    o_ptrs = O + o_base + offs_h[:, None] * stride_oh + tl.arange(0, D_LAT)[None, :]
+    tl.store(o_ptrs, round_to(o, O.dtype.element_ty, BF16_RNE), mask=mask_h[:, None])
+    lse = tl.where(
+        nonempty, (m + tl.log2(tl.where(nonempty, l, 1.0))) * 0.6931471805599453, -float("inf")
+    )
+    tl.store(LSE + lse_base + offs_h * stride_lh, lse, mask=mask_h)
+
+
+def tile_config(heads: int, *, sparse: bool = False) -> tuple[int, int, int]:
+    """``(BLOCK_H, BLOCK_N, num_warps)`` for ``heads`` query heads per token.
+
+    Chosen from sm_90 compiles of the bf16 kernels (the modules' ``compile_specs``, registers
+    and spills read with cuobjdump, triton 3.9.0):
+
+    - dense: 16 heads x 64-entry tiles on 8 warps: 230 registers, no spills; 32 heads need
+      32-entry tiles (204 registers, no spills);
+    - sparse (the per-entry index arithmetic costs registers): 16 x 32 on 8 warps: 178
+      registers; 32 x 16: 222 registers; 16 x 64 spills (152 B of stack).
+
+    64 packed heads (FlashMLA's shape) spill in every Triton configuration tried (8 or 16 warps,
+    16..64-entry tiles: 456..1392 B of stack), its fp32 accumulator alone being 64 x 512; so
+    H > 16 runs in programs of 32 heads, each reading the token's tiles (repeats hit L2).
+    """
+    if heads <= 16:
+        return (16, 32, 8) if sparse else (16, 64, 8)
+    return (32, 16, 8) if sparse else (32, 32, 8)

@@ -1,0 +1,336 @@
+"""Sparse top-k partial absorbed-MLA attention: the holder's compute under selection (§3.3, §5.4,
+§6.3 of the paper).
+
+A sparse-attention indexer (DeepSeek-V3.2 DSA, NSA) picks, per query token, ``topk`` cache
+entries scattered anywhere in the pool; route attends them where they reside, at their canonical
+positions (no rotation), and returns a partial ``(o, lse)`` that the requester merges with the
+partials of the other holders the selection spans.
+
+Kernel design: the tile loop is the dense kernel's (``_mla_tile``: heads packed per program,
+online softmax in fp32, the value read from the latent part of the same tile); only the row
+lookup differs: the ``BLOCK_N`` indices of a tile address ``kv_pool.reshape(-1, d_qk)``, and
+``-1`` masks a slot, which is never read (with ``check_indices=False`` any negative index
+is read as unused). Any number of heads (FlashMLA's
+sparse kernel takes only 64 or 128, in FP8). Like the dense op, ``num_splits`` divides each
+row's index list into ranges combined by the merge kernel (one query token at top-2048 is
+otherwise only ``ceil(H / BLOCK_H)`` programs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mqnc.triton_kernels._checks import check_same_device, check_tensor
+from mqnc.triton_kernels._mla_tile import (
+    LOG2E,
+    _attend_tile,
+    _load_query,
+    _store_partial,
+    tile_config,
+)
+from mqnc.triton_kernels._runtime import (
+    bf16_rne_in_software,
+    dot_in_fp32,
+    launch_lock,
+    new_output,
+)
+from mqnc.triton_kernels.merge import _launch as _merge_launch
+from mqnc.triton_kernels.mla_decode import (
+    check_mla_shapes,
+    check_num_splits,
+    check_softmax_scale,
+    choose_num_splits,
+    dot_precision,
+    sm_count,
+)
+
+__all__ = ["mla_sparse_partial", "compile_specs"]
+
+
+@triton.jit
+def _mla_sparse_kernel(
+    Q,
+    KV,
+    Indices,
+    O,
+    LSE,
+    H,
+    topk,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_ib,
+    stride_ik,
+    stride_os,
+    stride_ob,
+    stride_oh,
+    stride_ls,
+    stride_lb,
+    stride_lh,
+    PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_LAT: tl.constexpr,
+    D_PE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BF16_RNE: tl.constexpr,
+):
+    """Grid ``(B, ceil(H / BLOCK_H), NUM_SPLITS)``; split ``s`` takes a contiguous range of the
+    row's ``topk`` index slots, whole tiles each."""
+    b = tl.program_id(0)
+    h0 = tl.program_id(1) * BLOCK_H
+    split = tl.program_id(2)
+
+    tiles_per_split = tl.cdiv(tl.cdiv(topk, BLOCK_N), NUM_SPLITS)
+    k_start = split * tiles_per_split * BLOCK_N
+    k_end = tl.minimum(k_start + tiles_per_split * BLOCK_N, topk)
+
+    q_lat, q_pe, offs_h, mask_h = _load_query(
+        Q, b, h0, H, stride_qb, stride_qh, BLOCK_H, D_LAT, D_PE, DOT_FP32
+    )
+    m = tl.full([BLOCK_H], -float("inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+
+    index_row = Indices + b.to(tl.int64) * stride_ib
+    offs_n = tl.arange(0, BLOCK_N)
+    for k0 in range(k_start, k_end, BLOCK_N):
+        k = k0 + offs_n
+        idx = tl.load(index_row + k * stride_ik, mask=k < k_end, other=-1)
+        valid = idx >= 0
+        idx = tl.where(valid, idx, 0)
+        kv_rows = KV + (idx // PAGE).to(tl.int64) * stride_kb + (idx % PAGE) * stride_kt
+        m, l, acc = _attend_tile(
+            q_lat, q_pe, kv_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, DOT_FP32, PRECISION
+        )
+
+    o_base = split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
+    lse_base = split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
+    _store_partial(
+        O, LSE, o_base, lse_base, offs_h, mask_h, stride_oh, stride_lh, m, l, acc, D_LAT, BF16_RNE
+    )
+
+
+def _check_index_range(indices: torch.Tensor, pool_tokens: int) -> None:
+    """Host-side check (one sync): every index is -1 (unused) or in ``[0, pool_tokens)``."""
+    bad = (indices < -1) | (indices >= pool_tokens)
+    if bool(bad.any()):
+        i, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"indices: expected -1 (unused) or a token id in [0, {pool_tokens}) of the flattened "
+            f"kv_pool, got {int(indices[i, j])} at [{i}, {j}] ({int(bad.sum())} out of range)"
+        )
+
+
+def mla_sparse_partial(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    softmax_scale: float,
+    d_v: int = 512,
+    num_splits: int | None = None,
+    check_indices: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial attention of absorbed MLA query rows over a selected (top-k) set of cache entries.
+
+    For query token ``b`` and head ``h``, over the entries ``j = indices[b, k] >= 0`` of the
+    flattened pool ``kv = kv_pool.reshape(-1, d_qk)``, with ``s_j = softmax_scale *
+    <q[b, h], kv[j]>``::
+
+        lse[b, h] = log(sum_j exp(s_j))        o[b, h] = sum_j exp(s_j - lse[b, h]) * kv[j, :d_v]
+
+    A repeated index is attended as many times as it appears (as the reference does).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        Absorbed query rows ``[B, H, d_qk]`` (576 for DeepSeek), bf16 / fp16 / fp32, unit
+        stride on the last dim. Any ``H``.
+    kv_pool : torch.Tensor
+        Cache pool ``[num_blocks, block_size, d_qk]``, same dtype as ``q``, unit stride on the
+        last dim, ``block_size`` a power of two; entry ``j`` of the flattened token axis is
+        ``kv_pool[j // block_size, j % block_size]``. Entries ``[c_KV (d_v), k_pe]``, attended at
+        their canonical positions (no rotation).
+    indices : torch.Tensor
+        ``[B, topk]`` int32 into the flattened token axis; ``-1`` marks an unused slot. A row
+        with no valid index gives ``o = 0, lse = -inf``.
+    softmax_scale : float
+        The model's scale, required (DeepSeek with YaRN: ``192**-0.5 * mscale**2``).
+    d_v : int
+        Value width (512); ``d_v`` and ``d_qk - d_v`` powers of two >= 16.
+    num_splits : int or None
+        Splits of each row's index list (split-KV), combined by the merge kernel; None chooses
+        so that the grid covers the device's SMs with at least 256 slots per split.
+    check_indices : bool
+        Raise ``ValueError`` on the host (one sync) for an index ``< -1`` or ``>= num_blocks *
+        block_size``; pass False on a hot path (an index past the pool then reads out of bounds,
+        a negative one is read as unused).
+
+    Returns
+    -------
+    o : torch.Tensor
+        ``[B, H, d_v]`` in ``q``'s dtype (accumulated in fp32).
+    lse : torch.Tensor
+        ``[B, H]`` float32, **natural-log** log-sum-exp of the scaled scores; ``-inf`` for a row
+        with no valid index.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mqnc.triton_kernels import mla_sparse_partial
+    >>> q = torch.randn(1, 16, 576)
+    >>> pool = torch.randn(8, 64, 576)
+    >>> idx = torch.tensor([[5, 300, 77, -1]], dtype=torch.int32)
+    >>> o, lse = mla_sparse_partial(q, pool, idx, softmax_scale=192**-0.5)
+    >>> o.shape, lse.shape
+    (torch.Size([1, 16, 512]), torch.Size([1, 16]))
+    """
+    d_v, d_pe = check_mla_shapes(q, kv_pool, d_v)
+    B, H, _ = q.shape
+    num_blocks, block_size, _ = kv_pool.shape
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(
+            f"kv_pool: expected a block size (dim 1) that is a power of two, got {block_size}"
+        )
+    check_tensor("indices", indices, ndim=2, dtypes=(torch.int32,), shape=(B, None))
+    topk = indices.shape[1]
+    device = check_same_device(q=q, kv_pool=kv_pool, indices=indices)
+    scale = check_softmax_scale(softmax_scale)
+    check_num_splits(num_splits)
+    if check_indices:
+        _check_index_range(indices, num_blocks * block_size)
+
+    block_h, block_n, num_warps = tile_config(H, sparse=True)
+    head_blocks = triton.cdiv(H, block_h)
+    if num_splits is None:
+        num_splits = choose_num_splits(B * head_blocks, topk, sm_count(device))
+
+    o = new_output((B, H, d_v), q.dtype, device)
+    lse = new_output((B, H), torch.float32, device)
+    if B * H == 0:
+        return o, lse
+    if num_splits == 1:
+        o_part, lse_part = o, lse
+        o_strides = (0, *o.stride()[:2])
+        l_strides = (0, *lse.stride())
+    else:
+        o_part = new_output((num_splits, B, H, d_v), torch.float32, device)
+        lse_part = new_output((num_splits, B, H), torch.float32, device)
+        o_strides = o_part.stride()[:3]
+        l_strides = lse_part.stride()
+
+    with launch_lock():
+        _mla_sparse_kernel[(B, head_blocks, num_splits)](
+            q,
+            kv_pool,
+            indices,
+            o_part,
+            lse_part,
+            H,
+            topk,
+            scale * LOG2E,
+            q.stride(0),
+            q.stride(1),
+            kv_pool.stride(0),
+            kv_pool.stride(1),
+            indices.stride(0),
+            indices.stride(1),
+            *o_strides,
+            *l_strides,
+            PAGE=block_size,
+            BLOCK_H=block_h,
+            BLOCK_N=block_n,
+            D_LAT=d_v,
+            D_PE=d_pe,
+            NUM_SPLITS=num_splits,
+            DOT_FP32=dot_in_fp32(q.dtype),
+            PRECISION=dot_precision(q.dtype),
+            BF16_RNE=bf16_rne_in_software(o_part.dtype),
+            num_warps=num_warps,
+        )
+        if num_splits > 1:
+            _merge_launch(o_part, lse_part, o, lse)
+    return o, lse
+
+
+def sparse_signature(dtype: str = "bf16") -> dict:
+    ptr = f"*{dtype}"
+    return {
+        "Q": ptr,
+        "KV": ptr,
+        "Indices": "*i32",
+        "O": ptr,
+        "LSE": "*fp32",
+        "H": "i32",
+        "topk": "i32",
+        "qk_scale": "fp32",
+        **{
+            k: "i32"
+            for k in (
+                "stride_qb",
+                "stride_qh",
+                "stride_kb",
+                "stride_kt",
+                "stride_ib",
+                "stride_ik",
+                "stride_os",
+                "stride_ob",
+                "stride_oh",
+                "stride_ls",
+                "stride_lb",
+                "stride_lh",
+            )
+        },
+        **{
+            k: "constexpr"
+            for k in (
+                "PAGE",
+                "BLOCK_H",
+                "BLOCK_N",
+                "D_LAT",
+                "D_PE",
+                "NUM_SPLITS",
+                "DOT_FP32",
+                "PRECISION",
+                "BF16_RNE",
+            )
+        },
+    }
+
+
+def compile_specs():
+    """The sparse kernel at its production tiles (16 and 32 packed heads), bf16, 576 = 512 + 64,
+    page 64, with and without split-KV, for the sm_90 compile test."""
+    specs = []
+    for heads in (16, 128):
+        block_h, block_n, num_warps = tile_config(heads, sparse=True)
+        for splits, out in ((1, "bf16"), (8, "fp32")):
+            sig = sparse_signature()
+            sig["O"] = f"*{out}"
+            specs.append(
+                dict(
+                    name=f"mla_sparse[bf16,BLOCK_H={block_h},BLOCK_N={block_n},splits={splits}]",
+                    fn=_mla_sparse_kernel,
+                    signature=sig,
+                    constexprs=dict(
+                        PAGE=64,
+                        BLOCK_H=block_h,
+                        BLOCK_N=block_n,
+                        D_LAT=512,
+                        D_PE=64,
+                        NUM_SPLITS=splits,
+                        DOT_FP32=False,
+                        PRECISION="tf32",
+                        BF16_RNE=False,
+                    ),
+                    num_warps=num_warps,
+                )
+            )
+    return specs
