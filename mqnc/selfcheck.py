@@ -52,6 +52,46 @@ def _check_splice(torch, dtype):
     )
 
 
+def _check_mla_decode(torch, dtype):
+    from mqnc.reference import mla_decode_reference
+    from mqnc.testing import assert_close, tolerance
+    from mqnc.triton_kernels import mla_decode_partial
+
+    g = torch.Generator().manual_seed(0)
+    B, H, block_size, lens = 2, 16, 64, [250, 0]
+    pool = torch.randn(8, block_size, 576, generator=g).to(dtype)
+    table = torch.randperm(8, generator=g)[:8].view(2, 4).to(torch.int32)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(B, H, 576, generator=g).to(dtype)
+    scale = 192**-0.5
+    o, lse = mla_decode_partial(q, pool, table, seqlens, softmax_scale=scale, num_splits=2)
+    o_ref, lse_ref = mla_decode_reference(q, pool, table, seqlens, scale)
+    s_o = assert_close(o, o_ref, tolerance("mla", dtype), name="o")
+    assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name="lse")
+    name = f"mla_decode_partial B={B} H={H} lens={lens} page={block_size} splits=2"
+    return f"{name} {str(dtype)[6:]}: o {s_o}"
+
+
+def _check_mla_sparse(torch, dtype):
+    from mqnc.reference import mla_sparse_reference
+    from mqnc.testing import assert_close, tolerance
+    from mqnc.triton_kernels import mla_sparse_partial
+
+    g = torch.Generator().manual_seed(1)
+    B, H, topk = 2, 16, 128
+    pool = torch.randn(16, 64, 576, generator=g).to(dtype)
+    idx = torch.stack([torch.randperm(16 * 64, generator=g)[:topk] for _ in range(B)])
+    idx[:, ::5] = -1
+    idx = idx.to(torch.int32)
+    q = torch.randn(B, H, 576, generator=g).to(dtype)
+    scale = 192**-0.5
+    o, lse = mla_sparse_partial(q, pool, idx, softmax_scale=scale)
+    o_ref, lse_ref = mla_sparse_reference(q, pool, idx, scale)
+    s_o = assert_close(o, o_ref, tolerance("mla", dtype), name="o")
+    assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name="lse")
+    return f"mla_sparse_partial B={B} H={H} topk={topk} (1/5 unused) {str(dtype)[6:]}: o {s_o}"
+
+
 def run_checks() -> list[str]:
     """Run the checks; returns one line per check, raises AssertionError on the first failure."""
     from mqnc.runtime import use_interpreter_without_cuda
@@ -64,6 +104,9 @@ def run_checks() -> list[str]:
         lines.append(_check_merge(torch, dtype))
     for dtype in (torch.float32, torch.bfloat16):
         lines.append(_check_splice(torch, dtype))
+    for dtype in (torch.float32, torch.bfloat16):
+        lines.append(_check_mla_decode(torch, dtype))
+        lines.append(_check_mla_sparse(torch, dtype))
     return lines
 
 
