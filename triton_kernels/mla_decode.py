@@ -68,6 +68,7 @@ def _mla_decode_kernel(
     O,
     LSE,
     H,
+    NUM_SPLITS,
     qk_scale,
     stride_qb,
     stride_qh,
@@ -86,7 +87,6 @@ def _mla_decode_kernel(
     BLOCK_N: tl.constexpr,
     D_LAT: tl.constexpr,
     D_PE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     BF16_RNE: tl.constexpr,
@@ -334,6 +334,7 @@ def mla_decode_partial(
             o_part,
             lse_part,
             H,
+            num_splits,
             scale * LOG2E,
             q.stride(0),
             q.stride(1),
@@ -348,7 +349,6 @@ def mla_decode_partial(
             BLOCK_N=block_n,
             D_LAT=d_v,
             D_PE=d_pe,
-            NUM_SPLITS=num_splits,
             DOT_FP32=dot_in_fp32(q.dtype),
             PRECISION=dot_precision(q.dtype),
             BF16_RNE=bf16_rne_in_software(o_part.dtype),
@@ -370,6 +370,7 @@ def decode_signature(dtype: str = "bf16") -> dict:
         "O": ptr,
         "LSE": "*fp32",
         "H": "i32",
+        "NUM_SPLITS": "i32",
         "qk_scale": "fp32",
         **{
             k: "i32"
@@ -396,7 +397,6 @@ def decode_signature(dtype: str = "bf16") -> dict:
                 "BLOCK_N",
                 "D_LAT",
                 "D_PE",
-                "NUM_SPLITS",
                 "DOT_FP32",
                 "PRECISION",
                 "BF16_RNE",
@@ -412,12 +412,12 @@ def compile_specs():
     specs = []
     for heads in (16, 128):
         block_h, block_n, num_warps = tile_config(heads)
-        for splits, out in ((1, "bf16"), (4, "fp32")):
+        for out in ("bf16", "fp32"):  # direct output, or the fp32 split-KV workspace
             sig = decode_signature()
             sig["O"] = f"*{out}"
             specs.append(
                 dict(
-                    name=f"mla_decode[bf16,BLOCK_H={block_h},BLOCK_N={block_n},splits={splits}]",
+                    name=f"mla_decode[bf16,BLOCK_H={block_h},BLOCK_N={block_n},O={out}]",
                     fn=_mla_decode_kernel,
                     signature=sig,
                     constexprs=dict(
@@ -426,7 +426,6 @@ def compile_specs():
                         BLOCK_N=block_n,
                         D_LAT=512,
                         D_PE=64,
-                        NUM_SPLITS=splits,
                         DOT_FP32=False,
                         PRECISION="tf32",
                         BF16_RNE=False,

@@ -58,6 +58,7 @@ def _mla_sparse_kernel(
     LSE,
     H,
     topk,
+    NUM_SPLITS,
     qk_scale,
     stride_qb,
     stride_qh,
@@ -76,7 +77,6 @@ def _mla_sparse_kernel(
     BLOCK_N: tl.constexpr,
     D_LAT: tl.constexpr,
     D_PE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     BF16_RNE: tl.constexpr,
@@ -235,6 +235,7 @@ def mla_sparse_partial(
             lse_part,
             H,
             topk,
+            num_splits,
             scale * LOG2E,
             q.stride(0),
             q.stride(1),
@@ -249,7 +250,6 @@ def mla_sparse_partial(
             BLOCK_N=block_n,
             D_LAT=d_v,
             D_PE=d_pe,
-            NUM_SPLITS=num_splits,
             DOT_FP32=dot_in_fp32(q.dtype),
             PRECISION=dot_precision(q.dtype),
             BF16_RNE=bf16_rne_in_software(o_part.dtype),
@@ -270,6 +270,7 @@ def sparse_signature(dtype: str = "bf16") -> dict:
         "LSE": "*fp32",
         "H": "i32",
         "topk": "i32",
+        "NUM_SPLITS": "i32",
         "qk_scale": "fp32",
         **{
             k: "i32"
@@ -296,7 +297,6 @@ def sparse_signature(dtype: str = "bf16") -> dict:
                 "BLOCK_N",
                 "D_LAT",
                 "D_PE",
-                "NUM_SPLITS",
                 "DOT_FP32",
                 "PRECISION",
                 "BF16_RNE",
@@ -311,12 +311,12 @@ def compile_specs():
     specs = []
     for heads in (16, 128):
         block_h, block_n, num_warps = tile_config(heads, sparse=True)
-        for splits, out in ((1, "bf16"), (8, "fp32")):
+        for out in ("bf16", "fp32"):  # direct output, or the fp32 split-KV workspace
             sig = sparse_signature()
             sig["O"] = f"*{out}"
             specs.append(
                 dict(
-                    name=f"mla_sparse[bf16,BLOCK_H={block_h},BLOCK_N={block_n},splits={splits}]",
+                    name=f"mla_sparse[bf16,BLOCK_H={block_h},BLOCK_N={block_n},O={out}]",
                     fn=_mla_sparse_kernel,
                     signature=sig,
                     constexprs=dict(
@@ -325,7 +325,6 @@ def compile_specs():
                         BLOCK_N=block_n,
                         D_LAT=512,
                         D_PE=64,
-                        NUM_SPLITS=splits,
                         DOT_FP32=False,
                         PRECISION="tf32",
                         BF16_RNE=False,
