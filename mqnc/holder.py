@@ -289,8 +289,8 @@ class Holder:
     def _reply(self, src: int, lane: int, buf: torch.Tensor, seq: int) -> None:
         slot = self.transport.layout.slot(REPLY, self.transport.rank, lane)
         try:
+            # Non-blocking on the gloo engine (a stalled requester must not stall the holder).
             self.transport.put_signal(src, slot, buf, seq)
-            self.transport.quiet()
         except TransportError:
             pass  # the requester is gone; its request cannot be answered (it times out there)
 

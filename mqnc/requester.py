@@ -293,10 +293,16 @@ class Requester:
             record.bytes_sent = int(buf.numel())
             inbox = self.transport.layout.slot(INBOX, self.transport.rank, lane)
             self.transport.put_signal(peer, inbox, buf, seq)
-            self.transport.quiet()
-        except BaseException:
+            self.transport.quiet(timeout=max(deadline - time.monotonic(), 1e-3), peers=[peer])
+        except BaseException as exc:
             self._release(peer, lane)
-            raise
+            if isinstance(exc, TransportTimeout):
+                exc = RouteTimeout(
+                    f"requester {self.transport.rank}: the request to holder {peer} (chunk "
+                    f"{record.chunk_id}) was not taken within {self.timeout_s:.3g} s ({exc})"
+                )
+            self._fail(record, exc)
+            raise exc from None
         t_sent = time.perf_counter()
         record.transfer_us = _us(t_sent - t0)
         slot = self.transport.layout.slot(REPLY, peer, lane)
@@ -585,8 +591,8 @@ class Requester:
                 request_id=rid, seq=seq, chunk_id=chunk_id, geometry=self.geometry
             )
 
+        p = self._send(peer, wire.Kind.CHUNK, make, rec)
         try:
-            p = self._send(peer, wire.Kind.CHUNK, make, rec)
             h, buf = self._wait(p, time.monotonic() + self.timeout_s)
             t_recv = time.perf_counter()
             _, kv = wire.unpack_chunk(buf, geometry=self.geometry)
@@ -759,6 +765,6 @@ class Requester:
         try:
             inbox = self.transport.layout.slot(INBOX, self.transport.rank, lane)
             self.transport.put_signal(peer, inbox, wire.pack_shutdown(request_id=rid, seq=seq), seq)
-            self.transport.quiet()
+            self.transport.quiet(timeout=self.timeout_s, peers=[peer])
         finally:
             self._release(peer, lane)

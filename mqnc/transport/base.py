@@ -193,8 +193,10 @@ class Transport(abc.ABC):
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
         """One-sided read of the first ``nbytes`` bytes of ``peer``'s ``slot``."""
 
-    def quiet(self) -> None:  # noqa: B027 - a no-op for engines whose puts are blocking
-        """Complete this rank's outstanding puts (a no-op for engines whose puts are blocking)."""
+    def quiet(self, timeout: float | None = None, peers=None) -> None:  # noqa: B027
+        """Complete this rank's outstanding puts (to ``peers``, default all) within
+        ``timeout`` seconds (None: no bound), else raise :class:`TransportTimeout`; a no-op
+        for engines whose puts complete before ``put_signal`` returns (loopback)."""
 
     @abc.abstractmethod
     def barrier(self, timeout: float) -> None:

@@ -33,6 +33,7 @@ NVSHMEM engine (:mod:`mqnc.transport.nvshmem`) is the one-sided path. CUDA tenso
 
 from __future__ import annotations
 
+import collections
 import datetime
 import threading
 import time
@@ -123,7 +124,10 @@ class TorchDistTransport(Transport):
         self._dead: set[int] = set()
         self._closed_peers: set[int] = set()
         self._closing = False
-        self._send_locks = [threading.Lock() for _ in range(world_size)]
+        self._queues = [collections.deque() for _ in range(world_size)]
+        self._pending = [0] * world_size
+        self._undelivered = [False] * world_size
+        self._senders: list[threading.Thread | None] = [None] * world_size
         self._get_lock = threading.Lock()
         self._get_token = 0
         self._gets: dict[int, torch.Tensor | BaseException | None] = {}
@@ -224,23 +228,84 @@ class TorchDistTransport(Transport):
         self._send(peer, _GET_REPLY, token, 0, data)
 
     # ---- sending ----------------------------------------------------------------------------
+    # Puts are non-blocking (as NVSHMEM's ``put_signal_nbi``): one sender thread per peer
+    # drains a queue, so that a stalled peer (one whose service thread does not post its
+    # receive) blocks that thread only, never the caller; ``quiet(timeout)`` waits for delivery.
     def _send(
         self, peer: int, op: int, a: int, b: int, data: torch.Tensor | None, count: int = 0
     ) -> None:
-        """Control word ``[op, a, b, n]`` then, for a put or a get reply, the ``n`` bytes
+        """Queue control word ``[op, a, b, n]`` and, for a put or a get reply, the ``n`` bytes
         (``n = count`` for a get, which carries no bytes)."""
         n = count if data is None else int(data.numel())
         ctrl = torch.tensor([op, a, b, n], dtype=torch.int64)
-        try:
-            with self._send_locks[peer]:
-                self._pg.send([ctrl], peer, _TAG_CTRL).wait()
-                if data is not None and n:
-                    self._pg.send([data], peer, _TAG_DATA).wait()
-        except Exception as exc:
+        with self._cond:
+            if peer in self._dead:
+                raise PeerLost(
+                    f"rank {peer} is gone ({self.errors.get(peer, 'connection closed')})"
+                )
+            self._pending[peer] += 1
+            self._queues[peer].append((ctrl, data if data is not None and n else None))
+            if self._senders[peer] is None:
+                t = threading.Thread(
+                    target=self._sender,
+                    args=(peer,),
+                    daemon=True,
+                    name=f"mqnc-torchdist-{self.rank}->{peer}",
+                )
+                self._senders[peer] = t
+                t.start()
+            self._cond.notify_all()
+
+    def _sender(self, peer: int) -> None:
+        while True:
             with self._cond:
-                self._dead.add(peer)
+                while not self._queues[peer] and peer not in self._dead:
+                    self._cond.wait()
+                if peer in self._dead:
+                    self._undelivered[peer] = self._pending[peer] > 0
+                    self._queues[peer].clear()
+                    self._pending[peer] = 0
+                    self._cond.notify_all()
+                    return
+                ctrl, data = self._queues[peer].popleft()
+            try:
+                self._pg.send([ctrl], peer, _TAG_CTRL).wait()
+                if data is not None:
+                    self._pg.send([data], peer, _TAG_DATA).wait()
+            except Exception as exc:
+                with self._cond:
+                    if not self._closing:
+                        self.errors.setdefault(peer, f"send failed: {type(exc).__name__}: {exc}")
+                    self._dead.add(peer)
+                    self._cond.notify_all()
+                continue
+            with self._cond:
+                self._pending[peer] -= 1
                 self._cond.notify_all()
-            raise PeerLost(f"rank {self.rank}: send to rank {peer} failed ({exc})") from None
+
+    def quiet(self, timeout: float | None = None, peers=None) -> None:
+        """Wait until every queued put (to ``peers``, default all) has been handed to gloo.
+
+        Raises :class:`TransportTimeout` after ``timeout`` seconds (a stalled peer) and
+        :class:`PeerLost` if a peer with undelivered puts died.
+        """
+        deadline = None if timeout is None else self._deadline(timeout)
+        peers = range(self.world_size) if peers is None else peers
+        with self._cond:
+            while True:
+                busy = [p for p in peers if self._pending[p] > 0 and p not in self._dead]
+                lost = [p for p in peers if p in self._dead and self._undelivered[p]]
+                if lost:
+                    raise PeerLost(f"rank {self.rank}: puts to ranks {lost} were not delivered")
+                if not busy:
+                    return
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TransportTimeout(
+                        f"rank {self.rank}: puts to ranks {busy} not delivered within "
+                        f"{timeout:.3g} s (peer stalled)"
+                    )
+                self._cond.wait(left)
 
     def _alive_or_raise(self, peer: int) -> None:
         if peer in self._dead:
@@ -373,6 +438,10 @@ class TorchDistTransport(Transport):
                     self._send(peer, _CLOSE, 0, 0, None)
                 except PeerLost:
                     pass
+        try:
+            self.quiet(timeout)
+        except TransportError:
+            pass  # a stalled or dead peer does not get our goodbye
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
