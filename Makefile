@@ -31,7 +31,7 @@ test: $(STAMP)
 	$(VPY) -m pytest correctness -q $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	$(VENV)/bin/mqnc selfcheck
+	$(VENV)/bin/mqnc demo
 
 env: $(STAMP)
 	$(VENV)/bin/mqnc env

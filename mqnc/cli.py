@@ -16,7 +16,9 @@ __all__ = ["main", "SUBCOMMANDS"]
 SUBCOMMANDS = [
     "mqnc.env",
     "mqnc.selfcheck",
+    "mqnc.demo",
     "mqnc.costcli",
+    "mqnc.calibrate",
 ]
 
 

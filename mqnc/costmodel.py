@@ -647,8 +647,9 @@ class FitResult:
             t_probe_us=self.t_probe_us,
             bw_gbps=self.bw_gbps,
             turnaround_us=max(self.turnaround_us, 0.0),
-            mape_amortised=self.mape_amortised,
-            mape_full=self.mape_full,
+            # no point at M_q >= amortised_min_rows: the amortised MAPE is undefined (NaN)
+            mape_amortised=None if math.isnan(self.mape_amortised) else self.mape_amortised,
+            mape_full=None if math.isnan(self.mape_full) else self.mape_full,
             **{"source": "mqnc fit", **fields},
         )
 

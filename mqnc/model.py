@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "MLAModel",
     "MLAWeights",
     "yarn_mscale",
     "softmax_scale_from_config",
@@ -303,4 +304,150 @@ def output_projection(w: MLAWeights, o_latent: torch.Tensor) -> torch.Tensor:
         heads.flatten(-2),
         w.o_proj.to(heads.dtype),
         None if w.o_bias is None else w.o_bias.to(heads.dtype),
+    )
+
+
+# ---- a small real MLA model: the demo's model and ``local``'s re-prefill -------------------------
+
+
+class MLAModel:
+    """A small real MLA model: DeepSeek's attention layers on a residual stream (no MLP).
+
+    Each layer maps hidden states ``h [T, D]`` to ``h + o_proj(MLA(rms(h)))`` with the weights
+    of one :class:`MLAWeights` (seeded random, or taken from Hugging Face DeepSeek attention
+    modules with :meth:`from_hf_attention`) and the decoupled RoPE of ``rope`` (YaRN included).
+    A token's cache entry per layer is ``[c_KV, k_pe]`` (``d_c + d_r`` = 576 wide for
+    DeepSeek-V2-Lite's geometry, ``k_pe`` rotated at the token's position).
+
+    :meth:`prefill` attends causally within the chunk it is given: canonical chunks are cached
+    position-independently (§1, §2.2). Since RoPE scores depend only on relative positions,
+    prefilling a chunk at another offset gives the same ``c_KV`` and ``k_pe`` rotated by the
+    offset difference: what the splice reproduces and what ``local`` (re-prefill) recomputes.
+
+    Parameters
+    ----------
+    geometry : MLAGeometry
+        Dims; ``geometry.layers`` layers.
+    rope : mqnc.rope.RopeSpec
+        Frequencies, pair layout and softmax scale.
+    layers : list of MLAWeights
+        One per layer.
+    """
+
+    def __init__(self, geometry, rope, layers: list[MLAWeights], *, eps: float = 1e-6) -> None:
+        if len(layers) != geometry.layers:
+            raise ValueError(
+                f"layers: expected geometry.layers = {geometry.layers} layer weights, "
+                f"got {len(layers)}"
+            )
+        for i, w in enumerate(layers):
+            if (w.kv_lora_rank, w.qk_rope_head_dim, w.heads) != (
+                geometry.d_c,
+                geometry.d_r,
+                geometry.heads,
+            ):
+                raise ValueError(
+                    f"layers[{i}]: expected (d_c, d_r, heads) = "
+                    f"{(geometry.d_c, geometry.d_r, geometry.heads)}, got "
+                    f"{(w.kv_lora_rank, w.qk_rope_head_dim, w.heads)}"
+                )
+        self.geometry = geometry
+        self.rope = rope
+        self.layers = layers
+        self.eps = eps
+        self.hidden = int(layers[0].kv_a_proj.shape[1])
+
+    @classmethod
+    def random(cls, geometry, rope, *, hidden: int = 256, seed: int = 0) -> MLAModel:
+        """Seeded random float32 weights, scaled so activations stay O(1) through the layers."""
+        g = torch.Generator().manual_seed(seed)
+        H, d_c, d_r = geometry.heads, geometry.d_c, geometry.d_r
+        d_n, d_vh = geometry.qk_nope_head_dim, geometry.v_head_dim
+
+        def w(out: int, inp: int, gain: float = 1.0) -> torch.Tensor:
+            return torch.randn(out, inp, generator=g) * (gain / math.sqrt(inp))
+
+        layers = [
+            MLAWeights(
+                heads=H,
+                qk_nope_head_dim=d_n,
+                qk_rope_head_dim=d_r,
+                v_head_dim=d_vh,
+                kv_lora_rank=d_c,
+                kv_a_proj=w(d_c + d_r, hidden),
+                kv_a_norm=1.0 + 0.1 * torch.randn(d_c, generator=g),
+                kv_b_proj=w(H * (d_n + d_vh), d_c),
+                o_proj=w(hidden, H * d_vh, 0.5),
+                softmax_scale=rope.softmax_scale,
+                q_proj=w(H * (d_n + d_r), hidden),
+            )
+            for _ in range(geometry.layers)
+        ]
+        return cls(geometry, rope, layers)
+
+    @classmethod
+    def from_hf_attention(cls, geometry, rope, modules) -> MLAModel:
+        """From Hugging Face DeepSeek attention modules, one per layer (weights not copied)."""
+        return cls(geometry, rope, [MLAWeights.from_hf_attention(m) for m in modules])
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.layers[0].softmax_scale
+
+    def _norm(self, h: torch.Tensor) -> torch.Tensor:
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def cache_entries(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Cache entries ``[T, d_qk]`` (h's dtype) of hidden states ``h [T, D]`` at integer
+        ``positions [T]``."""
+        from mqnc.reference.rope import rope_encode_reference
+
+        w = self.layers[layer]
+        c_kv, k_pe = project_kv(_cast(w, h.dtype), self._norm(h))
+        return cache_entry(c_kv, rope_encode_reference(k_pe, positions, self.rope).to(h.dtype))
+
+    def absorbed_query(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Absorbed query rows ``[T, H, d_qk]`` (h's dtype) of ``h [T, D]`` at ``positions [T]``."""
+        from mqnc.reference.rope import rope_encode_reference
+
+        w = _cast(self.layers[layer], h.dtype)
+        q_nope, q_pe = project_query(w, self._norm(h))
+        q_pe = rope_encode_reference(q_pe, positions[:, None], self.rope).to(h.dtype)
+        return absorb_query(q_nope, q_pe, w.w_uk)
+
+    def attention_output(self, layer: int, o_latent: torch.Tensor) -> torch.Tensor:
+        """``W_UV`` then ``o_proj``: latent output ``[T, H, d_c]`` -> ``[T, D]``."""
+        return output_projection(_cast(self.layers[layer], o_latent.dtype), o_latent)
+
+    def prefill(
+        self, x: torch.Tensor, start: int, *, dtype: torch.dtype = torch.float64
+    ) -> torch.Tensor:
+        """Prefill token embeddings ``x [T, D]`` at positions ``start .. start + T - 1``,
+        attending causally within them; returns the cache entries ``[L, T, d_qk]`` in ``dtype``."""
+        T, d_v = x.shape[0], self.geometry.d_v
+        pos = torch.arange(start, start + T)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        h = x.to(dtype)
+        out = []
+        for layer in range(self.geometry.layers):
+            kv = self.cache_entries(layer, h, pos)
+            q = self.absorbed_query(layer, h, pos)
+            s = torch.einsum("thc,sc->ths", q, kv) * self.softmax_scale
+            p = torch.softmax(s.masked_fill(~causal[:, None, :], float("-inf")), dim=-1)
+            h = h + self.attention_output(layer, torch.einsum("ths,sc->thc", p, kv[:, :d_v]))
+            out.append(kv)
+        return torch.stack(out)
+
+
+def _cast(w: MLAWeights, dtype: torch.dtype) -> MLAWeights:
+    """The layer's weights in ``dtype`` (a no-op when they already are)."""
+    if w.kv_a_proj.dtype == dtype:
+        return w
+    return dataclasses.replace(
+        w,
+        **{
+            f.name: getattr(w, f.name).to(dtype)
+            for f in dataclasses.fields(w)
+            if isinstance(getattr(w, f.name), torch.Tensor)
+        },
     )
