@@ -110,12 +110,14 @@ def test_route_rotation_and_fetch_splice_agree_with_keys_at_the_new_position():
         keys_new = rope_rotate_reference(kv[1], offset, ROPE)  # keys as seen at the offset
         o_ref, lse_ref = partial_attention_reference(q, keys_new, _all(3, 100), SCALE)
         routed = req.route(5, q, 1, offset=offset)
-        assert_close(routed.o, o_ref, TOLERANCES[("mla", "float32")], name="routed o")
-        assert_close(routed.lse, lse_ref, TOLERANCES[("mla_lse", "float32")], name="routed lse")
+        s1 = assert_close(routed.o, o_ref, TOLERANCES[("mla", "float32")], name="routed o")
+        s2 = assert_close(routed.lse, lse_ref, TOLERANCES[("mla_lse", "float32")], name="lse")
+        print(f"fp32 route with rotation: o {s1}; lse {s2}")
         lc = req.fetch(5, offset=offset)
         local = req.attend_local(lc, q, 1)
-        assert_close(local.o, o_ref, TOLERANCES[("mla", "float32")], name="fetched o")
-        assert_close(local.lse, lse_ref, TOLERANCES[("mla_lse", "float32")], name="fetched lse")
+        s1 = assert_close(local.o, o_ref, TOLERANCES[("mla", "float32")], name="fetched o")
+        s2 = assert_close(local.lse, lse_ref, TOLERANCES[("mla_lse", "float32")], name="lse")
+        print(f"fp32 fetch + splice: o {s1}; lse {s2}")
         rec = req.costs[-1]
         assert rec.primitive == "fetch" and rec.splice_us > 0
         assert rec.bytes_recv == wire.HEADER_BYTES + GEOM.chunk_bytes(100) * 2  # fp32 entries
