@@ -1,0 +1,220 @@
+"""A holder's batched partial attention over N routed requesters (Fig. 4(b)) and its K-stream
+staging pool for fetch replies (Fig. 5(b)).
+
+``python -m perf.bench_holder [--quick] [--heads 16,128] [--out FILE]``
+
+What is timed (§6.2, §6.3):
+
+- ``bench="holder"``, ``x_name="requesters"``, ``x`` = N in 1..256, ``variant`` =
+  ``"h_q=<H> c_t=<c_t>"``: N requesters each route one decode token's ``H`` absorbed query
+  rows to one holder, which answers them in ONE partial-attention call over its resident
+  ``c_t``-token chunk (what :class:`mqnc.holder.Holder`'s dispatcher does: ``q [N, H, 576]``,
+  one block-table row per requester, all pointing at the chunk). On a GPU the call is
+  :func:`mqnc.triton_kernels.mla_decode_partial` (bf16, CUDA events; ``backend="triton"``).
+  On the CPU the Triton kernel would run under the interpreter (timings of the interpreter
+  say nothing about the kernel), and ``Holder``'s compute is not pluggable, so the CPU path
+  times :func:`batched_partial_torch` directly (``backend="torch-reference"``): the same
+  batched partial in torch fp32, the chunk's entries gathered once and one matmul for all
+  ``N H`` rows (it agrees with the fp64 reference ``mla_decode_reference``; the smoke test
+  checks it).
+- ``bench="holder"``, ``variant="staging"``, ``x_name="streams"``, ``x`` = K in {1, 4, 8, 16}:
+  GPU only. R concurrent fetch requests each stage one chunk (``c_t`` tokens x ``L`` layers,
+  gathered from the holder's paged pool) into its own staging buffer with a device-to-device
+  copy, the copies issued round-robin over a pool of K CUDA streams; timed from the first
+  issue to the last copy's completion (per-batch p50; ``extra`` has the per-request time).
+  On the CPU nothing is recorded for it (there are no streams to pool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+N_FULL = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+N_QUICK = [1, 8, 32]
+K_STREAMS = [1, 4, 8, 16]
+
+
+def softmax_scale_of(geometry) -> float:
+    """DeepSeek-V2-Lite's scale with YaRN (DESIGN.md): ``192**-0.5 * mscale**2``."""
+    mscale = 0.1 * 0.707 * math.log(40) + 1
+    return 192**-0.5 * mscale**2
+
+
+def holder_inputs(n: int, heads: int, c_t: int, geometry, *, device="cpu", dtype=None, seed=0):
+    """The holder's batched call for ``n`` requesters over one resident chunk.
+
+    Returns
+    -------
+    (q, kv_pool, block_table, cache_seqlens)
+        ``q [n, heads, d_qk]``, ``kv_pool [num_blocks, 64, d_qk]`` (entries N(0, 0.25)),
+        ``block_table [n, ceil(c_t / 64)]`` int32 (every row the chunk's blocks) and
+        ``cache_seqlens [n]`` int32 (= c_t).
+    """
+    import torch
+
+    dtype = dtype or (torch.bfloat16 if device != "cpu" else torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    block = 64
+    nb = -(-c_t // block)
+    pool = (0.5 * torch.randn(nb + 1, block, geometry.d_qk, generator=g)).to(dtype)
+    q = torch.randn(n, heads, geometry.d_qk, generator=g).to(dtype)
+    # The chunk sits in blocks 1..nb (block 0 unused), as a pool with other tenants would.
+    bt = torch.arange(1, nb + 1, dtype=torch.int32)[None].expand(n, -1).contiguous()
+    lens = torch.full((n,), c_t, dtype=torch.int32)
+    return q.to(device), pool.to(device), bt.to(device), lens.to(device)
+
+
+def batched_partial_torch(q, kv_pool, block_table, cache_seqlens, softmax_scale, d_v=512):
+    """The holder's batched partial in torch fp32 when every row attends the same chunk.
+
+    ``q [N, H, d_qk]``; all rows of ``block_table`` equal and all ``cache_seqlens`` equal (the
+    Fig. 4(b) workload; a ValueError otherwise). Returns ``o [N, H, d_v]`` and natural-log
+    ``lse [N, H]``, float32.
+    """
+    import torch
+
+    if not bool((block_table == block_table[:1]).all()) or not bool(
+        (cache_seqlens == cache_seqlens[:1]).all()
+    ):
+        raise ValueError("block_table: expected every requester to attend the same chunk")
+    n, h, d = q.shape
+    c_t = int(cache_seqlens[0])
+    kv = kv_pool[block_table[0].long()].reshape(-1, d)[:c_t].float()
+    s = (q.reshape(n * h, d).float() @ kv.T) * softmax_scale
+    lse = torch.logsumexp(s, dim=1)
+    o = torch.exp(s - lse[:, None]) @ kv[:, :d_v]
+    return o.reshape(n, h, d_v), lse.reshape(n, h)
+
+
+def _staging(args, geometry, out) -> None:
+    import torch
+
+    from perf._results import record
+
+    if not torch.cuda.is_available():
+        print(
+            "bench_holder: staging pool not measured: the K-stream pool stages fetch replies "
+            "with device-to-device copies on K CUDA streams (§6.2); this machine has no CUDA "
+            "device, so there is nothing to pool (no records written)"
+        )
+        return
+    g = geometry
+    c_t, requests = args.staging_ct, args.requests
+    nb = -(-c_t // 64)
+    pool = torch.randn(g.layers, nb * 4, 64, g.d_qk, device="cuda").to(torch.bfloat16)
+    blocks = torch.randperm(nb * 4, device="cuda")[:nb]
+    staged = [
+        torch.empty(g.layers, nb, 64, g.d_qk, device="cuda", dtype=torch.bfloat16)
+        for _ in range(requests)
+    ]
+    nbytes = requests * 2 * g.layers * nb * 64 * g.d_qk * 2
+    for k in args.streams:
+        streams = [torch.cuda.Stream() for _ in range(k)]
+
+        def run(streams=streams):
+            main = torch.cuda.current_stream()
+            for i, dst in enumerate(staged):
+                s = streams[i % len(streams)]
+                s.wait_stream(main)
+                with torch.cuda.stream(s):
+                    torch.index_select(pool, 1, blocks, out=dst)
+            for s in streams:
+                main.wait_stream(s)
+
+        from perf._results import time_fn
+
+        p = time_fn(run, warmup=args.warmup, reps=args.reps)
+        record(
+            "holder",
+            "staging",
+            k,
+            p,
+            x_name="streams",
+            nbytes=nbytes,
+            backend="torch-cuda",
+            extra={
+                "requests": requests,
+                "c_t": c_t,
+                "layers": g.layers,
+                "per_request_p50_us": p[1] / requests,
+                "what": "R chunk stagings (paged gather, D2D) round-robin over K streams",
+            },
+            path=out,
+        )
+        print(
+            f"staging K={k}: {requests} requests p50 {p[1]:.0f} us ({nbytes / p[1] / 1e3:.0f} GB/s)"
+        )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a small sweep (CPU smoke run)")
+    ap.add_argument("--n", default=None, help="comma-separated requesters N (default 1..256)")
+    ap.add_argument("--heads", default=None, help="h_q per requester (default 16; GPU: 16,128)")
+    ap.add_argument("--ct", type=int, default=2048, help="resident chunk tokens (2048)")
+    ap.add_argument("--streams", default="1,4,8,16", help="staging pool sizes K (GPU only)")
+    ap.add_argument("--requests", type=int, default=32, help="concurrent fetches staged")
+    ap.add_argument("--staging-ct", type=int, default=2048, help="tokens per staged chunk")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per point")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--model", default="deepseek-v2-lite")
+    ap.add_argument("--out", default=None, help="results file (default $MQNC_RESULTS or perf/)")
+    args = ap.parse_args(argv)
+    from mqnc.runtime import use_interpreter_without_cuda
+
+    use_interpreter_without_cuda()
+    import torch
+    from tqdm import tqdm
+
+    from perf import _harness as H
+    from perf._results import record, time_fn
+
+    g = H.geometry_of(args.model)
+    cuda = torch.cuda.is_available()
+    ns = H.ints_of(args.n, "--n") if args.n else (N_QUICK if args.quick else N_FULL)
+    heads = H.ints_of(args.heads, "--heads") if args.heads else ([16, 128] if cuda else [16])
+    args.streams = H.ints_of(args.streams, "--streams")
+    if args.ct < 1:
+        raise ValueError(f"--ct: expected a positive chunk length, got {args.ct}")
+    reps = args.reps or (50 if cuda else (3 if args.quick else 5))
+    scale = softmax_scale_of(g)
+    if cuda:
+        from mqnc.triton_kernels.mla_decode import mla_decode_partial
+
+        def call(q, pool, bt, lens):
+            return mla_decode_partial(q, pool, bt, lens, softmax_scale=scale, d_v=g.d_v)
+
+        backend, dev = "triton", "cuda"
+    else:
+
+        def call(q, pool, bt, lens):
+            return batched_partial_torch(q, pool, bt, lens, scale, g.d_v)
+
+        backend, dev = "torch-reference", "cpu"
+    for h in heads:
+        for n in tqdm(ns, desc=f"bench_holder h_q={h}"):
+            q, pool, bt, lens = holder_inputs(n, h, args.ct, g, device=dev)
+            p = time_fn(
+                lambda q=q, pool=pool, bt=bt, lens=lens: call(q, pool, bt, lens),
+                warmup=1 if not cuda else args.warmup,
+                reps=reps,
+            )
+            record(
+                "holder",
+                f"h_q={h} c_t={args.ct}",
+                n,
+                p,
+                x_name="requesters",
+                nbytes=args.ct * g.kv_bytes_per_token_layer + n * h * g.qp_row_bytes,
+                backend=backend,
+                extra={"heads": h, "c_t": args.ct, "rows": n * h, "dtype": str(q.dtype)[6:]},
+                path=args.out,
+            )
+            print(f"holder h_q={h} N={n}: p50 {p[1]:.0f} us [{backend}]")
+    _staging(args, g, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

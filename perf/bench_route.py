@@ -1,0 +1,157 @@
+"""Route's transport term: the probe (``sig_rt``) and the round trip (``full_rt``) over M_q.
+
+``python -m perf.bench_route [--transport loopback,gloo] [--quick] [--out FILE]``
+
+What is timed (§3.2, §4.3, Table 1), on each transport named, through
+:class:`perf._harness.EchoFabric` (rank 0 this process, one echo holder):
+
+- ``bench="probe"``: a 1-byte put + signal answered by a 1-byte put + signal (the protocol
+  probe ``sig_rt``); ``x`` = 1 byte;
+- ``bench="route"``: ``M_q q`` bytes put with a signal, ``M_q p`` bytes put back with a signal
+  (``full_rt``); ``x`` = M_q in {1, 4, 16, ..., 4096}; the holder runs no attention (the
+  compute term is ``bench_holder``'s), so this is exactly the term the cost model's
+  ``T_probe + M_q (q + p) / BW`` describes. ``extra["qp_row_bytes"]`` is the row size: the
+  real MLA row of the geometry (``q + p`` = 2184 B for DeepSeek-V2-Lite) and the payload sweep
+  of Table 1 (900, 4368, 8736 B/row, split into ``q`` and ``p`` in the geometry's proportion).
+
+``variant`` is the transport name, which is how ``mqnc fit`` and ``mqnc.plots`` pair a route
+sweep with its probe. Timings are host wall clock (``time.perf_counter_ns``), warm-up first,
+all points timed round-robin (``perf._harness.time_interleaved``: drift of a shared machine
+falls on every point alike),
+p20/p50/p80 of ``--reps`` repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+from perf import _harness as H
+
+M_Q_FULL = [1, 4, 16, 64, 256, 1024, 4096]
+M_Q_QUICK = [1, 64, 1024]
+PAYLOADS = [900, 2184, 4368, 8736]
+
+
+def measure(
+    fabric: H.EchoFabric,
+    geometry,
+    m_qs: list[int],
+    payloads: list[int],
+    *,
+    reps: int,
+    warmup: int,
+    out=None,
+    write: bool = True,
+    progress: bool = True,
+) -> tuple[list[float], dict[int, list[tuple[int, float]]]]:
+    """Time the probe and the route sweep on ``fabric``; record each point (unless not
+    ``write``) into ``out`` (default: the results file).
+
+    Returns
+    -------
+    (list of float, dict)
+        The probe's (p20, p50, p80) in us, and ``{q + p: [(M_q, p50_us), ...]}``.
+    """
+    from tqdm import tqdm
+
+    from perf._results import record
+
+    t = fabric.name
+    fns = {"probe": fabric.probe}
+    for qp in payloads:
+        q_b, p_b = H.split_row_bytes(qp, geometry)
+        for m in m_qs:
+            msg = fabric.route_message(m, q_b, p_b)
+            fns[(qp, m)] = lambda msg=msg: fabric.round_trip(1, msg)
+    bar = partial(tqdm, desc=f"bench_route[{t}] reps", disable=not progress)
+    times = H.time_interleaved(fns, warmup=warmup, reps=reps, progress=bar)
+    probe = times.pop("probe")
+    if write:
+        record(
+            "probe",
+            t,
+            1,
+            probe,
+            x_name="payload_bytes",
+            nbytes=2,
+            transport=t,
+            backend="host-echo",
+            extra=H.host_extra(fabric, what="1-byte put + signal, 1-byte put + signal back"),
+            path=out,
+        )
+    sweeps: dict[int, list[tuple[int, float]]] = {}
+    for (qp, m), p in times.items():
+        q_b, p_b = H.split_row_bytes(qp, geometry)
+        if write:
+            record(
+                "route",
+                t,
+                m,
+                p,
+                x_name="m_q",
+                nbytes=m * qp,
+                transport=t,
+                backend="host-echo",
+                extra=H.host_extra(
+                    fabric,
+                    qp_row_bytes=qp,
+                    q_row_bytes=q_b,
+                    p_row_bytes=p_b,
+                    payload="real" if qp == geometry.qp_row_bytes else "sweep",
+                ),
+                path=out,
+            )
+        sweeps.setdefault(qp, []).append((m, p[1]))
+    return list(probe), sweeps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    H.add_transport_args(ap)
+    ap.add_argument("--m-q", default=None, help="comma-separated M_q (default 1,4,...,4096)")
+    ap.add_argument(
+        "--payloads",
+        default=None,
+        help="comma-separated q+p bytes/row (default 900,2184,4368,8736; --quick: the real row)",
+    )
+    args = ap.parse_args(argv)
+    H.one_intra_op_thread()
+    from mqnc.costmodel import fit
+
+    geometry = H.geometry_of(args.model)
+    m_qs = H.ints_of(args.m_q, "--m-q") if args.m_q else (M_Q_QUICK if args.quick else M_Q_FULL)
+    if args.payloads:
+        payloads = H.ints_of(args.payloads, "--payloads")
+    else:
+        payloads = [geometry.qp_row_bytes] if args.quick else PAYLOADS
+    biggest = max(max(H.split_row_bytes(qp, geometry)) for qp in payloads) * max(m_qs)
+    for name in H.transports_of(args.transport):
+        try:
+            fabric = H.EchoFabric(name, holders=1, slot_bytes=H.HDR + biggest)
+        except H.Unavailable as exc:
+            print(f"bench_route: skipped: {exc}")
+            continue
+        with fabric:
+            probe, sweeps = measure(
+                fabric, geometry, m_qs, payloads, reps=args.reps, warmup=args.warmup, out=args.out
+            )
+        print(f"{name}: probe p50 {probe[1]:.1f} us")
+        for qp, pts in sweeps.items():
+            line = ", ".join(f"{m}: {us:.0f}" for m, us in pts)
+            msg = f"{name} q+p={qp} B: round trip p50 (us) by M_q {{{line}}}"
+            if len({m for m, _ in pts}) >= 2:
+                try:
+                    res = fit(pts, qp_row_bytes=qp, probe_us=probe[1])
+                    msg += (
+                        f"; fit BW {res.bw_gbps:.3g} GB/s, turnaround {res.turnaround_us:.1f} "
+                        f"us, MAPE {100 * res.mape_amortised:.0f}% (M_q>=512)"
+                    )
+                except ValueError as exc:
+                    msg += f"; no fit ({exc})"
+            print(msg)
+    return 0
+
+
+if __name__ == "__main__":
+    H.exit_process(main())
