@@ -147,16 +147,23 @@ def test_bench_holder_cpu(tmp_path, capsys):
 
     out = tmp_path / "h.jsonl"
     rc = bench_holder.main(
-        ["--n", "1,4", "--ct", "128", "--reps", "2", "--warmup", "1", "--out", str(out)]
-    )
+        ["--n", "1,4", "--heads", "16", "--ct", "128", "--streams", "1,4", "--requests", "4",
+         "--staging-ct", "64", "--reps", "2", "--warmup", "1", "--out", str(out)]
+    )  # fmt: skip
     assert rc == 0
     recs = _records(out)
     _check_common(recs, None)
-    assert [r["x"] for r in recs] == [1, 4]
-    assert all(r["bench"] == "holder" and r["x_name"] == "requesters" for r in recs)
-    assert all(r["backend"] == "torch-reference" and r["variant"] == "h_q=16 c_t=128" for r in recs)
-    # No CUDA: the K-stream staging pool is not measured, and the run says why.
-    assert "staging pool not measured" in capsys.readouterr().out
+    batched = [r for r in recs if r["x_name"] == "requesters"]
+    assert [r["x"] for r in batched] == [1, 4]
+    assert all(r["bench"] == "holder" and r["variant"] == "h_q=16 c_t=128" for r in batched)
+    staging = [r for r in recs if r["x_name"] == "streams"]
+    if torch.cuda.is_available():
+        assert all(r["backend"] == "triton" for r in batched)
+        assert [(r["variant"], r["x"]) for r in staging] == [("staging", 1), ("staging", 4)]
+    else:
+        assert all(r["backend"] == "torch-reference" for r in batched)
+        # No CUDA: the K-stream staging pool is not measured, and the run says why.
+        assert not staging and "staging pool not measured" in capsys.readouterr().out
 
 
 def test_holder_cpu_path_matches_fp64_reference():
@@ -194,7 +201,7 @@ def test_figures_read_the_records(tmp_path):
     bench_route.main(route)
     bench_fetch.main(["--ct", "16", "--max-holders", "2", "--topk", "32", "--m-q", "16",
                       "--pool-rows", "64", *common])  # fmt: skip
-    bench_holder.main(["--n", "1,2,4", "--ct", "64", *common])
+    bench_holder.main(["--n", "1,2,4", "--heads", "16", "--ct", "64", *common])
     bench_congestion.main(["--k", "0,1", "--m-q", "1,4096", "--background-m-q", "16", *route[4:]])
     recs = plots.read_results(out)
     fig, axes = plt.subplots(1, 4)
