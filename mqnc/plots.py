@@ -650,13 +650,12 @@ def route_round_trip(
             )
     if not fits:
         raise MissingData("route records span fewer than two M_q", COMMANDS["route"])
+    ax.set(xscale="log", yscale="log")  # before reading the limits: a linear axis starts < 0
     right = ax.get_xlim()[1]
     if right > amortised_min_rows:
         ax.axvspan(amortised_min_rows, right, color="gray", alpha=0.1, zorder=0)
         ax.set_xlim(right=right)
     ax.set(
-        xscale="log",
-        yscale="log",
         xlabel="routed query rows $M_q$",
         ylabel="route round trip (us)",
         title=f"(b) route round trip vs model, q+p = {want} B"
@@ -899,9 +898,13 @@ def congestion_plot(
         m_big = max(routes)
         rt_idle, rt_cong = at(routes[m_big], k0), at(routes[m_big], k1)
         if None not in (p_idle, p_cong, rt_idle, rt_cong) and len(idle) >= 2:
-            res = fit(idle, qp_row_bytes=geometry.qp_row_bytes, probe_us=p_idle, fit_min_rows=1)
-            fab = res.to_fabric("idle (K=0 fit)") if fabric is None else fabric
+            fab = fabric
             try:
+                if fab is None:
+                    res = fit(
+                        idle, qp_row_bytes=geometry.qp_row_bytes, probe_us=p_idle, fit_min_rows=1
+                    )
+                    fab = res.to_fabric("idle (K=0 fit)")
                 congestion = fit_congestion(
                     geometry,
                     fab,
@@ -913,7 +916,7 @@ def congestion_plot(
                 )
             except ValueError as exc:
                 ax.text(0.02, 0.95, f"no congestion fit: {exc}", fontsize=6, transform=ax.transAxes)
-            for m_q in sorted(routes):
+            for m_q in sorted(routes) if fab is not None else ():
                 for k, cong in ((k0, None), (k1, congestion)):
                     if k == k1 and cong is None:
                         continue
