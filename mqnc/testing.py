@@ -37,23 +37,27 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
         "the paper measures <= 4e-7 max-abs (§3.3), the issue bounds it at 1e-6.",
     ),
     ("merge", "float16"): Tolerance(
-        1e-3, 5e-4,
+        1e-3,
+        5e-4,
         "the fp32 result is rounded once to fp16 on store (round to nearest): half an fp16 ulp "
         "at |o| < 4 is 9.8e-4; the inputs are compared after the same rounding.",
     ),
     ("merge", "bfloat16"): Tolerance(
-        8e-3, 4e-3,
+        8e-3,
+        4e-3,
         "the fp32 result is rounded once to bf16 on store (round to nearest even; under the "
         "interpreter in software, since its cast truncates): half a bf16 ulp at |o| < 4 is "
         "7.8e-3, the bf16 floor.",
     ),
     ("merge_wire", "float32"): Tolerance(
-        1e-6, 1e-6,
+        1e-6,
+        1e-6,
         "partials cross the wire in fp32 (one rounding of o and lse each) and merge in fp32: "
         "a few fp32 ulp at |o| < 4, the issue's 1e-6 bound (paper §3.3: <= 4e-7).",
     ),
     ("merge_wire", "bfloat16"): Tolerance(
-        1.6e-2, 8e-3,
+        1.6e-2,
+        8e-3,
         "partials cross the wire in bf16 (half an ulp each, convexly combined) and the merged "
         "result is stored in bf16 (another half ulp): one bf16 ulp at |o| < 4 is 1.56e-2.",
     ),
@@ -99,7 +103,8 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
         "kernels' fp32 arithmetic differs only in grouping; the paper measures <= 4e-7 (§3.3).",
     ),
     ("mla_hf", "float32"): Tolerance(
-        2e-5, 1e-5,
+        2e-5,
+        1e-5,
         "mqnc's absorbed pipeline (W_UK folded into the query, W_UV after the merge, the Triton "
         "kernel over M holders) vs Hugging Face's expanded DeepseekV3Attention, both fp32 with "
         "O(1) activations: the same sums in another association (512- and 576-term dots, "
@@ -184,19 +189,22 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     # its model's c_KV entries reach |c| ~ 4.6, so |o| spans binades where one bf16 ulp is
     # 2^-7 of the value at the top of a binade.
     ("demo_partial", "bfloat16"): Tolerance(
-        2**-7, 2**-7,
+        2**-7,
+        2**-7,
         "x max|o_ref|. A partial's o is stored in bf16 (half an ulp, <= 2^-9 |o| relative) from "
         "a bf16 query (route: rotated by -delta then rounded again) and bf16 keys (fetch: k_pe "
         "rotated by the splice and rounded; local: re-prefilled at the new offset and rounded), "
         "each rounding perturbing scores by ~2^-9 relative: one ulp of the largest |o| in all.",
     ),
     ("demo_merged", "bfloat16"): Tolerance(
-        2**-7, 2**-7,
+        2**-7,
+        2**-7,
         "x max|o_ref|. The merged answer adds one more bf16 store rounding (half an ulp) to "
         "partials that are convexly combined, so it stays within one ulp of the largest |o|.",
     ),
     ("demo_lse", "float32"): Tolerance(
-        2e-2, 2e-3,
+        2e-2,
+        2e-3,
         "natural-log LSE from bf16 queries and keys: the rounded q (and, for fetch/local, k) "
         "perturb each score by ~2^-9 |s| with |s| < ~5, so lse moves by < ~1e-2.",
     ),

@@ -17,8 +17,9 @@ for ``|delta| < 2**29``), reduces it mod pi/2 in float64 (two-constant Cody-Wait
 evaluates float32 minimax polynomials for cos/sin of the reduced angle (see ``_cos_sin``: no
 libdevice call, so no stack frame on sm_90, and the interpreter computes the same thing). The
 angle error is then ~2e-7 rad whatever the delta. The float64 work is 32 angles per token per
-program, negligible next to the copy. Frequencies come from :class:`mqnc.rope.RopeSpec` (DeepSeek's float32 values, YaRN
-included); the pure ``R(delta)`` carries no YaRN cos/sin factor (it was applied at encoding).
+program, negligible next to the copy. Frequencies come from :class:`mqnc.rope.RopeSpec`
+(DeepSeek's float32 values, YaRN included); the pure ``R(delta)`` carries no YaRN cos/sin
+factor (it was applied at encoding).
 """
 
 from __future__ import annotations
