@@ -311,19 +311,11 @@ def mla_decode_partial(
             B * head_blocks, block_table.shape[1] * block_size, sm_count(device)
         )
 
-    o = new_output((B, H, d_v), q.dtype, device)
-    lse = new_output((B, H), torch.float32, device)
+    o, lse, o_part, lse_part, o_strides, l_strides = split_outputs(
+        B, H, d_v, q.dtype, device, num_splits
+    )
     if B * H == 0:
         return o, lse
-    if num_splits == 1:
-        o_part, lse_part = o, lse
-        o_strides = (0, *o.stride()[:2])
-        l_strides = (0, *lse.stride())
-    else:
-        o_part = new_output((num_splits, B, H, d_v), torch.float32, device)
-        lse_part = new_output((num_splits, B, H), torch.float32, device)
-        o_strides = o_part.stride()[:3]
-        l_strides = lse_part.stride()
 
     with launch_lock():
         _mla_decode_kernel[(B, head_blocks, num_splits)](
@@ -354,10 +346,30 @@ def mla_decode_partial(
             BF16_RNE=bf16_rne_in_software(o_part.dtype),
             num_warps=num_warps,
         )
-        if num_splits > 1:
-            # The splits are disjoint key subsets: combine them with the one merge kernel.
-            _merge_launch(o_part, lse_part, o, lse)
+        combine_splits(o_part, lse_part, o, lse, num_splits)
     return o, lse
+
+
+def split_outputs(B: int, H: int, d_v: int, dtype: torch.dtype, device, num_splits: int):
+    """The outputs ``o [B, H, d_v]`` (``dtype``) and ``lse [B, H]`` fp32, and where the kernel
+    writes: straight into them for one split, else into fp32 per-split partials
+    ``[num_splits, B, H, d_v]`` / ``[num_splits, B, H]`` that :func:`combine_splits` merges.
+    Returns ``(o, lse, o_part, lse_part, o_strides, lse_strides)`` with the split stride first
+    (0 for one split)."""
+    o = new_output((B, H, d_v), dtype, device)
+    lse = new_output((B, H), torch.float32, device)
+    if num_splits == 1:
+        return o, lse, o, lse, (0, *o.stride()[:2]), (0, *lse.stride())
+    o_part = new_output((num_splits, B, H, d_v), torch.float32, device)
+    lse_part = new_output((num_splits, B, H), torch.float32, device)
+    return o, lse, o_part, lse_part, o_part.stride()[:3], lse_part.stride()
+
+
+def combine_splits(o_part, lse_part, o, lse, num_splits: int) -> None:
+    """Split-KV partials are disjoint key subsets: the one merge kernel combines them into
+    ``(o, lse)`` (a no-op for one split, where the kernel wrote them directly)."""
+    if num_splits > 1:
+        _merge_launch(o_part, lse_part, o, lse)
 
 
 def decode_signature(dtype: str = "bf16") -> dict:

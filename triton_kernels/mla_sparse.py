@@ -30,20 +30,16 @@ from mqnc.triton_kernels._mla_tile import (
     _store_partial,
     tile_config,
 )
-from mqnc.triton_kernels._runtime import (
-    bf16_rne_in_software,
-    dot_in_fp32,
-    launch_lock,
-    new_output,
-)
-from mqnc.triton_kernels.merge import _launch as _merge_launch
+from mqnc.triton_kernels._runtime import bf16_rne_in_software, dot_in_fp32, launch_lock
 from mqnc.triton_kernels.mla_decode import (
     check_mla_shapes,
     check_num_splits,
     check_softmax_scale,
     choose_num_splits,
+    combine_splits,
     dot_precision,
     sm_count,
+    split_outputs,
 )
 
 __all__ = ["mla_sparse_partial", "compile_specs"]
@@ -212,19 +208,11 @@ def mla_sparse_partial(
     if num_splits is None:
         num_splits = choose_num_splits(B * head_blocks, topk, sm_count(device))
 
-    o = new_output((B, H, d_v), q.dtype, device)
-    lse = new_output((B, H), torch.float32, device)
+    o, lse, o_part, lse_part, o_strides, l_strides = split_outputs(
+        B, H, d_v, q.dtype, device, num_splits
+    )
     if B * H == 0:
         return o, lse
-    if num_splits == 1:
-        o_part, lse_part = o, lse
-        o_strides = (0, *o.stride()[:2])
-        l_strides = (0, *lse.stride())
-    else:
-        o_part = new_output((num_splits, B, H, d_v), torch.float32, device)
-        lse_part = new_output((num_splits, B, H), torch.float32, device)
-        o_strides = o_part.stride()[:3]
-        l_strides = lse_part.stride()
 
     with launch_lock():
         _mla_sparse_kernel[(B, head_blocks, num_splits)](
@@ -255,8 +243,7 @@ def mla_sparse_partial(
             BF16_RNE=bf16_rne_in_software(o_part.dtype),
             num_warps=num_warps,
         )
-        if num_splits > 1:
-            _merge_launch(o_part, lse_part, o, lse)
+        combine_splits(o_part, lse_part, o, lse, num_splits)
     return o, lse
 
 
