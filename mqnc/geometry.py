@@ -186,7 +186,8 @@ class MLAGeometry:
         )
 
 
-# Published config fields (only those read above). Sources:
+# Published config fields (only those this package reads: the dims above, and for some the RoPE
+# fields mqnc.rope reads). Sources:
 PRESET_CONFIGS: dict[str, dict[str, Any]] = {
     # deepseek-ai/DeepSeek-V2-Lite config.json: the paper's measured instance (§3).
     "deepseek-v2-lite": dict(
@@ -197,6 +198,18 @@ PRESET_CONFIGS: dict[str, dict[str, Any]] = {
         qk_nope_head_dim=128,
         v_head_dim=128,
         q_lora_rank=None,
+        # RoPE (read by mqnc.rope.RopeSpec.from_preset)
+        rope_theta=10000,
+        max_position_embeddings=163840,
+        rope_scaling=dict(
+            type="yarn",
+            factor=40,
+            original_max_position_embeddings=4096,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+        ),
     ),
     # deepseek-ai/DeepSeek-V3 (and DeepSeek-R1, same architecture) config.json.
     "deepseek-v3": dict(
@@ -207,6 +220,17 @@ PRESET_CONFIGS: dict[str, dict[str, Any]] = {
         qk_nope_head_dim=128,
         v_head_dim=128,
         q_lora_rank=1536,
+        rope_theta=10000,
+        max_position_embeddings=163840,
+        rope_scaling=dict(
+            type="yarn",
+            factor=40,
+            original_max_position_embeddings=4096,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
     ),
     # deepseek-ai/DeepSeek-V3.2-Exp config.json: V3 attention plus the DSA indexer, index_topk 2048.
     "deepseek-v3.2": dict(

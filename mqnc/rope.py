@@ -47,6 +47,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from mqnc.geometry import PRESET_CONFIGS
+
 __all__ = [
     "RopeSpec",
     "YarnScaling",
@@ -131,40 +133,10 @@ class YarnScaling:
             )
 
 
-# Published rope fields of the presets (config.json of each checkpoint on the Hugging Face hub).
+# The presets whose published config carries its RoPE fields (rope_theta, rope_scaling): one
+# dict per model, kept with the other published fields in mqnc.geometry.PRESET_CONFIGS.
 ROPE_PRESET_CONFIGS: dict[str, dict[str, Any]] = {
-    # deepseek-ai/DeepSeek-V2-Lite config.json (the paper's measured instance).
-    "deepseek-v2-lite": dict(
-        rope_theta=10000,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        max_position_embeddings=163840,
-        rope_scaling=dict(
-            type="yarn",
-            factor=40,
-            original_max_position_embeddings=4096,
-            beta_fast=32,
-            beta_slow=1,
-            mscale=0.707,
-            mscale_all_dim=0.707,
-        ),
-    ),
-    # deepseek-ai/DeepSeek-V3 config.json (also DeepSeek-R1).
-    "deepseek-v3": dict(
-        rope_theta=10000,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        max_position_embeddings=163840,
-        rope_scaling=dict(
-            type="yarn",
-            factor=40,
-            original_max_position_embeddings=4096,
-            beta_fast=32,
-            beta_slow=1,
-            mscale=1.0,
-            mscale_all_dim=1.0,
-        ),
-    ),
+    name: cfg for name, cfg in PRESET_CONFIGS.items() if "rope_scaling" in cfg
 }
 
 
