@@ -111,8 +111,13 @@ def test_killed_holder_process_gloo(tmp_path):
     assert r["checked"]["merged"] == SMALL["steps"] * SMALL["layers"] * 2
 
 
-def test_bad_config_is_rejected():
+def test_bad_config_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="transport"):
         DemoConfig(transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="device"):
+        DemoConfig(device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="nvshmem.*needs a CUDA device"):
+            run_demo(DemoConfig(**{**SMALL, "out": str(tmp_path), "transport": "nvshmem"}))
     with pytest.raises(ValueError, match="replicas"):
         DemoConfig(holders=1, replicas=2)

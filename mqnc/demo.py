@@ -45,6 +45,31 @@ from pathlib import Path
 __all__ = ["DemoConfig", "run_demo", "register"]
 
 REQUESTER = 0
+TRANSPORTS = ("gloo", "loopback", "nvshmem")
+
+
+def _device(cfg) -> str:
+    """Where pools and kernels live: the GPU when there is one (compiled kernels), else the CPU
+    (the interpreter)."""
+    import torch
+
+    return cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _process_transport(cfg, rank: int, world: int, store, geometry):
+    """This rank's engine for a multi-process run: gloo, or NVSHMEM (GPU only; several PEs
+    may share one GPU in NVSHMEM's limited multi-process mode)."""
+    if cfg.transport == "nvshmem":
+        from mqnc.transport.nvshmem import NvshmemTransport
+
+        return NvshmemTransport(
+            rank, world, store, slot_bytes=_slot_bytes(cfg, geometry), lanes=LANES, device=0
+        )
+    from mqnc.transport.torchdist import TorchDistTransport
+
+    return TorchDistTransport(
+        rank, world, store, slot_bytes=_slot_bytes(cfg, geometry), lanes=LANES
+    )
 
 
 @dataclasses.dataclass
@@ -71,6 +96,7 @@ class DemoConfig:
     out: str = "mqnc-demo-out"
     block_size: int = 64
     timeout_s: float = 60.0
+    device: str | None = None
     kill_holder: int | None = None
     kill_after_step: int = 0
     progress: bool = True
@@ -90,8 +116,10 @@ class DemoConfig:
             raise ValueError(
                 f"chunks_per_agent: expected <= chunks ({self.chunks}), got {self.chunks_per_agent}"
             )
-        if self.transport not in ("gloo", "loopback"):
-            raise ValueError(f"transport: expected 'gloo' or 'loopback', got {self.transport!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport: expected one of {TRANSPORTS}, got {self.transport!r}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ValueError(f"device: expected None, 'cpu' or 'cuda', got {self.device!r}")
         if self.force not in (None, "route", "fetch", "local"):
             raise ValueError(f"force: expected route, fetch or local, got {self.force!r}")
         if self.kill_holder is not None and not 1 <= self.kill_holder <= self.holders:
@@ -191,6 +219,7 @@ def _make_holder(cfg: DemoConfig, transport, model, corpus):
         softmax_scale=model.softmax_scale,
         num_blocks=blocks,
         block_size=cfg.block_size,
+        device=_device(cfg),
     )
     for c in mine:
         holder.add_chunk(c, corpus.kv(c), corpus.positions[c])
@@ -198,7 +227,8 @@ def _make_holder(cfg: DemoConfig, transport, model, corpus):
 
 
 def _holder_process(rank: int, world: int, port: int, cfg_dict: dict) -> None:
-    """Entry point of a holder process (gloo): build its chunks, serve until shut down."""
+    """Entry point of a holder process (gloo or NVSHMEM): build its chunks, serve until shut
+    down."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     from mqnc.runtime import use_interpreter_without_cuda
 
@@ -206,16 +236,12 @@ def _holder_process(rank: int, world: int, port: int, cfg_dict: dict) -> None:
     import torch
     from torch.distributed import TCPStore
 
-    from mqnc.transport.torchdist import TorchDistTransport
-
     torch.set_num_threads(1)
     cfg = DemoConfig(**cfg_dict)
     model = _build_model(cfg)
     corpus = Corpus(cfg, model)
     store = TCPStore("127.0.0.1", port, world, is_master=False)
-    transport = TorchDistTransport(
-        rank, world, store, slot_bytes=_slot_bytes(cfg, model.geometry), lanes=LANES
-    )
+    transport = _process_transport(cfg, rank, world, store, model.geometry)
     holder = _make_holder(cfg, transport, model, corpus)
     store.set(f"ready/{rank}", "1")
     try:
@@ -325,6 +351,7 @@ class _Run:
             # every agent's chunks, every chunk once more, and the calibration's 6 copies
             pool_blocks=per_chunk_blocks * (n_agents * cfg.chunks_per_agent + cfg.chunks + 6),
             block_size=cfg.block_size,
+            device=_device(cfg),
             model=corpus.prefill_at,
         )
         for c, hs in corpus.placement().items():
@@ -354,9 +381,10 @@ class _Run:
             req.probe(holder)
         probes = [req.probe(holder) for _ in range(9)]
         samples, computes = [], []
-        req.route(c0, torch.randn(1, g.heads, g.d_qk, dtype=torch.bfloat16), 0)  # warm-up
+        dev = _device(self.cfg)
+        req.route(c0, torch.randn(1, g.heads, g.d_qk, dtype=torch.bfloat16, device=dev), 0)
         for rows in (1, 4, 16):
-            q = torch.randn(rows, g.heads, g.d_qk, dtype=torch.bfloat16)
+            q = torch.randn(rows, g.heads, g.d_qk, dtype=torch.bfloat16, device=dev)
             for _ in range(2):
                 part = req.route(c0, q, 0)
                 rec = part.record
@@ -407,8 +435,8 @@ class _Run:
         if not self.cfg.profile:
             # fetch's pull is one bulk transfer (§2.2): price it with the measured pull
             fabric = dataclasses.replace(fabric, bulk_bw_gbps=bulk_bw)
-        o = torch.randn(4, 1, g.heads, g.d_v, dtype=torch.bfloat16)
-        lse = torch.randn(4, 1, g.heads)
+        o = torch.randn(4, 1, g.heads, g.d_v, dtype=torch.bfloat16, device=dev)
+        lse = torch.randn(4, 1, g.heads, device=dev)
         from mqnc.triton_kernels.merge import merge_partials
 
         merge_partials(o, lse)
@@ -595,7 +623,7 @@ class _Run:
         for c, idx in self.indexer.select(layer, q).items():
             ind = torch.full((1, self.cfg.topk), -1, dtype=torch.int32)
             ind[0, : len(idx)] = torch.tensor(idx, dtype=torch.int32)
-            out[c] = ind
+            out[c] = ind.to(_device(self.cfg))
         return out
 
     def _routed_wave(self, jobs: list[tuple]) -> dict[tuple, object]:
@@ -664,13 +692,15 @@ class _Run:
         from mqnc.triton_kernels.merge import merge_partials
         from mqnc.triton_kernels.mla_decode import mla_decode_partial
 
-        g = self.geometry
+        g, dev = self.geometry, _device(self.cfg)
         queries, sels, routed, direct = {}, {}, [], []
         for agent in self.agents:
             h, pos = states[agent.name]
-            q = self.model.absorbed_query(layer, h, torch.tensor([pos])).to(torch.bfloat16)
+            # the model runs on the CPU; its query row goes to the kernels' device
+            q_cpu = self.model.absorbed_query(layer, h, torch.tensor([pos])).to(torch.bfloat16)
+            q = q_cpu.to(dev)
             queries[agent.name] = q
-            sels[agent.name] = self._selection(agent, layer, q)
+            sels[agent.name] = self._selection(agent, layer, q_cpu)
             for c, ind in sels[agent.name].items():
                 job = (agent, c, q, layer, ind)
                 local = (c, agent.offsets[c]) in self.req.local_chunks
@@ -685,7 +715,7 @@ class _Run:
             partials = [parts[(agent.name, c)] for c in used]
             keys = {
                 c: self._agent_keys(
-                    agent, c, layer, None if ind is None else ind[0][ind[0] >= 0].long()
+                    agent, c, layer, None if ind is None else ind[0][ind[0] >= 0].long().cpu()
                 )
                 for c, ind in sels[agent.name].items()
             }
@@ -693,13 +723,13 @@ class _Run:
             suffix = agent.suffix_kv[layer]
             n, bs = suffix.shape[0], self.cfg.block_size
             nb = -(-n // bs)
-            pool = torch.zeros(nb, bs, g.d_qk, dtype=torch.bfloat16)
-            pool.view(-1, g.d_qk)[:n] = suffix
+            pool = torch.zeros(nb, bs, g.d_qk, dtype=torch.bfloat16, device=dev)
+            pool.view(-1, g.d_qk)[:n] = suffix.to(dev)
             o_s, lse_s = mla_decode_partial(
                 q,
                 pool,
-                torch.arange(nb, dtype=torch.int32)[None],
-                torch.tensor([n], dtype=torch.int32),
+                torch.arange(nb, dtype=torch.int32, device=dev)[None],
+                torch.tensor([n], dtype=torch.int32, device=dev),
                 softmax_scale=self.model.softmax_scale,
                 d_v=g.d_v,
             )
@@ -707,7 +737,7 @@ class _Run:
                 torch.stack([*(p.o for p in partials), o_s]),
                 torch.stack([*(p.lse for p in partials), lse_s]),
             )
-            ref_parts, (o_ref, lse_ref) = self._reference(q, keys, suffix.double())
+            ref_parts, (o_ref, lse_ref) = self._reference(q.cpu(), keys, suffix.double())
             for c, part in zip(used, partials, strict=True):
                 where = f"{agent.name} chunk {c} layer {layer} ({part.primitive})"
                 s = self._check("demo_partial", part.o, ref_parts[c][0], f"{where} o")
@@ -718,7 +748,7 @@ class _Run:
             s = self._check("demo_merged", o, o_ref, f"{agent.name} layer {layer} merged o")
             assert_close(lse, lse_ref, tolerance("demo_lse", "float32"), name="merged lse")
             self.errors["merged"].append(s.max_abs)
-            states[agent.name] = (h + self.model.attention_output(layer, o.float()), pos)
+            states[agent.name] = (h + self.model.attention_output(layer, o.float().cpu()), pos)
 
     def run(self, progress=None) -> None:
         """Every agent decodes ``steps`` tokens through all layers, layer by layer in lockstep
@@ -887,6 +917,11 @@ def run_demo(cfg: DemoConfig) -> dict:
     use_interpreter_without_cuda()
     import torch
 
+    if cfg.transport == "nvshmem" and _device(cfg) != "cuda":
+        raise ValueError(
+            "transport: 'nvshmem' needs a CUDA device (and nvshmem4py: pip install 'mqnc[gpu]'); "
+            f"this machine has device {_device(cfg)!r}: use 'gloo' or 'loopback'"
+        )
     t_start = time.perf_counter()
     model = _build_model(cfg)
     corpus = Corpus(cfg, model)
@@ -906,7 +941,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     else:
         import multiprocessing as mp
 
-        from mqnc.transport.torchdist import TorchDistTransport, free_port_store
+        from mqnc.transport.torchdist import free_port_store
 
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         store = free_port_store(world)
@@ -917,9 +952,7 @@ def run_demo(cfg: DemoConfig) -> dict:
             )
             p.start()
             procs.append(p)
-        transport = TorchDistTransport(
-            REQUESTER, world, store, slot_bytes=_slot_bytes(cfg, model.geometry), lanes=LANES
-        )
+        transport = _process_transport(cfg, REQUESTER, world, store, model.geometry)
         # one intra-op thread: on 2 cores, torch's OpenMP workers spin after each op and starve
         # gloo's receive threads (seen: a 1.4 ms round trip became 3.9 ms)
         threads = torch.get_num_threads()
@@ -1006,7 +1039,18 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "demo", help="agentic fan-in over a partitioned corpus: decide, execute, verify, report"
     )
-    p.add_argument("--transport", choices=("gloo", "loopback"), default=d.transport)
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default=d.transport,
+        help="holder processes over gloo (default), threads over loopback, or NVSHMEM PEs (GPU)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="where pools and kernels live (default: cuda when available)",
+    )
     p.add_argument(
         "--force",
         choices=("route", "fetch", "local"),
