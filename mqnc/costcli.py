@@ -320,109 +320,34 @@ def _crossover(args) -> int:
     )
     written.append(path)
     if not args.no_png:
-        written += _plots(
-            args, geometry, fabric, m_axis, c_axis, saving, grid, bw_axis, sweep, lo, hi
-        )
+        written += _plots(args, geometry, fabric, m_axis, c_axis, bw_axis, kw)
     for p in written:
         print(p)
     return 0
 
 
-def _plots(args, geometry, fabric, m_axis, c_axis, saving, grid, bw_axis, sweep, lo, hi):
+def _plots(args, geometry, fabric, m_axis, c_axis, bw_axis, kw) -> list[str]:
+    """The two PNGs, drawn by the same :mod:`mqnc.plots` functions the notebooks use."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
 
-    from mqnc.predicate import PRIMITIVES as PRIMS
-    from mqnc.predicate import wire_break_even_rows
+    from mqnc import plots
 
-    out = []
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
-    ax = axes[0]
-    pcm = ax.pcolormesh(
-        c_axis, m_axis, 100 * saving, cmap="RdYlGn", vmin=-100, vmax=100, shading="nearest"
-    )
-    ax.plot(c_axis, wire_break_even_rows(geometry, c_axis), "k--", lw=1.2, label="break-even")
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="chunk tokens $c_t$",
-        ylabel="query rows $M_q$",
-        ylim=(m_axis[0], m_axis[-1]),
-        title=f"(b) route wire-byte saving, {geometry.name}",
-    )
-    ax.legend(loc="lower right")
-    fig.colorbar(pcm, ax=ax, label="route wire-byte saving (%)")
-    ax = axes[1]
-    ax.pcolormesh(
-        c_axis,
-        m_axis,
-        grid.choice,
-        shading="nearest",
-        vmin=-0.5,
-        vmax=2.5,
-        cmap=ListedColormap(["#2ca02c", "#d62728", "#9467bd"]),
-    )
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="chunk tokens $c_t$",
-        ylabel="query rows $M_q$",
-        title=f"argmin total cost ({fabric.name})",
-    )
-    from matplotlib.patches import Patch
-
-    colors = ("#2ca02c", "#d62728", "#9467bd")
-    handles = [Patch(color=c, label=n) for c, n in zip(colors, PRIMS, strict=True)]
-    ax.legend(handles=handles, loc="lower right")
-    path = os.path.join(args.out, "fig3b_crossover.png")
-    fig.savefig(path, dpi=120)
+    plots.wire_saving_map(axes[0], geometry, m_q_axis=m_axis, c_t_axis=c_axis)
+    plots.decision_map(axes[1], geometry, fabric, m_axis, c_axis, **kw)
+    crossover = os.path.join(args.out, "fig3b_crossover.png")
+    fig.savefig(crossover, dpi=120)
     plt.close(fig)
-    out.append(path)
 
     fig, ax = plt.subplots(figsize=(6, 4.2), constrained_layout=True)
-    ax.plot(bw_axis, sweep.route_us, color="#2ca02c", label="route")
-    ax.plot(bw_axis, sweep.fetch_us, color="#d62728", label="fetch (pull + splice)")
-    ax.fill_between(bw_axis, lo, hi, color="#9467bd", alpha=0.25, label="local band")
-    ax.plot(bw_axis, sweep.local_us, color="#9467bd")
-    from mqnc.fabric import FABRICS
-
-    route_bws = [f.bw_gbps for f in FABRICS.values()]
-    ax.axvspan(
-        min(route_bws),
-        max(route_bws),
-        color="#2ca02c",
-        alpha=0.12,
-        label="measured route effBW (Table 2)",
-    )
-    for f in FABRICS.values():
-        if f.link_peak_gbps and bw_axis[0] <= f.link_peak_gbps <= bw_axis[-1]:
-            ax.axvline(f.link_peak_gbps, color="gray", ls=":", lw=1)
-            ax.text(
-                f.link_peak_gbps,
-                ax.get_ylim()[1],
-                f.name,
-                rotation=90,
-                fontsize=6,
-                va="top",
-                ha="right",
-                color="gray",
-            )
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="effective per-GPU-pair bandwidth (GB/s)",
-        ylabel=f"cost @ M_q={args.mq:g}, c_t={args.ct:g} (us)",
-        title=f"(a) cost vs effective bandwidth (model), {geometry.name}",
-    )
-    ax.legend()
-    path = os.path.join(args.out, "fig6a_bw_sweep.png")
-    fig.savefig(path, dpi=120)
+    plots.bw_sweep_plot(ax, geometry, fabric, bw_axis=bw_axis, m_q=args.mq, c_t=args.ct, **kw)
+    sweep = os.path.join(args.out, "fig6a_bw_sweep.png")
+    fig.savefig(sweep, dpi=120)
     plt.close(fig)
-    out.append(path)
-    return out
+    return [crossover, sweep]
 
 
 # ---- fit ---------------------------------------------------------------------------------------
