@@ -83,6 +83,7 @@ __all__ = [
     "FitResult",
     "fit",
     "fit_results",
+    "read_jsonl",
     "mape",
 ]
 
@@ -186,7 +187,7 @@ class SpliceProfile:
     ) -> SpliceProfile:
         """Build from the results file: records ``bench`` (default ``"splice"``), ``x`` = c_t,
         ``p50`` in us; the median p50 per ``x`` when a size was measured more than once."""
-        recs = [r for r in _read_jsonl(path) if r.get("bench") == bench]
+        recs = [r for r in read_jsonl(path) if r.get("bench") == bench]
         if variant is not None:
             recs = [r for r in recs if r.get("variant") == variant]
         if not recs:
@@ -755,7 +756,7 @@ def fit_results(
     variant, they serve every route variant. A row size in ``extra["qp_row_bytes"]`` overrides
     ``qp_row_bytes`` (a payload sweep, Table 1). Returns one :class:`FitResult` per variant.
     """
-    recs = _read_jsonl(path)
+    recs = read_jsonl(path)
     routes = [r for r in recs if r.get("bench") == route_bench]
     if not routes:
         benches = sorted({str(r.get("bench")) for r in recs})
@@ -785,7 +786,9 @@ def fit_results(
 # ---- helpers -----------------------------------------------------------------------------------
 
 
-def _read_jsonl(path: str | os.PathLike) -> list[dict]:
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Every record of a JSON-lines results file (``perf/_results.py``'s format); a missing
+    file or a line that is not JSON is an error naming the file (and line)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"results: no such file {os.fspath(path)!r}")
     out = []

@@ -43,7 +43,6 @@ draw. The records they read:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -129,18 +128,10 @@ def read_results(path: str | os.PathLike | None = None) -> list[dict]:
 
     A line that is not JSON is an error naming the file and line.
     """
+    from mqnc.costmodel import read_jsonl
+
     p = results_path(path)
-    if not p.exists():
-        return []
-    out = []
-    with open(p) as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"results: {p} line {i} is not JSON ({exc})") from None
-    return out
+    return read_jsonl(p) if p.exists() else []
 
 
 def benches(records: Iterable[dict]) -> list[str]:

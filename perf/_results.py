@@ -135,8 +135,7 @@ def record(
 
 def read_results(path: str | os.PathLike | None = None) -> list[dict]:
     """All records of a results file."""
+    from mqnc.costmodel import read_jsonl
+
     p = Path(path or os.environ.get("MQNC_RESULTS") or DEFAULT_RESULTS)
-    if not p.exists():
-        return []
-    with open(p) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return read_jsonl(p) if p.exists() else []
