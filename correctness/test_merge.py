@@ -301,3 +301,22 @@ def test_merge_into_rejects_mismatched_dtype():
     acc = torch.zeros(1, 2, 8)
     with pytest.raises(TypeError, match="o_new: invalid dtype"):
         merge_partials_into(acc, torch.zeros(1, 2), acc.to(torch.bfloat16), torch.zeros(1, 2))
+
+
+def test_merge_into_given_outputs_in_another_dtype():
+    """``out=``: the fp32 accumulator is rounded once into the caller's tensors (how split-KV
+    workspaces in fp32 are combined straight into bf16 attention outputs)."""
+    g = torch.Generator().manual_seed(5)
+    o = torch.rand(3, 2, 2, 64, generator=g) * 8 - 4
+    lse = torch.randn(3, 2, 2, generator=g)
+    o_out = torch.full((2, 2, 64), float("nan"), dtype=torch.bfloat16)
+    lse_out = torch.full((2, 2), float("nan"))
+    got = merge_partials(o, lse, out=(o_out, lse_out))
+    assert got[0] is o_out and got[1] is lse_out
+    o_ref, lse_ref = merge_reference(o, lse)
+    assert_close(o_out, o_ref, _tol(torch.bfloat16), name="o")
+    assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")
+    with pytest.raises(ValueError, match=r"out\[0\]: expected shape"):
+        merge_partials(o, lse, out=(o_out[:1], lse_out))
+    with pytest.raises(TypeError, match="out: expected a tuple"):
+        merge_partials(o, lse, out=o_out)

@@ -148,7 +148,11 @@ def _launch(o: torch.Tensor, lse: torch.Tensor, o_out: torch.Tensor, lse_out: to
 
 
 def merge_partials(
-    o: torch.Tensor, lse: torch.Tensor, *, check_lse: bool = True
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    check_lse: bool = True,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge M partials over disjoint key subsets into the partial over their union.
 
@@ -162,6 +166,10 @@ def merge_partials(
         ``-inf`` and ``+inf`` mark an empty partial.
     check_lse : bool
         Raise on NaN ``lse`` (one host sync); pass False on a hot path.
+    out : (torch.Tensor, torch.Tensor) or None
+        Write the result into these ``[B, H, Dv]`` (any float dtype: the fp32 accumulator is
+        rounded once to it) and ``[B, H]`` float32 tensors instead of new ones (how split-KV
+        partials are combined straight into the attention kernels' outputs).
 
     Returns
     -------
@@ -187,8 +195,16 @@ def merge_partials(
     device = check_same_device(o=o, lse=lse)
     if check_lse:
         _check_lse_values("lse", lse)
-    o_out = new_output((B, H, D), o.dtype, device)
-    lse_out = new_output((B, H), torch.float32, device)
+    if out is None:
+        o_out = new_output((B, H, D), o.dtype, device)
+        lse_out = new_output((B, H), torch.float32, device)
+    else:
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise TypeError(f"out: expected a tuple (o_out, lse_out), got {type(out).__name__}")
+        o_out, lse_out = out
+        check_tensor("out[0]", o_out, ndim=3, dtypes=FLOAT_DTYPES, shape=(B, H, D))
+        check_tensor("out[1]", lse_out, ndim=2, dtypes=(torch.float32,), shape=(B, H))
+        check_same_device(o=o, out_o=o_out, out_lse=lse_out)
     _launch(o, lse, o_out, lse_out)
     return o_out, lse_out
 

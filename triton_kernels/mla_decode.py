@@ -51,7 +51,7 @@ from mqnc.triton_kernels._runtime import (
     launch_lock,
     new_output,
 )
-from mqnc.triton_kernels.merge import _launch as _merge_launch
+from mqnc.triton_kernels.merge import merge_partials
 
 __all__ = ["mla_decode_partial", "choose_num_splits", "compile_specs"]
 
@@ -369,7 +369,7 @@ def combine_splits(o_part, lse_part, o, lse, num_splits: int) -> None:
     """Split-KV partials are disjoint key subsets: the one merge kernel combines them into
     ``(o, lse)`` (a no-op for one split, where the kernel wrote them directly)."""
     if num_splits > 1:
-        _merge_launch(o_part, lse_part, o, lse)
+        merge_partials(o_part, lse_part, check_lse=False, out=(o, lse))
 
 
 def decode_signature(dtype: str = "bf16") -> dict:
