@@ -25,9 +25,25 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MLAGeometry", "PRESETS", "PRESET_CONFIGS", "get_preset"]
+__all__ = ["MLAGeometry", "PRESETS", "PRESET_CONFIGS", "get_preset", "hf_config_dict"]
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+
+
+def hf_config_dict(config: Mapping[str, Any] | Any, key: str) -> Mapping[str, Any]:
+    """A Hugging Face config (a dict or a ``PretrainedConfig``) as a dict; a multimodal config
+    without ``key`` at top level whose ``text_config`` has it (Kimi K2.5/K2.6) is read through
+    that ``text_config``."""
+    if not isinstance(config, Mapping):
+        to_dict = getattr(config, "to_dict", None)
+        if to_dict is None:
+            raise TypeError(
+                f"config: expected a dict or a transformers PretrainedConfig, got {type(config)!r}"
+            )
+        config = to_dict()
+    if key not in config and isinstance(config.get("text_config"), Mapping):
+        config = config["text_config"]
+    return config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,16 +166,7 @@ class MLAGeometry:
         ``index_topk`` (the DSA selection budget, when present). A multimodal config with a
         ``text_config`` (Kimi K2.5/K2.6) is read through it.
         """
-        if not isinstance(config, Mapping):
-            to_dict = getattr(config, "to_dict", None)
-            if to_dict is None:
-                raise TypeError(
-                    "config: expected a dict or a transformers PretrainedConfig, "
-                    f"got {type(config)!r}"
-                )
-            config = to_dict()
-        if "kv_lora_rank" not in config and isinstance(config.get("text_config"), Mapping):
-            config = config["text_config"]
+        config = hf_config_dict(config, "kv_lora_rank")
         missing = [
             k
             for k in (

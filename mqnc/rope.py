@@ -47,7 +47,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from mqnc.geometry import PRESET_CONFIGS
+from mqnc.geometry import PRESET_CONFIGS, hf_config_dict
 
 __all__ = [
     "RopeSpec",
@@ -199,16 +199,7 @@ class RopeSpec:
         ``layout`` is not in any config: it is a property of the code that wrote the cache
         (module docstring).
         """
-        if not isinstance(config, Mapping):
-            to_dict = getattr(config, "to_dict", None)
-            if to_dict is None:
-                raise TypeError(
-                    "config: expected a dict or a transformers PretrainedConfig, "
-                    f"got {type(config)!r}"
-                )
-            config = to_dict()
-        if "qk_rope_head_dim" not in config and isinstance(config.get("text_config"), Mapping):
-            config = config["text_config"]
+        config = hf_config_dict(config, "qk_rope_head_dim")
         rope_dim = config.get("qk_rope_head_dim")
         if rope_dim is None:
             raise ValueError("config: not an MLA config, missing 'qk_rope_head_dim'")
