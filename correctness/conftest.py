@@ -6,20 +6,21 @@
   kernel leaves unwritten fails the comparison.
 - Hypothesis profiles: ``ci`` (bounded, derandomized, no deadline; the default, what
   ``make test`` uses) and ``thorough`` (``HYPOTHESIS_PROFILE=thorough``, for long runs).
+- Tensors go to :func:`mqnc.testing.default_device` (a module-level ``DEVICE`` in the kernel
+  tests): the GPU when there is one, else the CPU; the same tests run on both.
 """
 
 from __future__ import annotations
 
 import os
 
-from mqnc.runtime import use_interpreter_without_cuda
+from mqnc.base.env import MQNC_POISON_OUTPUTS
+from mqnc.base.runtime import use_interpreter_without_cuda
 
 use_interpreter_without_cuda()
-os.environ.setdefault("MQNC_POISON_OUTPUTS", "1")
+os.environ.setdefault(MQNC_POISON_OUTPUTS, "1")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
@@ -38,22 +39,3 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device")
-
-
-def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device (compiled path)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
-
-
-@pytest.fixture
-def device() -> torch.device:
-    """Where tensors live: the GPU when there is one, else the CPU (interpreter)."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mqnc.geometry import get_preset
+from mqnc.model import get_preset
 
 GEOM = get_preset("deepseek-v2-lite")
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +80,7 @@ def test_bench_route_loopback(tmp_path):
     real = [r for r in routes if r["extra"]["payload"] == "real"]
     assert {r["extra"]["q_row_bytes"] for r in real} == {GEOM.q_row_bytes}
     # `mqnc fit` reads them: one fit per payload, each with the measured probe.
-    from mqnc.costmodel import fit_results
+    from mqnc.cost import fit_results
 
     fits = fit_results(out, qp_row_bytes=GEOM.qp_row_bytes, fit_min_rows=1)
     assert set(fits) == {"loopback@900B", "loopback@2184B"}

@@ -1,6 +1,6 @@
 """``mqnc calibrate`` (issue 8, item 2): a short probe + route sweep on this machine, fitted and
 written as a fabric profile that ``mqnc predict --fabric FILE`` loads. The fitted constants are
-checked against ``mqnc.costmodel.fit_results`` over the very records the run wrote (the same
+checked against ``mqnc.cost.fit_results`` over the very records the run wrote (the same
 samples must give the same constants), not against typed numbers.
 """
 
@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from mqnc.cli import main
-from mqnc.costmodel import fit_results
-from mqnc.fabric import FabricProfile
-from mqnc.geometry import get_preset
+from mqnc.cost import FabricProfile, fit_results
+from mqnc.model import get_preset
 
 GEOM = get_preset("deepseek-v2-lite")
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,7 +70,7 @@ def test_calibrate_bad_input(tmp_path, capsys):
     assert "--m-q" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["calibrate", "--transport", "infiniband"])
-    from mqnc.calibrate import calibrate
+    from mqnc.measure.calibrate import calibrate
 
     with pytest.raises(ValueError, match="reps"):
         calibrate("loopback", reps=0)

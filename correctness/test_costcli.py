@@ -1,8 +1,8 @@
 """``mqnc predict | crossover | fit | presets`` through ``mqnc.cli.main``.
 
-The fit test feeds a results file written by ``perf/_results.record`` from known constants plus
-noise and checks the command recovers them; the others check the commands against the library
-functions they wrap and their errors.
+The fit test feeds a results file written by ``mqnc.measure.results.record`` from known
+constants plus noise and checks the command recovers them; the others check the commands
+against the library functions they wrap and their errors.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import json
 import numpy as np
 import pytest
 
-from mqnc import predicate as pr
 from mqnc.cli import main
-from mqnc.fabric import FABRICS, FabricProfile, get_fabric
-from mqnc.geometry import PRESETS, get_preset
+from mqnc.cost import FABRICS, FabricProfile, get_fabric
+from mqnc.cost import predicate as pr
+from mqnc.model import PRESETS, get_preset
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -52,7 +52,7 @@ def test_predict_matches_decide(capsys, argv):
     rc, table, _ = run(capsys, "predict", *argv)
     assert rc == 0 and f"decision: {got['primitive']}" in table
     inputs = got["inputs"]
-    from mqnc.costmodel import Congestion
+    from mqnc.cost import Congestion
 
     cong = inputs["congestion"]
     d = pr.decide(
@@ -105,7 +105,7 @@ def test_errors_name_the_valid_choices(capsys, argv, needle):
 
 
 def test_fit_recovers_constants_from_a_results_file(tmp_path, capsys):
-    from perf._results import record
+    from mqnc.measure import record
 
     rng = np.random.default_rng(1)
     path = tmp_path / "results.jsonl"

@@ -1,4 +1,4 @@
-"""Cost model (``mqnc.costmodel``) and fabric profiles (``mqnc.fabric``): terms, profiles, fit.
+"""Cost model (``mqnc.cost``: terms, fabric profiles, fit): terms, profiles, fit.
 
 Expected values are the model's defining formulas (§4) evaluated independently here, or known
 constants that synthetic data was generated from; never outputs of the code under test.
@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mqnc import costmodel as cm
-from mqnc.fabric import FABRICS, FabricProfile, get_fabric, load_fabric
-from mqnc.geometry import get_preset
+from mqnc import cost as cm
+from mqnc.cost import FABRICS, FabricProfile, get_fabric, load_fabric
+from mqnc.model import get_preset
 
 V2 = get_preset("deepseek-v2-lite")
 IBGDA = get_fabric("h100-ibgda")
@@ -26,7 +26,7 @@ finite = dict(allow_nan=False, allow_infinity=False)
 
 def test_cost_modules_import_without_torch_or_triton():
     code = (
-        "import sys; import mqnc.fabric, mqnc.costmodel, mqnc.predicate, mqnc.costcli, mqnc.cli;"
+        "import sys; import mqnc.cost, mqnc.plots, mqnc.measure.results, mqnc.cli.cost, mqnc.cli;"
         "mqnc.cli.build_parser();"
         "bad = [m for m in ('torch', 'triton', 'matplotlib') if m in sys.modules];"
         "assert not bad, bad"
@@ -285,8 +285,9 @@ def test_fit_errors():
 
 
 def test_fit_results_reads_the_results_format(tmp_path):
-    """Records written by perf/_results.record (the real writer) fit back to their constants."""
-    from perf._results import record
+    """Records written by mqnc.measure.results.record (the real writer) fit back to their
+    constants."""
+    from mqnc.measure import record
 
     path = tmp_path / "results.jsonl"
     for variant, probe, bw, turn in (("fab-a", 2.0, 40.0, 3.0), ("fab-b", 12.0, 18.0, 7.0)):

@@ -16,13 +16,11 @@ import time
 import pytest
 import torch
 
-from mqnc import wire
-from mqnc.geometry import PRESETS
-from mqnc.holder import Holder
+from mqnc.model import PRESETS
 from mqnc.reference import partial_attention_reference
-from mqnc.requester import AllPrimitivesFailed, ChunkInfo, Requester, RouteTimeout
+from mqnc.serving import AllPrimitivesFailed, ChunkInfo, Holder, Requester, RouteTimeout
 from mqnc.testing import TOLERANCES, assert_close
-from mqnc.transport import INBOX, REPLY, LoopbackFabric, PeerLost, slot_bytes_for
+from mqnc.transport import INBOX, REPLY, LoopbackFabric, PeerLost, slot_bytes_for, wire
 
 GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4)
 SCALE = 192**-0.5 * 1.2608**2
@@ -94,8 +92,8 @@ def test_late_and_duplicated_replies_are_harmless():
     t = req.transport
     out = {}
     th = threading.Thread(target=lambda: out.update(p=req.route(1, q1, 0)))
+    seq = req.client._seq[(0, 0)] + 1  # the lane's next sequence number: this request's
     th.start()
-    seq = req._seq[(0, 0)]
     deadline = time.monotonic() + 10
     while h.transport.signal(h.transport.layout.slot(INBOX, 1)) < seq:
         assert time.monotonic() < deadline

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mqnc.geometry import PRESET_CONFIGS, PRESETS, MLAGeometry, get_preset
+from mqnc.model import PRESET_CONFIGS, PRESETS, MLAGeometry, get_preset
 
 
 def test_v2_lite_wire_sizes_follow_from_dims():

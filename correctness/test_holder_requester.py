@@ -9,18 +9,15 @@ import time
 import pytest
 import torch
 
-from mqnc import wire
-from mqnc.geometry import PRESETS
-from mqnc.holder import Holder
+from mqnc.model import PRESETS, RopeSpec
 from mqnc.reference import (
     mla_sparse_reference,
     partial_attention_reference,
     rope_rotate_reference,
 )
-from mqnc.requester import ChunkInfo, RemoteError, Requester
-from mqnc.rope import RopeSpec
+from mqnc.serving import ChunkInfo, Holder, RemoteError, Requester
 from mqnc.testing import TOLERANCES, assert_close
-from mqnc.transport import INBOX, REPLY, LoopbackFabric, slot_bytes_for
+from mqnc.transport import INBOX, REPLY, LoopbackFabric, slot_bytes_for, wire
 
 GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4)
 ROPE = RopeSpec.from_preset("deepseek-v2-lite")
@@ -257,7 +254,7 @@ def test_bad_requests_get_an_error_and_the_holder_keeps_serving():
         t.wait_signal(reply, 50, 10.0)
         h, text = wire.unpack_error(wire.read_message(t, reply))
         assert h.seq == 50 and "CRC" in text
-        req._seq[(0, 1)] = 50  # the lane's sequence moved on with the injected message
+        req.client._seq[(0, 1)] = 50  # the lane's sequence moved on with the injected message
         part = req.route(1, _q(15, 2), 1)  # still serving
         assert part.o.shape == (2, GEOM.heads, GEOM.d_v)
         assert s.holder.stats.errors == 3

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mqnc.reference import mla_decode_reference
-from mqnc.testing import assert_close, tolerance
+from mqnc.testing import assert_close, default_device, tolerance
 from mqnc.triton_kernels import merge_partials, mla_decode_partial
 from mqnc.triton_kernels.mla_decode import choose_num_splits
 
@@ -25,7 +25,7 @@ D_QK, D_V = 576, 512
 SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Module-level rather than the ``device`` fixture: Hypothesis reuses function-scoped fixtures.
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE = default_device()
 
 
 def paged_cache(lengths, block_size, dtype, gen, *, spare_blocks=2, values=None):

@@ -32,10 +32,10 @@ from mqnc.model import (  # noqa: E402
     project_query,
     softmax_scale_from_config,
 )
-from mqnc.testing import assert_close, tolerance  # noqa: E402
+from mqnc.testing import assert_close, default_device, tolerance  # noqa: E402
 from mqnc.triton_kernels import merge_partials, mla_decode_partial  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE = default_device()
 YARN = {
     "rope_type": "yarn",
     "factor": 40.0,

@@ -17,14 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mqnc.reference import mla_sparse_reference
-from mqnc.testing import assert_close, tolerance
+from mqnc.testing import assert_close, default_device, tolerance
 from mqnc.triton_kernels import merge_partials, mla_sparse_partial
 
 D_QK = 576
 SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite with YaRN
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Module-level rather than the ``device`` fixture: Hypothesis reuses function-scoped fixtures.
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE = default_device()
 
 
 def selection(gen, B, topk, pool_tokens, unused_frac):

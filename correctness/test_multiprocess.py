@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from mqnc.geometry import PRESETS
+from mqnc.model import PRESETS
 
 GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4)
 SCALE = 192**-0.5 * 1.2608**2  # DeepSeek-V2-Lite with YaRN (§3.1 of DESIGN.md)
@@ -81,7 +81,7 @@ class Cluster:
     def __init__(
         self, placement: dict[int, dict[int, int]], *, seed: int, timeout_s: float, lanes: int = 2
     ) -> None:
-        from mqnc.requester import ChunkInfo, Requester
+        from mqnc.serving import ChunkInfo, Requester
         from mqnc.transport.torchdist import TorchDistTransport, free_port_store
 
         self.world = 1 + len(placement)
@@ -237,7 +237,7 @@ def test_routed_sparse_equals_single_instance(cluster):
 
 def test_probe_and_cost_samples_fit(cluster):
     """Probes round-trip; route records at two batch sizes feed the cost model's fit (§4.3)."""
-    from mqnc.costmodel import fit
+    from mqnc.cost import fit
 
     req = cluster.requester
     for peer in (1, 4):
@@ -259,7 +259,7 @@ def test_probe_and_cost_samples_fit(cluster):
 
 
 def _holder_main(args) -> None:
-    from mqnc.holder import Holder
+    from mqnc.serving import Holder
     from mqnc.transport.torchdist import TorchDistTransport
 
     t = TorchDistTransport.connect(
@@ -299,7 +299,7 @@ def _echo_main(args) -> None:
 
 
 if __name__ == "__main__":
-    from mqnc.runtime import use_interpreter_without_cuda
+    from mqnc.base.runtime import use_interpreter_without_cuda
 
     use_interpreter_without_cuda()
     p = argparse.ArgumentParser()

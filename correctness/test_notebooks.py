@@ -29,9 +29,13 @@ pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
 from mqnc import plots  # noqa: E402
-from mqnc.costmodel import GATHER_PAPER, Congestion, t_route  # noqa: E402
-from mqnc.fabric import FabricProfile  # noqa: E402
-from mqnc.geometry import get_preset  # noqa: E402
+from mqnc.cost import (  # noqa: E402
+    GATHER_PAPER,
+    Congestion,
+    FabricProfile,  # noqa: E402
+    t_route,
+)
+from mqnc.model import get_preset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -78,6 +82,7 @@ def _rec(bench, variant, x, p50, *, x_name, rng, extra=None, backend="synthetic"
     )
 
 
+# Over 60 lines: one record-building block per figure the notebooks draw, in figure order.
 def synthetic_records(
     *, transport: bool = True, kernels: bool = True, noise: float = 0.02, seed: int = 0
 ) -> list:

@@ -41,7 +41,7 @@ def test_top_level_triton_kernels_is_not_this_package():
 def test_import_probes_no_gpu_and_no_triton():
     """``import mqnc`` (and its pure-Python modules) must not initialise CUDA or import triton."""
     r = _run(
-        "import sys, mqnc, mqnc.geometry, mqnc.testing, mqnc.cli;"
+        "import sys, mqnc, mqnc.base, mqnc.model, mqnc.cost, mqnc.testing, mqnc.cli;"
         "import torch; print(torch.cuda.is_initialized(), 'triton' in sys.modules)"
     )
     assert r.returncode == 0, r.stderr

@@ -3,7 +3,7 @@
 Every expected value here is a number printed in the paper (section cited beside it), or
 arithmetic on such numbers; none is an output of our code typed back in. Where the paper's
 prose and its own arithmetic part, the test states both and the docstring says why (see also
-``mqnc/predicate.py``'s module docstring).
+``mqnc/cost/predicate.py``'s module docstring).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import math
 import numpy as np
 import pytest
 
-from mqnc import costmodel as cm
-from mqnc import predicate as pr
-from mqnc.fabric import FABRICS, get_fabric
-from mqnc.geometry import get_preset
+from mqnc import cost as cm
+from mqnc.cost import FABRICS, get_fabric
+from mqnc.cost import predicate as pr
+from mqnc.model import get_preset
 
 V2 = get_preset("deepseek-v2-lite")
 IBGDA = get_fabric("h100-ibgda")

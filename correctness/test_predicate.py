@@ -1,4 +1,5 @@
-"""The route / fetch / local predicate (``mqnc.predicate``): argmin, margins, grids, closed forms.
+"""The route / fetch / local predicate (``mqnc.cost.predicate``): argmin, margins, grids,
+closed forms.
 
 Each check compares the predicate against the cost-model terms it is defined from (§5.1:
 argmin over the three costs) or against an independently written formula.
@@ -13,10 +14,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mqnc import costmodel as cm
-from mqnc import predicate as pr
-from mqnc.fabric import FABRICS, get_fabric
-from mqnc.geometry import get_preset
+from mqnc import cost as cm
+from mqnc.cost import FABRICS, get_fabric
+from mqnc.cost import predicate as pr
+from mqnc.model import get_preset
 
 V2 = get_preset("deepseek-v2-lite")
 IBGDA = get_fabric("h100-ibgda")

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mqnc.model import ROPE_PRESET_CONFIGS, RopeSpec, YarnScaling
 from mqnc.reference.attention import partial_attention_reference
 from mqnc.reference.rope import (
     half_to_interleaved,
@@ -23,7 +24,6 @@ from mqnc.reference.rope import (
     rope_encode_reference,
     rope_rotate_reference,
 )
-from mqnc.rope import ROPE_PRESET_CONFIGS, RopeSpec, YarnScaling
 from mqnc.testing import assert_close, tolerance
 
 transformers = pytest.importorskip("transformers")
@@ -109,7 +109,7 @@ def test_yarn_blend_structure():
     """Independent of transformers: pairs below the ramp extrapolate (theta^(-2i/d)), pairs
     above interpolate (divided by the factor); V2-Lite's ramp is pairs 10..23."""
     spec = RopeSpec.from_preset("deepseek-v2-lite")
-    from mqnc.rope import yarn_find_correction_range
+    from mqnc.model import yarn_find_correction_range
 
     assert yarn_find_correction_range(32, 1, 64, 10000, 4096) == (10, 23)
     f = torch.tensor(spec.inv_freq, dtype=torch.float64)

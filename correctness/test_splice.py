@@ -14,6 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mqnc.model import ROPE_PRESET_CONFIGS, RopeSpec
 from mqnc.reference.attention import partial_attention_reference
 from mqnc.reference.merge import merge_reference
 from mqnc.reference.rope import (
@@ -21,14 +22,12 @@ from mqnc.reference.rope import (
     rope_rotate_reference,
     rope_splice_reference,
 )
-from mqnc.rope import ROPE_PRESET_CONFIGS, RopeSpec
-from mqnc.testing import assert_close, tolerance
+from mqnc.testing import assert_close, default_device, tolerance
 from mqnc.triton_kernels.splice import rope_rotate, rope_splice
 
 D, D_C, D_R = 576, 512, 64
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# Module-level (not the `device` fixture): Hypothesis tests cannot take function-scoped fixtures.
-device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+device = default_device()
 
 
 def _spec(layout: str = "interleaved", yarn: bool = True) -> RopeSpec:
@@ -328,7 +327,7 @@ def _valid_args(device):
         (dict(delta=2**40), ValueError, r"delta: expected \|delta\|"),
         (dict(delta_tensor=[1, 2, 3]), ValueError, "delta: expected shape"),
         (dict(delta_tensor=[1, 2, 3, 2**40]), ValueError, r"delta: expected \|delta\|"),
-        (dict(rope="yarn"), TypeError, "rope: expected a mqnc.rope.RopeSpec"),
+        (dict(rope="yarn"), TypeError, "rope: expected a mqnc.model.RopeSpec"),
     ],
 )
 def test_splice_rejects_bad_input(change, exc, match):

@@ -1,4 +1,4 @@
-"""Wire format (mqnc.wire): round trips, sizes from the geometry, rejection of bad buffers."""
+"""Wire format (mqnc.transport.wire): round trips, sizes from the geometry, bad buffers."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mqnc import wire
-from mqnc.geometry import PRESETS
+from mqnc.model import PRESETS
+from mqnc.transport import wire
 
 G = PRESETS["deepseek-v2-lite"]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

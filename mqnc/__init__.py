@@ -3,9 +3,24 @@
 Triton kernels, transport and cost model for cross-instance latent (MLA) and sparse attention,
 after Ma et al., "Move the Query, Not the Cache" (2026). Importing ``mqnc`` never touches a GPU.
 
-Layout, bottom to top: ``mqnc.triton_kernels`` (the kernels), ``mqnc.reference`` (their fp64
-references), ``mqnc.geometry`` (model dims and byte sizes), ``mqnc.testing`` (the comparison
-helper), ``mqnc.cli`` (the ``mqnc`` command).
+Layout, bottom to top: a module imports its own subpackage and the layers below it, never one
+above or beside it (``correctness/test_layout.py`` checks every import).
+
+0. ``mqnc.base``: env switches, scalar argument checks, the kernel mode (no torch at import).
+1. ``mqnc.triton_kernels`` (the folder ``triton_kernels/``): the Triton kernels, one op per
+   file (merge, dense and sparse partial attention, splice). ``mqnc.reference``: their fp64
+   references. ``mqnc.testing``: the one comparison helper and its tolerance table.
+2. ``mqnc.model``: MLA geometry and presets, the RoPE spec, absorption helpers and a small MLA
+   model (§2, §3.3).
+3. ``mqnc.transport``: the wire format and the transport engines (loopback, torch.distributed,
+   NVSHMEM; §3.1-§3.2, §6). ``mqnc.cost``: fabric profiles, the cost model's terms, its fit and
+   the route / fetch / local predicate (§4, §5; numpy only, no torch).
+4. ``mqnc.serving``: the holder and the requester (§3, §5.3, §6.3).
+5. ``mqnc.measure``: the measurement harness ``perf/`` and ``mqnc calibrate`` share (echo
+   holders, timing, the results file; §4.3).
+6. ``mqnc.demo``: the agentic fan-in, decided, executed, verified (§1, §6.3). ``mqnc.plots``:
+   the paper's figures from the model and the results file.
+7. ``mqnc.cli``: the ``mqnc`` command.
 """
 
 __version__ = "0.1.0"

@@ -15,7 +15,15 @@ import dataclasses
 
 import torch
 
-__all__ = ["Tolerance", "TOLERANCES", "tolerance", "CloseStats", "compare", "assert_close"]
+__all__ = [
+    "Tolerance",
+    "TOLERANCES",
+    "tolerance",
+    "CloseStats",
+    "compare",
+    "assert_close",
+    "default_device",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +127,7 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
         "hundreds of entries; the tests assert that premise on their inputs. RMS: three "
         "independent bf16 roundings (partial, merged, union), each ~2^-9 / sqrt(3) relative.",
     ),
-    # Routed over the wire (mqnc.holder / mqnc.requester): each holder's partial o is rounded to
+    # Routed over the wire (mqnc.serving: holder / requester): each holder's partial o is rounded to
     # bf16 on the holder (it travels in bf16, §3.2), the M-way merge rounds again; one call over
     # the union rounds once. Measured (fp64 simulation with round-to-nearest everywhere, 4
     # holders, |o| < 0.25): max-abs 4.9e-4, RMS relative 2.7e-3.
@@ -290,3 +298,10 @@ def assert_close(
     if stats.max_abs > atol or (rms_rtol is not None and stats.rms_rel > rms_rtol):
         raise AssertionError(f"{name}: {stats} exceeds atol={atol:.3e} rms_rtol={rms_rtol}")
     return stats
+
+
+def default_device() -> torch.device:
+    """Where the tests put tensors: the GPU when there is one (the compiled kernels), else the
+    CPU (the interpreter). Asks torch when called, never at import; test modules call it once
+    at module level (Hypothesis tests cannot take function-scoped fixtures)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

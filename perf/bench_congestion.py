@@ -2,7 +2,7 @@
 
 ``python -m perf.bench_congestion [--transport loopback,gloo] [--quick] [--out FILE]``
 
-What is timed (§8, Fig. 7), through :class:`perf._harness.EchoFabric` with one echo holder and
+What is timed (§8, Fig. 7), through :class:`mqnc.measure.echo.EchoFabric` with one echo holder and
 ``1 + max(K)`` lanes: K background flows (threads of the requester process, each on its own
 lane) run route round trips of ``--background-m-q`` rows (1024) back to back; meanwhile the
 foreground flow on lane 0 times the probe (``sig_rt``) and the route round trip at each
@@ -20,14 +20,17 @@ from __future__ import annotations
 import argparse
 import threading
 
-from perf import _harness as H
+from mqnc import measure as H
+from mqnc.model import get_preset
 
 
+# Over 60 lines: one sweep whose background flows, timing and records share their loop state;
+# split, each piece would take most of it as arguments.
 def _sweep(fabric: H.EchoFabric, g, ks: list[int], m_qs: list[int], args) -> None:
     """Time the probe and each foreground M_q under K = each of ``ks`` background flows."""
     from tqdm import tqdm
 
-    from perf._results import record, time_fn
+    from mqnc.measure import record, time_fn
 
     name = fabric.name
     bg_msg = fabric.route_message(args.background_m_q, g.q_row_bytes, g.p_row_bytes)
@@ -101,7 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--background-m-q", type=int, default=1024, help="rows per background trip")
     args = ap.parse_args(argv)
     H.one_intra_op_thread()
-    g = H.geometry_of(args.model)
+    g = get_preset(args.model)
     ks = (
         [int(k) for k in args.k.split(",")]
         if args.k

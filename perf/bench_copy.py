@@ -16,7 +16,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from perf._results import record, time_fn
+    from mqnc.measure import record, time_fn
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     n = int(args.gib * 2**30) // 2

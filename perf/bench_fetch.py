@@ -3,7 +3,7 @@ beside route's fan-out to the same M holders.
 
 ``python -m perf.bench_fetch [--transport loopback,gloo] [--quick] [--out FILE]``
 
-What is timed (§5.4, Fig. 4(a)), through :class:`perf._harness.EchoFabric`:
+What is timed (§5.4, Fig. 4(a)), through :class:`mqnc.measure.echo.EchoFabric`:
 
 - ``bench="fetch"``, ``variant="contiguous (<transport>)"``, ``x`` = c_t: one request, the
   holder returns a contiguous chunk of ``c_t`` tokens x all ``L`` layers (``c_t L b_KV``
@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import argparse
 
-from perf import _harness as H
+from mqnc import measure as H
+from mqnc.model import get_preset
 
 CT_FULL = [64, 256, 1024, 2048]
 CT_QUICK = [64, 256]
@@ -48,9 +49,11 @@ def _merge_fn(m: int, m_q: int, geometry):
             torch.cuda.synchronize()
 
         return run, "triton merge"
+    from mqnc.reference import merge_reference
+
     o = torch.randn(m, b, heads, geometry.d_v)
     lse = torch.randn(m, b, heads)
-    return (lambda: H.torch_merge(o, lse)), "torch merge"
+    return (lambda: merge_reference(o, lse, dtype=torch.float32)), "torch merge"
 
 
 def main(argv=None) -> int:
@@ -64,113 +67,131 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     H.one_intra_op_thread()
     import torch
-    from tqdm import tqdm
 
-    from perf._results import record, time_fn
-
-    g = H.geometry_of(args.model)
+    g = get_preset(args.model)
     cts = H.ints_of(args.ct, "--ct") if args.ct else (CT_QUICK if args.quick else CT_FULL)
     max_m = args.max_holders or (3 if args.quick else 7)
     if not 1 <= max_m <= 64:
         raise ValueError(f"--max-holders: expected 1..64, got {max_m}")
     if args.topk < max_m:
         raise ValueError(f"--topk: expected >= --max-holders ({max_m}), got {args.topk}")
-    b_kv = g.kv_bytes_per_token_layer
     gen = torch.Generator().manual_seed(0)
     for name in H.transports_of(args.transport):
-        # 1) contiguous pull of c_t tokens x L layers from one holder.
-        chunk_max = g.chunk_bytes(max(cts))
         try:
-            fabric = H.EchoFabric(
-                name, holders=1, slot_bytes=H.HDR + chunk_max, chunk_bytes=chunk_max
-            )
+            _contiguous(name, g, cts, args)
         except H.Unavailable as exc:
             print(f"bench_fetch: skipped: {exc}")
             continue
-        with fabric:
-            for ct in tqdm(cts, desc=f"bench_fetch[{name}] contiguous"):
-                nbytes = g.chunk_bytes(ct)
-                msg = fabric.message(H.OP_CHUNK, H.HDR, nbytes)
-                p = time_fn(
-                    lambda msg=msg, fabric=fabric: fabric.round_trip(1, msg),
-                    warmup=args.warmup,
-                    reps=args.reps,
-                    cuda=False,
-                )
-                record(
-                    "fetch",
-                    f"contiguous ({name})",
-                    ct,
-                    p,
-                    x_name="c_t",
-                    nbytes=nbytes,
-                    transport=name,
-                    backend="host-echo",
-                    extra=H.host_extra(fabric, layers=g.layers, what="all-layer chunk pull"),
-                    path=args.out,
-                )
-                print(f"{name} contiguous c_t={ct}: p50 {p[1]:.0f} us ({nbytes / 1e6:.1f} MB)")
-        # 2) scattered gather over M holders vs 3) route fan-out to the same M holders.
-        slot = H.HDR + max(args.topk * b_kv, args.m_q * g.q_row_bytes)
-        with H.EchoFabric(name, holders=max_m, slot_bytes=slot, pool_rows=args.pool_rows) as fab:
-            route_msg = fab.route_message(args.m_q, g.q_row_bytes, g.p_row_bytes)
-            for m in tqdm(range(1, max_m + 1), desc=f"bench_fetch[{name}] holders"):
-                counts = [args.topk // m + (i < args.topk % m) for i in range(m)]
-                msgs = [
-                    fab.message(
-                        H.OP_GATHER,
-                        H.HDR,
-                        n,
-                        indices=torch.randint(0, args.pool_rows, (n,), generator=gen),
-                    )
-                    for n in counts
-                ]
-
-                def gather(msgs=msgs, m=m):
-                    for peer, msg in zip(range(1, m + 1), msgs, strict=True):
-                        fab.round_trip(peer, msg)  # serial: one holder at a time
-
-                p = time_fn(gather, warmup=args.warmup, reps=args.reps, cuda=False)
-                record(
-                    "fetch",
-                    name,
-                    m,
-                    p,
-                    x_name="holders",
-                    nbytes=args.topk * b_kv,
-                    transport=name,
-                    backend="host-echo",
-                    extra=H.host_extra(
-                        fab, topk=args.topk, layers=1, what="serial gather, per layer"
-                    ),
-                    path=args.out,
-                )
-                merge, merge_name = _merge_fn(m, args.m_q, g)
-
-                def fanout(m=m, merge=merge, route_msg=route_msg):
-                    pending = [fab.send(peer, route_msg) for peer in range(1, m + 1)]
-                    for pend in pending:
-                        fab.wait(pend)
-                    merge()
-
-                pf = time_fn(fanout, warmup=args.warmup, reps=args.reps, cuda=False)
-                record(
-                    "route_fanout",
-                    name,
-                    m,
-                    pf,
-                    x_name="holders",
-                    nbytes=m * args.m_q * g.qp_row_bytes,
-                    transport=name,
-                    backend="host-echo",
-                    extra=H.host_extra(fab, m_q=args.m_q, merge=merge_name),
-                    path=args.out,
-                )
-                print(
-                    f"{name} M={m}: gather top-{args.topk} p50 {p[1]:.0f} us; route fan-out "
-                    f"(M_q={args.m_q}) + merge p50 {pf[1]:.0f} us"
-                )
+        _over_holders(name, g, max_m, args, gen)
     return 0
+
+
+def _contiguous(name: str, g, cts: list[int], args) -> None:
+    """1) contiguous pull of c_t tokens x L layers from one holder."""
+    from tqdm import tqdm
+
+    from mqnc.measure import record, time_fn
+
+    chunk_max = g.chunk_bytes(max(cts))
+    fabric = H.EchoFabric(name, holders=1, slot_bytes=H.HDR + chunk_max, chunk_bytes=chunk_max)
+    with fabric:
+        for ct in tqdm(cts, desc=f"bench_fetch[{name}] contiguous"):
+            nbytes = g.chunk_bytes(ct)
+            msg = fabric.message(H.OP_CHUNK, H.HDR, nbytes)
+            p = time_fn(
+                lambda msg=msg, fabric=fabric: fabric.round_trip(1, msg),
+                warmup=args.warmup,
+                reps=args.reps,
+                cuda=False,
+            )
+            record(
+                "fetch",
+                f"contiguous ({name})",
+                ct,
+                p,
+                x_name="c_t",
+                nbytes=nbytes,
+                transport=name,
+                backend="host-echo",
+                extra=H.host_extra(fabric, layers=g.layers, what="all-layer chunk pull"),
+                path=args.out,
+            )
+            print(f"{name} contiguous c_t={ct}: p50 {p[1]:.0f} us ({nbytes / 1e6:.1f} MB)")
+
+
+def _over_holders(name: str, g, max_m: int, args, gen) -> None:
+    """2) scattered gather over M holders vs 3) route fan-out to the same M holders."""
+    from tqdm import tqdm
+
+    from mqnc.measure import time_fn
+
+    slot = H.HDR + max(args.topk * g.kv_bytes_per_token_layer, args.m_q * g.q_row_bytes)
+    with H.EchoFabric(name, holders=max_m, slot_bytes=slot, pool_rows=args.pool_rows) as fab:
+        route_msg = fab.route_message(args.m_q, g.q_row_bytes, g.p_row_bytes)
+        for m in tqdm(range(1, max_m + 1), desc=f"bench_fetch[{name}] holders"):
+            msgs = _gather_messages(fab, m, args, gen)
+
+            def gather(msgs=msgs, m=m):
+                for peer, msg in zip(range(1, m + 1), msgs, strict=True):
+                    fab.round_trip(peer, msg)  # serial: one holder at a time
+
+            p = time_fn(gather, warmup=args.warmup, reps=args.reps, cuda=False)
+            merge, merge_name = _merge_fn(m, args.m_q, g)
+
+            def fanout(m=m, merge=merge, route_msg=route_msg):
+                pending = [fab.send(peer, route_msg) for peer in range(1, m + 1)]
+                for pend in pending:
+                    fab.wait(pend)
+                merge()
+
+            pf = time_fn(fanout, warmup=args.warmup, reps=args.reps, cuda=False)
+            _record_holders(fab, name, m, p, pf, merge_name, g, args)
+            print(
+                f"{name} M={m}: gather top-{args.topk} p50 {p[1]:.0f} us; route fan-out "
+                f"(M_q={args.m_q}) + merge p50 {pf[1]:.0f} us"
+            )
+
+
+def _gather_messages(fab, m: int, args, gen) -> list:
+    """One gather request per holder: ``topk`` random rows split as evenly as possible."""
+    import torch
+
+    counts = [args.topk // m + (i < args.topk % m) for i in range(m)]
+    return [
+        fab.message(
+            H.OP_GATHER, H.HDR, n, indices=torch.randint(0, args.pool_rows, (n,), generator=gen)
+        )
+        for n in counts
+    ]
+
+
+def _record_holders(fab, name: str, m: int, p, pf, merge_name: str, g, args) -> None:
+    from mqnc.measure import record
+
+    record(
+        "fetch",
+        name,
+        m,
+        p,
+        x_name="holders",
+        nbytes=args.topk * g.kv_bytes_per_token_layer,
+        transport=name,
+        backend="host-echo",
+        extra=H.host_extra(fab, topk=args.topk, layers=1, what="serial gather, per layer"),
+        path=args.out,
+    )
+    record(
+        "route_fanout",
+        name,
+        m,
+        pf,
+        x_name="holders",
+        nbytes=m * args.m_q * g.qp_row_bytes,
+        transport=name,
+        backend="host-echo",
+        extra=H.host_extra(fab, m_q=args.m_q, merge=merge_name),
+        path=args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ What is timed (§6.2, §6.3):
 - ``bench="holder"``, ``x_name="requesters"``, ``x`` = N in 1..256, ``variant`` =
   ``"h_q=<H> c_t=<c_t>"``: N requesters each route one decode token's ``H`` absorbed query
   rows to one holder, which answers them in ONE partial-attention call over its resident
-  ``c_t``-token chunk (what :class:`mqnc.holder.Holder`'s dispatcher does: ``q [N, H, 576]``,
+  ``c_t``-token chunk (what :class:`mqnc.serving.Holder`'s dispatcher does: ``q [N, H, 576]``,
   one block-table row per requester, all pointing at the chunk). On a GPU the call is
   :func:`mqnc.triton_kernels.mla_decode_partial` (bf16, CUDA events; ``backend="triton"``).
   On the CPU the Triton kernel would run under the interpreter (timings of the interpreter
@@ -90,7 +90,7 @@ def batched_partial_torch(q, kv_pool, block_table, cache_seqlens, softmax_scale,
 def _staging(args, geometry, out) -> None:
     import torch
 
-    from perf._results import record
+    from mqnc.measure import record
 
     if not torch.cuda.is_available():
         print(
@@ -122,7 +122,7 @@ def _staging(args, geometry, out) -> None:
             for s in streams:
                 main.wait_stream(s)
 
-        from perf._results import time_fn
+        from mqnc.measure import time_fn
 
         p = time_fn(run, warmup=args.warmup, reps=args.reps)
         record(
@@ -147,6 +147,7 @@ def _staging(args, geometry, out) -> None:
         )
 
 
+# Over 60 lines: the options (18 lines), then the two sweeps of Fig. 4(b) and 5(b) in order.
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small sweep (CPU smoke run)")
@@ -161,16 +162,17 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="deepseek-v2-lite")
     ap.add_argument("--out", default=None, help="results file (default $MQNC_RESULTS or perf/)")
     args = ap.parse_args(argv)
-    from mqnc.runtime import use_interpreter_without_cuda
+    from mqnc.base.runtime import use_interpreter_without_cuda
 
     use_interpreter_without_cuda()
     import torch
     from tqdm import tqdm
 
-    from perf import _harness as H
-    from perf._results import record, time_fn
+    from mqnc import measure as H
+    from mqnc.measure import record, time_fn
+    from mqnc.model import get_preset
 
-    g = H.geometry_of(args.model)
+    g = get_preset(args.model)
     cuda = torch.cuda.is_available()
     ns = H.ints_of(args.n, "--n") if args.n else (N_QUICK if args.quick else N_FULL)
     heads = H.ints_of(args.heads, "--heads") if args.heads else ([16, 128] if cuda else [16])

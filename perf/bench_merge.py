@@ -12,18 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from mqnc.runtime import use_interpreter_without_cuda
-
-
-def _torch_merge(o, lse):
-    import torch
-
-    lse = torch.where(torch.isposinf(lse), torch.full_like(lse, float("-inf")), lse)
-    m = lse.max(0).values
-    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
-    w = torch.exp(lse - m)
-    l = w.sum(0)
-    return (w[..., None] * o.float()).sum(0) / l[..., None], m + torch.log(l)
+from mqnc.base.runtime import use_interpreter_without_cuda
 
 
 def main(argv=None) -> int:
@@ -35,7 +24,7 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from perf._results import record, time_fn
+    from mqnc.measure import record, time_fn
 
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
@@ -48,7 +37,10 @@ def main(argv=None) -> int:
 
         fn, backend = (lambda o, l: merge_partials(o, l, check_lse=False)), "triton"
     else:
-        fn, backend = _torch_merge, "torch-reference"
+        from mqnc.reference import merge_reference
+
+        fn = lambda o, l: merge_reference(o, l, dtype=torch.float32)  # noqa: E731
+        backend = "torch-reference"
     for M in tqdm(Ms, desc="bench_merge"):
         for R in rows:
             o = torch.randn(M, R, 1, D, device=dev).to(dtype)

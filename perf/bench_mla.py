@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from mqnc.runtime import use_interpreter_without_cuda
+from mqnc.base.runtime import use_interpreter_without_cuda
 
 D_QK, D_V = 576, 512
 SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite with YaRN
@@ -90,8 +90,8 @@ def main(argv=None) -> int:
     use_interpreter_without_cuda()
     import torch
 
+    from mqnc.measure import record, time_fn
     from mqnc.triton_kernels import mla_sparse_partial
-    from perf._results import record, time_fn
 
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"

@@ -18,9 +18,8 @@ import time
 
 import numpy as np
 
-from mqnc.fabric import get_fabric
-from mqnc.geometry import get_preset
-from mqnc.predicate import crossover_map, decide
+from mqnc.cost import crossover_map, decide, get_fabric
+from mqnc.model import get_preset
 
 TARGET_SCALAR_US = 20.0
 TARGET_GRID_S = 0.2
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         f"p80 {grid[2] / 1e3:8.1f} ms   (target <= {TARGET_GRID_S * 1e3:g} ms)"
     )
     if not args.no_record:
-        from perf._results import record
+        from mqnc.measure import record
 
         record("predicate", "scalar", 1, scalar, x_name="decisions", backend="python", extra=extra)
         record(

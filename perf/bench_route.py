@@ -3,7 +3,8 @@
 ``python -m perf.bench_route [--transport loopback,gloo] [--quick] [--out FILE]``
 
 What is timed (§3.2, §4.3, Table 1), on each transport named, through
-:class:`perf._harness.EchoFabric` (rank 0 this process, one echo holder):
+:class:`mqnc.measure.echo.EchoFabric` (rank 0 this process, one echo holder;
+the sweep itself is :func:`mqnc.measure.sweep.route_sweep`, which ``mqnc calibrate`` runs too):
 
 - ``bench="probe"``: a 1-byte put + signal answered by a 1-byte put + signal (the protocol
   probe ``sig_rt``); ``x`` = 1 byte;
@@ -16,7 +17,7 @@ What is timed (§3.2, §4.3, Table 1), on each transport named, through
 
 ``variant`` is the transport name, which is how ``mqnc fit`` and ``mqnc.plots`` pair a route
 sweep with its probe. Timings are host wall clock (``time.perf_counter_ns``), warm-up first,
-all points timed round-robin (``perf._harness.time_interleaved``: drift of a shared machine
+all points timed round-robin (``mqnc.measure.timing.time_interleaved``: drift of a shared machine
 falls on every point alike),
 p20/p50/p80 of ``--reps`` repetitions.
 """
@@ -24,86 +25,15 @@ p20/p50/p80 of ``--reps`` repetitions.
 from __future__ import annotations
 
 import argparse
-from functools import partial
 
-from perf import _harness as H
+from mqnc import measure as H
+from mqnc.cost import fit
+from mqnc.measure.sweep import route_sweep
+from mqnc.model import get_preset
 
 M_Q_FULL = [1, 4, 16, 64, 256, 1024, 4096]
 M_Q_QUICK = [1, 64, 1024]
 PAYLOADS = [900, 2184, 4368, 8736]
-
-
-def measure(
-    fabric: H.EchoFabric,
-    geometry,
-    m_qs: list[int],
-    payloads: list[int],
-    *,
-    reps: int,
-    warmup: int,
-    out=None,
-    write: bool = True,
-    progress: bool = True,
-) -> tuple[list[float], dict[int, list[tuple[int, float]]]]:
-    """Time the probe and the route sweep on ``fabric``; record each point (unless not
-    ``write``) into ``out`` (default: the results file).
-
-    Returns
-    -------
-    (list of float, dict)
-        The probe's (p20, p50, p80) in us, and ``{q + p: [(M_q, p50_us), ...]}``.
-    """
-    from tqdm import tqdm
-
-    from perf._results import record
-
-    t = fabric.name
-    fns = {"probe": fabric.probe}
-    for qp in payloads:
-        q_b, p_b = H.split_row_bytes(qp, geometry)
-        for m in m_qs:
-            msg = fabric.route_message(m, q_b, p_b)
-            fns[(qp, m)] = lambda msg=msg: fabric.round_trip(1, msg)
-    bar = partial(tqdm, desc=f"bench_route[{t}] reps", disable=not progress)
-    times = H.time_interleaved(fns, warmup=warmup, reps=reps, progress=bar)
-    probe = times.pop("probe")
-    if write:
-        record(
-            "probe",
-            t,
-            1,
-            probe,
-            x_name="payload_bytes",
-            nbytes=2,
-            transport=t,
-            backend="host-echo",
-            extra=H.host_extra(fabric, what="1-byte put + signal, 1-byte put + signal back"),
-            path=out,
-        )
-    sweeps: dict[int, list[tuple[int, float]]] = {}
-    for (qp, m), p in times.items():
-        q_b, p_b = H.split_row_bytes(qp, geometry)
-        if write:
-            record(
-                "route",
-                t,
-                m,
-                p,
-                x_name="m_q",
-                nbytes=m * qp,
-                transport=t,
-                backend="host-echo",
-                extra=H.host_extra(
-                    fabric,
-                    qp_row_bytes=qp,
-                    q_row_bytes=q_b,
-                    p_row_bytes=p_b,
-                    payload="real" if qp == geometry.qp_row_bytes else "sweep",
-                ),
-                path=out,
-            )
-        sweeps.setdefault(qp, []).append((m, p[1]))
-    return list(probe), sweeps
 
 
 def main(argv=None) -> int:
@@ -117,9 +47,7 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
     H.one_intra_op_thread()
-    from mqnc.costmodel import fit
-
-    geometry = H.geometry_of(args.model)
+    geometry = get_preset(args.model)
     m_qs = H.ints_of(args.m_q, "--m-q") if args.m_q else (M_Q_QUICK if args.quick else M_Q_FULL)
     if args.payloads:
         payloads = H.ints_of(args.payloads, "--payloads")
@@ -133,7 +61,7 @@ def main(argv=None) -> int:
             print(f"bench_route: skipped: {exc}")
             continue
         with fabric:
-            probe, sweeps = measure(
+            probe, sweeps = route_sweep(
                 fabric, geometry, m_qs, payloads, reps=args.reps, warmup=args.warmup, out=args.out
             )
         print(f"{name}: probe p50 {probe[1]:.1f} us")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 
-from mqnc.runtime import use_interpreter_without_cuda
+from mqnc.base.runtime import use_interpreter_without_cuda
 
 PAPER_SPLICE_US = {55: 2770.0, 1024: 2780.0, 2048: 2910.0, 4096: 3060.0}  # §7, H100
 
@@ -65,7 +65,7 @@ def run(ct_list, layers: int, quick: bool, record_results: bool = True) -> list[
     use_interpreter_without_cuda()
     import torch
 
-    from mqnc.rope import RopeSpec
+    from mqnc.model import RopeSpec
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -79,9 +79,9 @@ def run(ct_list, layers: int, quick: bool, record_results: bool = True) -> list[
 def _bench_ct(ct, layers, quick, record_results, device, cuda, rope) -> list[dict]:
     import torch
 
-    from mqnc.runtime import kernel_mode
+    from mqnc.base.runtime import kernel_mode
+    from mqnc.measure import record, time_fn
     from mqnc.triton_kernels.splice import rope_splice
-    from perf._results import record, time_fn
 
     dtype = torch.bfloat16
     out = []

@@ -38,7 +38,7 @@ L_CHUNK = 2048
 
 
 def _geometry():
-    from mqnc.geometry import PRESETS
+    from mqnc.model import PRESETS
 
     return PRESETS["deepseek-v2-lite"]
 
@@ -50,13 +50,14 @@ def _chunk(g, seed=0):
     return (0.5 * torch.randn(g.layers, L_CHUNK, g.d_qk, generator=gen)).to(torch.bfloat16)
 
 
+# Over 60 lines: one PE's whole GPU check (bootstrap, probe, route sweep, exactness), run once
+# on a lent GPU, in the order the log reports it.
 def _worker(rank: int, port: int, device_put: bool, batches: list[int], reps: int, q) -> None:
     import torch
     from torch.distributed import TCPStore
 
-    from mqnc.holder import Holder
-    from mqnc.requester import ChunkInfo, Requester
-    from mqnc.rope import RopeSpec
+    from mqnc.model import RopeSpec
+    from mqnc.serving import ChunkInfo, Holder, Requester
     from mqnc.transport import slot_bytes_for
     from mqnc.transport.nvshmem import NvshmemTransport
 
@@ -175,6 +176,7 @@ def _run(device_put: bool, batches: list[int], reps: int, timeout_s: float) -> l
     return results
 
 
+# Over 60 lines: the options, spawning the two PEs and reporting their results, in order.
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -209,7 +211,7 @@ def main(argv=None) -> int:
                 print(f"  route M_q={m_q}: p20/p50/p80 us {pct}")
             print(f"  exactness: {req.get('exact')}")
             try:
-                from perf._results import record
+                from mqnc.measure import record
 
                 variant = f"nvshmem-{path}-1gpu-2pe"
                 record(

@@ -19,6 +19,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from mqnc.base.env import interpreting
+
 __all__ = ["KernelResources", "compile_for", "cuobjdump_path"]
 
 
@@ -103,6 +105,6 @@ if __name__ == "__main__":
     import json
     import sys
 
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreting():
         sys.exit("unset TRITON_INTERPRET to compile for a GPU target")
     print(json.dumps(compile_all(int(sys.argv[1]) if len(sys.argv) > 1 else 90)))

@@ -4,7 +4,7 @@ Nothing here touches a GPU at import time. Whether kernels run compiled or inter
 by ``TRITON_INTERPRET=1`` (read by Triton when it is imported; the test suite sets it itself when
 no CUDA device exists).
 
-Environment switches (the only ones the kernels read):
+Environment switches (the only ones the kernels read; parsed in :mod:`mqnc.base.env`):
 
 ``TRITON_INTERPRET=1``
     Run kernels under Triton's CPU interpreter. Launchers then take one process-wide lock (the
@@ -20,10 +20,11 @@ Environment switches (the only ones the kernels read):
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import torch
+
+from mqnc.base.env import interpreting, poisoning
 
 __all__ = [
     "interpreting",
@@ -35,11 +36,6 @@ __all__ = [
 ]
 
 _LOCK = threading.RLock()
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def launch_lock():
@@ -63,11 +59,6 @@ def bf16_rne_in_software(dtype: torch.dtype) -> bool:
     ``mqnc.triton_kernels._numerics.round_to``. The compiled path uses the hardware cast.
     """
     return interpreting() and dtype == torch.bfloat16
-
-
-def poisoning() -> bool:
-    """True when freshly allocated outputs are NaN-filled (``MQNC_POISON_OUTPUTS=1``)."""
-    return os.environ.get("MQNC_POISON_OUTPUTS", "0") not in ("", "0")
 
 
 def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -17,7 +17,7 @@ for ``|delta| < 2**29``), reduces it mod pi/2 in float64 (two-constant Cody-Wait
 evaluates float32 minimax polynomials for cos/sin of the reduced angle (see ``_cos_sin``: no
 libdevice call, so no stack frame on sm_90, and the interpreter computes the same thing). The
 angle error is then ~2e-7 rad whatever the delta. The float64 work is 32 angles per token per
-program, negligible next to the copy. Frequencies come from :class:`mqnc.rope.RopeSpec`
+program, negligible next to the copy. Frequencies come from :class:`mqnc.model.RopeSpec`
 (DeepSeek's float32 values, YaRN included); the pure ``R(delta)`` carries no YaRN cos/sin
 factor (it was applied at encoding).
 """
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mqnc.rope import RopeSpec
+from mqnc.model.rope import RopeSpec
 from mqnc.triton_kernels._checks import FLOAT_DTYPES, check_same_device, check_tensor, dtype_name
 from mqnc.triton_kernels._numerics import round_to
 from mqnc.triton_kernels._runtime import bf16_rne_in_software, launch_lock, new_output
@@ -168,7 +168,7 @@ def _freq_table(rope: RopeSpec, device: torch.device) -> torch.Tensor:
 
 def _check_rope(rope: object, width: int, name: str) -> RopeSpec:
     if not isinstance(rope, RopeSpec):
-        raise TypeError(f"rope: expected a mqnc.rope.RopeSpec, got {type(rope).__name__}")
+        raise TypeError(f"rope: expected a mqnc.model.RopeSpec, got {type(rope).__name__}")
     half = rope.pairs
     if half & (half - 1):
         raise ValueError(f"rope.rope_dim: expected 2 * a power of two, got {rope.rope_dim}")
@@ -262,7 +262,7 @@ def rope_splice(
         New minus old position: one int for the whole chunk (a contiguous re-homing), or
         ``[ct]`` int64, one per token. ``|delta| <= 2**31 - 1``.
     rope : RopeSpec
-        Frequencies and pair layout (:class:`mqnc.rope.RopeSpec`).
+        Frequencies and pair layout (:class:`mqnc.model.RopeSpec`).
     validate : bool
         Check slot range, duplicates and delta range (host syncs); pass False on a hot path
         once the inputs are known good.
@@ -275,7 +275,7 @@ def rope_splice(
     Examples
     --------
     >>> import torch
-    >>> from mqnc.rope import RopeSpec
+    >>> from mqnc.model import RopeSpec
     >>> from mqnc.triton_kernels.splice import rope_splice
     >>> rope = RopeSpec.from_preset("deepseek-v2-lite")
     >>> chunk = torch.randn(27, 55, 576).to(torch.bfloat16)
@@ -368,7 +368,7 @@ def rope_rotate(x: torch.Tensor, delta: int | torch.Tensor, rope: RopeSpec) -> t
     Examples
     --------
     >>> import torch
-    >>> from mqnc.rope import RopeSpec
+    >>> from mqnc.model import RopeSpec
     >>> from mqnc.triton_kernels.splice import rope_rotate
     >>> q = torch.randn(2, 16, 576)
     >>> rope_rotate(q, torch.tensor([-5, 7]), RopeSpec.from_preset("deepseek-v2-lite")).shape

@@ -11,22 +11,27 @@ import torch
 __all__ = ["merge_reference", "merge_ml_reference"]
 
 
-def merge_reference(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge M partials in float64.
+def merge_reference(
+    o: torch.Tensor, lse: torch.Tensor, *, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge M partials in float64 (or ``dtype``).
 
     Parameters
     ----------
     o : torch.Tensor
-        ``[M, B, H, Dv]``, any float dtype (upcast to float64).
+        ``[M, B, H, Dv]``, any float dtype (upcast to ``dtype``).
     lse : torch.Tensor
         ``[M, B, H]``, natural log; ``+-inf`` = empty.
+    dtype : torch.dtype
+        Arithmetic precision: float64 for the reference; the benchmarks time the same merge in
+        float32 as the requester's CPU path (the one torch merge of the package).
 
     Returns
     -------
-    (o, lse) : ``[B, H, Dv]`` float64 and ``[B, H]`` float64.
+    (o, lse) : ``[B, H, Dv]`` and ``[B, H]``, both in ``dtype``.
     """
-    o = o.to(torch.float64)
-    lse = lse.to(torch.float64)
+    o = o.to(dtype)
+    lse = lse.to(dtype)
     lse = torch.where(torch.isposinf(lse), torch.full_like(lse, float("-inf")), lse)
     m = lse.max(dim=0).values
     m_safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)

@@ -3,7 +3,7 @@
 Kernels: ``mqnc.triton_kernels.splice`` (:func:`rope_splice`, :func:`rope_rotate`).
 
 ``R(p)`` rotates pair ``i`` of the ``d_r`` rope dims (pair members per
-:meth:`mqnc.rope.RopeSpec.pair_indices`, interleaved or half) by the angle
+:meth:`mqnc.model.RopeSpec.pair_indices`, interleaved or half) by the angle
 ``p * inv_freq[i]``::
 
     x1' = x1 cos(p f_i) - x2 sin(p f_i)        x2' = x2 cos(p f_i) + x1 sin(p f_i)
@@ -12,13 +12,20 @@ Encoding at position ``p`` is ``attention_factor * R(p)`` (the model's cos/sin c
 factor); the delta rotation that re-homes a cached entry is the pure ``R(delta)``. Angles are
 formed in float64 from the model's float32 frequencies (exact products for ``|p| < 2**29``)
 and cos/sin are taken in float64.
+
+``rope`` is read for ``inv_freq``, ``rope_dim``, ``attention_factor`` and ``pair_indices()``
+only: a :class:`mqnc.model.RopeSpec`, or anything with those (the references sit below the
+model layer and import it for type checking only).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from mqnc.rope import RopeSpec
+if TYPE_CHECKING:  # annotations only: the references never import the model layer at run time
+    from mqnc.model.rope import RopeSpec
 
 __all__ = [
     "rope_angles_reference",

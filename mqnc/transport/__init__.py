@@ -1,17 +1,24 @@
-"""Transport engines behind one protocol (§3.1, §6): loopback, torch.distributed, NVSHMEM.
+"""The wire and the transport layer (§3.1-§3.2, §6): the bytes a message is, and the engines
+that move them behind one protocol.
 
-- :mod:`mqnc.transport.base`: the protocol (symmetric slots, put + signal, waits with
+- :mod:`mqnc.transport.wire`: fixed-layout messages (probe, route rows, the collapsed partial,
+  chunk, error), checked before any payload is trusted.
+- :mod:`mqnc.transport.protocol`: the protocol (symmetric slots, put + signal, waits with
   timeouts, get, quiet, barrier) and the slot layout.
 - :mod:`mqnc.transport.loopback`: in-process threads (unit tests, single-process demo).
-- :mod:`mqnc.transport.torchdist`: multi-process over ``torch.distributed`` (gloo on CPU).
+- :mod:`mqnc.transport.torchdist`: multi-process over ``torch.distributed`` (gloo on CPU);
+  its per-peer send queues are :mod:`mqnc.transport._gloo_outbox`.
 - :mod:`mqnc.transport.nvshmem`: GPU only, nvshmem4py; imported lazily (``import
   mqnc.transport.nvshmem`` never imports ``nvshmem.core``; creating an engine does).
 """
 
 from __future__ import annotations
 
-from mqnc.geometry import MLAGeometry
-from mqnc.transport.base import (
+from mqnc.base.lazy import lazy_exports
+from mqnc.model.geometry import MLAGeometry
+from mqnc.transport import wire
+from mqnc.transport.loopback import LoopbackFabric, LoopbackTransport
+from mqnc.transport.protocol import (
     INBOX,
     REPLY,
     PeerLost,
@@ -19,8 +26,14 @@ from mqnc.transport.base import (
     Transport,
     TransportError,
     TransportTimeout,
+    check_message,
 )
-from mqnc.transport.loopback import LoopbackFabric, LoopbackTransport
+from mqnc.transport.torchdist import TorchDistTransport, free_port_store
+
+# The NVSHMEM engine's module imports triton (its device kernels): re-exported lazily.
+__getattr__ = lazy_exports(
+    __name__, {"NvshmemTransport": ".nvshmem", "nvshmem_available": ".nvshmem"}
+)
 
 __all__ = [
     "INBOX",
@@ -30,8 +43,14 @@ __all__ = [
     "Transport",
     "TransportError",
     "TransportTimeout",
+    "check_message",
+    "wire",
     "LoopbackFabric",
     "LoopbackTransport",
+    "TorchDistTransport",
+    "free_port_store",
+    "NvshmemTransport",
+    "nvshmem_available",
     "slot_bytes_for",
 ]
 
@@ -60,11 +79,9 @@ def slot_bytes_for(
     fetch_layers : int or None
         Layers per fetch (default all ``L``).
     """
-    from mqnc.wire import HEADER_BYTES
-
     b = max_rows if max_batch is None else max_batch
     route = max_rows * geometry.q_row_bytes + b * max_topk * 4
     partial = max_rows * geometry.p_row_bytes
     layers = geometry.layers if fetch_layers is None else fetch_layers
     chunk = geometry.chunk_bytes(max_chunk_tokens, layers)
-    return HEADER_BYTES + max(route, partial, chunk, 4096)
+    return wire.HEADER_BYTES + max(route, partial, chunk, 4096)

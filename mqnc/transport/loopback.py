@@ -4,7 +4,7 @@ For unit tests and the single-process demo. A put copies the bytes into the peer
 raises its signal under the peer's lock; waits are condition-variable waits with timeouts, so
 the semantics (and every timeout) are those of the real engines without any network.
 :meth:`LoopbackFabric.kill` marks a rank dead (puts to it and waits on slots it feeds raise
-:class:`~mqnc.transport.base.PeerLost`), for fault tests.
+:class:`~mqnc.transport.protocol.PeerLost`), for fault tests.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from mqnc.transport.base import (
+from mqnc.transport.protocol import (
     PeerLost,
     SlotLayout,
     Transport,
@@ -34,7 +34,7 @@ class LoopbackFabric:
     slot_bytes : int
         Bytes per slot (see :func:`mqnc.transport.slot_bytes_for`).
     lanes : int
-        Slots per (channel, source) pair (see :class:`~mqnc.transport.base.SlotLayout`).
+        Slots per (channel, source) pair (see :class:`~mqnc.transport.protocol.SlotLayout`).
     """
 
     def __init__(self, world_size: int, slot_bytes: int, lanes: int = 1) -> None:
@@ -73,7 +73,7 @@ class LoopbackTransport(Transport):
             raise PeerLost(f"rank {peer} is dead (loopback fabric)")
 
     def put_signal(self, peer: int, slot: int, data: torch.Tensor, seq: int) -> None:
-        self._check_peer(peer)
+        self.check_peer(peer)
         self._check_slot(slot)
         data = check_message(data, self.slot_bytes)
         self._alive_or_raise(self.rank)
@@ -118,7 +118,7 @@ class LoopbackTransport(Transport):
             return self._fabric._heaps[self.rank][slot, :n].clone()
 
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
-        self._check_peer(peer)
+        self.check_peer(peer)
         self._check_slot(slot)
         self._alive_or_raise(peer)
         with self._fabric._conds[peer]:

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from triton.language import core as tlcore
 
-from mqnc.transport.base import SlotLayout, Transport, TransportTimeout, check_message
+from mqnc.transport.protocol import SlotLayout, Transport, TransportTimeout, check_message
 
 __all__ = [
     "NvshmemTransport",
@@ -380,7 +380,7 @@ class NvshmemTransport(Transport):
 
     # ---- the protocol -------------------------------------------------------------------------
     def put_signal(self, peer: int, slot: int, data: torch.Tensor, seq: int) -> None:
-        self._check_peer(peer)
+        self.check_peer(peer)
         self._check_slot(slot)
         data = check_message(data, self.slot_bytes)
         n = int(data.numel())
@@ -446,7 +446,7 @@ class NvshmemTransport(Transport):
         return self._heap[off : off + n].cpu()
 
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
-        self._check_peer(peer)
+        self.check_peer(peer)
         self._check_slot(slot)
         off, n = self._slot_off(slot), int(nbytes)
         # Lands in this PE's staging copy of the slot (symmetric), then leaves the device.

@@ -16,7 +16,7 @@ Facts this engine is built on (torch 2.13, gloo):
   wait on local state;
 - a peer process that dies closes its TCP connections: the service thread's ``recv`` raises
   at once, the peer is marked dead, and waits on slots it feeds raise
-  :class:`~mqnc.transport.base.PeerLost` without waiting for their timeout;
+  :class:`~mqnc.transport.protocol.PeerLost` without waiting for their timeout;
 - gloo moves contiguous tensors only; bf16 moves bit-exactly (the wire sends uint8 anyway);
 - ports: a ``TCPStore`` created with port 0 picks a free port (``store.port``); tests set
   ``GLOO_SOCKET_IFNAME=lo``.
@@ -24,6 +24,9 @@ Facts this engine is built on (torch 2.13, gloo):
 The process group is built directly (``ProcessGroupGloo(store, rank, world, timeout)``), not
 through ``init_process_group``, so that no global default group is created (a test process
 can hold several engines, and nothing else in the process is affected).
+
+The two halves (per-peer service threads receiving, per-peer queues and sender threads
+sending) are :mod:`mqnc.transport._gloo`; this module is the protocol on top of them.
 
 NCCL is not used: the service-thread design needs a receive that a thread can block in for
 an unbounded time per peer, which NCCL's GPU-stream semantics do not give; on GPUs the
@@ -33,14 +36,14 @@ NVSHMEM engine (:mod:`mqnc.transport.nvshmem`) is the one-sided path. CUDA tenso
 
 from __future__ import annotations
 
-import collections
 import datetime
 import threading
 import time
 
 import torch
 
-from mqnc.transport.base import (
+from mqnc.transport._gloo import BARRIER, CLOSE, GET, PUT, Inbox, Outbox, PeerState
+from mqnc.transport.protocol import (
     PeerLost,
     SlotLayout,
     Transport,
@@ -51,8 +54,6 @@ from mqnc.transport.base import (
 
 __all__ = ["TorchDistTransport", "free_port_store"]
 
-_PUT, _GET, _GET_REPLY, _BARRIER, _CLOSE = 1, 2, 3, 4, 5
-_TAG_CTRL, _TAG_DATA = 0, 1
 # Process groups whose service threads may still be blocked in recv at close(): kept alive
 # until the process exits, so that no destructor runs under a blocked C++ receive.
 _RETIRED: list = []
@@ -117,35 +118,16 @@ class TorchDistTransport(Transport):
             world_size,
             datetime.timedelta(seconds=float(idle_timeout_s)),
         )
-        n = self.layout.num_slots
-        self._heap = torch.zeros(n, slot_bytes, dtype=torch.uint8)
-        self._signals = [0] * n
-        self._cond = threading.Condition()
-        self._dead: set[int] = set()
-        self._closed_peers: set[int] = set()
-        self._closing = False
-        self._queues = [collections.deque() for _ in range(world_size)]
-        self._pending = [0] * world_size
-        self._undelivered = [False] * world_size
-        self._senders: list[threading.Thread | None] = [None] * world_size
+        self._peers = PeerState()
+        self._cond = self._peers.cond  # every wait below is on the inbox's state
+        self._outbox = Outbox(self._pg, rank, world_size, self._peers)
+        self._inbox = Inbox(
+            self._pg, rank, world_size, self.num_slots, slot_bytes, self._peers, self._outbox
+        )
+        self.errors = self._peers.errors
         self._get_lock = threading.Lock()
         self._get_token = 0
-        self._gets: dict[int, torch.Tensor | BaseException | None] = {}
         self._barrier_epoch = 0
-        self._barrier_seen = [0] * world_size
-        self.errors: dict[int, str] = {}
-        self._threads = []
-        for peer in range(world_size):
-            if peer == rank:
-                continue
-            t = threading.Thread(
-                target=self._serve_peer,
-                args=(peer,),
-                daemon=True,
-                name=f"mqnc-torchdist-{rank}<-{peer}",
-            )
-            t.start()
-            self._threads.append(t)
 
     @classmethod
     def connect(
@@ -170,119 +152,7 @@ class TorchDistTransport(Transport):
         )
         return cls(rank, world_size, store, **kwargs)
 
-    # ---- service threads --------------------------------------------------------------------
-    def _serve_peer(self, peer: int) -> None:
-        ctrl = torch.zeros(4, dtype=torch.int64)
-        try:
-            while True:
-                self._pg.recv([ctrl], peer, _TAG_CTRL).wait()
-                op, a, b, nbytes = (int(x) for x in ctrl.tolist())
-                if op == _PUT:
-                    self._on_put(peer, a, b, nbytes)
-                elif op == _GET:
-                    self._on_get(peer, a, b, nbytes)
-                elif op == _GET_REPLY:
-                    data = torch.empty(nbytes, dtype=torch.uint8)
-                    if nbytes:
-                        self._pg.recv([data], peer, _TAG_DATA).wait()
-                    with self._cond:
-                        self._gets[a] = data
-                        self._cond.notify_all()
-                elif op == _BARRIER:
-                    with self._cond:
-                        self._barrier_seen[peer] = max(self._barrier_seen[peer], a)
-                        self._cond.notify_all()
-                elif op == _CLOSE:
-                    with self._cond:
-                        self._closed_peers.add(peer)
-                        self._cond.notify_all()
-                    return
-                else:
-                    raise TransportError(f"unknown control op {op} from rank {peer}")
-        except Exception as exc:  # the connection closed (peer died) or the link broke
-            with self._cond:
-                if not self._closing:
-                    self.errors[peer] = f"{type(exc).__name__}: {exc}"
-                self._dead.add(peer)
-                self._cond.notify_all()
-
-    def _on_put(self, peer: int, slot: int, seq: int, nbytes: int) -> None:
-        ok = 0 <= slot < self.num_slots and 0 <= nbytes <= self.slot_bytes
-        if not ok:  # drain the bytes to keep the stream in step, then drop the message
-            if nbytes:
-                self._pg.recv([torch.empty(nbytes, dtype=torch.uint8)], peer, _TAG_DATA).wait()
-            self.errors[peer] = f"bad put (slot {slot}, {nbytes} B) from rank {peer} dropped"
-            return
-        with self._cond:
-            if nbytes:
-                self._pg.recv([self._heap[slot, :nbytes]], peer, _TAG_DATA).wait()
-            self._signals[slot] = max(self._signals[slot], seq)
-            self._cond.notify_all()
-
-    def _on_get(self, peer: int, slot: int, token: int, nbytes: int) -> None:
-        nbytes = max(0, min(nbytes, self.slot_bytes))
-        with self._cond:
-            data = self._heap[slot, :nbytes].clone() if 0 <= slot < self.num_slots else None
-        if data is None:
-            data = torch.empty(0, dtype=torch.uint8)
-        self._send(peer, _GET_REPLY, token, 0, data)
-
-    # ---- sending ----------------------------------------------------------------------------
-    # Puts are non-blocking (as NVSHMEM's ``put_signal_nbi``): one sender thread per peer
-    # drains a queue, so that a stalled peer (one whose service thread does not post its
-    # receive) blocks that thread only, never the caller; ``quiet(timeout)`` waits for delivery.
-    def _send(
-        self, peer: int, op: int, a: int, b: int, data: torch.Tensor | None, count: int = 0
-    ) -> None:
-        """Queue control word ``[op, a, b, n]`` and, for a put or a get reply, the ``n`` bytes
-        (``n = count`` for a get, which carries no bytes)."""
-        n = count if data is None else int(data.numel())
-        ctrl = torch.tensor([op, a, b, n], dtype=torch.int64)
-        with self._cond:
-            if peer in self._dead:
-                raise PeerLost(
-                    f"rank {peer} is gone ({self.errors.get(peer, 'connection closed')})"
-                )
-            self._pending[peer] += 1
-            self._queues[peer].append((ctrl, data if data is not None and n else None))
-            if self._senders[peer] is None:
-                t = threading.Thread(
-                    target=self._sender,
-                    args=(peer,),
-                    daemon=True,
-                    name=f"mqnc-torchdist-{self.rank}->{peer}",
-                )
-                self._senders[peer] = t
-                t.start()
-            self._cond.notify_all()
-
-    def _sender(self, peer: int) -> None:
-        while True:
-            with self._cond:
-                while not self._queues[peer] and peer not in self._dead:
-                    self._cond.wait()
-                if peer in self._dead:
-                    self._undelivered[peer] = self._pending[peer] > 0
-                    self._queues[peer].clear()
-                    self._pending[peer] = 0
-                    self._cond.notify_all()
-                    return
-                ctrl, data = self._queues[peer].popleft()
-            try:
-                self._pg.send([ctrl], peer, _TAG_CTRL).wait()
-                if data is not None:
-                    self._pg.send([data], peer, _TAG_DATA).wait()
-            except Exception as exc:
-                with self._cond:
-                    if not self._closing:
-                        self.errors.setdefault(peer, f"send failed: {type(exc).__name__}: {exc}")
-                    self._dead.add(peer)
-                    self._cond.notify_all()
-                continue
-            with self._cond:
-                self._pending[peer] -= 1
-                self._cond.notify_all()
-
+    # ---- the protocol -----------------------------------------------------------------------
     def quiet(self, timeout: float | None = None, peers=None) -> None:
         """Wait until every queued put (to ``peers``, default all) has been handed to gloo.
 
@@ -290,62 +160,36 @@ class TorchDistTransport(Transport):
         :class:`PeerLost` if a peer with undelivered puts died.
         """
         deadline = None if timeout is None else self._deadline(timeout)
-        peers = range(self.world_size) if peers is None else peers
-        with self._cond:
-            while True:
-                busy = [p for p in peers if self._pending[p] > 0 and p not in self._dead]
-                lost = [p for p in peers if p in self._dead and self._undelivered[p]]
-                if lost:
-                    raise PeerLost(f"rank {self.rank}: puts to ranks {lost} were not delivered")
-                if not busy:
-                    return
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TransportTimeout(
-                        f"rank {self.rank}: puts to ranks {busy} not delivered within "
-                        f"{timeout:.3g} s (peer stalled)"
-                    )
-                self._cond.wait(left)
+        self._outbox.quiet(deadline, timeout, peers)
 
-    def _alive_or_raise(self, peer: int) -> None:
-        if peer in self._dead:
-            raise PeerLost(f"rank {peer} is gone ({self.errors.get(peer, 'connection closed')})")
-
-    # ---- the protocol -----------------------------------------------------------------------
     def put_signal(self, peer: int, slot: int, data: torch.Tensor, seq: int) -> None:
-        self._check_peer(peer)
+        self.check_peer(peer)
         self._check_slot(slot)
         data = check_message(data, self.slot_bytes)
         if data.device.type != "cpu":
             data = data.cpu()
         if peer == self.rank:
-            with self._cond:
-                self._heap[slot, : data.numel()].copy_(data)
-                self._signals[slot] = max(self._signals[slot], int(seq))
-                self._cond.notify_all()
+            self._inbox.deliver(slot, data, seq)
             return
-        self._alive_or_raise(peer)
-        self._send(peer, _PUT, slot, int(seq), data)
+        self._peers.alive_or_raise(peer)
+        self._outbox.send(peer, PUT, slot, int(seq), data)
 
     def signal(self, slot: int) -> int:
-        return self._signals[self._check_slot(slot)]
+        return self._inbox.signals[self._check_slot(slot)]
 
     def wait_any(self, targets: dict[int, int], timeout: float) -> list[int]:
         for s in targets:
             self._check_slot(s)
         deadline = self._deadline(timeout)
+        feeders = {self.layout.source_of(s) for s in targets}
+        sources = feeders - {self.rank}
         with self._cond:
             while True:
-                ready = [s for s, q in targets.items() if self._signals[s] >= q]
+                ready = [s for s, q in targets.items() if self._inbox.signals[s] >= q]
                 if ready:
                     return ready
-                sources = {self.layout.source_of(s) for s in targets} - {self.rank}
-                gone = self._dead | self._closed_peers
-                if (
-                    sources
-                    and sources <= gone
-                    and (self.rank not in {self.layout.source_of(s) for s in targets})
-                ):
+                gone = self._peers.dead | self._peers.closed
+                if sources and sources <= gone and self.rank not in feeders:
                     raise PeerLost(
                         f"rank {self.rank}: every awaited slot is fed by a rank that is gone "
                         f"({sorted(sources)}: "
@@ -363,57 +207,51 @@ class TorchDistTransport(Transport):
         self._check_slot(slot)
         n = self.slot_bytes if nbytes is None else int(nbytes)
         with self._cond:
-            return self._heap[slot, :n].clone()
+            return self._inbox.heap[slot, :n].clone()
 
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
-        self._check_peer(peer)
+        self.check_peer(peer)
         self._check_slot(slot)
         if peer == self.rank:
             return self.read(slot, nbytes)
         deadline = self._deadline(timeout)
-        self._alive_or_raise(peer)
+        self._peers.alive_or_raise(peer)
         with self._get_lock:
             self._get_token += 1
             token = self._get_token
+        gets = self._inbox.gets
         with self._cond:
-            self._gets[token] = None
-        self._send(peer, _GET, slot, token, None, count=int(nbytes))
-        return self._await_get(peer, token, deadline, timeout, nbytes)
-
-    def _await_get(self, peer, token, deadline, timeout, nbytes) -> torch.Tensor:
+            gets[token] = None
+        self._outbox.send(peer, GET, slot, token, None, count=int(nbytes))
         with self._cond:
-            while self._gets.get(token) is None:
-                if peer in self._dead:
-                    self._gets.pop(token, None)
+            while gets.get(token) is None:
+                if peer in self._peers.dead:
+                    gets.pop(token, None)
                     raise PeerLost(f"rank {peer} died during a get")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self._gets.pop(token, None)
+                    gets.pop(token, None)
                     raise TransportTimeout(
                         f"rank {self.rank}: get from rank {peer} timed out after {timeout:.3g} s"
                     )
                 self._cond.wait(left)
-            data = self._gets.pop(token)
+            data = gets.pop(token)
         return data[:nbytes]
 
     def barrier(self, timeout: float) -> None:
         deadline = self._deadline(timeout)
         self._barrier_epoch += 1
         epoch = self._barrier_epoch
-        for peer in range(self.world_size):
-            if peer != self.rank:
-                self._alive_or_raise(peer)
-                self._send(peer, _BARRIER, epoch, 0, None)
+        others = [p for p in range(self.world_size) if p != self.rank]
+        for peer in others:
+            self._peers.alive_or_raise(peer)
+            self._outbox.send(peer, BARRIER, epoch, 0, None)
         with self._cond:
             while True:
-                missing = [
-                    p
-                    for p in range(self.world_size)
-                    if p != self.rank and self._barrier_seen[p] < epoch
-                ]
+                missing = [p for p in others if self._inbox.barrier_seen[p] < epoch]
                 if not missing:
                     return
-                dead = [p for p in missing if p in self._dead]
+                dead = [p for p in missing if p in self._peers.dead]
                 if dead:
                     raise PeerLost(f"rank {self.rank}: ranks {dead} died before the barrier")
                 left = deadline - time.monotonic()
@@ -425,17 +263,17 @@ class TorchDistTransport(Transport):
                 self._cond.wait(left)
 
     def peer_alive(self, peer: int) -> bool:
-        return peer not in self._dead
+        return peer not in self._peers.dead
 
     def close(self, timeout: float = 5.0) -> None:
         """Tell every live peer this rank is leaving and wait (briefly) for theirs."""
-        if self._closing:
+        if self._peers.closing:
             return
-        self._closing = True
+        self._peers.closing = True
         for peer in range(self.world_size):
-            if peer != self.rank and peer not in self._dead:
+            if peer != self.rank and peer not in self._peers.dead:
                 try:
-                    self._send(peer, _CLOSE, 0, 0, None)
+                    self._outbox.send(peer, CLOSE, 0, 0, None)
                 except PeerLost:
                     pass
         try:
@@ -443,6 +281,6 @@ class TorchDistTransport(Transport):
         except TransportError:
             pass  # a stalled or dead peer does not get our goodbye
         deadline = time.monotonic() + timeout
-        for t in self._threads:
+        for t in self._inbox.threads:
             t.join(max(0.0, deadline - time.monotonic()))
         _RETIRED.append(self._pg)

@@ -1,0 +1,66 @@
+"""Every environment switch mqnc reads, listed and parsed here and nowhere else.
+
+``TRITON_INTERPRET=1``
+    Run kernels under Triton's CPU interpreter (read by Triton when it is imported; the test
+    suite and the CLI set it when no CUDA device exists, :mod:`mqnc.base.runtime`). The kernels'
+    launchers then take one process-wide lock and use their interpreter flags
+    (:mod:`mqnc.triton_kernels._runtime`).
+``MQNC_POISON_OUTPUTS=1``
+    Fill every output a kernel launcher allocates with NaN before the kernel writes it, so an
+    element a kernel forgets to write fails the comparison. The test suite sets it.
+``MQNC_RESULTS=FILE``
+    The results file benchmarks append to and figures read (:mod:`mqnc.measure.results`).
+``NVSHMEM_LIB_DIR=DIR``
+    Where the NVSHMEM engine looks first for ``libnvshmem_device*.bc``
+    (:func:`mqnc.transport.nvshmem.device_library_path`).
+
+Read elsewhere, not by the package: ``HYPOTHESIS_PROFILE`` (``correctness/conftest.py``:
+``ci`` or ``thorough``), ``MQNC_FIG_DIR`` (the notebooks' figure folder), ``GLOO_SOCKET_IFNAME``
+(set to ``lo`` by the gloo runs).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "TRITON_INTERPRET",
+    "MQNC_POISON_OUTPUTS",
+    "MQNC_RESULTS",
+    "NVSHMEM_LIB_DIR",
+    "flag",
+    "interpreting",
+    "poisoning",
+    "results_file",
+    "nvshmem_lib_dir",
+]
+
+TRITON_INTERPRET = "TRITON_INTERPRET"
+MQNC_POISON_OUTPUTS = "MQNC_POISON_OUTPUTS"
+MQNC_RESULTS = "MQNC_RESULTS"
+NVSHMEM_LIB_DIR = "NVSHMEM_LIB_DIR"
+
+
+def flag(name: str) -> bool:
+    """A boolean switch: set to anything but ``""`` or ``"0"`` means on (Triton's own rule)."""
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return flag(TRITON_INTERPRET)
+
+
+def poisoning() -> bool:
+    """True when kernel outputs are NaN-filled before the kernel writes them."""
+    return flag(MQNC_POISON_OUTPUTS)
+
+
+def results_file() -> str | None:
+    """``$MQNC_RESULTS``, or None when unset or empty."""
+    return os.environ.get(MQNC_RESULTS) or None
+
+
+def nvshmem_lib_dir() -> str | None:
+    """``$NVSHMEM_LIB_DIR``, or None when unset or empty."""
+    return os.environ.get(NVSHMEM_LIB_DIR) or None

@@ -1,0 +1,513 @@
+"""``mqnc predict | crossover | fit | presets``: the cost model and predicate from the shell.
+
+- ``mqnc predict``: one (chunk, request) decision with every term (§5.1); ``--json`` for
+  machines.
+- ``mqnc crossover --out DIR``: the ``M_q x c_t`` wire-byte map of Fig. 3(b), the same grid on
+  total cost, and the bandwidth sweep of Fig. 6(a), each as CSV (and PNG unless ``--no-png``).
+- ``mqnc fit RESULTS``: calibrate a fabric from a results file (records as described in
+  :func:`mqnc.cost.fit_results`); prints the constants and MAPE, ``--save`` writes the
+  profile JSON that ``--fabric PATH`` reads.
+- ``mqnc presets``: the model geometries and fabric profiles known by name.
+
+Pure Python + numpy; matplotlib is imported only when ``crossover`` draws its PNGs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from mqnc import plots
+from mqnc.cost import (
+    FABRICS,
+    HOST_PAPER,
+    PRIMITIVES,
+    SPLICE_PAPER,
+    Congestion,
+    SpliceProfile,
+    bw_sweep,
+    crossover_map,
+    decide,
+    fit_results,
+    load_fabric,
+    t_local_range,
+    wire_break_even_rows,
+    wire_byte_saving,
+)
+from mqnc.model.geometry import PRESETS, get_preset
+
+__all__ = ["register"]
+
+# The options ``predict`` and ``crossover`` share: (flags, argparse keywords), in help order.
+_ROUTE_OPTIONS = [
+    (
+        "--model",
+        dict(default="deepseek-v2-lite", help="model preset (`mqnc presets`), default V2-Lite"),
+    ),
+    (
+        "--fabric",
+        dict(default="h100-ibgda", help="fabric preset or profile JSON, default h100-ibgda"),
+    ),
+    (
+        "--c-us",
+        dict(type=float, help="re-prefill cost per token-layer in us (default 1.0; band 0.5-1.5)"),
+    ),
+    (
+        "--t-compute-us",
+        dict(type=float, help="holder partial attention, us (default 15, §6.3 range 15-37)"),
+    ),
+    ("--t-merge-us", dict(type=float, help="merge, us (default 25)")),
+    ("--splice-ms", dict(type=float, help="a flat splice in ms instead of the paper's profile")),
+    (
+        "--splice-from",
+        dict(metavar="RESULTS", help="splice profile from a results file (bench 'splice')"),
+    ),
+    ("--splice-variant", dict(help="with --splice-from: only records of this variant")),
+    (
+        "--no-splice",
+        dict(action="store_true", help="no splice (a true prefix at its cached position, §6.3)"),
+    ),
+    (
+        "--topk",
+        dict(type=int, help="selection budget: fetch becomes a gather over --holders (§5.4)"),
+    ),
+    ("--holders", dict(type=int, default=1, help="holders the selection spans")),
+    (
+        "--congestion-bw",
+        dict(type=float, metavar="FACTOR", help="multiply effective bandwidth by FACTOR (§8 (i))"),
+    ),
+    ("--congestion-probe-us", dict(type=float, help="add this queueing to the probe (§8 (ii))")),
+    (
+        "--congestion-route-only",
+        dict(action="store_true", help="congestion slows route's link but not fetch's pull"),
+    ),
+    (
+        "--host-overhead",
+        dict(action="store_true", help="add the paper's client host overhead to route (§5.3)"),
+    ),
+    ("--tp", dict(type=int, default=1, help="tensor-parallel rank pairs (§8)")),
+    (
+        "--round-trips",
+        dict(type=int, default=1, help="sequential route round trips (L: per-layer routing)"),
+    ),
+]
+
+
+def _route_options(p: argparse.ArgumentParser) -> None:
+    for flag, kwargs in _ROUTE_OPTIONS:
+        p.add_argument(flag, **kwargs)
+
+
+def _resolve(args):
+    geometry = get_preset(args.model)
+    fabric = load_fabric(args.fabric)
+    if (
+        sum(
+            x is not None and x is not False
+            for x in (args.splice_ms, args.splice_from, args.no_splice or None)
+        )
+        > 1
+    ):
+        raise ValueError("splice: expected at most one of --splice-ms, --splice-from, --no-splice")
+    if args.no_splice:
+        splice = SpliceProfile.none()
+    elif args.splice_ms is not None:
+        splice = SpliceProfile.flat(args.splice_ms * 1e3)
+    elif args.splice_from is not None:
+        splice = SpliceProfile.from_results(args.splice_from, variant=args.splice_variant)
+    else:
+        splice = SPLICE_PAPER
+    congestion = None
+    if args.congestion_bw is not None or args.congestion_probe_us is not None:
+        congestion = Congestion(
+            bw_factor=1.0 if args.congestion_bw is None else args.congestion_bw,
+            probe_add_us=args.congestion_probe_us or 0.0,
+            on_fetch=not args.congestion_route_only,
+        )
+    kw = dict(
+        splice=splice,
+        congestion=congestion,
+        tp=args.tp,
+        round_trips=args.round_trips,
+        holders=args.holders,
+        topk=args.topk,
+        host=HOST_PAPER if args.host_overhead else None,
+    )
+    for name in ("c_us", "t_compute_us", "t_merge_us"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    return geometry, fabric, kw
+
+
+# ---- predict -----------------------------------------------------------------------------------
+
+
+def _predict(args) -> int:
+    geometry, fabric, kw = _resolve(args)
+    d = decide(geometry, fabric, args.mq, args.ct, allow=tuple(args.allow), **kw)
+    if args.json:
+        out = d.to_dict()
+        out["wire"] = dict(
+            route_bytes_per_layer=args.mq * geometry.qp_row_bytes,
+            chunk_bytes_per_layer=args.ct * geometry.kv_bytes_per_token_layer,
+            saving=wire_byte_saving(geometry, args.mq, args.ct),
+            break_even_rows=wire_break_even_rows(geometry, args.ct),
+        )
+        print(json.dumps(out, indent=2))
+        return 0
+    _print_decision(args, d, geometry, fabric, kw["splice"])
+    return 0
+
+
+def _print_decision(args, d, geometry, fabric, splice) -> None:
+    r, f = d.route, d.fetch
+    print(
+        f"model {geometry.name}  fabric {fabric.name}  M_q {args.mq:g}  c_t {args.ct:g}"
+        + (f"  top-k {args.topk} over {args.holders} holder(s)" if args.topk else "")
+    )
+    rows = [
+        (
+            "route",
+            r.total,
+            f"probe {r.probe:.1f} + turnaround {r.turnaround:.1f} + transfer "
+            f"{r.transfer:.1f} + return {r.return_:.1f} + compute {r.compute:.1f} + merge "
+            f"{r.merge:.1f}" + (f" + host {r.host:.1f}" if args.host_overhead else ""),
+        ),
+        (
+            "fetch",
+            f.total,
+            (
+                f"gather {f.pull:.1f} (no splice, §5.4)"
+                if f.selection
+                else f"pull {f.pull:.1f} + splice {f.splice:.1f} ({splice.name})"
+            ),
+        ),
+        (
+            "local",
+            d.local_us,
+            f"c_t L c, band {d.local_range_us[0]:.1f} .. "
+            f"{d.local_range_us[1]:.1f} over c in [0.5, 1.5] us",
+        ),
+    ]
+    print(f"{'primitive':<10} {'total (us)':>12}  terms (us)")
+    for name, total, terms in rows:
+        mark = "*" if name == d.primitive else (" " if name in d.allowed else "-")
+        print(f"{mark}{name:<9} {total:>12.1f}  {terms}")
+    runner = (
+        f"runner-up {d.runner_up} by {d.margin_us:.1f} us ({d.margin_ratio:.1f}x)"
+        if d.runner_up
+        else "only allowed primitive"
+    )
+    print(f"decision: {d.primitive} ({runner})")
+    saving = wire_byte_saving(geometry, args.mq, args.ct)
+    print(
+        f"wire bytes per layer: route {args.mq * geometry.qp_row_bytes:,.0f} B vs chunk "
+        f"{args.ct * geometry.kv_bytes_per_token_layer:,.0f} B ({100 * saving:.1f}% "
+        f"{'fewer' if saving >= 0 else 'more'}); break-even M_q = "
+        f"{wire_break_even_rows(geometry, args.ct):.1f}"
+    )
+
+
+# ---- crossover ---------------------------------------------------------------------------------
+
+
+def _logspace(lo: float, hi: float, n: int) -> np.ndarray:
+    if not (0 < lo < hi) or n < 2:
+        raise ValueError(f"axis: expected 0 < min < max and >= 2 points, got {lo}, {hi}, {n}")
+    return np.geomspace(lo, hi, n)
+
+
+def _write_csv(path: str, header: list[str], rows) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+
+
+def _crossover(args) -> int:
+    geometry, fabric, kw = _resolve(args)
+    os.makedirs(args.out, exist_ok=True)
+    m_axis = _logspace(args.mq_min, args.mq_max, args.points)
+    c_axis = _logspace(args.ct_min, args.ct_max, args.points)
+    bw_axis = _logspace(args.bw_min, args.bw_max, args.points)
+    grid = crossover_map(geometry, fabric, m_axis, c_axis, **kw)
+    sweep = bw_sweep(geometry, fabric, bw_axis, m_q=args.mq, c_t=args.ct, **kw)
+    written = [
+        _wire_csv(args.out, geometry, m_axis, c_axis),
+        _cost_csv(args.out, grid, m_axis, c_axis),
+        _sweep_csv(args.out, sweep, bw_axis, t_local_range(geometry, args.ct)),
+    ]
+    if not args.no_png:
+        written += _plots(args, geometry, fabric, m_axis, c_axis, bw_axis, kw)
+    for p in written:
+        print(p)
+    return 0
+
+
+def _wire_csv(out: str, geometry, m_axis, c_axis) -> str:
+    """Fig. 3(b): route's bytes against one layer's chunk over the ``(M_q, c_t)`` grid."""
+    saving = wire_byte_saving(geometry, m_axis[:, None], c_axis[None, :])
+    path = os.path.join(out, "fig3b_wire_bytes.csv")
+    header = ["m_q", "c_t", "route_bytes_per_layer", "chunk_bytes_per_layer", "route_saving_pct"]
+    q_p, b_kv = geometry.qp_row_bytes, geometry.kv_bytes_per_token_layer
+    rows = (
+        (m, c, m * q_p, c * b_kv, 100 * saving[i, j])
+        for i, m in enumerate(m_axis)
+        for j, c in enumerate(c_axis)
+    )
+    _write_csv(path, header, rows)
+    return path
+
+
+def _cost_csv(out: str, grid, m_axis, c_axis) -> str:
+    """The same grid on total cost: every primitive, the choice and its margin."""
+    path = os.path.join(out, "crossover_cost.csv")
+    header = ["m_q", "c_t", "route_us", "fetch_us", "local_us", "primitive", "margin_us"]
+    rows = (
+        (
+            m,
+            c,
+            grid.route_us[i, j],
+            grid.fetch_us[i, j],
+            grid.local_us[i, j],
+            PRIMITIVES[grid.choice[i, j]],
+            grid.margin_us[i, j],
+        )
+        for i, m in enumerate(m_axis)
+        for j, c in enumerate(c_axis)
+    )
+    _write_csv(path, header, rows)
+    return path
+
+
+def _sweep_csv(out: str, sweep, bw_axis, local_band) -> str:
+    """Fig. 6(a): every primitive against the effective bandwidth, local's band beside."""
+    path = os.path.join(out, "fig6a_bw_sweep.csv")
+    lo, hi = local_band
+    header = ["bw_gbps", "route_us", "fetch_us", "local_us", "local_low_us", "local_high_us"]
+    rows = (
+        (
+            b,
+            sweep.route_us[i],
+            sweep.fetch_us[i],
+            sweep.local_us[i],
+            lo,
+            hi,
+            PRIMITIVES[sweep.choice[i]],
+        )
+        for i, b in enumerate(bw_axis)
+    )
+    _write_csv(path, [*header, "primitive"], rows)
+    return path
+
+
+def _plots(args, geometry, fabric, m_axis, c_axis, bw_axis, kw) -> list[str]:
+    """The two PNGs, drawn by the same :mod:`mqnc.plots` functions the notebooks use."""
+    import matplotlib  # here: an optional dependency (the notebooks extra), only for PNGs
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
+    plots.wire_saving_map(axes[0], geometry, m_q_axis=m_axis, c_t_axis=c_axis)
+    plots.decision_map(axes[1], geometry, fabric, m_axis, c_axis, **kw)
+    crossover = os.path.join(args.out, "fig3b_crossover.png")
+    fig.savefig(crossover, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4.2), constrained_layout=True)
+    plots.bw_sweep_plot(ax, geometry, fabric, bw_axis=bw_axis, m_q=args.mq, c_t=args.ct, **kw)
+    sweep = os.path.join(args.out, "fig6a_bw_sweep.png")
+    fig.savefig(sweep, dpi=120)
+    plt.close(fig)
+    return [crossover, sweep]
+
+
+# ---- fit ---------------------------------------------------------------------------------------
+
+
+def _fit(args) -> int:
+    geometry = get_preset(args.model)
+    fits = fit_results(
+        args.results,
+        qp_row_bytes=geometry.qp_row_bytes,
+        route_bench=args.route_bench,
+        probe_bench=args.probe_bench,
+        fit_min_rows=args.fit_min_rows,
+        amortised_min_rows=args.amortised_min_rows,
+    )
+    if args.variant is not None:
+        if args.variant not in fits:
+            raise ValueError(f"--variant: unknown {args.variant!r}; expected one of {sorted(fits)}")
+        fits = {args.variant: fits[args.variant]}
+    if args.save:
+        if len(fits) != 1:
+            raise ValueError(
+                f"--save: the file holds {len(fits)} route variants {sorted(fits)}; "
+                "pick one with --variant"
+            )
+        ((variant, res),) = fits.items()
+        extra = {} if args.link_peak_gbps is None else {"link_peak_gbps": args.link_peak_gbps}
+        res.to_fabric(args.name or variant, description=f"fit of {args.results}", **extra).save(
+            args.save
+        )
+    if args.json:
+        print(json.dumps({k: v.to_dict() for k, v in fits.items()}, indent=2))
+    else:
+        _print_fits(args, fits)
+    return 0
+
+
+def _print_fits(args, fits: dict) -> None:
+    am_head = f"MAPE>={args.amortised_min_rows}"
+    print(
+        f"{'variant':<24} {'T_probe':>8} {'BW':>7} {'turn':>6} {am_head:>10}"
+        f" {'MAPE all':>9} {'affine>=':>9} {'aff all':>8} {'n':>4}"
+    )
+    print(f"{'':<24} {'(us)':>8} {'(GB/s)':>7} {'(us)':>6}")
+    for name, r in fits.items():
+        probe = f"{r.t_probe_us:8.2f}" + ("" if r.probe_measured else "*")
+        print(
+            f"{name:<24} {probe} {r.bw_gbps:7.2f} {r.turnaround_us:6.2f} "
+            f"{100 * r.mape_amortised:9.1f}% {100 * r.mape_full:8.1f}% "
+            f"{100 * r.mape_amortised_affine:8.1f}% {100 * r.mape_full_affine:7.1f}% "
+            f"{r.n_points:4d}"
+        )
+    if any(not r.probe_measured for r in fits.values()):
+        print("* no probe record: T_probe is the intercept, turnaround not separable")
+    if args.save:
+        print(f"saved {args.save}")
+
+
+# ---- presets -----------------------------------------------------------------------------------
+
+
+def _presets(args) -> int:
+    models = PRESETS
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "models": {
+                        n: dict(
+                            dataclasses.asdict(g),
+                            d_qk=g.d_qk,
+                            d_v=g.d_v,
+                            qp_row_bytes=g.qp_row_bytes,
+                            kv_bytes_per_token_layer=g.kv_bytes_per_token_layer,
+                        )
+                        for n, g in models.items()
+                    },
+                    "fabrics": {n: f.to_dict() for n, f in FABRICS.items()},
+                },
+                indent=2,
+            )
+        )
+        return 0
+    print("models")
+    print(
+        f"  {'name':<20} {'d_qk':>5} {'d_v':>4} {'heads':>5} {'L':>3} {'q+p (B)':>8} "
+        f"{'b_KV (B)':>8} {'top-k':>6}"
+    )
+    for n, g in models.items():
+        print(
+            f"  {n:<20} {g.d_qk:>5} {g.d_v:>4} {g.heads:>5} {g.layers:>3} {g.qp_row_bytes:>8} "
+            f"{g.kv_bytes_per_token_layer:>8} {g.topk if g.topk else '-':>6}"
+        )
+    print("fabrics (paper Table 2)")
+    print(
+        f"  {'name':<20} {'T_probe':>8} {'BW':>6} {'peak':>6} {'turn':>5} {'MAPE>=512':>9} "
+        f"{'full':>5}  description"
+    )
+    for n, f in FABRICS.items():
+        peak = f"{f.link_peak_gbps:6.0f}" if f.link_peak_gbps else f"{'-':>6}"
+        print(
+            f"  {n:<20} {f.t_probe_us:8.1f} {f.bw_gbps:6.1f} {peak} {f.turnaround_us:5.1f} "
+            f"{_pct(f.mape_amortised):>9} {_pct(f.mape_full):>5}  {f.description}"
+        )
+    print("  (T_probe, turnaround in us; BW, peak in GB/s)")
+    return 0
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _choices(value: str) -> str:
+    if value not in PRIMITIVES:
+        raise argparse.ArgumentTypeError(f"expected one of {list(PRIMITIVES)}, got {value!r}")
+    return value
+
+
+def register(subparsers) -> None:
+    """Add ``predict``, ``crossover``, ``fit`` and ``presets`` to the ``mqnc`` command."""
+    _register_predict(subparsers)
+    _register_crossover(subparsers)
+    _register_fit(subparsers)
+    p = subparsers.add_parser("presets", help="list model geometries and fabric profiles")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_presets)
+
+
+def _register_predict(subparsers) -> None:
+    p = subparsers.add_parser("predict", help="route / fetch / local decision with every term")
+    p.add_argument("--mq", type=float, default=256.0, help="routed query rows M_q (default 256)")
+    p.add_argument("--ct", type=float, default=2048.0, help="chunk tokens c_t (default 2048)")
+    p.add_argument(
+        "--allow",
+        nargs="+",
+        type=_choices,
+        default=["route", "fetch", "local"],
+        help="primitives available (default all three)",
+    )
+    _route_options(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_predict)
+
+
+def _register_crossover(subparsers) -> None:
+    p = subparsers.add_parser("crossover", help="write the Fig. 3(b) map and Fig. 6(a) sweep")
+    p.add_argument("--out", required=True, help="output folder for the CSV and PNG files")
+    p.add_argument("--points", type=int, default=64, help="points per axis (default 64)")
+    p.add_argument("--mq-min", type=float, default=1.0)
+    p.add_argument("--mq-max", type=float, default=8192.0)
+    p.add_argument("--ct-min", type=float, default=16.0)
+    p.add_argument("--ct-max", type=float, default=8192.0)
+    p.add_argument("--bw-min", type=float, default=0.2, help="GB/s (default 0.2)")
+    p.add_argument("--bw-max", type=float, default=1000.0, help="GB/s (default 1000)")
+    p.add_argument("--mq", type=float, default=256.0, help="M_q of the bandwidth sweep")
+    p.add_argument("--ct", type=float, default=2048.0, help="c_t of the bandwidth sweep")
+    p.add_argument("--no-png", action="store_true", help="CSV only (no matplotlib)")
+    _route_options(p)
+    p.set_defaults(func=_crossover)
+
+
+def _register_fit(subparsers) -> None:
+    p = subparsers.add_parser("fit", help="fit a fabric profile from a results file (§4.3)")
+    p.add_argument("results", help="JSON-lines results file (perf/results/results.jsonl)")
+    p.add_argument("--model", default="deepseek-v2-lite", help="model whose q+p the rows carry")
+    p.add_argument("--route-bench", default="route", help="bench name of round trips")
+    p.add_argument("--probe-bench", default="probe", help="bench name of 1-byte probes")
+    p.add_argument("--variant", default=None, help="fit only this route variant")
+    p.add_argument(
+        "--fit-min-rows",
+        type=int,
+        default=512,
+        help="fit slope/intercept over M_q >= this (default 512)",
+    )
+    p.add_argument(
+        "--amortised-min-rows",
+        type=int,
+        default=512,
+        help="amortised-regime MAPE threshold (default 512)",
+    )
+    p.add_argument("--save", default=None, metavar="PATH", help="write the fabric profile JSON")
+    p.add_argument("--name", default=None, help="name of the saved profile (default: variant)")
+    p.add_argument("--link-peak-gbps", type=float, default=None, help="store a link peak")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_fit)

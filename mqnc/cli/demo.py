@@ -1,0 +1,78 @@
+"""``mqnc demo``: the agentic fan-in over a partitioned corpus (:mod:`mqnc.demo`), decided,
+executed, verified and reported."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from mqnc.demo import DemoConfig, run_demo
+from mqnc.demo.config import TRANSPORTS
+
+__all__ = ["register"]
+
+_INT_OPTIONS = (
+    "layers",
+    "chunks",
+    "min_tokens",
+    "max_tokens",
+    "holders",
+    "replicas",
+    "whole_agents",
+    "selection_agents",
+    "chunks_per_agent",
+    "topk",
+    "steps",
+    "seed",
+)
+
+
+def _run(args) -> int:
+    fields = {f.name for f in dataclasses.fields(DemoConfig)}
+    cfg = DemoConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
+    try:
+        run_demo(cfg)
+    except AssertionError as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def register(subparsers) -> None:
+    d = DemoConfig()
+    p = subparsers.add_parser(
+        "demo", help="agentic fan-in over a partitioned corpus: decide, execute, verify, report"
+    )
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default=d.transport,
+        help="holder processes over gloo (default), threads over loopback, or NVSHMEM PEs (GPU)",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="where pools and kernels live (default: cuda when available)",
+    )
+    p.add_argument(
+        "--force",
+        choices=("route", "fetch", "local"),
+        default=None,
+        help="run every (chunk, agent) through one primitive",
+    )
+    p.add_argument("--profile", default=None, help="fabric profile JSON (else calibrate at start)")
+    p.add_argument("--out", default=d.out, help="folder for demo.json and the PNG")
+    for name in _INT_OPTIONS:
+        flag = f"--{name.replace('_', '-')}"
+        p.add_argument(flag, dest=name, type=int, default=None, help=f"default {getattr(d, name)}")
+    p.add_argument(
+        "--kill-holder",
+        dest="kill_holder",
+        type=int,
+        default=None,
+        help="kill this holder rank before --kill-after-step (fault drill)",
+    )
+    p.add_argument("--kill-after-step", dest="kill_after_step", type=int, default=None)
+    p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    p.set_defaults(func=_run)

@@ -1,0 +1,67 @@
+"""``mqnc env``: what a bug report needs (versions, device, kernel mode)."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import platform
+import sys
+
+from mqnc import __version__
+from mqnc.base.runtime import device_name, kernel_mode, use_interpreter_without_cuda
+
+__all__ = ["collect", "register"]
+
+
+def _version(*dists: str) -> str | None:
+    for dist in dists:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def collect() -> dict:
+    """Versions, device and kernel mode, as a dict (``mqnc env --json`` prints it)."""
+    use_interpreter_without_cuda()
+    import torch  # here: registering this command must not load torch (``mqnc --help``)
+
+    info = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "mqnc": __version__,
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "numpy": _version("numpy"),
+        "einops": _version("einops"),
+        "transformers": _version("transformers"),
+        "nvshmem4py": _version("nvshmem4py-cu13", "nvshmem4py-cu12", "nvshmem4py"),
+        "cuda_available": torch.cuda.is_available(),
+        "device": device_name(),
+        "kernels": kernel_mode(),
+    }
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        info["capability"] = f"sm_{major}{minor}"
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def _run(args) -> int:
+    info = collect()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        width = max(map(len, info))
+        for key, value in info.items():
+            print(f"{key:<{width}}  {value if value is not None else '-'}")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "env", help="print versions, device and kernel mode (for bug reports)"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_run)

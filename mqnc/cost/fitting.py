@@ -1,0 +1,250 @@
+"""Fitting the cost model's constants to measurements (§4.3, §6.3), and reading the records.
+
+- :func:`fit` / :func:`fit_results`: a fabric's ``(T_probe, BW, turnaround)`` from measured
+  round trips against ``M_q (q + p)`` (affine least squares, MAPE as the paper reports it,
+  Table 2), from samples or from a results file;
+- :func:`knee_fit`: the holder's flat-then-linear compute law ``t0 + s max(0, N - N0)`` over
+  ``N`` batched requesters (§6.3, Fig. 4(b));
+- :func:`mape`: the error statistic;
+- :func:`read_jsonl`: the records of a results file (the long format that
+  :mod:`mqnc.measure.results` writes).
+
+numpy only (no torch): the ``mqnc fit`` command and the notebooks run it anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from mqnc.cost.fabric import FabricProfile, bytes_to_us
+
+__all__ = ["FitResult", "fit", "fit_results", "knee_fit", "mape", "read_jsonl"]
+
+
+def mape(predicted, measured) -> float:
+    """Mean absolute percentage error as a fraction: mean(|pred - meas| / meas)."""
+    p, m = np.asarray(predicted, dtype=np.float64), np.asarray(measured, dtype=np.float64)
+    if p.size == 0:
+        return float("nan")
+    return float(np.mean(np.abs(p - m) / m))
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """A fabric calibrated from measured round trips (§4.3, Table 2).
+
+    ``intercept_us`` and the slope come from an affine least-squares fit of the round trip
+    against ``M_q (q + p)``; ``bw_gbps`` is the bytes per unit slope. With the probe measured
+    separately (the paper's ``sig_rt``), ``t_probe_us`` is that probe and
+    ``turnaround_us = intercept - probe``; without it, the intercept is the probe and the
+    turnaround cannot be separated (0).
+
+    ``mape_amortised`` / ``mape_full`` are the paper's numbers: the two-constant model
+    ``T_probe + M_q (q + p) / BW`` "with its measured constants and no refit" (§4.3) over
+    ``M_q >= amortised_min_rows`` and over all points. ``mape_*_affine`` are the same for the
+    affine fit including the turnaround.
+    """
+
+    t_probe_us: float
+    bw_gbps: float
+    intercept_us: float
+    turnaround_us: float
+    qp_row_bytes: int
+    n_points: int
+    n_fit: int
+    fit_min_rows: int
+    amortised_min_rows: int
+    mape_amortised: float
+    mape_full: float
+    mape_amortised_affine: float
+    mape_full_affine: float
+    probe_measured: bool
+
+    def predict(self, m_q, *, with_turnaround: bool = True):
+        """Modelled round trip (us) at ``m_q`` rows."""
+        base = self.intercept_us if with_turnaround else self.t_probe_us
+        return base + bytes_to_us(
+            np.asarray(m_q, dtype=np.float64) * self.qp_row_bytes, self.bw_gbps
+        )
+
+    def to_fabric(self, name: str, **fields: Any) -> FabricProfile:
+        """A :class:`FabricProfile` with the fitted constants (extra fields: link peak, ...)."""
+        return FabricProfile(
+            name=name,
+            t_probe_us=self.t_probe_us,
+            bw_gbps=self.bw_gbps,
+            turnaround_us=max(self.turnaround_us, 0.0),
+            # no point at M_q >= amortised_min_rows: the amortised MAPE is undefined (NaN)
+            mape_amortised=None if math.isnan(self.mape_amortised) else self.mape_amortised,
+            mape_full=None if math.isnan(self.mape_full) else self.mape_full,
+            **{"source": "mqnc fit", **fields},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Over 60 lines by its numpy docstring (20) and signature; the body (51) is one least-squares fit
+# and the paper's four MAPE figures of it.
+def fit(
+    samples: Iterable[Sequence[float]] | np.ndarray,
+    *,
+    qp_row_bytes: int,
+    probe_us=None,
+    fit_min_rows: int = 512,
+    amortised_min_rows: int = 512,
+) -> FitResult:
+    """Affine least squares of measured round trips against ``M_q (q + p)`` (§4.3).
+
+    Parameters
+    ----------
+    samples : iterable of (M_q, round_trip_us), or numpy.ndarray of shape [n, 2]
+        Measured round trips (the paper's ``full_rt``) at each batch size; repeats allowed.
+    qp_row_bytes : int
+        ``q + p`` bytes per routed row (``geometry.qp_row_bytes``; 2184 for V2-Lite).
+    probe_us : float or sequence of float or None
+        The separately measured payload-free round trip (``sig_rt``), or several (their median).
+    fit_min_rows : int
+        Fit the slope and intercept over ``M_q >= fit_min_rows`` (the paper reads ``BW`` "from
+        the large-M_q slope"); all points are used when fewer than two distinct sizes qualify.
+    amortised_min_rows : int
+        Threshold of the amortised-regime MAPE (512 in the paper).
+
+    Returns
+    -------
+    FitResult
+    """
+    arr = np.asarray(
+        list(samples) if not isinstance(samples, np.ndarray) else samples, dtype=np.float64
+    )
+    if arr.ndim != 2 or arr.shape[1] != 2:
+        raise ValueError(
+            f"samples: expected pairs (M_q, round_trip_us) of shape [n, 2], got "
+            f"shape {list(arr.shape)}"
+        )
+    m, rt = arr[:, 0], arr[:, 1]
+    if not (np.isfinite(arr).all() and (m > 0).all() and (rt > 0).all()):
+        raise ValueError("samples: expected finite, positive M_q and round trips")
+    if np.unique(m).size < 2:
+        raise ValueError(
+            f"samples: expected at least two distinct M_q, got {np.unique(m).tolist()}"
+        )
+    if not isinstance(qp_row_bytes, (int, np.integer)) or qp_row_bytes <= 0:
+        raise ValueError(f"qp_row_bytes: expected a positive int, got {qp_row_bytes!r}")
+    sel = m >= fit_min_rows
+    if np.unique(m[sel]).size < 2:
+        sel = np.ones_like(m, dtype=bool)
+    x = m[sel] * qp_row_bytes
+    slope, intercept = np.polyfit(x, rt[sel], 1)
+    if slope <= 0:
+        raise ValueError(f"samples: round trip does not grow with M_q (slope {slope:.3g} us/B)")
+    bw = 1.0 / (slope * 1e3)
+    if probe_us is None:
+        probe, turnaround, measured = float(intercept), 0.0, False
+    else:
+        probe = float(np.median(np.atleast_1d(np.asarray(probe_us, dtype=np.float64))))
+        if not (math.isfinite(probe) and probe > 0):
+            raise ValueError(f"probe_us: expected a positive round trip, got {probe_us!r}")
+        turnaround, measured = float(intercept) - probe, True
+    two = probe + m * qp_row_bytes * slope
+    aff = intercept + m * qp_row_bytes * slope
+    am = m >= amortised_min_rows
+    return FitResult(
+        t_probe_us=probe,
+        bw_gbps=float(bw),
+        intercept_us=float(intercept),
+        turnaround_us=float(turnaround),
+        qp_row_bytes=int(qp_row_bytes),
+        n_points=int(m.size),
+        n_fit=int(sel.sum()),
+        fit_min_rows=int(fit_min_rows),
+        amortised_min_rows=int(amortised_min_rows),
+        mape_amortised=mape(two[am], rt[am]),
+        mape_full=mape(two, rt),
+        mape_amortised_affine=mape(aff[am], rt[am]),
+        mape_full_affine=mape(aff, rt),
+        probe_measured=measured,
+    )
+
+
+def fit_results(
+    path: str | os.PathLike,
+    *,
+    qp_row_bytes: int,
+    route_bench: str = "route",
+    probe_bench: str = "probe",
+    **kwargs: Any,
+) -> dict[str, FitResult]:
+    """Fit every route variant of a results file (the long format of
+    :mod:`mqnc.measure.results`).
+
+    Expected records: ``bench == route_bench`` ("route"), ``variant`` a label (the fabric or
+    transport measured), ``x`` = M_q, ``p50`` the round trip in us (``unit`` "us"); and
+    ``bench == probe_bench`` ("probe") with ``p50`` the 1-byte round trip. A probe record is
+    matched to a route variant by equal ``variant``; when the file holds probes of a single
+    variant, they serve every route variant. A row size in ``extra["qp_row_bytes"]`` overrides
+    ``qp_row_bytes`` (a payload sweep, Table 1). Returns one :class:`FitResult` per variant.
+    """
+    recs = read_jsonl(path)
+    routes = [r for r in recs if r.get("bench") == route_bench]
+    if not routes:
+        benches = sorted({str(r.get("bench")) for r in recs})
+        raise ValueError(
+            f"results: no records with bench={route_bench!r} in {path}; found benches {benches}"
+        )
+    probes: dict[str, list[float]] = {}
+    for r in recs:
+        if r.get("bench") == probe_bench:
+            probes.setdefault(str(r.get("variant")), []).append(float(r["p50"]))
+    out: dict[str, FitResult] = {}
+    groups: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for r in routes:
+        if r.get("unit", "us") != "us":
+            raise ValueError(f"results: route record with unit {r.get('unit')!r}, expected 'us'")
+        qp = int((r.get("extra") or {}).get("qp_row_bytes", qp_row_bytes))
+        groups.setdefault((str(r.get("variant")), qp), []).append((float(r["x"]), float(r["p50"])))
+    for (variant, qp), pts in sorted(groups.items()):
+        probe = probes.get(variant)
+        if probe is None and len(probes) == 1:
+            probe = next(iter(probes.values()))
+        key = variant if sum(1 for v, _ in groups if v == variant) == 1 else f"{variant}@{qp}B"
+        out[key] = fit(pts, qp_row_bytes=qp, probe_us=probe, **kwargs)
+    return out
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Every record of a JSON-lines results file (:mod:`mqnc.measure.results`' format); a
+    missing file or a line that is not JSON is an error naming the file (and line)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"results: no such file {os.fspath(path)!r}")
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"results: {path} line {i} is not JSON ({exc})") from None
+    return out
+
+
+def knee_fit(x, y) -> tuple[float, float, float]:
+    """Least squares of ``y = t0 + s max(0, x - n0)`` with the knee ``n0`` chosen among the
+    measured ``x`` (sorted ascending, at least two points): ``(t0, s, n0)`` (§6.3's flat-then-
+    linear holder compute over ``N`` requesters, Fig. 4(b))."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    best = (np.inf, float(np.median(y)), 0.0, float(x[-1]))
+    for n0 in x[:-1]:
+        a = np.stack([np.ones_like(x), np.maximum(0.0, x - n0)], axis=1)
+        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+        err = float(np.sum((a @ coef - y) ** 2))
+        if err < best[0]:
+            best = (err, float(coef[0]), float(coef[1]), float(n0))
+    return best[1], best[2], best[3]

@@ -1,0 +1,602 @@
+"""The closed-form route / fetch / local predicate (§5): argmin over the three costs of §4.
+
+:func:`decide` evaluates every term of every primitive for one (chunk, request) and returns a
+:class:`Decision` with the chosen primitive, the breakdown and the margin to the runner-up;
+:func:`decide_grid` does the same over numpy arrays (broadcasting), and :func:`crossover_map` /
+:func:`bw_sweep` build the two grids of the paper's figures (the ``M_q x c_t`` map of Fig. 3(b)
+and the bandwidth sweep of Fig. 6(a)).
+
+Closed forms (§5.2, §5.4, §8): :func:`wire_break_even_rows` (``M_q = c_t b_KV / (q + p)``),
+:func:`wire_byte_saving`, :func:`selection_break_even_rows` (the same at the selection budget),
+:func:`fetch_local_crossover_tokens`, :func:`route_fetch_inversion_rows`,
+:func:`congestion_bw_threshold_gbps`. The serving rules of §5.5 as helpers:
+:func:`amortisation_steps`, :func:`rank_fabrics`, :func:`local_band_tokens`,
+:func:`congestion_reprices`.
+
+Where the paper's prose and its arithmetic part (each checked in
+``correctness/test_paper_numbers.py``):
+
+- "breaks even near M_q ≈ 10^3" (§5.2) is 2048 x 1152 / 2184 = 1080.3 rows: the same number
+  rounded (Fig. 1(a) prints it as "x1,080"). It is a per-layer comparison (one layer's query
+  rows against one layer's chunk); both sides scale with ``L``, so it holds for all layers too.
+- "≈270 (V4-Flash's top-512)" (§5.4) is 512 x 1152 / 2184 = 270.1, i.e. V2-Lite's 576-wide
+  entry at k = 512; V4-Flash's own geometry (512-wide entry, 1024 B; q+p = 2056 B) gives 255.
+- "route loses to fetch only below M_q (q+p) / T_splice ≈ 0.2 GB/s" (§8) compares route's
+  transfer with the splice alone, i.e. a congestion that slows route but not fetch's pull; on
+  one shared link (Fig. 6(a)'s own model) route moves fewer bytes than the pull and never loses.
+- "fetch overtakes local above ≈75-220 tokens" (§5.1) is ``T_splice / (L c)`` with a flat
+  3 ms splice and the pull neglected (74 and 222); with Fig. 1(b)'s 70 GB/s pull it is 75-230.
+- "The route/fetch ranking inverts only near M_q ≳ 10^5" (§5.5): with IBGDA constants, the
+  2.5 ms pull and the 2.91 ms splice it is ≈6 x 10^4 rows, 10^5 to within half a decade.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from mqnc.base.checks import check_number
+from mqnc.cost.fabric import FabricProfile, bytes_to_us
+from mqnc.cost.terms import (
+    GATHER_PAPER,
+    LOCAL_C_RANGE_US,
+    LOCAL_C_US,
+    SPLICE_PAPER,
+    T_COMPUTE_US,
+    T_MERGE_US,
+    Congestion,
+    FetchCost,
+    GatherProfile,
+    HostOverhead,
+    RouteCost,
+    SpliceProfile,
+    is_scalar,
+    t_fetch,
+    t_local,
+    t_local_range,
+    t_route,
+)
+from mqnc.model.geometry import MLAGeometry
+
+__all__ = [
+    "PRIMITIVES",
+    "Decision",
+    "DecisionGrid",
+    "decide",
+    "decide_grid",
+    "crossover_map",
+    "bw_sweep",
+    "wire_break_even_rows",
+    "wire_byte_saving",
+    "selection_break_even_rows",
+    "fetch_local_crossover_tokens",
+    "route_fetch_inversion_rows",
+    "congestion_bw_threshold_gbps",
+    "amortisation_steps",
+    "rank_fabrics",
+    "local_band_tokens",
+    "congestion_reprices",
+]
+
+PRIMITIVES = ("route", "fetch", "local")
+"""The three primitives, in the order of :attr:`DecisionGrid.choice` codes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One (chunk, request) decision: the choice, every term of every primitive, the margin.
+
+    Attributes
+    ----------
+    primitive : str
+        ``"route"``, ``"fetch"`` or ``"local"``: the argmin of the allowed primitives.
+    runner_up : str or None
+        The second cheapest allowed primitive (None if only one is allowed).
+    margin_us : float
+        Runner-up cost minus chosen cost (us, >= 0; inf if only one is allowed).
+    margin_ratio : float
+        Runner-up cost over chosen cost.
+    route, fetch : RouteCost, FetchCost
+        Term-by-term breakdowns (us).
+    local_us : float
+        ``T_local`` at the chosen ``c``; ``local_range_us`` the band over c in [0.5, 1.5].
+    inputs : dict
+        The request shape and model/fabric names the decision was made for.
+    """
+
+    primitive: str
+    runner_up: str | None
+    margin_us: float
+    margin_ratio: float
+    route: RouteCost
+    fetch: FetchCost
+    local_us: float
+    local_range_us: tuple[float, float]
+    allowed: tuple[str, ...]
+    inputs: dict[str, Any]
+
+    @property
+    def costs(self) -> dict[str, float]:
+        """Total cost of each primitive (us), allowed or not."""
+        return {"route": self.route.total, "fetch": self.fetch.total, "local": self.local_us}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(
+            primitive=self.primitive,
+            runner_up=self.runner_up,
+            margin_us=self.margin_us,
+            margin_ratio=self.margin_ratio,
+            costs=self.costs,
+            route=self.route.to_dict(),
+            fetch=self.fetch.to_dict(),
+            local=dict(
+                total=self.local_us, low=self.local_range_us[0], high=self.local_range_us[1]
+            ),
+            allowed=list(self.allowed),
+            inputs=self.inputs,
+        )
+
+
+def _check_inputs(geometry, fabric, allow) -> tuple[str, ...]:
+    if not isinstance(geometry, MLAGeometry):
+        raise TypeError(f"geometry: expected an MLAGeometry, got {type(geometry).__name__}")
+    if not isinstance(fabric, FabricProfile):
+        raise TypeError(f"fabric: expected a FabricProfile, got {type(fabric).__name__}")
+    allow = tuple(allow)
+    bad = [a for a in allow if a not in PRIMITIVES]
+    if bad or not allow:
+        raise ValueError(f"allow: expected a non-empty subset of {list(PRIMITIVES)}, got {allow}")
+    return allow
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if type(value) in (int, float) and value > 0 and value != math.inf:
+        return
+    if is_scalar(value):
+        check_number(name, value, positive=True)
+    else:
+        arr = np.asarray(value)
+        if not np.issubdtype(arr.dtype, np.number):
+            raise TypeError(f"{name}: expected a numeric array, got dtype {arr.dtype}")
+        if not (np.isfinite(arr).all() and (arr > 0).all()):
+            raise ValueError(f"{name}: expected finite values > 0")
+
+
+# The options decide and decide_grid pass on to every term (their own keyword arguments).
+_OPTIONS = (
+    "topk",
+    "holders",
+    "congestion",
+    "t_compute_us",
+    "t_merge_us",
+    "splice",
+    "gather",
+    "host",
+    "tp",
+    "round_trips",
+    "shared_uplink",
+)
+
+
+def _terms(
+    geometry,
+    fabric,
+    m_q,
+    c_t,
+    c_us,
+    *,
+    topk,
+    holders,
+    congestion,
+    t_compute_us,
+    t_merge_us,
+    splice,
+    gather,
+    host,
+    tp,
+    round_trips,
+    shared_uplink,
+    bw_gbps=None,
+) -> tuple[RouteCost, FetchCost, Any]:
+    """Every primitive's cost for :func:`decide` and :func:`decide_grid` (scalars or arrays)."""
+    route = t_route(
+        geometry,
+        fabric,
+        m_q,
+        t_compute_us=t_compute_us,
+        t_merge_us=t_merge_us,
+        congestion=congestion,
+        tp=tp,
+        holders=holders,
+        shared_uplink=shared_uplink,
+        host=host,
+        round_trips=round_trips,
+        bw_gbps=bw_gbps,
+    )
+    fetch = t_fetch(
+        geometry,
+        fabric,
+        c_t,
+        splice=splice,
+        topk=topk,
+        holders=holders,
+        gather=gather,
+        congestion=congestion,
+        bw_gbps=bw_gbps,
+    )
+    return route, fetch, t_local(geometry, c_t, c_us)
+
+
+# Over 60 lines by its 17 documented options (signature 20, docstring 36 lines); the body (50)
+# is checks, one call of _terms, the ranking and the record of the inputs.
+def decide(
+    geometry: MLAGeometry,
+    fabric: FabricProfile,
+    m_q: float,
+    c_t: float,
+    *,
+    topk: int | None = None,
+    holders: int = 1,
+    congestion: Congestion | None = None,
+    c_us: float = LOCAL_C_US,
+    t_compute_us: float = T_COMPUTE_US,
+    t_merge_us: float = T_MERGE_US,
+    splice: SpliceProfile = SPLICE_PAPER,
+    gather: GatherProfile = GATHER_PAPER,
+    host: HostOverhead | None = None,
+    tp: int = 1,
+    round_trips: int = 1,
+    shared_uplink: bool = False,
+    allow: Sequence[str] = PRIMITIVES,
+) -> Decision:
+    """Choose route, fetch or local for one (chunk, request) (§5.1).
+
+    Parameters
+    ----------
+    geometry : MLAGeometry
+        The model (``mqnc.model.get_preset``).
+    fabric : FabricProfile
+        The fabric between requester and holder (``mqnc.cost.get_fabric`` or a fit).
+    m_q : float
+        Routed query rows (tokens x heads) attending the chunk.
+    c_t : float
+        Chunk tokens (what fetch pulls and local re-prefills).
+    topk : int or None
+        Selection budget (§5.4): fetch becomes a splice-free gather of ``topk`` entries over
+        ``holders`` holders.
+    congestion : Congestion or None
+        Bandwidth degradation and probe inflation (§8).
+    c_us : float
+        Re-prefill cost per token-layer (us) for ``T_local``; the band over [0.5, 1.5] is
+        reported as well.
+    t_compute_us, t_merge_us : float
+        Holder partial attention and merge (§6.3, §4.2).
+    splice, gather : SpliceProfile, GatherProfile
+        Fetch's move-the-cache costs (paper presets by default; replace with measured ones).
+    host : HostOverhead or None
+        The prototype client's host overhead on route (§5.3), off by default.
+    tp, round_trips, shared_uplink
+        See :func:`mqnc.cost.t_route`.
+    allow : sequence of str
+        Primitives available (e.g. ``("fetch", "local")`` when the holder is a model-agnostic
+        byte store that cannot run the partial, §6.3).
+
+    Returns
+    -------
+    Decision
+    """
+    allow = _check_inputs(geometry, fabric, allow)
+    _check_positive("m_q", m_q)
+    _check_positive("c_t", c_t)
+    _check_positive("c_us", c_us)
+    if not (is_scalar(m_q) and is_scalar(c_t)):
+        raise ValueError("m_q, c_t: expected scalars; use decide_grid for arrays")
+    if topk is not None:
+        _check_positive("topk", topk)
+    options = {name: value for name, value in locals().items() if name in _OPTIONS}
+    route, fetch, local = _terms(geometry, fabric, m_q, c_t, c_us, **options)
+    costs = {"route": route.total, "fetch": fetch.total, "local": local}
+    best, runner, margin, ratio = _rank(costs, allow)
+    inputs = dict(
+        model=geometry.name,
+        fabric=fabric.name,
+        m_q=m_q,
+        c_t=c_t,
+        topk=topk,
+        holders=holders,
+        c_us=c_us,
+        tp=tp,
+        round_trips=round_trips,
+        congestion=dataclasses.asdict(congestion) if congestion else None,
+        host=dataclasses.asdict(host) if host else None,
+        splice=splice.name,
+    )
+    return Decision(
+        best,
+        runner,
+        margin,
+        ratio,
+        route,
+        fetch,
+        local,
+        t_local_range(geometry, c_t),
+        allow,
+        inputs,
+    )
+
+
+def _rank(costs: dict[str, float], allow: tuple[str, ...]):
+    """``(best, runner_up, margin_us, margin_ratio)`` among the allowed primitives."""
+    ranked = sorted(allow, key=costs.__getitem__)
+    best = ranked[0]
+    if len(ranked) == 1:
+        return best, None, math.inf, math.inf
+    runner = ranked[1]
+    ratio = costs[runner] / costs[best] if costs[best] > 0 else math.inf
+    return best, runner, costs[runner] - costs[best], ratio
+
+
+@dataclasses.dataclass(frozen=True)
+class DecisionGrid:
+    """Decisions over a grid: arrays of one broadcast shape.
+
+    ``choice`` holds int8 codes into :data:`PRIMITIVES`; ``route_us``, ``fetch_us``, ``local_us``
+    the totals; ``margin_us`` the runner-up minus the chosen cost.
+    """
+
+    choice: np.ndarray
+    route_us: np.ndarray
+    fetch_us: np.ndarray
+    local_us: np.ndarray
+    margin_us: np.ndarray
+
+    @property
+    def primitive(self) -> np.ndarray:
+        """The chosen primitive's name at each grid point."""
+        return np.asarray(PRIMITIVES)[self.choice]
+
+    def fraction(self, primitive: str) -> float:
+        """Share of grid points where ``primitive`` wins."""
+        return float(np.mean(self.choice == PRIMITIVES.index(primitive)))
+
+
+def decide_grid(
+    geometry: MLAGeometry,
+    fabric: FabricProfile,
+    m_q,
+    c_t,
+    *,
+    bw_gbps=None,
+    topk=None,
+    holders: int = 1,
+    congestion: Congestion | None = None,
+    c_us=LOCAL_C_US,
+    t_compute_us: float = T_COMPUTE_US,
+    t_merge_us: float = T_MERGE_US,
+    splice: SpliceProfile = SPLICE_PAPER,
+    gather: GatherProfile = GATHER_PAPER,
+    host: HostOverhead | None = None,
+    tp: int = 1,
+    round_trips: int = 1,
+    shared_uplink: bool = False,
+    allow: Sequence[str] = PRIMITIVES,
+) -> DecisionGrid:
+    """:func:`decide` over numpy arrays that broadcast together (``m_q[:, None]``, ...).
+
+    ``bw_gbps`` (an array or a float), when given, replaces both the route bandwidth and the
+    bulk-pull bandwidth (the single "effective per-GPU-pair bandwidth" axis of Fig. 6(a)).
+    Other arguments as in :func:`decide`; ``c_us`` may be an array too.
+    """
+    allow = _check_inputs(geometry, fabric, allow)
+    for name, value in (("m_q", m_q), ("c_t", c_t), ("c_us", c_us)):
+        _check_positive(name, value)
+    if bw_gbps is not None:
+        _check_positive("bw_gbps", bw_gbps)
+    m_q = np.asarray(m_q, dtype=np.float64)
+    c_t = np.asarray(c_t, dtype=np.float64)
+    options = {name: value for name, value in locals().items() if name in _OPTIONS}
+    route, fetch, local = _terms(geometry, fabric, m_q, c_t, c_us, bw_gbps=bw_gbps, **options)
+    route, fetch, local = np.broadcast_arrays(route.total, fetch.total, local)
+    stack = np.stack([route, fetch, local]).astype(np.float64, copy=True)
+    for i, name in enumerate(PRIMITIVES):
+        if name not in allow:
+            stack[i] = np.inf
+    choice = np.argmin(stack, axis=0).astype(np.int8)
+    if len(allow) > 1:
+        part = np.partition(stack, 1, axis=0)
+        margin = part[1] - part[0]
+    else:
+        margin = np.full(choice.shape, np.inf)
+    return DecisionGrid(choice, route.copy(), fetch.copy(), local.copy(), margin)
+
+
+def crossover_map(
+    geometry: MLAGeometry,
+    fabric: FabricProfile,
+    m_q_axis: Iterable[float],
+    c_t_axis: Iterable[float],
+    **kwargs: Any,
+) -> DecisionGrid:
+    """The ``M_q x c_t`` decision map (Fig. 3(b) on total cost): rows ``M_q``, columns ``c_t``."""
+    m = np.asarray(list(m_q_axis) if not isinstance(m_q_axis, np.ndarray) else m_q_axis, float)
+    c = np.asarray(list(c_t_axis) if not isinstance(c_t_axis, np.ndarray) else c_t_axis, float)
+    return decide_grid(geometry, fabric, m[:, None], c[None, :], **kwargs)
+
+
+def bw_sweep(
+    geometry: MLAGeometry,
+    fabric: FabricProfile,
+    bw_axis: Iterable[float],
+    *,
+    m_q: float = 256,
+    c_t: float = 2048,
+    **kwargs: Any,
+) -> DecisionGrid:
+    """Costs vs effective bandwidth at one request shape (Fig. 6(a): ``M_q`` 256, ``c_t`` 2048)."""
+    bw = np.asarray(list(bw_axis) if not isinstance(bw_axis, np.ndarray) else bw_axis, float)
+    return decide_grid(geometry, fabric, m_q, c_t, bw_gbps=bw, **kwargs)
+
+
+# ---- closed forms ------------------------------------------------------------------------------
+
+
+def wire_break_even_rows(geometry: MLAGeometry, c_t):
+    """``M_q = c_t b_KV / (q + p)`` (§5.2): where route's and fetch's wire bytes are equal.
+
+    Per layer on both sides (or all layers on both: ``L`` cancels). V2-Lite, c_t = 2048: 1080.3.
+    """
+    return c_t * geometry.kv_bytes_per_token_layer / geometry.qp_row_bytes
+
+
+def wire_byte_saving(geometry: MLAGeometry, m_q, c_t):
+    """Fraction of wire bytes route saves over pulling the chunk: ``1 - M_q (q+p) / (c_t b_KV)``
+    (§5.2, Fig. 3(b)); negative where the pull moves fewer bytes."""
+    return 1.0 - m_q * geometry.qp_row_bytes / (c_t * geometry.kv_bytes_per_token_layer)
+
+
+def selection_break_even_rows(geometry: MLAGeometry, topk: int | None = None):
+    """The §5.4 reading: the wire break-even at the selection budget ``c_t = k``.
+
+    ``topk`` defaults to the model's published ``index_topk``; an error if it has none.
+    """
+    k = geometry.topk if topk is None else topk
+    if k is None:
+        raise ValueError(
+            f"topk: model {geometry.name!r} has no selection budget (index_topk); pass topk="
+        )
+    return wire_break_even_rows(geometry, k)
+
+
+def fetch_local_crossover_tokens(
+    geometry: MLAGeometry,
+    fabric: FabricProfile,
+    *,
+    c_us: float = LOCAL_C_US,
+    splice: SpliceProfile = SPLICE_PAPER,
+    bw_gbps: float | None = None,
+) -> float:
+    """Chunk size above which fetch (pull + splice) undercuts local (re-prefill) (§5.1, Fig. 1(b)).
+
+    Solves ``c_t L c = c_t b_KV L / BW_bulk + T_splice(c_t)``: closed form for a flat splice,
+    bisection for a measured profile (its slope is far below ``L c``). ``inf`` when a token is
+    cheaper to re-prefill than to pull (then local always wins).
+    """
+    bw = fabric.bulk_bw if bw_gbps is None else bw_gbps
+    per_token = geometry.layers * c_us - bytes_to_us(
+        geometry.kv_bytes_per_token_layer * geometry.layers, bw
+    )
+    if per_token <= 0:
+        return math.inf
+    if len(splice.tokens) == 1:
+        return splice.us[0] / per_token
+
+    def gap(x: float) -> float:
+        return per_token * x - splice.at(x)
+
+    lo, hi = 0.0, 1.0
+    while gap(hi) < 0:
+        hi *= 2.0
+        if hi > 1e15:
+            return math.inf
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
+        if hi - lo <= 1e-9 * hi:
+            break
+    return 0.5 * (lo + hi)
+
+
+def route_fetch_inversion_rows(
+    geometry: MLAGeometry,
+    fabric: FabricProfile,
+    c_t: float,
+    *,
+    splice: SpliceProfile = SPLICE_PAPER,
+    **route_kwargs: Any,
+) -> float:
+    """``M_q`` above which fetch's total cost undercuts route's (§5.5, "≳ 10^5").
+
+    Route is affine in ``M_q``, so the crossing is closed-form. ``route_kwargs`` go to
+    :func:`mqnc.cost.t_route` (compute, merge, congestion, tp, ...).
+    """
+    fetch = t_fetch(
+        geometry, fabric, c_t, splice=splice, congestion=route_kwargs.get("congestion")
+    ).total
+    a = t_route(geometry, fabric, 0.0, **route_kwargs).total
+    b = t_route(geometry, fabric, 1.0, **route_kwargs).total - a
+    return (fetch - a) / b if fetch > a else 0.0
+
+
+def congestion_bw_threshold_gbps(geometry: MLAGeometry, m_q: float, t_splice_us: float) -> float:
+    """§8 (i): the route bandwidth below which route's transfer alone exceeds the splice,
+    ``M_q (q+p) / T_splice`` (≈0.19 GB/s at M_q = 256, 3 ms). This assumes congestion slows
+    route but not fetch's pull (``Congestion(on_fetch=False)``); see the module docstring."""
+    return m_q * geometry.qp_row_bytes / (t_splice_us * 1e3)
+
+
+# ---- serving rules of thumb (§5.5) -------------------------------------------------------------
+
+
+def amortisation_steps(
+    geometry: MLAGeometry,
+    fabric: FabricProfile,
+    m_q: float,
+    c_t: float,
+    *,
+    splice: SpliceProfile = SPLICE_PAPER,
+    **route_kwargs: Any,
+) -> float:
+    """ "fetch only to amortise" (§5.5): attention steps after which one fetch pays off.
+
+    After a fetch every later step attends locally for ``T_compute`` (the same partial, now
+    local); routing pays ``T_route`` every step. Break-even: ``T_fetch + n T_compute = n T_route``,
+    so ``n = T_fetch / (T_route - T_compute)``.
+    """
+    route = t_route(geometry, fabric, m_q, **route_kwargs)
+    fetch = t_fetch(geometry, fabric, c_t, splice=splice).total
+    per_step = route.total - route.compute
+    return fetch / per_step if per_step > 0 else math.inf
+
+
+def rank_fabrics(
+    geometry: MLAGeometry, fabrics: Iterable[FabricProfile], m_q: float, **route_kwargs: Any
+) -> list[tuple[str, float]]:
+    """ "choose the fabric by probe, not peak bandwidth" (§5.5): fabrics by route round trip at
+    ``m_q`` (transport term), cheapest first."""
+    out = [(f.name, float(t_route(geometry, f, m_q, **route_kwargs).transport)) for f in fabrics]
+    return sorted(out, key=lambda t: t[1])
+
+
+def local_band_tokens(
+    geometry: MLAGeometry,
+    fabric: FabricProfile,
+    *,
+    splice: SpliceProfile = SPLICE_PAPER,
+    bw_gbps: float | None = None,
+) -> tuple[float, float]:
+    """ "local only for small chunks" (§5.5): the fetch-vs-local crossover over c in [0.5, 1.5]
+    us per token-layer, as ``(low, high)`` tokens (c = 1.5 gives the low end)."""
+    lo_c, hi_c = LOCAL_C_RANGE_US
+    kw = dict(splice=splice, bw_gbps=bw_gbps)
+    return (
+        fetch_local_crossover_tokens(geometry, fabric, c_us=hi_c, **kw),
+        fetch_local_crossover_tokens(geometry, fabric, c_us=lo_c, **kw),
+    )
+
+
+def congestion_reprices(
+    geometry: MLAGeometry,
+    fabric: FabricProfile,
+    m_q: float,
+    c_t: float,
+    congestion: Congestion,
+    **kwargs: Any,
+) -> bool:
+    """ "contention does not reprice the decision" (§5.5): whether ``congestion`` changes it."""
+    before = decide(geometry, fabric, m_q, c_t, **kwargs).primitive
+    after = decide(geometry, fabric, m_q, c_t, congestion=congestion, **kwargs).primitive
+    return before != after

@@ -1,0 +1,59 @@
+"""``mqnc demo``: an agentic fan-in over a partitioned canonical corpus, decided, executed and
+verified end to end (§1, §5, §6.3 of the paper).
+
+One immutable document (a "codebase" of ``chunks`` canonical chunks) is prefilled once into MLA
+cache, each chunk on its own at its canonical position (position-independent caching, §1,
+§2.2), and partitioned over ``holders`` holder instances (processes over torch.distributed gloo
+by default, threads over the in-process loopback with ``--transport loopback``). ``agents``
+sub-agents then decode ``steps`` tokens each, through all ``L`` layers of a small real MLA
+model (:class:`mqnc.model.MLAModel`, DeepSeek-V2-Lite attention geometry, YaRN RoPE):
+
+- **whole-chunk agents** (contiguous reuse, §2.2) read a few chunks placed at *new* offsets in
+  their own context, followed by their own suffix;
+- **selection agents** (§5.4) fork the whole corpus as their prefix at its canonical positions
+  and attend, per layer and step, a DSA-style top-k selection scattered across the holders
+  (the indexer here is exact top-k of a small random projection of the scores; see
+  :class:`~mqnc.demo.workload.Indexer`), plus their suffix.
+
+For every (chunk, agent) the closed-form predicate (:func:`mqnc.cost.decide`) picks route,
+fetch or local with this machine's constants (calibrated at start-up by a short probe / route
+sweep and one timed call of each primitive, or loaded with ``--profile``), and the demo executes
+that choice for real: route sends the absorbed query rows (rotated by the opposite delta, §3.2)
+to the holder, which batches all waiting rows into one kernel call (§6.3); fetch pulls all
+layers and splices them into the requester's pool (§2.2); local re-prefills the chunk through
+the model. ``--force`` runs every (chunk, agent) through one primitive.
+
+Every partial and every merged answer is compared with a single-instance fp64 reference over
+the same keys (the canonical cache, re-homed to the agent's offsets by an exact fp64
+rotation); the demo fails (exit 1) beyond the bounds of :data:`mqnc.testing.TOLERANCES`
+(``demo_partial`` / ``demo_merged``). At the end it prints a table per primitive (count, wire
+bytes, measured time per cost term beside the model's prediction, MAPE, max error), writes
+everything as JSON under ``--out`` and draws measured against predicted time as a PNG.
+
+The pieces, one module each: :mod:`~mqnc.demo.config` (what a run depends on),
+:mod:`~mqnc.demo.workload` (model, corpus, agents, indexer), :mod:`~mqnc.demo.cluster` (the
+holders and the requester's transport), :mod:`~mqnc.demo.calibration` (this machine's
+constants), :mod:`~mqnc.demo.step` (decide and execute one decode step),
+:mod:`~mqnc.demo.verify` (the fp64 checks), :mod:`~mqnc.demo.report` (table, JSON, PNG) and
+:mod:`~mqnc.demo.run` (all of it in order). The command is registered by :mod:`mqnc.cli.demo`.
+"""
+
+from __future__ import annotations
+
+from mqnc.base.runtime import use_interpreter_without_cuda
+from mqnc.demo.config import DemoConfig
+
+__all__ = ["DemoConfig", "run_demo"]
+
+
+def run_demo(cfg: DemoConfig) -> dict:
+    """Run the demo; returns the JSON-able result (also written under ``cfg.out``).
+
+    Raises ``AssertionError`` when an answer is beyond its bound (the CLI exits 1).
+    """
+    use_interpreter_without_cuda()
+    # imported here, after the kernel mode is chosen (the kernels are compiled or interpreted
+    # as they are imported), and so that ``mqnc --help`` (which reads DemoConfig) loads no torch
+    from mqnc.demo.run import run
+
+    return run(cfg)

@@ -1,0 +1,284 @@
+"""One decode step of the demo, layer by layer for all agents in lockstep (§5, §6.3): decide
+route / fetch / local per (chunk, agent), execute (routed rows of all agents batched), merge
+each agent's partials with its own suffix, verify, advance its hidden state."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from mqnc.cost import SpliceProfile, decide
+from mqnc.demo.calibration import Calibration
+from mqnc.demo.config import LANES, DemoConfig
+from mqnc.demo.verify import Verifier
+from mqnc.demo.workload import Agent, Corpus, Indexer
+from mqnc.model import MLAModel
+from mqnc.serving import CostRecord, Partial, Requester
+from mqnc.triton_kernels.merge import merge_partials
+from mqnc.triton_kernels.mla_decode import mla_decode_partial
+
+__all__ = ["Decisions", "Decoder"]
+
+PRIMITIVES = ("route", "fetch", "local")
+
+
+class Decisions:
+    """The predicate's choice per (agent, chunk), memoised, with its inputs and costs."""
+
+    def __init__(self, cfg: DemoConfig, model: MLAModel, corpus: Corpus, cal: Calibration):
+        self.cfg, self.geometry, self.corpus, self.cal = cfg, model.geometry, corpus, cal
+        self.table: dict[tuple[str, int], dict] = {}
+
+    def __call__(self, agent: Agent, chunk: int) -> str:
+        """The choice for (chunk, agent): the agent's whole decode over the chunk is the
+        request (``steps * L`` round trips of ``H`` rows for route; one pull + splice for
+        fetch, one re-prefill for local). The attention compute is left out of the
+        comparison: route pays it on the holder, fetch and local on the requester afterwards.
+        ``--force`` overrides."""
+        key = (agent.name, chunk)
+        if key not in self.table:
+            self.table[key] = self._decide(agent, chunk)
+        return self.table[key]["primitive"]
+
+    def _decide(self, agent: Agent, chunk: int) -> dict:
+        g, cfg = self.geometry, self.cfg
+        moved = agent.delta(self.corpus, chunk) != 0
+        d = decide(
+            g,
+            self.cal.fabric,
+            g.heads,
+            self.corpus.lengths[chunk],
+            c_us=self.cal.c_us,
+            # the partial attention and the merge are paid by every primitive (route: attention
+            # on the holder; fetch / local: on the requester afterwards; the agent merges its
+            # partials either way): they do not enter the comparison
+            t_compute_us=0.0,
+            t_merge_us=0.0,
+            # a selection agent attends at canonical positions: its fetch pulls the chunks that
+            # hold the selected entries and splices nothing
+            splice=self.cal.splice_profile(cfg) if moved else SpliceProfile.none(),
+            round_trips=cfg.steps * g.layers,
+        )
+        return dict(
+            agent=agent.name,
+            chunk=chunk,
+            primitive=cfg.force or d.primitive,
+            predicate=d.primitive,
+            costs_us=d.costs,
+            margin_ratio=d.margin_ratio,
+        )
+
+
+class Decoder:
+    """Runs the agents' decode against the holders, through one requester.
+
+    ``kill``, when given, is called once before step ``cfg.kill_after_step`` (the fault drill).
+    Keeps, per cost record, the delta of its call and the work of the holder batch it was
+    answered in (:attr:`deltas`, :attr:`batch_work`, keyed by ``id(record)``), the fallbacks
+    taken, and the number of partials computed.
+    """
+
+    def __init__(
+        self,
+        cfg: DemoConfig,
+        model: MLAModel,
+        corpus: Corpus,
+        req: Requester,
+        agents: list[Agent],
+        decisions: Decisions,
+        verifier: Verifier,
+        device: str,
+        kill=None,
+    ) -> None:
+        self.cfg, self.model, self.corpus, self.req = cfg, model, corpus, req
+        self.agents, self.decisions, self.verifier, self.device = (
+            agents,
+            decisions,
+            verifier,
+            device,
+        )
+        self.kill = kill  # called once before step cfg.kill_after_step (the fault drill)
+        self.indexer = Indexer(corpus, cfg.topk, cfg.seed) if cfg.selection_agents else None
+        self.fallbacks: list[dict] = []
+        self.deltas: dict[int, int] = {}
+        self.batch_work: dict[int, int] = {}
+        self.calls = 0
+
+    # -- executing one (agent, chunk) ------------------------------------------------------------
+    def _attend(self, agent: Agent, chunk: int, q, layer: int, indices=None) -> Partial:
+        """One partial of ``agent`` over ``chunk`` by its decided primitive, with fallback."""
+        primitive = self.decisions(agent, chunk)
+        order = (primitive, *(p for p in PRIMITIVES if p != primitive))
+        n_before = len(self.req.costs)
+        part = self.req.attend(
+            chunk, q, layer, offset=agent.offsets[chunk], indices=indices, order=order
+        )
+        self._note_records(
+            n_before, [(agent, chunk, q, layer, indices)] * (len(self.req.costs) - n_before)
+        )
+        first = self.req.directory[chunk].holders[0]
+        if part.primitive != primitive or part.peer not in (None, first):
+            # another primitive, or the same one from a replica, answered
+            self.fallbacks.append(
+                dict(
+                    agent=agent.name,
+                    chunk=chunk,
+                    layer=layer,
+                    decided=primitive,
+                    used=part.primitive,
+                    holder=first,
+                    peer=part.peer,
+                )
+            )
+        self.calls += 1
+        return part
+
+    def _routed_wave(self, jobs: list[tuple]) -> dict[tuple, Partial]:
+        """Route many (agent, chunk) jobs of one layer at once, so that each holder sees the
+        rows of several requesters waiting together and batches them into one kernel call
+        (dispatcher batching, §6.3). At most ``LANES`` requests per holder are in flight; a
+        wave with a failure is redone job by job through the fallback order."""
+        out: dict[tuple, Partial] = {}
+        by_holder: dict[int, list] = defaultdict(list)
+        for job in jobs:
+            by_holder[self.req.directory[job[1]].holders[0]].append(job)
+        while any(by_holder.values()):
+            wave = []
+            for h in list(by_holder):
+                wave += by_holder[h][:LANES]
+                by_holder[h] = by_holder[h][LANES:]
+            requests = [
+                dict(
+                    chunk_id=c,
+                    q=q,
+                    layer=layer,
+                    indices=ind,
+                    offset=None if ind is not None else agent.offsets[c],
+                )
+                for agent, c, q, layer, ind in wave
+            ]
+            n_before = len(self.req.costs)
+            try:
+                parts = self.req.route_many(requests, merge=False)
+            except Exception:  # noqa: BLE001 - each job retried through the fallback order
+                for agent, c, q, layer, ind in wave:
+                    out[(agent.name, c)] = self._attend(agent, c, q, layer, ind)
+                continue
+            for (agent, c, *_), part in zip(wave, parts, strict=True):
+                out[(agent.name, c)] = part
+                self.calls += 1
+            self._note_records(n_before, wave)
+        return out
+
+    def _note_records(self, n_before: int, wave) -> None:
+        """Remember, per new cost record, its delta and the work of the holder batch it was
+        answered in: rows x attended tokens summed over the wave's requests to that holder
+        (the holder runs them as one batch, and each request waits for all of it, §6.3)."""
+        recs: list[CostRecord] = self.req.costs[n_before:]
+        batch: dict[int | None, int] = defaultdict(int)
+        work = []
+        for rec, (agent, c, _q, _layer, ind) in zip(recs, wave, strict=False):
+            self.deltas[id(rec)] = agent.delta(self.corpus, c)
+            tokens = self.corpus.lengths[c] if ind is None else int((ind >= 0).sum())
+            work.append((rec, rec.m_q * tokens))
+            batch[rec.peer] += rec.m_q * tokens
+        for rec, _ in work:
+            self.batch_work[id(rec)] = batch[rec.peer]
+
+    # -- one layer of one step for all agents ----------------------------------------------------
+    def _selection(self, agent: Agent, layer: int, q) -> dict:
+        """Chunk -> ``indices [1, topk]`` int32 (chunk-local, -1 padded) or None (whole chunk)."""
+        if agent.kind != "selection":
+            return {c: None for c in agent.chunks}
+        out = {}
+        for c, idx in self.indexer.select(layer, q).items():
+            ind = torch.full((1, self.cfg.topk), -1, dtype=torch.int32)
+            ind[0, : len(idx)] = torch.tensor(idx, dtype=torch.int32)
+            out[c] = ind.to(self.device)
+        return out
+
+    def _suffix_partial(self, q, suffix: torch.Tensor):
+        """The agent's own suffix (its prompt and the tokens it decoded), attended locally
+        from a pool of its own."""
+        d_qk, bs, dev = self.model.geometry.d_qk, self.cfg.block_size, self.device
+        n = suffix.shape[0]
+        nb = -(-n // bs)
+        pool = torch.zeros(nb, bs, d_qk, dtype=torch.bfloat16, device=dev)
+        pool.view(-1, d_qk)[:n] = suffix.to(dev)
+        return mla_decode_partial(
+            q,
+            pool,
+            torch.arange(nb, dtype=torch.int32, device=dev)[None],
+            torch.tensor([n], dtype=torch.int32, device=dev),
+            softmax_scale=self.model.softmax_scale,
+            d_v=self.model.geometry.d_v,
+        )
+
+    def layer(self, layer: int, states: dict[str, tuple]) -> None:
+        """One layer of one decode step for every agent: decide, execute (routes batched across
+        agents), merge each agent's partials with its suffix, verify, advance its hidden state.
+
+        ``states[agent.name] = (h [1, D], pos)``, updated in place.
+        """
+        queries, sels, routed, direct = {}, {}, [], []
+        for agent in self.agents:
+            h, pos = states[agent.name]
+            # the model runs on the CPU; its query row goes to the kernels' device
+            q_cpu = self.model.absorbed_query(layer, h, torch.tensor([pos])).to(torch.bfloat16)
+            queries[agent.name] = q_cpu.to(self.device)
+            sels[agent.name] = self._selection(agent, layer, q_cpu)
+            for c, ind in sels[agent.name].items():
+                job = (agent, c, queries[agent.name], layer, ind)
+                local = (c, agent.offsets[c]) in self.req.local_chunks
+                (routed if self.decisions(agent, c) == "route" and not local else direct).append(
+                    job
+                )
+        parts = self._routed_wave(routed)
+        for agent, c, q, layer_, ind in direct:
+            parts[(agent.name, c)] = self._attend(agent, c, q, layer_, ind)
+        for agent in self.agents:
+            h, pos = states[agent.name]
+            q = queries[agent.name]
+            partials = [parts[(agent.name, c)] for c in sels[agent.name]]
+            suffix = agent.suffix_kv[layer]
+            o_s, lse_s = self._suffix_partial(q, suffix)
+            o, lse = merge_partials(
+                torch.stack([*(p.o for p in partials), o_s]),
+                torch.stack([*(p.lse for p in partials), lse_s]),
+            )
+            self.verifier.check_agent(agent, layer, q, sels[agent.name], partials, suffix, (o, lse))
+            states[agent.name] = (h + self.model.attention_output(layer, o.float().cpu()), pos)
+
+    # -- the decode ------------------------------------------------------------------------------
+    def run(self, progress=None) -> None:
+        """Every agent decodes ``steps`` tokens through all layers, layer by layer in lockstep
+        (so that the holders see the agents' rows together); ``kill`` (the fault drill) runs
+        before step ``cfg.kill_after_step``."""
+        gen = torch.Generator().manual_seed(self.cfg.seed + 99)
+        for agent in self.agents:  # each agent's suffix: its own prompt, prefilled on its own
+            x = torch.randn(self.cfg.suffix_tokens, self.model.hidden, generator=gen)
+            kv = self.model.prefill(x, agent.start, dtype=torch.float32)
+            agent.suffix_kv = kv.to(torch.bfloat16)
+            agent.hidden = torch.randn(1, self.model.hidden, generator=gen)
+        for step in range(self.cfg.steps):
+            if self.kill is not None and step == self.cfg.kill_after_step:
+                self.kill()
+            self._step(gen, progress)
+
+    def _step(self, gen: torch.Generator, progress) -> None:
+        states = {a.name: (a.hidden, a.start + a.suffix_kv.shape[1]) for a in self.agents}
+        new_kv = defaultdict(list)
+        for layer in range(self.model.geometry.layers):
+            for agent in self.agents:
+                h, pos = states[agent.name]
+                new_kv[agent.name].append(self.model.cache_entries(layer, h, torch.tensor([pos])))
+            self.layer(layer, states)
+            if progress is not None:
+                progress.update(len(self.agents))
+        for agent in self.agents:
+            kv = torch.stack(new_kv[agent.name]).to(torch.bfloat16)
+            agent.suffix_kv = torch.cat([agent.suffix_kv, kv], dim=1)
+            agent.hidden = (
+                torch.randn(1, self.model.hidden, generator=gen) + 0.1 * (states[agent.name][0])
+            )

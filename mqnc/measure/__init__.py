@@ -1,0 +1,55 @@
+"""The measurement harness (§3.2, §4.3, §6): what ``perf/`` and ``mqnc calibrate`` share.
+
+- :mod:`mqnc.measure.echo`: a requester and echo holders on a transport (threads over
+  loopback, subprocesses over gloo): the transport term of a primitive, without its compute.
+- :mod:`mqnc.measure.timing`: p20/p50/p80 of repeated calls (CUDA events or the host clock),
+  round-robin over several points.
+- :mod:`mqnc.measure.results`: the long-format results file (record, read, where it is, the
+  git commit of each record).
+- :mod:`mqnc.measure.sweep`: the probe + route sweep of Table 1.
+- :mod:`mqnc.measure.calibrate`: this machine's fabric profile (``mqnc calibrate``;
+  ``from mqnc.measure.calibrate import calibrate``).
+- :mod:`mqnc.measure.options`: the command-line options the benchmarks share.
+
+The torch-free modules (results, options) are imported with the package; the others, and
+the names they define, on first use, so that the figures can read records without torch.
+"""
+
+from mqnc.base.lazy import lazy_exports
+from mqnc.measure.options import TRANSPORTS, add_transport_args, ints_of, transports_of
+from mqnc.measure.results import git_commit, read_results, record, results_path
+
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "EchoFabric",
+            "EchoHolder",
+            "Unavailable",
+            "split_row_bytes",
+            "host_extra",
+            "exit_process",
+            "HDR",
+            "OP_PROBE",
+            "OP_ECHO",
+            "OP_GATHER",
+            "OP_CHUNK",
+            "OP_STOP",
+        ),
+        ".echo",
+    ),
+    **dict.fromkeys(("time_fn", "time_interleaved", "one_intra_op_thread"), ".timing"),
+    "route_sweep": ".sweep",
+}
+__getattr__ = lazy_exports(__name__, _LAZY)
+
+__all__ = [
+    "TRANSPORTS",
+    "add_transport_args",
+    "ints_of",
+    "transports_of",
+    "git_commit",
+    "read_results",
+    "record",
+    "results_path",
+    *_LAZY,
+]

@@ -1,0 +1,125 @@
+"""Measure this machine's fabric and fit its profile (§4.3, Table 2): what ``mqnc calibrate``
+runs.
+
+A short probe + route sweep on one transport (the echo fabric of :mod:`mqnc.measure.echo`:
+rank 0 here, one echo holder; ``sig_rt`` and ``full_rt`` exactly as ``perf/bench_route.py``
+times them, :func:`mqnc.measure.sweep.route_sweep`), a fit of ``(T_probe, BW, turnaround)``
+with :func:`mqnc.cost.fit` (the probe is the measured ``sig_rt``; ``BW`` the large-``M_q``
+slope; turnaround = intercept - probe), and a :class:`~mqnc.cost.FabricProfile` that
+``mqnc predict --fabric FILE``, the predicate and the demo (``--profile FILE``) load. Unless
+``bulk_tokens`` is None, one contiguous all-layer chunk pull is timed too and its rate stored as
+``bulk_bw_gbps`` (fetch's ``T_pull``), so that the profile prices fetch on the same machine.
+The default sweep takes a few seconds on loopback and about 10-20 s on gloo (process start
+included) on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+from mqnc.base.checks import check_int
+from mqnc.base.runtime import device_name
+from mqnc.cost import FabricProfile, FitResult, fit
+from mqnc.measure.echo import HDR, OP_CHUNK, EchoFabric, Unavailable
+from mqnc.measure.sweep import route_sweep
+from mqnc.measure.timing import one_intra_op_thread, time_fn
+from mqnc.model.geometry import MLAGeometry, get_preset
+
+__all__ = ["calibrate"]
+
+
+# Over 60 lines by its numpy docstring (29) and signature; the body is 23 lines.
+def calibrate(
+    transport: str = "loopback",
+    *,
+    m_qs=(1, 16, 64, 256, 512, 1024, 2048, 4096),
+    model: str = "deepseek-v2-lite",
+    reps: int = 15,
+    warmup: int = 3,
+    fit_min_rows: int = 512,
+    bulk_tokens: int | None = 256,
+    name: str | None = None,
+    results: str | None = None,
+    progress: bool = False,
+) -> tuple[FabricProfile, FitResult, dict]:
+    """Measure and fit this machine's fabric on ``transport``.
+
+    Parameters
+    ----------
+    transport : str
+        ``"loopback"`` or ``"gloo"`` (``"nvshmem"`` raises: its benchmark is
+        ``perf/gpu_check_nvshmem.py``).
+    m_qs : sequence of int
+        Route batch sizes (at least two distinct; the fit uses ``M_q >= fit_min_rows`` when
+        two such sizes exist, all points otherwise).
+    model : str
+        Geometry preset giving ``q + p`` (2184 B/row for DeepSeek-V2-Lite).
+    reps, warmup : int
+        Timed and untimed repetitions per point (p50 of the timed ones is fitted).
+    fit_min_rows : int
+        As in :func:`mqnc.cost.fit` (also the amortised-MAPE threshold).
+    bulk_tokens : int or None
+        Chunk tokens of the bulk-pull measurement (``None``: skip it).
+    name : str or None
+        Profile name (default ``"<transport>@<device>"``).
+    results : str or None
+        Also append the probe/route records to this results file (``bench_route``'s format).
+
+    Returns
+    -------
+    (FabricProfile, FitResult, dict)
+        The profile, the fit, and the raw measurements (``probe_us``, ``route`` as
+        ``[(M_q, p50_us)]``, ``bulk`` as ``(bytes, p50_us)`` or None).
+    """
+    if transport not in ("loopback", "gloo", "nvshmem"):
+        raise ValueError(f"transport: expected loopback, gloo or nvshmem, got {transport!r}")
+    m_qs = sorted({int(m) for m in m_qs})
+    if len(m_qs) < 2 or m_qs[0] < 1:
+        raise ValueError(f"m_q: expected at least two distinct sizes >= 1, got {m_qs}")
+    check_int("reps", reps, minimum=1)
+    g = get_preset(model)
+    probe, route, bulk = _measure(
+        transport, g, m_qs, reps, warmup, bulk_tokens, results=results, progress=progress
+    )
+    res = fit(route, qp_row_bytes=g.qp_row_bytes, probe_us=probe, fit_min_rows=fit_min_rows)
+    dev = device_name()
+    extra = {} if bulk is None else {"bulk_bw_gbps": bulk[0] / (bulk[1] * 1e-6) / 1e9}
+    profile = res.to_fabric(
+        name or f"{transport}@{dev}",
+        description=f"{transport} echo fabric on {dev} (host-side put + signal, §3.2 sig_rt / "
+        f"full_rt), {g.name} rows q+p = {g.qp_row_bytes} B",
+        source=f"mqnc calibrate --transport {transport}: M_q {m_qs}, {reps} reps, p50; fit "
+        f"over M_q >= {fit_min_rows}"
+        + (f"; bulk pull of {bulk_tokens} tokens x {g.layers} layers" if bulk else ""),
+        **extra,
+    )
+    return profile, res, {"probe_us": probe, "route": route, "bulk": bulk}
+
+
+def _measure(transport, g: MLAGeometry, m_qs, reps, warmup, bulk_tokens, *, results, progress):
+    """The probe's p50, the route sweep ``[(M_q, p50)]`` and the bulk pull ``(bytes, p50)``."""
+    one_intra_op_thread()
+    slot = HDR + max(m_qs) * max(g.q_row_bytes, g.p_row_bytes)
+    bulk_bytes = g.chunk_bytes(bulk_tokens) if bulk_tokens else 0
+    try:
+        fabric = EchoFabric(
+            transport, holders=1, slot_bytes=max(slot, HDR + bulk_bytes), chunk_bytes=bulk_bytes
+        )
+    except Unavailable as exc:
+        raise ValueError(f"transport: {exc}") from None
+    with fabric:
+        probe, sweeps = route_sweep(
+            fabric,
+            g,
+            m_qs,
+            [g.qp_row_bytes],
+            reps=reps,
+            warmup=warmup,
+            out=results,
+            write=results is not None,
+            progress=progress,
+        )
+        bulk = None
+        if bulk_bytes:
+            msg = fabric.message(OP_CHUNK, HDR, bulk_bytes)
+            pb = time_fn(lambda: fabric.round_trip(1, msg), warmup=warmup, reps=reps, cuda=False)
+            bulk = (bulk_bytes, pb[1])
+    return probe[1], sweeps[g.qp_row_bytes], bulk

@@ -1,0 +1,464 @@
+"""The measurement figures (§4.3, §5.4, §6.3, §8), drawn from the results file's records, each
+beside the model's fit: Fig. 2(b), 4(a), 4(b), 7, and any benchmark's p50 curves."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from mqnc.cost import SPLICE_PAPER, fit, fit_congestion, knee_fit, t_route
+from mqnc.plots._common import (
+    COLORS,
+    COMMANDS,
+    MissingData,
+    _cycle,
+    _devices,
+    _group,
+    _medians,
+    _select,
+    _short_device,
+    _title_suffix,
+    _us,
+)
+
+__all__ = ["route_round_trip", "gather_vs_route", "holder_compute", "congestion_plot", "bench_plot"]
+
+
+def _route_groups(records: Sequence[dict], qp_row_bytes: int):
+    """Route sweeps keyed ``(device, variant, q+p)`` with their probes, as ``mqnc fit`` groups
+    them (a probe matches by variant; a file with probes of one variant serves all)."""
+    routes = [r for r in _select(records, "route") if r.get("x_name") != "holders"]
+    probes: dict[tuple[str, str], list[float]] = {}
+    for r in _select(records, "probe"):
+        probes.setdefault((str(r.get("device")), str(r.get("variant"))), []).append(_us(r))
+    groups: dict[tuple[str, str, int], list[dict]] = {}
+    for r in routes:
+        qp = int((r.get("extra") or {}).get("qp_row_bytes", qp_row_bytes))
+        groups.setdefault((str(r.get("device")), str(r.get("variant")), qp), []).append(r)
+    out = {}
+    for (dev, variant, qp), recs in groups.items():
+        probe = probes.get((dev, variant))
+        same_dev = [v for (d, _), v in probes.items() if d == dev]
+        if probe is None and len(same_dev) == 1:
+            probe = same_dev[0]
+        out[(dev, variant, qp)] = (recs, probe)
+    return out
+
+
+# Over 60 lines by its numpy docstring (29) and signature; the body (one figure, one fit per
+# curve) is 43 lines.
+def route_round_trip(
+    ax,
+    records: Sequence[dict],
+    geometry,
+    *,
+    fit_min_rows: int = 512,
+    amortised_min_rows: int = 512,
+    qp_row_bytes: int | None = None,
+):
+    """Fig. 2(b): measured route round trip against ``M_q`` beside the fitted cost model (§4.3).
+
+    For each (device, transport, row size): the median p50 with its p20-p80 bar, the
+    two-constant model ``T_probe + M_q (q+p) / BW`` (solid) and the affine fit with the
+    turnaround (dotted) from :func:`mqnc.cost.fit`, MAPE over ``M_q >= 512`` in the legend;
+    the amortised regime is shaded.
+
+    Parameters
+    ----------
+    ax : matplotlib.axes.Axes
+    records : sequence of dict
+        The results file's records (``bench`` "route" and "probe" are read).
+    geometry : MLAGeometry
+        ``q + p`` of a row unless a record carries ``extra["qp_row_bytes"]``.
+    fit_min_rows, amortised_min_rows : int
+        As in :func:`mqnc.cost.fit`.
+    qp_row_bytes : int or None
+        Restrict to one payload of the sweep (default: the geometry's).
+
+    Returns
+    -------
+    dict
+        ``(device, variant, q+p) -> FitResult``.
+
+    Raises
+    ------
+    MissingData
+        No route records (or none with two distinct M_q).
+    """
+    qp_default = geometry.qp_row_bytes
+    want = qp_default if qp_row_bytes is None else qp_row_bytes
+    groups = {k: v for k, v in _route_groups(records, qp_default).items() if k[2] == want}
+    if not groups:
+        raise MissingData(
+            f"no route round trips (bench 'route', q+p = {want} B) in the results",
+            COMMANDS["route"],
+        )
+    fits = {}
+    many_dev = len({k[0] for k in groups}) > 1
+    cycle = _cycle()
+    for (dev, variant, qp), (recs, probe) in sorted(groups.items()):
+        x, p20, p50, p80 = _medians(recs)
+        if x.size < 2:
+            continue
+        color = next(cycle)
+        samples = [(float(r["x"]), _us(r)) for r in recs]
+        res = fit(
+            samples,
+            qp_row_bytes=qp,
+            probe_us=probe,
+            fit_min_rows=fit_min_rows,
+            amortised_min_rows=amortised_min_rows,
+        )
+        fits[(dev, variant, qp)] = res
+        label = variant + (f" ({_short_device(dev)})" if many_dev else "")
+        ax.errorbar(x, p50, yerr=[p50 - p20, p80 - p50], fmt="o", color=color, ms=4, label=label)
+        _draw_route_fit(ax, np.geomspace(x[0], x[-1], 100), res, color, amortised_min_rows)
+    if not fits:
+        raise MissingData("route records span fewer than two M_q", COMMANDS["route"])
+    ax.set(xscale="log", yscale="log")  # before reading the limits: a linear axis starts < 0
+    right = ax.get_xlim()[1]
+    if right > amortised_min_rows:
+        ax.axvspan(amortised_min_rows, right, color="gray", alpha=0.1, zorder=0)
+        ax.set_xlim(right=right)
+    ax.set(
+        xlabel="routed query rows $M_q$",
+        ylabel="route round trip (us)",
+        title=f"(b) route round trip vs model, q+p = {want} B"
+        + _title_suffix([r for recs, _ in groups.values() for r in recs]),
+    )
+    ax.legend(fontsize=6)
+    return fits
+
+
+def _draw_route_fit(ax, xx, res, color, amortised_min_rows: int) -> None:
+    """The two-constant model (solid) and, with a measured probe, the affine fit (dotted)."""
+    probe_txt = "probe" if res.probe_measured else "intercept"
+    ax.plot(
+        xx,
+        res.predict(xx, with_turnaround=False),
+        "-",
+        color=color,
+        lw=1.3,
+        label=f"model: {probe_txt} {res.t_probe_us:.1f} us + M_q(q+p)/{res.bw_gbps:.3g} GB/s"
+        f" (MAPE {100 * res.mape_amortised:.0f}% at M_q>={amortised_min_rows})",
+    )
+    if res.probe_measured:
+        ax.plot(
+            xx,
+            res.predict(xx),
+            ":",
+            color=color,
+            lw=1.1,
+            label=f"affine fit, turnaround {res.turnaround_us:.1f} us",
+        )
+
+
+def gather_vs_route(ax, records: Sequence[dict]):
+    """Fig. 4(a): fetch's scattered gather vs route's fan-out over ``M`` holders (§5.4).
+
+    Measured medians (p20-p80 bars) of ``bench="fetch"`` with ``x_name="holders"`` per variant
+    (red shades) and ``bench="route_fanout"`` (green); beside each, the model's fit: the
+    gather's affine law ``M t_handshake + t_bytes`` (the constants of
+    :class:`mqnc.cost.GatherProfile`) and an affine fit of the fan-out (flat when route
+    is layer- and holder-independent, as the paper finds).
+
+    Returns
+    -------
+    dict
+        ``(bench, device, variant) -> (slope_us_per_holder, intercept_us)``.
+
+    Raises
+    ------
+    MissingData
+        Neither gather nor fan-out records.
+    """
+    gather = _select(records, "fetch", "holders")
+    fan = _select(records, "route_fanout")
+    if not gather and not fan:
+        raise MissingData(
+            "no gather-over-holders records (bench 'fetch', x_name 'holders') and no route "
+            "fan-out (bench 'route_fanout')",
+            COMMANDS["fetch"],
+        )
+    fits = {}
+    many_dev = len(_devices(gather + fan)) > 1
+    reds = iter(["#d62728", "#ff7f0e", "#8c564b", "#e377c2", "#bcbd22"] * 4)
+    greens = iter(["#2ca02c", "#17becf", "#1f77b4", "#7f7f7f"] * 4)
+    for bench, recs, colors, what in (
+        ("fetch", gather, reds, "gather"),
+        ("route_fanout", fan, greens, "route"),
+    ):
+        for (dev, variant), grp in sorted(
+            _group(recs, lambda r: (str(r.get("device")), str(r.get("variant")))).items()
+        ):
+            x, p20, p50, p80 = _medians(grp)
+            color = next(colors)
+            label = f"{what}: {variant}" + (f" ({_short_device(dev)})" if many_dev else "")
+            ax.errorbar(
+                x, p50, yerr=[p50 - p20, p80 - p50], fmt="o", color=color, ms=4, label=label
+            )
+            if x.size >= 2:
+                fits[(bench, dev, variant)] = _draw_affine(ax, x, p50, color)
+    ax.set(
+        yscale="log",
+        xlabel="holders M the selection spans",
+        ylabel="time per layer (us)",
+        title="(a) gather vs route fan-out over holders" + _title_suffix(gather + fan),
+    )
+    for recs, what, bench in ((gather, "gather", "fetch"), (fan, "route fan-out", "route_fanout")):
+        if not recs:
+            text = f"{what}: run `{COMMANDS[bench]}`"
+            ax.text(0.02, 0.02, text, fontsize=7, transform=ax.transAxes)
+    ax.legend(fontsize=6)
+    return fits
+
+
+def _draw_affine(ax, x, y, color) -> tuple[float, float]:
+    """Least-squares line through ``(x, y)``, drawn dashed; ``(slope, intercept)``."""
+    slope, icpt = np.polyfit(x, y, 1)
+    xx = np.linspace(x[0], x[-1], 50)
+    label = f"fit: {icpt:.3g} + {slope:.3g} us x M"
+    ax.plot(xx, icpt + slope * xx, "--", color=color, lw=1, label=label)
+    return float(slope), float(icpt)
+
+
+def holder_compute(ax, records: Sequence[dict], *, splice_us: float | None = None):
+    """Fig. 4(b): a holder's batched partial attention against ``N`` routed requesters (§6.3).
+
+    Measured medians of ``bench="holder"`` with ``x_name="requesters"`` per variant, with the
+    flat-then-linear fit ``t_0 + s max(0, N - N_0)`` (the knee ``N_0`` chosen by least
+    squares over the measured N); fetch's splice as the dashed reference (default: the paper's
+    profile at 2048 tokens, :data:`mqnc.cost.SPLICE_PAPER`).
+
+    Returns
+    -------
+    dict
+        ``(device, variant) -> (t0_us, slope_us_per_requester, knee_N)``.
+
+    Raises
+    ------
+    MissingData
+        No holder records.
+    """
+    recs = _select(records, "holder", "requesters")
+    if not recs:
+        raise MissingData(
+            "no holder batching records (bench 'holder', x_name 'requesters')",
+            COMMANDS["holder"],
+        )
+    fits = {}
+    cycle = _cycle()
+    many_dev = len(_devices(recs)) > 1
+    for (dev, variant), grp in sorted(
+        _group(recs, lambda r: (str(r.get("device")), str(r.get("variant")))).items()
+    ):
+        x, p20, p50, p80 = _medians(grp)
+        color = next(cycle)
+        label = variant + (f" ({_short_device(dev)})" if many_dev else "")
+        ax.errorbar(x, p50, yerr=[p50 - p20, p80 - p50], fmt="o", color=color, ms=4, label=label)
+        if x.size >= 3:
+            t0, s, n0 = knee_fit(x, p50)
+            fits[(dev, variant)] = (t0, s, n0)
+            xx = np.geomspace(x[0], x[-1], 100)
+            ax.plot(
+                xx,
+                t0 + s * np.maximum(0.0, xx - n0),
+                "-",
+                color=color,
+                lw=1,
+                label=f"fit: flat {t0:.3g} us to N={n0:g}, then +{s:.3g} us/requester",
+            )
+    splice = SPLICE_PAPER.at(2048) if splice_us is None else splice_us
+    ax.axhline(splice, color=COLORS["fetch"], ls="--", lw=1, label=f"fetch splice {splice:.0f} us")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="routed requesters N batched by one holder",
+        ylabel="holder partial attention (us)",
+        title="(b) holder compute vs requesters" + _title_suffix(recs),
+    )
+    ax.legend(fontsize=6)
+    return fits
+
+
+_MQ = re.compile(r"m_?q\s*=\s*(\d+)", re.IGNORECASE)
+
+
+def _m_q_of(r: dict) -> float | None:
+    extra = r.get("extra") or {}
+    if extra.get("m_q") is not None:
+        return float(extra["m_q"])
+    m = _MQ.search(str(r.get("variant", "")))
+    return float(m.group(1)) if m else None
+
+
+def congestion_plot(
+    ax, records: Sequence[dict], geometry, *, splice_us: float | None = None, fabric=None
+):
+    """Fig. 7: route round trip and probe under ``K`` concurrent route flows on one link (§8).
+
+    Measured medians of ``bench="congestion"`` (``x`` = K): the probe (variant ``"probe"``) and
+    the round trip at each ``M_q``. The model (crosses): idle constants from the ``K = 0``
+    round trips (:func:`mqnc.cost.fit` with the K = 0 probe), congested ones from
+    :func:`mqnc.cost.fit_congestion` at the largest ``M_q`` and the largest K; the other
+    batches' congested round trips are predictions. The splice is the dashed reference.
+
+    Returns
+    -------
+    Congestion or None
+        The fitted congestion (None when the records do not allow the fit).
+
+    Raises
+    ------
+    MissingData
+        No congestion records.
+    """
+    recs = _select(records, "congestion")
+    if not recs:
+        raise MissingData("no congestion records (bench 'congestion')", COMMANDS["congestion"])
+    probe = [r for r in recs if str(r.get("variant")) == "probe"]
+    routes = _group([r for r in recs if _m_q_of(r) is not None], _m_q_of)
+    cycle = _cycle()
+    colors = {}
+    if probe:
+        x, p20, p50, p80 = _medians(probe)
+        ax.errorbar(x, p50, yerr=[p50 - p20, p80 - p50], fmt="s-", color="k", ms=4, label="probe")
+    for m_q in sorted(routes):
+        x, p20, p50, p80 = _medians(routes[m_q])
+        colors[m_q] = next(cycle)
+        ax.errorbar(
+            x,
+            p50,
+            yerr=[p50 - p20, p80 - p50],
+            fmt="o-",
+            color=colors[m_q],
+            ms=4,
+            label=f"route M_q={m_q:g}",
+        )
+    ks = sorted({float(r["x"]) for r in recs})
+    congestion = None
+    if probe and len(routes) >= 2 and len(ks) >= 2:
+        congestion = _congestion_model(ax, probe, routes, (ks[0], ks[-1]), colors, geometry, fabric)
+    splice = SPLICE_PAPER.at(2048) if splice_us is None else splice_us
+    ax.axhline(splice, color=COLORS["fetch"], ls="--", lw=1, label=f"fetch splice {splice:.0f} us")
+    ax.set(
+        yscale="log",
+        xlabel="concurrent route flows K sharing the link",
+        ylabel="round trip (us)",
+        xticks=ks,
+        title="route under self-congestion (Fig. 7)" + _title_suffix(recs),
+    )
+    ax.legend(fontsize=6)
+    return congestion
+
+
+def _congestion_model(ax, probe, routes, ks, colors, geometry, fabric):
+    """Fit the idle fabric (unless given) and the congestion at the largest ``M_q`` from the
+    idle (``ks[0]``) and fully subscribed (``ks[1]``) medians; draw the model's round trips as
+    crosses. Returns the :class:`~mqnc.cost.Congestion`, or None when it cannot be fitted."""
+    k0, k1 = ks
+
+    def at(grp, k):
+        vals = [_us(r) for r in grp if float(r["x"]) == k]
+        return float(np.median(vals)) if vals else None
+
+    p_idle, p_cong = at(probe, k0), at(probe, k1)
+    idle = [(m, at(g, k0)) for m, g in routes.items() if at(g, k0) is not None]
+    m_big = max(routes)
+    rt_idle, rt_cong = at(routes[m_big], k0), at(routes[m_big], k1)
+    if None in (p_idle, p_cong, rt_idle, rt_cong) or len(idle) < 2:
+        return None
+    fab, congestion = fabric, None
+    try:
+        if fab is None:
+            res = fit(idle, qp_row_bytes=geometry.qp_row_bytes, probe_us=p_idle, fit_min_rows=1)
+            fab = res.to_fabric("idle (K=0 fit)")
+        congestion = fit_congestion(
+            geometry,
+            fab,
+            m_big,
+            probe_idle_us=p_idle,
+            probe_congested_us=p_cong,
+            rt_idle_us=rt_idle,
+            rt_congested_us=rt_cong,
+        )
+    except ValueError as exc:
+        ax.text(0.02, 0.95, f"no congestion fit: {exc}", fontsize=6, transform=ax.transAxes)
+    for m_q in sorted(routes) if fab is not None else ():
+        for k, cong in ((k0, None), (k1, congestion)):
+            if k == k1 and cong is None:
+                continue
+            pred = t_route(geometry, fab, m_q, congestion=cong).transport
+            ax.plot([k], [pred], "x", color=colors[m_q], ms=9, mew=2)
+    if congestion is not None:
+        ax.plot(
+            [],
+            [],
+            "x",
+            color="gray",
+            ms=8,
+            mew=2,
+            label=f"model: idle fit, K={k1:g}: BW x{congestion.bw_factor:.2f}, "
+            f"probe +{congestion.probe_add_us:.1f} us",
+        )
+    return congestion
+
+
+def _pct(r: dict, key: str) -> float:
+    return float(r["p50"] if r.get(key) is None else r[key])
+
+
+def bench_plot(ax, records: Sequence[dict], bench: str, *, reference=None):
+    """A benchmark's p50 against ``x`` per variant (and device), p20-p80 shaded.
+
+    The title names the bench, the devices and the backends (``triton``, ``interpreter``,
+    ``torch-reference``...), so interpreter timings are never mistaken for kernel timings. For
+    ``bench="splice"`` the cost model's splice profile (:data:`mqnc.cost.SPLICE_PAPER`,
+    H100) is drawn dashed, or ``reference`` (a ``SpliceProfile``) when given.
+
+    Raises
+    ------
+    MissingData
+        No records of ``bench``.
+    """
+    recs = [r for r in records if r.get("bench") == bench]
+    if not recs:
+        raise MissingData(f"no records of bench {bench!r}", COMMANDS.get(bench))
+    units = sorted({str(r.get("unit", "us")) for r in recs})
+    x_names = sorted({str(r.get("x_name", "x")) for r in recs})
+    many_dev = len(_devices(recs)) > 1
+    cycle = _cycle()
+    groups = _group(
+        recs, lambda r: (str(r.get("variant")), str(r.get("device")), str(r.get("backend")))
+    )
+    for (variant, dev, backend), grp in sorted(groups.items()):
+        color = next(cycle)
+        xs = np.array(sorted({float(r["x"]) for r in grp}))
+        p20, p50, p80 = (
+            np.array([np.median([_pct(r, k) for r in grp if float(r["x"]) == x]) for x in xs])
+            for k in ("p20", "p50", "p80")
+        )
+        label = f"{variant} [{backend}]" + (f" ({_short_device(dev)})" if many_dev else "")
+        ax.plot(xs, p50, "o-", color=color, ms=4, label=label)
+        if xs.size > 1:
+            ax.fill_between(xs, p20, p80, color=color, alpha=0.2)
+        else:
+            ax.errorbar(xs, p50, yerr=[p50 - p20, p80 - p50], color=color, fmt="none")
+    if bench == "splice":
+        prof = SPLICE_PAPER if reference is None else reference
+        xs = np.array(sorted({float(r["x"]) for r in recs}))
+        xx = np.geomspace(max(xs.min(), 1.0), max(xs.max(), 2.0), 50)
+        ax.plot(xx, prof.at(xx), "k--", lw=1, label=f"model splice: {prof.name}")
+    xs_all = np.array([float(r["x"]) for r in recs])
+    ys_all = np.array([float(r["p50"]) for r in recs])
+    ax.set(
+        xscale="log" if (xs_all > 0).all() and xs_all.max() > 4 * xs_all.min() else "linear",
+        yscale="log" if (ys_all > 0).all() else "linear",
+        xlabel=" / ".join(x_names),
+        ylabel=f"p50 ({', '.join(units)})",
+        title=f"bench {bench!r}" + _title_suffix(recs),
+    )
+    ax.legend(fontsize=6)
+    return groups

@@ -1,0 +1,334 @@
+"""The holder: owns chunks in a paged pool and serves probe, route and fetch (§3.1-§3.2, §6).
+
+A holder keeps the canonical ``c_KV`` of its chunks at their canonical positions in a paged pool
+``[L, num_blocks, block_size, d_qk]`` and answers, over a :class:`~mqnc.transport.Transport`:
+
+- ``PROBE``: a header-only acknowledgement (the protocol probe, ``T_probe``);
+- ``ROUTE``: the absorbed query rows of one layer; answered with the collapsed partial
+  ``(o, m, l)`` in one buffer (§5.3). **Dispatcher batching** (§6.3): every route request
+  that is waiting when the dispatcher wakes (all requesters, all lanes) is grouped by layer and
+  kind, and each group runs as ONE partial-attention kernel call: dense rows through
+  ``mla_decode_partial`` with one block-table row per query token (different chunks batch
+  together), selection rows through ``mla_sparse_partial`` with chunk-local indices mapped to
+  pool slots. The holder is position-oblivious: requesters rotate their queries (§3.2);
+- ``FETCH``: all (or a range of) layers of a chunk, gathered from the pool and staged into the
+  reply through a pool of ``K`` CUDA streams on a GPU (§6.2's K-stream staging; on the CPU the
+  staging copy is a plain copy);
+- ``SHUTDOWN``: stop the service loop.
+
+The batching itself is :mod:`mqnc.serving.batching`, the paged pool :mod:`mqnc.serving.pool`.
+
+Robustness: every message's header is checked before its payload is used
+(:func:`mqnc.transport.wire.parse_header`); a malformed message or a bad request (unknown
+chunk, index out of range, wrong head count) is answered with an ``ERROR`` message for that
+request alone.
+Each inbox slot is answered in increasing sequence order and at most once per sequence
+number (a duplicated request is dropped), so no request is answered twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections import defaultdict
+
+import torch
+
+from mqnc.base.checks import check_int
+from mqnc.model.geometry import MLAGeometry
+from mqnc.serving.batching import HostedChunk, RouteBatcher, RouteJob
+from mqnc.serving.pool import PagedPool
+from mqnc.transport import wire
+from mqnc.transport.protocol import (
+    INBOX,
+    REPLY,
+    PeerLost,
+    Transport,
+    TransportError,
+    TransportTimeout,
+)
+
+__all__ = ["HostedChunk", "Holder", "HolderStats"]
+
+
+@dataclasses.dataclass
+class HolderStats:
+    """What a holder did: for tests, benchmarks and the cost model's fit."""
+
+    probes: int = 0
+    routes: int = 0
+    fetches: int = 0
+    errors: int = 0
+    duplicates: int = 0
+    kernel_calls: int = 0
+    batch_rows: list[int] = dataclasses.field(default_factory=list)
+    batch_requests: list[int] = dataclasses.field(default_factory=list)
+    answered: dict[int, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
+
+
+class _StagingPool:
+    """K CUDA streams that stage fetch replies (§6.2); inline copies on the CPU."""
+
+    def __init__(self, k: int, device: torch.device) -> None:
+        self.k = check_int("streams", k, minimum=1)
+        self._streams = (
+            [torch.cuda.Stream(device=device) for _ in range(k)] if device.type == "cuda" else []
+        )
+        self._next = 0
+
+    def stream(self):
+        if not self._streams:
+            return contextlib.nullcontext(None)
+        s = self._streams[self._next % self.k]
+        self._next += 1
+        return torch.cuda.stream(s)
+
+
+class Holder:
+    """Serve route / fetch / probe for the chunks in a paged pool.
+
+    Parameters
+    ----------
+    transport : Transport
+        This rank's endpoint.
+    geometry : MLAGeometry
+        Dims (``d_qk``, ``d_v``, ``layers``).
+    softmax_scale : float
+        The model's scale (DeepSeek with YaRN: ``192**-0.5 * mscale**2``).
+    num_blocks : int
+        Pool capacity in blocks (per layer).
+    block_size : int
+        Tokens per block (64; a power of two >= 16).
+    dtype : torch.dtype
+        Cache dtype (bf16; fp16 / fp32 accepted). Routed rows must arrive in this dtype.
+    device : torch.device or str
+        Where the pool lives and the kernels run.
+    streams : int
+        ``K``, the staging stream pool of fetch replies on a GPU (8 is the paper's elbow).
+    batch_window_s : float
+        After a wake-up, wait this long for more requests before running the batch (0: batch
+        exactly what is already waiting).
+    poll_s : float
+        The service loop's wait granularity (how often it checks for ``stop()``).
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        geometry: MLAGeometry,
+        *,
+        softmax_scale: float,
+        num_blocks: int,
+        block_size: int = 64,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        streams: int = 8,
+        batch_window_s: float = 0.0,
+        poll_s: float = 0.05,
+    ) -> None:
+        if not isinstance(transport, Transport):
+            raise TypeError(f"transport: expected a Transport, got {type(transport).__name__}")
+        if not isinstance(geometry, MLAGeometry):
+            raise TypeError(f"geometry: expected an MLAGeometry, got {type(geometry).__name__}")
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"dtype: expected bfloat16, float16 or float32, got {dtype}")
+        self.transport = transport
+        self.geometry = geometry
+        self.softmax_scale = float(softmax_scale)
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.batch_window_s = float(batch_window_s)
+        self.poll_s = float(poll_s)
+        self.pages = PagedPool(
+            geometry.layers, num_blocks, block_size, geometry.d_qk, dtype=dtype, device=device
+        )
+        self.pool = self.pages.kv
+        self.chunks: dict[int, HostedChunk] = {}
+        self._staging = _StagingPool(streams, self.device)
+        layout = transport.layout
+        self._inboxes = [
+            layout.slot(INBOX, src, lane)
+            for src in range(layout.world_size)
+            for lane in range(layout.lanes)
+        ]
+        self._last_seq = {s: 0 for s in self._inboxes}
+        self.stats = HolderStats()
+        name = f"holder {transport.rank}"
+        self._batcher = RouteBatcher(
+            self.pages, geometry, self.softmax_scale, self.stats, self._reply, self._error, name
+        )
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+
+    # ---- the pool ---------------------------------------------------------------------------
+    def add_chunk(self, chunk_id: int, kv: torch.Tensor, position: int = 0) -> HostedChunk:
+        """Copy a chunk's cache ``kv [L, c_t, d_qk]`` (canonical positions from ``position``)
+        into free pool blocks."""
+        g = self.geometry
+        if not isinstance(kv, torch.Tensor):
+            raise TypeError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
+        if kv.dim() != 3 or kv.shape[0] != g.layers or kv.shape[2] != g.d_qk:
+            raise ValueError(
+                f"kv: expected shape ({g.layers}, c_t, {g.d_qk}), got {tuple(kv.shape)}"
+            )
+        if kv.dtype != self.dtype:
+            raise TypeError(f"kv: invalid dtype, expected {self.dtype}, got {kv.dtype}")
+        if chunk_id in self.chunks:
+            raise ValueError(f"chunk_id: chunk {chunk_id} is already hosted")
+        blocks = self.pages.alloc(kv.shape[1])
+        self.pages.write(blocks, kv)
+        blocks = torch.tensor(blocks, dtype=torch.int32)
+        c = HostedChunk(chunk_id, kv.shape[1], int(position), blocks)
+        self.chunks[chunk_id] = c
+        return c
+
+    def chunk_kv(self, chunk_id: int, layers: tuple[int, int] | None = None) -> torch.Tensor:
+        """Gather a hosted chunk's entries ``[n_layers, c_t, d_qk]`` from the pool."""
+        c = self.chunks[chunk_id]
+        return self.pages.gather(c.blocks, c.tokens, layers or (0, self.geometry.layers))
+
+    # ---- the service loop -------------------------------------------------------------------
+    def start(self) -> Holder:
+        """Serve in a background thread until :meth:`stop` or a ``SHUTDOWN`` message."""
+        if self._thread is not None:
+            raise RuntimeError("holder: already started")
+        self._thread = threading.Thread(target=self._run, name=f"holder-{self.transport.rank}")
+        self._thread.daemon = True
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.serve_forever()
+        except BaseException as exc:  # recorded for the owner; the thread must not die silently
+            self.failure = exc
+
+    def serve_forever(self) -> None:
+        """Serve until :meth:`stop` or a ``SHUTDOWN`` message (in the calling thread)."""
+        while not self._stop.is_set():
+            self.serve_once(self.poll_s)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the service loop and join its thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TransportTimeout(f"holder: service thread did not stop within {timeout} s")
+            self._thread = None
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def serve_once(self, timeout: float) -> int:
+        """One dispatcher step: wait up to ``timeout`` s for requests, then answer all that
+        are waiting (routes batched). Returns the number of messages handled."""
+        targets = {s: self._last_seq[s] + 1 for s in self._inboxes}
+        try:
+            ready = self.transport.wait_any(targets, timeout)
+        except PeerLost:
+            # Every requester is gone: nothing can arrive any more.
+            self._stop.set()
+            return 0
+        except TransportTimeout:
+            return 0
+        if self.batch_window_s > 0:
+            time.sleep(self.batch_window_s)
+            ready = [s for s in self._inboxes if self.transport.signal(s) >= targets[s]]
+        routes: list[RouteJob] = []
+        handled = 0
+        for slot in ready:
+            handled += self._receive(slot, routes)
+        if routes:
+            self._batcher.answer(routes)
+        return handled
+
+    # ---- receiving --------------------------------------------------------------------------
+    def _reply(self, src: int, lane: int, buf: torch.Tensor, seq: int) -> None:
+        slot = self.transport.layout.slot(REPLY, self.transport.rank, lane)
+        try:
+            # Non-blocking on the gloo engine (a stalled requester must not stall the holder).
+            self.transport.put_signal(src, slot, buf, seq)
+        except TransportError:
+            pass  # the requester is gone; its request cannot be answered (it times out there)
+
+    def _error(self, src: int, lane: int, request_id: int, seq: int, message: str) -> None:
+        self.stats.errors += 1
+        self._reply(src, lane, wire.pack_error(message, request_id=request_id, seq=seq), seq)
+
+    def _receive(self, slot: int, routes: list[RouteJob]) -> int:
+        layout = self.transport.layout
+        src, lane = layout.source_of(slot), layout.lane_of(slot)
+        signal = self.transport.signal(slot)
+        buf = wire.read_message(self.transport, slot)
+        try:
+            h = wire.parse_header(buf, geometry=self.geometry)
+        except wire.WireError as exc:
+            # The request id cannot be trusted; answer on the slot's sequence number.
+            self._last_seq[slot] = max(self._last_seq[slot], signal)
+            self._error(src, lane, 0, signal, f"holder {self.transport.rank}: {exc}")
+            return 1
+        if h.seq <= self._last_seq[slot]:
+            self.stats.duplicates += 1  # already answered: a duplicate or late copy
+            self._last_seq[slot] = max(self._last_seq[slot], signal)
+            return 0
+        self._last_seq[slot] = h.seq
+        try:
+            if h.kind == wire.Kind.PROBE:
+                self.stats.probes += 1
+                ack = wire.pack_probe(request_id=h.request_id, seq=h.seq, ack=True)
+                self._reply(src, lane, ack, h.seq)
+            elif h.kind == wire.Kind.ROUTE:
+                routes.append(self._check_route(src, lane, h, buf))
+            elif h.kind == wire.Kind.FETCH:
+                self._answer_fetch(src, lane, h)
+            elif h.kind == wire.Kind.SHUTDOWN:
+                self._stop.set()
+            else:
+                raise wire.WireError(f"holder cannot serve a {h.kind.name} message")
+        except (wire.WireError, ValueError, TypeError, KeyError) as exc:
+            self._error(src, lane, h.request_id, h.seq, f"holder {self.transport.rank}: {exc}")
+        return 1
+
+    def _check_route(self, src: int, lane: int, h: wire.Header, buf: torch.Tensor) -> RouteJob:
+        _, q, idx = wire.unpack_query(buf, geometry=self.geometry)
+        if h.chunk_id not in self.chunks:
+            raise KeyError(f"chunk {h.chunk_id} is not hosted here (have {sorted(self.chunks)})")
+        if h.dtype != self.dtype:
+            raise wire.WireError(f"q: expected {self.dtype} rows, got {h.dtype}")
+        c = self.chunks[h.chunk_id]
+        if idx is not None:
+            bad = (idx < -1) | (idx >= c.tokens)
+            if bool(bad.any()):
+                raise ValueError(
+                    f"indices: expected chunk-local indices in [-1, {c.tokens}) for chunk "
+                    f"{c.chunk_id}, got {idx[bad][:5].tolist()}"
+                )
+        return RouteJob(src, lane, h, q.to(self.device), None if idx is None else idx, c)
+
+    # ---- fetch ------------------------------------------------------------------------------
+    def _answer_fetch(self, src: int, lane: int, h: wire.Header) -> None:
+        if h.chunk_id not in self.chunks:
+            raise KeyError(f"chunk {h.chunk_id} is not hosted here (have {sorted(self.chunks)})")
+        c = self.chunks[h.chunk_id]
+        with self._staging.stream():
+            kv = self.chunk_kv(h.chunk_id, (h.layer_lo, h.layer_hi))
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        buf = wire.pack_chunk(
+            kv.cpu(),
+            request_id=h.request_id,
+            seq=h.seq,
+            chunk_id=h.chunk_id,
+            layers=(h.layer_lo, h.layer_hi),
+            position=c.position,
+            geometry=self.geometry,
+        )
+        self.stats.fetches += 1
+        self.stats.answered[h.request_id] += 1
+        self._reply(src, lane, buf, h.seq)

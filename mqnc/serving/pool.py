@@ -1,0 +1,178 @@
+"""A paged cache pool and the partial attention over it: the holder's pool of canonical
+chunks and the requester's pool of fetched / re-prefilled ones (§2.2, §3.3).
+
+A pool is ``[L, num_blocks, block_size, d_qk]``: a chunk occupies whole blocks (the same blocks
+in every layer), token ``t`` of a chunk with blocks ``b`` sits at flat slot
+``b[t // block_size] * block_size + t % block_size`` of a layer's ``[num_blocks * block_size,
+d_qk]`` view. Blocks are taken from a free list; nothing here knows about chunks' positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mqnc.base.checks import check_int
+from mqnc.serving.records import ChunkInfo, LocalChunk
+from mqnc.triton_kernels.mla_decode import mla_decode_partial
+from mqnc.triton_kernels.mla_sparse import mla_sparse_partial
+from mqnc.triton_kernels.splice import rope_splice
+
+__all__ = ["PagedPool", "LocalChunks"]
+
+
+class PagedPool:
+    """Blocks of ``block_size`` cache entries, all ``layers`` layers at once.
+
+    Parameters
+    ----------
+    layers, num_blocks, block_size, width : int
+        ``L``, capacity in blocks, tokens per block (a power of two >= 16), ``d_qk``.
+    dtype : torch.dtype
+    device : torch.device or str
+
+    Attributes
+    ----------
+    kv : torch.Tensor
+        ``[layers, num_blocks, block_size, width]`` in ``dtype`` on ``device``.
+    """
+
+    def __init__(
+        self,
+        layers: int,
+        num_blocks: int,
+        block_size: int,
+        width: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        check_int("num_blocks", num_blocks, minimum=1)
+        if check_int("block_size", block_size, minimum=16) & (block_size - 1):
+            raise ValueError(f"block_size: expected a power of two >= 16, got {block_size}")
+        self.block_size = block_size
+        self.width = width
+        self.device = torch.device(device)
+        self.kv = torch.zeros(layers, num_blocks, block_size, width, dtype=dtype, device=device)
+        self._free = list(range(num_blocks))
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def alloc(self, tokens: int, name: str = "kv") -> list[int]:
+        """Take the blocks ``tokens`` entries need (a ``ValueError`` naming ``name`` if too few
+        are free)."""
+        nb = -(-tokens // self.block_size)
+        if nb > len(self._free):
+            raise ValueError(
+                f"{name}: {tokens} tokens need {nb} blocks, only {len(self._free)} free"
+            )
+        return [self._free.pop(0) for _ in range(nb)]
+
+    def reset(self) -> None:
+        """Free every block (the entries are left as they are)."""
+        self._free = list(range(self.kv.shape[1]))
+
+    def slots(self, blocks: list[int] | torch.Tensor, tokens: int) -> torch.Tensor:
+        """Flat slots ``[tokens]`` int64 of a chunk's entries in a layer's token axis."""
+        b = torch.as_tensor(blocks, dtype=torch.int64).to(self.device)
+        s = b[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)
+        return s.reshape(-1)[:tokens]
+
+    def write(self, blocks: list[int], kv: torch.Tensor) -> None:
+        """Copy ``kv [L, tokens, width]`` into the blocks, all layers."""
+        flat = self.kv.view(self.kv.shape[0], -1, self.width)
+        flat[:, self.slots(blocks, kv.shape[1])] = kv.to(self.device)
+
+    def splice(self, blocks: list[int], kv: torch.Tensor, delta: int, rope) -> None:
+        """Write ``kv [L, tokens, width]`` re-homed by ``delta`` positions (§2.2): a plain copy
+        for ``delta == 0``, else :func:`mqnc.triton_kernels.rope_splice` (one launch)."""
+        if delta == 0:
+            self.write(blocks, kv)
+            return
+        if rope is None:
+            raise ValueError("rope: splicing at a new offset needs rope= (a RopeSpec)")
+        slots = self.slots(blocks, kv.shape[1])
+        rope_splice(kv.to(self.device).contiguous(), self.kv, slots, int(delta), rope)
+
+    def gather(self, blocks: torch.Tensor, tokens: int, layers: tuple[int, int]) -> torch.Tensor:
+        """A chunk's entries ``[hi - lo, tokens, width]`` of layers ``[lo, hi)``."""
+        lo, hi = layers
+        flat = self.kv[lo:hi].reshape(hi - lo, -1, self.width)
+        return flat[:, self.slots(blocks, tokens)]
+
+    def pool_indices(self, indices: torch.Tensor, blocks: torch.Tensor, tokens: int):
+        """Chunk-local selection indices ``[B, topk]`` (``-1`` unused) as indices into a
+        layer's flat token axis (int64, ``-1`` kept)."""
+        idx = indices.to(self.device, torch.int64)
+        slots = self.slots(blocks, tokens)
+        return torch.where(idx >= 0, slots[idx.clamp_min(0)], torch.full_like(idx, -1))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        layer: int,
+        blocks: torch.Tensor,
+        tokens: int,
+        *,
+        indices: torch.Tensor | None,
+        softmax_scale: float,
+        d_v: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial attention of ``q [B, H, width]`` over one chunk in the pool: every entry
+        (``indices`` None, :func:`mla_decode_partial`) or a chunk-local selection
+        ``[B, topk]`` (:func:`mla_sparse_partial`). Returns ``(o [B, H, d_v], lse [B, H])``,
+        natural-log ``lse`` in float32."""
+        B = q.shape[0]
+        if indices is None:
+            table = blocks.to(self.device)[None].expand(B, -1).contiguous()
+            lens = torch.full((B,), tokens, dtype=torch.int32, device=self.device)
+            return mla_decode_partial(
+                q, self.kv[layer], table, lens, softmax_scale=softmax_scale, d_v=d_v
+            )
+        idx = self.pool_indices(indices, blocks, tokens).to(torch.int32)
+        return mla_sparse_partial(q, self.kv[layer], idx, softmax_scale=softmax_scale, d_v=d_v)
+
+
+class LocalChunks:
+    """A requester's chunks in its own paged pool: fetched (spliced to an offset) or
+    re-prefilled, keyed by ``(chunk_id, offset)``.
+
+    ``pool`` None (a requester without a pool) keeps nothing: :meth:`put` raises.
+    """
+
+    def __init__(self, pool: PagedPool | None) -> None:
+        self.pool = pool
+        self.chunks: dict[tuple[int, int], LocalChunk] = {}
+
+    def _pool(self) -> PagedPool:
+        if self.pool is None:
+            raise ValueError("pool_blocks: this requester has no pool (pool_blocks=0)")
+        return self.pool
+
+    def put(
+        self, info: ChunkInfo, offset: int, kv: torch.Tensor, *, delta: int, rope, source: str
+    ) -> LocalChunk:
+        """Write a chunk's ``kv [L, c_t, d_qk]`` into free blocks, re-homed by ``delta``
+        (§2.2), and remember it at ``offset``."""
+        blocks = self._pool().alloc(info.tokens, "pool")
+        self.pool.splice(blocks, kv, delta, rope)
+        lc = LocalChunk(
+            info.chunk_id, offset, info.tokens, torch.tensor(blocks, dtype=torch.int32), source
+        )
+        self.chunks[(info.chunk_id, offset)] = lc
+        return lc
+
+    def attend(
+        self, lc: LocalChunk, q: torch.Tensor, layer: int, indices, *, softmax_scale, d_v
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`PagedPool.attend` over one kept chunk."""
+        return self._pool().attend(
+            q, layer, lc.blocks, lc.tokens, indices=indices, softmax_scale=softmax_scale, d_v=d_v
+        )
+
+    def clear(self) -> None:
+        """Forget every chunk and free the whole pool."""
+        self.chunks.clear()
+        if self.pool is not None:
+            self.pool.reset()

@@ -1,0 +1,90 @@
+"""What the serving primitives hand around: where a chunk lives, a chunk in a requester's pool,
+a partial result, and the cost record of one call (§4's terms, for ``mqnc fit``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+__all__ = ["ChunkInfo", "LocalChunk", "Partial", "CostRecord", "cost_samples"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkInfo:
+    """Where a chunk lives: its id, length, canonical position and holders (replicas first
+    to last in order of preference)."""
+
+    chunk_id: int
+    tokens: int
+    position: int
+    holders: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalChunk:
+    """A chunk spliced into the requester's pool at ``offset`` (blocks int32, token order)."""
+
+    chunk_id: int
+    offset: int
+    tokens: int
+    blocks: torch.Tensor
+    source: str  # "fetch" or "local"
+
+
+@dataclasses.dataclass
+class CostRecord:
+    """The cost terms of one call (microseconds), for the cost model's fit (§4).
+
+    ``probe_us`` is the measured round trip for a probe, and for a route the last probe of
+    that holder (NaN when never probed). ``transfer_us``: pack + put of the request;
+    ``compute_us``: the holder's kernel call (reported in the reply header; for a batched
+    call, the whole batch's time); ``return_us``: from the put's completion to the reply's
+    arrival, less ``compute_us``; ``merge_us``, ``splice_us``, ``prefill_us``: requester-side
+    work; ``total_us``: the whole call.
+    """
+
+    primitive: str
+    peer: int | None
+    chunk_id: int | None
+    layer: int | None
+    m_q: int
+    bytes_sent: int
+    bytes_recv: int
+    probe_us: float = math.nan
+    transfer_us: float = 0.0
+    compute_us: float = 0.0
+    return_us: float = 0.0
+    merge_us: float = 0.0
+    splice_us: float = 0.0
+    prefill_us: float = 0.0
+    total_us: float = 0.0
+    ok: bool = True
+    error: str = ""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def fail(self, exc: BaseException) -> None:
+        """Mark the call failed with ``exc`` (its type and message kept in ``error``)."""
+        self.ok = False
+        self.error = f"{type(exc).__name__}: {exc}"
+
+
+@dataclasses.dataclass
+class Partial:
+    """A partial result: ``o [B, H, d_v]`` (q's dtype) and natural-log ``lse [B, H]`` fp32,
+    with how it was obtained."""
+
+    o: torch.Tensor
+    lse: torch.Tensor
+    primitive: str
+    peer: int | None
+    record: CostRecord | None = None
+
+
+def cost_samples(costs: list[CostRecord], primitive: str = "route") -> list[tuple[int, float]]:
+    """``(M_q, total_us)`` of every successful call of ``primitive`` (for
+    :func:`mqnc.cost.fit`)."""
+    return [(c.m_q, c.total_us) for c in costs if c.primitive == primitive and c.ok]

@@ -1,0 +1,210 @@
+"""The transport protocol every engine implements (§3.1, §6 of the paper).
+
+One small protocol, modelled on NVSHMEM's one-sided put-with-signal:
+
+- every rank owns ``num_slots`` **symmetric slots** of ``slot_bytes`` bytes each (the same
+  index means the same slot on every rank) and one 64-bit **signal** per slot;
+- ``put_signal(peer, slot, data, seq)`` writes ``data`` into ``peer``'s slot and then raises
+  ``peer``'s signal of that slot to ``seq``. Signals are **monotonically increasing sequence
+  numbers** (never reset): a waiter waits for ``signal >= seq`` (NVSHMEM's ``CMP_GE``);
+- ``wait_signal(slot, seq, timeout)`` / ``wait_any`` wait on local signals, always with a
+  timeout, raising :class:`TransportTimeout`; a wait on a slot fed by a peer that is known
+  dead raises :class:`PeerLost` at once;
+- ``read(slot)`` copies a local slot out, ``get(peer, slot)`` reads a peer's slot one-sidedly;
+- ``quiet()`` completes this rank's outstanding puts; ``barrier(timeout)`` synchronises all.
+
+Slot layout. Slots are addressed by (channel, source rank, lane): channel ``INBOX`` receives
+requests (probe, route, fetch) from ``source``, channel ``REPLY`` receives the answers to this
+rank's requests from ``source``; ``lanes`` independent slots per (channel, source) pair let one
+requester keep several requests to one holder in flight. ``slot = (channel * world + source) *
+lanes + lane``. Each slot has exactly one writer (its source rank), so a slot never sees two
+writers race.
+
+Ordering and duplicates. The software engines store ``max(signal, seq)`` (a late, lower
+sequence number never moves a signal back); NVSHMEM's ``SET`` is used with the same effect
+because a holder answers each slot in increasing sequence order and drops a request whose
+sequence number it has already answered. Request ids in the wire header (:mod:`mqnc.transport.wire`)
+let a requester discard any reply that is not the one it waits for.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import time
+
+import torch
+
+from mqnc.base.checks import check_int, check_number
+
+__all__ = [
+    "INBOX",
+    "REPLY",
+    "TransportError",
+    "TransportTimeout",
+    "PeerLost",
+    "SlotLayout",
+    "Transport",
+    "check_message",
+]
+
+INBOX = 0
+REPLY = 1
+
+
+class TransportError(RuntimeError):
+    """A transport-level failure (peer gone, protocol violation)."""
+
+
+class TransportTimeout(TransportError, TimeoutError):
+    """A wait ran past its timeout."""
+
+
+class PeerLost(TransportError):
+    """The peer feeding a slot is known to be dead (its connection closed)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotLayout:
+    """Slot indices of the (channel, source, lane) addressing scheme."""
+
+    world_size: int
+    lanes: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "lanes"):
+            check_int(name, getattr(self, name), minimum=1)
+
+    @property
+    def num_slots(self) -> int:
+        return 2 * self.world_size * self.lanes
+
+    def slot(self, channel: int, source: int, lane: int = 0) -> int:
+        if channel not in (INBOX, REPLY):
+            raise ValueError(f"channel: expected INBOX (0) or REPLY (1), got {channel!r}")
+        if not 0 <= source < self.world_size:
+            raise ValueError(f"source: expected a rank in [0, {self.world_size}), got {source}")
+        if not 0 <= lane < self.lanes:
+            raise ValueError(f"lane: expected a lane in [0, {self.lanes}), got {lane}")
+        return (channel * self.world_size + source) * self.lanes + lane
+
+    def source_of(self, slot: int) -> int:
+        return (slot // self.lanes) % self.world_size
+
+    def channel_of(self, slot: int) -> int:
+        return slot // (self.world_size * self.lanes)
+
+    def lane_of(self, slot: int) -> int:
+        return slot % self.lanes
+
+
+def check_message(data: object, slot_bytes: int) -> torch.Tensor:
+    """A put's payload: a contiguous 1-D uint8 tensor of at most ``slot_bytes`` bytes."""
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"data: expected a torch.Tensor of uint8, got {type(data).__name__}")
+    if data.dtype != torch.uint8 or data.dim() != 1:
+        raise TypeError(
+            f"data: expected a 1-D uint8 tensor, got dtype {str(data.dtype)[6:]} shape "
+            f"{tuple(data.shape)}"
+        )
+    if not data.is_contiguous():
+        raise ValueError("data: expected a contiguous tensor (gloo and RMA move contiguous bytes)")
+    if data.numel() > slot_bytes:
+        raise ValueError(
+            f"data: message of {data.numel()} B does not fit a slot of {slot_bytes} B "
+            "(size the transport with mqnc.transport.slot_bytes_for)"
+        )
+    return data
+
+
+class Transport(abc.ABC):
+    """One rank's endpoint of a symmetric-slot, put-with-signal fabric.
+
+    Attributes
+    ----------
+    rank, world_size : int
+    layout : SlotLayout
+        Slot addressing (``layout.num_slots`` slots per rank).
+    slot_bytes : int
+        Capacity of every slot.
+    name : str
+        Engine name (``"loopback"``, ``"torchdist"``, ``"nvshmem"``), recorded with results.
+    """
+
+    name = "abstract"
+
+    def __init__(self, rank: int, layout: SlotLayout, slot_bytes: int) -> None:
+        check_int("rank", rank, minimum=0, below=layout.world_size)
+        check_int("slot_bytes", slot_bytes, minimum=96)  # one wire header
+        self.rank = rank
+        self.layout = layout
+        self.world_size = layout.world_size
+        self.slot_bytes = slot_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return self.layout.num_slots
+
+    def _check_slot(self, slot: int) -> int:
+        return check_int("slot", slot, minimum=0, below=self.num_slots)
+
+    def check_peer(self, peer: int) -> int:
+        """``peer`` if it is a rank of this fabric, else a ``ValueError`` naming it."""
+        return check_int("peer", peer, minimum=0, below=self.world_size)
+
+    # ---- the protocol -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def put_signal(self, peer: int, slot: int, data: torch.Tensor, seq: int) -> None:
+        """Write ``data`` (``[n]`` uint8, ``n <= slot_bytes``) into ``peer``'s ``slot``, then
+        raise ``peer``'s signal of ``slot`` to ``seq``. May return before delivery; ``quiet``
+        completes it."""
+
+    @abc.abstractmethod
+    def signal(self, slot: int) -> int:
+        """The current value of this rank's signal of ``slot``."""
+
+    @abc.abstractmethod
+    def wait_any(self, targets: dict[int, int], timeout: float) -> list[int]:
+        """Wait until at least one ``signal(slot) >= seq`` for ``(slot, seq)`` in ``targets``;
+        return every slot that satisfies it. Raises :class:`TransportTimeout` after
+        ``timeout`` seconds, :class:`PeerLost` when every awaited slot's source is dead."""
+
+    def wait_signal(self, slot: int, seq: int, timeout: float) -> int:
+        """Wait until ``signal(slot) >= seq``; returns the signal value."""
+        self.wait_any({self._check_slot(slot): int(seq)}, timeout)
+        return self.signal(slot)
+
+    @abc.abstractmethod
+    def read(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
+        """A copy of the first ``nbytes`` (default all) bytes of this rank's ``slot``."""
+
+    @abc.abstractmethod
+    def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
+        """One-sided read of the first ``nbytes`` bytes of ``peer``'s ``slot``."""
+
+    def quiet(self, timeout: float | None = None, peers=None) -> None:  # noqa: B027
+        """Complete this rank's outstanding puts (to ``peers``, default all) within
+        ``timeout`` seconds (None: no bound), else raise :class:`TransportTimeout`; a no-op
+        for engines whose puts complete before ``put_signal`` returns (loopback)."""
+
+    @abc.abstractmethod
+    def barrier(self, timeout: float) -> None:
+        """Wait until every rank has entered the barrier (raises on timeout)."""
+
+    def peer_alive(self, peer: int) -> bool:
+        """False once ``peer`` is known dead (its connection closed)."""
+        return True
+
+    def close(self) -> None:  # noqa: B027 - engines with resources override it
+        """Release the endpoint (idempotent)."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- helpers ------------------------------------------------------------------------------
+    @staticmethod
+    def _deadline(timeout: float) -> float:
+        return time.monotonic() + check_number("timeout", timeout, positive=True)
