@@ -297,7 +297,8 @@ def decide(
         raise ValueError("m_q, c_t: expected scalars; use decide_grid for arrays")
     if topk is not None:
         _check_positive("topk", topk)
-    options = {name: value for name, value in locals().items() if name in _OPTIONS}
+    arguments = locals()
+    options = {name: arguments[name] for name in _OPTIONS}
     route, fetch, local = _terms(geometry, fabric, m_q, c_t, c_us, **options)
     costs = {"route": route.total, "fetch": fetch.total, "local": local}
     best, runner, margin, ratio = _rank(costs, allow)
@@ -398,7 +399,8 @@ def decide_grid(
         _check_positive("bw_gbps", bw_gbps)
     m_q = np.asarray(m_q, dtype=np.float64)
     c_t = np.asarray(c_t, dtype=np.float64)
-    options = {name: value for name, value in locals().items() if name in _OPTIONS}
+    arguments = locals()
+    options = {name: arguments[name] for name in _OPTIONS}
     route, fetch, local = _terms(geometry, fabric, m_q, c_t, c_us, bw_gbps=bw_gbps, **options)
     route, fetch, local = np.broadcast_arrays(route.total, fetch.total, local)
     stack = np.stack([route, fetch, local]).astype(np.float64, copy=True)
