@@ -41,6 +41,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 
 from mqnc.transport._gloo import BARRIER, CLOSE, GET, PUT, Inbox, Outbox, PeerState
 from mqnc.transport.protocol import (
@@ -61,9 +62,7 @@ _RETIRED: list = []
 
 def free_port_store(world_size: int, timeout_s: float = 60.0, host: str = "127.0.0.1"):
     """A master ``TCPStore`` on a free port (port 0): ``store.port`` is what workers join."""
-    from torch.distributed import TCPStore
-
-    return TCPStore(
+    return dist.TCPStore(
         host,
         0,
         world_size,
@@ -107,8 +106,6 @@ class TorchDistTransport(Transport):
         idle_timeout_s: float = 3600.0,
         prefix: str = "mqnc",
     ) -> None:
-        import torch.distributed as dist
-
         super().__init__(rank, SlotLayout(world_size, lanes), slot_bytes)
         if not dist.is_available() or not hasattr(dist, "ProcessGroupGloo"):
             raise RuntimeError("torchdist: this torch build has no gloo backend")
@@ -141,9 +138,7 @@ class TorchDistTransport(Transport):
         **kwargs,
     ) -> TorchDistTransport:
         """Join the ``TCPStore`` at ``host:port`` as a client and build the engine."""
-        from torch.distributed import TCPStore
-
-        store = TCPStore(
+        store = dist.TCPStore(
             host,
             int(port),
             world_size,
