@@ -92,7 +92,7 @@ def test_late_and_duplicated_replies_are_harmless():
     t = req.transport
     out = {}
     th = threading.Thread(target=lambda: out.update(p=req.route(1, q1, 0)))
-    seq = req.client._seq[(0, 0)] + 1  # the lane's next sequence number: this request's
+    seq = req.client._lanes.seq[(0, 0)] + 1  # the lane's next sequence number: this request's
     th.start()
     deadline = time.monotonic() + 10
     while h.transport.signal(h.transport.layout.slot(INBOX, 1)) < seq:

@@ -243,18 +243,26 @@ def test_bad_requests_get_an_error_and_the_holder_keeps_serving():
         req.register(ChunkInfo(99, 64, 0, (0,)))  # the directory is wrong about chunk 99
         with pytest.raises(RemoteError, match="chunk 99 is not hosted"):
             req.route(99, _q(14, 1), 0)
-        with pytest.raises(RemoteError, match="indices"):
+        # An index outside the chunk: the requester refuses it before anything is sent...
+        with pytest.raises(ValueError, match="indices"):
             req.route(1, _q(14, 1), 0, indices=torch.tensor([[0, 64]], dtype=torch.int32))
-        # A corrupt message straight into the holder's inbox: an ERROR for that slot only.
+        # ...and the holder answers a raw ROUTE carrying it with an ERROR.
         t = req.transport
+        reply = t.layout.slot(REPLY, 0, 1)
+        raw = wire.pack_query(_q(14, 1), request_id=9, seq=40, chunk_id=1, layer=0,
+                              indices=torch.tensor([[0, 64]], dtype=torch.int32), geometry=GEOM)  # fmt: skip
+        t.put_signal(0, t.layout.slot(INBOX, 1, 1), raw, 40)
+        t.wait_signal(reply, 40, 10.0)
+        h, text = wire.unpack_error(wire.read_message(t, reply))
+        assert h.seq == 40 and "indices" in text
+        # A corrupt message straight into the holder's inbox: an ERROR for that slot only.
         bad = wire.pack_probe(request_id=1, seq=50)
         bad[10] ^= 0xFF
         t.put_signal(0, t.layout.slot(INBOX, 1, 1), bad, 50)
-        reply = t.layout.slot(REPLY, 0, 1)
         t.wait_signal(reply, 50, 10.0)
         h, text = wire.unpack_error(wire.read_message(t, reply))
         assert h.seq == 50 and "CRC" in text
-        req.client._seq[(0, 1)] = 50  # the lane's sequence moved on with the injected message
+        # The lane's next request moves past the injected numbers on its own.
         part = req.route(1, _q(15, 2), 1)  # still serving
         assert part.o.shape == (2, GEOM.heads, GEOM.d_v)
         assert s.holder.stats.errors == 3

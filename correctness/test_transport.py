@@ -43,14 +43,15 @@ def test_slot_layout_is_a_bijection():
 def test_put_signal_read_get_and_monotonic_signals():
     fab = LoopbackFabric(2, slot_bytes=256, lanes=3)  # 12 slots
     a, b = fab.endpoints
+    slot = fab.layout.slot(INBOX, 0, 1)  # a slot rank 0 feeds
     data = torch.arange(100, dtype=torch.uint8)
-    a.put_signal(1, 3, data, seq=5)
-    assert b.wait_signal(3, 5, timeout=1.0) == 5
-    assert torch.equal(b.read(3, 100), data)
-    assert torch.equal(a.get(1, 3, 100, timeout=1.0), data)
-    a.put_signal(1, 3, data.flip(0), seq=2)  # a late, lower sequence number
-    assert b.signal(3) == 5  # never moves a signal back
-    assert b.wait_any({3: 5, 4: 1}, timeout=1.0) == [3]
+    a.put_signal(1, slot, data, seq=5)
+    assert b.wait_signal(slot, 5, timeout=1.0) == 5
+    assert torch.equal(b.read(slot, 100), data)
+    assert torch.equal(a.get(1, slot, 100, timeout=1.0), data)
+    a.put_signal(1, slot, data.flip(0), seq=2)  # a late, lower sequence number
+    assert b.signal(slot) == 5  # never moves a signal back
+    assert b.wait_any({slot: 5, slot + 1: 1}, timeout=1.0) == [slot]
 
 
 def test_wait_times_out_within_the_bound():
@@ -58,7 +59,7 @@ def test_wait_times_out_within_the_bound():
     t0 = time.monotonic()
     with pytest.raises(TransportTimeout, match="within 0.2"):
         fab.endpoints[0].wait_signal(0, 1, timeout=0.2)
-    assert 0.2 <= time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 >= 0.2  # never early (no upper bound: CI is a loaded box)
     with pytest.raises(ValueError, match="timeout"):
         fab.endpoints[0].wait_signal(0, 1, timeout=0)
 
@@ -76,6 +77,11 @@ def test_put_argument_errors():
         a.put_signal(2, 0, torch.zeros(2, dtype=torch.uint8), 1)
     with pytest.raises(ValueError, match="slot"):
         a.put_signal(1, a.num_slots, torch.zeros(2, dtype=torch.uint8), 1)
+    # Rank 0 may write only the slots it feeds (issue 15: no rank writes another's lanes).
+    with pytest.raises(ValueError, match="fed by rank 1"):
+        a.put_signal(1, fab.layout.slot(REPLY, 1), torch.zeros(2, dtype=torch.uint8), 1)
+    with pytest.raises(ValueError, match="seq"):
+        a.put_signal(1, 0, torch.zeros(2, dtype=torch.uint8), 2**64)
 
 
 def test_dead_rank_is_reported():

@@ -182,8 +182,7 @@ class EchoHolder:
                     return
                 seq += 1
                 out = self._answer(inbox, tr.read(inbox, HDR))
-                tr.put_signal(0, reply_slot, out, seq)
-                tr.quiet()
+                tr.put_signal(0, reply_slot, out, seq)  # sent asynchronously (as NVSHMEM nbi)
                 self.served += 1
         except BaseException as exc:  # recorded for the owner; the thread must not die silently
             self.failure = exc
@@ -355,7 +354,6 @@ class EchoFabric:
         self._seq[key] = seq
         tr = self.transport
         tr.put_signal(peer, tr.layout.slot(INBOX, 0, lane), msg, seq)
-        tr.quiet()
         return peer, tr.layout.slot(REPLY, peer, lane), seq
 
     def wait(self, pending: tuple[int, int, int]) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from mqnc.base.checks import check_int
 
-__all__ = ["time_fn", "time_interleaved", "one_intra_op_thread"]
+__all__ = ["time_fn", "time_interleaved", "interleaved_samples", "one_intra_op_thread"]
 
 
 def time_fn(
@@ -63,6 +63,15 @@ def time_interleaved(fns: dict, *, warmup: int = 3, reps: int = 20, progress=Non
     timed right after the 4096-row round trip read ~60 us slower than one after small ones).
     ``progress`` is an optional tqdm-like callable wrapped around the repetitions.
     """
+    out = {}
+    for k, v in interleaved_samples(fns, warmup=warmup, reps=reps, progress=progress).items():
+        p20, p50, p80 = np.percentile(np.asarray(v), [20, 50, 80])
+        out[k] = (float(p20), float(p50), float(p80))
+    return out
+
+
+def interleaved_samples(fns: dict, *, warmup: int = 3, reps: int = 20, progress=None) -> dict:
+    """The samples (us) behind :func:`time_interleaved`: ``{key: [reps floats]}``."""
     check_int("reps", reps, minimum=1)
     for fn in fns.values():
         for _ in range(warmup):
@@ -77,11 +86,7 @@ def time_interleaved(fns: dict, *, warmup: int = 3, reps: int = 20, progress=Non
             t0 = time.perf_counter_ns()
             fn()
             samples[k].append((time.perf_counter_ns() - t0) / 1e3)
-    out = {}
-    for k, v in samples.items():
-        p20, p50, p80 = np.percentile(np.asarray(v), [20, 50, 80])
-        out[k] = (float(p20), float(p50), float(p80))
-    return out
+    return samples
 
 
 def one_intra_op_thread() -> None:

@@ -5,23 +5,38 @@ Dense rows of different chunks batch together through :func:`mla_decode_partial`
 block-table row per query token; selection rows through :func:`mla_sparse_partial` with their
 chunk-local indices mapped to pool slots. Each group's partial is cut back into its requests
 and answered as one collapsed ``(o, m, l)`` reply each (§5.3).
+
+Host work per call (issue 14): a group's block table and lengths are built once with numpy and
+cached by the group's (chunk, batch) make-up (a decode loop asks for the same tables every
+step); the kernels are called with ``check_inputs=False`` (the holder built and checked the
+tables); ``(o, lse) -> (o, m, l)`` is numpy on the host. The kernels are attributes
+(:attr:`RouteBatcher.dense_kernel`, :attr:`RouteBatcher.sparse_kernel`) so that a benchmark can
+stub them and time the software alone.
+
+Numbers are never dropped (issue 15): a row that attended at least one entry but whose ``lse``
+is not finite (an overflow, a NaN input) is answered with a NaN ``lse`` (``m = NaN``, ``l =
+1``), never as an empty partial, whatever the kernel wrote.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
+from mqnc.base import stamps
 from mqnc.model.geometry import MLAGeometry
 from mqnc.serving.pool import PagedPool
 from mqnc.transport import wire
-from mqnc.triton_kernels.merge import ml_from_lse
 from mqnc.triton_kernels.mla_decode import mla_decode_partial
 from mqnc.triton_kernels.mla_sparse import mla_sparse_partial
+
+_TABLE_CACHE = 256  # cached block tables (group make-ups) before the cache is cleared
 
 __all__ = ["HostedChunk", "RouteJob", "RouteBatcher"]
 
@@ -46,6 +61,11 @@ class HostedChunk:
     position: int
     blocks: torch.Tensor
 
+    def slots(self, block_size: int) -> np.ndarray:
+        """Flat pool slots ``[tokens]`` int64 of the chunk's entries in a layer's token axis."""
+        b = self.blocks.numpy().astype(np.int64)
+        return (b[:, None] * block_size + np.arange(block_size)).reshape(-1)[: self.tokens]
+
 
 @dataclasses.dataclass
 class RouteJob:
@@ -63,7 +83,8 @@ class RouteBatcher:
     """Runs route requests in batches over a holder's pool and answers each one.
 
     ``reply(src, lane, buf, seq)`` puts an answer; ``error(src, lane, request_id, seq,
-    message)`` answers with an ``ERROR``; ``stats`` is the holder's :class:`HolderStats`.
+    message)`` answers with an ``ERROR``; ``stats`` is the holder's :class:`HolderStats`;
+    ``crc``: whether replies carry a payload CRC.
     """
 
     def __init__(
@@ -75,27 +96,43 @@ class RouteBatcher:
         reply: Callable[[int, int, torch.Tensor, int], None],
         error: Callable[[int, int, int, int, str], None],
         name: str,
+        crc: bool | None = None,
     ) -> None:
         self.pool = pool
         self.geometry = geometry
         self.softmax_scale = softmax_scale
         self.stats = stats
+        self.crc = crc
+        self.dense_kernel = mla_decode_partial
+        self.sparse_kernel = mla_sparse_partial
         self._reply = reply
         self._error = error
         self._name = name
+        self._tables: dict[tuple, tuple] = {}
+        self._layers = list(pool.kv.unbind(0))  # one view per layer, taken once
+        self._slots: dict[int, np.ndarray] = {}
 
     def answer(self, routes: list[RouteJob]) -> None:
         """One kernel call per group of ``routes``; a failed call fails its group only."""
-        groups: dict[tuple, list[RouteJob]] = defaultdict(list)
-        for r in routes:
-            groups[(r.header.layer_lo, r.header.heads, r.indices is not None)].append(r)
+        if len(routes) == 1:
+            r = routes[0]
+            groups = {(r.header.layer_lo, r.header.heads, r.indices is not None): routes}
+        else:
+            groups = defaultdict(list)
+            for r in routes:
+                groups[(r.header.layer_lo, r.header.heads, r.indices is not None)].append(r)
         for (layer, _heads, sparse), group in groups.items():
             try:
                 t0 = time.perf_counter_ns()
-                o, lse = self._sparse(group, layer) if sparse else self._dense(group, layer)
+                if sparse:
+                    (o, lse), keyed = self._sparse(group, layer)
+                else:
+                    (o, lse), keyed = self._dense(group, layer)
                 if self.pool.device.type == "cuda":
                     torch.cuda.synchronize(self.pool.device)
                 ns = time.perf_counter_ns() - t0
+                if stamps.ON:
+                    stamps.stamp("hold.computed")
             except Exception as exc:  # a kernel failure fails this batch's requests, not us
                 for r in group:
                     h = r.header
@@ -105,67 +142,116 @@ class RouteBatcher:
             self.stats.kernel_calls += 1
             self.stats.batch_rows.append(int(o.shape[0] * o.shape[1]))
             self.stats.batch_requests.append(len(group))
-            self._split_replies(group, o, lse, ns)
+            self._split_replies(group, o, lse, ns, keyed)
 
-    def _split_replies(self, group: list[RouteJob], o, lse, ns: int) -> None:
-        m, l = ml_from_lse(lse)
+    def _split_replies(self, group: list[RouteJob], o, lse, ns: int, keyed: np.ndarray) -> None:
+        m, l = wire_stat(lse, keyed)
+        dtype, width = o.dtype, o.shape[2]
+        o = o.detach() if o.is_cpu else o.detach().cpu()
+        ob = (o if o.is_contiguous() else o.contiguous()).view(torch.uint8).numpy()
         b0 = 0
         for r in group:
             h = r.header
             b1 = b0 + h.batch
-            buf = wire.pack_partial(
-                o[b0:b1].cpu(),
-                m[b0:b1].cpu(),
-                l[b0:b1].cpu(),
-                request_id=h.request_id,
-                seq=h.seq,
-                chunk_id=h.chunk_id,
-                layer=h.layer_lo,
-                holder_ns=ns,
-                geometry=self.geometry,
-            )
-            self.stats.routes += 1
-            self.stats.answered[h.request_id] += 1
-            self._reply(r.src, r.lane, buf, h.seq)
+            try:
+                buf = wire.pack_partial_arrays(
+                    ob[b0:b1],
+                    m[b0:b1],
+                    l[b0:b1],
+                    dtype=dtype,
+                    width=width,
+                    request_id=h.request_id,
+                    seq=h.seq,
+                    chunk_id=h.chunk_id,
+                    layer=h.layer_lo,
+                    holder_ns=ns,
+                    crc=self.crc,
+                )
+                if stamps.ON:
+                    stamps.stamp("hold.packed")
+                self.stats.routes += 1
+                self.stats.answered[h.request_id] += 1
+                self._reply(r.src, r.lane, buf, h.seq)
+                if stamps.ON:
+                    stamps.stamp("hold.put")
+            except Exception as exc:  # e.g. a reply that does not fit the requester's slot
+                self._error(r.src, r.lane, h.request_id, h.seq, f"{self._name}: {exc}")
             b0 = b1
 
     def _dense(self, group: list[RouteJob], layer: int):
-        q = torch.cat([r.q for r in group])
-        max_blocks = max(int(r.chunk.blocks.numel()) for r in group)
-        rows, lens = [], []
-        for r in group:
-            bt = torch.zeros(max_blocks, dtype=torch.int32)
-            bt[: r.chunk.blocks.numel()] = r.chunk.blocks
-            rows.append(bt[None].expand(r.header.batch, -1))
-            lens += [r.chunk.tokens] * r.header.batch
-        dev = self.pool.device
-        block_table = torch.cat(rows).contiguous().to(dev)
-        seqlens = torch.tensor(lens, dtype=torch.int32, device=dev)
-        return mla_decode_partial(
+        q = group[0].q if len(group) == 1 else torch.cat([r.q for r in group])
+        key = tuple((r.chunk.chunk_id, r.header.batch) for r in group)
+        tables = self._tables.get(key)
+        if tables is None:
+            tables = self._dense_tables(group)
+            if len(self._tables) >= _TABLE_CACHE:
+                self._tables.clear()
+            self._tables[key] = tables
+        block_table, seqlens, keyed = tables
+        out = self.dense_kernel(
             q,
-            self.pool.kv[layer],
+            self._layers[layer],
             block_table,
             seqlens,
             softmax_scale=self.softmax_scale,
             d_v=self.geometry.d_v,
+            check_inputs=False,
         )
+        return out, keyed
+
+    def _dense_tables(self, group: list[RouteJob]):
+        """One block-table row per query token (the row's chunk's blocks), its length, and
+        which rows have keys (``[B]`` bool numpy)."""
+        rows = sum(r.header.batch for r in group)
+        width = max(max(int(r.chunk.blocks.numel()) for r in group), 1)
+        table = np.zeros((rows, width), dtype=np.int32)
+        lens = np.zeros(rows, dtype=np.int32)
+        b0 = 0
+        for r in group:
+            b1 = b0 + r.header.batch
+            blocks = r.chunk.blocks.numpy()
+            table[b0:b1, : blocks.shape[0]] = blocks
+            lens[b0:b1] = r.chunk.tokens
+            b0 = b1
+        dev = self.pool.device
+        return torch.from_numpy(table).to(dev), torch.from_numpy(lens).to(dev), lens > 0
 
     def _sparse(self, group: list[RouteJob], layer: int):
-        q = torch.cat([r.q for r in group])
+        q = group[0].q if len(group) == 1 else torch.cat([r.q for r in group])
         topk = max(r.header.topk for r in group)
-        parts = []
+        rows = sum(r.header.batch for r in group)
+        idx = np.full((rows, topk), -1, dtype=np.int32)
+        b0 = 0
         for r in group:
-            pool_idx = self.pool.pool_indices(r.indices, r.chunk.blocks, r.chunk.tokens)
-            pad = torch.full(
-                (pool_idx.shape[0], topk), -1, dtype=torch.int64, device=pool_idx.device
+            b1 = b0 + r.header.batch
+            slots = self._slots.get(r.chunk.chunk_id)
+            if slots is None:
+                slots = self._slots[r.chunk.chunk_id] = r.chunk.slots(self.pool.block_size)
+            local = r.indices.cpu().numpy()
+            idx[b0:b1, : local.shape[1]] = np.where(
+                local >= 0, slots[np.maximum(local, 0)] if slots.size else -1, -1
             )
-            pad[:, : pool_idx.shape[1]] = pool_idx
-            parts.append(pad)
-        indices = torch.cat(parts).to(torch.int32)
-        return mla_sparse_partial(
+            b0 = b1
+        keyed = (idx >= 0).any(axis=1)
+        out = self.sparse_kernel(
             q,
-            self.pool.kv[layer],
-            indices,
+            self._layers[layer],
+            torch.from_numpy(idx).to(self.pool.device),
             softmax_scale=self.softmax_scale,
             d_v=self.geometry.d_v,
         )
+        return out, keyed
+
+
+def wire_stat(lse: torch.Tensor, keyed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The wire statistic ``(m, l)`` ``[B, H]`` float32 of a partial's natural-log ``lse``:
+    ``(lse, 1)`` for a row with keys and a finite ``lse``, ``(0, 0)`` for a row without keys
+    (``keyed[b]`` False), ``(NaN, 1)`` for a row with keys whose ``lse`` is not finite (never
+    an empty partial)."""
+    x = (lse if lse.is_cpu else lse.cpu()).detach().numpy()
+    if math.isfinite(float(x.sum())) and keyed.all():  # the usual case: all rows have keys
+        return x, np.ones(x.shape, dtype=np.float32)
+    with_keys = keyed[:, None]
+    m = np.where(with_keys, np.where(np.isfinite(x), x, np.nan), 0.0).astype(np.float32)
+    l = np.where(with_keys, 1.0, 0.0).astype(np.float32) * np.ones_like(m)
+    return m, l

@@ -18,12 +18,18 @@ A holder keeps the canonical ``c_KV`` of its chunks at their canonical positions
 
 The batching itself is :mod:`mqnc.serving.batching`, the paged pool :mod:`mqnc.serving.pool`.
 
-Robustness: every message's header is checked before its payload is used
-(:func:`mqnc.transport.wire.parse_header`); a malformed message or a bad request (unknown
-chunk, index out of range, wrong head count) is answered with an ``ERROR`` message for that
-request alone.
-Each inbox slot is answered in increasing sequence order and at most once per sequence
-number (a duplicated request is dropped), so no request is answered twice.
+Robustness (issue 15): every message's header is checked before its payload is used
+(:func:`mqnc.transport.wire.parse_header`; the payload CRC is required whenever the bytes
+crossed a process); a malformed message, a bad request (unknown chunk, index out of range, a
+head count of 0 or above the model's, more rows or a wider selection than the holder's limits
+``max_rows`` / ``max_topk``, an empty layer range) or any exception raised while serving one
+request is answered with an ``ERROR`` message for that request alone: the service never stops
+for one request. A message's header sequence number must be the one its slot was signalled
+with (a message cannot claim a number its writer did not put). Each inbox slot is answered in
+increasing sequence order and at most once per sequence number (a duplicated request is
+dropped), so no request is answered twice. Only the ranks in ``shutdown_from`` (rank 0 by
+default) may stop the holder with a ``SHUTDOWN``; any other rank's gets an ``ERROR``. What the
+holder remembers per request (``stats.answered``) and per batch is bounded.
 """
 
 from __future__ import annotations
@@ -32,14 +38,16 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections import defaultdict
+from collections.abc import Collection
 
 import torch
 
+from mqnc.base import stamps
 from mqnc.base.checks import check_int
 from mqnc.model.geometry import MLAGeometry
 from mqnc.serving.batching import HostedChunk, RouteBatcher, RouteJob
 from mqnc.serving.pool import PagedPool
+from mqnc.serving.records import BoundedList, RecentCounts
 from mqnc.transport import wire
 from mqnc.transport.protocol import (
     INBOX,
@@ -53,9 +61,18 @@ from mqnc.transport.protocol import (
 __all__ = ["HostedChunk", "Holder", "HolderStats"]
 
 
+_KEEP_BATCHES = 10_000  # batch sizes kept (at least; at most twice that)
+_KEEP_ANSWERED = 100_000  # request ids whose answer count is kept
+
+
 @dataclasses.dataclass
 class HolderStats:
-    """What a holder did: for tests, benchmarks and the cost model's fit."""
+    """What a holder did: for tests, benchmarks and the cost model's fit.
+
+    ``batch_rows`` / ``batch_requests`` keep the last 10,000 kernel calls (at least) and
+    ``answered`` (answers per request id, 0 for an unknown id) the last 100,000 request ids:
+    a holder that serves for days does not grow without bound.
+    """
 
     probes: int = 0
     routes: int = 0
@@ -63,9 +80,13 @@ class HolderStats:
     errors: int = 0
     duplicates: int = 0
     kernel_calls: int = 0
-    batch_rows: list[int] = dataclasses.field(default_factory=list)
-    batch_requests: list[int] = dataclasses.field(default_factory=list)
-    answered: dict[int, int] = dataclasses.field(default_factory=lambda: defaultdict(int))
+    batch_rows: list[int] = dataclasses.field(default_factory=lambda: BoundedList(_KEEP_BATCHES))
+    batch_requests: list[int] = dataclasses.field(
+        default_factory=lambda: BoundedList(_KEEP_BATCHES)
+    )
+    answered: dict[int, int] = dataclasses.field(
+        default_factory=lambda: RecentCounts(_KEEP_ANSWERED)
+    )
 
 
 class _StagingPool:
@@ -112,6 +133,14 @@ class Holder:
         exactly what is already waiting).
     poll_s : float
         The service loop's wait granularity (how often it checks for ``stop()``).
+    max_rows : int or None
+        Most query rows ``B * H`` one ROUTE may ask for (default: what a slot can carry,
+        ``slot_bytes // q_row_bytes``): a header cannot make the holder allocate more.
+    max_topk : int or None
+        Widest selection one ROUTE may carry (default: what a slot can carry).
+    shutdown_from : collection of int or None
+        Ranks whose ``SHUTDOWN`` stops the holder (default rank 0, the launcher's rank in
+        every runner here); None lets any rank stop it.
     """
 
     def __init__(
@@ -127,6 +156,9 @@ class Holder:
         streams: int = 8,
         batch_window_s: float = 0.0,
         poll_s: float = 0.05,
+        max_rows: int | None = None,
+        max_topk: int | None = None,
+        shutdown_from: Collection[int] | None = (0,),
     ) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport: expected a Transport, got {type(transport).__name__}")
@@ -154,12 +186,23 @@ class Holder:
             for src in range(layout.world_size)
             for lane in range(layout.lanes)
         ]
+        self._src_lane = {s: (layout.source_of(s), layout.lane_of(s)) for s in self._inboxes}
         self._last_seq = {s: 0 for s in self._inboxes}
+        self._targets = {s: 1 for s in self._inboxes}
+        self._reply_slots = [
+            layout.slot(REPLY, transport.rank, lane) for lane in range(layout.lanes)
+        ]
+        self._crc = not transport.in_process
+        slot_rows = max(transport.slot_bytes - wire.HEADER_BYTES, 0)
+        self.max_rows = max_rows or max(slot_rows // geometry.q_row_bytes, 1)
+        self.max_topk = max_topk or max(slot_rows // 4, 1)
+        self.shutdown_from = None if shutdown_from is None else frozenset(shutdown_from)
         self.stats = HolderStats()
         name = f"holder {transport.rank}"
         self._batcher = RouteBatcher(
-            self.pages, geometry, self.softmax_scale, self.stats, self._reply, self._error, name
-        )
+            self.pages, geometry, self.softmax_scale, self.stats, self._reply, self._error, name,
+            crc=self._crc,
+        )  # fmt: skip
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
@@ -177,6 +220,9 @@ class Holder:
             )
         if kv.dtype != self.dtype:
             raise TypeError(f"kv: invalid dtype, expected {self.dtype}, got {kv.dtype}")
+        if not bool(torch.isfinite(kv).all()):
+            bad = int((~torch.isfinite(kv)).sum())
+            raise ValueError(f"kv: expected finite cache entries, got {bad} NaN or infinite")
         if chunk_id in self.chunks:
             raise ValueError(f"chunk_id: chunk {chunk_id} is already hosted")
         blocks = self.pages.alloc(kv.shape[1])
@@ -228,18 +274,20 @@ class Holder:
     def serve_once(self, timeout: float) -> int:
         """One dispatcher step: wait up to ``timeout`` s for requests, then answer all that
         are waiting (routes batched). Returns the number of messages handled."""
-        targets = {s: self._last_seq[s] + 1 for s in self._inboxes}
+        tr = self.transport
         try:
-            ready = self.transport.wait_any(targets, timeout)
+            ready = tr.wait_any(self._targets, timeout)
         except PeerLost:
             # Every requester is gone: nothing can arrive any more.
             self._stop.set()
             return 0
         except TransportTimeout:
             return 0
+        if stamps.ON:
+            stamps.stamp("hold.woke")
         if self.batch_window_s > 0:
             time.sleep(self.batch_window_s)
-            ready = [s for s in self._inboxes if self.transport.signal(s) >= targets[s]]
+            ready = [s for s in self._inboxes if tr.signal(s) >= self._targets[s]]
         routes: list[RouteJob] = []
         handled = 0
         for slot in ready:
@@ -250,10 +298,10 @@ class Holder:
 
     # ---- receiving --------------------------------------------------------------------------
     def _reply(self, src: int, lane: int, buf: torch.Tensor, seq: int) -> None:
-        slot = self.transport.layout.slot(REPLY, self.transport.rank, lane)
+        """Answer on ``src``'s reply slot of ``lane``."""
         try:
             # Non-blocking on the gloo engine (a stalled requester must not stall the holder).
-            self.transport.put_signal(src, slot, buf, seq)
+            self.transport.put_signal(src, self._reply_slots[lane], buf, seq)
         except TransportError:
             pass  # the requester is gone; its request cannot be answered (it times out there)
 
@@ -262,46 +310,80 @@ class Holder:
         self._reply(src, lane, wire.pack_error(message, request_id=request_id, seq=seq), seq)
 
     def _receive(self, slot: int, routes: list[RouteJob]) -> int:
-        layout = self.transport.layout
-        src, lane = layout.source_of(slot), layout.lane_of(slot)
-        signal = self.transport.signal(slot)
-        buf = wire.read_message(self.transport, slot)
+        src, lane = self._src_lane[slot]
+        signal, buf = self.transport.read_message(slot)
+        last = self._last_seq[slot]
+        if signal <= last:
+            return 0  # nothing new on this slot
+        self._last_seq[slot] = signal
+        self._targets[slot] = signal + 1
+        me = f"holder {self.transport.rank}"
         try:
-            h = wire.parse_header(buf, geometry=self.geometry)
+            h = wire.parse_header(buf, geometry=self.geometry, require_payload_crc=self._crc)
         except wire.WireError as exc:
             # The request id cannot be trusted; answer on the slot's sequence number.
-            self._last_seq[slot] = max(self._last_seq[slot], signal)
-            self._error(src, lane, 0, signal, f"holder {self.transport.rank}: {exc}")
+            self._error(src, lane, 0, signal, f"{me}: {exc}")
             return 1
-        if h.seq <= self._last_seq[slot]:
+        if h.seq <= last:
             self.stats.duplicates += 1  # already answered: a duplicate or late copy
-            self._last_seq[slot] = max(self._last_seq[slot], signal)
             return 0
-        self._last_seq[slot] = h.seq
+        if h.seq != signal:
+            why = f"{me}: header sequence number {h.seq} is not the slot's signal {signal}"
+            self._error(src, lane, 0, signal, why)
+            return 1
+        if stamps.ON:
+            stamps.stamp("hold.parsed")
         try:
-            if h.kind == wire.Kind.PROBE:
-                self.stats.probes += 1
-                ack = wire.pack_probe(request_id=h.request_id, seq=h.seq, ack=True)
-                self._reply(src, lane, ack, h.seq)
-            elif h.kind == wire.Kind.ROUTE:
-                routes.append(self._check_route(src, lane, h, buf))
-            elif h.kind == wire.Kind.FETCH:
-                self._answer_fetch(src, lane, h)
-            elif h.kind == wire.Kind.SHUTDOWN:
-                self._stop.set()
-            else:
-                raise wire.WireError(f"holder cannot serve a {h.kind.name} message")
+            self._dispatch(src, lane, h, buf, routes)
         except (wire.WireError, ValueError, TypeError, KeyError) as exc:
-            self._error(src, lane, h.request_id, h.seq, f"holder {self.transport.rank}: {exc}")
+            self._error(src, lane, h.request_id, h.seq, f"{me}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - no request may stop the service (issue 15)
+            self._error(src, lane, h.request_id, h.seq, f"{me}: {type(exc).__name__}: {exc}")
         return 1
 
+    def _dispatch(self, src: int, lane: int, h: wire.Header, buf, routes) -> None:
+        kind = h.kind
+        if kind == wire.Kind.ROUTE:
+            routes.append(self._check_route(src, lane, h, buf))
+        elif kind == wire.Kind.PROBE:
+            self.stats.probes += 1
+            if stamps.ON:
+                stamps.stamp("hold.computed")
+            ack = wire.pack_probe(request_id=h.request_id, seq=h.seq, ack=True)
+            if stamps.ON:
+                stamps.stamp("hold.packed")
+            self._reply(src, lane, ack, h.seq)
+            if stamps.ON:
+                stamps.stamp("hold.put")
+        elif kind == wire.Kind.FETCH:
+            self._answer_fetch(src, lane, h)
+        elif kind == wire.Kind.SHUTDOWN:
+            if self.shutdown_from is not None and src not in self.shutdown_from:
+                raise ValueError(
+                    f"SHUTDOWN: rank {src} may not stop this holder (allowed: "
+                    f"{sorted(self.shutdown_from)})"
+                )
+            self._stop.set()
+        else:
+            raise wire.WireError(f"holder cannot serve a {kind.name} message")
+
     def _check_route(self, src: int, lane: int, h: wire.Header, buf: torch.Tensor) -> RouteJob:
-        _, q, idx = wire.unpack_query(buf, geometry=self.geometry)
         if h.chunk_id not in self.chunks:
             raise KeyError(f"chunk {h.chunk_id} is not hosted here (have {sorted(self.chunks)})")
         if h.dtype != self.dtype:
             raise wire.WireError(f"q: expected {self.dtype} rows, got {h.dtype}")
+        if not (1 <= h.heads <= self.geometry.heads and h.batch >= 1):
+            raise ValueError(
+                f"heads: expected 1 <= heads <= {self.geometry.heads} and batch >= 1, got "
+                f"{h.heads} heads x {h.batch} tokens"
+            )
+        if h.rows > self.max_rows or h.topk > self.max_topk:
+            raise ValueError(
+                f"rows: at most {self.max_rows} rows and {self.max_topk} selected entries per "
+                f"request here, got {h.rows} rows and {h.topk}"
+            )
         c = self.chunks[h.chunk_id]
+        q, idx = wire.query_views(buf, h)
         if idx is not None:
             bad = (idx < -1) | (idx >= c.tokens)
             if bool(bad.any()):
@@ -309,13 +391,23 @@ class Holder:
                     f"indices: expected chunk-local indices in [-1, {c.tokens}) for chunk "
                     f"{c.chunk_id}, got {idx[bad][:5].tolist()}"
                 )
-        return RouteJob(src, lane, h, q.to(self.device), None if idx is None else idx, c)
+        if self.device.type != "cpu":
+            q = q.to(self.device)
+        return RouteJob(src, lane, h, q, idx, c)
 
     # ---- fetch ------------------------------------------------------------------------------
     def _answer_fetch(self, src: int, lane: int, h: wire.Header) -> None:
         if h.chunk_id not in self.chunks:
             raise KeyError(f"chunk {h.chunk_id} is not hosted here (have {sorted(self.chunks)})")
         c = self.chunks[h.chunk_id]
+        need = wire.HEADER_BYTES + wire.chunk_payload_bytes(
+            h.layer_hi - h.layer_lo, c.tokens, self.geometry.d_qk, self.dtype
+        )
+        if need > self.transport.slot_bytes:
+            raise ValueError(
+                f"layers: chunk {c.chunk_id}'s layers [{h.layer_lo}, {h.layer_hi}) are {need} B, "
+                f"more than a slot's {self.transport.slot_bytes} B"
+            )
         with self._staging.stream():
             kv = self.chunk_kv(h.chunk_id, (h.layer_lo, h.layer_hi))
             if self.device.type == "cuda":
@@ -328,6 +420,7 @@ class Holder:
             layers=(h.layer_lo, h.layer_hi),
             position=c.position,
             geometry=self.geometry,
+            crc=self._crc,
         )
         self.stats.fetches += 1
         self.stats.answered[h.request_id] += 1

@@ -17,7 +17,7 @@ from mqnc.triton_kernels.mla_decode import mla_decode_partial
 from mqnc.triton_kernels.mla_sparse import mla_sparse_partial
 from mqnc.triton_kernels.splice import rope_splice
 
-__all__ = ["PagedPool", "LocalChunks"]
+__all__ = ["PagedPool", "LocalChunks", "flag_dropped"]
 
 
 class PagedPool:
@@ -102,8 +102,17 @@ class PagedPool:
         return flat[:, self.slots(blocks, tokens)]
 
     def pool_indices(self, indices: torch.Tensor, blocks: torch.Tensor, tokens: int):
-        """Chunk-local selection indices ``[B, topk]`` (``-1`` unused) as indices into a
-        layer's flat token axis (int64, ``-1`` kept)."""
+        """Chunk-local selection indices ``[B, topk]`` (``-1`` unused, anything else outside
+        ``[0, tokens)`` a ``ValueError``) as indices into a layer's flat token axis (int64,
+        ``-1`` kept)."""
+        if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+            raise TypeError(f"indices: expected an integer dtype, got {indices.dtype}")
+        bad = (indices < -1) | (indices >= tokens)
+        if bool(bad.any()):
+            raise ValueError(
+                f"indices: expected chunk-local indices in [-1, {tokens}), got "
+                f"{indices[bad][:5].tolist()}"
+            )
         idx = indices.to(self.device, torch.int64)
         slots = self.slots(blocks, tokens)
         return torch.where(idx >= 0, slots[idx.clamp_min(0)], torch.full_like(idx, -1))
@@ -127,11 +136,25 @@ class PagedPool:
         if indices is None:
             table = blocks.to(self.device)[None].expand(B, -1).contiguous()
             lens = torch.full((B,), tokens, dtype=torch.int32, device=self.device)
-            return mla_decode_partial(
+            o, lse = mla_decode_partial(
                 q, self.kv[layer], table, lens, softmax_scale=softmax_scale, d_v=d_v
             )
-        idx = self.pool_indices(indices, blocks, tokens).to(torch.int32)
-        return mla_sparse_partial(q, self.kv[layer], idx, softmax_scale=softmax_scale, d_v=d_v)
+            keyed = torch.full((B,), tokens > 0, device=lse.device)
+        else:
+            idx = self.pool_indices(indices, blocks, tokens).to(torch.int32)
+            o, lse = mla_sparse_partial(
+                q, self.kv[layer], idx, softmax_scale=softmax_scale, d_v=d_v
+            )
+            keyed = (idx >= 0).any(dim=1).to(lse.device)
+        return o, flag_dropped(lse, keyed)
+
+
+def flag_dropped(lse: torch.Tensor, keyed: torch.Tensor) -> torch.Tensor:
+    """``lse [B, H]`` with NaN where a row attended at least one entry (``keyed [B]``) but its
+    ``lse`` is not finite: an overflow or a NaN input is reported, never read as an empty
+    partial (issue 15)."""
+    bad = ~torch.isfinite(lse) & keyed[:, None]
+    return torch.where(bad, torch.full_like(lse, float("nan")), lse)
 
 
 class LocalChunks:

@@ -8,7 +8,15 @@ import math
 
 import torch
 
-__all__ = ["ChunkInfo", "LocalChunk", "Partial", "CostRecord", "cost_samples"]
+__all__ = [
+    "ChunkInfo",
+    "LocalChunk",
+    "Partial",
+    "CostRecord",
+    "cost_samples",
+    "BoundedList",
+    "RecentCounts",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,3 +96,39 @@ def cost_samples(costs: list[CostRecord], primitive: str = "route") -> list[tupl
     """``(M_q, total_us)`` of every successful call of ``primitive`` (for
     :func:`mqnc.cost.fit`)."""
     return [(c.m_q, c.total_us) for c in costs if c.primitive == primitive and c.ok]
+
+
+class BoundedList(list):
+    """A list that keeps its last ``cap`` items (issue 15: a long-running requester's cost
+    records, a holder's batch sizes): appending past ``2 * cap`` drops the oldest, so an
+    append stays O(1) amortised and the list never holds more than ``2 * cap`` items. Every
+    other list operation is a list's."""
+
+    def __init__(self, cap: int, items=()) -> None:
+        super().__init__(items)
+        if not (isinstance(cap, int) and cap >= 1):
+            raise ValueError(f"cap: expected an int >= 1, got {cap!r}")
+        self.cap = cap
+
+    def append(self, item) -> None:
+        super().append(item)
+        if len(self) > 2 * self.cap:
+            del self[: len(self) - self.cap]
+
+
+class RecentCounts(dict):
+    """``{key: count}`` over the last ``cap`` keys counted (a holder's answers per request
+    id): a missing key reads 0 (as ``defaultdict(int)``); past ``cap`` keys the oldest is
+    forgotten, so the map stays bounded however long a holder serves."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__()
+        self.cap = cap
+
+    def __missing__(self, key) -> int:
+        return 0
+
+    def __setitem__(self, key, value) -> None:
+        if key not in self and len(self) >= self.cap:
+            del self[next(iter(self))]
+        super().__setitem__(key, value)

@@ -36,11 +36,19 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mqnc.base import stamps
 from mqnc.model.geometry import MLAGeometry
 from mqnc.serving import policy
 from mqnc.serving.client import Pending, RemoteError, RequestClient, us_since
 from mqnc.serving.pool import LocalChunks, PagedPool
-from mqnc.serving.records import ChunkInfo, CostRecord, LocalChunk, Partial, cost_samples
+from mqnc.serving.records import (
+    BoundedList,
+    ChunkInfo,
+    CostRecord,
+    LocalChunk,
+    Partial,
+    cost_samples,
+)
 from mqnc.serving.route import check_query, route_reply, route_request
 from mqnc.transport import wire
 from mqnc.transport.protocol import Transport
@@ -81,6 +89,9 @@ class Requester:
         (what :meth:`local` runs).
     suspect_s : float
         After a holder fails, skip it in :meth:`attend` for this long.
+    max_records : int
+        :attr:`costs` keeps (at least) the last ``max_records`` cost records and at most
+        twice that (a long-running requester's memory stays bounded).
     """
 
     def __init__(
@@ -97,6 +108,7 @@ class Requester:
         device: torch.device | str = "cpu",
         model: Callable[[int, int], torch.Tensor] | None = None,
         suspect_s: float = 30.0,
+        max_records: int = 100_000,
     ) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport: expected a Transport, got {type(transport).__name__}")
@@ -114,7 +126,7 @@ class Requester:
         self.model = model
         self.suspects = policy.Suspects(suspect_s)
         self.directory: dict[int, ChunkInfo] = {}
-        self.costs: list[CostRecord] = []
+        self.costs: list[CostRecord] = BoundedList(max_records)
         self.last_probe_us: dict[int, float] = {}
         self.kept = LocalChunks(
             PagedPool(
@@ -162,9 +174,9 @@ class Requester:
             ) from None
 
     # ---- calls and their records -------------------------------------------------------------
-    def _send(self, peer, kind, make, record: CostRecord) -> Pending:
+    def _send(self, peer, kind, make, record: CostRecord, shape=None) -> Pending:
         try:
-            return self.client.send(peer, kind, make, record)
+            return self.client.send(peer, kind, make, record, shape)
         except BaseException as exc:
             self._fail(record, exc)
             raise
@@ -175,12 +187,11 @@ class Requester:
         if record.peer is not None:
             self.suspects.mark(record.peer)
 
-    def _call(self, peer, kind, make, record: CostRecord):
+    def _call(self, peer, kind, make, record: CostRecord, shape=None):
         """Send and wait for the reply: ``(pending, header, buf, t_recv)``; a failure is
         recorded (and the holder suspected) before it propagates."""
-        p = self._send(peer, kind, make, record)
         try:
-            h, buf = self.client.wait(p, time.monotonic() + self.timeout_s)
+            p, h, buf = self.client.call(peer, kind, make, record, shape)
         except BaseException as exc:
             self._fail(record, exc)
             raise
@@ -189,6 +200,8 @@ class Requester:
     def probe(self, peer: int) -> float:
         """Payload-free round trip to ``peer`` (a header-only put + signal each way); returns
         microseconds and records it (``T_probe``)."""
+        if stamps.ON:
+            stamps.stamp("req.start")
         self.transport.check_peer(peer)
         rec = CostRecord("probe", peer, None, None, 0, 0, 0)
         make = lambda rid, seq: wire.pack_probe(request_id=rid, seq=seq)  # noqa: E731
@@ -197,23 +210,31 @@ class Requester:
         rec.probe_us = rec.total_us = (t_recv - p.t0) * 1e6
         self.last_probe_us[peer] = rec.total_us
         self.costs.append(rec)
+        if stamps.ON:
+            stamps.stamp("req.done")
         return rec.total_us
 
     # ---- route -------------------------------------------------------------------------------
-    def _start_route(self, chunk_id, q, layer, offset, indices, peer) -> Pending:
+    def _prepare_route(self, chunk_id, q, layer, offset, indices, peer):
+        """The checked route of ``q``: ``(peer, make, record, (B, H))``."""
         info = self.lookup(chunk_id)
         q = check_query(q, self.geometry, self.dtype)
         peer = info.holders[0] if peer is None else self.transport.check_peer(peer)
         m_q, make = route_request(
-            info, q, layer, offset, indices, geometry=self.geometry, rope=self.rope
-        )
+            info, q, layer, offset, indices, geometry=self.geometry, rope=self.rope,
+            crc=self.client.crc,
+        )  # fmt: skip
         probe = self.last_probe_us.get(peer, math.nan)
         rec = CostRecord("route", peer, chunk_id, layer, m_q, 0, 0, probe_us=probe)
-        return self._send(peer, wire.Kind.PARTIAL, make, rec)
+        return peer, make, rec, (q.shape[0], q.shape[1])
 
-    def _finish_route(self, p: Pending, deadline: float) -> Partial:
-        h, buf = self.client.wait(p, deadline)
-        part = route_reply(p, h, buf, geometry=self.geometry, device=self.device)
+    def _start_route(self, chunk_id, q, layer, offset, indices, peer) -> Pending:
+        peer, make, rec, shape = self._prepare_route(chunk_id, q, layer, offset, indices, peer)
+        return self._send(peer, wire.Kind.PARTIAL, make, rec, shape)
+
+    def _finish_route(self, p: Pending, deadline: float, reply=None) -> Partial:
+        h, buf = self.client.wait(p, deadline) if reply is None else reply
+        part = route_reply(p, h, buf, geometry=self.geometry, device=self.device, dtype=self.dtype)
         self.costs.append(part.record)
         return part
 
@@ -255,12 +276,18 @@ class Requester:
         ------
         RouteTimeout, PeerLost, RemoteError
         """
-        p = self._start_route(chunk_id, q, layer, offset, indices, peer)
+        if stamps.ON:
+            stamps.stamp("req.start")
+        peer, make, rec, shape = self._prepare_route(chunk_id, q, layer, offset, indices, peer)
+        p, h, buf, _ = self._call(peer, wire.Kind.PARTIAL, make, rec, shape)
         try:
-            return self._finish_route(p, time.monotonic() + self.timeout_s)
+            part = self._finish_route(p, 0.0, (h, buf))
         except BaseException as exc:
             self._fail(p.record, exc)
             raise
+        if stamps.ON:
+            stamps.stamp("req.done")
+        return part
 
     def route_many(
         self,
@@ -333,12 +360,10 @@ class Requester:
 
         p, h, buf, t_recv = self._call(peer, wire.Kind.CHUNK, make, rec)
         try:
-            _, kv = wire.unpack_chunk(buf, geometry=self.geometry)
-            if kv.shape[1] != info.tokens or h.position != info.position:
-                raise RemoteError(
-                    f"holder {peer}: chunk {chunk_id} has {kv.shape[1]} tokens at position "
-                    f"{h.position}, the directory says {info.tokens} at {info.position}"
-                )
+            _, kv = wire.unpack_chunk(
+                buf, geometry=self.geometry, require_payload_crc=self.client.crc
+            )
+            self._check_chunk(peer, info, h)
             rec.bytes_recv = h.nbytes
             rec.return_us = (t_recv - p.t_sent) * 1e6
             t0 = time.perf_counter()
@@ -352,6 +377,19 @@ class Requester:
             raise
         self.costs.append(rec)
         return lc
+
+    def _check_chunk(self, peer: int, info: ChunkInfo, h: wire.Header) -> None:
+        """A CHUNK reply must be the chunk asked for: all layers, the directory's length and
+        canonical position (a one-layer reply is not broadcast into every layer)."""
+        g = self.geometry
+        got = (h.chunk_id, h.layer_lo, h.layer_hi, h.batch, h.position)
+        want = (info.chunk_id, 0, g.layers, info.tokens, info.position)
+        if got != want:
+            raise RemoteError(
+                f"holder {peer}: chunk {h.chunk_id} with layers [{h.layer_lo}, {h.layer_hi}), "
+                f"{h.batch} tokens at position {h.position}; asked for chunk {info.chunk_id}, "
+                f"layers [0, {g.layers}), {info.tokens} tokens at {info.position}"
+            )
 
     def local(self, chunk_id: int, *, offset: int | None = None) -> LocalChunk:
         """Re-prefill a chunk through ``model`` at ``offset`` and write it into the pool."""

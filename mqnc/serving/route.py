@@ -1,33 +1,84 @@
 """The route primitive's two ends on the requester (§3.2, §5.3): the request (query rows checked,
 rotated by the opposite of the chunk's delta so that the holder stays position-oblivious,
-packed) and the reply (the collapsed partial unpacked, its cost terms filled in)."""
+packed) and the reply (the collapsed partial unpacked and checked against the request, its cost
+terms filled in).
+
+Numbers that cannot be attended are never dropped (issue 15): a query row with NaN or inf, or
+one whose scores overflow, comes back with a NaN ``lse`` (the holder flags every row that
+attended an entry but has no finite ``lse``), which the merge rejects; a selection index
+outside ``[-1, c_t)`` is rejected before any cast (an int64 ``2**32 + 5`` is not ``5``); a
+reply's ``(m, l)`` that is neither empty (``l = 0``) nor finite (``m`` finite, ``l`` finite and
+positive) becomes a NaN ``lse`` too, never an empty partial. (Checking q for finite values
+here would cost more than the route: ``torch.isfinite`` over 256 bf16 rows takes ~1 ms on a
+CPU.)
+"""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from mqnc.model.geometry import MLAGeometry
-from mqnc.serving.client import Pending
+from mqnc.serving.client import Pending, RemoteError
 from mqnc.serving.records import ChunkInfo, CostRecord, Partial
 from mqnc.transport import wire
-from mqnc.triton_kernels.merge import lse_from_ml
 from mqnc.triton_kernels.splice import rope_rotate
 
-__all__ = ["check_query", "route_request", "route_reply"]
+__all__ = ["check_query", "check_selection", "lse_of_ml", "route_request", "route_reply"]
 
 
 def check_query(q: object, geometry: MLAGeometry, dtype: torch.dtype) -> torch.Tensor:
-    """``q`` as absorbed query rows ``[B, H, d_qk]`` in ``dtype``, or a clear error."""
+    """``q`` as absorbed query rows ``[B, H, d_qk]`` in ``dtype`` (at least one), or a clear
+    error."""
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 3 or q.shape[2] != geometry.d_qk:
         raise ValueError(f"q: expected shape (B, H, {geometry.d_qk}), got {tuple(q.shape)}")
     if q.dtype != dtype:
         raise TypeError(f"q: invalid dtype, expected {dtype}, got {q.dtype}")
+    if q.shape[0] * q.shape[1] == 0:
+        raise ValueError(f"q: expected at least one row, got shape {tuple(q.shape)}")
     return q
+
+
+def check_selection(indices: object, batch: int, tokens: int) -> torch.Tensor:
+    """A selection ``[batch, topk]`` of chunk-local indices in ``[-1, tokens)`` (``-1``
+    unused) as int32 on the host, checked before the cast; an empty selection (``topk = 0``)
+    becomes one unused slot per row (an empty partial, not dense attention)."""
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices: expected a torch.Tensor, got {type(indices).__name__}")
+    if indices.dtype not in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"indices: invalid dtype, expected an integer dtype, got {indices.dtype}")
+    if indices.dim() != 2 or indices.shape[0] != batch:
+        raise ValueError(f"indices: expected shape ({batch}, topk), got {tuple(indices.shape)}")
+    if indices.shape[1] == 0:
+        return torch.full((batch, 1), -1, dtype=torch.int32)
+    bad = (indices < -1) | (indices >= tokens)
+    if bool(bad.any()):
+        raise ValueError(
+            f"indices: expected chunk-local indices in [-1, {tokens}), got "
+            f"{indices[bad][:5].tolist()}"
+        )
+    return indices.to(torch.int32).contiguous().cpu()
+
+
+def lse_of_ml(m, l) -> torch.Tensor:
+    """Natural-log ``lse [B, H]`` float32 of a wire statistic ``(m, l)`` (host tensors or
+    float32 arrays): ``-inf`` where ``l = 0`` (empty), ``m + log(l)`` where ``m`` is finite and
+    ``l`` finite and positive, NaN anywhere else (never a silent "empty")."""
+    mn = m if isinstance(m, np.ndarray) else m.numpy()
+    ln = l if isinstance(l, np.ndarray) else l.numpy()
+    if math.isfinite(float(mn.sum())) and (ln == 1).all():  # a holder's usual (lse, 1)
+        return torch.from_numpy(mn)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = mn + np.log(ln)
+        lse = np.where(np.isfinite(lse) & np.isfinite(mn) & np.isfinite(ln), lse, np.nan)
+    lse = np.where(ln == 0, -np.inf, lse).astype(np.float32, copy=False)
+    return torch.from_numpy(lse)
 
 
 def route_request(
@@ -39,10 +90,12 @@ def route_request(
     *,
     geometry: MLAGeometry,
     rope,
+    crc: bool | None = None,
 ) -> tuple[int, Callable[[int, int], torch.Tensor]]:
     """Check a route of ``q`` (already checked by :func:`check_query`) over chunk ``info``
     and return ``(M_q, make)``: ``make(request_id, seq)`` packs the ``ROUTE`` message (the
-    copy to the host included, so that it counts as transfer time)."""
+    copy to the host included, so that it counts as transfer time; a payload CRC unless
+    ``crc`` is False)."""
     if not 0 <= layer < geometry.layers:
         raise ValueError(f"layer: expected 0 <= layer < {geometry.layers}, got {layer}")
     moved = offset is not None and offset != info.position
@@ -56,10 +109,10 @@ def route_request(
             f"offset: chunk {info.chunk_id} is seen at offset {offset} but cached at "
             f"{info.position}; rotating the query needs rope= (a RopeSpec)"
         )
+    idx = None if indices is None else check_selection(indices, q.shape[0], info.tokens)
     # The holder attends at canonical positions: rotate q by -(new - old) (§3.2).
     qr = rope_rotate(q, -(int(offset) - info.position), rope) if moved else q
     qr = qr.contiguous()
-    idx = None if indices is None else indices.to(torch.int32).contiguous().cpu()
 
     def make(rid: int, seq: int) -> torch.Tensor:
         return wire.pack_query(
@@ -70,22 +123,40 @@ def route_request(
             layer=layer,
             indices=idx,
             geometry=geometry,
+            crc=crc,
         )
 
     return q.shape[0] * q.shape[1], make
 
 
 def route_reply(
-    p: Pending, h: wire.Header, buf: torch.Tensor, *, geometry: MLAGeometry, device
+    p: Pending,
+    h: wire.Header,
+    buf: torch.Tensor,
+    *,
+    geometry: MLAGeometry,
+    device,
+    dtype: torch.dtype | None = None,
 ) -> Partial:
-    """The partial in a ``PARTIAL`` reply to ``p``, its record's terms filled in: the holder's
-    compute (from the header), the return (arrival less compute) and the whole call."""
+    """The partial in a ``PARTIAL`` reply to ``p`` (header ``h`` already checked by the
+    client), its record's terms filled in: the holder's compute (from the header), the return
+    (arrival less compute) and the whole call. A reply whose ``(batch, heads)`` is not the
+    request's, or whose dtype is not ``dtype``, is a :class:`RemoteError`."""
     t_recv = time.perf_counter()
-    _, o, m, l = wire.unpack_partial(buf, geometry=geometry)
+    if p.shape is not None and (h.batch, h.heads) != p.shape:
+        raise RemoteError(
+            f"holder {p.peer}: PARTIAL of shape ({h.batch}, {h.heads}) for a request of shape "
+            f"{p.shape}"
+        )
+    if dtype is not None and h.dtype != dtype:
+        raise RemoteError(f"holder {p.peer}: PARTIAL in {h.dtype} for a {dtype} request")
+    o, m, l = wire.partial_arrays(buf, h) if buf.is_cpu else wire.partial_views(buf, h)
     rec: CostRecord = p.record
     rec.bytes_recv = h.nbytes
     rec.compute_us = h.holder_ns / 1e3
     rec.return_us = max((t_recv - p.t_sent) * 1e6 - rec.compute_us, 0.0)
     rec.total_us = (t_recv - p.t0) * 1e6
-    o, lse = o.to(device).clone(), lse_from_ml(m, l).to(device)
+    lse = lse_of_ml(m, l)
+    if device.type != "cpu":
+        o, lse = o.to(device), lse.to(device)
     return Partial(o, lse, "route", p.peer, rec)

@@ -1,46 +1,63 @@
 """The two halves of the gloo engine (:mod:`mqnc.transport.torchdist`): what it receives and
-what it sends, each peer over its own threads.
+what it sends, per peer.
 
-:class:`Inbox` is the receiving half: one service thread per peer blocks in ``recv`` and turns
-that peer's messages into the protocol's effects (write the bytes into the local slot, then
-raise its signal; answer a ``get``; count a barrier).
+Every message between two ranks is ONE gloo message: a 32-byte frame header
+``[op u32, slot u32, seq u64, nbytes u64, 0 u64]`` (:data:`FRAME`) followed by the ``nbytes``
+data bytes. One message per put (not a control word then the data, which gloo delivers only
+once the receiver posts the second receive: half a round trip more, issue 14).
 
-:class:`Outbox` is the sending half. Puts are non-blocking (as NVSHMEM's
-``put_signal_nbi``): one sender thread per peer drains a queue, so that a stalled peer (one
-whose service thread does not post its receive) blocks that thread only, never the caller;
-:meth:`Outbox.quiet` waits for delivery with a timeout.
+:class:`Inbox` is the receiving half: one service thread per peer keeps two receives posted
+(double-buffered, so a sender never waits for the thread to repost) into landing buffers of
+``32 + slot_bytes`` bytes. A put that lands is made visible by swapping the landing buffer with
+the slot's storage under the signal board's lock (no copy), then raising the signal. A put is
+accepted only into a slot whose source is the peer it came from (issue 15: no rank writes
+another's lanes); anything else is dropped and recorded in :attr:`PeerState.errors`.
 
-:class:`PeerState` is what both halves of the engine know about the other ranks (who died and
-why, who said goodbye, whether this rank is closing), guarded by the one condition variable the
-engine's waits use.
+:class:`Outbox` is the sending half: ``send`` frames the message and hands it to gloo from the
+calling thread (gloo sends are asynchronous; a stalled peer never blocks the caller). gloo
+completes a send only when someone waits on it (``Work.is_completed`` stays False until
+then), so one reaper thread per peer waits on the sends in order, woken once per batch
+(:data:`REAP_BATCH` sends or :data:`REAP_BYTES` bytes) or by :meth:`Outbox.quiet`: it keeps
+each message alive until gloo is done with it and sees a send fail.
+
+:class:`PeerState` is what both halves know about the other ranks (who died and why, who said
+goodbye, whether this rank is closing), guarded by a condition on the signal board's lock.
 """
 
 from __future__ import annotations
 
 import collections
+import struct
 import threading
 import time
 
 import torch
 
-from mqnc.transport.protocol import PeerLost, TransportError, TransportTimeout
+from mqnc.transport.protocol import PeerLost, TransportTimeout
+from mqnc.transport.signals import SignalBoard
 
-__all__ = ["PeerState", "Inbox", "Outbox", "PUT", "GET", "GET_REPLY", "BARRIER", "CLOSE"]
+__all__ = ["PeerState", "Inbox", "Outbox", "FRAME", "PUT", "GET", "GET_REPLY", "BARRIER", "CLOSE"]
 
-TAG_CTRL, TAG_DATA = 0, 1
-PUT, GET, GET_REPLY, BARRIER, CLOSE = 1, 2, 3, 4, 5  # control ops
+FRAME = 32
+_FRAME = struct.Struct("<IIQQQ")
+TAG = 7
+PUT, GET, GET_REPLY, BARRIER, CLOSE = 1, 2, 3, 4, 5  # frame ops
+REAP_BATCH = 8
+REAP_BYTES = 1 << 20
 
 
 class PeerState:
     """The other ranks' liveness as this rank sees it, under :attr:`cond`.
 
     ``dead``: ranks whose connection broke (their waits raise :class:`PeerLost` at once);
-    ``closed``: ranks that said goodbye; ``errors``: why a rank is dead; ``closing``: this rank
-    is shutting down (broken connections are then expected, not errors).
+    ``closed``: ranks that said goodbye; ``errors``: why a rank is dead, or what a rank sent
+    that was dropped; ``closing``: this rank is shutting down (broken connections are then
+    expected, not errors).
     """
 
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
+    def __init__(self, board: SignalBoard) -> None:
+        self.board = board
+        self.cond = threading.Condition(board.lock)
         self.dead: set[int] = set()
         self.closed: set[int] = set()
         self.errors: dict[int, str] = {}
@@ -54,120 +71,147 @@ class PeerState:
                 self.errors[peer] = why
             self.dead.add(peer)
             self.cond.notify_all()
+        self.board.wake_all()
 
     def alive_or_raise(self, peer: int) -> None:
         if peer in self.dead:
             raise PeerLost(f"rank {peer} is gone ({self.errors.get(peer, 'connection closed')})")
 
 
+class _Reaper:
+    """Waits, in order, on the gloo sends to one peer (see the module docstring)."""
+
+    def __init__(self, outbox: Outbox, peer: int) -> None:
+        self.q: collections.deque = collections.deque()
+        self.bytes = 0
+        self.flush = False
+        self.failed = False
+        self._outbox = outbox
+        self._peer = peer
+        self.thread = threading.Thread(
+            target=self._run, daemon=True, name=f"mqnc-torchdist-{outbox.rank}->{peer}"
+        )
+        self.thread.start()
+
+    def _run(self) -> None:
+        cond, peers = self._outbox.cond, self._outbox.peers
+        while True:
+            with cond:
+                while True:
+                    if self._peer in peers.dead:
+                        self.failed = self.failed or bool(self.q)
+                        self.q.clear()
+                        cond.notify_all()
+                        return
+                    if self.q and (
+                        self.flush or len(self.q) >= REAP_BATCH or self.bytes >= REAP_BYTES
+                    ):
+                        break
+                    cond.wait()
+                work, msg = self.q[0]
+            try:
+                work.wait()
+            except Exception as exc:
+                why = f"send failed: {type(exc).__name__}: {exc}"
+                peers.mark_dead(self._peer, why, first_reason=True)
+                continue
+            with cond:
+                self.q.popleft()
+                self.bytes -= msg.numel()
+                if not self.q:
+                    self.flush = False
+                cond.notify_all()
+
+
 class Outbox:
-    """Queued sends of control words ``[op, a, b, n]`` (and ``n`` data bytes) to each peer."""
+    """Framed, asynchronous sends to each peer, reaped by one thread per peer."""
 
     def __init__(self, pg, rank: int, world_size: int, peers: PeerState) -> None:
         self._pg = pg
-        self._rank = rank
+        self.rank = rank
         self._world = world_size
-        self._peers = peers
-        self._queues = [collections.deque() for _ in range(world_size)]
-        self._pending = [0] * world_size
-        self._undelivered = [False] * world_size
-        self._senders: list[threading.Thread | None] = [None] * world_size
+        self.peers = peers
+        self.cond = peers.cond
+        self._locks = [threading.Lock() for _ in range(world_size)]
+        self._reapers: list[_Reaper | None] = [None] * world_size
 
-    def send(
-        self, peer: int, op: int, a: int, b: int, data: torch.Tensor | None, count: int = 0
-    ) -> None:
-        """Queue control word ``[op, a, b, n]`` and, for a put or a get reply, the ``n`` bytes
-        (``n = count`` for a get, which carries no bytes)."""
+    def send(self, peer: int, op: int, slot: int, seq: int, data: torch.Tensor | None,
+             count: int = 0) -> None:  # fmt: skip
+        """Frame ``[op, slot, seq, n]`` and the ``n`` bytes of ``data`` (``n = count`` for a
+        get, which carries none) as one gloo message to ``peer``."""
         n = count if data is None else int(data.numel())
-        ctrl = torch.tensor([op, a, b, n], dtype=torch.int64)
-        cond = self._peers.cond
-        with cond:
-            self._peers.alive_or_raise(peer)
-            self._pending[peer] += 1
-            self._queues[peer].append((ctrl, data if data is not None and n else None))
-            if self._senders[peer] is None:
-                t = threading.Thread(
-                    target=self._sender,
-                    args=(peer,),
-                    daemon=True,
-                    name=f"mqnc-torchdist-{self._rank}->{peer}",
-                )
-                self._senders[peer] = t
-                t.start()
-            cond.notify_all()
-
-    def _sender(self, peer: int) -> None:
-        cond = self._peers.cond
-        while True:
-            with cond:
-                while not self._queues[peer] and peer not in self._peers.dead:
-                    cond.wait()
-                if peer in self._peers.dead:
-                    self._undelivered[peer] = self._pending[peer] > 0
-                    self._queues[peer].clear()
-                    self._pending[peer] = 0
-                    cond.notify_all()
-                    return
-                ctrl, data = self._queues[peer].popleft()
-            try:
-                self._pg.send([ctrl], peer, TAG_CTRL).wait()
-                if data is not None:
-                    self._pg.send([data], peer, TAG_DATA).wait()
-            except Exception as exc:
-                why = f"send failed: {type(exc).__name__}: {exc}"
-                self._peers.mark_dead(peer, why, first_reason=True)
-                continue
-            with cond:
-                self._pending[peer] -= 1
-                cond.notify_all()
+        msg = torch.empty(FRAME + (0 if data is None else n), dtype=torch.uint8)
+        a = msg.numpy()
+        _FRAME.pack_into(a, 0, op, slot, seq, n, 0)
+        if data is not None and n:
+            a[FRAME:] = data.numpy()
+        self.peers.alive_or_raise(peer)
+        try:
+            with self._locks[peer]:
+                work = self._pg.send([msg], peer, TAG)
+        except Exception as exc:  # the pair is closed: the peer died (maybe not yet seen)
+            self.peers.mark_dead(
+                peer, f"send failed: {type(exc).__name__}: {exc}", first_reason=True
+            )
+            raise PeerLost(f"rank {peer} is gone ({self.peers.errors.get(peer, exc)})") from None
+        reaper = self._reapers[peer]
+        with self.cond:
+            if reaper is None:
+                reaper = self._reapers[peer] = _Reaper(self, peer)
+            reaper.q.append((work, msg))
+            reaper.bytes += msg.numel()
+            if len(reaper.q) >= REAP_BATCH or reaper.bytes >= REAP_BYTES:
+                self.cond.notify_all()
 
     def quiet(self, deadline: float | None, timeout: float | None, peers=None) -> None:
-        """Wait until every queued send (to ``peers``, default all) has been handed to gloo.
+        """Wait until every send (to ``peers``, default all) is complete.
 
         Raises :class:`TransportTimeout` at ``deadline`` (a stalled peer) and
         :class:`PeerLost` if a peer with undelivered sends died.
         """
         peers = range(self._world) if peers is None else peers
-        cond, dead = self._peers.cond, self._peers.dead
-        with cond:
+        reapers = [(p, self._reapers[p]) for p in peers if self._reapers[p] is not None]
+        dead = self.peers.dead
+        with self.cond:
+            for _, r in reapers:
+                r.flush = True
+            self.cond.notify_all()
             while True:
-                busy = [p for p in peers if self._pending[p] > 0 and p not in dead]
-                lost = [p for p in peers if p in dead and self._undelivered[p]]
+                lost = [p for p, r in reapers if r.failed or (p in dead and r.q)]
                 if lost:
-                    raise PeerLost(f"rank {self._rank}: puts to ranks {lost} were not delivered")
+                    raise PeerLost(f"rank {self.rank}: puts to ranks {lost} were not delivered")
+                busy = [p for p, r in reapers if r.q]
                 if not busy:
                     return
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TransportTimeout(
-                        f"rank {self._rank}: puts to ranks {busy} not delivered within "
+                        f"rank {self.rank}: puts to ranks {busy} not delivered within "
                         f"{timeout:.3g} s (peer stalled)"
                     )
-                cond.wait(left)
+                self.cond.wait(left)
 
 
 class Inbox:
     """This rank's slots, signals, get replies and barrier counts, fed by one service thread
-    per peer; every field is guarded by ``peers.cond``."""
+    per peer; slots and signals are guarded by ``board.lock`` (the rest by ``peers.cond``,
+    the same lock)."""
 
-    def __init__(
-        self,
-        pg,
-        rank: int,
-        world_size: int,
-        num_slots: int,
-        slot_bytes: int,
-        peers: PeerState,
-        outbox: Outbox,
-    ) -> None:
+    def __init__(self, pg, rank: int, world_size: int, layout, slot_bytes: int,
+                 peers: PeerState, outbox: Outbox) -> None:  # fmt: skip
         self._pg = pg
+        self._rank = rank
         self._peers = peers
         self._outbox = outbox
+        self.board = peers.board
         self.cond = peers.cond
-        self.num_slots = num_slots
+        self.layout = layout
         self.slot_bytes = slot_bytes
-        self.heap = torch.zeros(num_slots, slot_bytes, dtype=torch.uint8)
-        self.signals = [0] * num_slots
+        # Each slot's storage is a landing buffer: frame + data (swapped in, never copied).
+        self.slots = [
+            torch.zeros(FRAME + slot_bytes, dtype=torch.uint8) for _ in range(layout.num_slots)
+        ]
+        self.views = [s.numpy()[FRAME:] for s in self.slots]
         self.gets: dict[int, torch.Tensor | None] = {}
         self.barrier_seen = [0] * world_size
         self.threads = [
@@ -176,7 +220,7 @@ class Inbox:
                 args=(peer,),
                 daemon=True,
                 name=f"mqnc-torchdist-{rank}<-{peer}",
-            )
+            )  # fmt: skip
             for peer in range(world_size)
             if peer != rank
         ]
@@ -184,63 +228,76 @@ class Inbox:
             t.start()
 
     def deliver(self, slot: int, data: torch.Tensor, seq: int) -> None:
-        """A put to this rank itself: write the bytes, then raise the signal."""
-        with self.cond:
-            self.heap[slot, : data.numel()].copy_(data)
-            self.signals[slot] = max(self.signals[slot], int(seq))
-            self.cond.notify_all()
+        """A put to this rank itself: copy the bytes, then raise the signal."""
+        with self.board.lock:
+            self.views[slot][: data.numel()] = data.numpy()
+            self.board.raise_locked(slot, seq)
 
     def _serve_peer(self, peer: int) -> None:
-        ctrl = torch.zeros(4, dtype=torch.int64)
+        pg = self._pg
+        bufs = [torch.empty(FRAME + self.slot_bytes, dtype=torch.uint8) for _ in range(2)]
+        works = [pg.recv([b], peer, TAG) for b in bufs]
+        i = 0
         try:
             while True:
-                self._pg.recv([ctrl], peer, TAG_CTRL).wait()
-                op, a, b, nbytes = (int(x) for x in ctrl.tolist())
+                works[i].wait()
+                op, slot, seq, n, _ = _FRAME.unpack_from(bufs[i].numpy(), 0)
                 if op == CLOSE:
                     with self.cond:
                         self._peers.closed.add(peer)
                         self.cond.notify_all()
+                    self.board.wake_all()
                     return
-                self._on_message(peer, op, a, b, nbytes)
+                bufs[i] = self._on_message(peer, op, slot, seq, n, bufs[i])
+                works[i] = pg.recv([bufs[i]], peer, TAG)
+                i ^= 1
         except Exception as exc:  # the connection closed (peer died) or the link broke
             self._peers.mark_dead(peer, f"{type(exc).__name__}: {exc}")
 
-    def _on_message(self, peer: int, op: int, a: int, b: int, nbytes: int) -> None:
+    def _on_message(self, peer: int, op: int, slot: int, seq: int, n: int, buf: torch.Tensor):
+        """Apply one message; returns the buffer to post the next receive into."""
         if op == PUT:
-            self._on_put(peer, a, b, nbytes)
-        elif op == GET:
-            self._on_get(peer, a, b, nbytes)
+            return self._on_put(peer, slot, seq, n, buf)
+        if op == GET:
+            data = None
+            if 0 <= slot < len(self.slots):
+                with self.board.lock:
+                    data = torch.from_numpy(self.views[slot][: min(n, self.slot_bytes)].copy())
+            self._outbox.send(peer, GET_REPLY, 0, seq, data if data is not None else _EMPTY)
         elif op == GET_REPLY:
-            data = torch.empty(nbytes, dtype=torch.uint8)
-            if nbytes:
-                self._pg.recv([data], peer, TAG_DATA).wait()
+            data = torch.from_numpy(buf.numpy()[FRAME : FRAME + min(n, self.slot_bytes)].copy())
             with self.cond:
-                self.gets[a] = data
+                if seq in self.gets:
+                    self.gets[seq] = data
                 self.cond.notify_all()
         elif op == BARRIER:
             with self.cond:
-                self.barrier_seen[peer] = max(self.barrier_seen[peer], a)
+                self.barrier_seen[peer] = max(self.barrier_seen[peer], seq)
                 self.cond.notify_all()
         else:
-            raise TransportError(f"unknown control op {op} from rank {peer}")
+            self._drop(peer, f"unknown frame op {op}")
+        return buf
 
-    def _on_put(self, peer: int, slot: int, seq: int, nbytes: int) -> None:
-        ok = 0 <= slot < self.num_slots and 0 <= nbytes <= self.slot_bytes
-        if not ok:  # drain the bytes to keep the stream in step, then drop the message
-            if nbytes:
-                self._pg.recv([torch.empty(nbytes, dtype=torch.uint8)], peer, TAG_DATA).wait()
-            self._peers.errors[peer] = f"bad put (slot {slot}, {nbytes} B) from rank {peer} dropped"
-            return
-        with self.cond:
-            if nbytes:
-                self._pg.recv([self.heap[slot, :nbytes]], peer, TAG_DATA).wait()
-            self.signals[slot] = max(self.signals[slot], seq)
-            self.cond.notify_all()
+    def _on_put(self, peer: int, slot: int, seq: int, n: int, buf: torch.Tensor):
+        lay = self.layout
+        if not 0 <= slot < lay.num_slots or lay.source_of(slot) != peer or n > self.slot_bytes:
+            why = (
+                f"slot {slot} is fed by rank {lay.source_of(slot)}"
+                if 0 <= slot < lay.num_slots
+                else f"slot {slot} out of range"
+            )
+            self._drop(peer, f"put of {n} B into slot {slot} ({why})")
+            return buf
+        with self.board.lock:
+            old = self.slots[slot]
+            self.slots[slot] = buf
+            self.views[slot] = buf.numpy()[FRAME:]
+            self.board.raise_locked(slot, seq)
+        return old
 
-    def _on_get(self, peer: int, slot: int, token: int, nbytes: int) -> None:
-        nbytes = max(0, min(nbytes, self.slot_bytes))
+    def _drop(self, peer: int, what: str) -> None:
         with self.cond:
-            data = self.heap[slot, :nbytes].clone() if 0 <= slot < self.num_slots else None
-        if data is None:
-            data = torch.empty(0, dtype=torch.uint8)
-        self._outbox.send(peer, GET_REPLY, token, 0, data)
+            self._peers.errors[peer] = f"dropped from rank {peer}: {what}"
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)

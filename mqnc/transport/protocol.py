@@ -25,12 +25,21 @@ sequence number never moves a signal back); NVSHMEM's ``SET`` is used with the s
 because a holder answers each slot in increasing sequence order and drops a request whose
 sequence number it has already answered. Request ids in the wire header (:mod:`mqnc.transport.wire`)
 let a requester discard any reply that is not the one it waits for.
+
+Writers. Rank ``r`` may write only the slots whose source is ``r`` (``layout.source_of(slot)
+== r``): a put to any other slot is a ``ValueError`` at the sender, and the torchdist engine
+also drops (and records) such a put at the receiver, so no rank can write into the lanes of
+another (issue 15). :meth:`Transport.read_message` reads a slot's message together with the
+signal it was written under, so that a reader can tie the message's sequence number to it.
+
+Sequence numbers are u64 (``0 <= seq < 2**64``), as in the wire header.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 import time
 
 import torch
@@ -38,6 +47,7 @@ import torch
 from mqnc.base.checks import check_int, check_number
 
 __all__ = [
+    "SEQ_LIMIT",
     "INBOX",
     "REPLY",
     "TransportError",
@@ -50,6 +60,7 @@ __all__ = [
 
 INBOX = 0
 REPLY = 1
+SEQ_LIMIT = 2**64
 
 
 class TransportError(RuntimeError):
@@ -129,9 +140,14 @@ class Transport(abc.ABC):
         Capacity of every slot.
     name : str
         Engine name (``"loopback"``, ``"torchdist"``, ``"nvshmem"``), recorded with results.
+    in_process : bool
+        True when every rank is in this process (loopback): the bytes of a put never leave
+        it, so a payload CRC is optional (the holder and the requester skip it); False for
+        every engine whose bytes cross a process or a network (they require one).
     """
 
     name = "abstract"
+    in_process = False
 
     def __init__(self, rank: int, layout: SlotLayout, slot_bytes: int) -> None:
         check_int("rank", rank, minimum=0, below=layout.world_size)
@@ -146,11 +162,30 @@ class Transport(abc.ABC):
         return self.layout.num_slots
 
     def _check_slot(self, slot: int) -> int:
+        if type(slot) is int and 0 <= slot < self.layout.num_slots:
+            return slot
         return check_int("slot", slot, minimum=0, below=self.num_slots)
 
     def check_peer(self, peer: int) -> int:
         """``peer`` if it is a rank of this fabric, else a ``ValueError`` naming it."""
+        if type(peer) is int and 0 <= peer < self.world_size:
+            return peer
         return check_int("peer", peer, minimum=0, below=self.world_size)
+
+    def _check_put(self, peer: int, slot: int, data: object, seq: int) -> torch.Tensor:
+        """The checks every engine's ``put_signal`` makes: a rank of the fabric, a slot this
+        rank may write (its source is this rank), a message that fits, a u64 ``seq``."""
+        self.check_peer(peer)
+        if not (type(slot) is int and 0 <= slot < self.layout.num_slots):
+            self._check_slot(slot)
+        if self.layout.source_of(slot) != self.rank:
+            raise ValueError(
+                f"slot: rank {self.rank} may write only the slots whose source is itself; slot "
+                f"{slot} is fed by rank {self.layout.source_of(slot)}"
+            )
+        if not (type(seq) is int and 0 <= seq < SEQ_LIMIT):
+            check_int("seq", seq, minimum=0, below=SEQ_LIMIT)
+        return check_message(data, self.slot_bytes)
 
     # ---- the protocol -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -171,12 +206,39 @@ class Transport(abc.ABC):
 
     def wait_signal(self, slot: int, seq: int, timeout: float) -> int:
         """Wait until ``signal(slot) >= seq``; returns the signal value."""
-        self.wait_any({self._check_slot(slot): int(seq)}, timeout)
+        self.wait_any({slot: seq}, timeout)
         return self.signal(slot)
+
+    def _check_targets(self, targets: dict[int, int]) -> None:
+        n = self.layout.num_slots
+        for s, q in targets.items():
+            if not (type(s) is int and 0 <= s < n):
+                self._check_slot(s)
+            if type(q) is not int:
+                check_int("seq", q)
 
     @abc.abstractmethod
     def read(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
         """A copy of the first ``nbytes`` (default all) bytes of this rank's ``slot``."""
+
+    def read_message(self, slot: int) -> tuple[int, torch.Tensor]:
+        """``(signal, message)``: a copy of the message in this rank's ``slot`` (its header,
+        then exactly the length the header gives; the whole slot when the header is not a
+        valid one, so that the reader's check says why) and the slot's signal, read together.
+
+        This generic form reads the signal before and after the copy and retries (a few
+        times) when a put landed in between; the software engines read both under one lock.
+        """
+        from mqnc.transport import wire
+
+        self._check_slot(slot)
+        for _ in range(8):
+            before = self.signal(slot)
+            n = wire.peek_length(self.read(slot, wire.HEADER_BYTES))
+            buf = self.read(slot, n if n is not None and n <= self.slot_bytes else None)
+            if self.signal(slot) == before:
+                return before, buf
+        return self.signal(slot), buf
 
     @abc.abstractmethod
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
@@ -207,4 +269,6 @@ class Transport(abc.ABC):
     # ---- helpers ------------------------------------------------------------------------------
     @staticmethod
     def _deadline(timeout: float) -> float:
+        if type(timeout) is float and 0 < timeout < math.inf:
+            return time.monotonic() + timeout
         return time.monotonic() + check_number("timeout", timeout, positive=True)

@@ -2,31 +2,38 @@
 
 One-sided put-with-signal emulated with two-sided messages: every rank runs one **service
 thread per peer** that receives that peer's messages and turns them into the protocol's
-effects (write the bytes into the local slot, then raise its signal; answer a ``get``; count a
-barrier). The requester side of a put is a ``send`` of a 4-word control message
-``[op, slot, seq, nbytes]`` followed by the bytes.
+effects (make the bytes the slot's content, then raise its signal; answer a ``get``; count a
+barrier). A put is ONE gloo message (a 32-byte frame and the data) sent from the calling thread
+into a receive the peer always keeps posted (:mod:`mqnc.transport._gloo`).
 
 Facts this engine is built on (torch 2.13, gloo):
 
 - a gloo wait that times out **closes the pair** ("Application timeout caused pair
-  closure"): a timed wait cannot be used to poll. So no gloo wait here has a short timeout:
-  the service threads block in ``recv`` (bounded only by ``idle_timeout_s``, the process
-  group's timeout, default 1 h, passed explicitly instead of gloo's 30 min default), and
-  every user-facing timeout (``wait_signal``, ``get``, ``barrier``) is a condition-variable
+  closure"): a timed wait cannot be used to poll, and ``Work.is_completed`` stays False until
+  someone waits. So no gloo wait here has a short timeout: the service threads block in
+  ``recv`` (bounded only by ``idle_timeout_s``, the process group's timeout, default 1 h,
+  passed explicitly instead of gloo's 30 min default), a reaper thread per peer waits on the
+  sends, and every user-facing timeout (``wait_signal``, ``get``, ``barrier``, ``quiet``) is a
   wait on local state;
+- gloo's send is a rendezvous: the bytes move once the receiver has posted its receive, so
+  each service thread keeps two receives posted (a put never waits for the receiver's thread);
 - a peer process that dies closes its TCP connections: the service thread's ``recv`` raises
   at once, the peer is marked dead, and waits on slots it feeds raise
   :class:`~mqnc.transport.protocol.PeerLost` without waiting for their timeout;
 - gloo moves contiguous tensors only; bf16 moves bit-exactly (the wire sends uint8 anyway);
-- ports: a ``TCPStore`` created with port 0 picks a free port (``store.port``); tests set
-  ``GLOO_SOCKET_IFNAME=lo``.
+- ports and addresses: :func:`free_port_store` listens on the address it is given (a socket
+  bound there, handed to the ``TCPStore``; the store's own default listens on every
+  interface), and ``host=`` binds gloo's pairs to an address (:meth:`TorchDistTransport.connect`
+  passes the store's). ``torch.distributed`` authenticates nobody: see the README's "Security
+  and trust model".
 
-The process group is built directly (``ProcessGroupGloo(store, rank, world, timeout)``), not
+The process group is built directly (``ProcessGroupGloo(store, rank, world, options)``), not
 through ``init_process_group``, so that no global default group is created (a test process
 can hold several engines, and nothing else in the process is affected).
 
-The two halves (per-peer service threads receiving, per-peer queues and sender threads
-sending) are :mod:`mqnc.transport._gloo`; this module is the protocol on top of them.
+A rank that died cannot be replaced by a new process under the same rank: its peers' process
+groups hold the dead pair (gloo has no reconnect). Start a new fabric (a new store prefix)
+instead; a holder's replacement joins that.
 
 NCCL is not used: the service-thread design needs a receive that a thread can block in for
 an unbounded time per peer, which NCCL's GPU-stream semantics do not give; on GPUs the
@@ -37,12 +44,14 @@ NVSHMEM engine (:mod:`mqnc.transport.nvshmem`) is the one-sided path. CUDA tenso
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
+from mqnc.transport import wire
 from mqnc.transport._gloo import BARRIER, CLOSE, GET, PUT, Inbox, Outbox, PeerState
 from mqnc.transport.protocol import (
     PeerLost,
@@ -50,8 +59,8 @@ from mqnc.transport.protocol import (
     Transport,
     TransportError,
     TransportTimeout,
-    check_message,
 )
+from mqnc.transport.signals import SignalBoard
 
 __all__ = ["TorchDistTransport", "free_port_store"]
 
@@ -61,15 +70,30 @@ _RETIRED: list = []
 
 
 def free_port_store(world_size: int, timeout_s: float = 60.0, host: str = "127.0.0.1"):
-    """A master ``TCPStore`` on a free port (port 0): ``store.port`` is what workers join."""
-    return dist.TCPStore(
-        host,
-        0,
-        world_size,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    """A master ``TCPStore`` listening on ``host`` (default the loopback interface only) at a
+    free port: ``store.port`` is what workers join.
+
+    The store's own listener binds every interface whatever host it is given; here a socket
+    bound to ``host`` is handed to it (``master_listen_fd``), so that nothing outside that
+    address can reach it (a store accepts any client: see the README's trust model).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        return dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            master_listen_fd=sock.detach(),
+        )
+    finally:
+        sock.close()
 
 
 class TorchDistTransport(Transport):
@@ -91,6 +115,9 @@ class TorchDistTransport(Transport):
         short timeouts.
     prefix : str
         Store namespace (several engines may share one store).
+    host : str or None
+        Address gloo's pairs listen on (``"127.0.0.1"``: this machine only); None keeps
+        torch's default (``GLOO_SOCKET_IFNAME``, else the host name's address).
     """
 
     name = "torchdist"
@@ -105,21 +132,25 @@ class TorchDistTransport(Transport):
         lanes: int = 1,
         idle_timeout_s: float = 3600.0,
         prefix: str = "mqnc",
+        host: str | None = None,
     ) -> None:
         super().__init__(rank, SlotLayout(world_size, lanes), slot_bytes)
         if not dist.is_available() or not hasattr(dist, "ProcessGroupGloo"):
             raise RuntimeError("torchdist: this torch build has no gloo backend")
-        self._pg = dist.ProcessGroupGloo(
-            dist.PrefixStore(prefix, store),
-            rank,
-            world_size,
-            datetime.timedelta(seconds=float(idle_timeout_s)),
-        )
-        self._peers = PeerState()
-        self._cond = self._peers.cond  # every wait below is on the inbox's state
+        timeout = datetime.timedelta(seconds=float(idle_timeout_s))
+        if host is None:
+            opts = timeout
+        else:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, opts)
+        self._board = SignalBoard(self.num_slots)
+        self._peers = PeerState(self._board)
+        self._cond = self._peers.cond  # get and barrier waits; signal waits are the board's
         self._outbox = Outbox(self._pg, rank, world_size, self._peers)
         self._inbox = Inbox(
-            self._pg, rank, world_size, self.num_slots, slot_bytes, self._peers, self._outbox
+            self._pg, rank, world_size, self.layout, slot_bytes, self._peers, self._outbox
         )
         self.errors = self._peers.errors
         self._get_lock = threading.Lock()
@@ -137,7 +168,8 @@ class TorchDistTransport(Transport):
         store_timeout_s: float = 60.0,
         **kwargs,
     ) -> TorchDistTransport:
-        """Join the ``TCPStore`` at ``host:port`` as a client and build the engine."""
+        """Join the ``TCPStore`` at ``host:port`` as a client and build the engine (gloo's
+        pairs bound to ``host`` too, unless ``kwargs`` names another ``host``)."""
         store = dist.TCPStore(
             host,
             int(port),
@@ -145,6 +177,7 @@ class TorchDistTransport(Transport):
             is_master=False,
             timeout=datetime.timedelta(seconds=store_timeout_s),
         )
+        kwargs.setdefault("host", host)
         return cls(rank, world_size, store, **kwargs)
 
     # ---- the protocol -----------------------------------------------------------------------
@@ -158,51 +191,51 @@ class TorchDistTransport(Transport):
         self._outbox.quiet(deadline, timeout, peers)
 
     def put_signal(self, peer: int, slot: int, data: torch.Tensor, seq: int) -> None:
-        self.check_peer(peer)
-        self._check_slot(slot)
-        data = check_message(data, self.slot_bytes)
-        if data.device.type != "cpu":
+        data = self._check_put(peer, slot, data, seq)
+        if not data.is_cpu:
             data = data.cpu()
         if peer == self.rank:
             self._inbox.deliver(slot, data, seq)
             return
-        self._peers.alive_or_raise(peer)
-        self._outbox.send(peer, PUT, slot, int(seq), data)
+        self._outbox.send(peer, PUT, slot, seq, data)
 
     def signal(self, slot: int) -> int:
-        return self._inbox.signals[self._check_slot(slot)]
+        return self._board.values[self._check_slot(slot)]
 
     def wait_any(self, targets: dict[int, int], timeout: float) -> list[int]:
-        for s in targets:
-            self._check_slot(s)
+        self._check_targets(targets)
         deadline = self._deadline(timeout)
+        return self._board.wait_any(
+            targets, deadline, check=self._check_gone, rank=self.rank, timeout=timeout
+        )
+
+    def _check_gone(self, targets: dict[int, int]) -> None:
+        if not (self._peers.dead or self._peers.closed):
+            return
         feeders = {self.layout.source_of(s) for s in targets}
         sources = feeders - {self.rank}
-        with self._cond:
-            while True:
-                ready = [s for s, q in targets.items() if self._inbox.signals[s] >= q]
-                if ready:
-                    return ready
-                gone = self._peers.dead | self._peers.closed
-                if sources and sources <= gone and self.rank not in feeders:
-                    raise PeerLost(
-                        f"rank {self.rank}: every awaited slot is fed by a rank that is gone "
-                        f"({sorted(sources)}: "
-                        f"{'; '.join(self.errors.get(p, 'closed') for p in sorted(sources))})"
-                    )
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TransportTimeout(
-                        f"rank {self.rank}: no signal on slots {sorted(targets)} within "
-                        f"{timeout:.3g} s"
-                    )
-                self._cond.wait(left)
+        gone = self._peers.dead | self._peers.closed
+        if sources and sources <= gone and self.rank not in feeders:
+            why = "; ".join(self.errors.get(p, "closed") for p in sorted(sources))
+            raise PeerLost(
+                f"rank {self.rank}: every awaited slot is fed by a rank that is gone "
+                f"({sorted(sources)}: {why})"
+            )
 
     def read(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
         self._check_slot(slot)
         n = self.slot_bytes if nbytes is None else int(nbytes)
-        with self._cond:
-            return self._inbox.heap[slot, :n].clone()
+        with self._board.lock:
+            return torch.from_numpy(self._inbox.views[slot][:n].copy())
+
+    def read_message(self, slot: int) -> tuple[int, torch.Tensor]:
+        self._check_slot(slot)
+        with self._board.lock:
+            row = self._inbox.views[slot]
+            n = wire.peek_length(row[: wire.HEADER_BYTES])
+            if n is None or n > self.slot_bytes:
+                n = self.slot_bytes
+            return self._board.values[slot], torch.from_numpy(row[:n].copy())
 
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
         self.check_peer(peer)
@@ -240,7 +273,7 @@ class TorchDistTransport(Transport):
         others = [p for p in range(self.world_size) if p != self.rank]
         for peer in others:
             self._peers.alive_or_raise(peer)
-            self._outbox.send(peer, BARRIER, epoch, 0, None)
+            self._outbox.send(peer, BARRIER, 0, epoch, None)
         with self._cond:
             while True:
                 missing = [p for p in others if self._inbox.barrier_seen[p] < epoch]

@@ -31,17 +31,30 @@ starts 16-byte aligned): magic ``b"MQNC"``, version, kind, dtype code, flags, re
 batch (u32), heads (u32), width (u32), layer_lo / layer_hi (u16, the half-open layer range),
 topk (u32), payload bytes (u64), position (i64), holder nanoseconds (u64: the holder's compute
 time, reported in a ``PARTIAL`` for the requester's cost record), payload CRC-32 (u32, when
-flag bit 0 is set; buffers packed on a GPU skip it) and header CRC-32 (u32, over the header
-with this field zeroed, padding included).
+flag bit 0 is set) and header CRC-32 (u32, over the header with this field zeroed, padding
+included).
+
+Checksums. The header CRC is always written and always checked. The payload CRC is written
+by default for host buffers (``crc=None``); a sender whose bytes never leave the process (the
+loopback engine, ``Transport.in_process``) may pass ``crc=False``, and buffers packed on a GPU
+skip it. Whether a payload must carry one is the receiver's decision, never the sender's flag:
+``parse_header(..., require_payload_crc=True)`` (what the holder and the requester pass for
+every engine whose bytes cross a process) rejects a host payload without it, so clearing the
+flag bit and resealing the header does not switch the check off.
+
+Speed (issue 14): headers are packed and parsed in place with one precompiled
+:class:`struct.Struct` over a numpy view of the buffer (no intermediate ``bytes``), the header
+CRC is chained over the buffer without a copy, and :class:`Header` is a ``NamedTuple``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import struct
 import zlib
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from mqnc.base.checks import is_int
@@ -52,6 +65,7 @@ __all__ = [
     "VERSION",
     "HEADER_FORMAT",
     "HEADER_BYTES",
+    "FLAG_PAYLOAD_CRC",
     "Kind",
     "Header",
     "WireError",
@@ -80,8 +94,11 @@ MAGIC = b"MQNC"
 VERSION = 1
 HEADER_FORMAT = "<4sHHHHQQQIIIHHIQqQII"
 _STRUCT = struct.Struct(HEADER_FORMAT)
+_CRC = struct.Struct("<I")
 HEADER_BYTES = 96
 _CRC_OFFSET = _STRUCT.size - 4  # header CRC is the last field
+_PAYLOAD_OFFSET = 14  # index of payload_bytes in the unpacked struct
+_ZERO4 = bytes(4)
 FLAG_PAYLOAD_CRC = 1
 
 if _STRUCT.size > HEADER_BYTES:  # pragma: no cover - layout invariant
@@ -101,21 +118,31 @@ class Kind(enum.IntEnum):
     SHUTDOWN = 8
 
 
+_KINDS = {int(k): k for k in Kind}
+_QK_KINDS = (Kind.ROUTE, Kind.CHUNK)
+#: Kinds whose header carries a layer range (non-empty; one layer for ROUTE and PARTIAL).
+_LAYERED = (Kind.ROUTE, Kind.PARTIAL, Kind.FETCH, Kind.CHUNK)
+
 #: Wire dtype codes (header field ``dtype``) and their torch dtypes.
 WIRE_DTYPES: dict[int, torch.dtype] = {1: torch.bfloat16, 2: torch.float16, 3: torch.float32}
 _DTYPE_CODES = {v: k for k, v in WIRE_DTYPES.items()}
-_GEOMETRY_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_ITEMSIZE = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
 
 
 class WireError(ValueError):
     """A malformed, truncated or inconsistent message. Raised before any payload is used."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Header:
-    """The fixed-layout header of one message (see the module docstring for each field)."""
+class Header(NamedTuple):
+    """The fixed-layout header of one message (see the module docstring for each field).
+
+    A ``NamedTuple`` (fields by name, as before; ``h._replace(...)`` for a changed copy): the
+    fields after ``kind`` are in the struct's order.
+    """
 
     kind: Kind
+    dtype: torch.dtype = torch.bfloat16
+    flags: int = 0
     request_id: int = 0
     seq: int = 0
     chunk_id: int = 0
@@ -128,8 +155,6 @@ class Header:
     payload_bytes: int = 0
     position: int = 0
     holder_ns: int = 0
-    dtype: torch.dtype = torch.bfloat16
-    flags: int = 0
     payload_crc: int = 0
 
     @property
@@ -144,44 +169,35 @@ class Header:
 
     def pack(self) -> bytes:
         """The header's :data:`HEADER_BYTES` bytes, header CRC included."""
-        raw = bytearray(HEADER_BYTES)
-        _STRUCT.pack_into(
-            raw,
-            0,
-            MAGIC,
-            VERSION,
-            int(self.kind),
-            _DTYPE_CODES[self.dtype],
-            self.flags,
-            self.request_id,
-            self.seq,
-            self.chunk_id,
-            self.batch,
-            self.heads,
-            self.width,
-            self.layer_lo,
-            self.layer_hi,
-            self.topk,
-            self.payload_bytes,
-            self.position,
-            self.holder_ns,
-            self.payload_crc,
-            0,
-        )
-        struct.pack_into("<I", raw, _CRC_OFFSET, _header_crc(bytes(raw)))
-        return bytes(raw)
+        raw = np.zeros(HEADER_BYTES, dtype=np.uint8)
+        _write_header(raw, self)
+        return raw.tobytes()
 
 
-def _header_crc(raw: bytes) -> int:
-    """CRC-32 of the whole 96-byte header (padding included) with the CRC field zeroed."""
-    return zlib.crc32(raw[:_CRC_OFFSET] + b"\0\0\0\0" + raw[_CRC_OFFSET + 4 : HEADER_BYTES])
+def _header_crc(raw) -> int:
+    """CRC-32 of the whole 96-byte header (padding included) with the CRC field zeroed: chained
+    over the buffer (``bytes`` or a uint8 numpy array) without copying it."""
+    c = zlib.crc32(raw[:_CRC_OFFSET])
+    c = zlib.crc32(_ZERO4, c)
+    return zlib.crc32(raw[_CRC_OFFSET + 4 : HEADER_BYTES], c)
+
+
+def _write_header(a: np.ndarray, h: Header) -> None:
+    """Pack ``h`` into the first 96 bytes of the host uint8 array ``a`` (CRC last)."""
+    _STRUCT.pack_into(
+        a, 0, MAGIC, VERSION, h.kind, _DTYPE_CODES[h.dtype], h.flags, h.request_id, h.seq,
+        h.chunk_id, h.batch, h.heads, h.width, h.layer_lo, h.layer_hi, h.topk, h.payload_bytes,
+        h.position, h.holder_ns, h.payload_crc, 0,
+    )  # fmt: skip
+    a[_STRUCT.size : HEADER_BYTES] = 0
+    _CRC.pack_into(a, _CRC_OFFSET, _header_crc(a))
 
 
 # ---- sizes (all derived from the geometry's dims, never typed in) --------------------------------
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return _ITEMSIZE[dtype]
 
 
 def query_payload_bytes(batch: int, heads: int, width: int, topk: int, dtype: torch.dtype) -> int:
@@ -206,13 +222,14 @@ def message_bytes(header: Header) -> int:
 
 def _expected_payload(h: Header) -> int | None:
     """Payload size the header's fields imply, or None where it is free-form (ERROR)."""
-    if h.kind in (Kind.PROBE, Kind.PROBE_ACK, Kind.FETCH, Kind.SHUTDOWN):
+    k = h.kind
+    if k in (Kind.PROBE, Kind.PROBE_ACK, Kind.FETCH, Kind.SHUTDOWN):
         return 0
-    if h.kind == Kind.ROUTE:
+    if k == Kind.ROUTE:
         return query_payload_bytes(h.batch, h.heads, h.width, h.topk, h.dtype)
-    if h.kind == Kind.PARTIAL:
+    if k == Kind.PARTIAL:
         return partial_payload_bytes(h.batch, h.heads, h.width, h.dtype)
-    if h.kind == Kind.CHUNK:
+    if k == Kind.CHUNK:
         return chunk_payload_bytes(h.layer_hi - h.layer_lo, h.batch, h.width, h.dtype)
     return None
 
@@ -233,46 +250,125 @@ def _check_buffer(buf: object) -> torch.Tensor:
     return buf
 
 
-def _crc(buf: torch.Tensor) -> int:
-    return zlib.crc32(buf.numpy()) if buf.numel() else 0
+def _new_message(nbytes: int, device) -> torch.Tensor:
+    """An uninitialised ``[nbytes]`` uint8 buffer (every byte is written before it is sent)."""
+    if device is None or str(device) == "cpu":
+        return torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
-def _new_message(header: Header, device: torch.device | str | None) -> torch.Tensor:
-    """A zeroed ``[nbytes]`` uint8 buffer (the header is written by :func:`_seal`)."""
-    return torch.zeros(header.nbytes, dtype=torch.uint8, device=device)
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's bytes as a uint8 array (a view when it is contiguous)."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.view(torch.uint8).numpy()
 
 
-def _seal(buf: torch.Tensor, header: Header) -> torch.Tensor:
-    """Write the header (with the payload CRC when the buffer is host memory) into ``buf``."""
-    if buf.device.type == "cpu":
-        header = dataclasses.replace(
-            header, flags=header.flags | FLAG_PAYLOAD_CRC, payload_crc=_crc(buf[HEADER_BYTES:])
-        )
-    raw = torch.frombuffer(bytearray(header.pack()), dtype=torch.uint8)
-    buf[:HEADER_BYTES].copy_(raw)
+def _assemble(h: Header, parts, device, out: torch.Tensor | None, crc: bool | None):
+    """The message of header ``h`` whose payload is ``parts``' bytes in order (host tensors or
+    uint8 arrays), in a new buffer on ``device`` or the prefix of ``out``; sealed."""
+    nbytes = HEADER_BYTES + h.payload_bytes
+    if out is None and (device is None or getattr(device, "type", device) == "cpu"):
+        return _host_message(h, parts, crc)
+    buf = _message_buffer(nbytes, out, device)
+    host = buf.is_cpu
+    a = buf.numpy() if host else None
+    off = HEADER_BYTES
+    for t in parts:
+        if host and (isinstance(t, np.ndarray) or t.is_cpu):
+            src = t if isinstance(t, np.ndarray) else _bytes_of(t)
+            a[off : off + src.shape[0]] = src
+            off += src.shape[0]
+        else:
+            if isinstance(t, np.ndarray):
+                t = torch.from_numpy(t)
+            flat = t.contiguous().view(-1).view(torch.uint8)
+            buf[off : off + flat.numel()].copy_(flat)
+            off += flat.numel()
+    return _seal(buf, h, crc, a)
+
+
+def _host_message(h: Header, parts, crc: bool | None) -> torch.Tensor:
+    """A new host message of header ``h`` whose payload is ``parts``' bytes (host tensors or
+    arrays), sealed: the fast path of every packer (numpy copies, one torch wrapper)."""
+    a = np.empty(HEADER_BYTES + h.payload_bytes, dtype=np.uint8)
+    off = HEADER_BYTES
+    for t in parts:
+        src = t if isinstance(t, np.ndarray) else _bytes_of(t if t.is_cpu else t.cpu())
+        n = src.size
+        a[off : off + n] = src.reshape(-1) if src.ndim != 1 else src
+        off += n
+    if crc is not False and h.payload_bytes:
+        h = h._replace(flags=h.flags | FLAG_PAYLOAD_CRC, payload_crc=zlib.crc32(a[HEADER_BYTES:]))
+    _write_header(a, h)
+    return torch.from_numpy(a)
+
+
+def _seal(buf: torch.Tensor, h: Header, crc: bool | None, a: np.ndarray | None = None):
+    """Write the header into ``buf``: with the payload CRC (flag bit 0) for host buffers unless
+    ``crc`` is False; never for device buffers (whose bytes would have to come to the host)."""
+    if buf.is_cpu:
+        if a is None:
+            a = buf.numpy()
+        if crc is not False and h.payload_bytes:
+            h = h._replace(
+                flags=h.flags | FLAG_PAYLOAD_CRC,
+                payload_crc=zlib.crc32(a[HEADER_BYTES : HEADER_BYTES + h.payload_bytes]),
+            )
+        _write_header(a, h)
+        return buf
+    raw = np.empty(HEADER_BYTES, dtype=np.uint8)
+    _write_header(raw, h)
+    buf[:HEADER_BYTES].copy_(torch.from_numpy(raw))
     return buf
 
 
+def _header_only(h: Header, device) -> torch.Tensor:
+    """A message that is its header alone (probe, ack, fetch, shutdown)."""
+    if device is None or str(device) == "cpu":
+        a = np.empty(HEADER_BYTES, dtype=np.uint8)
+        _write_header(a, h)
+        return torch.from_numpy(a)
+    return _seal(_new_message(HEADER_BYTES, device), h, False)
+
+
 def _payload_view(buf: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape):
-    part = buf[HEADER_BYTES + offset : HEADER_BYTES + offset + nbytes]
+    start = HEADER_BYTES + offset
+    part = buf[start : start + nbytes]
+    if (buf.storage_offset() + start) % _VIEW_ALIGN[dtype]:
+        part = part.clone()  # a field at an offset its dtype cannot view in place (odd widths)
     return part.view(dtype).view(shape)
 
 
-def _write(buf: torch.Tensor, offset: int, t: torch.Tensor) -> int:
-    """Copy ``t``'s bytes into the payload at ``offset``; returns the next offset."""
-    flat = t.contiguous().reshape(-1).view(torch.uint8)
-    n = flat.numel()
-    buf[HEADER_BYTES + offset : HEADER_BYTES + offset + n].copy_(flat)
-    return offset + n
+_VIEW_ALIGN = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.int32: 4}
 
 
-# Over 60 lines by its numpy docstring (26); the body is the header's checks in order (37 lines).
+def _host_header(buf: torch.Tensor) -> np.ndarray:
+    """The buffer's first bytes as a host uint8 array (a view for host buffers)."""
+    if buf.is_cpu:
+        return buf.numpy()
+    return buf[:HEADER_BYTES].cpu().numpy()
+
+
+def _host_array(buf: object) -> np.ndarray | None:
+    """A host uint8 tensor's bytes as a numpy view, or None when ``buf`` is anything else (a
+    device tensor, another dtype, not 1-D contiguous: :func:`_check_buffer` says why)."""
+    if type(buf) is not torch.Tensor or buf.dtype != torch.uint8 or not buf.is_cpu:
+        return None
+    a = buf.numpy()
+    return a if a.ndim == 1 and a.flags.c_contiguous else None
+
+
+# Over 60 lines by its numpy docstring (33); the body is the header's checks in order (35 lines).
 def parse_header(
     buf: torch.Tensor,
     *,
     geometry: MLAGeometry | None = None,
     expect: Kind | tuple[Kind, ...] | None = None,
     check_payload: bool = True,
+    require_payload_crc: bool = False,
 ) -> Header:
     """Read and check the header of the message at the start of ``buf``.
 
@@ -289,6 +385,9 @@ def parse_header(
         caller).
     check_payload : bool
         Verify the payload CRC when the header carries one (host buffers only).
+    require_payload_crc : bool
+        Reject a host message with a payload but no payload CRC (what a receiver passes when
+        the bytes crossed a process: the sender's flag cannot switch the check off).
 
     Returns
     -------
@@ -297,121 +396,140 @@ def parse_header(
     Raises
     ------
     WireError
-        Truncated buffer, bad magic/version/CRC, unknown kind or dtype, payload size that does
-        not match the fields, or fields that do not fit ``geometry``.
+        Truncated buffer, bad magic/version/CRC, unknown kind or dtype, an empty (or, for
+        ROUTE and PARTIAL, multi-layer) layer range, payload size that does not match the
+        fields, a missing or wrong payload CRC, or fields that do not fit ``geometry``.
     """
-    buf = _check_buffer(buf)
-    if buf.numel() < HEADER_BYTES:
+    a = _host_array(buf)
+    if a is None:
+        buf = _check_buffer(buf)
+        if buf.numel() >= HEADER_BYTES:
+            a = _host_header(buf)
+    n = buf.numel() if a is None or not buf.is_cpu else a.shape[0]
+    if n < HEADER_BYTES:
         raise WireError(
-            f"buf: truncated message, expected at least {HEADER_BYTES} header bytes, "
-            f"got {buf.numel()}"
+            f"buf: truncated message, expected at least {HEADER_BYTES} header bytes, got {n}"
         )
-    h = _decode(bytes(buf[:HEADER_BYTES].cpu().numpy()))
-    if expect is not None:
+    h = _decode(a)
+    if expect is not None and h.kind != expect and h.kind != Kind.ERROR:
         kinds = (expect,) if isinstance(expect, Kind) else tuple(expect)
-        if h.kind not in kinds and h.kind != Kind.ERROR:
+        if h.kind not in kinds:
             raise WireError(
                 f"buf: unexpected message kind, expected {[k.name for k in kinds]}, "
                 f"got {h.kind.name}"
             )
-    if h.layer_hi < h.layer_lo:
-        raise WireError(f"buf: bad layer range [{h.layer_lo}, {h.layer_hi})")
+    _check_layer_range(h)
     want = _expected_payload(h)
     if want is not None and h.payload_bytes != want:
         raise WireError(
             f"buf: {h.kind.name} payload size mismatch, the header's fields imply {want} B, "
             f"the header says {h.payload_bytes} B"
         )
-    if buf.numel() < h.nbytes:
+    if n < HEADER_BYTES + h.payload_bytes:
         raise WireError(
             f"buf: truncated {h.kind.name} message, expected {h.nbytes} B "
-            f"({HEADER_BYTES} header + {h.payload_bytes} payload), got {buf.numel()}"
+            f"({HEADER_BYTES} header + {h.payload_bytes} payload), got {n}"
         )
     if geometry is not None:
         _check_geometry(h, geometry)
-    if check_payload and h.flags & FLAG_PAYLOAD_CRC and buf.device.type == "cpu":
-        got = _crc(buf[HEADER_BYTES : h.nbytes])
+    if h.payload_bytes and a.shape[0] >= HEADER_BYTES + h.payload_bytes:  # host bytes
+        _check_payload_crc(h, a, check_payload, require_payload_crc)
+    return h
+
+
+def _check_layer_range(h: Header) -> None:
+    if h.layer_hi < h.layer_lo:
+        raise WireError(f"buf: bad layer range [{h.layer_lo}, {h.layer_hi})")
+    if h.kind in _LAYERED:
+        if h.layer_hi == h.layer_lo:
+            raise WireError(
+                f"buf: {h.kind.name} with an empty layer range [{h.layer_lo}, {h.layer_hi})"
+            )
+        if h.kind in (Kind.ROUTE, Kind.PARTIAL) and h.layer_hi != h.layer_lo + 1:
+            raise WireError(
+                f"buf: {h.kind.name} layer range [{h.layer_lo}, {h.layer_hi}), expected one layer"
+            )
+
+
+def _check_payload_crc(h: Header, a: np.ndarray, check: bool, require: bool) -> None:
+    if not h.flags & FLAG_PAYLOAD_CRC:
+        if require:
+            raise WireError(
+                f"buf: {h.kind.name} payload without a payload CRC, and this receiver "
+                "requires one (the bytes crossed a process)"
+            )
+        return
+    if check or require:
+        got = zlib.crc32(a[HEADER_BYTES : HEADER_BYTES + h.payload_bytes])
         if got != h.payload_crc:
             raise WireError(
                 f"buf: {h.kind.name} payload CRC mismatch (stored {h.payload_crc:#010x}, "
                 f"computed {got:#010x}): corrupt payload"
             )
-    return h
 
 
-# The struct's fields after (magic, version, kind, dtype code), in order, as Header fields.
-_FIELDS = (
-    "flags",
-    "request_id",
-    "seq",
-    "chunk_id",
-    "batch",
-    "heads",
-    "width",
-    "layer_lo",
-    "layer_hi",
-    "topk",
-    "payload_bytes",
-    "position",
-    "holder_ns",
-    "payload_crc",
-)
-
-
-def _decode(raw: bytes) -> Header:
-    """The header in ``raw`` (96 bytes), after checking magic, version, CRC, kind and dtype."""
-    magic, version, kind, dtype_code, *rest, header_crc = _STRUCT.unpack_from(raw, 0)
-    if magic != MAGIC:
-        raise WireError(f"buf: bad magic, expected {MAGIC!r}, got {magic!r}")
-    if version != VERSION:
-        raise WireError(f"buf: unsupported wire version, expected {VERSION}, got {version}")
-    if _header_crc(raw) != header_crc:
+def _decode(raw) -> Header:
+    """The header in ``raw`` (>= 96 bytes), after checking magic, version, CRC, kind and
+    dtype."""
+    f = _STRUCT.unpack_from(raw, 0)
+    if f[0] != MAGIC:
+        raise WireError(f"buf: bad magic, expected {MAGIC!r}, got {f[0]!r}")
+    if f[1] != VERSION:
+        raise WireError(f"buf: unsupported wire version, expected {VERSION}, got {f[1]}")
+    crc = _header_crc(raw)
+    if crc != f[18]:
         raise WireError(
-            f"buf: header CRC mismatch (stored {header_crc:#010x}, computed "
-            f"{_header_crc(raw):#010x}): corrupt header"
+            f"buf: header CRC mismatch (stored {f[18]:#010x}, computed {crc:#010x}): corrupt header"
         )
-    try:
-        kind = Kind(kind)
-    except ValueError:
-        raise WireError(f"buf: unknown message kind {kind}") from None
-    if dtype_code not in WIRE_DTYPES:
-        raise WireError(
-            f"buf: unknown dtype code {dtype_code}, expected one of {sorted(WIRE_DTYPES)}"
-        )
-    return Header(kind=kind, dtype=WIRE_DTYPES[dtype_code], **dict(zip(_FIELDS, rest, strict=True)))
+    kind = _KINDS.get(f[2])
+    if kind is None:
+        raise WireError(f"buf: unknown message kind {f[2]}")
+    dtype = WIRE_DTYPES.get(f[3])
+    if dtype is None:
+        raise WireError(f"buf: unknown dtype code {f[3]}, expected one of {sorted(WIRE_DTYPES)}")
+    return Header._make((kind, dtype, *f[4:18]))
 
 
-def peek_length(head: torch.Tensor) -> int | None:
-    """Length of the message whose header starts ``head`` (>= 96 bytes), or None when the
-    header is not valid (magic, version or header CRC wrong): read that much, then
-    :func:`parse_header` checks everything."""
+def _peek(a) -> int | None:
+    """Length of the message whose header starts the host array / bytes ``a``, or None when
+    it does not start with a header (magic or version wrong). The length is not trusted: the
+    reader copies at most a slot, and :func:`parse_header` checks the header CRC."""
+    if len(a) < HEADER_BYTES:
+        return None
+    f = _STRUCT.unpack_from(a, 0)
+    if f[0] != MAGIC or f[1] != VERSION:
+        return None
+    return HEADER_BYTES + f[_PAYLOAD_OFFSET]
+
+
+def peek_length(head) -> int | None:
+    """Length of the message whose header starts ``head`` (a uint8 tensor, or a host uint8
+    numpy array / ``bytes``, of >= 96 bytes), or None when it is not a header (magic or
+    version wrong): read that much (at most a slot), then :func:`parse_header` checks
+    everything, the header CRC first."""
+    if not isinstance(head, torch.Tensor):
+        return _peek(head)
     head = _check_buffer(head)
     if head.numel() < HEADER_BYTES:
         return None
-    raw = bytes(head[:HEADER_BYTES].cpu().numpy())
-    fields = _STRUCT.unpack_from(raw, 0)
-    if fields[0] != MAGIC or fields[1] != VERSION or _header_crc(raw) != fields[-1]:
-        return None
-    return HEADER_BYTES + int(fields[14])
+    return _peek(_host_header(head)[:HEADER_BYTES])
 
 
 def read_message(transport, slot: int) -> torch.Tensor:
     """Copy the message in a local transport slot: its header first, then exactly its length
-    (the whole slot when the header is not valid, so that the caller's check reports why)."""
-    n = peek_length(transport.read(slot, HEADER_BYTES))
-    if n is None or n > transport.slot_bytes:
-        return transport.read(slot)
-    return transport.read(slot, n)
+    (the whole slot when the header is not valid, so that the caller's check reports why).
+    :meth:`mqnc.transport.Transport.read_message` gives the slot's signal with it."""
+    return transport.read_message(slot)[1]
 
 
 def _check_geometry(h: Header, g: MLAGeometry) -> None:
-    want = {Kind.ROUTE: g.d_qk, Kind.CHUNK: g.d_qk, Kind.PARTIAL: g.d_v}.get(h.kind)
+    want = g.d_v if h.kind == Kind.PARTIAL else g.d_qk if h.kind in _QK_KINDS else None
     if want is not None and h.width != want:
         raise WireError(
             f"buf: {h.kind.name} row width {h.width} does not fit geometry {g.name!r} "
             f"(expected {want})"
         )
-    if h.kind in (Kind.ROUTE, Kind.PARTIAL, Kind.FETCH, Kind.CHUNK) and h.layer_hi > g.layers:
+    if h.kind in _LAYERED and h.layer_hi > g.layers:
         raise WireError(
             f"buf: layer range [{h.layer_lo}, {h.layer_hi}) outside geometry {g.name!r} "
             f"({g.layers} layers)"
@@ -425,13 +543,15 @@ def _geometry(geometry: MLAGeometry | None) -> MLAGeometry:
     return g
 
 
+_LIMITS = {"position": (-(2**63), 2**63 - 1), "layer": (0, 2**16 - 1)}
+
+
 def _check_ids(**ids: int) -> None:
-    limits = {"position": (-(2**63), 2**63 - 1), "layer": (0, 2**16 - 1)}
     for name, v in ids.items():
-        if not is_int(v):
+        if type(v) is not int and not is_int(v):
             raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
-        lo, hi = limits.get(name, (0, 2**64 - 1))
-        if not lo <= int(v) <= hi:
+        lo, hi = _LIMITS.get(name, (0, 2**64 - 1))
+        if not lo <= v <= hi:
             raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {v}")
 
 
@@ -460,14 +580,14 @@ def _check_stat(name: str, t: object, batch: int, heads: int) -> None:
         raise ValueError(f"{name}: expected shape ({batch}, {heads}), got {tuple(t.shape)}")
 
 
-def _message_buffer(h: Header, out: torch.Tensor | None, device) -> torch.Tensor:
-    """A new zeroed buffer for ``h``'s message, or the prefix of ``out`` (a staging slot)."""
+def _message_buffer(nbytes: int, out: torch.Tensor | None, device) -> torch.Tensor:
+    """A new buffer for a message of ``nbytes``, or the prefix of ``out`` (a staging slot)."""
     if out is None:
-        return _new_message(h, device)
+        return _new_message(nbytes, device)
     out = _check_buffer(out)
-    if out.numel() < h.nbytes:
-        raise ValueError(f"out: expected at least {h.nbytes} bytes, got {out.numel()}")
-    return out[: h.nbytes]
+    if out.numel() < nbytes:
+        raise ValueError(f"out: expected at least {nbytes} bytes, got {out.numel()}")
+    return out[:nbytes]
 
 
 def _check_layers(layers: tuple[int, int], g: MLAGeometry) -> tuple[int, int]:
@@ -493,6 +613,11 @@ def _check_float(name: str, t: object, ndim: int, width: int | None) -> torch.Te
     return t
 
 
+def _check_error_reply(h: Header, buf: torch.Tensor, what: str) -> None:
+    if h.kind == Kind.ERROR:
+        raise WireError(f"{what} for request {h.request_id}: {unpack_error(buf)[1]}")
+
+
 # ---- probe ---------------------------------------------------------------------------------------
 
 
@@ -500,14 +625,13 @@ def pack_probe(*, request_id: int, seq: int, ack: bool = False, device=None) -> 
     """A ``PROBE`` (or ``PROBE_ACK``) message: the header alone, ``[96]`` uint8."""
     _check_ids(request_id=request_id, seq=seq)
     h = Header(Kind.PROBE_ACK if ack else Kind.PROBE, request_id=request_id, seq=seq)
-    return _seal(_new_message(h, device), h)
+    return _header_only(h, device)
 
 
 def pack_shutdown(*, request_id: int = 0, seq: int = 0, device=None) -> torch.Tensor:
     """A ``SHUTDOWN`` message (asks a holder's service loop to stop)."""
     _check_ids(request_id=request_id, seq=seq)
-    h = Header(Kind.SHUTDOWN, request_id=request_id, seq=seq)
-    return _seal(_new_message(h, device), h)
+    return _header_only(Header(Kind.SHUTDOWN, request_id=request_id, seq=seq), device)
 
 
 # ---- route: query rows ---------------------------------------------------------------------------
@@ -522,6 +646,7 @@ def pack_query(
     layer: int,
     indices: torch.Tensor | None = None,
     geometry: MLAGeometry | None = None,
+    crc: bool | None = None,
 ) -> torch.Tensor:
     """Pack ``M_q = B * H`` absorbed query rows (and a selection) into one ``ROUTE`` message.
 
@@ -539,6 +664,9 @@ def pack_query(
         None for dense attention over the whole chunk.
     geometry : MLAGeometry or None
         Dims (default DeepSeek-V2-Lite); ``q``'s last dim must be ``d_qk``.
+    crc : bool or None
+        Payload CRC: None (default) for host buffers, False to skip it (bytes that never leave
+        the process).
 
     Returns
     -------
@@ -551,29 +679,13 @@ def pack_query(
     lo, hi = _check_layers((layer, layer + 1), g)
     B, H, D = q.shape
     topk = 0 if indices is None else _check_indices(indices, q)
-    h = Header(
-        Kind.ROUTE,
-        request_id=request_id,
-        seq=seq,
-        chunk_id=chunk_id,
-        batch=B,
-        heads=H,
-        width=D,
-        layer_lo=lo,
-        layer_hi=hi,
-        topk=topk,
-        payload_bytes=query_payload_bytes(B, H, D, topk, q.dtype),
-        dtype=q.dtype,
-    )
-    buf = _new_message(h, q.device)
-    off = _write(buf, 0, q)
-    if topk:
-        _write(buf, off, indices)
-    return _seal(buf, h)
+    nbytes = query_payload_bytes(B, H, D, topk, q.dtype)
+    h = Header(Kind.ROUTE, q.dtype, 0, request_id, seq, chunk_id, B, H, D, lo, hi, topk, nbytes)
+    return _assemble(h, (q, indices) if topk else (q,), q.device, None, crc)
 
 
 def unpack_query(
-    buf: torch.Tensor, *, geometry: MLAGeometry | None = None
+    buf: torch.Tensor, *, geometry: MLAGeometry | None = None, require_payload_crc: bool = False
 ) -> tuple[Header, torch.Tensor, torch.Tensor | None]:
     """Check and unpack a ``ROUTE`` message.
 
@@ -585,21 +697,29 @@ def unpack_query(
     indices : torch.Tensor or None
         ``[B, topk]`` int32 view, or None for dense.
     """
-    h = parse_header(buf, geometry=geometry, expect=Kind.ROUTE)
+    h = parse_header(
+        buf, geometry=geometry, expect=Kind.ROUTE, require_payload_crc=require_payload_crc
+    )
     if h.kind == Kind.ERROR:
         raise WireError(f"buf: expected a ROUTE message, got ERROR: {unpack_error(buf)[1]}")
+    return h, *query_views(buf, h)
+
+
+def query_views(buf: torch.Tensor, h: Header) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(q [B, H, width], indices [B, topk] or None)``: views into a ROUTE message whose
+    header ``h`` :func:`parse_header` has checked."""
     nq = h.rows * h.width * _itemsize(h.dtype)
     q = _payload_view(buf, 0, nq, h.dtype, (h.batch, h.heads, h.width))
     idx = None
     if h.topk:
         idx = _payload_view(buf, nq, h.batch * h.topk * 4, torch.int32, (h.batch, h.topk))
-    return h, q, idx
+    return q, idx
 
 
 # ---- route: the collapsed response ---------------------------------------------------------------
 
 
-# Over 60 lines by its numpy docstring (22) and signature; the body is 26 lines.
+# Over 60 lines by its numpy docstring (24) and signature; the body is 18 lines.
 def pack_partial(
     o: torch.Tensor,
     m: torch.Tensor,
@@ -612,6 +732,7 @@ def pack_partial(
     holder_ns: int = 0,
     geometry: MLAGeometry | None = None,
     out: torch.Tensor | None = None,
+    crc: bool | None = None,
 ) -> torch.Tensor:
     """Pack a partial ``(o, m, l)`` as ONE contiguous ``PARTIAL`` message (§5.3).
 
@@ -629,6 +750,8 @@ def pack_partial(
     out : torch.Tensor or None
         A ``[n >= 96 + B * H * p_row_bytes]`` uint8 buffer to pack into (a staging slot);
         a new one is allocated when None.
+    crc : bool or None
+        As in :func:`pack_query`.
 
     Returns
     -------
@@ -642,29 +765,16 @@ def pack_partial(
     _check_stat("l", l, B, H)
     _check_ids(request_id=request_id, seq=seq, chunk_id=chunk_id, layer=layer, holder_ns=holder_ns)
     lo, hi = _check_layers((layer, layer + 1), g)
+    nbytes = partial_payload_bytes(B, H, Dv, o.dtype)
     h = Header(
-        Kind.PARTIAL,
-        request_id=request_id,
-        seq=seq,
-        chunk_id=chunk_id,
-        batch=B,
-        heads=H,
-        width=Dv,
-        layer_lo=lo,
-        layer_hi=hi,
-        payload_bytes=partial_payload_bytes(B, H, Dv, o.dtype),
-        holder_ns=holder_ns,
-        dtype=o.dtype,
-    )
-    buf = _message_buffer(h, out, o.device)
-    off = _write(buf, 0, o)
-    off = _write(buf, off, m)
-    _write(buf, off, l)
-    return _seal(buf, h)
+        Kind.PARTIAL, o.dtype, 0, request_id, seq, chunk_id, B, H, Dv, lo, hi, 0, nbytes,
+        0, holder_ns,
+    )  # fmt: skip
+    return _assemble(h, (o, m, l), o.device, out, crc)
 
 
 def unpack_partial(
-    buf: torch.Tensor, *, geometry: MLAGeometry | None = None
+    buf: torch.Tensor, *, geometry: MLAGeometry | None = None, require_payload_crc: bool = False
 ) -> tuple[Header, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Check and unpack a ``PARTIAL`` message.
 
@@ -681,14 +791,61 @@ def unpack_partial(
     WireError
         Malformed message, or an ``ERROR`` message (its text in the exception).
     """
-    h = parse_header(buf, geometry=geometry, expect=Kind.PARTIAL)
-    if h.kind == Kind.ERROR:
-        raise WireError(f"remote error for request {h.request_id}: {unpack_error(buf)[1]}")
+    h = parse_header(
+        buf, geometry=geometry, expect=Kind.PARTIAL, require_payload_crc=require_payload_crc
+    )
+    _check_error_reply(h, buf, "remote error")
+    return h, *partial_views(buf, h)
+
+
+def partial_views(buf: torch.Tensor, h: Header):
+    """``(o [B, H, width], m [B, H], l [B, H])``: views into a PARTIAL message whose header
+    ``h`` :func:`parse_header` has checked."""
     no = h.rows * h.width * _itemsize(h.dtype)
     o = _payload_view(buf, 0, no, h.dtype, (h.batch, h.heads, h.width))
     m = _payload_view(buf, no, h.rows * 4, torch.float32, (h.batch, h.heads))
     l = _payload_view(buf, no + h.rows * 4, h.rows * 4, torch.float32, (h.batch, h.heads))
-    return h, o, m, l
+    return o, m, l
+
+
+def partial_arrays(buf: torch.Tensor, h: Header):
+    """As :func:`partial_views` for a host message, with ``m`` and ``l`` as float32 numpy
+    arrays ``[B, H]`` (copies: the requester's host path, no torch op per statistic)."""
+    no = h.rows * h.width * _itemsize(h.dtype)
+    o = _payload_view(buf, 0, no, h.dtype, (h.batch, h.heads, h.width))
+    start = HEADER_BYTES + no
+    ml = buf.numpy()[start : start + 8 * h.rows]
+    ml = (ml if start % 4 == 0 else ml.copy()).view(np.float32)
+    return o, ml[: h.rows].reshape(h.batch, h.heads), ml[h.rows :].reshape(h.batch, h.heads)
+
+
+def pack_partial_arrays(
+    o: np.ndarray,
+    m: np.ndarray,
+    l: np.ndarray,
+    *,
+    dtype: torch.dtype,
+    width: int,
+    request_id: int,
+    seq: int,
+    chunk_id: int,
+    layer: int,
+    holder_ns: int,
+    crc: bool | None,
+) -> torch.Tensor:
+    """The holder's fast path of :func:`pack_partial`: ``o`` as the uint8 bytes of
+    ``[B, H, width]`` values in ``dtype`` (shape ``[B, H * width * itemsize]``), ``m`` and
+    ``l`` float32 ``[B, H]`` numpy arrays, all on the host (no argument checks beyond the
+    sizes: the holder made them)."""
+    B, H = m.shape
+    nbytes = partial_payload_bytes(B, H, width, dtype)
+    if o.size + m.nbytes + l.nbytes != nbytes or l.shape != (B, H):
+        raise ValueError(f"o, m, l: {o.size + m.nbytes + l.nbytes} B, expected {nbytes} B")
+    h = Header(
+        Kind.PARTIAL, dtype, 0, request_id, seq, chunk_id, B, H, width, layer, layer + 1, 0,
+        nbytes, 0, holder_ns,
+    )  # fmt: skip
+    return _host_message(h, (o, m.view(np.uint8), l.view(np.uint8)), crc)
 
 
 # ---- fetch ---------------------------------------------------------------------------------------
@@ -710,7 +867,7 @@ def pack_fetch(
     h = Header(
         Kind.FETCH, request_id=request_id, seq=seq, chunk_id=chunk_id, layer_lo=lo, layer_hi=hi
     )
-    return _seal(_new_message(h, device), h)
+    return _header_only(h, device)
 
 
 def pack_chunk(
@@ -723,11 +880,13 @@ def pack_chunk(
     position: int,
     geometry: MLAGeometry | None = None,
     out: torch.Tensor | None = None,
+    crc: bool | None = None,
 ) -> torch.Tensor:
     """Pack a chunk's cache entries ``kv [n_layers, c_t, d_qk]`` as one ``CHUNK`` message.
 
     ``position`` is the canonical position of the chunk's first token (the splice's ``old``
-    position, §2.2); ``layers`` the half-open range the ``n_layers`` slices cover.
+    position, §2.2); ``layers`` the half-open range the ``n_layers`` slices cover; ``crc`` as
+    in :func:`pack_query`.
     """
     g = _geometry(geometry)
     _check_float("kv", kv, 3, g.d_qk)
@@ -736,31 +895,21 @@ def pack_chunk(
         raise ValueError(f"kv: expected {hi - lo} layers (range [{lo}, {hi})), got {kv.shape[0]}")
     _check_ids(request_id=request_id, seq=seq, chunk_id=chunk_id, position=position)
     nl, ct, D = kv.shape
+    nbytes = chunk_payload_bytes(nl, ct, D, kv.dtype)
     h = Header(
-        Kind.CHUNK,
-        request_id=request_id,
-        seq=seq,
-        chunk_id=chunk_id,
-        batch=ct,
-        width=D,
-        layer_lo=lo,
-        layer_hi=hi,
-        payload_bytes=chunk_payload_bytes(nl, ct, D, kv.dtype),
-        position=position,
-        dtype=kv.dtype,
+        Kind.CHUNK, kv.dtype, 0, request_id, seq, chunk_id, ct, 0, D, lo, hi, 0, nbytes, position
     )
-    buf = _message_buffer(h, out, kv.device)
-    _write(buf, 0, kv)
-    return _seal(buf, h)
+    return _assemble(h, (kv,), kv.device, out, crc)
 
 
 def unpack_chunk(
-    buf: torch.Tensor, *, geometry: MLAGeometry | None = None
+    buf: torch.Tensor, *, geometry: MLAGeometry | None = None, require_payload_crc: bool = False
 ) -> tuple[Header, torch.Tensor]:
     """Check and unpack a ``CHUNK`` message: ``(header, kv [n_layers, c_t, d_qk])`` (a view)."""
-    h = parse_header(buf, geometry=geometry, expect=Kind.CHUNK)
-    if h.kind == Kind.ERROR:
-        raise WireError(f"remote error for request {h.request_id}: {unpack_error(buf)[1]}")
+    h = parse_header(
+        buf, geometry=geometry, expect=Kind.CHUNK, require_payload_crc=require_payload_crc
+    )
+    _check_error_reply(h, buf, "remote error")
     nl = h.layer_hi - h.layer_lo
     kv = _payload_view(buf, 0, h.payload_bytes, h.dtype, (nl, h.batch, h.width))
     return h, kv
@@ -776,10 +925,7 @@ def pack_error(message: str, *, request_id: int, seq: int, chunk_id: int = 0) ->
     h = Header(
         Kind.ERROR, request_id=request_id, seq=seq, chunk_id=chunk_id, payload_bytes=len(data)
     )
-    buf = _new_message(h, None)
-    if data:
-        buf[HEADER_BYTES:].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    return _seal(buf, h)
+    return _assemble(h, (np.frombuffer(data, dtype=np.uint8),), None, None, None)
 
 
 def unpack_error(buf: torch.Tensor) -> tuple[Header, str]:

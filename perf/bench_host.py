@@ -1,0 +1,295 @@
+"""The host path against the machine's floors, in one interleaved run (issue 14, §5.3).
+
+``python -m perf.bench_host [--transport loopback,gloo] [--reps 400] [--no-kernel]
+[--breakdown] [--record [FILE]]``
+
+The paper's Python client added ~3.5 ms to every routed call against a 16 us fabric probe
+(§5.3); this benchmark measures what this package's software adds, as ratios to floors
+timed in the same run (every case once per repetition, in a fresh random order,
+:func:`mqnc.measure.timing.interleaved_samples`), so that a shared machine's load falls on
+floors and package alike:
+
+floors (:mod:`mqnc.measure.floors`)
+    ``cond``: a ``threading.Condition`` round trip between two threads (two hand-offs);
+    ``cond_payload``: the same, each side copying M_q 256's bytes (the loopback bytes floor);
+    ``socketpair``: 1 byte to a child process and back; ``gloo_1B``: a bare gloo send/recv
+    round trip to a child process (receive always posted); ``gloo_payload``: the same with
+    M_q 256's ROUTE out and PARTIAL back.
+the package, per transport (:mod:`mqnc.measure.echo`, :mod:`mqnc.measure.holders`)
+    ``echo_probe``: the echo fabric's probe (``bench_route``, ``mqnc calibrate --path echo``);
+    ``probe``: :meth:`Requester.probe` against a real :class:`Holder`; ``route1`` /
+    ``route256``: :meth:`Requester.route` of M_q 1 (one head) and 256 (16 tokens x 16 heads)
+    rows, the holder's kernel stubbed (:func:`mqnc.measure.holders.stub_attention`);
+    ``route16_kernel``: M_q 16 through the real kernel (the Triton interpreter on a CPU) over
+    a 64-token chunk; ``holder4``: 4 requesters (threads of this process sharing one rank, one
+    lane each) routing 5 x M_q 16 each to one holder (kernel stubbed): routes per second.
+
+The goals (issue 14): loopback probe <= 3x ``cond``; gloo probe <= 2x ``gloo_1B``; route1 <=
+1.5x the probe; route256 <= 2x the probe plus the bytes at the floor's bandwidth
+(``cond_payload - cond`` or ``gloo_payload - gloo_1B``). Medians, p90 and the ratios are
+printed; ``--record`` appends them to the results file (``bench="host"``; nothing is written
+without it). ``--breakdown`` instead times each stage of a call (pack, hand-off, parse, holder
+work, reply) from the stamps of :mod:`mqnc.base.stamps`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+ROUTE_BIG = (16, 16)  # B, H: M_q 256
+HOLDER4_CALLS = 5
+
+
+def _route(req, chunk, q):
+    return lambda: req.route(chunk, q, 0)
+
+
+def _cases(args, stack: contextlib.ExitStack, g) -> dict:
+    """Every timed callable by name (floors first)."""
+    import torch
+
+    from mqnc.measure.echo import HDR, EchoFabric
+    from mqnc.measure.floors import ConditionPingPong, GlooEcho, SocketPairEcho
+    from mqnc.measure.holders import HolderFabric
+
+    m_big = ROUTE_BIG[0] * ROUTE_BIG[1]
+    out_b, back_b = 96 + m_big * g.q_row_bytes, 96 + m_big * g.p_row_bytes
+    cases = {}
+    cond = stack.enter_context(contextlib.closing(ConditionPingPong()))
+    cases["cond"] = cond.round_trip
+    condp = stack.enter_context(contextlib.closing(ConditionPingPong(out_b, back_b)))
+    cases["cond_payload"] = condp.round_trip
+    gen = torch.Generator().manual_seed(0)
+
+    def q_of(b, h):
+        return torch.randn(b, h, g.d_qk, generator=gen).to(torch.bfloat16)
+
+    for t in args.transports:
+        if t == "gloo":
+            sp = stack.enter_context(contextlib.closing(SocketPairEcho()))
+            cases["socketpair"] = sp.round_trip
+            ge = stack.enter_context(contextlib.closing(GlooEcho(max(out_b, back_b))))
+            cases["gloo_1B"] = ge.round_trip
+            msg, n = ge.message(out_b, back_b)
+            cases["gloo_payload"] = lambda ge=ge, msg=msg, n=n: ge.round_trip(msg, n)
+        echo = stack.enter_context(EchoFabric(t, holders=1, slot_bytes=HDR + 4096))
+        cases[f"{t}.echo_probe"] = echo.probe
+        fab = stack.enter_context(HolderFabric(t, max_rows=m_big, stub_kernel=True))
+        req = fab.requester
+        cases[f"{t}.probe"] = lambda req=req, r=fab.holder_ranks[0]: req.probe(r)
+        cases[f"{t}.route1"] = _route(req, 1, q_of(1, 1))
+        cases[f"{t}.route256"] = _route(req, 1, q_of(*ROUTE_BIG))
+        if args.kernel:
+            kf = stack.enter_context(HolderFabric(t, max_rows=g.heads, stub_kernel=False))
+            cases[f"{t}.route16_kernel"] = _route(kf.requester, 1, q_of(1, g.heads))
+        hf = stack.enter_context(HolderFabric(t, lanes=4, max_rows=g.heads))
+        pool = stack.enter_context(ThreadPoolExecutor(4))
+        qs = [q_of(1, g.heads) for _ in range(4)]
+
+        def holder4(hf=hf, pool=pool, qs=qs):
+            def one(i):
+                for _ in range(HOLDER4_CALLS):
+                    hf.requester.route(1, qs[i], 0)
+
+            for f in [pool.submit(one, i) for i in range(4)]:
+                f.result()
+
+        cases[f"{t}.holder4"] = holder4
+    return cases
+
+
+def _stats(samples: dict) -> dict:
+    out = {}
+    for k, v in samples.items():
+        a = np.asarray(v)
+        p20, p50, p80, p90 = np.percentile(a, [20, 50, 80, 90])
+        out[k] = dict(p20=float(p20), p50=float(p50), p80=float(p80), p90=float(p90))
+    return out
+
+
+def _ratios(p50: dict, transports) -> list[tuple[str, float, str]]:
+    """``(what, value, goal)`` rows from the cases' medians."""
+    rows = []
+
+    def add(what, value, goal):
+        rows.append((what, value, goal))
+
+    for t in transports:
+        floor = "gloo_1B" if t == "gloo" else "cond"
+        bytes_us = (
+            p50["gloo_payload"] - p50["gloo_1B"]
+            if t == "gloo"
+            else p50["cond_payload"] - p50["cond"]
+        )
+        goal_probe = "<= 2" if t == "gloo" else "<= 3"
+        add(f"{t}: Requester.probe / {floor}", p50[f"{t}.probe"] / p50[floor], goal_probe)
+        add(f"{t}: echo probe / {floor}", p50[f"{t}.echo_probe"] / p50[floor], "-")
+        add(f"{t}: route M_q 1 (stub) / probe", p50[f"{t}.route1"] / p50[f"{t}.probe"], "<= 1.5")
+        budget = 2 * p50[f"{t}.probe"] + bytes_us
+        add(f"{t}: route M_q 256 (stub) / (2 probe + bytes at floor BW)",
+            p50[f"{t}.route256"] / budget, "<= 1")  # fmt: skip
+        calls = 4 * HOLDER4_CALLS
+        add(f"{t}: holder, 4 requesters: routes/s", calls / (p50[f"{t}.holder4"] * 1e-6), "2x before")
+    return rows
+
+
+def _print(stats: dict, rows, reps: int) -> None:
+    print(f"\n{'case':<28} {'p50 us':>10} {'p90 us':>10}   ({reps} interleaved repetitions)")
+    for k, s in stats.items():
+        print(f"{k:<28} {s['p50']:>10.1f} {s['p90']:>10.1f}")
+    print(f"\n{'ratio (medians, same run)':<62} {'value':>10}   goal")
+    for what, value, goal in rows:
+        print(f"{what:<62} {value:>10.2f}   {goal}")
+
+
+def _record(stats: dict, rows, args, path) -> None:
+    from mqnc.measure import record
+
+    load = os.getloadavg()
+    for k, s in stats.items():
+        t = k.split(".")[0] if "." in k else "floor"
+        record(
+            "host",
+            k,
+            1,
+            (s["p20"], s["p50"], s["p80"]),
+            x_name="case",
+            transport=None if t == "floor" else t,
+            backend="host",
+            extra=dict(p90=s["p90"], reps=args.reps, loadavg=load),
+            path=path,
+        )
+    for what, value, goal in rows:
+        record(
+            "host_ratio",
+            what,
+            1,
+            (value, value, value),
+            x_name="case",
+            unit="ratio",
+            backend="host",
+            extra=dict(goal=goal, reps=args.reps, loadavg=load),
+            path=path,
+        )
+
+
+STAGE_NAMES = {
+    "req.packed": "pack (requester)",
+    "req.put": "put (requester)",
+    "hold.woke": "hand-off to holder",
+    "hold.parsed": "read + parse (holder)",
+    "hold.computed": "holder work (checks, tables, kernel)",
+    "hold.packed": "pack reply (holder)",
+    "hold.put": "put reply (holder)",
+    "req.woke": "hand-off back",
+    "req.parsed": "read + parse (requester)",
+    "req.done": "unpack + record (requester)",
+}
+
+
+def _calls(stamps: list[tuple[str, int]]) -> list[dict[str, int]]:
+    """Split time-sorted stamps into calls at each ``req.start``: ``[{stage: ns}]``."""
+    calls: list[dict[str, int]] = []
+    for name, ns in sorted(stamps, key=lambda x: x[1]):
+        if name == "req.start":
+            calls.append({name: ns})
+        elif calls and name not in calls[-1]:
+            calls[-1][name] = ns
+    return [c for c in calls if "req.done" in c]
+
+
+def breakdown(args, g, calls: int = 200) -> None:
+    """Median time per stage of sequential calls (probe, route M_q 1 and 256, kernel stubbed)."""
+    import torch
+
+    from mqnc.base import stamps
+    from mqnc.base.stamps import STAGES
+    from mqnc.measure.holders import HolderFabric
+
+    gen = torch.Generator().manual_seed(0)
+    qs = {
+        "route1": torch.randn(1, 1, g.d_qk, generator=gen).to(torch.bfloat16),
+        "route256": torch.randn(*ROUTE_BIG, g.d_qk, generator=gen).to(torch.bfloat16),
+    }
+    for t in args.transports:
+        with HolderFabric(t, max_rows=ROUTE_BIG[0] * ROUTE_BIG[1], stamps=True) as fab:
+            req, peer = fab.requester, fab.holder_ranks[0]
+            fns = {"probe": lambda: req.probe(peer)}
+            fns.update({k: (lambda q=q: req.route(1, q, 0)) for k, q in qs.items()})
+            for fn in fns.values():
+                for _ in range(args.warmup):
+                    fn()
+            stamps.enable()
+            stamps.take()
+            for _ in range(calls):
+                for fn in fns.values():
+                    fn()
+            mine = stamps.take()
+            stamps.enable(False)
+        rows = _calls(mine + fab.holder_stamps)
+        print(f"\n{t}: median us per stage over {calls} sequential calls of each (kernel stubbed)")
+        print(f"{'stage':<40}" + "".join(f"{k:>12}" for k in fns))
+        per = {k: rows[i :: len(fns)] for i, k in enumerate(fns)}
+        for a, b in zip(STAGES, STAGES[1:]):
+            cells = []
+            for k in fns:
+                d = [(c[b] - c[a]) / 1e3 for c in per[k] if a in c and b in c]
+                cells.append(f"{np.median(d):>12.1f}" if d else f"{'-':>12}")
+            print(f"{STAGE_NAMES[b]:<40}" + "".join(cells))
+        tot = [np.median([(c["req.done"] - c["req.start"]) / 1e3 for c in per[k]]) for k in fns]
+        print(f"{'total':<40}" + "".join(f"{x:>12.1f}" for x in tot))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--transport", default="loopback,gloo", help="loopback, gloo or both")
+    ap.add_argument("--reps", type=int, default=400, help="interleaved repetitions")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--no-kernel", dest="kernel", action="store_false",
+                    help="skip the real-kernel route (interpreted on a CPU: slow)")  # fmt: skip
+    ap.add_argument("--breakdown", action="store_true", help="per-stage times instead")
+    ap.add_argument("--record", nargs="?", const="", default=None, metavar="FILE",
+                    help="append the records (default file: the results file)")  # fmt: skip
+    ap.add_argument("--model", default="deepseek-v2-lite")
+    args = ap.parse_args(argv)
+    from mqnc.base.runtime import use_interpreter_without_cuda
+
+    use_interpreter_without_cuda()
+    from mqnc.measure.echo import exit_process
+    from mqnc.measure.timing import interleaved_samples, one_intra_op_thread
+    from mqnc.model import get_preset
+
+    args.transports = [t.strip() for t in args.transport.split(",") if t.strip()]
+    bad = [t for t in args.transports if t not in ("loopback", "gloo")]
+    if bad or not args.transports:
+        raise SystemExit(f"--transport: expected loopback and/or gloo, got {args.transport!r}")
+    one_intra_op_thread()
+    g = get_preset(args.model)
+    if args.breakdown:
+        breakdown(args, g)
+        exit_process(0)
+    t0 = time.monotonic()
+    load0 = os.getloadavg()
+    with contextlib.ExitStack() as stack:
+        cases = _cases(args, stack, g)
+        samples = interleaved_samples(cases, warmup=args.warmup, reps=args.reps)
+    stats = _stats(samples)
+    rows = _ratios({k: s["p50"] for k, s in stats.items()}, args.transports)
+    _print(stats, rows, args.reps)
+    load1 = os.getloadavg()
+    print(f"\nload average before {load0[0]:.2f}, after {load1[0]:.2f} (1 min; 2 cores); "
+          f"{time.monotonic() - t0:.0f} s")  # fmt: skip
+    if args.record is not None:
+        _record(stats, rows, args, args.record or None)
+    exit_process(0)
+    return 0
+
+
+if __name__ == "__main__":
+    main()
