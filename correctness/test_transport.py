@@ -99,9 +99,8 @@ def test_waiter_wakes_on_a_put_from_another_thread():
     got = []
     t = threading.Thread(target=lambda: got.append(fab.endpoints[1].wait_signal(0, 1, 5.0)))
     t.start()
-    time.sleep(0.05)
     fab.endpoints[0].put_signal(1, 0, torch.ones(4, dtype=torch.uint8), 1)
-    t.join(5.0)
+    t.join(30.0)
     assert got == [1]
 
 
@@ -151,13 +150,11 @@ def test_torchdist_engine_across_processes():
             assert torch.equal(t.read(reply, data.numel()), data)  # bytes moved exactly
             # one-sided read of the peer's inbox slot holds what was put there
             assert torch.equal(t.get(1, inbox, data.numel(), timeout=20.0), data)
-        with pytest.raises(TransportTimeout):
+        with pytest.raises(TransportTimeout):  # nobody puts 99: times out, whatever the load
             t.wait_signal(reply, 99, timeout=0.3)
         t.put_signal(1, inbox, torch.zeros(1, dtype=torch.uint8), 100)  # asks the echo to die
-        t0 = time.monotonic()
-        with pytest.raises(PeerLost, match="gone"):
-            t.wait_signal(reply, 101, timeout=30.0)
-        assert time.monotonic() - t0 < 15.0  # the closed connection is seen, not the timeout
+        with pytest.raises(PeerLost, match="gone"):  # the closed connection, not the timeout
+            t.wait_signal(reply, 101, timeout=600.0)
         assert not t.peer_alive(1)
     finally:
         if t is not None:

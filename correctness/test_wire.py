@@ -244,3 +244,108 @@ def test_pack_argument_errors():
             layers=(0, 2),
             position=0,
         )
+
+
+# ---- the fuzz (issue 15): any bytes, any sealed header: typed errors only, no big buffers -----
+
+_UNPACKERS = (wire.parse_header, wire.unpack_query, wire.unpack_partial, wire.unpack_chunk,
+              wire.unpack_error, wire.peek_length)  # fmt: skip
+
+
+def _sealed(fields: dict, payload: bytes) -> torch.Tensor:
+    """A header with these raw struct fields and a correct header CRC (what any peer can
+    forge), then ``payload``: the header CRC rule of the module docstring, written out."""
+    import struct
+    import zlib
+
+    raw = bytearray(wire.HEADER_BYTES)
+    values = [wire.MAGIC, wire.VERSION] + [fields[k] for k in _RAW_FIELDS] + [0]
+    struct.pack_into(wire.HEADER_FORMAT, raw, 0, *values)
+    off = struct.calcsize(wire.HEADER_FORMAT) - 4
+    struct.pack_into("<I", raw, off, zlib.crc32(bytes(raw)))
+    return torch.frombuffer(bytearray(bytes(raw) + payload), dtype=torch.uint8)
+
+
+_RAW_FIELDS = ("kind", "dtype", "flags", "request_id", "seq", "chunk_id", "batch", "heads",
+               "width", "layer_lo", "layer_hi", "topk", "payload_bytes", "position", "holder_ns",
+               "payload_crc")  # fmt: skip
+_U = {"H": 2**16 - 1, "I": 2**32 - 1, "Q": 2**64 - 1}
+_SMALL = st.one_of(st.integers(0, 8), st.integers(0, 2**16 - 1))
+
+
+def _field(kind: str):
+    return st.one_of(_SMALL, st.integers(0, _U[kind]))
+
+
+_HEADER_FIELDS = st.fixed_dictionaries(
+    {
+        "kind": st.integers(0, 10),
+        "dtype": st.integers(0, 4),
+        "flags": st.integers(0, 3),
+        "request_id": _field("Q"),
+        "seq": _field("Q"),
+        "chunk_id": _field("Q"),
+        "batch": _field("I"),
+        "heads": _field("I"),
+        "width": st.one_of(st.sampled_from([G.d_qk, G.d_v, 1, 3, 575]), _field("I")),
+        "layer_lo": _field("H"),
+        "layer_hi": _field("H"),
+        "topk": _field("I"),
+        "payload_bytes": st.one_of(st.integers(0, 4096), _field("Q")),
+        "position": st.integers(-(2**63), 2**63 - 1),
+        "holder_ns": _field("Q"),
+        "payload_crc": _field("I"),
+    }
+)
+
+
+def _only_typed_errors(buf: torch.Tensor) -> None:
+    for fn in _UNPACKERS:
+        for kw in ({}, {"geometry": G}) if fn is not wire.peek_length else ({},):
+            if fn in (wire.unpack_error, wire.peek_length) and kw:
+                continue
+            try:
+                out = fn(buf, **kw)
+            except wire.WireError:
+                continue  # the one error a message may raise
+            # Anything returned is a view of (or a small copy from) the buffer.
+            for t in out if isinstance(out, tuple) else (out,):
+                if isinstance(t, torch.Tensor):
+                    assert t.numel() * t.element_size() <= buf.numel(), fn.__name__
+
+
+@given(data=st.binary(min_size=0, max_size=2048))
+def test_fuzz_random_bytes(data):
+    """Random buffers (most fail the magic, version or header CRC)."""
+    buf = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    _only_typed_errors(buf)
+
+
+@given(fields=_HEADER_FIELDS, payload=st.binary(max_size=4096))
+def test_fuzz_sealed_headers(fields, payload):
+    """Headers with a valid CRC and arbitrary fields (a hostile peer reseals what it forges):
+    every parser raises only WireError, and nothing it returns is larger than the buffer."""
+    _only_typed_errors(_sealed(fields, payload))
+
+
+@given(fields=_HEADER_FIELDS)
+def test_fuzz_consistent_sizes(fields):
+    """The same, with the payload the header's fields imply (up to 64 KiB) actually present."""
+    h = fields.copy()
+    itemsize = {1: 2, 2: 2, 3: 4}.get(h["dtype"], 2)
+    rows = min(h["batch"], 64) * min(h["heads"], 8)
+    hi = min(h["layer_hi"], h["layer_lo"] + 3, 2**16 - 1)
+    h.update(batch=min(h["batch"], 64), heads=min(h["heads"], 8), width=min(h["width"], 600),
+             topk=min(h["topk"], 16), layer_hi=hi)  # fmt: skip
+    need = {3: rows * h["width"] * itemsize + h["batch"] * h["topk"] * 4,
+            4: rows * (h["width"] * itemsize + 8),
+            6: (h["layer_hi"] - h["layer_lo"]) * h["batch"] * h["width"] * itemsize}.get(
+        h["kind"], 0)  # fmt: skip
+    if not 0 <= need <= 65536:
+        return
+    h["payload_bytes"] = need
+    _only_typed_errors(_sealed(h, bytes(need)))

@@ -122,8 +122,8 @@ def _store_partial(
 ):
     """Write ``o = acc / l`` in ``O``'s dtype (round to nearest even, ``_numerics.round_to``)
     and the natural-log ``lse = (m + log2 l) ln 2``; a row that attended nothing (``l = 0``)
-    writes ``o = 0, lse = -inf``."""
-    nonempty = l > 0.0
+    writes ``o = 0, lse = -inf``; a NaN ``l`` (a NaN or overflowing input) writes NaN."""
+    nonempty = l != 0.0  # NaN is "non-empty": it propagates, never reads as "no keys"
     inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l, 1.0), 0.0)
     o = acc * inv_l[:, None]
     o_ptrs = O + o_base + offs_h[:, None] * stride_oh + tl.arange(0, D_LAT)[None, :]

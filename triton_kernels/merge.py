@@ -111,7 +111,7 @@ def _merge_partials_kernel(
             mask=mask,
         )
 
-    lse = tl.where(l > 0.0, m_safe + tl.log(l), -float("inf"))
+    lse = tl.where(l == 0.0, -float("inf"), m_safe + tl.log(l))  # NaN l (a NaN lse) stays NaN
     tl.store(LSE_out + b * stride_zb + h * stride_zh, lse)
 
 

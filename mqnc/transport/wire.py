@@ -278,7 +278,7 @@ def _assemble(h: Header, parts, device, out: torch.Tensor | None, crc: bool | No
     off = HEADER_BYTES
     for t in parts:
         if host and (isinstance(t, np.ndarray) or t.is_cpu):
-            src = t if isinstance(t, np.ndarray) else _bytes_of(t)
+            src = (t if isinstance(t, np.ndarray) else _bytes_of(t)).reshape(-1)
             a[off : off + src.shape[0]] = src
             off += src.shape[0]
         else:

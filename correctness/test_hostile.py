@@ -1,0 +1,630 @@
+"""Hostile peers and bad numbers (issue 15): every attack found against the holder, the
+requester and the engines, kept as a regression test.
+
+Loopback tests put hand-made messages through a rank's own endpoint (a rank may write only
+the slots it feeds); the gloo test runs a holder process and a hostile process that bypasses
+the engine's checks and writes raw frames. Everything is bounded (generous, event-driven
+timeouts) and local (127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mqnc.model import PRESETS
+from mqnc.reference import merge_reference, partial_attention_reference
+from mqnc.serving import ChunkInfo, Holder, RemoteError, Requester, RouteTimeout
+from mqnc.testing import TOLERANCES, assert_close
+from mqnc.transport import INBOX, REPLY, LoopbackFabric, slot_bytes_for, wire
+
+GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4)
+SCALE = 192**-0.5 * 1.2608**2
+SLOT = slot_bytes_for(GEOM, max_rows=64, max_topk=64, max_chunk_tokens=128)
+TOL, TOL_LSE = TOLERANCES[("mla", "bfloat16")], TOLERANCES[("mla_lse", "float32")]
+WAIT = 30.0  # every wait here is event-driven; this only bounds a broken run
+
+
+def _chunk(seed, tokens=64):
+    g = torch.Generator().manual_seed(seed)
+    return (0.5 * torch.randn(GEOM.layers, tokens, GEOM.d_qk, generator=g)).to(torch.bfloat16)
+
+
+def _q(seed, B=2):
+    g = torch.Generator().manual_seed(seed)
+    return (0.5 * torch.randn(B, GEOM.heads, GEOM.d_qk, generator=g)).to(torch.bfloat16)
+
+
+def _raw(h: wire.Header, payload: bytes = b"") -> torch.Tensor:
+    """A message with header ``h`` (sealed, as any rank could forge it) and ``payload``."""
+    return torch.frombuffer(bytearray(h.pack() + payload), dtype=torch.uint8)
+
+
+class Cluster:
+    """Holder on rank 0 (a thread), requester on rank 1, a hostile rank 2 (raw endpoint)."""
+
+    def __init__(self, kv=None, *, start=True, **holder_kw):
+        self.fabric = LoopbackFabric(3, SLOT, lanes=2)
+        self.kv = _chunk(1) if kv is None else kv
+        self.holder = Holder(
+            self.fabric.endpoint(0), GEOM, softmax_scale=SCALE, num_blocks=4, poll_s=0.05,
+            **holder_kw,
+        )  # fmt: skip
+        self.holder.add_chunk(1, self.kv)
+        self.req = Requester(self.fabric.endpoint(1), GEOM, softmax_scale=SCALE, timeout_s=WAIT)
+        self.req.register(ChunkInfo(1, self.kv.shape[1], 0, (0,)))
+        self.evil = self.fabric.endpoint(2)
+        self.seq = 0
+        if start:
+            self.holder.start()
+
+    def send_raw(self, msg: torch.Tensor, seq: int | None = None, lane: int = 0):
+        """Put ``msg`` into the holder's inbox from rank 2 and return the reply's text/kind."""
+        self.seq = self.seq + 1 if seq is None else seq
+        self.evil.put_signal(0, self.fabric.layout.slot(INBOX, 2, lane), msg, self.seq)
+        reply = self.fabric.layout.slot(REPLY, 0, lane)
+        self.evil.wait_signal(reply, self.seq, WAIT)
+        buf = wire.read_message(self.evil, reply)
+        h = wire.parse_header(buf)
+        return h, (wire.unpack_error(buf)[1] if h.kind == wire.Kind.ERROR else "")
+
+    def route_ok(self, seed=7):
+        q = _q(seed)
+        part = self.req.route(1, q, 1)
+        n = self.kv.shape[1]
+        o_ref, lse_ref = partial_attention_reference(
+            q, self.kv[1], torch.ones(q.shape[0], n, dtype=torch.bool), SCALE
+        )
+        assert_close(part.o, o_ref, TOL, name="o after the attack")
+        assert_close(part.lse, lse_ref, TOL_LSE, name="lse after the attack")
+
+    def close(self):
+        if self.holder._thread is not None:
+            self.holder.stop()
+        assert self.holder.failure is None
+
+
+@pytest.fixture
+def cluster():
+    c = Cluster()
+    yield c
+    c.close()
+
+
+# ---- 1, 8: no request stops the service; a header cannot make the holder allocate ----------
+
+
+def test_no_single_request_stops_the_holder(cluster):
+    """Item 1 (an empty FETCH layer range raised RuntimeError in the service thread) and
+    item 8 (a 96-byte ROUTE of 0 heads x 16M tokens allocated 786 MB): each gets an ERROR for
+    itself, and the holder serves the next request."""
+    c = cluster
+    kinds = [
+        (wire.Header(wire.Kind.FETCH, chunk_id=1, layer_lo=1, layer_hi=1), "empty layer range"),
+        (
+            wire.Header(
+                wire.Kind.ROUTE,
+                chunk_id=1,
+                batch=2**24,
+                heads=0,
+                width=GEOM.d_qk,
+                layer_lo=0,
+                layer_hi=1,
+            ),
+            "heads",
+        ),  # fmt: skip
+    ]
+    for h, why in kinds:
+        got, text = c.send_raw(_raw(h._replace(request_id=5, seq=c.seq + 1)))
+        assert got.kind == wire.Kind.ERROR and why in text, text
+    # More heads than the model has, more rows than the holder's limit.
+    q = torch.zeros(1, GEOM.heads + 1, GEOM.d_qk, dtype=torch.bfloat16)
+    msg = wire.pack_query(q, request_id=6, seq=c.seq + 1, chunk_id=1, layer=0, geometry=GEOM,
+                          crc=False)  # fmt: skip
+    got, text = c.send_raw(msg)
+    assert got.kind == wire.Kind.ERROR and "heads" in text
+    assert c.holder.stats.kernel_calls == 0
+    # An exception nobody planned for (here: a RuntimeError inside the fetch path).
+    c.holder._answer_fetch = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))
+    got, text = c.send_raw(wire.pack_fetch(request_id=7, seq=c.seq + 1, chunk_id=1, geometry=GEOM))
+    assert got.kind == wire.Kind.ERROR and "RuntimeError: boom" in text
+    c.route_ok()
+    assert c.holder.failure is None and c.holder.stats.errors == 4
+
+
+def test_row_and_selection_limits():
+    """The holder's ``max_rows`` / ``max_topk`` cap a request whatever its header says."""
+    c = Cluster(max_rows=8, max_topk=4)
+    try:
+        q = torch.zeros(3, GEOM.heads, GEOM.d_qk, dtype=torch.bfloat16)  # 12 rows > 8
+        msg = wire.pack_query(q, request_id=1, seq=1, chunk_id=1, layer=0, crc=False,
+                              geometry=GEOM)  # fmt: skip
+        got, text = c.send_raw(msg, seq=1)
+        assert got.kind == wire.Kind.ERROR and "at most 8 rows" in text
+        idx = torch.zeros(1, 5, dtype=torch.int32)
+        msg = wire.pack_query(q[:1], request_id=2, seq=2, chunk_id=1, layer=0, indices=idx,
+                              crc=False, geometry=GEOM)  # fmt: skip
+        got, text = c.send_raw(msg, seq=2)
+        assert got.kind == wire.Kind.ERROR and "4 selected entries" in text
+        c.route_ok()
+    finally:
+        c.close()
+
+
+# ---- 2, 4: sequence numbers ---------------------------------------------------------------
+
+
+def test_sequence_numbers_past_2_63_and_tied_to_the_slot_signal(cluster):
+    """Item 2: a u64 sequence number >= 2**63 is answered (it killed the gloo holder). Item 4:
+    a header cannot claim another number than the one its slot was signalled with; the lane
+    is not poisoned."""
+    c = cluster
+    big = 2**63 + 5
+    got, _ = c.send_raw(wire.pack_probe(request_id=1, seq=big), seq=big)
+    assert got.kind == wire.Kind.PROBE_ACK and got.seq == big
+    # A ROUTE whose header says 2**62 under the slot signal 10 (lane 1, fresh).
+    msg = wire.pack_query(_q(3), request_id=2, seq=2**62, chunk_id=1, layer=0, geometry=GEOM)
+    got, text = c.send_raw(msg, seq=10, lane=1)
+    assert got.kind == wire.Kind.ERROR and "not the slot's signal" in text
+    got, _ = c.send_raw(wire.pack_probe(request_id=3, seq=11), seq=11, lane=1)
+    assert got.kind == wire.Kind.PROBE_ACK  # the lane still answers the next number
+    c.route_ok()
+
+
+# ---- 3: non-finite numbers propagate or are rejected, never dropped -------------------------
+
+
+def test_non_finite_inputs_are_never_dropped(cluster):
+    """Item 3: NaN / inf in q, a finite row of 3e38 and an overflowing scale used to come back
+    as "no keys" (lse = -inf), which the merge skips. Now such rows carry a NaN lse, the
+    merge rejects it, and a non-finite cache entry is refused at load."""
+    c = cluster
+    base = _q(11)
+    for label, value in (("NaN", float("nan")), ("inf", float("inf")), ("-inf", -float("inf")),
+                         ("3e38", 3e38)):  # fmt: skip
+        q = base.clone()
+        q[0, 1, :] = value  # one row of token 0
+        part = c.req.route(1, q, 0)
+        assert torch.isnan(part.lse[0, 1]), f"{label}: lse {part.lse[0, 1]} (dropped?)"
+        assert torch.isfinite(part.lse[1]).all(), f"{label}: the other token is unaffected"
+        with pytest.raises(ValueError, match="NaN"):
+            c.req.merge([part, c.req.route(1, base, 0)])
+    with pytest.raises(ValueError, match="kv: expected finite"):
+        bad = _chunk(2)
+        bad[0, 3, 7] = float("nan")
+        c.holder.add_chunk(2, bad)
+
+
+def test_overflowing_scale_is_flagged():
+    """Item 3: a softmax scale of 1e38 passes the finite-positive check and overflows every
+    score; the partial says so (NaN), it does not claim to be empty."""
+    fab = LoopbackFabric(2, SLOT, lanes=1)
+    h = Holder(fab.endpoint(0), GEOM, softmax_scale=1e38, num_blocks=2, poll_s=0.05).start()
+    try:
+        h.add_chunk(1, _chunk(4))
+        req = Requester(fab.endpoint(1), GEOM, softmax_scale=1e38, timeout_s=WAIT)
+        req.register(ChunkInfo(1, 64, 0, (0,)))
+        part = req.route(1, _q(5), 0)
+        assert torch.isnan(part.lse).all(), part.lse
+    finally:
+        h.stop()
+
+
+def test_kernels_and_references_propagate_nan():
+    """The kernels' partial store and merge (and the fp64 merge reference) give a NaN lse for
+    a NaN input, not an empty one."""
+    from mqnc.triton_kernels import merge_partials, mla_decode_partial
+
+    kv = _chunk(3)[0].reshape(1, 64, GEOM.d_qk)
+    q = _q(4)
+    q[1, 2, 0] = float("nan")
+    table = torch.zeros(2, 1, dtype=torch.int32)
+    lens = torch.full((2,), 64, dtype=torch.int32)
+    _, lse = mla_decode_partial(q, kv, table, lens, softmax_scale=SCALE)
+    assert torch.isnan(lse[1, 2]) and torch.isfinite(lse[0]).all()
+    o = torch.randn(2, 1, 1, 512)
+    lse2 = torch.tensor([[[1.0]], [[float("nan")]]])
+    _, merged = merge_partials(o, lse2, check_lse=False)
+    assert torch.isnan(merged).all()
+    assert torch.isnan(merge_reference(o, lse2)[1]).all()
+
+
+# ---- 5: selections ------------------------------------------------------------------------
+
+
+def test_selection_edge_cases(cluster):
+    """Item 5: an empty selection is an empty partial (it was dense attention over the whole
+    chunk); an int64 index 2**32 + 5 is refused (it was answered as 5); ``attend_local``
+    refuses -5 as the holder does."""
+    c = cluster
+    q = _q(9)
+    part = c.req.route(1, q, 0, indices=torch.zeros(2, 0, dtype=torch.int64))
+    assert torch.isneginf(part.lse).all() and (part.o == 0).all()
+    with pytest.raises(ValueError, match="indices"):
+        c.req.route(1, q, 0, indices=torch.tensor([[2**32 + 5], [0]], dtype=torch.int64))
+    req = Requester(c.fabric.endpoint(1), GEOM, softmax_scale=SCALE, pool_blocks=4)
+    req.register(ChunkInfo(1, 64, 0, (0,)))
+    lc = req.fetch(1)
+    with pytest.raises(ValueError, match="indices"):
+        req.attend_local(lc, q, 0, indices=torch.tensor([[0, -5], [1, 2]], dtype=torch.int32))
+    part = req.attend_local(lc, q, 0, indices=torch.tensor([[0, -1], [1, 2]], dtype=torch.int32))
+    assert torch.isfinite(part.lse).all()
+
+
+# ---- 6: two requesters on one endpoint ----------------------------------------------------
+
+
+def test_two_requesters_share_one_endpoint(cluster):
+    """Item 6: the second requester on an endpoint restarted request ids and sequence numbers
+    at 1 (its first call timed out as a duplicate). Lanes belong to the endpoint now."""
+    c = cluster
+    other = Requester(c.fabric.endpoint(1), GEOM, softmax_scale=SCALE, timeout_s=WAIT)
+    other.register(ChunkInfo(1, 64, 0, (0,)))
+    valid = torch.ones(2, 64, dtype=torch.bool)
+    for k in range(3):
+        c.route_ok(seed=20 + k)
+        q = _q(30 + k)
+        part = other.route(1, q, 0)  # not the first requester's (stale) reply
+        o_ref, lse_ref = partial_attention_reference(q, c.kv[0], valid, SCALE)
+        assert_close(part.o, o_ref, TOL, name=f"second requester's call {k}")
+        assert_close(part.lse, lse_ref, TOL_LSE, name=f"second requester's call {k} lse")
+    out = []
+    threads = [threading.Thread(target=lambda r=r: out.append(r.probe(0))) for r in (c.req, other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    assert len(out) == 2 and c.holder.stats.duplicates == 0
+
+
+# ---- 7: reply shapes ----------------------------------------------------------------------
+
+
+def _fake_holder(fab, answer):
+    """Rank 0 answers every request with ``answer(header) -> message`` (a lying holder)."""
+    t = fab.endpoint(0)
+    stop = threading.Event()
+
+    def run():
+        seq = 0
+        slot = fab.layout.slot(INBOX, 1, 0)
+        while not stop.is_set():
+            try:
+                t.wait_signal(slot, seq + 1, 0.05)
+            except Exception:
+                continue
+            seq = t.signal(slot)
+            h = wire.parse_header(wire.read_message(t, slot))
+            t.put_signal(1, fab.layout.slot(REPLY, 0, 0), answer(h), h.seq)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return stop, th
+
+
+def test_replies_of_the_wrong_shape_are_refused():
+    """Item 7: a PARTIAL of shape (3, 7) for a (1, 4) request was returned; a one-layer CHUNK
+    was broadcast into every layer of a two-layer pool."""
+    fab = LoopbackFabric(2, SLOT, lanes=1)
+
+    def answer(h):
+        if h.kind == wire.Kind.ROUTE:
+            o = torch.zeros(3, 7, GEOM.d_v, dtype=torch.bfloat16)
+            m, l = torch.zeros(3, 7), torch.ones(3, 7)
+            return wire.pack_partial(o, m, l, request_id=h.request_id, seq=h.seq, geometry=GEOM)
+        kv = _chunk(1)[:1]
+        return wire.pack_chunk(kv, request_id=h.request_id, seq=h.seq, chunk_id=1, layers=(0, 1),
+                               position=0, geometry=GEOM)  # fmt: skip
+
+    stop, th = _fake_holder(fab, answer)
+    try:
+        req = Requester(fab.endpoint(1), GEOM, softmax_scale=SCALE, timeout_s=WAIT, pool_blocks=4)
+        req.register(ChunkInfo(1, 64, 0, (0,)))
+        with pytest.raises(RemoteError, match=r"shape \(3, 7\) for a request of shape \(1, 4\)"):
+            req.route(1, _q(1, B=1), 0)
+        with pytest.raises(RemoteError, match=r"layers \[0, 1\)"):
+            req.fetch(1)
+        assert not req.local_chunks
+    finally:
+        stop.set()
+        th.join(WAIT)
+
+
+# ---- 10: who may shut a holder down -------------------------------------------------------
+
+
+def test_shutdown_only_from_allowed_ranks():
+    """Item 10: any rank's SHUTDOWN stopped a holder for everyone. Now rank 0 by default."""
+    fab = LoopbackFabric(3, SLOT, lanes=2)  # the probe takes the other lane than the SHUTDOWN
+    h = Holder(fab.endpoint(1), GEOM, softmax_scale=SCALE, num_blocks=2, poll_s=0.05).start()
+    try:
+        h.add_chunk(1, _chunk(1))
+        evil = Requester(fab.endpoint(2), GEOM, softmax_scale=SCALE, timeout_s=WAIT)
+        evil.shutdown(1)
+        evil.transport.wait_signal(fab.layout.slot(REPLY, 1, 0), 1, WAIT)  # its ERROR
+        evil.probe(1)  # answered after the SHUTDOWN: still serving
+        assert not h.stopped and h.stats.errors == 1
+        Requester(fab.endpoint(0), GEOM, softmax_scale=SCALE, timeout_s=WAIT).shutdown(1)
+        h._thread.join(WAIT)
+        assert h.stopped
+    finally:
+        h.stop()
+
+
+# ---- 11: smaller ones ---------------------------------------------------------------------
+
+
+def test_payload_crc_cannot_be_switched_off_by_the_sender():
+    """Item 11: clearing the CRC flag and resealing the header switched the payload check
+    off. A receiver whose bytes crossed a process requires the CRC."""
+    msg = wire.pack_query(_q(1), request_id=1, seq=1, chunk_id=1, layer=0, geometry=GEOM)
+    h = wire.parse_header(msg)
+    assert h.flags & wire.FLAG_PAYLOAD_CRC
+    stripped = _raw(h._replace(flags=0, payload_crc=0), bytes(msg[96:].numpy()))
+    stripped[200] ^= 0x10  # and corrupt the payload
+    wire.parse_header(stripped)  # an in-process reader may accept it (the CRC is optional)
+    with pytest.raises(wire.WireError, match="requires one"):
+        wire.parse_header(stripped, require_payload_crc=True)
+    with pytest.raises(wire.WireError, match="requires one"):
+        wire.unpack_query(stripped, geometry=GEOM, require_payload_crc=True)
+
+
+def test_records_are_bounded():
+    """Item 11: ``Requester.costs`` and ``Holder.stats.answered`` grew without bound."""
+    from mqnc.serving.records import BoundedList, RecentCounts
+
+    b = BoundedList(10)
+    for i in range(1000):
+        b.append(i)
+    assert len(b) <= 20 and b[-1] == 999 and b[-10:] == list(range(990, 1000))
+    r = RecentCounts(5)
+    for i in range(100):
+        r[i] += 1
+    assert len(r) == 5 and r[99] == 1 and r[0] == 0
+    c = Cluster()
+    try:
+        req = Requester(c.fabric.endpoint(1), GEOM, softmax_scale=SCALE, max_records=4)
+        for _ in range(20):
+            req.probe(0)
+        assert 4 <= len(req.costs) <= 8
+    finally:
+        c.close()
+
+
+def test_a_signal_pushed_ahead_costs_one_timeout_not_a_core():
+    """Item 11: a reply slot whose signal a holder pushed far ahead made every later wait spin
+    a core until its timeout. Now that wait backs off (this process stays nearly idle) and
+    times out, and the lane's next request moves past the pushed signal."""
+    fab = LoopbackFabric(2, SLOT, lanes=1)
+    holder = fab.endpoint(0)
+    inbox, reply = fab.layout.slot(INBOX, 1, 0), fab.layout.slot(REPLY, 0, 0)
+    req = Requester(fab.endpoint(1), GEOM, softmax_scale=SCALE, timeout_s=1.0)
+    seen = []
+
+    def serve(n, push):  # answer n requests; the first one under a number pushed far ahead
+        for k in range(n):
+            holder.wait_signal(inbox, holder.signal(inbox) + 1 if k else 1, WAIT)
+            h = wire.parse_header(wire.read_message(holder, inbox))
+            seen.append(h.seq)
+            seq = h.seq + (push if k == 0 else 0)
+            ack = wire.pack_probe(request_id=h.request_id, seq=seq, ack=True)
+            holder.put_signal(1, reply, ack, seq)
+
+    th = threading.Thread(target=serve, args=(2, 2**40), daemon=True)
+    th.start()
+    t0, cpu0 = time.monotonic(), time.process_time()
+    with pytest.raises(RouteTimeout):
+        req.probe(0)
+    wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
+    assert cpu < 0.5 * wall, (cpu, wall)  # a spinning wait burns about one core of wall time
+    req.probe(0)  # the lane moved past the pushed signal
+    th.join(WAIT)
+    assert seen == [1, 2**40 + 2]
+
+
+def test_unpack_without_geometry_raises_only_typed_errors():
+    """Item 11: ``unpack_query`` / ``unpack_partial`` without ``geometry`` raised an untyped
+    RuntimeError for widths whose fields do not align (a view at an odd offset)."""
+    h = wire.Header(wire.Kind.ROUTE, batch=1, heads=1, width=575, topk=1, layer_lo=0,
+                    layer_hi=1, payload_bytes=575 * 2 + 4)  # fmt: skip
+    payload = bytes(range(256)) * 5
+    msg = _raw(h, payload[: 575 * 2] + (7).to_bytes(4, "little"))
+    _, q, idx = wire.unpack_query(msg)
+    assert q.shape == (1, 1, 575) and idx.tolist() == [[7]]
+    h = wire.Header(wire.Kind.PARTIAL, batch=1, heads=1, width=511, layer_lo=0, layer_hi=1,
+                    payload_bytes=511 * 2 + 8)  # fmt: skip
+    msg = _raw(h, payload[: 511 * 2] + b"\0\0\x80?" * 2)
+    _, o, m, l = wire.unpack_partial(msg)
+    assert o.shape == (1, 1, 511) and float(m) == 1.0 and float(l) == 1.0
+
+
+def test_bad_timeout_and_slot_numbers_are_argument_errors():
+    fab = LoopbackFabric(2, SLOT)
+    t = fab.endpoint(0)
+    with pytest.raises(ValueError, match="seq"):
+        t.put_signal(1, 0, torch.zeros(1, dtype=torch.uint8), -1)
+    with pytest.raises(ValueError, match="fed by rank 1"):
+        t.put_signal(1, fab.layout.slot(INBOX, 1), torch.zeros(1, dtype=torch.uint8), 1)
+    with pytest.raises(RouteTimeout):
+        r = Requester(t, GEOM, softmax_scale=SCALE, timeout_s=0.05)
+        r.probe(1)  # nobody serves rank 1: a timeout, as bounded as asked
+
+
+# ---- the gloo engine: a hostile process ---------------------------------------------------
+
+WORKER = Path(__file__)
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) listening on ``port``."""
+    out = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, p = local.split(":")
+            if state == "0A" and int(p, 16) == port:  # 0A: LISTEN
+                out.add(addr)
+    return out
+
+
+def test_store_listens_only_where_asked():
+    """Item 10: ``free_port_store`` passed 127.0.0.1 but the store listened on every
+    interface."""
+    from mqnc.transport import free_port_store
+
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("needs Linux /proc/net/tcp")
+    store = free_port_store(1)
+    addrs = _listening_addresses(store.port)
+    assert addrs and addrs <= {"0100007F", "0000000000000000FFFF00000100007F"}, addrs
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+
+
+def _spawn(role: str, port: int, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), role, "--port", str(port), *extra],
+        env=env,
+        stdout=subprocess.PIPE if role == "evil" else None,
+        text=True,
+    )
+
+
+def test_hostile_gloo_peer():
+    """A holder process (rank 1), this process as the requester (rank 0) and a hostile process
+    (rank 2) that writes raw frames: a forged PARTIAL into rank 0's reply slot of the holder
+    (item 4: dropped, source check), a sequence number past 2**63 (item 2), a ROUTE without a
+    payload CRC (item 11), an empty FETCH (item 1), a huge header (item 8), a SHUTDOWN (item
+    10), an oversized frame; then it stalls itself (SIGSTOP, item 9). The requester's routes
+    stay exact throughout."""
+    from mqnc.transport.torchdist import TorchDistTransport, free_port_store
+
+    store = free_port_store(3)
+    holder = _spawn("holder", store.port)
+    evil = _spawn("evil", store.port)
+    t = None
+    try:
+        t = TorchDistTransport(0, 3, store, slot_bytes=SLOT, lanes=1, idle_timeout_s=300,
+                               host="127.0.0.1")  # fmt: skip
+        t.barrier(120.0)
+        req = Requester(t, GEOM, softmax_scale=SCALE, timeout_s=60.0)
+        req.register(ChunkInfo(1, 64, 0, (1,)))
+        kv = _chunk(1)
+
+        def check(seed):
+            q = _q(seed)
+            part = req.route(1, q, 0)
+            o_ref, lse_ref = partial_attention_reference(
+                q, kv[0], torch.ones(2, 64, dtype=torch.bool), SCALE
+            )
+            assert_close(part.o, o_ref, TOL, name=f"route {seed} o")
+            assert_close(part.lse, lse_ref, TOL_LSE, name=f"route {seed} lse")
+
+        check(1)
+        line = evil.stdout.readline()  # the hostile process reports, then stops itself
+        report = json.loads(line)
+        check(2)
+        assert report["big_seq"] == "PROBE_ACK"
+        assert "requires one" in report["no_crc"]
+        assert "empty layer range" in report["empty_fetch"]
+        assert "heads" in report["huge_route"]
+        assert "may not stop" in report["shutdown"]
+        assert "dropped from rank 2" in t.errors.get(2, ""), t.errors
+        assert holder.poll() is None  # the holder is alive and serving
+        check(3)
+        req.shutdown(1)
+        holder.wait(60)
+    finally:
+        if evil.poll() is None:
+            os.kill(evil.pid, signal.SIGCONT)
+            evil.kill()
+        evil.wait(30)
+        if holder.poll() is None:
+            holder.kill()
+        holder.wait(30)
+        if t is not None:
+            t.close(timeout=1.0)
+
+
+def _holder_main(port: int) -> None:
+    from mqnc.transport.torchdist import TorchDistTransport
+
+    t = TorchDistTransport.connect(1, 3, port, slot_bytes=SLOT, lanes=1, idle_timeout_s=300)
+    h = Holder(t, GEOM, softmax_scale=SCALE, num_blocks=2, poll_s=0.2)
+    h.add_chunk(1, _chunk(1))
+    t.barrier(120.0)
+    h.serve_forever()
+    t.close(timeout=2.0)
+    os._exit(0)
+
+
+def _evil_main(port: int) -> None:
+    from mqnc.transport._gloo import PUT
+    from mqnc.transport.torchdist import TorchDistTransport
+
+    t = TorchDistTransport.connect(2, 3, port, slot_bytes=SLOT, lanes=1, idle_timeout_s=300)
+    t.barrier(120.0)
+    lay = t.layout
+    raw_put = t._outbox.send  # past the engine's own checks: raw frames on the wire
+    report = {}
+    # item 4: a forged PARTIAL into rank 0's reply slot of holder 1 (a slot rank 2 does not feed)
+    forged = wire.pack_partial(torch.full((2, GEOM.heads, GEOM.d_v), 7.0, dtype=torch.bfloat16),
+                               torch.zeros(2, GEOM.heads), torch.ones(2, GEOM.heads),
+                               request_id=1, seq=2, geometry=GEOM)  # fmt: skip
+    raw_put(0, PUT, lay.slot(REPLY, 1, 0), 2, forged)
+    raw_put(0, PUT, SLOT * 4, 3, forged)  # a slot index out of range
+    seq = [0]
+
+    def ask(msg, n=None):
+        seq[0] = seq[0] + 1 if n is None else n
+        raw_put(1, PUT, lay.slot(INBOX, 2, 0), seq[0], msg)
+        t.wait_signal(lay.slot(REPLY, 1, 0), seq[0], 120.0)
+        buf = wire.read_message(t, lay.slot(REPLY, 1, 0))
+        h = wire.parse_header(buf)
+        return h.kind.name if h.kind != wire.Kind.ERROR else wire.unpack_error(buf)[1]
+
+    big = 2**63 + 5
+    report["big_seq"] = ask(wire.pack_probe(request_id=1, seq=big), big)
+    q = torch.zeros(1, GEOM.heads, GEOM.d_qk, dtype=torch.bfloat16)
+    n = big + 1
+    report["no_crc"] = ask(
+        wire.pack_query(q, request_id=2, seq=n, chunk_id=1, layer=0, geometry=GEOM, crc=False), n
+    )
+    h = wire.Header(wire.Kind.FETCH, chunk_id=1, layer_lo=1, layer_hi=1, seq=n + 1)
+    report["empty_fetch"] = ask(_raw(h), n + 1)
+    h = wire.Header(wire.Kind.ROUTE, chunk_id=1, batch=2**24, heads=0, width=GEOM.d_qk,
+                    layer_lo=0, layer_hi=1, seq=n + 2)  # fmt: skip
+    report["huge_route"] = ask(_raw(h), n + 2)
+    report["shutdown"] = ask(wire.pack_shutdown(seq=n + 3), n + 3)
+    # An oversized frame: claims more bytes than a slot holds (dropped by the holder's engine).
+    t._outbox.send(1, PUT, lay.slot(INBOX, 2, 0), n + 4, None, count=SLOT + 1)
+    print(json.dumps(report), flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)  # item 9: a stalled peer must not block the others
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    from mqnc.base.runtime import use_interpreter_without_cuda
+
+    use_interpreter_without_cuda()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("role", choices=["holder", "evil"])
+    ap.add_argument("--port", type=int, required=True)
+    a = ap.parse_args()
+    _holder_main(a.port) if a.role == "holder" else _evil_main(a.port)
