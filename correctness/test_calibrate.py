@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mqnc.cli import main
-from mqnc.cost import FabricProfile, fit_results
+from mqnc.cost import FabricProfile, HostOverhead, fit_host, fit_results, t_route
 from mqnc.model import get_preset
 
 GEOM = get_preset("deepseek-v2-lite")
@@ -35,6 +35,14 @@ def test_calibrate_loopback_profile_matches_its_records(tmp_path, capsys):
     assert prof.name == "this-box" and prof.source.startswith("mqnc calibrate")
     assert prof.t_probe_us > 0 and prof.bw_gbps > 0 and prof.turnaround_us >= 0
     assert prof.bulk_bw_gbps is not None and prof.bulk_bw_gbps > 0
+    # The package's own path was measured: its host term is in the profile, and the cost
+    # model adds it to a route (issue 14: a profile priced the bare transport only).
+    assert prof.host_fixed_us is not None and prof.host_fixed_us >= 0
+    assert prof.host_per_row_us is not None and prof.host_per_row_us >= 0
+    assert "Holder/Requester" in prof.source
+    with_host = t_route(GEOM, prof, 16).total
+    bare = t_route(GEOM, prof, 16, host=HostOverhead(0.0, 0.0)).total
+    assert with_host == pytest.approx(bare + prof.host_fixed_us + 16 * prof.host_per_row_us)
     fits = fit_results(results, qp_row_bytes=GEOM.qp_row_bytes, fit_min_rows=1)
     assert set(fits) == {"loopback"}
     f = fits["loopback"]
@@ -101,3 +109,14 @@ def test_calibrate_gloo_cli(tmp_path):
     prof = FabricProfile.load(prof_path)
     assert prof.t_probe_us > 0 and prof.bw_gbps > 0
     assert "gloo" in prof.name and "--transport gloo" in prof.source
+
+
+def test_fit_host_recovers_fixed_and_per_row_costs():
+    """``fit_host`` on exact synthetic pairs (package = transport + 120 us + 0.75 us/row)."""
+    pts = [(m, 50.0 + 2.0 * m + 120.0 + 0.75 * m, 50.0 + 2.0 * m) for m in (1, 16, 256, 1024)]
+    h = fit_host(pts)
+    assert h.fixed_us == pytest.approx(120.0) and h.per_row_us == pytest.approx(0.75)
+    assert fit_host([(16, 300.0, 100.0)]) == HostOverhead(200.0, 0.0)
+    assert fit_host([(1, 10.0, 100.0), (16, 12.0, 100.0)]).fixed_us == 0.0  # clamped, not < 0
+    with pytest.raises(ValueError, match="triples"):
+        fit_host([(1, 2.0)])

@@ -16,7 +16,8 @@ floors (:mod:`mqnc.measure.floors`)
     round trip to a child process (receive always posted); ``gloo_payload``: the same with
     M_q 256's ROUTE out and PARTIAL back.
 the package, per transport (:mod:`mqnc.measure.echo`, :mod:`mqnc.measure.holders`)
-    ``echo_probe``: the echo fabric's probe (``bench_route``, ``mqnc calibrate --path echo``);
+    ``echo_probe``, ``echo_route1``, ``echo_route256``: the echo fabric's probe and round trips
+    of M_q 1 and 256 rows' bytes (the transport alone, what ``bench_route`` times);
     ``probe``: :meth:`Requester.probe` against a real :class:`Holder`; ``route1`` /
     ``route256``: :meth:`Requester.route` of M_q 1 (one head) and 256 (16 tokens x 16 heads)
     rows, the holder's kernel stubbed (:func:`mqnc.measure.holders.stub_attention`);
@@ -26,9 +27,10 @@ the package, per transport (:mod:`mqnc.measure.echo`, :mod:`mqnc.measure.holders
 
 The goals (issue 14): loopback probe <= 3x ``cond``; gloo probe <= 2x ``gloo_1B``; route1 <=
 1.5x the probe; route256 <= 2x the probe plus the bytes at the floor's bandwidth
-(``cond_payload - cond`` or ``gloo_payload - gloo_1B``). Medians, p90 and the ratios are
-printed; ``--record`` appends them to the results file (``bench="host"``; nothing is written
-without it). ``--breakdown`` instead times each stage of a call (pack, hand-off, parse, holder
+(``cond_payload - cond`` or ``gloo_payload - gloo_1B``). The routes less the echo round trips
+of the same size give the cost model's host term (§5.3, :func:`mqnc.cost.fit_host`). Medians,
+p90 and the ratios are printed; ``--record`` appends them to the results file
+(``bench="host"`` and ``"host_ratio"``; nothing is written without it). ``--breakdown`` instead times each stage of a call (pack, hand-off, parse, holder
 work, reply) from the stamps of :mod:`mqnc.base.stamps`.
 """
 
@@ -78,8 +80,12 @@ def _cases(args, stack: contextlib.ExitStack, g) -> dict:
             cases["gloo_1B"] = ge.round_trip
             msg, n = ge.message(out_b, back_b)
             cases["gloo_payload"] = lambda ge=ge, msg=msg, n=n: ge.round_trip(msg, n)
-        echo = stack.enter_context(EchoFabric(t, holders=1, slot_bytes=HDR + 4096))
+        big = HDR + m_big * max(g.q_row_bytes, g.p_row_bytes)
+        echo = stack.enter_context(EchoFabric(t, holders=1, slot_bytes=big))
         cases[f"{t}.echo_probe"] = echo.probe
+        for m in (1, m_big):
+            msg = echo.route_message(m, g.q_row_bytes, g.p_row_bytes)
+            cases[f"{t}.echo_route{m}"] = lambda echo=echo, msg=msg: echo.round_trip(1, msg)
         fab = stack.enter_context(HolderFabric(t, max_rows=m_big, stub_kernel=True))
         req = fab.requester
         cases[f"{t}.probe"] = lambda req=req, r=fab.holder_ranks[0]: req.probe(r)
@@ -135,8 +141,24 @@ def _ratios(p50: dict, transports) -> list[tuple[str, float, str]]:
         add(f"{t}: route M_q 256 (stub) / (2 probe + bytes at floor BW)",
             p50[f"{t}.route256"] / budget, "<= 1")  # fmt: skip
         calls = 4 * HOLDER4_CALLS
-        add(f"{t}: holder, 4 requesters: routes/s", calls / (p50[f"{t}.holder4"] * 1e-6), "2x before")
+        add(
+            f"{t}: holder, 4 requesters: routes/s",
+            calls / (p50[f"{t}.holder4"] * 1e-6),
+            "2x before",
+        )
+        host = host_fit(p50, t)
+        add(f"{t}: host overhead fit: fixed us", host.fixed_us, "(cost model)")
+        add(f"{t}: host overhead fit: us per row", host.per_row_us, "(cost model)")
     return rows
+
+
+def host_fit(p50: dict, t: str):
+    """§5.3's host term of this package on ``t``: routes through the holder and requester
+    (kernel stubbed) less echo round trips of the same ``M_q`` (:func:`mqnc.cost.fit_host`)."""
+    from mqnc.cost import fit_host
+
+    m_big = ROUTE_BIG[0] * ROUTE_BIG[1]
+    return fit_host([(m, p50[f"{t}.route{m}"], p50[f"{t}.echo_route{m}"]) for m in (1, m_big)])
 
 
 def _print(stats: dict, rows, reps: int) -> None:

@@ -70,6 +70,11 @@ class FabricProfile:
     mape_amortised, mape_full : float or None
         MAPE (fraction, 0.07 = 7%) of the two-constant form over ``M_q >= 512`` and over all
         points, as Table 2 reports them.
+    host_fixed_us, host_per_row_us : float or None
+        The host software of a routed call beyond the transport, ``fixed + per_row * M_q``
+        (§5.3's host term, :class:`mqnc.cost.HostOverhead`): what ``mqnc calibrate`` measures
+        for this package's holder and requester. None for the paper's fabrics (transport
+        alone). :func:`mqnc.cost.t_route` adds it unless given another ``host``.
     description, source : str
         What the fabric is and where the numbers come from.
     """
@@ -82,6 +87,8 @@ class FabricProfile:
     bulk_bw_gbps: float | None = None
     mape_amortised: float | None = None
     mape_full: float | None = None
+    host_fixed_us: float | None = None
+    host_per_row_us: float | None = None
     description: str = ""
     source: str = ""
 
@@ -95,7 +102,7 @@ class FabricProfile:
             value = getattr(self, field)
             if value is not None:
                 check_number(f"FabricProfile.{field}", value, positive=True)
-        for field in ("mape_amortised", "mape_full"):
+        for field in ("mape_amortised", "mape_full", "host_fixed_us", "host_per_row_us"):
             value = getattr(self, field)
             if value is not None:
                 check_number(f"FabricProfile.{field}", value, nonnegative=True)

@@ -5,6 +5,8 @@
   Table 2), from samples or from a results file;
 - :func:`knee_fit`: the holder's flat-then-linear compute law ``t0 + s max(0, N - N0)`` over
   ``N`` batched requesters (§6.3, Fig. 4(b));
+- :func:`fit_host`: the host software's ``fixed + per_row * M_q`` (§5.3) from calls through
+  the package beside the transport alone at the same ``M_q``;
 - :func:`mape`: the error statistic;
 - :func:`read_jsonl`: the records of a results file (the long format that
   :mod:`mqnc.measure.results` writes).
@@ -25,7 +27,7 @@ import numpy as np
 
 from mqnc.cost.fabric import FabricProfile, bytes_to_us
 
-__all__ = ["FitResult", "fit", "fit_results", "knee_fit", "mape", "read_jsonl"]
+__all__ = ["FitResult", "fit", "fit_results", "fit_host", "knee_fit", "mape", "read_jsonl"]
 
 
 def mape(predicted, measured) -> float:
@@ -217,6 +219,40 @@ def fit_results(
         key = variant if sum(1 for v, _ in groups if v == variant) == 1 else f"{variant}@{qp}B"
         out[key] = fit(pts, qp_row_bytes=qp, probe_us=probe, **kwargs)
     return out
+
+
+def fit_host(samples: Iterable[Sequence[float]]):
+    """The host overhead (§5.3) of a client's software from paired measurements.
+
+    Parameters
+    ----------
+    samples : iterable of (M_q, package_us, transport_us)
+        The same routed call's time through the package (holder and requester, the holder's
+        kernel stubbed) and through the transport alone (echo holders: what the fabric's
+        ``T_probe + turnaround + M_q (q + p) / BW`` describes), at one or more ``M_q``.
+
+    Returns
+    -------
+    mqnc.cost.HostOverhead
+        ``fixed_us + per_row_us * M_q``: least squares of ``package - transport`` against
+        ``M_q`` (one ``M_q``: the difference as ``fixed_us``); negative constants, which noise
+        can give, are clamped to 0.
+    """
+    from mqnc.cost.terms import HostOverhead
+
+    arr = np.asarray(list(samples), dtype=np.float64)
+    if arr.ndim != 2 or arr.shape[1] != 3 or not len(arr) or not np.isfinite(arr).all():
+        raise ValueError(
+            f"samples: expected finite triples (M_q, package_us, transport_us), got shape "
+            f"{list(arr.shape)}"
+        )
+    m, extra = arr[:, 0], arr[:, 1] - arr[:, 2]
+    if np.unique(m).size < 2:
+        return HostOverhead(max(float(np.median(extra)), 0.0), 0.0)
+    slope, intercept = np.polyfit(m, extra, 1)
+    if intercept < 0:  # refit through the origin's floor: all of it per row
+        slope, intercept = float(np.sum(m * extra) / np.sum(m * m)), 0.0
+    return HostOverhead(max(float(intercept), 0.0), max(float(slope), 0.0))
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -14,7 +14,8 @@ primitive (all times in microseconds, bandwidths in GB/s = 1e9 B/s):
 - local: ``T_local = c_t L c``, ``c`` in [0.5, 1.5] us per token-layer (§5.1).
 
 Modifiers: :class:`Congestion` (§8: effective-bandwidth degradation and additive probe
-inflation), :class:`HostOverhead` (§5.3: the prototype's Python client, 3.5 ms + 12.5 us M_q),
+inflation), :class:`HostOverhead` (§5.3: a client's host software, the paper's 3.5 ms + 12.5 us
+M_q or this package's own, measured by ``perf/bench_host`` and ``mqnc calibrate``),
 and tensor-parallel rank pairing (§8: per-rank bytes / N). :func:`mqnc.cost.fit.fit` calibrates a
 fabric from measured round trips (§4.3).
 
@@ -61,6 +62,7 @@ __all__ = [
     "fit_congestion",
     "HostOverhead",
     "HOST_PAPER",
+    "host_of",
     "RouteCost",
     "FetchCost",
     "route_bytes",
@@ -316,11 +318,17 @@ def fit_congestion(
 
 @dataclasses.dataclass(frozen=True)
 class HostOverhead:
-    """Host overhead of the paper's Python client (§5.3): ``fixed_us + per_row_us * M_q``.
+    """Host overhead of a client's software on a routed call (§5.3):
+    ``fixed_us + per_row_us * M_q``.
 
-    The paper measures route's time-to-first-token through its prototype client as
-    ≈3.5 ms + 12.5 us · M_q (:data:`HOST_PAPER`); it is a property of that transport, not of
-    the operation, and the three reductions of §5.3 remove most of it. Off by default.
+    The paper measures route's time-to-first-token through its prototype Python client as
+    ≈3.5 ms + 12.5 us · M_q (:data:`HOST_PAPER`); it is a property of that software, not of
+    the operation, and the three reductions of §5.3 remove most of it. This package's own is
+    what its holder and requester add to the transport's round trip (packing, checks, the
+    engine's threads, the reply), fitted by :func:`mqnc.cost.fit_host` from ``perf/bench_host``
+    or ``mqnc calibrate``, and carried by a calibrated profile (``host_fixed_us``,
+    ``host_per_row_us``): :func:`t_route` adds the profile's unless given another (pass
+    ``HostOverhead(0, 0)`` for none). The paper's fabrics carry none.
     """
 
     fixed_us: float = 3500.0
@@ -398,10 +406,17 @@ def t_merge(t_merge_us: float = T_MERGE_US) -> float:
 
 
 def t_host(m_q, host: HostOverhead | None):
-    """The prototype client's host overhead (§5.3); 0 when ``host`` is None."""
+    """A client's host overhead (§5.3); 0 when ``host`` is None."""
     if host is None:
         return 0.0 * m_q
     return host.fixed_us + host.per_row_us * m_q
+
+
+def host_of(fabric: FabricProfile) -> HostOverhead | None:
+    """The host overhead a (calibrated) profile carries, or None (the paper's fabrics)."""
+    if fabric.host_fixed_us is None and fabric.host_per_row_us is None:
+        return None
+    return HostOverhead(fabric.host_fixed_us or 0.0, fabric.host_per_row_us or 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,7 +476,8 @@ def t_route(
     holders : int
         Holders the selection spans (§5.4); the fan-out is flat unless ``shared_uplink``.
     host : HostOverhead or None
-        Add the prototype client's overhead (§5.3).
+        A client's host overhead (§5.3); None: the fabric's own (a calibrated profile's, this
+        package's software; none for the paper's fabrics). ``HOST_PAPER`` is the paper's.
     round_trips : int
         Sequential round trips charged (1 as in the paper; ``L`` for per-layer routing).
     bw_gbps : float or numpy.ndarray or None
@@ -480,7 +496,7 @@ def t_route(
         return_=r * fan * t_return(geometry, fabric, m_q, **kw),
         compute=r * t_compute(t_compute_us),
         merge=r * t_merge(t_merge_us),
-        host=t_host(m_q, host),
+        host=t_host(m_q, host_of(fabric) if host is None else host),
     )
 
 

@@ -9,6 +9,14 @@ slope; turnaround = intercept - probe), and a :class:`~mqnc.cost.FabricProfile` 
 ``mqnc predict --fabric FILE``, the predicate and the demo (``--profile FILE``) load. Unless
 ``bulk_tokens`` is None, one contiguous all-layer chunk pull is timed too and its rate stored as
 ``bulk_bw_gbps`` (fetch's ``T_pull``), so that the profile prices fetch on the same machine.
+
+Then the package's own path (issue 14): a real :class:`~mqnc.serving.Requester` routes to a
+real :class:`~mqnc.serving.Holder` (its kernel stubbed: the compute is priced apart) on the same
+transport, interleaved with echo round trips of the same ``M_q`` (:mod:`mqnc.measure.holders`);
+the difference, fitted as ``fixed + per_row * M_q`` (:func:`mqnc.cost.fit_host`), is the host
+term of §5.3 for this package's software. The profile carries it (``host_fixed_us``,
+``host_per_row_us``) and :func:`mqnc.cost.t_route` adds it, so that a profile from here prices
+what a call through the holder and requester costs, not the bare transport alone.
 The default sweep takes a few seconds on loopback and about 10-20 s on gloo (process start
 included) on a 2-core CPU.
 """
@@ -17,11 +25,13 @@ from __future__ import annotations
 
 from mqnc.base.checks import check_int
 from mqnc.base.runtime import device_name
-from mqnc.cost import FabricProfile, FitResult, fit
+from mqnc.cost import FabricProfile, FitResult, fit, fit_host
 from mqnc.measure.echo import HDR, OP_CHUNK, EchoFabric, Unavailable
 from mqnc.measure.sweep import route_sweep
-from mqnc.measure.timing import one_intra_op_thread, time_fn
+from mqnc.measure.timing import one_intra_op_thread, time_fn, time_interleaved
 from mqnc.model.geometry import MLAGeometry, get_preset
+
+HOST_M_Q = (1, 16, 256)  # route sizes of the host-overhead sweep (one token's heads, 16 tokens)
 
 __all__ = ["calibrate"]
 
@@ -39,6 +49,7 @@ def calibrate(
     name: str | None = None,
     results: str | None = None,
     progress: bool = False,
+    host: bool = True,
 ) -> tuple[FabricProfile, FitResult, dict]:
     """Measure and fit this machine's fabric on ``transport``.
 
@@ -62,12 +73,15 @@ def calibrate(
         Profile name (default ``"<transport>@<device>"``).
     results : str or None
         Also append the probe/route records to this results file (``bench_route``'s format).
+    host : bool
+        Also measure the package's own path and store its host overhead in the profile.
 
     Returns
     -------
     (FabricProfile, FitResult, dict)
         The profile, the fit, and the raw measurements (``probe_us``, ``route`` as
-        ``[(M_q, p50_us)]``, ``bulk`` as ``(bytes, p50_us)`` or None).
+        ``[(M_q, p50_us)]``, ``bulk`` as ``(bytes, p50_us)`` or None, ``host`` as
+        ``[(M_q, package_p50_us, echo_p50_us)]`` or None).
     """
     if transport not in ("loopback", "gloo", "nvshmem"):
         raise ValueError(f"transport: expected loopback, gloo or nvshmem, got {transport!r}")
@@ -76,28 +90,36 @@ def calibrate(
         raise ValueError(f"m_q: expected at least two distinct sizes >= 1, got {m_qs}")
     check_int("reps", reps, minimum=1)
     g = get_preset(model)
-    probe, route, bulk = _measure(
-        transport, g, m_qs, reps, warmup, bulk_tokens, results=results, progress=progress
-    )
+    probe, route, bulk, host_pts = _measure(
+        transport, g, m_qs, reps, warmup, bulk_tokens, results=results, progress=progress,
+        host=host, model=model,
+    )  # fmt: skip
     res = fit(route, qp_row_bytes=g.qp_row_bytes, probe_us=probe, fit_min_rows=fit_min_rows)
     dev = device_name()
     extra = {} if bulk is None else {"bulk_bw_gbps": bulk[0] / (bulk[1] * 1e-6) / 1e9}
+    if host_pts:
+        h = fit_host(host_pts)
+        extra.update(host_fixed_us=h.fixed_us, host_per_row_us=h.per_row_us)
     profile = res.to_fabric(
         name or f"{transport}@{dev}",
         description=f"{transport} echo fabric on {dev} (host-side put + signal, §3.2 sig_rt / "
         f"full_rt), {g.name} rows q+p = {g.qp_row_bytes} B",
         source=f"mqnc calibrate --transport {transport}: M_q {m_qs}, {reps} reps, p50; fit "
         f"over M_q >= {fit_min_rows}"
-        + (f"; bulk pull of {bulk_tokens} tokens x {g.layers} layers" if bulk else ""),
+        + (f"; bulk pull of {bulk_tokens} tokens x {g.layers} layers" if bulk else "")
+        + (f"; host overhead from Holder/Requester routes at M_q {HOST_M_Q}" if host_pts else ""),
         **extra,
     )
-    return profile, res, {"probe_us": probe, "route": route, "bulk": bulk}
+    raw = {"probe_us": probe, "route": route, "bulk": bulk, "host": host_pts}
+    return profile, res, raw
 
 
-def _measure(transport, g: MLAGeometry, m_qs, reps, warmup, bulk_tokens, *, results, progress):
-    """The probe's p50, the route sweep ``[(M_q, p50)]`` and the bulk pull ``(bytes, p50)``."""
+def _measure(transport, g: MLAGeometry, m_qs, reps, warmup, bulk_tokens, *, results, progress,
+             host, model):  # fmt: skip
+    """The probe's p50, the route sweep ``[(M_q, p50)]``, the bulk pull ``(bytes, p50)`` and
+    the host sweep ``[(M_q, package_p50, echo_p50)]`` (None without ``host``)."""
     one_intra_op_thread()
-    slot = HDR + max(m_qs) * max(g.q_row_bytes, g.p_row_bytes)
+    slot = HDR + max(max(m_qs), max(HOST_M_Q)) * max(g.q_row_bytes, g.p_row_bytes)
     bulk_bytes = g.chunk_bytes(bulk_tokens) if bulk_tokens else 0
     try:
         fabric = EchoFabric(
@@ -122,4 +144,25 @@ def _measure(transport, g: MLAGeometry, m_qs, reps, warmup, bulk_tokens, *, resu
             msg = fabric.message(OP_CHUNK, HDR, bulk_bytes)
             pb = time_fn(lambda: fabric.round_trip(1, msg), warmup=warmup, reps=reps, cuda=False)
             bulk = (bulk_bytes, pb[1])
-    return probe[1], sweeps[g.qp_row_bytes], bulk
+        host_pts = _host_sweep(fabric, g, model, reps, warmup) if host else None
+    return probe[1], sweeps[g.qp_row_bytes], bulk, host_pts
+
+
+def _host_sweep(fabric: EchoFabric, g: MLAGeometry, model: str, reps: int, warmup: int):
+    """Routes through a real holder and requester (kernel stubbed) interleaved with echo round
+    trips of the same ``M_q``: ``[(M_q, package_p50, echo_p50)]``."""
+    import torch
+
+    from mqnc.measure.holders import HolderFabric
+
+    gen = torch.Generator().manual_seed(0)
+    fns = {}
+    with HolderFabric(fabric.name, max_rows=max(HOST_M_Q), model=model) as hf:
+        for m in HOST_M_Q:
+            heads = min(m, g.heads)
+            q = torch.randn(m // heads, heads, g.d_qk, generator=gen).to(torch.bfloat16)
+            fns[("pkg", m)] = lambda q=q: hf.requester.route(1, q, 0)
+            msg = fabric.route_message(m, g.q_row_bytes, g.p_row_bytes)
+            fns[("echo", m)] = lambda msg=msg: fabric.round_trip(1, msg)
+        times = time_interleaved(fns, warmup=warmup, reps=reps)
+    return [(m, times[("pkg", m)][1], times[("echo", m)][1]) for m in HOST_M_Q]

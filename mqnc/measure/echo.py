@@ -171,19 +171,26 @@ class EchoHolder:
         tr = self.transport
         inbox = tr.layout.slot(INBOX, 0, lane)
         reply_slot = tr.layout.slot(REPLY, tr.rank, lane)
-        seq = 0
+        seq, answer = 0, None
         try:
             while not self.stop_event.is_set():
                 try:
-                    tr.wait_signal(inbox, seq + 1, self.poll_s)
+                    if answer is None:
+                        tr.wait_signal(inbox, seq + 1, self.poll_s)
+                    else:  # the last answer goes out with this wait (put + wait, fused)
+                        tr.put_signal_wait(
+                            0, reply_slot, answer, seq, {inbox: seq + 1}, self.poll_s
+                        )
+                        answer = None
                 except TransportTimeout:
                     continue
                 except PeerLost:
                     return
                 seq += 1
-                out = self._answer(inbox, tr.read(inbox, HDR))
-                tr.put_signal(0, reply_slot, out, seq)  # sent asynchronously (as NVSHMEM nbi)
+                answer = self._answer(inbox, tr.read(inbox, HDR))
                 self.served += 1
+                if self.stop_event.is_set():
+                    tr.put_signal(0, reply_slot, answer, seq)
         except BaseException as exc:  # recorded for the owner; the thread must not die silently
             self.failure = exc
             self.stop_event.set()
@@ -368,8 +375,19 @@ class EchoFabric:
             raise TransportTimeout(f"echo fabric: no reply from holder {peer}{why}") from exc
 
     def round_trip(self, peer: int, msg: torch.Tensor, lane: int = 0) -> None:
-        """Send ``msg`` to ``peer`` and wait for the reply."""
-        self.wait(self.send(peer, msg, lane))
+        """Send ``msg`` to ``peer`` and wait for the reply (the put and the wait fused,
+        ``Transport.put_signal_wait``, as the requester does)."""
+        key = (peer, lane)
+        seq = self._seq.get(key, 0) + 1
+        self._seq[key] = seq
+        tr = self.transport
+        reply = tr.layout.slot(REPLY, peer, lane)
+        try:
+            tr.put_signal_wait(
+                peer, tr.layout.slot(INBOX, 0, lane), msg, seq, {reply: seq}, self.timeout_s
+            )
+        except TransportTimeout:
+            self.wait((peer, reply, seq))  # raises with the holder's failure, if any
 
     def probe(self, peer: int = 1, lane: int = 0) -> None:
         """``sig_rt``: a 1-byte put + signal answered by a 1-byte put + signal."""

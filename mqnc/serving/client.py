@@ -215,9 +215,36 @@ class RequestClient:
         record: CostRecord,
         shape: tuple[int, int] | None = None,
     ) -> tuple[Pending, wire.Header, torch.Tensor]:
-        """:meth:`send`, then :meth:`wait` for its reply: ``(pending, header, buf)``."""
-        p = self.send(peer, kind, make, record, shape)
-        return (p, *self.wait(p, p.t0_monotonic + self.timeout_s))
+        """:meth:`send` and :meth:`wait` as one request: ``(pending, header, buf)``. The put and
+        the wait for its reply go to the engine together (``Transport.put_signal_wait``), so
+        that the holder the put wakes runs at once; ``record.transfer_us`` is then the packing
+        time (the put belongs to the round trip)."""
+        t0, t0_mono = time.perf_counter(), time.monotonic()
+        deadline = t0_mono + self.timeout_s
+        lane, seq, rid = self.acquire(peer, deadline)
+        slot = self._lanes.reply[(peer, lane)]
+        try:
+            buf = make(rid, seq)
+        except BaseException:
+            self.release(peer, lane)
+            raise
+        record.bytes_sent = buf.numel()
+        t_sent = time.perf_counter()
+        record.transfer_us = (t_sent - t0) * 1e6
+        p = Pending(peer, lane, seq, rid, slot, t0, t_sent, record, kind, shape, t0_mono)
+        if stamps.ON:
+            stamps.stamp("req.packed")
+            stamps.stamp("req.put")
+        try:
+            self.transport.put_signal_wait(
+                peer, self._lanes.inbox[lane], buf, seq, {slot: seq}, self.timeout_s
+            )
+        except TransportTimeout:
+            pass  # no reply: wait() raises RouteTimeout with the request's details
+        except BaseException:
+            self.release(peer, lane)
+            raise
+        return (p, *self.wait(p, deadline))
 
     def wait(self, p: Pending, deadline: float) -> tuple[wire.Header, torch.Tensor]:
         """Wait for the reply to ``p``; skip any message that does not answer it."""

@@ -56,6 +56,7 @@ from mqnc.transport.protocol import (
     Transport,
     TransportError,
     TransportTimeout,
+    check_message,
 )
 
 __all__ = ["HostedChunk", "Holder", "HolderStats"]
@@ -189,6 +190,8 @@ class Holder:
         self._src_lane = {s: (layout.source_of(s), layout.lane_of(s)) for s in self._inboxes}
         self._last_seq = {s: 0 for s in self._inboxes}
         self._targets = {s: 1 for s in self._inboxes}
+        self._deferred: tuple | None = None
+        self._defer = False
         self._reply_slots = [
             layout.slot(REPLY, transport.rank, lane) for lane in range(layout.lanes)
         ]
@@ -254,9 +257,17 @@ class Holder:
             self.failure = exc
 
     def serve_forever(self) -> None:
-        """Serve until :meth:`stop` or a ``SHUTDOWN`` message (in the calling thread)."""
-        while not self._stop.is_set():
-            self.serve_once(self.poll_s)
+        """Serve until :meth:`stop` or a ``SHUTDOWN`` message (in the calling thread).
+
+        Each step's last reply goes out with the next step's wait
+        (``Transport.put_signal_wait``): the requester it wakes runs at once (issue 14)."""
+        self._defer = True
+        try:
+            while not self._stop.is_set():
+                self._step(self.poll_s)
+        finally:
+            self._defer = False
+            self._flush()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the service loop and join its thread."""
@@ -274,9 +285,32 @@ class Holder:
     def serve_once(self, timeout: float) -> int:
         """One dispatcher step: wait up to ``timeout`` s for requests, then answer all that
         are waiting (routes batched). Returns the number of messages handled."""
+        handled = self._step(timeout)
+        self._flush()
+        return handled
+
+    def _wait(self, timeout: float) -> list[int]:
+        """Wait for requests; a deferred reply is put first, fused with the wait."""
+        tr, deferred = self.transport, self._deferred
+        if deferred is None:
+            return tr.wait_any(self._targets, timeout)
+        self._deferred = None
+        try:
+            return tr.put_signal_wait(*deferred, self._targets, timeout)
+        except PeerLost:
+            if tr.peer_alive(deferred[0]):
+                raise  # every requester is gone
+            return tr.wait_any(self._targets, timeout)  # only the one that asked
+
+    def _flush(self) -> None:
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            self._put(*deferred)
+
+    def _step(self, timeout: float) -> int:
         tr = self.transport
         try:
-            ready = tr.wait_any(self._targets, timeout)
+            ready = self._wait(timeout)
         except PeerLost:
             # Every requester is gone: nothing can arrive any more.
             self._stop.set()
@@ -298,10 +332,20 @@ class Holder:
 
     # ---- receiving --------------------------------------------------------------------------
     def _reply(self, src: int, lane: int, buf: torch.Tensor, seq: int) -> None:
-        """Answer on ``src``'s reply slot of ``lane``."""
+        """Answer on ``src``'s reply slot of ``lane``: in :meth:`serve_forever` the previous
+        answer goes out now and this one with the next wait."""
+        check_message(buf, self.transport.slot_bytes)  # a reply too big is an ERROR now
+        reply = (src, self._reply_slots[lane], buf, seq)
+        if not self._defer:
+            self._put(*reply)
+            return
+        self._flush()
+        self._deferred = reply
+
+    def _put(self, src: int, slot: int, buf: torch.Tensor, seq: int) -> None:
         try:
             # Non-blocking on the gloo engine (a stalled requester must not stall the holder).
-            self.transport.put_signal(src, self._reply_slots[lane], buf, seq)
+            self.transport.put_signal(src, slot, buf, seq)
         except TransportError:
             pass  # the requester is gone; its request cannot be answered (it times out there)
 

@@ -92,6 +92,33 @@ class LoopbackTransport(Transport):
             board.raise_locked(slot, seq)
         # (No time.sleep(0) to hand the GIL to the woken thread: measured slower here.)
 
+    def put_signal_wait(
+        self,
+        peer: int,
+        slot: int,
+        data: torch.Tensor,
+        seq: int,
+        targets: dict[int, int],
+        timeout: float,
+    ) -> list[int]:
+        data = self._check_put(peer, slot, data, seq)
+        self._check_targets(targets)
+        deadline = self._deadline(timeout)
+        if self._fabric._dead:
+            self._alive_or_raise(self.rank)
+            self._alive_or_raise(peer)
+        src = (data if data.is_cpu else data.cpu()).numpy()
+        board, view = self._fabric._boards[peer], self._fabric._views[peer]
+
+        def put() -> None:
+            with board.lock:
+                view[slot, : src.shape[0]] = src
+                board.raise_locked(slot, seq)
+
+        return self._board.wait_any(
+            targets, deadline, check=self._check_dead, rank=self.rank, timeout=timeout, first=put
+        )
+
     def signal(self, slot: int) -> int:
         return self._board.values[self._check_slot(slot)]
 

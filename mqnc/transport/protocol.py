@@ -204,6 +204,22 @@ class Transport(abc.ABC):
         return every slot that satisfies it. Raises :class:`TransportTimeout` after
         ``timeout`` seconds, :class:`PeerLost` when every awaited slot's source is dead."""
 
+    def put_signal_wait(
+        self,
+        peer: int,
+        slot: int,
+        data: torch.Tensor,
+        seq: int,
+        targets: dict[int, int],
+        timeout: float,
+    ) -> list[int]:
+        """``put_signal(peer, slot, data, seq)``, then ``wait_any(targets, timeout)``: a
+        request and the wait for its answer as one call. The loopback engine registers the wait
+        before the put lands, so that the thread the put wakes runs at once (issue 14); this
+        generic form (every other engine) is the two calls in order."""
+        self.put_signal(peer, slot, data, seq)
+        return self.wait_any(targets, timeout)
+
     def wait_signal(self, slot: int, seq: int, timeout: float) -> int:
         """Wait until ``signal(slot) >= seq``; returns the signal value."""
         self.wait_any({slot: seq}, timeout)
