@@ -249,8 +249,10 @@ def test_bad_requests_get_an_error_and_the_holder_keeps_serving():
         # ...and the holder answers a raw ROUTE carrying it with an ERROR.
         t = req.transport
         reply = t.layout.slot(REPLY, 0, 1)
-        raw = wire.pack_query(_q(14, 1), request_id=9, seq=40, chunk_id=1, layer=0,
-                              indices=torch.tensor([[0, 64]], dtype=torch.int32), geometry=GEOM)  # fmt: skip
+        idx = torch.tensor([[0, 64]], dtype=torch.int32)
+        raw = wire.pack_query(
+            _q(14, 1), request_id=9, seq=40, chunk_id=1, layer=0, indices=idx, geometry=GEOM
+        )
         t.put_signal(0, t.layout.slot(INBOX, 1, 1), raw, 40)
         t.wait_signal(reply, 40, 10.0)
         h, text = wire.unpack_error(wire.read_message(t, reply))

@@ -30,8 +30,10 @@ The goals (issue 14): loopback probe <= 3x ``cond``; gloo probe <= 2x ``gloo_1B`
 (``cond_payload - cond`` or ``gloo_payload - gloo_1B``). The routes less the echo round trips
 of the same size give the cost model's host term (§5.3, :func:`mqnc.cost.fit_host`). Medians,
 p90 and the ratios are printed; ``--record`` appends them to the results file
-(``bench="host"`` and ``"host_ratio"``; nothing is written without it). ``--breakdown`` instead times each stage of a call (pack, hand-off, parse, holder
-work, reply) from the stamps of :mod:`mqnc.base.stamps`.
+(``bench="host"`` and ``"host_ratio"``; nothing is written without it). ``--breakdown``
+instead times each stage of a call (pack, hand-off, parse, holder work, reply) from the
+stamps of :mod:`mqnc.base.stamps` (requester and holder put and wait fused: "put" is ~0 and
+the put's cost is in the hand-off that follows it).
 """
 
 from __future__ import annotations
@@ -242,8 +244,8 @@ def breakdown(args, g, calls: int = 200) -> None:
     for t in args.transports:
         with HolderFabric(t, max_rows=ROUTE_BIG[0] * ROUTE_BIG[1], stamps=True) as fab:
             req, peer = fab.requester, fab.holder_ranks[0]
-            fns = {"probe": lambda: req.probe(peer)}
-            fns.update({k: (lambda q=q: req.route(1, q, 0)) for k, q in qs.items()})
+            fns = {"probe": lambda req=req, peer=peer: req.probe(peer)}
+            fns.update({k: (lambda q=q, req=req: req.route(1, q, 0)) for k, q in qs.items()})
             for fn in fns.values():
                 for _ in range(args.warmup):
                     fn()
@@ -258,7 +260,7 @@ def breakdown(args, g, calls: int = 200) -> None:
         print(f"\n{t}: median us per stage over {calls} sequential calls of each (kernel stubbed)")
         print(f"{'stage':<40}" + "".join(f"{k:>12}" for k in fns))
         per = {k: rows[i :: len(fns)] for i, k in enumerate(fns)}
-        for a, b in zip(STAGES, STAGES[1:]):
+        for a, b in zip(STAGES, STAGES[1:], strict=False):
             cells = []
             for k in fns:
                 d = [(c[b] - c[a]) / 1e3 for c in per[k] if a in c and b in c]

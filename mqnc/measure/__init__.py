@@ -2,6 +2,10 @@
 
 - :mod:`mqnc.measure.echo`: a requester and echo holders on a transport (threads over
   loopback, subprocesses over gloo): the transport term of a primitive, without its compute.
+- :mod:`mqnc.measure.holders`: a requester and real holders (kernel stubbed or real) on a
+  transport: the package's own host path (``perf/bench_host``, ``mqnc calibrate``).
+- :mod:`mqnc.measure.floors`: the machine's floors (a Condition round trip, bare gloo, a
+  socketpair) that the host path is measured against.
 - :mod:`mqnc.measure.timing`: p20/p50/p80 of repeated calls (CUDA events or the host clock),
   round-robin over several points.
 - :mod:`mqnc.measure.results`: the long-format results file (record, read, where it is, the

@@ -4,10 +4,11 @@ that move them behind one protocol.
 - :mod:`mqnc.transport.wire`: fixed-layout messages (probe, route rows, the collapsed partial,
   chunk, error), checked before any payload is trusted.
 - :mod:`mqnc.transport.protocol`: the protocol (symmetric slots, put + signal, waits with
-  timeouts, get, quiet, barrier) and the slot layout.
+  timeouts, get, quiet, barrier, a put fused with its wait) and the slot layout.
+- :mod:`mqnc.transport.signals`: a rank's signals and the threads waiting on them.
 - :mod:`mqnc.transport.loopback`: in-process threads (unit tests, single-process demo).
 - :mod:`mqnc.transport.torchdist`: multi-process over ``torch.distributed`` (gloo on CPU);
-  its per-peer send queues are :mod:`mqnc.transport._gloo_outbox`.
+  its per-peer receiving and sending halves are :mod:`mqnc.transport._gloo`.
 - :mod:`mqnc.transport.nvshmem`: GPU only, nvshmem4py; imported lazily (``import
   mqnc.transport.nvshmem`` never imports ``nvshmem.core``; creating an engine does).
 """
