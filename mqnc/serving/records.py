@@ -46,7 +46,9 @@ class CostRecord:
     """The cost terms of one call (microseconds), for the cost model's fit (§4).
 
     ``probe_us`` is the measured round trip for a probe, and for a route the last probe of
-    that holder (NaN when never probed). ``transfer_us``: pack + put of the request;
+    that holder (NaN when never probed). ``transfer_us``: pack + put of the request (the
+    packing alone for ``route``, ``probe`` and ``fetch``, whose put goes out fused with the
+    wait for the reply, ``Transport.put_signal_wait``; ``route_many``'s puts are separate);
     ``compute_us``: the holder's kernel call (reported in the reply header; for a batched
     call, the whole batch's time); ``return_us``: from the put's completion to the reply's
     arrival, less ``compute_us``; ``merge_us``, ``splice_us``, ``prefill_us``: requester-side
