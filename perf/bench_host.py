@@ -149,8 +149,8 @@ def _ratios(p50: dict, transports) -> list[tuple[str, float, str]]:
             "2x before",
         )
         host = host_fit(p50, t)
-        add(f"{t}: host overhead fit: fixed us", host.fixed_us, "(cost model)")
-        add(f"{t}: host overhead fit: us per row", host.per_row_us, "(cost model)")
+        add(f"{t}: host overhead fit: fixed (us)", host.fixed_us, "(cost model)")
+        add(f"{t}: host overhead fit: per row (us)", host.per_row_us, "(cost model)")
     return rows
 
 
@@ -196,7 +196,7 @@ def _record(stats: dict, rows, args, path) -> None:
             1,
             (value, value, value),
             x_name="case",
-            unit="ratio",
+            unit="us" if "(us)" in what else "routes/s" if "routes/s" in what else "ratio",
             backend="host",
             extra=dict(goal=goal, reps=args.reps, loadavg=load),
             path=path,
