@@ -1,6 +1,7 @@
 """Benchmark the M-way merge (``merge_partials``) against the torch reference.
 
-``python -m perf.bench_merge [--quick] [--out FILE]``
+``python -m perf.bench_merge`` with the flags every benchmark takes (``--quick --reps --warmup
+--out FILE | --record --check``, :mod:`mqnc.measure.options`).
 
 Sweeps M (partials: holders a query was routed to, §5.4 Fig. 4a's 1..8) and the rows B*H at the
 production Dv = 512. Bytes moved once: M*B*H*(Dv*elt + 4) read + B*H*(Dv*elt + 4) written. On a
@@ -10,16 +11,13 @@ GPU it times the Triton kernel (CUDA events); on the CPU the torch fp32 referenc
 
 from __future__ import annotations
 
-import argparse
-
 from mqnc.base.runtime import use_interpreter_without_cuda
+from mqnc.measure.options import bench_parser, finish, parse_bench_args
+from perf.targets import TARGETS
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a small sweep (CPU smoke run)")
-    ap.add_argument("--out", default=None, help="results file (default perf/results/results.jsonl)")
-    args = ap.parse_args(argv)
+    args = parse_bench_args(bench_parser(__doc__, reps="50 on a GPU, 10 on a CPU"), argv)
     use_interpreter_without_cuda()
     import torch
     from tqdm import tqdm
@@ -47,7 +45,11 @@ def main(argv=None) -> int:
             lse = torch.randn(M, R, 1, device=dev)
             elt = o.element_size()
             nbytes = M * R * (D * elt + 4) + R * (D * elt + 4)
-            p = time_fn(lambda o=o, lse=lse: fn(o, lse), warmup=3, reps=50 if cuda else 10)
+            p = time_fn(
+                lambda o=o, lse=lse: fn(o, lse),
+                warmup=args.warmup,
+                reps=args.reps or (50 if cuda else 10),
+            )
             record(
                 "merge",
                 f"M={M}",
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
                 extra={"M": M, "Dv": D, "dtype": str(dtype)[6:]},
             )
             print(f"merge M={M} rows={R}: p50 {p[1]:.1f} us ({nbytes / p[1] / 1e3:.2f} GB/s)")
-    return 0
+    return finish(args, TARGETS)
 
 
 if __name__ == "__main__":

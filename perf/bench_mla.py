@@ -1,7 +1,8 @@
 """Benchmark the holder's partial absorbed-MLA attention (§6.3): dense paged, sparse top-k, and the
 holder fan-in sweep.
 
-``python -m perf.bench_mla [--quick] [--out FILE] [--only dense,sparse,fanin]``
+``python -m perf.bench_mla [--only dense,sparse,fanin]`` with the flags every benchmark takes
+(``--quick --reps --warmup --out FILE | --record --check``, :mod:`mqnc.measure.options`).
 
 - ``mla_decode``: B query tokens x H heads, each token over its own ct-entry cache (page 64):
   B in {1, 8, 64}, ct in {2048, 8192, 32768}, H in {16, 128};
@@ -21,10 +22,11 @@ nothing about the kernel) and skips shapes whose gathered cache exceeds ~1 GiB.
 
 from __future__ import annotations
 
-import argparse
 import math
 
 from mqnc.base.runtime import use_interpreter_without_cuda
+from mqnc.measure.options import bench_parser, finish, parse_bench_args
+from perf.targets import TARGETS
 
 D_QK, D_V = 576, 512
 SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite with YaRN
@@ -82,11 +84,9 @@ def _nbytes(distinct_entries, rows, elt):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a small sweep (CPU smoke run)")
-    ap.add_argument("--out", default=None, help="results file (default perf/results/results.jsonl)")
+    ap = bench_parser(__doc__, reps="50 on a GPU, 5 on a CPU", warmup="3 on a GPU, 1 on a CPU")
     ap.add_argument("--only", default="dense,sparse,fanin", help="comma list of sweeps")
-    args = ap.parse_args(argv)
+    args = parse_bench_args(ap, argv)
     use_interpreter_without_cuda()
     import torch
 
@@ -98,13 +98,14 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     elt = torch.empty((), dtype=dtype).element_size()
     backend = "triton" if cuda else "torch-reference"
-    reps = 50 if cuda else 5
+    reps = args.reps or (50 if cuda else 5)
     gen = torch.Generator().manual_seed(0)
     only = set(args.only.split(","))
     heads = [16, 128] if not args.quick else [16]
 
     def run(bench, variant, x, x_name, fn, nbytes, extra):
-        p = time_fn(fn, warmup=3 if cuda else 1, reps=reps)
+        warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
+        p = time_fn(fn, warmup=warmup, reps=reps)
         rec = record(
             bench,
             variant,
@@ -191,7 +192,7 @@ def main(argv=None) -> int:
                     _nbytes(ct, N * H, elt),
                     {"H": H, "ct": ct, "page": 64},
                 )
-    return 0
+    return finish(args, TARGETS)
 
 
 if __name__ == "__main__":

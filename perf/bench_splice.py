@@ -15,14 +15,16 @@ smallest size only (c_t = 55), and the torch variants at every size. ``bytes`` i
 splice must move: each entry read once and written once, ``2 * L * c_t * 576 * 2`` bytes. The
 issue's goal on an H200: 27 layers x 2048 tokens in <= 60 us (>= 50x under ~3 ms).
 
-Usage: ``python -m perf.bench_splice [--quick] [--ct 55 2048] [--layers 27]``.
+Usage: ``python -m perf.bench_splice [--c-t 55,2048] [--layers 27]`` with the flags every
+benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
+:mod:`mqnc.measure.options`).
 """
 
 from __future__ import annotations
 
-import argparse
-
 from mqnc.base.runtime import use_interpreter_without_cuda
+from mqnc.measure.options import bench_parser, finish, hidden_alias, int_list, parse_bench_args
+from perf.targets import TARGETS
 
 PAPER_SPLICE_US = {55: 2770.0, 1024: 2780.0, 2048: 2910.0, 4096: 3060.0}  # §7, H100
 
@@ -61,7 +63,9 @@ def splice_torch(chunk, pool, slot_mapping, delta, rope, per_layer: bool = False
     return pool
 
 
-def run(ct_list, layers: int, quick: bool, record_results: bool = True) -> list[dict]:
+def run(ct_list, layers: int, quick: bool, record_results: bool = True, **timing) -> list[dict]:
+    """Time every variant at each c_t; ``timing``: ``path`` (results file), ``reps``, ``warmup``
+    (None: the defaults below)."""
     use_interpreter_without_cuda()
     import torch
 
@@ -72,11 +76,13 @@ def run(ct_list, layers: int, quick: bool, record_results: bool = True) -> list[
     rope = RopeSpec.from_preset("deepseek-v2-lite")
     out = []
     for ct in ct_list:
-        out += _bench_ct(ct, layers, quick, record_results, device, cuda, rope)
+        out += _bench_ct(ct, layers, quick, record_results, device, cuda, rope, **timing)
     return out
 
 
-def _bench_ct(ct, layers, quick, record_results, device, cuda, rope) -> list[dict]:
+def _bench_ct(
+    ct, layers, quick, record_results, device, cuda, rope, path=None, reps=None, warmup=None
+) -> list[dict]:
     import torch
 
     from mqnc.base.runtime import kernel_mode
@@ -135,8 +141,8 @@ def _bench_ct(ct, layers, quick, record_results, device, cuda, rope) -> list[dic
             raise AssertionError(f"{name}: rope dims differ from the torch path by {err}")
 
     interp = not cuda
-    reps = 3 if (quick or interp) else 50
-    warmup = 1 if (quick or interp) else 10
+    reps = reps or (3 if (quick or interp) else 50)
+    warmup = warmup if warmup is not None else (1 if (quick or interp) else 10)
     times = {}
     for name, (backend, fn) in variants.items():
         if backend == "interpreter":  # seconds per call: the correctness call warmed it up
@@ -164,6 +170,7 @@ def _bench_ct(ct, layers, quick, record_results, device, cuda, rope) -> list[dic
                 nbytes=nbytes,
                 backend=backend,
                 extra=extra,
+                path=path,
             )
         out.append(rec)
         gbps = nbytes / (pct[1] * 1e-6) / 1e9
@@ -175,14 +182,13 @@ def _bench_ct(ct, layers, quick, record_results, device, cuda, rope) -> list[dic
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="few repetitions (a smoke run)")
-    p.add_argument("--ct", type=int, nargs="+", default=[55, 1024, 2048, 4096])
+    p = bench_parser(__doc__, reps="50 on a GPU, 3 on a CPU or with --quick", warmup="10, or 1")
+    p.add_argument("--c-t", type=int_list, default=[55, 1024, 2048, 4096], help="chunk tokens")
+    hidden_alias(p, "--ct", "c_t", type=int_list)
     p.add_argument("--layers", type=int, default=27)
-    p.add_argument("--no-record", action="store_true", help="print only, do not append results")
-    args = p.parse_args(argv)
-    run(args.ct, args.layers, args.quick, record_results=not args.no_record)
-    return 0
+    args = parse_bench_args(p, argv)
+    run(args.c_t, args.layers, args.quick, path=args.out, reps=args.reps, warmup=args.warmup)
+    return finish(args, TARGETS)
 
 
 if __name__ == "__main__":
