@@ -9,7 +9,9 @@
     Fill every output a kernel launcher allocates with NaN before the kernel writes it, so an
     element a kernel forgets to write fails the comparison. The test suite sets it.
 ``MQNC_RESULTS=FILE``
-    The results file benchmarks append to and figures read (:mod:`mqnc.measure.results`).
+    The results file figures read and benchmarks append to when neither ``--out`` nor
+    ``--record`` is given (unset: figures read the tracked ``perf/results/results.jsonl``,
+    benchmarks write the git-ignored ``perf/results/local.jsonl``; :mod:`mqnc.measure.results`).
 ``NVSHMEM_LIB_DIR=DIR``
     Where the NVSHMEM engine looks first for ``libnvshmem_device*.bc``
     (:func:`mqnc.transport.nvshmem.device_library_path`).
