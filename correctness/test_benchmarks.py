@@ -67,6 +67,7 @@ def _check_common(recs: list[dict], transport: str | None) -> None:
 def test_every_benchmark_takes_the_shared_flags(bench, capsys):
     """One flag set for all benchmarks (``mqnc.measure.options.bench_parser``)."""
     mod = importlib.import_module(f"perf.{bench}")
+    assert '\nif __name__ == "__main__":\n' in Path(mod.__file__).read_text(), "not runnable"
     with pytest.raises(SystemExit) as exc:
         mod.main(["--help"])
     assert exc.value.code == 0

@@ -129,3 +129,7 @@ def main(argv=None) -> int:
         with fabric:
             _sweep(fabric, g, ks, m_qs, args)
     return H.finish(args, TARGETS)
+
+
+if __name__ == "__main__":
+    H.exit_process(main())
