@@ -74,6 +74,7 @@ def test_every_benchmark_takes_the_shared_flags(bench, capsys):
     text = capsys.readouterr().out
     for flag in SHARED_FLAGS:
         assert flag in text, f"{bench}: no {flag}"
+    assert "``" not in text and ":mod:" not in text and ":func:" not in text
     with pytest.raises(SystemExit) as exc:  # --out and --record exclude each other
         mod.main(["--out", "x.jsonl", "--record"])
     assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Sequence
 
 from mqnc.base.env import results_file
@@ -151,13 +152,13 @@ def bench_parser(
     Flags: ``--quick`` (a small sweep), ``--reps N`` and ``--warmup N`` (per timed point; the
     defaults are the benchmark's, given as ``reps`` / ``warmup``: a number, or words such as
     ``"50 on a GPU, 5 on a CPU"`` for a default the benchmark picks itself, when the parsed
-    value is None), ``--out FILE`` or
-    ``--record`` (where records go, see the module docstring), ``--check`` (exit status 1 when
-    a record misses its target). With ``transports``: ``--transport a,b`` and ``--model``.
+    value is None), ``--out FILE`` or ``--record`` (where records go, see the module
+    docstring), ``--check`` (exit status 1 when a record misses its target). With
+    ``transports``: ``--transport a,b`` and ``--model``. The description is the first
+    paragraph of ``doc`` (the benchmark's docstring) without its reST markup.
     """
-    first, _, rest = (doc or "").strip().partition("\n")
     ap = argparse.ArgumentParser(
-        description=first.strip(),
+        description=_plain((doc or "").strip().split("\n\n")[0]),
         epilog="Records go to --out FILE, else with --record to the repository's "
         "perf/results/results.jsonl, else to $MQNC_RESULTS, else to perf/results/local.jsonl "
         "(git-ignored).",
@@ -201,6 +202,13 @@ def bench_parser(
             help="model preset or Hugging Face config.json giving the row sizes (deepseek-v2-lite)",
         )
     return ap
+
+
+def _plain(text: str) -> str:
+    """reST to plain text for ``--help``: roles (:mod:`a.b`, :func:`~a.b`) become their target's
+    name, literals lose their backquotes, lines are joined."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", lambda m: m.group(1), text)
+    return " ".join(text.replace("``", "").split())
 
 
 def parse_bench_args(
