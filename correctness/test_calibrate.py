@@ -43,7 +43,7 @@ def test_calibrate_loopback_profile_matches_its_records(tmp_path, capsys):
     assert f.mape_amortised == pytest.approx(prof.mape_amortised, rel=1e-12)
     # The predicate loads it.
     capsys.readouterr()
-    assert main(["predict", "--fabric", str(prof_path), "--mq", "256", "--ct", "2048"]) == 0
+    assert main(["predict", "--fabric", str(prof_path), "--m-q", "256", "--c-t", "2048"]) == 0
     assert "this-box" in capsys.readouterr().out
 
 
