@@ -260,3 +260,15 @@ def test_readme_fit_and_predict_on_the_repository_results(tmp_path, capsys):
     assert rc == 0, err
     rc, out, err = run(capsys, "predict", "--fabric", str(prof), "--splice-from", str(results))
     assert rc == 0 and "decision:" in out, err
+
+
+def test_fit_negative_intercept_without_probe(tmp_path, capsys):
+    recs = _sweep("cpu", "c1", "2026-01-01T00:00:00+00:00", 2184, 10.0, 5.0, -30.0)
+    recs = [r for r in recs if r["bench"] == "route"]  # no probe: the intercept is T_probe
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rc, table, err = run(capsys, "fit", str(path))
+    assert rc == 0 and "gloo" in table and "negative intercept without a probe record" in err
+    rc, _, err = run(capsys, "fit", str(path), "--save", str(tmp_path / "f.json"))
+    assert rc == 2 and "--save: gloo has no probe record and a negative intercept" in err
+    assert not (tmp_path / "f.json").exists()

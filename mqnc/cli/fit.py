@@ -72,6 +72,12 @@ def _run(args) -> int:
         saved = newest_group(shown, geometry.qp_row_bytes) if args.group is None else shown[0]
         if saved.fit is None:
             raise ValueError(f"--group: {saved.label} cannot be fitted ({saved.error})")
+        if saved.fit.t_probe_us <= 0:
+            raise ValueError(
+                f"--save: {saved.label} has no probe record and a negative intercept "
+                f"({saved.fit.intercept_us:.1f} us), which cannot be its T_probe; record its "
+                "probe (perf.bench_route does) or choose another with --group"
+            )
         extra = {} if args.link_peak_gbps is None else {"link_peak_gbps": args.link_peak_gbps}
         saved.fit.to_fabric(
             args.name or saved.label,
@@ -134,6 +140,18 @@ def _warn(groups: list) -> None:
             "machine, or a slope that changes with size), or the probe ran under other load. "
             "A saved profile stores turnaround 0; more --reps, or --fit-min-rows, may help.",
             ", ".join(f"{g.label} ({g.fit.turnaround_us:.1f} us)" for g in negative),
+        )
+    below_zero = [
+        g
+        for g in groups
+        if g.fit is not None and not g.fit.probe_measured and g.fit.intercept_us < 0
+    ]
+    if below_zero:
+        log.warning(
+            "negative intercept without a probe record in %s: a round trip at M_q -> 0 cannot "
+            "take negative time, so the intercept is no T_probe; the round trip is not affine "
+            "in M_q over the fitted points. Record the probe (bench 'probe') beside the sweep.",
+            ", ".join(f"{g.label} ({g.fit.intercept_us:.1f} us)" for g in below_zero),
         )
     failed = [g for g in groups if g.fit is None]
     if failed:

@@ -61,6 +61,7 @@ class FitResult:
     holder cannot answer a routed batch faster than an empty probe. It says that the round
     trip is not affine in ``M_q`` over the fitted points (noise, or a slope that changes with
     size) or that the probe was timed under other load; :meth:`to_fabric` stores 0 for it.
+    Without a probe a negative intercept is no ``T_probe`` either (a profile rejects it).
 
     ``mape_amortised`` / ``mape_full`` are the paper's numbers: the two-constant model
     ``T_probe + M_q (q + p) / BW`` "with its measured constants and no refit" (§4.3) over
