@@ -7,8 +7,9 @@ the device README)::
     python -m perf.gpu_check_nvshmem            # host-initiated and device-initiated puts
     python -m perf.gpu_check_nvshmem --quick    # fewer repetitions and batch sizes
 
-What it checks and records (``perf/results/results.jsonl``, and ``$OUT/nvshmem_check.json``
-when ``$OUT`` is set), for each put path (``host``: nvshmem4py's stream-ordered
+What it checks and records (``$MQNC_RESULTS``, else the git-ignored
+``perf/results/local.jsonl``; and ``$OUT/nvshmem_check.json`` when ``$OUT`` is set), for each
+put path (``host``: nvshmem4py's stream-ordered
 ``put_signal``; ``device``: the Triton kernel calling ``nvshmemx_putmem_signal_nbi_block``):
 
 1. **probe round trip**: a header-only put + signal there and back (``T_probe``, §4.3),
