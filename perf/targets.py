@@ -35,7 +35,7 @@ TARGETS = [
         "mla_sparse",
         30.0,
         "sparse top-2048 partial, H 128 <= 30 us",
-        variant="H=128,*",
+        variant="H=128,corpus=*",
         x=2048,
         backend="triton",
     ),
@@ -47,6 +47,37 @@ TARGETS = [
         variant="one-launch",
         x=2048,
         backend="triton",
-        extra={"layers": 27},
+        extra={"layers": 27, "delta": "per-token"},
+    ),
+    # Issue 13's goal shapes, as the benchmarks' --goals sweeps record them (extra.shape is the
+    # shape's label in mqnc.triton_kernels._variants.GOALS, where the kernels branch keeps them).
+    Target(
+        "mla_decode",
+        15.0,
+        "goal: holder partial (H 16, B 1, ct 2048) <= 15 us",
+        backend="triton",
+        extra={"shape": "mla_decode H=16 B=1 ct=2048"},
+    ),
+    Target(
+        "mla_sparse",
+        30.0,
+        "goal: sparse top-2048 (H 128, B 1) <= 30 us",
+        backend="triton",
+        extra={"shape": "mla_sparse H=128 B=1 topk=2048"},
+    ),
+    Target(
+        "merge",
+        8.0,
+        "goal: 8-way merge of 256 rows <= 8 us",
+        backend="triton",
+        extra={"shape": "merge M=8 rows=256"},
+    ),
+    Target(
+        "splice",
+        60.0,
+        "goal: splice 27 layers x 2048 tokens, one delta <= 60 us",
+        variant="one-launch",
+        backend="triton",
+        extra={"shape": "splice L=27 ct=2048 delta=int"},
     ),
 ]
