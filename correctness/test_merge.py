@@ -320,3 +320,18 @@ def test_merge_into_given_outputs_in_another_dtype():
         merge_partials(o, lse, out=(o_out[:1], lse_out))
     with pytest.raises(TypeError, match="out: expected a tuple"):
         merge_partials(o, lse, out=o_out)
+
+
+def test_many_partials_beyond_one_lse_block():
+    """M = 300 > LSE_BLOCK (256): the max runs over two lse blocks and the fold over ten steps
+    of 32 partials; empty partials (NaN o) scattered among them."""
+    g = torch.Generator().manual_seed(6)
+    o = torch.rand(300, 1, 2, 64, generator=g) * 8 - 4
+    lse = torch.randn(300, 1, 2, generator=g) * 3
+    lse[::7] = -INF
+    lse[5::11] = INF
+    o[::7] = float("nan")
+    o_out, lse_out = merge_partials(o, lse)
+    o_ref, lse_ref = merge_reference(o, lse)
+    assert_close(o_out, o_ref, _tol(torch.float32), name="o")
+    assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")

@@ -8,27 +8,33 @@ per-SM limits; :func:`kernel_occupancy` reads it from the JIT's compiled variant
 from the table the sm_90 compile step writes (:mod:`mqnc.triton_kernels._sm90_table`, checked
 in, compared with a fresh compile by the compile test).
 
-The split-KV choice (:func:`choose_num_splits`) minimises a predicted time in bytes at the copy
-ceiling, for ``programs`` (token x head-block) programs over ``tiles`` KV tiles each::
+The split-KV choice (:func:`choose_num_splits`) minimises a predicted time, in bytes at the
+copy ceiling, for ``programs`` (token x head-block) programs over ``tiles`` KV tiles each::
 
-    cost(S) = waves(programs * S) * slots * cta_bytes(S) + merge_bytes(S) + launch_bytes(S)
+    cost(S) = waves(programs * S) * slots * cta_bytes(S) + merge_cost(S) + launch(S)
 
-    slots          = sms * ctas_per_sm                  (CTAs resident at once: one wave)
-    waves(n)       = ceil(n / slots)
-    cta_bytes(S)   = in_bytes + ceil(tiles / S) * tile_bytes + out_bytes(S)
-                     (a CTA's query rows, its KV tiles, then its output: the fp32 partial
-                     when S > 1)
-    merge_bytes(S) = programs * S * out_bytes(S)  if S > 1 else 0   (the combine reads them back)
-    launch_bytes(S)= LAUNCH_US * CEILING_BYTES_PER_US if S > 1 else 0   (the combine's launch)
+    slots         = sms * ctas_per_sm            CTAs resident at once: one wave
+    waves(n)      = ceil(n / slots)
+    cta_bytes(S)  = in_bytes + ceil(tiles / S) * tile_bytes + out(S)
+                    a CTA's query rows, its DRAM share of its KV tiles (a token's head blocks
+                    run side by side and read each tile from DRAM once between them), then
+                    its output: unsplit, or its fp32 partial (out(S) = split_out_bytes)
+    merge_cost(S) = programs * S * split_out_bytes * sms / min(programs * merge_ctas, sms)
+                    the combine reads the partials back; fewer CTAs than SMs stream at their
+                    SMs' share only (0 for S = 1)
+    launch(S)     = LAUNCH_US * CEILING_BYTES_PER_US, the combine's launch (0 for S = 1)
 
-over ``1 <= S <= tiles // min_tiles`` (at least ``MIN_TOKENS_PER_SPLIT = 64`` tokens per
-split), ties to the smaller S. A wave's time is its slowest CTA's, and a CTA streams at its share
-``ceiling / slots`` of the bandwidth, so a wave costs ``slots * cta_bytes`` bytes of ceiling time;
-a grid that fills whole waves is the cheapest, a short context at B 1 spreads over as many SMs
-as its 64-token splits allow, and splitting stops where the partials' extra traffic and the
-combine's launch outweigh it. A persistent grid is not used: with this policy every wave is
-full to within one CTA per SM for uniform lengths, and a persistent loop would only pay for
-ragged lengths (the holder's batches are of one chunk), at the price of a work queue.
+over ``1 <= S <= min(tiles // min_tiles, 512)`` (at least ``MIN_TOKENS_PER_SPLIT = 64``
+entries per split), ties to the smaller S. A wave lasts as long as its slowest CTA, and a CTA
+streams at its share ``ceiling / slots``, so a wave costs ``slots * cta_bytes``: a grid that
+fills whole waves is the cheapest, a short context at B 1 spreads over as many SMs as its
+64-entry splits allow, and splitting stops where the partials' traffic and the combine's launch
+outweigh the SMs it adds. Worked examples (one CTA per SM, 132 SMs) are in README "Kernels".
+
+A persistent grid is not used: for the uniform lengths of a holder's batch (one chunk) this
+policy fills every wave to within one CTA per SM (>= 96% at the goal shapes, see
+``correctness/test_grid.py``), and a persistent loop would pay only for ragged lengths, at the
+price of a work queue and a loop-carried tile schedule that Triton cannot pipeline across.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ __all__ = [
     "SplitCost",
     "split_cost",
     "choose_num_splits",
+    "MAX_SPLITS",
     "waves",
     "sm_count",
     "device_limits",
@@ -130,6 +137,20 @@ class SplitCost:
         return self.ctas / (self.waves * self.slots)
 
 
+def _cost(
+    s, programs, tiles, tile_bytes, in_bytes, out_bytes, split_out_bytes, merge_ctas, slots, sms
+):
+    """``(ctas, waves, cta_bytes, merge_bytes, cost_bytes)`` of ``s`` splits."""
+    out = out_bytes if s == 1 else split_out_bytes
+    cta_bytes = in_bytes + (-(-tiles // s)) * tile_bytes + out
+    ctas = programs * s
+    w = -(-ctas // slots)
+    merge = ctas * split_out_bytes if s > 1 else 0
+    merge_cost = merge * sms / max(1, min(programs * merge_ctas, sms))
+    launch = LAUNCH_US * CEILING_BYTES_PER_US if s > 1 else 0.0
+    return ctas, w, cta_bytes, merge, w * slots * cta_bytes + merge_cost + launch
+
+
 def split_cost(
     num_splits: int,
     *,
@@ -139,29 +160,39 @@ def split_cost(
     in_bytes: int,
     out_bytes: int,
     split_out_bytes: int,
+    merge_ctas: int,
     slots: int,
+    sms: int = SM90.sms,
 ) -> SplitCost:
     """The policy's cost of ``num_splits`` (module docstring): ``programs`` programs of ``tiles``
     KV tiles of ``tile_bytes`` each; every CTA reads ``in_bytes`` (its query rows) and writes
-    ``out_bytes`` unsplit, or ``split_out_bytes`` (its fp32 partial) per split."""
-    s = num_splits
-    tiles_per_cta = -(-tiles // s) if tiles else 0
-    out = out_bytes if s == 1 else split_out_bytes
-    cta_bytes = in_bytes + tiles_per_cta * tile_bytes + out
-    ctas = programs * s
-    w = waves(ctas, slots)
-    merge = programs * s * split_out_bytes if s > 1 else 0
-    launch = LAUNCH_US * CEILING_BYTES_PER_US if s > 1 else 0.0
+    ``out_bytes`` unsplit, or ``split_out_bytes`` (its fp32 partial) per split; the combine
+    runs ``merge_ctas`` CTAs per program."""
+    ctas, w, cta_bytes, merge, cost = _cost(
+        num_splits,
+        programs,
+        tiles,
+        tile_bytes,
+        in_bytes,
+        out_bytes,
+        split_out_bytes,
+        merge_ctas,
+        slots,
+        sms,
+    )
     return SplitCost(
-        num_splits=s,
+        num_splits=num_splits,
         ctas=ctas,
         waves=w,
         cta_bytes=cta_bytes,
         kv_bytes=programs * tiles * tile_bytes,
         merge_bytes=merge,
-        cost_bytes=w * slots * cta_bytes + merge + launch,
+        cost_bytes=cost,
         slots=slots,
     )
+
+
+MAX_SPLITS = 512  # the search's upper end (a 64-entry split at 32k entries)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -174,30 +205,26 @@ def choose_num_splits(
     in_bytes: int,
     out_bytes: int,
     split_out_bytes: int,
+    merge_ctas: int,
     slots: int,
+    sms: int = SM90.sms,
 ) -> int:
     """The split count of least :func:`split_cost` (module docstring), ties to fewer splits.
 
     ``programs`` token x head-block programs, each over ``tiles`` KV tiles (the capacity, never
-    the lengths: no host sync); at least ``min_tiles`` tiles per split; ``slots`` CTAs resident
-    per wave (``sms * ctas_per_sm``). Only ``S <= 2 * ceil(slots / programs)`` is searched: past
-    two waves of splits every extra wave adds its partials and no parallelism.
+    the lengths: no host sync); at least ``min_tiles`` tiles per split, at most
+    :data:`MAX_SPLITS` splits; ``slots`` CTAs resident per wave (``sms * ctas_per_sm``); the
+    combine runs ``merge_ctas`` CTAs per program.
+    Every candidate is priced (cached per argument set: one search per batch geometry).
     """
     if programs <= 0 or tiles <= 0:
         return 1
-    s_max = max(1, min(tiles // max(min_tiles, 1), 2 * waves(slots, programs)))
+    s_max = max(1, min(tiles // max(min_tiles, 1), MAX_SPLITS))
+    args = (programs, tiles, tile_bytes, in_bytes, out_bytes, split_out_bytes, merge_ctas)
+    args += (slots, sms)
     best, best_cost = 1, math.inf
     for s in range(1, s_max + 1):
-        c = split_cost(
-            s,
-            programs=programs,
-            tiles=tiles,
-            tile_bytes=tile_bytes,
-            in_bytes=in_bytes,
-            out_bytes=out_bytes,
-            split_out_bytes=split_out_bytes,
-            slots=slots,
-        ).cost_bytes
+        c = _cost(s, *args)[4]
         if c < best_cost:
             best, best_cost = s, c
     return best

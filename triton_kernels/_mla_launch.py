@@ -208,17 +208,24 @@ def _policy_splits(build, op, q, d_v, cfg, tiles, occupancy) -> int:
     return choose_num_splits(
         programs,
         tiles,
-        **split_bytes(cfg, d_qk, d_v, q.element_size()),
+        **split_bytes(cfg, d_qk, d_v, q.element_size(), H),
         slots=limits.sms * occupancy.ctas_per_sm(limits),
+        sms=limits.sms,
     )
 
 
-def split_bytes(cfg: TileConfig, d_qk: int, d_v: int, elt: int) -> dict:
-    """The byte counts of one program that the split policy weighs (``_grid.split_cost``)."""
+def split_bytes(cfg: TileConfig, d_qk: int, d_v: int, elt: int, heads: int) -> dict:
+    """The DRAM bytes of one program that the split policy weighs (``_grid.split_cost``): the
+    ``ceil(heads / BLOCK_H)`` head blocks of a token run side by side and read each tile from
+    DRAM once between them (then from L2), so a program's share of a tile is
+    ``tile / head_blocks``."""
+    head_blocks = triton.cdiv(heads, cfg.block_h)
     return dict(
         min_tiles=cfg.min_tiles,
-        tile_bytes=cfg.block_n * d_qk * elt,
+        tile_bytes=cfg.block_n * d_qk * elt // head_blocks,
         in_bytes=cfg.block_h * d_qk * elt,
         out_bytes=cfg.block_h * (d_v * elt + 4),
         split_out_bytes=cfg.block_h * (d_v * 4 + 4),
+        # the combine's CTAs per program: one per head row and 16-byte-per-thread warp slice
+        merge_ctas=cfg.block_h * -(-d_v * 4 // 512),
     )
