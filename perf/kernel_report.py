@@ -227,6 +227,23 @@ def format_table(launches: list[dict], shapes: list[dict], measured: dict | None
     return "\n".join(lines)
 
 
+def format_matrix(shapes: list[dict]) -> str:
+    """Dense decode at a glance: predicted us (% of the ceiling) per H, B (rows) and c_t."""
+    dense = {}
+    for s in shapes:
+        if s["op"] == "mla_decode":
+            f = dict(kv.split("=") for kv in s["shape"].split()[1:])
+            dense[(int(f["H"]), int(f["B"]), int(f["ct"]))] = s
+    cts = sorted({k[2] for k in dense})
+    lines = ["| H | B | " + " | ".join(f"c_t {c}" for c in cts) + " |"]
+    lines.append("|---|---|" + "---|" * len(cts))
+    for H, B in sorted({k[:2] for k in dense}):
+        cells = [dense.get((H, B, c)) for c in cts]
+        vals = [f"{x['pred_us']} us ({x['pct_of_ceiling']:.0f}%)" if x else "-" for x in cells]
+        lines.append(f"| {H} | {B} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="JSON-lines file to append to")
@@ -248,6 +265,9 @@ def main(argv=None) -> int:
     measured = _measured(args.measured) if args.measured else None
     print(f"PREDICTIONS (sm_90, triton {launches[0]['triton']}, {args.ceiling_tbps} TB/s):")
     print(format_table(launches, shapes, measured))
+    if any(s["op"] == "mla_decode" for s in shapes):
+        print("\nDense decode, predicted us (% of the ceiling):")
+        print(format_matrix(shapes))
     return 0
 
 
