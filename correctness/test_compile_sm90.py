@@ -96,3 +96,32 @@ def test_occupancy_table_matches_a_fresh_compile(compiled):
     for name, row in SM90_VARIANTS.items():
         got = {k: compiled[name][k] for k in row}
         assert got == row, f"{name}: table {row}, compiled {got}"
+
+
+_THREE_STAGES = """
+import dataclasses, json
+from mqnc.triton_kernels._compile import compile_launch, ttgir_summary
+from mqnc.triton_kernels._variants import GOALS, shape_launches
+shape = next(s for s in GOALS if s.op == "mla_decode" and (s.H, s.B, s.ct) == (16, 1, 2048))
+launch = shape_launches(shape)[0]
+kwargs = {**launch.kwargs, "num_stages": 3}
+k = compile_launch(launch.kernel, launch.args, kwargs, grid=launch.grid)
+print(json.dumps(ttgir_summary(k.asm["ttgir"])))
+"""
+
+
+def test_three_stages_leave_the_kv_tile_single_buffered():
+    """The evidence for num_stages = 5: the same launch at Triton's default 3 stages gets one
+    KV buffer and waits for every copy group at the loop top (no overlap), because the page-id
+    load takes a pipeline stage of its own."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run(
+        [sys.executable, "-c", _THREE_STAGES], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"3 stages: buffers {summary['local_alloc']}, async_wait nums {summary['async_waits']}")
+    assert "1x64x512xbf16" in summary["local_alloc"]
+    assert "2x64x512xbf16" not in summary["local_alloc"]
+    assert set(summary["async_waits"]) == {0}
