@@ -51,7 +51,9 @@ H200_SMS = 132
 
 class _CompileOnlyDriver:
     """The part of Triton's driver interface that ``JITFunction.run(warmup=True)`` uses: a
-    target, a device index and a stream. Nothing here touches a GPU."""
+    target, a device index and a stream. Nothing here touches a GPU. The device index is
+    ``-arch``, no real device's: the JIT keys its per-device binder and kernel cache by it, so
+    compile-only entries never mix with a real GPU's in the same process."""
 
     def __init__(self, target: GPUTarget):
         self.target = target
@@ -60,7 +62,7 @@ class _CompileOnlyDriver:
         return self.target
 
     def get_current_device(self) -> int:
-        return 0
+        return -int(self.target.arch)
 
     def get_current_stream(self, device: int | None = None) -> int:
         return 0

@@ -152,12 +152,20 @@ def merge_tiles(M: int, D: int, elt: int) -> tuple[int, int, int]:
 
 
 def merge_launch(
-    o: torch.Tensor, lse: torch.Tensor, o_out: torch.Tensor, lse_out: torch.Tensor
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    o_out: torch.Tensor,
+    lse_out: torch.Tensor,
+    *,
+    block_d: int | None = None,
 ) -> Launch:
     """The merge kernel's launch for ``o [M, B, H, D]``, ``lse [M, B, H]`` into ``o_out`` /
-    ``lse_out`` (no checks: :func:`merge_partials` checks)."""
+    ``lse_out`` (no checks: :func:`merge_partials` checks); ``block_d`` overrides
+    :func:`merge_tiles`' slice width (the tests run the compiled path's tiling under the
+    interpreter with it)."""
     M, B, H, D = o.shape
-    block_m, block_d, num_warps = merge_tiles(M, D, o.element_size())
+    block_m, default_d, num_warps = merge_tiles(M, D, o.element_size())
+    block_d = block_d or default_d
     dt = dtype_name(o.dtype)
     return Launch(
         name=f"merge[{dt}->{dtype_name(o_out.dtype)},M<={block_m},D={D},w{num_warps}]",
