@@ -130,3 +130,43 @@ def test_launch_names_identify_the_split_variant():
     assert attend.name.endswith("out=fp32-split]") and attend.grid == (1, 32, 1)
     assert combine.name.startswith("merge[float32->bfloat16,M<=32")
     assert attend.args[0].dtype == torch.bfloat16
+
+
+def test_gpu_occupancy_is_read_from_the_jits_compiled_kernel(monkeypatch):
+    """On a GPU the occupancy comes from Triton's compiled variant (``warmup``, then its
+    ``n_regs``, ``num_warps`` and ``shared``), once per (device, variant); stood in for here
+    by a kernel object with the same interface."""
+    import types
+
+    from mqnc.triton_kernels import _grid
+    from mqnc.triton_kernels._launch import Launch
+
+    calls = []
+
+    class Compiled:
+        n_regs = 200
+        metadata = types.SimpleNamespace(num_warps=8, shared=168960)
+
+        def _init_handles(self):
+            calls.append("init")
+
+    class Kernel:
+        def warmup(self, *args, grid, **kwargs):
+            calls.append(("warmup", args, grid, kwargs))
+            return Compiled()
+
+    monkeypatch.setattr(_grid, "_GPU_OCCUPANCY", {})
+    launch = Launch("v", Kernel(), (1, 2, 3), (1, 2), {"BLOCK": 4, "num_warps": 8})
+    cuda = torch.device("cuda", 0)
+    occ = _grid.kernel_occupancy("v", cuda, lambda: launch)
+    assert occ == Occupancy(200, 256, 168960) and occ.ctas_per_sm() == 1
+    assert calls[0] == ("warmup", (1, 2), (1, 2, 3), {"BLOCK": 4, "num_warps": 8})
+    assert _grid.kernel_occupancy("v", cuda, lambda: 1 / 0) is occ  # cached: not rebuilt
+    assert len(calls) == 2
+    # Off a GPU the checked-in table answers, and make_launch is never called.
+    from mqnc.triton_kernels._sm90_table import SM90_VARIANTS
+
+    name = next(iter(SM90_VARIANTS))
+    row = SM90_VARIANTS[name]
+    got = _grid.kernel_occupancy(name, torch.device("cpu"), lambda: 1 / 0)
+    assert got == Occupancy(row["registers"], 32 * row["num_warps"], row["shared"])

@@ -57,7 +57,10 @@ def _dense_case(B, H, ct, dev, dtype, shared_chunk, gen):
     page = 64
     pages = math.ceil(ct / page)
     nblocks = pages if shared_chunk else B * pages
-    pool = torch.randn(nblocks, page, D_QK, generator=gen).to(device=dev, dtype=dtype)
+    if str(dev) == "cuda":  # drawn on the device: the goal pools reach ~10 GB
+        pool = torch.empty(nblocks, page, D_QK, device=dev, dtype=dtype).normal_()
+    else:
+        pool = torch.randn(nblocks, page, D_QK, generator=gen).to(device=dev, dtype=dtype)
     if shared_chunk:
         table = torch.arange(pages, dtype=torch.int32).repeat(B, 1)
     else:
