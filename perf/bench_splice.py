@@ -15,7 +15,12 @@ smallest size only (c_t = 55), and the torch variants at every size. ``bytes`` i
 splice must move: each entry read once and written once, ``2 * L * c_t * 576 * 2`` bytes. The
 issue's goal on an H200: 27 layers x 2048 tokens in <= 60 us (>= 50x under ~3 ms).
 
-Usage: ``python -m perf.bench_splice [--quick] [--ct 55 2048] [--layers 27]``.
+Usage: ``python -m perf.bench_splice [--quick | --goals] [--ct 55 2048] [--layers 27]``.
+
+``--goals`` times issue 13's goal shapes (``_variants.GOALS``: 27 layers x 2048 tokens, one
+int delta for the chunk as the requester's fetch does, and one delta per token), recording
+``extra.shape`` for ``perf/kernel_report.py --measured``. Timing is ``mqnc.measure.time_fn``
+(CUDA events around each call); the later timing phase (issue 12 item 7) moves it to do_bench.
 """
 
 from __future__ import annotations
@@ -61,7 +66,14 @@ def splice_torch(chunk, pool, slot_mapping, delta, rope, per_layer: bool = False
     return pool
 
 
-def run(ct_list, layers: int, quick: bool, record_results: bool = True) -> list[dict]:
+def run(
+    ct_list,
+    layers: int,
+    quick: bool,
+    record_results: bool = True,
+    delta_kind: str = "[T]",
+    shape="",
+) -> list[dict]:
     use_interpreter_without_cuda()
     import torch
 
@@ -72,11 +84,13 @@ def run(ct_list, layers: int, quick: bool, record_results: bool = True) -> list[
     rope = RopeSpec.from_preset("deepseek-v2-lite")
     out = []
     for ct in ct_list:
-        out += _bench_ct(ct, layers, quick, record_results, device, cuda, rope)
+        out += _bench_ct(ct, layers, quick, record_results, device, cuda, rope, delta_kind, shape)
     return out
 
 
-def _bench_ct(ct, layers, quick, record_results, device, cuda, rope) -> list[dict]:
+def _bench_ct(
+    ct, layers, quick, record_results, device, cuda, rope, delta_kind="[T]", shape=""
+) -> list[dict]:
     import torch
 
     from mqnc.base.runtime import kernel_mode
@@ -92,6 +106,8 @@ def _bench_ct(ct, layers, quick, record_results, device, cuda, rope) -> list[dic
     pool = torch.zeros(layers, num_blocks, block_size, 576, dtype=dtype, device=device)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:ct].to(device)
     delta = torch.randint(-100_000, 100_000, (ct,), generator=g).to(device)
+    if delta_kind == "int":  # one delta for the whole chunk (the requester's fetch)
+        delta = int(delta[0])
     nbytes = 2 * layers * ct * 576 * chunk.element_size()
 
     variants = {}
@@ -148,7 +164,8 @@ def _bench_ct(ct, layers, quick, record_results, device, cuda, rope) -> list[dic
         extra = {
             "layers": layers,
             "dtype": "bf16",
-            "delta": "per-token",
+            "delta": "per-token" if delta_kind != "int" else "int",
+            **({"shape": shape} if shape and name == "one-launch" else {}),
             "block_size": block_size,
             "speedup_vs_per_layer": base[1] / pct[1],
             "paper_us_h100": PAPER_SPLICE_US.get(ct),
@@ -180,7 +197,14 @@ def main(argv=None) -> int:
     p.add_argument("--ct", type=int, nargs="+", default=[55, 1024, 2048, 4096])
     p.add_argument("--layers", type=int, default=27)
     p.add_argument("--no-record", action="store_true", help="print only, do not append results")
+    p.add_argument("--goals", action="store_true", help="issue 13's goal shapes instead")
     args = p.parse_args(argv)
+    if args.goals:
+        from mqnc.triton_kernels._variants import GOALS
+
+        for s in (s for s in GOALS if s.op == "splice"):
+            run([s.ct], s.L, args.quick, not args.no_record, delta_kind=s.delta, shape=s.label)
+        return 0
     run(args.ct, args.layers, args.quick, record_results=not args.no_record)
     return 0
 
