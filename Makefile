@@ -9,7 +9,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.mqnc-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo lint format env clean
+.PHONY: venv test demo lint format env clean compat
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -44,5 +44,18 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# The launch-exact sm_90 compile test under the GPU machine's triton (3.6.0), in a side venv
+# (torch 2.13.0 CPU, triton from PyPI, this package editable, no other extras): registers and
+# spills differ between triton versions, and the GPU runs 3.6.0.
+COMPAT        ?= .venv-compat
+COMPAT_TRITON ?= 3.6.0
+
+compat:
+	@test -x $(COMPAT)/bin/python || $(PY) -m venv $(COMPAT)
+	$(COMPAT)/bin/python -m pip install --quiet torch==2.13.0 triton==$(COMPAT_TRITON) \
+		numpy einops tqdm pytest hypothesis
+	$(COMPAT)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(COMPAT)/bin/python -m pytest correctness/test_compile_sm90.py -q -rs -s $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(COMPAT) .pytest_cache .hypothesis

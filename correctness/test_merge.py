@@ -320,3 +320,44 @@ def test_merge_into_given_outputs_in_another_dtype():
         merge_partials(o, lse, out=(o_out[:1], lse_out))
     with pytest.raises(TypeError, match="out: expected a tuple"):
         merge_partials(o, lse, out=o_out)
+
+
+def test_many_partials_beyond_one_lse_block():
+    """M = 300 > LSE_BLOCK (256): the max runs over two lse blocks and the fold over ten steps
+    of 32 partials; empty partials (NaN o) scattered among them."""
+    g = torch.Generator().manual_seed(6)
+    o = torch.rand(300, 1, 2, 64, generator=g) * 8 - 4
+    lse = torch.randn(300, 1, 2, generator=g) * 3
+    lse[::7] = -INF
+    lse[5::11] = INF
+    o[::7] = float("nan")
+    o_out, lse_out = merge_partials(o, lse)
+    o_ref, lse_ref = merge_reference(o, lse)
+    assert_close(o_out, o_ref, _tol(torch.float32), name="o")
+    assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")
+
+
+@pytest.mark.parametrize(
+    "dtype, D, block_d",
+    [(torch.float32, 512, 128), (torch.bfloat16, 512, 256), (torch.float32, 600, 128)],
+    ids=str,
+)
+def test_the_compiled_paths_slicing_of_o(dtype, D, block_d):
+    """On a GPU a row's o is merged in 16-byte-per-thread slices by several programs (the
+    interpreter runs one program per row): the same kernel at the GPU's slice width, a ragged
+    last slice, and the lse written once per row, into NaN-poisoned outputs."""
+    from mqnc.triton_kernels.merge import merge_launch
+
+    g = torch.Generator().manual_seed(7)
+    o = (torch.rand(5, 2, 3, D, generator=g) * 8 - 4).to(dtype)
+    lse = torch.randn(5, 2, 3, generator=g)
+    lse[1, 0, 2] = -INF
+    o[1, 0, 2] = float("nan")
+    o_out = torch.full((2, 3, D), float("nan"), dtype=dtype)
+    lse_out = torch.full((2, 3), float("nan"))
+    launch = merge_launch(o, lse, o_out, lse_out, block_d=block_d)
+    assert launch.grid == (6, -(-D // block_d))
+    launch()
+    o_ref, lse_ref = merge_reference(o, lse)
+    assert_close(o_out, o_ref, _tol(dtype), name="o")
+    assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")

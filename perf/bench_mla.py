@@ -1,8 +1,8 @@
 """Benchmark the holder's partial absorbed-MLA attention (§6.3): dense paged, sparse top-k, and the
 holder fan-in sweep.
 
-``python -m perf.bench_mla [--only dense,sparse,fanin]`` with the flags every benchmark takes
-(``--quick --reps --warmup --out FILE | --record --check``, :mod:`mqnc.measure.options`).
+``python -m perf.bench_mla [--goals] [--only dense,sparse,fanin]`` with the flags every benchmark
+takes (``--quick --reps --warmup --out FILE | --record --check``, :mod:`mqnc.measure.options`).
 
 - ``mla_decode``: B query tokens x H heads, each token over its own ct-entry cache (page 64):
   B in {1, 8, 64}, ct in {2048, 8192, 32768}, H in {16, 128};
@@ -10,6 +10,14 @@ holder fan-in sweep.
   corpus of 2K..32K entries, H in {16, 128};
 - ``mla_fanin`` (§6.3): N routed requesters (N in 1..256, one query token each) batched into one
   call over the same ct = 2048 chunk the holder holds, H in {16, 128}.
+
+``--goals`` sweeps instead issue 13's goal shapes (``mqnc.triton_kernels._variants.GOALS``:
+dense H 16 / 128 x B 1..128 x c_t 2048..65536, sparse top-2048 at H 16 / 128, B 1 / 8), one
+record per shape with ``extra.shape`` set to the shape's label, which
+``perf/kernel_report.py --measured`` joins to its predictions (one GPU run answers each goal).
+Timing is the shared ``mqnc.measure.time_fn`` (CUDA events around each call, no L2 rotation):
+the later timing phase (issue 12 item 7) swaps in do_bench / graph replay and inputs rotated
+past the 60 MB L2 for the shapes whose working set fits in it.
 
 Bytes read once (for GB/s): the distinct cache entries (``x 576 x elt``; the fan-in's N rows
 share one chunk), the query rows and the written partials (``o`` + fp32 ``lse``). On a GPU it
@@ -51,7 +59,10 @@ def _dense_case(B, H, ct, dev, dtype, shared_chunk, gen):
     page = 64
     pages = math.ceil(ct / page)
     nblocks = pages if shared_chunk else B * pages
-    pool = torch.randn(nblocks, page, D_QK, generator=gen).to(device=dev, dtype=dtype)
+    if str(dev) == "cuda":  # drawn on the device: the goal pools reach ~10 GB
+        pool = torch.empty(nblocks, page, D_QK, device=dev, dtype=dtype).normal_()
+    else:
+        pool = torch.randn(nblocks, page, D_QK, generator=gen).to(device=dev, dtype=dtype)
     if shared_chunk:
         table = torch.arange(pages, dtype=torch.int32).repeat(B, 1)
     else:
@@ -83,15 +94,53 @@ def _nbytes(distinct_entries, rows, elt):
     return distinct_entries * D_QK * elt + rows * D_QK * elt + rows * (D_V * elt + 4)
 
 
+def _sparse_fn(q, pool, idx, cuda):
+    import torch
+
+    from mqnc.triton_kernels import mla_sparse_partial
+
+    if cuda:
+        return lambda: mla_sparse_partial(q, pool, idx, softmax_scale=SCALE, check_indices=False)
+    kv = pool.reshape(-1, D_QK)
+    valid = torch.ones(idx.shape, dtype=torch.bool)
+    return lambda: _torch_partial(q, kv[idx.long()], valid)
+
+
+def _goals(run, too_big, only, dev, dtype, elt, cuda, gen) -> None:
+    """One record per goal shape of the dense and sparse ops (``_variants.GOALS``)."""
+    import torch
+
+    from mqnc.triton_kernels._variants import GOALS
+
+    for shape in GOALS:
+        B, H, n = shape.B, shape.H, shape.ct
+        extra = {"B": B, "H": H, "page": 64, "shape": shape.label, "goal": shape.goal}
+        if shape.op == "mla_decode" and "dense" in only:
+            if too_big(B * n):
+                print(f"{shape.label}: skipped on CPU (gather too big)")
+                continue
+            q, pool, table, lens = _dense_case(B, H, n, dev, dtype, False, gen)
+            fn = _dense_fn(q, pool, table, lens, cuda)
+            run("mla_decode", f"H={H},B={B}", n, "ct", fn, _nbytes(B * n, B * H, elt), extra)
+        elif shape.op == "mla_sparse" and "sparse" in only:
+            corpus = 32768
+            pool = torch.randn(corpus // 64, 64, D_QK, generator=gen).to(dev, dtype)
+            q = torch.randn(B, H, D_QK, generator=gen).to(dev, dtype)
+            idx = torch.stack([torch.randperm(corpus, generator=gen)[:n] for _ in range(B)])
+            fn = _sparse_fn(q, pool, idx.to(torch.int32).to(dev), cuda)
+            extra["corpus"] = corpus
+            run("mla_sparse", f"H={H},B={B}", n, "topk", fn, _nbytes(B * n, B * H, elt), extra)
+
+
 def main(argv=None) -> int:
     ap = bench_parser(__doc__, reps="50 on a GPU, 5 on a CPU", warmup="3 on a GPU, 1 on a CPU")
     ap.add_argument("--only", default="dense,sparse,fanin", help="comma list of sweeps")
+    ap.add_argument("--goals", action="store_true", help="issue 13's goal shapes instead")
     args = parse_bench_args(ap, argv)
     use_interpreter_without_cuda()
     import torch
 
     from mqnc.measure import record, time_fn
-    from mqnc.triton_kernels import mla_sparse_partial
 
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
@@ -121,6 +170,10 @@ def main(argv=None) -> int:
 
     def too_big(entries):
         return not cuda and entries * D_QK * 4 > CPU_MAX_GATHER
+
+    if args.goals:
+        _goals(run, too_big, only, dev, dtype, elt, cuda, gen)
+        return finish(args, TARGETS)
 
     if "dense" in only:
         Bs = [1, 8, 64] if not args.quick else [1, 8]
@@ -153,17 +206,7 @@ def main(argv=None) -> int:
                     if topk > corpus:
                         continue
                     idx = torch.randperm(corpus, generator=gen)[:topk].to(torch.int32)[None]
-                    idx = idx.to(dev)
-                    if cuda:
-                        fn = lambda q=q, idx=idx, pool=pool: mla_sparse_partial(  # noqa: E731
-                            q, pool, idx, softmax_scale=SCALE, check_indices=False
-                        )
-                    else:
-                        kv = pool.reshape(-1, D_QK)
-                        valid = torch.ones(1, topk, dtype=torch.bool)
-                        fn = lambda q=q, idx=idx, kv=kv, valid=valid: _torch_partial(  # noqa: E731
-                            q, kv[idx.long()], valid
-                        )
+                    fn = _sparse_fn(q, pool, idx.to(dev), cuda)
                     run(
                         "mla_sparse",
                         f"H={H},corpus={corpus}",

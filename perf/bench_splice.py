@@ -15,9 +15,14 @@ smallest size only (c_t = 55), and the torch variants at every size. ``bytes`` i
 splice must move: each entry read once and written once, ``2 * L * c_t * 576 * 2`` bytes. The
 issue's goal on an H200: 27 layers x 2048 tokens in <= 60 us (>= 50x under ~3 ms).
 
-Usage: ``python -m perf.bench_splice [--c-t 55,2048] [--layers 27]`` with the flags every
-benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
+Usage: ``python -m perf.bench_splice [--goals] [--c-t 55,2048] [--layers 27]`` with the flags
+every benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
 :mod:`mqnc.measure.options`).
+
+``--goals`` times issue 13's goal shapes (``_variants.GOALS``: 27 layers x 2048 tokens, one
+int delta for the chunk as the requester's fetch does, and one delta per token), recording
+``extra.shape`` for ``perf/kernel_report.py --measured``. Timing is ``mqnc.measure.time_fn``
+(CUDA events around each call); the later timing phase (issue 12 item 7) moves it to do_bench.
 """
 
 from __future__ import annotations
@@ -63,9 +68,17 @@ def splice_torch(chunk, pool, slot_mapping, delta, rope, per_layer: bool = False
     return pool
 
 
-def run(ct_list, layers: int, quick: bool, record_results: bool = True, **timing) -> list[dict]:
+def run(
+    ct_list,
+    layers: int,
+    quick: bool,
+    record_results: bool = True,
+    delta_kind: str = "[T]",
+    shape="",
+    **timing,
+) -> list[dict]:
     """Time every variant at each c_t; ``timing``: ``path`` (results file), ``reps``, ``warmup``
-    (None: the defaults below)."""
+    (None: the defaults in ``_bench_ct``)."""
     use_interpreter_without_cuda()
     import torch
 
@@ -76,12 +89,25 @@ def run(ct_list, layers: int, quick: bool, record_results: bool = True, **timing
     rope = RopeSpec.from_preset("deepseek-v2-lite")
     out = []
     for ct in ct_list:
-        out += _bench_ct(ct, layers, quick, record_results, device, cuda, rope, **timing)
+        out += _bench_ct(
+            ct, layers, quick, record_results, device, cuda, rope, delta_kind, shape, **timing
+        )
     return out
 
 
 def _bench_ct(
-    ct, layers, quick, record_results, device, cuda, rope, path=None, reps=None, warmup=None
+    ct,
+    layers,
+    quick,
+    record_results,
+    device,
+    cuda,
+    rope,
+    delta_kind="[T]",
+    shape="",
+    path=None,
+    reps=None,
+    warmup=None,
 ) -> list[dict]:
     import torch
 
@@ -98,6 +124,8 @@ def _bench_ct(
     pool = torch.zeros(layers, num_blocks, block_size, 576, dtype=dtype, device=device)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:ct].to(device)
     delta = torch.randint(-100_000, 100_000, (ct,), generator=g).to(device)
+    if delta_kind == "int":  # one delta for the whole chunk (the requester's fetch)
+        delta = int(delta[0])
     nbytes = 2 * layers * ct * 576 * chunk.element_size()
 
     variants = {}
@@ -154,7 +182,8 @@ def _bench_ct(
         extra = {
             "layers": layers,
             "dtype": "bf16",
-            "delta": "per-token",
+            "delta": "per-token" if delta_kind != "int" else "int",
+            **({"shape": shape} if shape and name == "one-launch" else {}),
             "block_size": block_size,
             "speedup_vs_per_layer": base[1] / pct[1],
             "paper_us_h100": PAPER_SPLICE_US.get(ct),
@@ -186,8 +215,16 @@ def main(argv=None) -> int:
     p.add_argument("--c-t", type=int_list, default=[55, 1024, 2048, 4096], help="chunk tokens")
     hidden_alias(p, "--ct", "c_t", type=int_list)
     p.add_argument("--layers", type=int, default=27)
+    p.add_argument("--goals", action="store_true", help="issue 13's goal shapes instead")
     args = parse_bench_args(p, argv)
-    run(args.c_t, args.layers, args.quick, path=args.out, reps=args.reps, warmup=args.warmup)
+    timing = dict(path=args.out, reps=args.reps, warmup=args.warmup)
+    if args.goals:
+        from mqnc.triton_kernels._variants import GOALS
+
+        for s in (s for s in GOALS if s.op == "splice"):
+            run([s.ct], s.L, args.quick, delta_kind=s.delta, shape=s.label, **timing)
+        return finish(args, TARGETS)
+    run(args.c_t, args.layers, args.quick, **timing)
     return finish(args, TARGETS)
 
 

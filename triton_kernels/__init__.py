@@ -1,8 +1,21 @@
 """mqnc's Triton kernels, installed as ``mqnc.triton_kernels`` (never as a top-level
 ``triton_kernels``, which would shadow Triton's own package of that name).
 
-One op per module, each with its launcher, input checks and ``compile_specs()`` for the sm_90
-compile test. Importing this package imports Triton but never touches a GPU.
+One op per module (``merge``, ``mla_decode``, ``mla_sparse``, ``splice``), each with its
+``@triton.jit`` kernel, its input checks and a planning function that returns its launches as
+data (``_launch.Launch``). Private modules, each with one job:
+
+- ``_checks``: argument validation (every error names the argument, expected and got);
+- ``_runtime``: interpreter mode, the launch lock, NaN-poisoned outputs;
+- ``_numerics``: the store-side round to nearest even;
+- ``_mla_tile`` / ``_mla_launch``: the device / host side shared by the two MLA ops;
+- ``_grid``: occupancy and the split / grid policy (whole waves);
+- ``_variants``: the production (goal) shapes and the launches they make;
+- ``_compile``: launch-exact compiles for sm_90 without a GPU, registers, spills, SASS, TTGIR;
+- ``_sm90_table``: the generated occupancy of every production variant.
+
+Importing this package imports Triton but never touches a GPU; it imports nothing of ``mqnc``
+above the kernel layer.
 """
 
 from mqnc.triton_kernels.merge import (
@@ -17,11 +30,7 @@ from mqnc.triton_kernels.mla_decode import mla_decode_partial
 from mqnc.triton_kernels.mla_sparse import mla_sparse_partial
 from mqnc.triton_kernels.splice import rope_rotate, rope_splice
 
-# Every kernel module, for the sm_90 compile test (each defines ``compile_specs()``).
-KERNEL_MODULES = ["merge", "mla_decode", "mla_sparse", "splice"]
-
 __all__ = [
-    "KERNEL_MODULES",
     "merge_partials",
     "merge_partials_into",
     "lse_to_base2",

@@ -4,6 +4,7 @@ Private ``@triton.jit`` helpers; the public ops are ``mla_decode.mla_decode_part
 ``mla_sparse.mla_sparse_partial``, which differ only in how they find a tile's cache rows (a
 block-table lookup, or the top-k indices) and share everything else here:
 
+- :func:`_split_range` gives a split its contiguous range of whole tiles;
 - :func:`_load_query` loads the ``BLOCK_H`` heads of one query token as two tiles, the latent
   part ``[BLOCK_H, D_LAT]`` and the rope part ``[BLOCK_H, D_PE]`` (``tl.arange`` needs
   power-of-two extents, so the 576-wide head is split 512 + 64);
@@ -28,8 +29,17 @@ import triton.language as tl
 
 from mqnc.triton_kernels._numerics import round_to
 
-LN2 = 0.6931471805599453
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_range(n, NUM_SPLITS, split, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
+    """``[start, end)`` of split ``split`` over ``n`` entries: ``NUM_SPLITS`` contiguous ranges
+    of whole ``BLOCK_N`` tiles, at least ``MIN_TILES`` tiles each (so a row shorter than the
+    capacity the host planned for fills its first splits and leaves the last ones empty)."""
+    tiles_per_split = tl.maximum(tl.cdiv(tl.cdiv(n, BLOCK_N), NUM_SPLITS), MIN_TILES)
+    start = split * tiles_per_split * BLOCK_N
+    return start, tl.minimum(start + tiles_per_split * BLOCK_N, n)
 
 
 @triton.jit
@@ -132,23 +142,3 @@ def _store_partial(
         nonempty, (m + tl.log2(tl.where(nonempty, l, 1.0))) * 0.6931471805599453, -float("inf")
     )
     tl.store(LSE + lse_base + offs_h * stride_lh, lse, mask=mask_h)
-
-
-def tile_config(heads: int, *, sparse: bool = False) -> tuple[int, int, int]:
-    """``(BLOCK_H, BLOCK_N, num_warps)`` for ``heads`` query heads per token.
-
-    Chosen from sm_90 compiles of the bf16 kernels (the modules' ``compile_specs``, registers
-    and spills read with cuobjdump, triton 3.9.0):
-
-    - dense: 16 heads x 64-entry tiles on 8 warps: 230 registers, no spills; 32 heads need
-      32-entry tiles (204 registers, no spills);
-    - sparse (the per-entry index arithmetic costs registers): 16 x 32 on 8 warps: 178
-      registers; 32 x 16: 222 registers; 16 x 64 spills (152 B of stack).
-
-    64 packed heads (FlashMLA's shape) spill in every Triton configuration tried (8 or 16 warps,
-    16..64-entry tiles: 456..1392 B of stack), its fp32 accumulator alone being 64 x 512; so
-    H > 16 runs in programs of 32 heads, each reading the token's tiles (repeats hit L2).
-    """
-    if heads <= 16:
-        return (16, 32, 8) if sparse else (16, 64, 8)
-    return (32, 16, 8) if sparse else (32, 32, 8)

@@ -23,9 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-from mqnc.triton_kernels._checks import FLOAT_DTYPES, check_same_device, check_tensor
+from mqnc.triton_kernels._checks import (
+    FLOAT_DTYPES,
+    check_same_device,
+    check_tensor,
+    dtype_name,
+)
+from mqnc.triton_kernels._launch import Launch
 from mqnc.triton_kernels._numerics import round_to
-from mqnc.triton_kernels._runtime import bf16_rne_in_software, launch_lock, new_output
+from mqnc.triton_kernels._runtime import bf16_rne_in_software, interpreting, new_output
 
 __all__ = [
     "merge_partials",
@@ -34,33 +40,29 @@ __all__ = [
     "lse_from_base2",
     "lse_from_ml",
     "ml_from_lse",
-    "compile_specs",
+    "merge_launch",
 ]
 
 _LN2 = math.log(2.0)
+LSE_BLOCK = 256  # lse values of a row loaded at once for the max (one load for M <= 256)
+_MAX_BLOCK_M = 32  # partial rows one program unrolls per step
 
 
 @triton.jit
-def _merge_weights(lse_ptr, stride_lse_m, M):
-    """Pass over the M lse values of one row: returns (max, sum of exp(lse_i - max)).
-
-    +inf is read as empty (-inf). If every partial is empty, returns (-inf, 0).
-    """
+def _row_max(lse_row, stride_lm, M, LSE_BLOCK: tl.constexpr):
+    """The largest of the M lse values of one row, loaded ``LSE_BLOCK`` at a time (all at
+    once for M <= LSE_BLOCK); ``+inf`` is read as empty. Returns ``(m, m_safe)``: the max
+    (``-inf`` when every partial is empty) and the shift the weights use (0 then)."""
+    offs = tl.arange(0, LSE_BLOCK)
     m = -float("inf")
-    for i in range(M):
-        x = tl.load(lse_ptr + i * stride_lse_m)
+    for m0 in range(0, M, LSE_BLOCK):
+        x = tl.load(lse_row + (m0 + offs) * stride_lm, mask=m0 + offs < M, other=-float("inf"))
         x = tl.where(x == float("inf"), -float("inf"), x)
-        m = tl.maximum(m, x)
-    m_safe = tl.where(m == -float("inf"), 0.0, m)
-    l = 0.0
-    for i in range(M):
-        x = tl.load(lse_ptr + i * stride_lse_m)
-        x = tl.where(x == float("inf"), -float("inf"), x)
-        l += tl.exp(x - m_safe)
-    return m, m_safe, l
+        m = tl.maximum(m, tl.max(x, 0))
+    return m, tl.where(m == -float("inf"), 0.0, m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "H"])
 def _merge_partials_kernel(
     O_in,
     LSE_in,
@@ -81,38 +83,49 @@ def _merge_partials_kernel(
     stride_yd,
     stride_zb,
     stride_zh,
+    BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    LSE_BLOCK: tl.constexpr,
     BF16_RNE: tl.constexpr,
 ):
-    """One program per (b, h) row: weights from the M lse values, then the weighted sum of o."""
+    """Grid ``(B * H, cdiv(D, BLOCK_D))``: one program per (row, ``BLOCK_D`` slice of o).
+
+    The max over the row's M lse values comes from one vector load (:func:`_row_max`); then the
+    partials are folded in order ``i = 0 .. M-1``, ``BLOCK_M`` per step, unrolled, so that the
+    step's lse and o loads are independent of each other and of the running sums (the compiler
+    issues them together: no round trip per partial). Each weight ``e_i = exp(lse_i - max)`` is
+    formed once per program; o is read ``BLOCK_D`` wide (16 bytes per thread) only where
+    ``e_i > 0`` (an empty partial's o may hold anything, NaN included); the fold's fixed order
+    makes an inserted empty partial change nothing, bit for bit."""
     row = tl.program_id(0)
     b = row // H
     h = row % H
-    lse_row = LSE_in + b * stride_lb + h * stride_lh
-    m, m_safe, l = _merge_weights(lse_row, stride_lm, M)
-    inv_l = tl.where(l > 0.0, 1.0 / l, 0.0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    lse_row = LSE_in + b.to(tl.int64) * stride_lb + h * stride_lh
+    o_row = O_in + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d * stride_od
+    m, m_safe = _row_max(lse_row, stride_lm, M, LSE_BLOCK)
 
-    o_row = O_in + b * stride_ob + h * stride_oh
-    y_row = O_out + b * stride_yb + h * stride_yh
-    offs = tl.arange(0, BLOCK_D)
-    for d0 in range(0, D, BLOCK_D):
-        mask = d0 + offs < D
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for i in range(M):
-            x = tl.load(lse_row + i * stride_lm)
+    l = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        for j in tl.static_range(BLOCK_M):
+            i = m0 + j
+            x = tl.load(lse_row + i * stride_lm, mask=i < M, other=-float("inf"))
             x = tl.where(x == float("inf"), -float("inf"), x)
-            w = tl.exp(x - m_safe) * inv_l
-            if w > 0.0:  # an empty partial's o is never read (it may hold anything, even NaN)
-                o = tl.load(o_row + i * stride_om + (d0 + offs) * stride_od, mask=mask, other=0.0)
-                acc += w * o.to(tl.float32)
-        tl.store(
-            y_row + (d0 + offs) * stride_yd,
-            round_to(acc, O_out.dtype.element_ty, BF16_RNE),
-            mask=mask,
-        )
+            e = tl.exp(x - m_safe)
+            # (tl.where, not `mask_d & (e > 0)`: the interpreter cannot `&` a scalar and a block)
+            keep = tl.where(e > 0.0, mask_d, False)
+            o = tl.load(o_row + i.to(tl.int64) * stride_om, mask=keep, other=0.0)
+            l += e
+            acc += e * o.to(tl.float32)
 
-    lse = tl.where(l > 0.0, m_safe + tl.log(l), -float("inf"))
-    tl.store(LSE_out + b * stride_zb + h * stride_zh, lse)
+    inv_l = tl.where(l > 0.0, 1.0 / tl.where(l > 0.0, l, 1.0), 0.0)
+    y = O_out + b.to(tl.int64) * stride_yb + h * stride_yh + offs_d * stride_yd
+    tl.store(y, round_to(acc * inv_l, O_out.dtype.element_ty, BF16_RNE), mask=mask_d)
+    if tl.program_id(1) == 0:
+        lse = tl.where(l > 0.0, m_safe + tl.log(tl.where(l > 0.0, l, 1.0)), -float("inf"))
+        tl.store(LSE_out + b.to(tl.int64) * stride_zb + h * stride_zh, lse)
 
 
 def _check_lse_values(name: str, lse: torch.Tensor) -> None:
@@ -121,16 +134,44 @@ def _check_lse_values(name: str, lse: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected no NaN log-sum-exp values, got {n} NaN entries")
 
 
-def _block_d(D: int) -> int:
-    return min(triton.next_power_of_2(D), 512)
+def merge_tiles(M: int, D: int, elt: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_D, num_warps)`` for ``M`` partials of width ``D`` (``elt`` bytes).
+
+    One warp per program, each thread reading 16 bytes of a partial row per load
+    (``BLOCK_D = 32 * 16 / elt``: 256 bf16 or 128 fp32 values), fewer for a narrower ``D``;
+    ``BLOCK_M`` partials unrolled per step, ``next_power_of_2(M)`` up to 32. Under the
+    interpreter, whose cost is per program and per operation rather than per element, one
+    program covers the whole row (``BLOCK_D = next_power_of_2(D)``): the same code, fewer
+    programs.
+    """
+    block_m = min(triton.next_power_of_2(max(M, 1)), _MAX_BLOCK_M)
+    block_d = triton.next_power_of_2(max(D, 1))
+    if not interpreting():
+        block_d = min(32 * 16 // elt, block_d)
+    return block_m, block_d, 1
 
 
-def _launch(o: torch.Tensor, lse: torch.Tensor, o_out: torch.Tensor, lse_out: torch.Tensor) -> None:
+def merge_launch(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    o_out: torch.Tensor,
+    lse_out: torch.Tensor,
+    *,
+    block_d: int | None = None,
+) -> Launch:
+    """The merge kernel's launch for ``o [M, B, H, D]``, ``lse [M, B, H]`` into ``o_out`` /
+    ``lse_out`` (no checks: :func:`merge_partials` checks); ``block_d`` overrides
+    :func:`merge_tiles`' slice width (the tests run the compiled path's tiling under the
+    interpreter with it)."""
     M, B, H, D = o.shape
-    if B * H == 0:
-        return
-    with launch_lock():
-        _merge_partials_kernel[(B * H,)](
+    block_m, default_d, num_warps = merge_tiles(M, D, o.element_size())
+    block_d = block_d or default_d
+    dt = dtype_name(o.dtype)
+    return Launch(
+        name=f"merge[{dt}->{dtype_name(o_out.dtype)},M<={block_m},D={D},w{num_warps}]",
+        kernel=_merge_partials_kernel,
+        grid=(B * H, triton.cdiv(D, block_d)),
+        args=(
             o,
             lse,
             o_out,
@@ -142,9 +183,25 @@ def _launch(o: torch.Tensor, lse: torch.Tensor, o_out: torch.Tensor, lse_out: to
             *lse.stride(),
             *o_out.stride(),
             *lse_out.stride(),
-            BLOCK_D=_block_d(D),
+        ),
+        kwargs=dict(
+            BLOCK_M=block_m,
+            BLOCK_D=block_d,
+            LSE_BLOCK=LSE_BLOCK,
             BF16_RNE=bf16_rne_in_software(o_out.dtype),
-        )
+            num_warps=num_warps,
+            # Room for a whole step's loads in flight (BLOCK_M rows x 16 bytes per thread):
+            # left to itself ptxas keeps fewer (3.6.0: 80 registers at M <= 32) or spills
+            # (3.9.0: 8 bytes of stack at M <= 16); one-warp programs can afford 255.
+            maxnreg=255,
+        ),
+    )
+
+
+def _launch(o: torch.Tensor, lse: torch.Tensor, o_out: torch.Tensor, lse_out: torch.Tensor) -> None:
+    if o.shape[1] * o.shape[2] == 0:
+        return
+    merge_launch(o, lse, o_out, lse_out)()
 
 
 def merge_partials(
@@ -275,44 +332,3 @@ def ml_from_lse(lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m = torch.where(empty, torch.zeros_like(lse), lse)
     l = torch.where(empty, torch.zeros_like(lse), torch.ones_like(lse))
     return m, l
-
-
-def compile_specs():
-    """Kernels of this file at their production sizes, for the sm_90 compile test."""
-    sig = {
-        "O_in": "*bf16",
-        "LSE_in": "*fp32",
-        "O_out": "*bf16",
-        "LSE_out": "*fp32",
-        "M": "i32",
-        "H": "i32",
-        "D": "i32",
-        **{
-            k: "i32"
-            for k in (
-                "stride_om",
-                "stride_ob",
-                "stride_oh",
-                "stride_od",
-                "stride_lm",
-                "stride_lb",
-                "stride_lh",
-                "stride_yb",
-                "stride_yh",
-                "stride_yd",
-                "stride_zb",
-                "stride_zh",
-            )
-        },
-        "BLOCK_D": "constexpr",
-        "BF16_RNE": "constexpr",
-    }
-    return [
-        dict(
-            name="merge_partials[bf16,D=512]",
-            fn=_merge_partials_kernel,
-            signature=sig,
-            constexprs={"BLOCK_D": 512, "BF16_RNE": False},
-            num_warps=4,
-        ),
-    ]

@@ -22,30 +22,37 @@ import torch
 import triton
 import triton.language as tl
 
-from mqnc.triton_kernels._checks import check_same_device, check_tensor
+from mqnc.triton_kernels._checks import (
+    check_num_splits,
+    check_same_device,
+    check_softmax_scale,
+    check_tensor,
+)
+from mqnc.triton_kernels._launch import Launch
+from mqnc.triton_kernels._mla_launch import (
+    MlaPlan,
+    TileConfig,
+    check_mla_shapes,
+    dot_precision,
+    plan_mla,
+    split_strides,
+    tile_config,
+    variant_name,
+)
 from mqnc.triton_kernels._mla_tile import (
     LOG2E,
     _attend_tile,
     _load_query,
+    _split_range,
     _store_partial,
-    tile_config,
 )
-from mqnc.triton_kernels._runtime import bf16_rne_in_software, dot_in_fp32, launch_lock
-from mqnc.triton_kernels.mla_decode import (
-    check_mla_shapes,
-    check_num_splits,
-    check_softmax_scale,
-    choose_num_splits,
-    combine_splits,
-    dot_precision,
-    sm_count,
-    split_outputs,
-)
+from mqnc.triton_kernels._runtime import bf16_rne_in_software, dot_in_fp32
 
-__all__ = ["mla_sparse_partial", "compile_specs"]
+__all__ = ["mla_sparse_partial", "plan_sparse", "sparse_launch"]
 
 
-@triton.jit
+# topk and the index rows' stride vary from call to call: not specialised (see mla_decode).
+@triton.jit(do_not_specialize=["topk", "NUM_SPLITS", "stride_ib"])
 def _mla_sparse_kernel(
     Q,
     KV,
@@ -71,21 +78,20 @@ def _mla_sparse_kernel(
     PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MIN_TILES: tl.constexpr,
     D_LAT: tl.constexpr,
     D_PE: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     BF16_RNE: tl.constexpr,
 ):
-    """Grid ``(B, ceil(H / BLOCK_H), NUM_SPLITS)``; split ``s`` takes a contiguous range of the
+    """Grid ``(ceil(H / BLOCK_H), NUM_SPLITS, B)``; split ``s`` takes a contiguous range of the
     row's ``topk`` index slots, whole tiles each."""
-    b = tl.program_id(0)
-    h0 = tl.program_id(1) * BLOCK_H
-    split = tl.program_id(2)
+    h0 = tl.program_id(0) * BLOCK_H
+    split = tl.program_id(1)
+    b = tl.program_id(2)
 
-    tiles_per_split = tl.cdiv(tl.cdiv(topk, BLOCK_N), NUM_SPLITS)
-    k_start = split * tiles_per_split * BLOCK_N
-    k_end = tl.minimum(k_start + tiles_per_split * BLOCK_N, topk)
+    k_start, k_end = _split_range(topk, NUM_SPLITS, split, BLOCK_N, MIN_TILES)
 
     q_lat, q_pe, offs_h, mask_h = _load_query(
         Q, b, h0, H, stride_qb, stride_qh, BLOCK_H, D_LAT, D_PE, DOT_FP32
@@ -162,8 +168,9 @@ def mla_sparse_partial(
     d_v : int
         Value width (512); ``d_v`` and ``d_qk - d_v`` powers of two >= 16.
     num_splits : int or None
-        Splits of each row's index list (split-KV), combined by the merge kernel; None chooses
-        so that the grid covers the device's SMs with at least 256 slots per split.
+        Splits of each row's index list (split-KV), combined by the merge kernel; None lets the
+        split / grid policy choose (``_grid.choose_num_splits``: whole waves, at least 64
+        slots per split).
     check_indices : bool
         Raise ``ValueError`` on the host (one sync) for an index ``< -1`` or ``>= num_blocks *
         block_size``; pass False on a hot path (an index past the pool then reads out of bounds,
@@ -196,33 +203,61 @@ def mla_sparse_partial(
             f"kv_pool: expected a block size (dim 1) that is a power of two, got {block_size}"
         )
     check_tensor("indices", indices, ndim=2, dtypes=(torch.int32,), shape=(B, None))
-    topk = indices.shape[1]
-    device = check_same_device(q=q, kv_pool=kv_pool, indices=indices)
+    check_same_device(q=q, kv_pool=kv_pool, indices=indices)
     scale = check_softmax_scale(softmax_scale)
     check_num_splits(num_splits)
     if check_indices:
         _check_index_range(indices, num_blocks * block_size)
 
-    block_h, block_n, num_warps = tile_config(H, sparse=True)
-    head_blocks = triton.cdiv(H, block_h)
-    if num_splits is None:
-        num_splits = choose_num_splits(B * head_blocks, topk, sm_count(device))
+    return plan_sparse(q, kv_pool, indices, scale, d_v, num_splits).run()
 
-    o, lse, o_part, lse_part, o_strides, l_strides = split_outputs(
-        B, H, d_v, q.dtype, device, num_splits
+
+def plan_sparse(q, kv_pool, indices, scale, d_v, num_splits, occupancy=None) -> MlaPlan:
+    """The launches of :func:`mla_sparse_partial` for valid inputs (unchecked), at
+    ``occupancy`` if given (see ``_mla_launch.plan_mla``)."""
+    cfg = tile_config(q.shape[1], sparse=True)
+
+    def build(o_part, lse_part, splits):
+        return sparse_launch(q, kv_pool, indices, o_part, lse_part, splits, scale, d_v, cfg)
+
+    return plan_mla(
+        build,
+        op="mla_sparse",
+        q=q,
+        d_v=d_v,
+        cfg=cfg,
+        tiles=triton.cdiv(indices.shape[1], cfg.block_n),
+        num_splits=num_splits,
+        occupancy=occupancy,
     )
-    if B * H == 0:
-        return o, lse
 
-    with launch_lock():
-        _mla_sparse_kernel[(B, head_blocks, num_splits)](
+
+def sparse_launch(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    indices: torch.Tensor,
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    num_splits: int,
+    scale: float,
+    d_v: int,
+    cfg: TileConfig,
+) -> Launch:
+    """The sparse kernel's launch (no checks: :func:`mla_sparse_partial` checks); outputs as
+    in :func:`mqnc.triton_kernels.mla_decode.decode_launch`."""
+    B, H, d_qk = q.shape
+    return Launch(
+        name=variant_name("mla_sparse", q.dtype, cfg, o_part.dim() == 4),
+        kernel=_mla_sparse_kernel,
+        grid=(triton.cdiv(H, cfg.block_h), num_splits, B),
+        args=(
             q,
             kv_pool,
             indices,
             o_part,
             lse_part,
             H,
-            topk,
+            indices.shape[1],
             num_splits,
             scale * LOG2E,
             q.stride(0),
@@ -231,92 +266,20 @@ def mla_sparse_partial(
             kv_pool.stride(1),
             indices.stride(0),
             indices.stride(1),
-            *o_strides,
-            *l_strides,
-            PAGE=block_size,
-            BLOCK_H=block_h,
-            BLOCK_N=block_n,
+            *split_strides(o_part, lse_part),
+        ),
+        kwargs=dict(
+            PAGE=kv_pool.shape[1],
+            BLOCK_H=cfg.block_h,
+            BLOCK_N=cfg.block_n,
+            MIN_TILES=cfg.min_tiles,
             D_LAT=d_v,
-            D_PE=d_pe,
+            D_PE=d_qk - d_v,
             DOT_FP32=dot_in_fp32(q.dtype),
             PRECISION=dot_precision(q.dtype),
             BF16_RNE=bf16_rne_in_software(o_part.dtype),
-            num_warps=num_warps,
-        )
-        combine_splits(o_part, lse_part, o, lse, num_splits)
-    return o, lse
-
-
-def sparse_signature(dtype: str = "bf16") -> dict:
-    ptr = f"*{dtype}"
-    return {
-        "Q": ptr,
-        "KV": ptr,
-        "Indices": "*i32",
-        "O": ptr,
-        "LSE": "*fp32",
-        "H": "i32",
-        "topk": "i32",
-        "NUM_SPLITS": "i32",
-        "qk_scale": "fp32",
-        **{
-            k: "i32"
-            for k in (
-                "stride_qb",
-                "stride_qh",
-                "stride_kb",
-                "stride_kt",
-                "stride_ib",
-                "stride_ik",
-                "stride_os",
-                "stride_ob",
-                "stride_oh",
-                "stride_ls",
-                "stride_lb",
-                "stride_lh",
-            )
-        },
-        **{
-            k: "constexpr"
-            for k in (
-                "PAGE",
-                "BLOCK_H",
-                "BLOCK_N",
-                "D_LAT",
-                "D_PE",
-                "DOT_FP32",
-                "PRECISION",
-                "BF16_RNE",
-            )
-        },
-    }
-
-
-def compile_specs():
-    """The sparse kernel at its production tiles (16 and 32 packed heads), bf16, 576 = 512 + 64,
-    page 64, with and without split-KV, for the sm_90 compile test."""
-    specs = []
-    for heads in (16, 128):
-        block_h, block_n, num_warps = tile_config(heads, sparse=True)
-        for out in ("bf16", "fp32"):  # direct output, or the fp32 split-KV workspace
-            sig = sparse_signature()
-            sig["O"] = f"*{out}"
-            specs.append(
-                dict(
-                    name=f"mla_sparse[bf16,BLOCK_H={block_h},BLOCK_N={block_n},O={out}]",
-                    fn=_mla_sparse_kernel,
-                    signature=sig,
-                    constexprs=dict(
-                        PAGE=64,
-                        BLOCK_H=block_h,
-                        BLOCK_N=block_n,
-                        D_LAT=512,
-                        D_PE=64,
-                        DOT_FP32=False,
-                        PRECISION="tf32",
-                        BF16_RNE=False,
-                    ),
-                    num_warps=num_warps,
-                )
-            )
-    return specs
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            maxnreg=cfg.maxnreg,
+        ),
+    )

@@ -17,32 +17,38 @@ for ``|delta| < 2**29``), reduces it mod pi/2 in float64 (two-constant Cody-Wait
 evaluates float32 minimax polynomials for cos/sin of the reduced angle (see ``_cos_sin``: no
 libdevice call, so no stack frame on sm_90, and the interpreter computes the same thing). The
 angle error is then ~2e-7 rad whatever the delta. The float64 work is 32 angles per token per
-program, negligible next to the copy. Frequencies come from :class:`mqnc.model.RopeSpec`
-(DeepSeek's float32 values, YaRN included); the pure ``R(delta)`` carries no YaRN cos/sin
-factor (it was applied at encoding).
+program, negligible next to the copy.
+
+Frequencies are plain numbers: ``rope`` is any object with the attributes of
+:class:`RopeFrequencies` (``inv_freq``, ``rope_dim``, ``layout``), e.g. the package's
+``RopeSpec`` (DeepSeek's float32 values, YaRN included); the kernel layer imports nothing of
+the model layer. The pure ``R(delta)`` carries no YaRN cos/sin factor (it was applied at
+encoding).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 import triton
 import triton.language as tl
 
-from mqnc.model.rope import RopeSpec
 from mqnc.triton_kernels._checks import FLOAT_DTYPES, check_same_device, check_tensor, dtype_name
+from mqnc.triton_kernels._launch import Launch
 from mqnc.triton_kernels._numerics import round_to
-from mqnc.triton_kernels._runtime import bf16_rne_in_software, launch_lock, new_output
+from mqnc.triton_kernels._runtime import bf16_rne_in_software, new_output
 
-__all__ = ["rope_splice", "rope_rotate", "compile_specs"]
+__all__ = ["rope_splice", "rope_rotate", "RopeFrequencies", "splice_launch"]
 
 _HALF_PI_HI = 1.5707963267948966  # float64 nearest pi/2
 _HALF_PI_LO = 6.123233995736766e-17  # pi/2 - _HALF_PI_HI
 _TWO_OVER_PI = 2.0 / math.pi
 _MAX_ABS_DELTA = 2**31 - 1  # exact float64 angles need |delta| < 2**29; accurate to 2**31
 
-BLOCK_T = 8  # tokens per program (sm_90, 4 warps: 64 registers, 8 programs per SM resident)
+BLOCK_T = 8  # tokens per program (4 warps; registers in README "Kernels", from _sm90_table)
 BLOCK_D = 128  # latent dims per copy step
 NUM_WARPS = 4
 
@@ -74,7 +80,24 @@ def _cos_sin(ang, HALF_PI_HI: tl.constexpr, HALF_PI_LO: tl.constexpr, TWO_OVER_P
     return c, s
 
 
-@triton.jit
+@runtime_checkable
+class RopeFrequencies(Protocol):
+    """What the splice needs of a RoPE specification (``mqnc``'s ``RopeSpec`` has it).
+
+    ``inv_freq``: the ``rope_dim // 2`` frequencies (the model's float32 values) of the pairs;
+    ``rope_dim``: the rotated dims at the end of each entry (64 for DeepSeek), ``2 * a power
+    of two``; ``layout``: ``"interleaved"`` (pairs ``(x0, x1), (x2, x3), ...``, DeepSeek's
+    reference) or ``"half"`` (pairs ``(x_i, x_{i + rope_dim/2})``, Hugging Face's port).
+    """
+
+    inv_freq: Sequence[float]
+    rope_dim: int
+    layout: str
+
+
+# The token count and a scalar delta vary from call to call: not specialised (delta = 1 or a
+# token count of 1 would otherwise each compile a separate variant at run time).
+@triton.jit(do_not_specialize=["T", "delta_scalar"])
 def _rope_splice_kernel(
     SRC,
     DST,
@@ -156,25 +179,37 @@ def _rope_splice_kernel(
 _FREQ_TABLES: dict[tuple, torch.Tensor] = {}
 
 
-def _freq_table(rope: RopeSpec, device: torch.device) -> torch.Tensor:
-    """The spec's frequencies as a float64 tensor on ``device``, cached (one copy per device)."""
-    key = (rope.inv_freq, str(device))
+def _freq_table(rope: RopeFrequencies, device: torch.device) -> torch.Tensor:
+    """The frequencies as a float64 tensor on ``device``, cached (one copy per device)."""
+    key = (tuple(rope.inv_freq), str(device))
     t = _FREQ_TABLES.get(key)
     if t is None:
-        t = torch.tensor(rope.inv_freq, dtype=torch.float64, device=device)
+        t = torch.tensor(key[0], dtype=torch.float64, device=device)
         _FREQ_TABLES[key] = t
     return t
 
 
-def _check_rope(rope: object, width: int, name: str) -> RopeSpec:
-    if not isinstance(rope, RopeSpec):
-        raise TypeError(f"rope: expected a mqnc.model.RopeSpec, got {type(rope).__name__}")
-    half = rope.pairs
-    if half & (half - 1):
-        raise ValueError(f"rope.rope_dim: expected 2 * a power of two, got {rope.rope_dim}")
-    if width <= rope.rope_dim:
+def _check_rope(rope: object, width: int, name: str) -> RopeFrequencies:
+    if not isinstance(rope, RopeFrequencies):
+        raise TypeError(
+            "rope: expected a RoPE spec with inv_freq, rope_dim and layout (e.g. "
+            f"mqnc's RopeSpec), got {type(rope).__name__}"
+        )
+    rope_dim = rope.rope_dim
+    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim < 2:
+        raise ValueError(f"rope.rope_dim: expected an even int >= 2, got {rope_dim!r}")
+    half = rope_dim // 2
+    if rope_dim % 2 or half & (half - 1):
+        raise ValueError(f"rope.rope_dim: expected 2 * a power of two, got {rope_dim}")
+    if len(rope.inv_freq) != half:
         raise ValueError(
-            f"{name}: expected the last dim (d_c + d_r) to exceed rope.rope_dim = {rope.rope_dim}, "
+            f"rope.inv_freq: expected rope_dim // 2 = {half} frequencies, got {len(rope.inv_freq)}"
+        )
+    if rope.layout not in ("interleaved", "half"):
+        raise ValueError(f"rope.layout: expected 'interleaved' or 'half', got {rope.layout!r}")
+    if width <= rope_dim:
+        raise ValueError(
+            f"{name}: expected the last dim (d_c + d_r) to exceed rope.rope_dim = {rope_dim}, "
             f"got {width}"
         )
     return rope
@@ -198,13 +233,22 @@ def _check_delta_values(delta: torch.Tensor) -> None:
         )
 
 
-def _launch(src, dst, slots, delta, freq, T, L, block_size, strides_src, strides_dst, rope):
-    if T == 0 or L == 0:
-        return
+def splice_launch(
+    src, dst, slots, delta, freq, T, L, block_size, strides_src, strides_dst, rope
+) -> Launch:
+    """The splice kernel's launch (no checks: :func:`rope_splice` / :func:`rope_rotate` check):
+    ``T`` tokens of ``L`` layers from ``src`` into ``dst`` at ``slots`` (None: in order), each
+    rotated by ``delta`` (an int, or an int64 tensor ``[T]``); ``freq`` the float64 frequencies."""
     per_token = isinstance(delta, torch.Tensor)
-    grid = (triton.cdiv(T, BLOCK_T), L)
-    with launch_lock():
-        _rope_splice_kernel[grid](
+    rows = "slots" if slots is not None else "rows"
+    return Launch(
+        name=(
+            f"splice[{dtype_name(src.dtype)},{rope.layout},{rows},"
+            f"delta={'[T]' if per_token else 'int'},{BLOCK_T}x{BLOCK_D},w{NUM_WARPS}]"
+        ),
+        kernel=_rope_splice_kernel,
+        grid=(triton.cdiv(T, BLOCK_T), L),
+        args=(
             src,
             dst,
             slots if slots is not None else freq,
@@ -215,6 +259,8 @@ def _launch(src, dst, slots, delta, freq, T, L, block_size, strides_src, strides
             block_size,
             *strides_src,
             *strides_dst,
+        ),
+        kwargs=dict(
             D_NOPE=src.shape[-1] - rope.rope_dim,
             D_ROPE=rope.rope_dim,
             BLOCK_T=BLOCK_T,
@@ -227,7 +273,14 @@ def _launch(src, dst, slots, delta, freq, T, L, block_size, strides_src, strides
             HALF_PI_LO=_HALF_PI_LO,
             TWO_OVER_PI=_TWO_OVER_PI,
             num_warps=NUM_WARPS,
-        )
+        ),
+    )
+
+
+def _launch(src, dst, slots, delta, freq, T, L, block_size, strides_src, strides_dst, rope):
+    if T == 0 or L == 0:
+        return
+    splice_launch(src, dst, slots, delta, freq, T, L, block_size, strides_src, strides_dst, rope)()
 
 
 def rope_splice(
@@ -235,7 +288,7 @@ def rope_splice(
     pool: torch.Tensor,
     slot_mapping: torch.Tensor,
     delta: int | torch.Tensor,
-    rope: RopeSpec,
+    rope: RopeFrequencies,
     *,
     validate: bool = True,
 ) -> torch.Tensor:
@@ -261,8 +314,9 @@ def rope_splice(
     delta : int or torch.Tensor
         New minus old position: one int for the whole chunk (a contiguous re-homing), or
         ``[ct]`` int64, one per token. ``|delta| <= 2**31 - 1``.
-    rope : RopeSpec
-        Frequencies and pair layout (:class:`mqnc.model.RopeSpec`).
+    rope : RopeFrequencies
+        Frequencies and pair layout: any object with ``inv_freq``, ``rope_dim`` and ``layout``
+        (:class:`RopeFrequencies`), e.g. ``mqnc``'s ``RopeSpec``.
     validate : bool
         Check slot range, duplicates and delta range (host syncs); pass False on a hot path
         once the inputs are known good.
@@ -341,7 +395,7 @@ def rope_splice(
     return pool
 
 
-def rope_rotate(x: torch.Tensor, delta: int | torch.Tensor, rope: RopeSpec) -> torch.Tensor:
+def rope_rotate(x: torch.Tensor, delta: int | torch.Tensor, rope: RopeFrequencies) -> torch.Tensor:
     """Rotate the rope dims of query (or key) rows by ``R(delta)``; the rest is copied.
 
     The requester applies this to its absorbed query with the opposite of the holder's offset
@@ -357,7 +411,8 @@ def rope_rotate(x: torch.Tensor, delta: int | torch.Tensor, rope: RopeSpec) -> t
     delta : int or torch.Tensor
         One int, or an int64 tensor whose shape is a prefix of ``x.shape[:-1]`` (``[B]`` for
         ``[B, H, 576]``: one delta per query token) or equal to it.
-    rope : RopeSpec
+    rope : RopeFrequencies
+        As in :func:`rope_splice`.
 
     Returns
     -------
@@ -414,63 +469,3 @@ def rope_rotate(x: torch.Tensor, delta: int | torch.Tensor, rope: RopeSpec) -> t
         rope,
     )
     return out
-
-
-def compile_specs():
-    """Kernels of this file at production sizes (bf16, 576 = 512 + 64, BLOCK_T tokens per
-    program; the grid's second axis is the L = 27 layers), for the sm_90 compile test."""
-    base = {
-        "SRC": "*bf16",
-        "DST": "*bf16",
-        "SLOTS": "*i64",
-        "DELTA": "*i64",
-        "INV_FREQ": "*fp64",
-        "T": "i32",
-        "delta_scalar": "i64",
-        "block_size": "i32",
-        "stride_sl": "i64",
-        "stride_st": "i32",
-        "stride_dl": "i64",
-        "stride_db": "i64",
-        "stride_ds": "i32",
-    }
-    ce_names = (
-        "D_NOPE",
-        "D_ROPE",
-        "BLOCK_T",
-        "BLOCK_D",
-        "INTERLEAVED",
-        "HAS_SLOTS",
-        "DELTA_PER_TOKEN",
-        "BF16_RNE",
-        "HALF_PI_HI",
-        "HALF_PI_LO",
-        "TWO_OVER_PI",
-    )
-    sig = {**base, **{k: "constexpr" for k in ce_names}}
-    specs = []
-    for name, interleaved, has_slots, per_token in (
-        ("rope_splice[bf16,576,interleaved,delta=int]", True, True, False),
-        ("rope_splice[bf16,576,interleaved,delta=[ct]]", True, True, True),
-        ("rope_splice[bf16,576,half,delta=[ct]]", False, True, True),
-        ("rope_rotate[bf16,576,interleaved,delta=[rows]]", True, False, True),
-    ):
-        ce = dict(
-            D_NOPE=512,
-            D_ROPE=64,
-            BLOCK_T=BLOCK_T,
-            BLOCK_D=BLOCK_D,
-            INTERLEAVED=interleaved,
-            HAS_SLOTS=has_slots,
-            DELTA_PER_TOKEN=per_token,
-            BF16_RNE=False,
-            HALF_PI_HI=_HALF_PI_HI,
-            HALF_PI_LO=_HALF_PI_LO,
-            TWO_OVER_PI=_TWO_OVER_PI,
-        )
-        specs.append(
-            dict(
-                name=name, fn=_rope_splice_kernel, signature=sig, constexprs=ce, num_warps=NUM_WARPS
-            )
-        )
-    return specs

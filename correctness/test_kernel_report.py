@@ -1,0 +1,42 @@
+"""``perf/kernel_report.py`` runs on a CPU machine (it compiles for sm_90, never launches) and
+records its predictions, labelled as such, into the file it is given."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_kernel_report_predicts_and_records(tmp_path):
+    out = tmp_path / "report.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "-m", "perf.kernel_report", "--ops", "merge,rotate", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "PREDICTIONS" in r.stdout and "| merge M=8 rows=256 | <= 8 us |" in r.stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    launches = [x for x in rows if x["kind"] == "launch"]
+    shapes = [x for x in rows if x["kind"] == "shape"]
+    assert {s["shape"] for s in shapes} == {
+        "merge M=8 rows=256",
+        "merge M=2 rows=256",
+        "rotate rows=256 delta=int",
+        "rotate rows=256 delta=[T]",
+    }
+    for x in rows:
+        assert x["prediction"] is True and x["pred_us"] > 0
+    for x in launches:
+        assert x["spill"] == 0 and 0 < x["fill"] <= 1 and x["cta_per_sm"] >= 1
+        if x["op"] == "merge":
+            assert x["LDG128"] > 0
