@@ -364,3 +364,25 @@ def test_bad_transport_and_nvshmem_skip(tmp_path, capsys):
         out = tmp_path / "n.jsonl"
         assert bench_route.main(["--transport", "nvshmem", "--quick", "--out", str(out)]) == 0
         assert "skipped" in capsys.readouterr().out and not out.exists()
+
+
+def test_goal_targets_match_the_goal_shapes(tmp_path, capsys):
+    """perf/targets.py bounds every goal shape with a number in its goal, by the label the
+    --goals sweeps record; a CPU run of them is reported as not measured."""
+    import re
+
+    from mqnc.triton_kernels._variants import GOALS
+    from perf import bench_merge
+    from perf.targets import TARGETS
+
+    limit = re.compile(r"<= ([\d.]+) us")
+    numeric = {s.label: float(limit.search(s.goal)[1]) for s in GOALS if limit.search(s.goal)}
+    assert {t.extra["shape"]: t.limit for t in TARGETS if "shape" in t.extra} == numeric
+    if torch.cuda.is_available():
+        return
+    out = tmp_path / "g.jsonl"
+    assert bench_merge.main(["--goals", "--reps", "2", "--check", "--out", str(out)]) == 0
+    assert {r["extra"]["shape"] for r in _records(out)} == {
+        s.label for s in GOALS if s.op == "merge"
+    }
+    assert "goal: 8-way merge of 256 rows <= 8 us: not measured" in capsys.readouterr().out
