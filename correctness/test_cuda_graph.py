@@ -92,11 +92,11 @@ def recorded_holder_calls(monkeypatch, gen):
 
     monkeypatch.setattr(batching, "mla_decode_partial", recorder(mla_decode_partial))
     monkeypatch.setattr(batching, "mla_sparse_partial", recorder(mla_sparse_partial))
-    for tokens, sparse in ((700, False), (300, False), (700, True)):
+    for tokens, sparse in ((260, False), (130, False), (260, True)):
         pool, chunk = _holder(gen, tokens, DEVICE)
         batcher = RouteBatcher(pool, GEOMETRY, SCALE, None, None, None, f"holder-{tokens}")
         if sparse:
-            batcher._sparse(_jobs(gen, chunk, 2, 2, topk=128), 0)
+            batcher._sparse(_jobs(gen, chunk, 2, 2, topk=64), 0)
         else:
             batcher._dense(_jobs(gen, chunk, 3, 2), 0)
     return calls
@@ -153,8 +153,8 @@ def test_routed_holder_step_replays_exactly_in_a_cuda_graph(monkeypatch):
     for k in range(3):  # new rows each step, shorter lengths on one holder, a new selection
         q.copy_(torch.randn(q.shape, generator=gen).to(DEVICE, q.dtype))
         q_sel.copy_(torch.randn(q_sel.shape, generator=gen).to(DEVICE, q.dtype))
-        lens_b.copy_((dense_b[3] - 37 * k).clamp(min=0))
-        idx.copy_(torch.randint(-1, 700, idx.shape, generator=gen, dtype=torch.int32).to(DEVICE))
+        lens_b.copy_((dense_b[3] - 29 * k).clamp(min=0))
+        idx.copy_(torch.randint(-1, 260, idx.shape, generator=gen, dtype=torch.int32).to(DEVICE))
         graph.replay()
         eager = step()
         torch.cuda.synchronize()

@@ -85,4 +85,4 @@ def test_readme_python_example_runs_as_written():
     assert len(code.strip().splitlines()) <= 15
     r = _run(code)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "routed == one call" in r.stdout
+    assert "max_abs=" in r.stdout  # assert_close's statistics: the routed merge matched

@@ -76,18 +76,8 @@ def _op_cases():
         "merge_partials_into": (o[0].clone(), lse[0].clone(), o[1], lse[1], True, mask, False),
         "rope_splice": (
             chunk,
-            torch.zeros(2, 2, 4, D, device=DEVICE),
-            torch.arange(5, device=DEVICE),
-            None,
-            -3,
-            freq,
-            D_PE,
-            "half",
-            True,
-        ),
-        "rope_splice_layers": (
-            chunk,
             [torch.zeros(8, D, device=DEVICE) for _ in range(2)],
+            False,
             torch.arange(5, device=DEVICE),
             torch.arange(5, device=DEVICE),
             0,
@@ -102,6 +92,19 @@ def _op_cases():
 
 def test_every_op_is_checked():
     assert sorted(_op_cases()) == sorted(OPS)
+
+
+def test_stacked_splice_through_the_op():
+    """The op's stacked form (``[pool]``, ``stacked=True``) writes what the function writes."""
+    gen = torch.Generator().manual_seed(2)
+    chunk = torch.randn(2, 5, D, generator=gen).to(DEVICE)
+    slots = torch.tensor([7, 0, 3, 12, 9], device=DEVICE)
+    pool, expected = (torch.zeros(2, 4, 4, D, device=DEVICE) for _ in range(2))
+    rope_splice(chunk, expected, slots, -3, ROPE)
+    torch.ops.mqnc.rope_splice(
+        chunk, [pool], True, slots, None, -3, list(ROPE.inv_freq), D_PE, "half", True
+    )
+    assert_close(pool, expected, tolerance("same_kernel", "float32"), name="pool")
 
 
 @pytest.mark.parametrize("name", OPS)

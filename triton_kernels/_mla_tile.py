@@ -95,27 +95,28 @@ def _attend_tile(
     qk_scale,
     D_LAT: tl.constexpr,
     D_PE: tl.constexpr,
-    PE_OFF: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One online-softmax step over ``BLOCK_N`` cache entries for ``BLOCK_H`` heads.
 
     ``kv_rows`` [BLOCK_N] are pointers to the entries' first element (unit stride inside an
-    entry), ``pe_rows`` [BLOCK_N] pointers from which their rope parts start at ``PE_OFF``
-    (a fused 576-wide cache: ``pe_rows = kv_rows``, ``PE_OFF = D_LAT``, the same addresses as
-    one row; a split cache, FlashInfer's ``ckv`` / ``kpe``: the ``kpe`` rows, ``PE_OFF = 0``),
-    ``valid`` [BLOCK_N] says which to attend (invalid rows are never read, so padding
-    may hold anything, NaN included). ``m`` [BLOCK_H] is the running max in base-2 units,
-    ``l`` [BLOCK_H] the denominator relative to it, ``acc`` [BLOCK_H, D_LAT] the unnormalised
-    output, all fp32. ``qk_scale = softmax_scale * log2(e)``.
+    entry), ``pe_rows`` [BLOCK_N] pointers to their rope parts when ``SPLIT`` (FlashInfer's
+    ``kpe`` rows; fused 576-wide entries: not read, the rope part is ``kv_rows + D_LAT``, the
+    addresses of one row), ``valid`` [BLOCK_N] says which to attend (invalid rows are never
+    read, so padding may hold anything, NaN included). ``m`` [BLOCK_H] is the running max in
+    base-2 units, ``l`` [BLOCK_H] the denominator relative to it, ``acc`` [BLOCK_H, D_LAT] the
+    unnormalised output, all fp32. ``qk_scale = softmax_scale * log2(e)``.
     """
     kv_lat = tl.load(
         kv_rows[:, None] + tl.arange(0, D_LAT)[None, :], mask=valid[:, None], other=0.0
     )
-    kv_pe = tl.load(
-        pe_rows[:, None] + PE_OFF + tl.arange(0, D_PE)[None, :], mask=valid[:, None], other=0.0
-    )
+    if SPLIT:
+        pe_at = pe_rows[:, None] + tl.arange(0, D_PE)[None, :]
+    else:
+        pe_at = kv_rows[:, None] + D_LAT + tl.arange(0, D_PE)[None, :]
+    kv_pe = tl.load(pe_at, mask=valid[:, None], other=0.0)
     if DOT_FP32:
         kv_lat = kv_lat.to(tl.float32)
         kv_pe = kv_pe.to(tl.float32)

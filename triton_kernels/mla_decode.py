@@ -150,21 +150,9 @@ def _mla_decode_kernel(
     t_start, t_end = _split_range(seqlen, NUM_SPLITS, split, BLOCK_N, MIN_TILES)
 
     q_lat, q_pe, offs_h, mask_h = _load_query(
-        Q,
-        Q_PE,
-        b,
-        h0,
-        H,
-        stride_qb,
-        stride_qh,
-        stride_pqb,
-        stride_pqh,
-        BLOCK_H,
-        D_LAT,
-        D_PE,
-        SPLIT,
-        DOT_FP32,
-    )
+        Q, Q_PE, b, h0, H, stride_qb, stride_qh, stride_pqb, stride_pqh, BLOCK_H, D_LAT, D_PE,
+        SPLIT, DOT_FP32,
+    )  # fmt: skip
     m = tl.full([BLOCK_H], -float("inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
@@ -181,39 +169,12 @@ def _mla_decode_kernel(
         kv_rows = KV + page.to(tl.int64) * stride_kb + (t % PAGE) * stride_kt
         if SPLIT:
             pe_rows = KV_PE + page.to(tl.int64) * stride_pkb + (t % PAGE) * stride_pkt
-            m, l, acc = _attend_tile(
-                q_lat,
-                q_pe,
-                kv_rows,
-                pe_rows,
-                valid,
-                m,
-                l,
-                acc,
-                qk_scale,
-                D_LAT,
-                D_PE,
-                0,
-                DOT_FP32,
-                PRECISION,
-            )
         else:
-            m, l, acc = _attend_tile(
-                q_lat,
-                q_pe,
-                kv_rows,
-                kv_rows,
-                valid,
-                m,
-                l,
-                acc,
-                qk_scale,
-                D_LAT,
-                D_PE,
-                D_LAT,
-                DOT_FP32,
-                PRECISION,
-            )
+            pe_rows = kv_rows  # (not read: the rope part follows the latent)
+        m, l, acc = _attend_tile(
+            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
+            DOT_FP32, PRECISION,
+        )  # fmt: skip
 
     o_base = split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
     lse_base = split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb

@@ -9,8 +9,8 @@ implementation, so that ``torch.compile(fullgraph=True)`` traces a function that
 ``mla_sparse_partial``          :func:`~mqnc.triton_kernels.mla_sparse.mla_sparse_partial`
 ``merge_partials``              :func:`~mqnc.triton_kernels.merge.merge_partials`
 ``merge_partials_into``         :func:`~mqnc.triton_kernels.merge.merge_partials_into` (mutates)
-``rope_splice``                 :func:`~mqnc.triton_kernels.splice.rope_splice` (mutates pool)
-``rope_splice_layers``          the same over one cache per layer (mutates every layer's)
+``rope_splice``                 :func:`~mqnc.triton_kernels.splice.rope_splice` (mutates its
+                                pools: ``[pool]`` with ``stacked``, or one cache per layer)
 ``rope_rotate``                 :func:`~mqnc.triton_kernels.splice.rope_rotate`
 ==============================  =========================================================
 
@@ -189,10 +189,11 @@ def _delta(delta_t: Tensor | None, delta_i: int):
     return delta_t if delta_t is not None else delta_i
 
 
-@torch.library.custom_op(f"{_NS}::rope_splice", mutates_args=("pool",))
+@torch.library.custom_op(f"{_NS}::rope_splice", mutates_args=("pools",))
 def _splice(
     chunk: Tensor,
-    pool: Tensor,
+    pools: list[Tensor],
+    stacked: bool,
     slot_mapping: Tensor,
     delta_t: Tensor | None,
     delta_i: int,
@@ -202,32 +203,12 @@ def _splice(
     validate: bool,
 ) -> None:
     rope = PlainRope(tuple(inv_freq), rope_dim, layout)
+    pool = pools[0] if stacked else pools
     rope_splice(chunk, pool, slot_mapping, _delta(delta_t, delta_i), rope, validate=validate)
 
 
 @_splice.register_fake
-def _(chunk, pool, slot_mapping, delta_t, delta_i, inv_freq, rope_dim, layout, validate):
-    return None
-
-
-@torch.library.custom_op(f"{_NS}::rope_splice_layers", mutates_args=("pools",))
-def _splice_layers(
-    chunk: Tensor,
-    pools: list[Tensor],
-    slot_mapping: Tensor,
-    delta_t: Tensor | None,
-    delta_i: int,
-    inv_freq: list[float],
-    rope_dim: int,
-    layout: str,
-    validate: bool,
-) -> None:
-    rope = PlainRope(tuple(inv_freq), rope_dim, layout)
-    rope_splice(chunk, pools, slot_mapping, _delta(delta_t, delta_i), rope, validate=validate)
-
-
-@_splice_layers.register_fake
-def _(chunk, pools, slot_mapping, delta_t, delta_i, inv_freq, rope_dim, layout, validate):
+def _(chunk, pools, stacked, slot_mapping, delta_t, delta_i, inv_freq, rope_dim, layout, validate):
     return None
 
 
@@ -256,6 +237,5 @@ OPS = (
     "merge_partials",
     "merge_partials_into",
     "rope_splice",
-    "rope_splice_layers",
     "rope_rotate",
 )

@@ -332,11 +332,11 @@ def _delta_args(delta) -> tuple:
 def _splice_op(chunk, pool, slot_mapping, delta, rope, validate) -> None:
     """:func:`rope_splice` through its ``torch.library`` op (what ``torch.compile`` traces)."""
     d_t, d_i = _delta_args(delta)
-    args = (slot_mapping, d_t, d_i, *_rope_args(rope), validate)
-    if isinstance(pool, (list, tuple)):
-        torch.ops.mqnc.rope_splice_layers(chunk, list(pool), *args)
-    else:
-        torch.ops.mqnc.rope_splice(chunk, pool, *args)
+    stacked = not isinstance(pool, (list, tuple))
+    pools = [pool] if stacked else list(pool)
+    torch.ops.mqnc.rope_splice(
+        chunk, pools, stacked, slot_mapping, d_t, d_i, *_rope_args(rope), validate
+    )
 
 
 @dataclasses.dataclass(frozen=True)
