@@ -157,8 +157,10 @@ def test_csr_tables_and_token_pools_equal_the_padded_call(table_kind):
     pool, table, lens = paged([50, 0, 17], 16, torch.float32, gen)
     q = queries(3, 4, torch.float32, gen)
     o_ref, lse_ref = mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE, num_splits=1)
-    if table_kind == "csr":
+    if table_kind == "csr":  # offsets that start past two unused (out-of-range) entries
         indptr, indices = csr_of(table, lens, 16)
+        indptr = indptr + 2
+        indices = torch.cat([torch.full((2,), 999, dtype=torch.int32, device=DEVICE), indices])
         view = pool
     else:
         indptr, indices = token_slots(table, lens, 16)

@@ -22,6 +22,7 @@ from mqnc.triton_kernels import (
     merge_partials,
     merge_partials_into,
     mla_decode_partial,
+    mla_decode_partial_csr,
     mla_sparse_partial,
     rope_rotate,
     rope_splice,
@@ -120,14 +121,17 @@ def test_op_registration(name):
 
 def _step(q, pool, table, lens, idx, acc, lacc, chunk, caches, slots):
     """A holder's step and a requester's fold, as user code writes them."""
-    o1, l1 = mla_decode_partial(
-        q, pool, table, lens, softmax_scale=SCALE, d_v=D_V, check_inputs=False
+    kw = dict(softmax_scale=SCALE, d_v=D_V)
+    o1, l1 = mla_decode_partial(q, pool, table, lens, check_inputs=False, **kw)
+    o2, l2 = mla_sparse_partial(q, pool, idx, check_indices=False, **kw)
+    indptr = torch.tensor([0, 2, 3], dtype=torch.int32, device=q.device)
+    o3, _ = mla_decode_partial_csr(
+        q, pool, indptr, table.flatten()[:3], lens, check_inputs=False, max_kv_len=32, **kw
     )
-    o2, l2 = mla_sparse_partial(q, pool, idx, softmax_scale=SCALE, d_v=D_V, check_indices=False)
     o, lse = merge_partials(torch.stack([o1, o2]), torch.stack([l1, l2]), check_lse=False)
     merge_partials_into(acc, lacc, o, lse, check_lse=False)
     rope_splice(chunk, caches, slots, 5, ROPE, validate=False)
-    return acc * 1.0, lacc, rope_rotate(q, -5, ROPE), o
+    return acc * 1.0, lacc, rope_rotate(q, -5, ROPE), o, o3
 
 
 def test_compile_fullgraph_equals_eager():

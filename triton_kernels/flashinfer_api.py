@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from mqnc.triton_kernels._checks import check_tensor
 from mqnc.triton_kernels._mla_launch import AttentionPlan
 from mqnc.triton_kernels.merge import lse_to_base2, merge_partials, merge_partials_into
 from mqnc.triton_kernels.mla_decode import PagedLayout, checked_plan
@@ -75,8 +76,10 @@ def plan_mla_paged_attention(
     choice); ``plan.run(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len)``."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    B = kv_indptr.shape[0] - 1 if isinstance(kv_indptr, torch.Tensor) and kv_indptr.dim() else 0
-    N = q_nope.shape[0] if isinstance(q_nope, torch.Tensor) and q_nope.dim() else 0
+    check_tensor("q_nope", q_nope, ndim=3)
+    check_tensor("kv_indptr", kv_indptr, ndim=1)
+    check_tensor("ckv_cache", ckv_cache, ndim=3)
+    B, N = kv_indptr.shape[0] - 1, q_nope.shape[0]
     if B < 1 or N % B:
         raise ValueError(
             f"q_nope: expected N = B * s_q query rows for B = {B} requests (kv_indptr has B + 1 "
@@ -89,7 +92,7 @@ def plan_mla_paged_attention(
         kv_len,
         kv_indptr,
         softmax_scale=sm_scale,
-        d_v=ckv_cache.shape[-1] if isinstance(ckv_cache, torch.Tensor) else 512,
+        d_v=ckv_cache.shape[-1],
         num_splits=num_splits,
         check_inputs=check_inputs,
         q_pe=q_pe,

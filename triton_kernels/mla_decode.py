@@ -229,7 +229,7 @@ def _check_csr(
 ) -> int:
     """Host-side range checks of a CSR page table (one sync); returns the longest row."""
     ptr = kv_indptr.long()
-    nnz = kv_indices.shape[0]
+    nnz, S = kv_indices.shape[0], ptr.numel() - 1
     if bool((ptr[1:] < ptr[:-1]).any()) or int(ptr[0]) < 0 or int(ptr[-1]) > nnz:
         raise ValueError(
             f"kv_indptr: expected non-decreasing offsets in [0, {nnz}] (kv_indices holds {nnz} "
@@ -246,10 +246,9 @@ def _check_csr(
         )
     # the pages a row uses: its first ceil(len / block_size) entries of kv_indices
     j = torch.arange(nnz, device=kv_indices.device)
-    row = torch.searchsorted(ptr[1:], j, right=True)
-    inside = row < lens.numel()
-    row = row.clamp(max=max(lens.numel() - 1, 0))
-    used = inside & ((j - ptr[row]) * block_size < lens[row] if lens.numel() else inside)
+    row = torch.searchsorted(ptr[1:].contiguous(), j, right=True).clamp(max=max(S - 1, 0))
+    start = ptr[row] if S else j
+    used = (j >= start) & (j < ptr[-1]) & ((j - start) * block_size < lens[row] if S else False)
     pages = kv_indices.long()
     bad = used & ((pages < 0) | (pages >= num_blocks))
     if bool(bad.any()):
@@ -578,6 +577,11 @@ def mla_decode_partial_csr(
     lse : torch.Tensor
         ``[B, H]`` float32, natural log (``lse_to_base2`` gives FlashInfer's base 2).
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.mqnc.mla_decode_partial_csr(
+            q, kv_pool, kv_indptr, kv_indices, kv_lens, softmax_scale, d_v, num_splits,
+            check_inputs, max_kv_len, q_pe, kpe_pool,
+        )  # fmt: skip
     plan = plan_mla_decode_csr(
         q,
         kv_pool,
