@@ -157,3 +157,27 @@ def test_layout_adapters_plan_once_too(no_checks):
     o, lse2 = fi_plan.run(*args)
     same(o, fi_ref[0], "flashinfer o")
     same(lse2, fi_ref[1], "flashinfer lse (base 2)")
+
+
+def test_empty_batches_plan_and_run():
+    """No query rows: nothing to launch, empty outputs (dense, CSR, sparse)."""
+    q = torch.zeros(0, 16, D_QK, device=DEVICE)
+    pool = torch.zeros(2, 16, D_QK, device=DEVICE)
+    none = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    plans = (
+        (
+            plan_mla_decode(q, pool, none.view(0, 1), none, softmax_scale=SCALE),
+            (none.view(0, 1), none),
+        ),
+        (
+            plan_mla_decode_csr(q, pool, none[:0].new_zeros(1), none, none, softmax_scale=SCALE),
+            (none.new_zeros(1), none, none),
+        ),
+        (
+            plan_mla_sparse(q, pool, none.new_zeros(0, 4), softmax_scale=SCALE),
+            (none.new_zeros(0, 4),),
+        ),
+    )
+    for plan, rest in plans:
+        o, lse = plan.run(q, pool, *rest)
+        assert o.shape == (0, 16, D_V) and lse.shape == (0, 16) and not plan.launches

@@ -356,8 +356,8 @@ class AttentionPlan:
         self._device = device
         self._o = (tuple(template.o.shape), template.o.dtype)
         self._lse = tuple(template.lse.shape)
-        first = self.launches[0].args[n_inputs] if self.launches else template.o
-        self._part = (tuple(first.shape), tuple(self.launches[0].args[n_inputs + 1].shape))
+        parts = self.launches[0].args[n_inputs : n_inputs + 2] if self.launches else ()
+        self._part = tuple(tuple(t.shape) for t in parts)  # the split workspaces' shapes
         self._split = len(self.launches) > 1
 
     def run(self, *args, out: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
