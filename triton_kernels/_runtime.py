@@ -1,8 +1,12 @@
 """Launch-time helpers shared by every kernel: interpreter mode, the launch lock, output allocation.
 
 Nothing here touches a GPU at import time. Whether kernels run compiled or interpreted is decided
-by ``TRITON_INTERPRET=1`` (read by Triton when it is imported; the test suite sets it itself when
-no CUDA device exists).
+by ``TRITON_INTERPRET=1``, read by Triton when it is imported: the test suite and the CLI set it
+when no CUDA device exists, and importing ``mqnc.triton_kernels`` sets it when torch was built
+without CUDA (``mqnc.base.runtime.use_interpreter_on_cpu_only_torch``: no GPU probe, the build
+says it). Otherwise a launcher given CPU tensors in compiled mode refuses them at once with the
+one line that says how to interpret (:func:`check_launchable`), instead of Triton's
+"0 active drivers".
 
 Environment switches (the only ones the kernels read; parsed in :mod:`mqnc.base.env`):
 
@@ -27,6 +31,7 @@ import torch
 from mqnc.base.env import interpreting, poisoning
 
 __all__ = [
+    "check_launchable",
     "interpreting",
     "launch_lock",
     "dot_in_fp32",
@@ -41,6 +46,19 @@ _LOCK = threading.RLock()
 def launch_lock():
     """The process-wide launch lock when interpreting, a no-op context on a GPU."""
     return _LOCK if interpreting() else contextlib.nullcontext()
+
+
+def check_launchable(tensor: torch.Tensor, name: str) -> None:
+    """Refuse a tensor the kernels cannot launch on: compiled kernels need CUDA tensors; under the
+    interpreter any device works. Public launchers call it once per call (on their first tensor,
+    after the same-device check), at planning time: a plan's ``run`` never does."""
+    if tensor.device.type == "cuda" or interpreting():
+        return
+    raise ValueError(
+        f"{name}: expected a CUDA tensor (kernels run compiled: TRITON_INTERPRET is unset), got "
+        f"one on {tensor.device}; without a GPU set TRITON_INTERPRET=1 before triton is imported "
+        "(or call mqnc.base.use_interpreter_without_cuda() first)"
+    )
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:
