@@ -81,6 +81,16 @@ def generate(model, corpus, holders, *, forced_by=None, fallbacks=False, **sessi
     return out, s
 
 
+def killer(holders, *, rank: int, step: int):
+    """``on_step``: kill holder ``rank`` before forward pass ``step``."""
+
+    def on_step(s: int) -> None:
+        if s == step:
+            holders.kill(rank)
+
+    return on_step
+
+
 def check(ref, out, *, offset=None, forced=False, fp32_exact=True):
     ex = ref.check(out.sequences, out.logits, offset=offset, forced=forced)
     print(ex.line())
@@ -181,11 +191,7 @@ def test_holder_killed_midway(replicas, fallback):
     model, _, prompt, ref = setup("v2")
     corpus = corpus_of("v2", holders=2, replicas=replicas)
     with LocalHolders(corpus, kernels="torch") as hs:
-
-        def kill(step):
-            if step == 6:
-                hs.kill(1)
-
+        kill = killer(hs, rank=1, step=6)
         out, s = generate(
             model, corpus, hs, prompt=prompt, force="route", on_step=kill, fallbacks=True
         )
@@ -206,11 +212,7 @@ def test_gloo_holder_processes_route_kill_and_fetch():
         out, s = generate(model, corpus, hs, prompt=prompt, force="route", offset=77)
         check(ref, out, offset=77)
         assert {r.peer for r in s.records() if r.primitive == "route"} == {1, 2}
-
-        def kill(step):
-            if step == 4:
-                hs.kill(2)
-
+        kill = killer(hs, rank=2, step=4)
         out, s = generate(
             model, corpus, hs, prompt=prompt, force="route", on_step=kill, fallbacks=True
         )
@@ -273,7 +275,7 @@ def test_readme_example_runs_as_written():
 def test_hf_demo_prints_the_table_and_the_exactness_line(tmp_path, capsys):
     """``mqnc demo --hf`` end to end (small: loopback holders, torch references): decisions by
     the predicate on calibrated constants, the demo's table, the exactness line, JSON + PNG."""
-    from mqnc.demo.hf import HFDemoConfig, run_hf_demo
+    from mqnc.demo import HFDemoConfig, run_hf_demo
 
     cfg = HFDemoConfig(
         context_tokens=256,
@@ -292,3 +294,14 @@ def test_hf_demo_prints_the_table_and_the_exactness_line(tmp_path, capsys):
     assert (tmp_path / "hf_demo.json").exists() and (
         tmp_path / "hf_measured_vs_predicted.png"
     ).exists()
+
+
+def test_demo_hf_command_line(capsys):
+    """``mqnc demo --hf``: the MLA demo's own options are an error naming them, and so is a
+    transport the HF demo cannot run (before any work starts)."""
+    from mqnc.cli import main
+
+    assert main(["demo", "--hf", "--layers", "3", "--topk", "8"]) == 2
+    assert "--layers, --topk apply to the MLA demo only" in capsys.readouterr().err
+    assert main(["demo", "--hf", "deepseek_v3", "--transport", "nvshmem"]) == 2
+    assert "transport: expected one of ('gloo', 'loopback')" in capsys.readouterr().err
