@@ -31,6 +31,7 @@ LAYERS = {
     "mqnc.cost": 3,
     "mqnc.serving": 4,
     "mqnc.measure": 5,
+    "mqnc.integrations": 5,  # other people's models over holders; the demo layer uses it
     "mqnc.demo": 6,
     "mqnc.plots": 6,
     "mqnc.cli": 7,

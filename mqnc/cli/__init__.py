@@ -33,6 +33,8 @@ SUBCOMMANDS = [
     "mqnc.cli.cost",
     "mqnc.cli.fit",
     "mqnc.cli.calibrate",
+    "mqnc.cli.corpus",
+    "mqnc.cli.serve",
 ]
 
 _VERBOSE_HELP = "show the traceback of an error and log what the command does (-vv: debug)"

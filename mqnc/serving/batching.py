@@ -20,8 +20,6 @@ from mqnc.model.geometry import MLAGeometry
 from mqnc.serving.pool import PagedPool
 from mqnc.transport import wire
 from mqnc.triton_kernels.merge import ml_from_lse
-from mqnc.triton_kernels.mla_decode import mla_decode_partial
-from mqnc.triton_kernels.mla_sparse import mla_sparse_partial
 
 __all__ = ["HostedChunk", "RouteJob", "RouteBatcher"]
 
@@ -141,7 +139,7 @@ class RouteBatcher:
         dev = self.pool.device
         block_table = torch.cat(rows).contiguous().to(dev)
         seqlens = torch.tensor(lens, dtype=torch.int32, device=dev)
-        return mla_decode_partial(
+        return self.pool.ops.mla_decode_partial(
             q,
             self.pool.kv[layer],
             block_table,
@@ -162,7 +160,7 @@ class RouteBatcher:
             pad[:, : pool_idx.shape[1]] = pool_idx
             parts.append(pad)
         indices = torch.cat(parts).to(torch.int32)
-        return mla_sparse_partial(
+        return self.pool.ops.mla_sparse_partial(
             q,
             self.pool.kv[layer],
             indices,

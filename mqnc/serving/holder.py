@@ -39,6 +39,7 @@ import torch
 from mqnc.base.checks import check_int
 from mqnc.model.geometry import MLAGeometry
 from mqnc.serving.batching import HostedChunk, RouteBatcher, RouteJob
+from mqnc.serving.compute import check_kernels
 from mqnc.serving.pool import PagedPool
 from mqnc.transport import wire
 from mqnc.transport.protocol import (
@@ -112,6 +113,9 @@ class Holder:
         exactly what is already waiting).
     poll_s : float
         The service loop's wait granularity (how often it checks for ``stop()``).
+    kernels : {"triton", "torch"}
+        Partial attention by the Triton kernels or their torch references
+        (:mod:`mqnc.serving.compute`).
     """
 
     def __init__(
@@ -127,6 +131,7 @@ class Holder:
         streams: int = 8,
         batch_window_s: float = 0.0,
         poll_s: float = 0.05,
+        kernels: str = "triton",
     ) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport: expected a Transport, got {type(transport).__name__}")
@@ -142,8 +147,15 @@ class Holder:
         self.device = torch.device(device)
         self.batch_window_s = float(batch_window_s)
         self.poll_s = float(poll_s)
+        self.kernels = check_kernels(kernels)
         self.pages = PagedPool(
-            geometry.layers, num_blocks, block_size, geometry.d_qk, dtype=dtype, device=device
+            geometry.layers,
+            num_blocks,
+            block_size,
+            geometry.d_qk,
+            dtype=dtype,
+            device=device,
+            kernels=kernels,
         )
         self.pool = self.pages.kv
         self.chunks: dict[int, HostedChunk] = {}

@@ -39,12 +39,12 @@ import torch
 from mqnc.model.geometry import MLAGeometry
 from mqnc.serving import policy
 from mqnc.serving.client import Pending, RemoteError, RequestClient, us_since
+from mqnc.serving.compute import check_kernels, kernel_ops
 from mqnc.serving.pool import LocalChunks, PagedPool
 from mqnc.serving.records import ChunkInfo, CostRecord, LocalChunk, Partial, cost_samples
 from mqnc.serving.route import check_query, route_reply, route_request
 from mqnc.transport import wire
 from mqnc.transport.protocol import Transport
-from mqnc.triton_kernels.merge import merge_partials
 
 __all__ = ["Requester"]
 
@@ -81,6 +81,9 @@ class Requester:
         (what :meth:`local` runs).
     suspect_s : float
         After a holder fails, skip it in :meth:`attend` for this long.
+    kernels : {"triton", "torch"}
+        Merge, query rotation, splice and attention over the pool by the Triton kernels or
+        their torch references (:mod:`mqnc.serving.compute`).
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class Requester:
         device: torch.device | str = "cpu",
         model: Callable[[int, int], torch.Tensor] | None = None,
         suspect_s: float = 30.0,
+        kernels: str = "triton",
     ) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport: expected a Transport, got {type(transport).__name__}")
@@ -112,13 +116,21 @@ class Requester:
         self.dtype = dtype
         self.device = torch.device(device)
         self.model = model
+        self.kernels = check_kernels(kernels)
+        self.ops = kernel_ops(kernels)
         self.suspects = policy.Suspects(suspect_s)
         self.directory: dict[int, ChunkInfo] = {}
         self.costs: list[CostRecord] = []
         self.last_probe_us: dict[int, float] = {}
         self.kept = LocalChunks(
             PagedPool(
-                geometry.layers, pool_blocks, block_size, geometry.d_qk, dtype=dtype, device=device
+                geometry.layers,
+                pool_blocks,
+                block_size,
+                geometry.d_qk,
+                dtype=dtype,
+                device=device,
+                kernels=kernels,
             )
             if pool_blocks
             else None
@@ -205,7 +217,7 @@ class Requester:
         q = check_query(q, self.geometry, self.dtype)
         peer = info.holders[0] if peer is None else self.transport.check_peer(peer)
         m_q, make = route_request(
-            info, q, layer, offset, indices, geometry=self.geometry, rope=self.rope
+            info, q, layer, offset, indices, geometry=self.geometry, rope=self.rope, ops=self.ops
         )
         probe = self.last_probe_us.get(peer, math.nan)
         rec = CostRecord("route", peer, chunk_id, layer, m_q, 0, 0, probe_us=probe)
@@ -297,16 +309,18 @@ class Requester:
             raise errors[0]
         if not merge:
             return parts
-        o, lse, merge_us = self.merge(parts)
+        o, lse, merge_us = self.merge(parts, kernels=self.kernels)
         for part in parts:
             part.record.merge_us = merge_us
         return o, lse
 
     @staticmethod
-    def merge(parts: Sequence[Partial]) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def merge(
+        parts: Sequence[Partial], *, kernels: str = "triton"
+    ) -> tuple[torch.Tensor, torch.Tensor, float]:
         """M-way merge of partials over disjoint key sets: ``(o, lse, microseconds)``."""
         t0 = time.perf_counter()
-        o, lse = merge_partials(
+        o, lse = kernel_ops(kernels).merge_partials(
             torch.stack([p.o for p in parts]), torch.stack([p.lse for p in parts])
         )
         return o, lse, us_since(t0)

@@ -14,7 +14,6 @@ from mqnc.serving.client import Pending
 from mqnc.serving.records import ChunkInfo, CostRecord, Partial
 from mqnc.transport import wire
 from mqnc.triton_kernels.merge import lse_from_ml
-from mqnc.triton_kernels.splice import rope_rotate
 
 __all__ = ["check_query", "route_request", "route_reply"]
 
@@ -39,10 +38,12 @@ def route_request(
     *,
     geometry: MLAGeometry,
     rope,
+    ops,
 ) -> tuple[int, Callable[[int, int], torch.Tensor]]:
     """Check a route of ``q`` (already checked by :func:`check_query`) over chunk ``info``
     and return ``(M_q, make)``: ``make(request_id, seq)`` packs the ``ROUTE`` message (the
-    copy to the host included, so that it counts as transfer time)."""
+    copy to the host included, so that it counts as transfer time). ``ops`` runs the rotation
+    (:func:`mqnc.serving.compute.kernel_ops`)."""
     if not 0 <= layer < geometry.layers:
         raise ValueError(f"layer: expected 0 <= layer < {geometry.layers}, got {layer}")
     moved = offset is not None and offset != info.position
@@ -57,7 +58,7 @@ def route_request(
             f"{info.position}; rotating the query needs rope= (a RopeSpec)"
         )
     # The holder attends at canonical positions: rotate q by -(new - old) (§3.2).
-    qr = rope_rotate(q, -(int(offset) - info.position), rope) if moved else q
+    qr = ops.rope_rotate(q, -(int(offset) - info.position), rope) if moved else q
     qr = qr.contiguous()
     idx = None if indices is None else indices.to(torch.int32).contiguous().cpu()
 
