@@ -25,6 +25,7 @@ import triton.language as tl
 
 from mqnc.triton_kernels._checks import (
     FLOAT_DTYPES,
+    check_kernel_device,
     check_same_device,
     check_tensor,
     dtype_name,
@@ -250,6 +251,7 @@ def merge_partials(
     if M < 1:
         raise ValueError(f"o: expected at least one partial (M >= 1), got M = {M}")
     device = check_same_device(o=o, lse=lse)
+    check_kernel_device("o", o)
     if check_lse:
         _check_lse_values("lse", lse)
     if out is None:
@@ -296,6 +298,7 @@ def merge_partials_into(
     check_tensor("o_new", o_new, ndim=3, dtypes=(o_acc.dtype,), shape=(B, H, D))
     check_tensor("lse_new", lse_new, ndim=2, dtypes=(torch.float32,), shape=(B, H))
     check_same_device(o_acc=o_acc, lse_acc=lse_acc, o_new=o_new, lse_new=lse_new)
+    check_kernel_device("o_acc", o_acc)
     if check_lse:
         _check_lse_values("lse_acc", lse_acc)
         _check_lse_values("lse_new", lse_new)

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from mqnc.triton_kernels._checks import (
+    check_kernel_device,
     check_num_splits,
     check_same_device,
     check_softmax_scale,
@@ -238,6 +239,7 @@ def mla_decode_partial(
             f"cache_seqlens: expected a contiguous tensor, got strides {cache_seqlens.stride()}"
         )
     check_same_device(q=q, kv_pool=kv_pool, block_table=block_table, cache_seqlens=cache_seqlens)
+    check_kernel_device("q", q)
     scale = check_softmax_scale(softmax_scale)
     check_num_splits(num_splits)
     if check_inputs:

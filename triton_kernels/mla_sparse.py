@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from mqnc.triton_kernels._checks import (
+    check_kernel_device,
     check_num_splits,
     check_same_device,
     check_softmax_scale,
@@ -204,6 +205,7 @@ def mla_sparse_partial(
         )
     check_tensor("indices", indices, ndim=2, dtypes=(torch.int32,), shape=(B, None))
     check_same_device(q=q, kv_pool=kv_pool, indices=indices)
+    check_kernel_device("q", q)
     scale = check_softmax_scale(softmax_scale)
     check_num_splits(num_splits)
     if check_indices:

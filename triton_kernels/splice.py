@@ -36,7 +36,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mqnc.triton_kernels._checks import FLOAT_DTYPES, check_same_device, check_tensor, dtype_name
+from mqnc.triton_kernels._checks import (
+    FLOAT_DTYPES,
+    check_kernel_device,
+    check_same_device,
+    check_tensor,
+    dtype_name,
+)
 from mqnc.triton_kernels._launch import Launch
 from mqnc.triton_kernels._numerics import round_to
 from mqnc.triton_kernels._runtime import bf16_rne_in_software, new_output
@@ -357,6 +363,7 @@ def rope_splice(
     else:
         _check_scalar_delta(delta)
     device = check_same_device(**tensors)
+    check_kernel_device("chunk", chunk)
     if validate and ct:
         n_slots = num_blocks * block_size
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
@@ -449,6 +456,7 @@ def rope_rotate(x: torch.Tensor, delta: int | torch.Tensor, rope: RopeFrequencie
         delta = delta.contiguous()
     else:
         _check_scalar_delta(delta)
+    check_kernel_device("x", x)
     x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -12,7 +12,12 @@ can use it.
 
 from mqnc.base.checks import check_int, check_number, is_int, is_number
 from mqnc.base.env import interpreting, poisoning
-from mqnc.base.runtime import device_name, kernel_mode, use_interpreter_without_cuda
+from mqnc.base.runtime import (
+    device_name,
+    kernel_device,
+    kernel_mode,
+    use_interpreter_without_cuda,
+)
 
 __all__ = [
     "check_int",
@@ -22,6 +27,7 @@ __all__ = [
     "interpreting",
     "poisoning",
     "device_name",
+    "kernel_device",
     "kernel_mode",
     "use_interpreter_without_cuda",
 ]

@@ -14,7 +14,7 @@ import sys
 
 from mqnc.base.env import TRITON_INTERPRET, interpreting
 
-__all__ = ["use_interpreter_without_cuda", "kernel_mode", "device_name"]
+__all__ = ["use_interpreter_without_cuda", "kernel_mode", "kernel_device", "device_name"]
 
 
 def use_interpreter_without_cuda() -> bool:
@@ -34,6 +34,17 @@ def use_interpreter_without_cuda() -> bool:
 def kernel_mode() -> str:
     """``"interpreted"`` (TRITON_INTERPRET=1) or ``"compiled"``."""
     return "interpreted" if interpreting() else "compiled"
+
+
+def kernel_device():
+    """Where pools, queries and kernel outputs live by default: ``cuda`` when the kernels run
+    compiled and a CUDA device exists, else ``cpu`` (the interpreter's). A ``torch.device``;
+    an explicit ``device=`` always wins over it (Holder, Requester, the tests' tensors)."""
+    import torch  # here, not at the top: see the module docstring
+
+    if not interpreting() and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
 
 
 def device_name() -> str:

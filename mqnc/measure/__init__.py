@@ -2,8 +2,9 @@
 
 - :mod:`mqnc.measure.echo`: a requester and echo holders on a transport (threads over
   loopback, subprocesses over gloo): the transport term of a primitive, without its compute.
-- :mod:`mqnc.measure.timing`: p20/p50/p80 of repeated calls (CUDA events or the host clock),
-  round-robin over several points.
+- :mod:`mqnc.measure.timing`: p20/p50/p80 of repeated calls: kernels by CUDA-graph replay
+  over inputs rotated past the L2 (``time_kernel``, each result saying how it was timed),
+  host-side work on the host clock (``time_fn``), round-robin over several points.
 - :mod:`mqnc.measure.results`: the long-format results file (record, read, where it is, the
   git commit of each record).
 - :mod:`mqnc.measure.sweep`: the probe + route sweep of Table 1.
@@ -37,7 +38,18 @@ _LAZY = {
         ),
         ".echo",
     ),
-    **dict.fromkeys(("time_fn", "time_interleaved", "one_intra_op_thread"), ".timing"),
+    **dict.fromkeys(
+        (
+            "time_fn",
+            "time_interleaved",
+            "time_kernel",
+            "Timed",
+            "input_sets",
+            "l2_bytes",
+            "one_intra_op_thread",
+        ),
+        ".timing",
+    ),
     "route_sweep": ".sweep",
 }
 __getattr__ = lazy_exports(__name__, _LAZY)

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mqnc.base.runtime import kernel_device
 from mqnc.model.geometry import MLAGeometry
 from mqnc.serving import policy
 from mqnc.serving.client import Pending, RemoteError, RequestClient, us_since
@@ -75,7 +76,9 @@ class Requester:
     block_size : int
     dtype : torch.dtype
         Query and cache dtype (bf16).
-    device : torch.device or str
+    device : torch.device or str or None
+        Where queries, partials and the pool live; None: :func:`mqnc.base.kernel_device` (the
+        GPU when the kernels are compiled and CUDA exists, else the CPU).
     model : callable or None
         ``model(chunk_id, offset) -> kv [L, c_t, d_qk]``: re-prefills a chunk at ``offset``
         (what :meth:`local` runs).
@@ -94,7 +97,7 @@ class Requester:
         pool_blocks: int = 0,
         block_size: int = 64,
         dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         model: Callable[[int, int], torch.Tensor] | None = None,
         suspect_s: float = 30.0,
     ) -> None:
@@ -110,7 +113,7 @@ class Requester:
         self.rope = rope
         self.client = RequestClient(transport, geometry, float(timeout_s))
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = kernel_device() if device is None else torch.device(device)
         self.model = model
         self.suspects = policy.Suspects(suspect_s)
         self.directory: dict[int, ChunkInfo] = {}
@@ -118,7 +121,12 @@ class Requester:
         self.last_probe_us: dict[int, float] = {}
         self.kept = LocalChunks(
             PagedPool(
-                geometry.layers, pool_blocks, block_size, geometry.d_qk, dtype=dtype, device=device
+                geometry.layers,
+                pool_blocks,
+                block_size,
+                geometry.d_qk,
+                dtype=dtype,
+                device=self.device,
             )
             if pool_blocks
             else None
@@ -202,7 +210,7 @@ class Requester:
     # ---- route -------------------------------------------------------------------------------
     def _start_route(self, chunk_id, q, layer, offset, indices, peer) -> Pending:
         info = self.lookup(chunk_id)
-        q = check_query(q, self.geometry, self.dtype)
+        q = check_query(q, self.geometry, self.dtype).to(self.device)  # rotated on this device
         peer = info.holders[0] if peer is None else self.transport.check_peer(peer)
         m_q, make = route_request(
             info, q, layer, offset, indices, geometry=self.geometry, rope=self.rope
@@ -304,11 +312,19 @@ class Requester:
 
     @staticmethod
     def merge(parts: Sequence[Partial]) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """M-way merge of partials over disjoint key sets: ``(o, lse, microseconds)``."""
+        """M-way merge of partials over disjoint key sets: ``(o, lse, microseconds)``.
+
+        The microseconds are the merge kernel's call until its result is ready (on a GPU the
+        device is synchronised before and after it); the NaN check of the partials' ``lse``
+        (a host sync) runs before, untimed."""
+        o, lse = torch.stack([p.o for p in parts]), torch.stack([p.lse for p in parts])
+        if torch.isnan(lse).any():
+            raise ValueError("parts: expected no NaN log-sum-exp values in the partials")
+        sync = torch.cuda.synchronize if o.device.type == "cuda" else lambda device: None
+        sync(o.device)
         t0 = time.perf_counter()
-        o, lse = merge_partials(
-            torch.stack([p.o for p in parts]), torch.stack([p.lse for p in parts])
-        )
+        o, lse = merge_partials(o, lse, check_lse=False)
+        sync(o.device)
         return o, lse, us_since(t0)
 
     # ---- fetch and local: chunks in this requester's pool ------------------------------------
