@@ -91,7 +91,7 @@ def batched_partial_torch(q, kv_pool, block_table, cache_seqlens, softmax_scale,
     return o.reshape(n, h, d_v), lse.reshape(n, h)
 
 
-def _staging(args, geometry, out) -> None:
+def _staging(args, geometry, out, reps: int) -> None:
     import torch
 
     from mqnc.measure import record
@@ -128,7 +128,7 @@ def _staging(args, geometry, out) -> None:
 
         from mqnc.measure import time_fn
 
-        p = time_fn(run, warmup=args.warmup, reps=args.reps)  # CUDA events around each batch
+        p = time_fn(run, warmup=args.warmup, reps=reps)  # CUDA events around each batch
         record(
             "holder",
             "staging",
@@ -143,7 +143,7 @@ def _staging(args, geometry, out) -> None:
                 "layers": g.layers,
                 "per_request_p50_us": p[1] / requests,
                 "what": "R chunk stagings (paged gather, D2D) round-robin over K streams",
-                "timing": {"method": "cuda-events", "samples": args.reps, "what": "one batch"},
+                "timing": {"method": "cuda-events", "samples": reps, "what": "one batch"},
             },
             path=out,
         )
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
                 path=args.out,
             )
             print(f"holder h_q={h} N={n}: p50 {t.p50:.0f} us [{backend}]")
-    _staging(args, g, args.out)
+    _staging(args, g, args.out, reps)
     return 0
 
 

@@ -14,7 +14,13 @@ import sys
 
 from mqnc.base.env import TRITON_INTERPRET, interpreting
 
-__all__ = ["use_interpreter_without_cuda", "kernel_mode", "kernel_device", "device_name"]
+__all__ = [
+    "use_interpreter_without_cuda",
+    "kernel_mode",
+    "kernel_device",
+    "synchronize",
+    "device_name",
+]
 
 
 def use_interpreter_without_cuda() -> bool:
@@ -45,6 +51,16 @@ def kernel_device():
     if not interpreting() and torch.cuda.is_available():
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+def synchronize(device) -> None:
+    """Wait until ``device``'s queued work is done (a CUDA device); a no-op on the CPU, whose
+    work is done when the call returns. For timing a GPU call on the host clock."""
+    import torch  # here, not at the top: see the module docstring
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def device_name() -> str:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from mqnc.base.runtime import kernel_device
+from mqnc.base.runtime import kernel_device, synchronize
 from mqnc.model.geometry import MLAGeometry
 from mqnc.serving import policy
 from mqnc.serving.client import Pending, RemoteError, RequestClient, us_since
@@ -320,11 +320,10 @@ class Requester:
         o, lse = torch.stack([p.o for p in parts]), torch.stack([p.lse for p in parts])
         if torch.isnan(lse).any():
             raise ValueError("parts: expected no NaN log-sum-exp values in the partials")
-        sync = torch.cuda.synchronize if o.device.type == "cuda" else lambda device: None
-        sync(o.device)
+        synchronize(o.device)
         t0 = time.perf_counter()
         o, lse = merge_partials(o, lse, check_lse=False)
-        sync(o.device)
+        synchronize(o.device)
         return o, lse, us_since(t0)
 
     # ---- fetch and local: chunks in this requester's pool ------------------------------------

@@ -315,8 +315,12 @@ def poll_signals(
     signal words ``sig [num_slots]`` int64: returns each awaited slot's value when the kernel
     stopped (one host sync, on ``stream`` when given). Runs interpreted on CPU tensors."""
     slots = list(targets)
-    spec = torch.tensor([slots, [int(targets[k]) for k in slots]], dtype=torch.int64)
     block = poll_block(sig.numel())
+    # [2, BLOCK]: both rows 16-byte aligned whatever the number of slots, so every wait launches
+    # the one compiled variant (Triton specialises pointers on 16-byte divisibility).
+    spec = torch.zeros(2, block, dtype=torch.int64)
+    spec[0, : len(slots)] = torch.tensor(slots, dtype=torch.int64)
+    spec[1, : len(slots)] = torch.tensor([int(targets[k]) for k in slots], dtype=torch.int64)
     ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
     with ctx:
         spec = spec.to(sig.device, non_blocking=True)
@@ -327,17 +331,18 @@ def poll_signals(
 
 
 def device_kernel_launches(
-    lib: str, *, pe: int = 1, seq: int = 1, num_slots: int = 8, device="cpu"
+    lib: str, *, pe: int = 1, seq: int = 1, num_slots: int = 4, device="cpu"
 ) -> dict[str, tuple]:
     """The device kernels' launches at real values, for :func:`compile_device_kernels` and the
     GPU check's warm-up: ``{name: (kernel, args, kwargs, grid)}``. ``pe`` and ``seq`` are the
     edge values by default (PE 1, sequence 1: the first put from PE 0 to PE 1); addresses are
-    16-byte aligned symmetric-heap-like ints, an 8-byte signal word off a 16-byte boundary."""
+    16-byte aligned symmetric-heap-like ints, an 8-byte signal word off a 16-byte boundary;
+    ``num_slots`` 4 is the two-PE, one-lane layout of the GPU check."""
     heap = 0x7F00_0020_0000
     slot_bytes = 16 * 1152 + 96
     libs = {"libnvshmem_device": lib}
     sig = torch.zeros(num_slots, dtype=torch.int64, device=device)
-    slots = torch.zeros(2, num_slots, dtype=torch.int64, device=device)
+    spec = torch.zeros(2, poll_block(num_slots), dtype=torch.int64, device=device)
     seen = torch.zeros(poll_block(num_slots), dtype=torch.int64, device=device)
     return {
         "put_signal_block": (
@@ -354,7 +359,7 @@ def device_kernel_launches(
         ),
         "poll": (
             _poll_kernel,
-            (sig, slots[0], slots[1], 1, seen, 1),
+            (sig, spec[0], spec[1], 1, seen, 1),
             {"BLOCK": poll_block(num_slots), "num_warps": 4},
             (1,),
         ),
@@ -381,6 +386,7 @@ def compile_device_kernels(arch: int = 90, *, pe: int = 1, seq: int = 1) -> dict
             stack=res.stack,
             local=res.local,
             hash=k.hash,
+            cubin_bytes=len(k.asm["cubin"]),
             calls=[n for n in names if n in k.asm["ptx"]],
         )
     return out
