@@ -1,5 +1,6 @@
-"""``perf/kernel_report.py`` runs on a CPU machine (it compiles for sm_90, never launches) and
-records its predictions, labelled as such, into the file it is given."""
+"""The kernel report (``python -m perf.kernel_report``, ``mqnc kernel-report``) runs on a CPU
+machine (it compiles for sm_90, never launches) and records its predictions, labelled as such,
+into the file it is given."""
 
 from __future__ import annotations
 
@@ -40,3 +41,32 @@ def test_kernel_report_predicts_and_records(tmp_path):
         assert x["spill"] == 0 and 0 < x["fill"] <= 1 and x["cta_per_sm"] >= 1
         if x["op"] == "merge":
             assert x["LDG128"] > 0
+
+
+def test_mqnc_kernel_report_subcommand(tmp_path):
+    """``mqnc kernel-report`` is the same report (the CLI imports nothing of perf/)."""
+    out = tmp_path / "cli.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run(
+        [sys.executable, "-m", "mqnc", "kernel-report", "--ops", "rotate", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "PREDICTIONS" in r.stdout and "| rotate rows=256 delta=int |" in r.stdout
+    assert {json.loads(x)["shape"] for x in out.read_text().splitlines()} == {
+        "rotate rows=256 delta=int",
+        "rotate rows=256 delta=[T]",
+    }
+    r = subprocess.run(
+        [sys.executable, "-m", "mqnc", "kernel-report", "--ops", "rotate", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env={**env, "TRITON_INTERPRET": "1"},
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert r.returncode != 0 and "unset TRITON_INTERPRET" in r.stderr

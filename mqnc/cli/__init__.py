@@ -22,6 +22,7 @@ SUBCOMMANDS = [
     "mqnc.cli.demo",
     "mqnc.cli.cost",
     "mqnc.cli.calibrate",
+    "mqnc.cli.kernel_report",
 ]
 
 

@@ -11,6 +11,8 @@
 - :mod:`mqnc.measure.calibrate`: this machine's fabric profile (``mqnc calibrate``;
   ``from mqnc.measure.calibrate import calibrate``).
 - :mod:`mqnc.measure.options`: the command-line options the benchmarks share.
+- :mod:`mqnc.measure.kernel_report`: the kernels' static sm_90 report at the goal shapes
+  (predictions; ``mqnc kernel-report``, ``python -m perf.kernel_report``).
 
 The torch-free modules (results, options) are imported with the package; the others, and
 the names they define, on first use, so that the figures can read records without torch.
