@@ -74,6 +74,13 @@ def pytest_configure(config):
     )
 
 
+def pytest_ignore_collect(collection_path, config):
+    """Under ``-m gpu`` only the tier's files are imported (no transformers, no notebooks)."""
+    if config.getoption("-m") == "gpu" and collection_path.name.startswith("test_"):
+        return collection_path.name not in {entry.split("::")[0] for entry in GPU_TIER}
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     import pytest
 

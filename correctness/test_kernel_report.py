@@ -13,17 +13,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_kernel_report_predicts_and_records(tmp_path):
-    out = tmp_path / "report.jsonl"
+def _report(module: str, *args: str, cwd=ROOT, interpret: bool = False):
+    """``python -m <module> <args>`` with TRITON_INTERPRET unset (or set)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run(
-        [sys.executable, "-m", "perf.kernel_report", "--ops", "merge,rotate", "--out", str(out)],
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", *module.split(), *args],
         capture_output=True,
         text=True,
         env=env,
-        cwd=ROOT,
+        cwd=cwd,
         timeout=600,
     )
+
+
+def test_kernel_report_predicts_and_records(tmp_path):
+    out = tmp_path / "report.jsonl"
+    r = _report("perf.kernel_report", "--ops", "merge,rotate", "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "PREDICTIONS" in r.stdout and "| merge M=8 rows=256 | <= 8 us |" in r.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -46,27 +53,13 @@ def test_kernel_report_predicts_and_records(tmp_path):
 def test_mqnc_kernel_report_subcommand(tmp_path):
     """``mqnc kernel-report`` is the same report (the CLI imports nothing of perf/)."""
     out = tmp_path / "cli.jsonl"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run(
-        [sys.executable, "-m", "mqnc", "kernel-report", "--ops", "rotate", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=600,
-    )
+    args = ("--ops", "rotate", "--out", str(out))
+    r = _report("mqnc kernel-report", *args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "PREDICTIONS" in r.stdout and "| rotate rows=256 delta=int |" in r.stdout
     assert {json.loads(x)["shape"] for x in out.read_text().splitlines()} == {
         "rotate rows=256 delta=int",
         "rotate rows=256 delta=[T]",
     }
-    r = subprocess.run(
-        [sys.executable, "-m", "mqnc", "kernel-report", "--ops", "rotate", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env={**env, "TRITON_INTERPRET": "1"},
-        cwd=tmp_path,
-        timeout=120,
-    )
+    r = _report("mqnc kernel-report", *args, cwd=tmp_path, interpret=True)
     assert r.returncode != 0 and "unset TRITON_INTERPRET" in r.stderr
