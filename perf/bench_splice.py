@@ -26,8 +26,8 @@ interpreted without a GPU.
 Timing is ``mqnc.measure.time_kernel`` (``extra.timing``): on a GPU each variant (checks off,
 ``validate=False``) over enough input sets that one pass moves twice the L2 (the goal shape's
 127 MB needs one), captured in one CUDA graph and replayed between CUDA events (the torch
-variants, whose calls copy index tables to the device, fall back to ``do_bench``); the host cost
-of a call beside it.
+variants, whose calls copy index tables to the device, by ``do_bench``); the host cost of a
+call beside it.
 """
 
 from __future__ import annotations
@@ -180,12 +180,10 @@ def _bench_ct(
         calls = [lambda fn=fn, x=x: fn(*x) for x in sets]
         if backend == "interpreter":  # seconds per call: the correctness call warmed it up
             times[name] = (backend, time_kernel(calls, warmup=0, reps=1, cuda=False))
-        else:
-            times[name] = (
-                backend,
-                time_kernel(calls, working_set_bytes=nbytes, warmup=warmup, reps=reps, cuda=cuda,
-                            checks="off"),
-            )  # fmt: skip
+        else:  # the torch variants copy index tables to the device: not capturable
+            t = time_kernel(calls, working_set_bytes=nbytes, warmup=warmup, reps=reps, cuda=cuda,
+                            graph=backend != "torch", checks="off")  # fmt: skip
+            times[name] = (backend, t)
     for name, (backend, t) in times.items():
         base = times["torch-per-layer" if backend == "torch" else "per-layer"][1]
         extra = {

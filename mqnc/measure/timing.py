@@ -183,6 +183,7 @@ def time_kernel(
     warmup: int = 3,
     reps: int = 20,
     cuda: bool | None = None,
+    graph: bool = True,
     **facts,
 ) -> Timed:
     """Time GPU kernel calls as the GPU runs them (module docstring): microseconds per call.
@@ -199,6 +200,9 @@ def time_kernel(
         Untimed and timed graph replays (or host-clock calls off a GPU).
     cuda : bool or None
         Default: whether a CUDA device exists.
+    graph : bool
+        Capture and replay a CUDA graph (False: ``do_bench`` at once, for calls known not to
+        be capturable, e.g. ones that copy host data to the device).
     **facts
         Recorded in :attr:`Timed.how` as given (e.g. ``checks="off"``).
     """
@@ -228,13 +232,16 @@ def time_kernel(
         call()
     torch.cuda.synchronize()
     how["host_us"] = _host_us(calls, max(reps, len(calls)), cuda)[1]
-    try:
-        pct = _pct(_graph_us(calls, reps, warmup))
-        how.update(method="cuda-graph", samples=reps, calls_per_sample=len(calls))
-    except Exception as exc:  # noqa: BLE001 - a call that cannot be captured: do_bench instead
-        torch.cuda.synchronize()
-        pct = _do_bench_us(calls, reps)
-        how.update(method="do_bench", l2="flushed before each call", graph_error=repr(exc)[:200])
+    if graph:
+        try:
+            pct = _pct(_graph_us(calls, reps, warmup))
+            how.update(method="cuda-graph", samples=reps, calls_per_sample=len(calls))
+            return Timed(*pct, how=how)
+        except Exception as exc:  # noqa: BLE001 - not capturable after all: do_bench instead
+            torch.cuda.synchronize()
+            how["graph_error"] = repr(exc)[:200]
+    pct = _do_bench_us(calls, reps)
+    how.update(method="do_bench", l2="flushed before each call")
     return Timed(*pct, how=how)
 
 
