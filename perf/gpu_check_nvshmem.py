@@ -130,6 +130,7 @@ def _worker(rank: int, port: int, cfg: dict, q) -> None:
         sb = slot_bytes_for(g, max_rows=max(batches + [cfg["exact_b"]]) * g.heads)
         t = _transport(cfg["transport"], rank, port, sb, cfg["device_put"])
         out["signal_constants"] = getattr(t, "consts", None)
+        out["poll_spins"] = getattr(t, "poll_spins", None)  # each device-side poll's bound
         if rank == 1:
             h = Holder(t, g, softmax_scale=scale, num_blocks=tokens // 64, device=dev, poll_s=0.5)
             h.add_chunk(7, _chunk(g, tokens).to(dev))
@@ -205,6 +206,7 @@ def _record(path: str, req: dict, holder: dict, cfg: dict, out) -> None:
     extra = dict(
         chunk_tokens=cfg["tokens"],
         wait_path={"requester": req.get("wait_paths"), "holder": holder.get("wait_paths")},
+        poll_spins=req.get("poll_spins"),
         pes=(
             "2 PEs on 1 GPU: two CUDA contexts, time-sliced"
             if cfg["transport"] == "nvshmem"
