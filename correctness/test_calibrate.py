@@ -43,7 +43,7 @@ def test_calibrate_loopback_profile_matches_its_records(tmp_path, capsys):
     assert f.mape_amortised == pytest.approx(prof.mape_amortised, rel=1e-12)
     # The predicate loads it.
     capsys.readouterr()
-    assert main(["predict", "--fabric", str(prof_path), "--mq", "256", "--ct", "2048"]) == 0
+    assert main(["predict", "--fabric", str(prof_path), "--m-q", "256", "--c-t", "2048"]) == 0
     assert "this-box" in capsys.readouterr().out
 
 
@@ -67,9 +67,11 @@ def test_calibrate_bad_input(tmp_path, capsys):
     assert main(["calibrate", "--m-q", "64", "--out", out]) == 2
     assert "at least two distinct" in capsys.readouterr().err
     assert main(["calibrate", "--m-q", "1,x", "--out", out]) == 2
-    assert "--m-q" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["calibrate", "--transport", "infiniband"])
+    assert "argument --m-q: expected comma-separated ints" in capsys.readouterr().err
+    assert main(["calibrate", "--transport", "infiniband"]) == 2
+    assert "argument --transport: invalid choice" in capsys.readouterr().err
+    assert main(["calibrate", "--reps", "0"]) == 2
+    assert "argument --reps: expected a number >= 1" in capsys.readouterr().err
     from mqnc.measure.calibrate import calibrate
 
     with pytest.raises(ValueError, match="reps"):

@@ -6,8 +6,9 @@ What is compiled: every launch of every goal shape (``_variants.GOALS``: bf16, t
 tiles, real tensors of the production geometry), through Triton's own launch path
 (``_compile.compile_launch``: ``JITFunction.warmup`` under a compile-only sm_90 driver), so the
 JIT derives the signature, constexprs and 16-byte-divisibility attributes from the real
-arguments. The compile runs in a subprocess with ``TRITON_INTERPRET`` unset (the suite
-interprets kernels when there is no GPU, and interpreted functions cannot be compiled).
+arguments. The compile runs in a subprocess with ``TRITON_INTERPRET=0`` (the suite interprets
+kernels when there is no GPU, interpreted functions cannot be compiled, and importing the kernels
+on a CPU-only torch chooses the interpreter unless told ``0``).
 
 Run under triton 3.6.0 (the GPU machine's) with ``make compat``.
 """
@@ -30,7 +31,7 @@ VARIANTS = [v.name for v in production_variants()]
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled mode (no launch), even on a CPU torch
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     r = subprocess.run(
         [sys.executable, "-m", "mqnc.triton_kernels._compile", "90"],
@@ -114,7 +115,7 @@ def test_three_stages_leave_the_kv_tile_single_buffered():
     """The evidence for num_stages = 5: the same launch at Triton's default 3 stages gets one
     KV buffer and waits for every copy group at the loop top (no overlap), because the page-id
     load takes a pipeline stage of its own."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled mode (no launch), even on a CPU torch
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     r = subprocess.run(
         [sys.executable, "-c", _THREE_STAGES], capture_output=True, text=True, env=env, timeout=600

@@ -14,10 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _report(module: str, *args: str, cwd=ROOT, interpret: bool = False):
-    """``python -m <module> <args>`` with TRITON_INTERPRET unset (or set)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
+    """``python -m <module> <args>`` in compiled mode, ``TRITON_INTERPRET=0`` (no launch, even on
+    a CPU-only torch, whose kernels would otherwise choose the interpreter), or interpreted."""
+    env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0"}
     return subprocess.run(
         [sys.executable, "-m", *module.split(), *args],
         capture_output=True,
@@ -62,4 +61,4 @@ def test_mqnc_kernel_report_subcommand(tmp_path):
         "rotate rows=256 delta=[T]",
     }
     r = _report("mqnc kernel-report", *args, cwd=tmp_path, interpret=True)
-    assert r.returncode != 0 and "unset TRITON_INTERPRET" in r.stderr
+    assert r.returncode != 0 and "set TRITON_INTERPRET=0" in r.stderr

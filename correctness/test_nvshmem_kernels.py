@@ -2,9 +2,10 @@
 launches compile (issue 12 items 2 and 8), its device bitcode is found in every layout the
 wheels ship (item 6), and its bounded device-side wait finds the awaited slots (interpreted).
 
-The compile runs in a subprocess with ``TRITON_INTERPRET`` unset (the suite interprets kernels
-without a GPU) at the edge values of a real launch: PE 1 and sequence 1, the first put from
-PE 0 to PE 1, where Triton would turn an int equal to 1 into a constexpr. It needs NVSHMEM's
+The compile runs in a subprocess with ``TRITON_INTERPRET=0`` (compiled mode, even on a CPU-only
+torch; the suite interprets kernels without a GPU) at the edge values of a real launch: PE 1
+and sequence 1, the first put from PE 0 to PE 1, where Triton would turn an int equal to 1 into
+a constexpr. It needs NVSHMEM's
 device bitcode (``nvidia-nvshmem-cu13``, which ``make venv`` installs on a CPU machine through
 the ``sm90`` extra); ``make compat`` reruns this file under triton 3.6.0.
 """
@@ -43,7 +44,7 @@ def _bitcode() -> str | None:
 def compiled() -> tuple[dict, dict]:
     if _bitcode() is None:
         pytest.skip("NVSHMEM device bitcode not installed (pip install 'mqnc[sm90]')")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled mode (no launch), even on a CPU torch
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     r = subprocess.run(
         [sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600

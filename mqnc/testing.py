@@ -141,6 +141,18 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
         "is the issue's bound) and each ulp(x)/sqrt(12) <= 2^-7/sqrt(12) RMS relative, so "
         "sqrt(3) * 2^-7 / sqrt(12) = 2^-8 = 3.9e-3 RMS (mla_routed's 1e-3 is below that floor).",
     ),
+    # The ecosystem adapters (FlashMLA / FlashInfer layouts, CSR and page-1 tables, split caches,
+    # per-layer splice lists, the merge's layout=) vs the package's own call on the same data.
+    **{
+        ("same_kernel", dt): Tolerance(
+            0.0,
+            0.0,
+            "the same kernel arithmetic on the same values, reached through other pointers, "
+            "strides or page tables (same tiles, same split count, same order): bit-identical, "
+            "so any difference is a wrong address, a wrong length or an unwritten element.",
+        )
+        for dt in ("float32", "float16", "bfloat16")
+    },
     # RoPE delta rotation (rope_splice, rope_rotate) vs the fp64 reference, inputs |x| <= 4 per
     # dim so |out| <= 4*sqrt(2) < 8. Kernel: angle reduced exactly in fp64, fp32 cos/sin ~1 ulp.
     ("rope", "float32"): Tolerance(

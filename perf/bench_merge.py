@@ -1,17 +1,18 @@
 """Benchmark the M-way merge (``merge_partials``) against the torch reference.
 
-``python -m perf.bench_merge [--quick | --goals] [--out FILE]``
+``python -m perf.bench_merge [--goals | --tiny]`` with the flags every benchmark takes
+(``--quick --reps --warmup --out FILE | --record --check``, :mod:`mqnc.measure.options`).
 
 Sweeps M (partials: holders a query was routed to, §5.4 Fig. 4a's 1..8) and the rows B*H at the
 production Dv = 512. Bytes moved once: M*B*H*(Dv*elt + 4) read + B*H*(Dv*elt + 4) written. On a
-GPU it times the Triton kernel (CUDA events); on the CPU the torch fp32 reference path
+GPU it times the Triton kernel; on the CPU the torch fp32 reference path
 (``backend=torch-reference``): interpreter timings say nothing about the kernel.
 
 ``--goals`` times issue 13's goal shapes instead (``_variants.GOALS``: M 8 over 256 rows,
 <= 8 us, and the two-way fold, bf16 ``[M, 16, 16, 512]``), recording ``extra.shape`` for
 ``perf/kernel_report.py --measured``; ``--tiny`` (the dry run of ``perf/gpu_check.sh``) times
 the goal shapes cut to 2 of their 16 tokens with the Triton kernel even without a GPU
-(interpreted, two repetitions).
+(interpreted; by default two repetitions, no warm-up).
 
 Timing is ``mqnc.measure.time_kernel`` (``extra.timing``): on a GPU the kernel (``check_lse``
 off) over enough input sets that one pass moves twice the L2, replayed as one CUDA graph between
@@ -20,18 +21,20 @@ CUDA events, the host cost of a call beside it.
 
 from __future__ import annotations
 
-import argparse
-
 from mqnc.base.runtime import use_interpreter_without_cuda
+from mqnc.measure.options import bench_parser, finish, parse_bench_args
+from perf.targets import TARGETS
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a small sweep (CPU smoke run)")
-    ap.add_argument("--out", default=None, help="results file (default perf/results/results.jsonl)")
+    ap = bench_parser(
+        __doc__,
+        reps="20 on a GPU, 10 on a CPU, 2 with --tiny",
+        warmup="3, 0 with --tiny",
+        tiny=True,
+    )
     ap.add_argument("--goals", action="store_true", help="issue 13's goal shapes instead")
-    ap.add_argument("--tiny", action="store_true", help="dry run: the goal shapes, the kernel")
-    args = ap.parse_args(argv)
+    args = parse_bench_args(ap, argv)
     use_interpreter_without_cuda()
     import torch
     from tqdm import tqdm
@@ -63,7 +66,8 @@ def main(argv=None) -> int:
     else:
         fn = lambda o, l: merge_reference(o, l, dtype=torch.float32)  # noqa: E731
         backend = "torch-reference"
-    reps = 20 if cuda else (2 if args.tiny else 10)
+    reps = args.reps or (20 if cuda else (2 if args.tiny else 10))
+    warmup = args.warmup if args.warmup is not None else (0 if args.tiny else 3)
     l2 = l2_bytes(dev)
     for M, B, H, extra in tqdm(cases, desc="bench_merge"):
         R = B * H
@@ -77,7 +81,7 @@ def main(argv=None) -> int:
 
         calls = [make() for _ in range(input_sets(nbytes, l2))]
         t = time_kernel(
-            calls, working_set_bytes=nbytes, warmup=0 if args.tiny else 3, reps=reps, cuda=cuda,
+            calls, working_set_bytes=nbytes, warmup=warmup, reps=reps, cuda=cuda,
             checks="off" if kernel else "n/a",
         )  # fmt: skip
         record(
@@ -92,7 +96,7 @@ def main(argv=None) -> int:
             extra={"M": M, "Dv": D, "dtype": str(dtype)[6:], **extra, "timing": t.how},
         )
         print(f"merge M={M} rows={R}: p50 {t.p50:.1f} us ({nbytes / t.p50 / 1e3:.2f} GB/s)")
-    return 0
+    return finish(args, TARGETS)
 
 
 if __name__ == "__main__":

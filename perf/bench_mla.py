@@ -1,7 +1,9 @@
 """Benchmark the holder's partial absorbed-MLA attention (§6.3): dense paged, sparse top-k, and the
 holder fan-in sweep.
 
-``python -m perf.bench_mla [--quick | --goals] [--tiny] [--out FILE] [--only dense,sparse,fanin]``
+``python -m perf.bench_mla [--goals | --tiny] [--only dense,sparse,fanin]`` with the flags every
+benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
+:mod:`mqnc.measure.options`).
 
 - ``mla_decode``: B query tokens x H heads, each token over its own ct-entry cache (page 64):
   B in {1, 8, 64}, ct in {2048, 8192, 32768}, H in {16, 128};
@@ -33,11 +35,12 @@ kernel) and skips shapes whose gathered cache exceeds ~1 GiB.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 
 from mqnc.base.runtime import use_interpreter_without_cuda
+from mqnc.measure.options import bench_parser, finish, parse_bench_args
+from perf.targets import TARGETS
 
 D_QK, D_V = 576, 512
 SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite with YaRN
@@ -162,13 +165,15 @@ def _goals(run, too_big, only, shapes, dev, dtype, elt, kernel, gen) -> None:
 
 # Over 60 lines: the options, the shared timing + record step, then the three sweeps in order.
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a small sweep (CPU smoke run)")
-    ap.add_argument("--out", default=None, help="results file (default perf/results/results.jsonl)")
+    ap = bench_parser(
+        __doc__,
+        reps="20 on a GPU, 5 on a CPU, 2 with --tiny",
+        warmup="3 on a GPU, 1 on a CPU, 0 with --tiny",
+        tiny=True,
+    )
     ap.add_argument("--only", default="dense,sparse,fanin", help="comma list of sweeps")
     ap.add_argument("--goals", action="store_true", help="issue 13's goal shapes instead")
-    ap.add_argument("--tiny", action="store_true", help="dry run: tiny goal shapes, kernels")
-    args = ap.parse_args(argv)
+    args = parse_bench_args(ap, argv)
     use_interpreter_without_cuda()
     import torch
 
@@ -180,7 +185,10 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if kernel else torch.float32
     elt = torch.empty((), dtype=dtype).element_size()
     backend = "triton" if cuda else ("interpreter" if kernel else "torch-reference")
-    reps = 20 if cuda else (2 if args.tiny else 5)
+    reps = args.reps or (20 if cuda else (2 if args.tiny else 5))
+    warmup = args.warmup
+    if warmup is None:
+        warmup = 0 if args.tiny else (3 if cuda else 1)
     gen = torch.Generator().manual_seed(0)
     only = set(args.only.split(","))
     heads = [16, 128] if not args.quick else [16]
@@ -189,7 +197,7 @@ def main(argv=None) -> int:
     def run(bench, variant, x, x_name, make, nbytes, extra):
         calls = [make() for _ in range(input_sets(nbytes, l2))]
         t = time_kernel(
-            calls, working_set_bytes=nbytes, warmup=0 if args.tiny else 3, reps=reps, cuda=cuda,
+            calls, working_set_bytes=nbytes, warmup=warmup, reps=reps, cuda=cuda,
             checks="off" if kernel else "n/a",
         )  # fmt: skip
         rec = record(
@@ -213,7 +221,7 @@ def main(argv=None) -> int:
 
         shapes = tiny_goals(("mla_decode", "mla_sparse")) if args.tiny else GOALS
         _goals(run, too_big, only, shapes, dev, dtype, elt, kernel, gen)
-        return 0
+        return finish(args, TARGETS)
 
     if "dense" in only:
         Bs = [1, 8, 64] if not args.quick else [1, 8]
@@ -264,7 +272,7 @@ def main(argv=None) -> int:
 
                 extra = {"H": H, "ct": ct, "page": 64}
                 run("mla_fanin", f"H={H},ct={ct}", N, "N", make, _nbytes(ct, N * H, elt), extra)
-    return 0
+    return finish(args, TARGETS)
 
 
 if __name__ == "__main__":

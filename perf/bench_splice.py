@@ -15,7 +15,9 @@ smallest size only (c_t = 55), and the torch variants at every size. ``bytes`` i
 splice must move: each entry read once and written once, ``2 * L * c_t * 576 * 2`` bytes. The
 issue's goal on an H200: 27 layers x 2048 tokens in <= 60 us (>= 50x under ~3 ms).
 
-Usage: ``python -m perf.bench_splice [--quick | --goals] [--ct 55 2048] [--layers 27]``.
+Usage: ``python -m perf.bench_splice [--goals | --tiny] [--c-t 55,2048] [--layers 27]`` with the
+flags every benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
+:mod:`mqnc.measure.options`).
 
 ``--goals`` times issue 13's goal shapes (``_variants.GOALS``: 27 layers x 2048 tokens, one
 int delta for the chunk as the requester's fetch does, and one delta per token), recording
@@ -32,9 +34,9 @@ call beside it.
 
 from __future__ import annotations
 
-import argparse
-
 from mqnc.base.runtime import use_interpreter_without_cuda
+from mqnc.measure.options import bench_parser, finish, hidden_alias, int_list, parse_bench_args
+from perf.targets import TARGETS
 
 PAPER_SPLICE_US = {55: 2770.0, 1024: 2780.0, 2048: 2910.0, 4096: 3060.0}  # §7, H100
 BLOCK_SIZE = 64
@@ -82,7 +84,10 @@ def run(
     record_results: bool = True,
     delta_kind: str = "[T]",
     shape="",
+    **timing,
 ) -> list[dict]:
+    """Time every variant at each c_t; ``timing``: ``path`` (results file), ``reps``, ``warmup``
+    (None: the defaults in ``_bench_ct``)."""
     use_interpreter_without_cuda()
     import torch
 
@@ -93,7 +98,9 @@ def run(
     rope = RopeSpec.from_preset("deepseek-v2-lite")
     out = []
     for ct in ct_list:
-        out += _bench_ct(ct, layers, quick, record_results, device, cuda, rope, delta_kind, shape)
+        out += _bench_ct(
+            ct, layers, quick, record_results, device, cuda, rope, delta_kind, shape, **timing
+        )
     return out
 
 
@@ -158,7 +165,18 @@ def _check_same_pool(variants, inputs) -> None:
 
 
 def _bench_ct(
-    ct, layers, quick, record_results, device, cuda, rope, delta_kind="[T]", shape=""
+    ct,
+    layers,
+    quick,
+    record_results,
+    device,
+    cuda,
+    rope,
+    delta_kind="[T]",
+    shape="",
+    path=None,
+    reps=None,
+    warmup=None,
 ) -> list[dict]:
     from mqnc.base.runtime import kernel_mode
     from mqnc.measure import input_sets, l2_bytes, record, time_kernel
@@ -173,8 +191,9 @@ def _bench_ct(
     _check_same_pool(variants, sets[0])
 
     interp = not cuda
-    reps = 3 if (quick or interp) else 20
-    warmup = 0 if interp else (1 if quick else 3)
+    reps = reps or (3 if (quick or interp) else 20)
+    if warmup is None:
+        warmup = 0 if interp else (1 if quick else 3)
     out, times = [], {}
     for name, (backend, fn) in variants.items():
         calls = [lambda fn=fn, x=x: fn(*x) for x in sets]
@@ -209,6 +228,7 @@ def _bench_ct(
                 nbytes=nbytes,
                 backend=backend,
                 extra=extra,
+                path=path,
             )
         out.append(rec)
         gbps = nbytes / (t.p50 * 1e-6) / 1e9
@@ -220,14 +240,18 @@ def _bench_ct(
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="few repetitions (a smoke run)")
-    p.add_argument("--ct", type=int, nargs="+", default=[55, 1024, 2048, 4096])
+    p = bench_parser(
+        __doc__,
+        reps="20 on a GPU, 3 on a CPU or with --quick",
+        warmup="3 on a GPU, 1 with --quick, 0 on a CPU",
+        tiny=True,
+    )
+    p.add_argument("--c-t", type=int_list, default=[55, 1024, 2048, 4096], help="chunk tokens")
+    hidden_alias(p, "--ct", "c_t", type=int_list)
     p.add_argument("--layers", type=int, default=27)
-    p.add_argument("--no-record", action="store_true", help="print only, do not append results")
     p.add_argument("--goals", action="store_true", help="issue 13's goal shapes instead")
-    p.add_argument("--tiny", action="store_true", help="dry run: goal shapes cut to 2 x 55")
-    args = p.parse_args(argv)
+    args = parse_bench_args(p, argv)
+    timing = dict(path=args.out, reps=args.reps, warmup=args.warmup)
     use_interpreter_without_cuda()  # before the goal shapes import triton
     if args.goals or args.tiny:
         from mqnc.triton_kernels._variants import GOALS
@@ -235,10 +259,10 @@ def main(argv=None) -> int:
         for s in (s for s in GOALS if s.op == "splice"):
             ct, L = (min(s.ct, TINY_CT), min(s.L, TINY_LAYERS)) if args.tiny else (s.ct, s.L)
             label = "" if args.tiny else s.label
-            run([ct], L, args.quick, not args.no_record, delta_kind=s.delta, shape=label)
-        return 0
-    run(args.ct, args.layers, args.quick, record_results=not args.no_record)
-    return 0
+            run([ct], L, args.quick, delta_kind=s.delta, shape=label, **timing)
+        return finish(args, TARGETS)
+    run(args.c_t, args.layers, args.quick, **timing)
+    return finish(args, TARGETS)
 
 
 if __name__ == "__main__":

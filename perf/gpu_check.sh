@@ -25,8 +25,11 @@
 #   nvshmem      two NVSHMEM PEs on the one GPU: probe, route sweep, a routed partial's
 #                exactness, host- and device-initiated puts (skipped without nvshmem4py)
 #   route, fetch the host-side transport benchmarks over gloo (the host's TCP loopback)
-# Results land in $OUT/results.jsonl (commit it under perf/results/ with the device name), every
-# record with the commit ($MQNC_COMMIT: given, else git, else the .mqnc-commit file that travels
+# Results land in $OUT/results.jsonl: every benchmark step is given --out "$RESULTS" (the shared
+# flag set of mqnc.measure.options), and $MQNC_RESULTS names the same file for anything that
+# records without a flag, so nothing lands in the copy's perf/results/. Commit the records with
+# the device name by appending them to perf/results/results.jsonl (what --record writes). Every
+# record carries the commit ($MQNC_COMMIT: given, else git, else the .mqnc-commit file that travels
 # with the copy); per-step logs are packed into $OUT/logs.tgz (the device tool returns at most 8
 # files); printed last: the kernel report, the tests' last lines and $OUT/summary.txt.
 set -uo pipefail
@@ -44,10 +47,10 @@ SITE=${SITE:-/tmp/mqnc-site}
 STEPS=(install wheels env copy warmup bench_merge bench_mla bench_splice report tests holder
   nvshmem route fetch)
 declare -A CAP=([install]=15 [wheels]=10 [env]=10 [copy]=20 [warmup]=50 [bench_merge]=20
-  [bench_mla]=70 [bench_splice]=30 [report]=30 [tests]=40 [holder]=30 [nvshmem]=60 [route]=20
+  [bench_mla]=60 [bench_splice]=30 [report]=30 [tests]=55 [holder]=25 [nvshmem]=60 [route]=20
   [fetch]=25)
 if ((DRY)); then
-  export TRITON_INTERPRET=1 # every step but the compiling ones (warmup, report) interprets
+  export TRITON_INTERPRET=1 # every step but the compiling ones (warmup, report: =0) interprets
   PIP_DRY=(--dry-run)
   WHEEL_ARGS=(--dry-run)
   COPY_ARGS=(--gib 0.01)
@@ -58,7 +61,7 @@ if ((DRY)); then
   HOLDER_ARGS=(--tiny)
   NVSHMEM_ARGS=(--transport gloo --tiny --timeout 50)
   ROUTE_ARGS=(--transport gloo --quick --m-q 1,64 --reps 3 --warmup 1)
-  FETCH_ARGS=(--transport gloo --quick --ct 16 --max-holders 1 --topk 64 --m-q 32
+  FETCH_ARGS=(--transport gloo --quick --c-t 16 --max-holders 1 --topk 64 --m-q 32
     --pool-rows 256 --reps 3 --warmup 1)
 else
   unset TRITON_INTERPRET
@@ -78,7 +81,8 @@ fi
 
 LOG="$OUT/logs"
 mkdir -p "$LOG" "$SITE"
-export PYTHONUNBUFFERED=1 MQNC_RESULTS="$OUT/results.jsonl" TRITON_DEFAULT_FP_FUSION=1
+RESULTS="$OUT/results.jsonl" # where every record of this run goes: --out "$RESULTS" below
+export PYTHONUNBUFFERED=1 MQNC_RESULTS="$RESULTS" TRITON_DEFAULT_FP_FUSION=1
 export GLOO_SOCKET_IFNAME=lo
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 if [ -z "${MQNC_COMMIT:-}" ]; then
@@ -134,21 +138,21 @@ fi
 step wheels "$PY" -m perf.install_wheels --wheels .whl --target "$SITE" "${WHEEL_ARGS[@]}"
 step env "$PY" -m mqnc env --json
 cp "$LOG/env.log" "$OUT/env.json" 2>/dev/null
-step copy "$PY" -m perf.bench_copy "${COPY_ARGS[@]}"
-step warmup env -u TRITON_INTERPRET "$PY" -m perf.warmup "${WARMUP_ARGS[@]}"
-step bench_merge "$PY" -m perf.bench_merge "${BENCH_ARGS[@]}"
-step bench_mla "$PY" -m perf.bench_mla "${BENCH_ARGS[@]}"
-step bench_splice "$PY" -m perf.bench_splice "${BENCH_ARGS[@]}"
-step report env -u TRITON_INTERPRET "$PY" -m perf.kernel_report "${REPORT_ARGS[@]}" \
-  --measured "$OUT/results.jsonl" --out "$OUT/kernel_report.jsonl"
+step copy "$PY" -m perf.bench_copy "${COPY_ARGS[@]}" --out "$RESULTS"
+step warmup env TRITON_INTERPRET=0 "$PY" -m perf.warmup "${WARMUP_ARGS[@]}"
+step bench_merge "$PY" -m perf.bench_merge "${BENCH_ARGS[@]}" --out "$RESULTS"
+step bench_mla "$PY" -m perf.bench_mla "${BENCH_ARGS[@]}" --out "$RESULTS"
+step bench_splice "$PY" -m perf.bench_splice "${BENCH_ARGS[@]}" --out "$RESULTS"
+step report env TRITON_INTERPRET=0 "$PY" -m perf.kernel_report "${REPORT_ARGS[@]}" \
+  --measured "$RESULTS" --out "$OUT/kernel_report.jsonl"
 step tests "$PY" -m pytest correctness -m gpu -q -p no:cacheprovider "${TEST_ARGS[@]}"
-step holder "$PY" -m perf.bench_holder "${HOLDER_ARGS[@]}"
-step nvshmem "$PY" -m perf.gpu_check_nvshmem "${NVSHMEM_ARGS[@]}"
-step route "$PY" -m perf.bench_route "${ROUTE_ARGS[@]}"
-step fetch "$PY" -m perf.bench_fetch "${FETCH_ARGS[@]}"
+step holder "$PY" -m perf.bench_holder "${HOLDER_ARGS[@]}" --out "$RESULTS"
+step nvshmem "$PY" -m perf.gpu_check_nvshmem "${NVSHMEM_ARGS[@]}" --out "$RESULTS"
+step route "$PY" -m perf.bench_route "${ROUTE_ARGS[@]}" --out "$RESULTS"
+step fetch "$PY" -m perf.bench_fetch "${FETCH_ARGS[@]}" --out "$RESULTS"
 
 # The records table: one line per record of this run (bench, variant, x, p50, GB/s, how timed).
-"$PY" - "$OUT/results.jsonl" >"$OUT/table.txt" 2>&1 <<'EOF'
+"$PY" - "$RESULTS" >"$OUT/table.txt" 2>&1 <<'EOF'
 import json, sys
 try:
     recs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]

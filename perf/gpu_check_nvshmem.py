@@ -7,10 +7,12 @@ wheel and installed offline by ``perf/install_wheels.py``)::
     python -m perf.gpu_check_nvshmem --quick            # fewer repetitions and batch sizes
     python -m perf.gpu_check_nvshmem --transport gloo --tiny   # the dry run, on a CPU
 
-What it checks and records (the results file: ``--out``, else ``$MQNC_RESULTS``, else
-``perf/results/results.jsonl``; a summary in ``--summary``, default ``$OUT/nvshmem_check.json``
-when ``$OUT`` is set), for each put path (``host``: nvshmem4py's stream-ordered
-``put_signal``; ``device``: the Triton kernel calling ``nvshmemx_putmem_signal_nbi_block``):
+What it checks and records (where every benchmark records: ``--out FILE``, else with
+``--record`` the repository's ``perf/results/results.jsonl``, else ``$MQNC_RESULTS``, else the
+git-ignored ``perf/results/local.jsonl``; a summary in ``--summary``, default
+``$OUT/nvshmem_check.json`` when ``$OUT`` is set), for each put path (``host``: nvshmem4py's
+stream-ordered ``put_signal``; ``device``: the Triton kernel calling
+``nvshmemx_putmem_signal_nbi_block``):
 
 1. **probe round trip**: a header-only put + signal there and back (``T_probe``, §4.3),
    p20/p50/p80 over the repetitions (bench ``probe``);
@@ -35,12 +37,13 @@ one failed, 2 when there is no GPU or no nvshmem4py (nothing ran).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 import traceback
+
+from mqnc.measure.options import bench_parser, finish, parse_bench_args, positive_float
 
 L_CHUNK = 2048
 
@@ -143,7 +146,7 @@ def _worker(rank: int, port: int, cfg: dict, q) -> None:
             req = Requester(t, g, softmax_scale=scale, timeout_s=30.0, device=dev)
             req.register(ChunkInfo(7, tokens, 0, (1,)))
             t.barrier(60)
-            for _ in range(3):
+            for _ in range(3 if cfg["warmup"] is None else cfg["warmup"]):
                 req.probe(1)
             probes = [req.probe(1) for _ in range(reps)]
             out["probe_us"] = [float(x) for x in np.percentile(probes, [20, 50, 80])]
@@ -152,7 +155,7 @@ def _worker(rank: int, port: int, cfg: dict, q) -> None:
             for B in batches:
                 qb = (0.5 * torch.randn(B, g.heads, g.d_qk, generator=gen)).to(torch.bfloat16)
                 qb = qb.to(dev)
-                for _ in range(2):
+                for _ in range(2 if cfg["warmup"] is None else cfg["warmup"]):
                     req.route(7, qb, 3)
                 rts = [req.route(7, qb, 3).record.total_us for _ in range(reps)]
                 route[B * g.heads] = [float(x) for x in np.percentile(rts, [20, 50, 80])]
@@ -247,15 +250,17 @@ def _report(path: str, res: list[dict], wall: float, cfg: dict, out) -> bool:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="B 1, 4, 16, 64 and 30 repetitions")
-    ap.add_argument("--tiny", action="store_true", help="dry run: B 1, 128 tokens, 3 reps")
-    ap.add_argument("--timeout", type=float, default=40.0, help="seconds per put path")
+    ap = bench_parser(
+        __doc__,
+        reps="200, 30 with --quick, 3 with --tiny",
+        warmup="3 probes and 2 routes per batch",
+        tiny=True,
+    )
+    ap.add_argument("--timeout", type=positive_float, default=40.0, help="seconds per put path")
     ap.add_argument("--paths", default="host,device", help="put paths: host, device")
     ap.add_argument("--transport", default="nvshmem", choices=("nvshmem", "gloo"))
-    ap.add_argument("--out", default=None, help="results file (default $MQNC_RESULTS)")
     ap.add_argument("--summary", default=None, help="JSON summary (default $OUT/...)")
-    args = ap.parse_args(argv)
+    args = parse_bench_args(ap, argv)
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not paths or set(paths) - {"host", "device"}:
         raise ValueError(f"--paths: expected names out of host, device, got {args.paths!r}")
@@ -271,7 +276,8 @@ def main(argv=None) -> int:
         transport=args.transport,
         tokens=128 if args.tiny else L_CHUNK,
         batches=[1] if args.tiny else ([1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64]),
-        reps=3 if args.tiny else (30 if args.quick else 200),
+        reps=args.reps or (3 if args.tiny else (30 if args.quick else 200)),
+        warmup=args.warmup,
         exact_b=1 if args.tiny else 4,
     )
     from mqnc.base.runtime import device_name
@@ -289,6 +295,7 @@ def main(argv=None) -> int:
     if where:
         with open(where, "w") as f:
             json.dump(summary, f, indent=1, default=str)
+    finish(args)
     print("gpu_check_nvshmem:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

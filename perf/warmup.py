@@ -17,7 +17,8 @@ the first timed call of every benchmark and test. Two phases:
    variant the CPU planning did not foresee is compiled here and counted (``new``).
 
 Prints one line per variant (seconds, ok) and a summary; exits 1 if a variant failed.
-Must run with ``TRITON_INTERPRET`` unset.
+Must run in compiled mode, ``TRITON_INTERPRET=0`` (on a CPU-only torch importing the kernels
+would otherwise choose the interpreter).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
     from mqnc.base.env import interpreting
 
     if interpreting():
-        sys.exit("perf.warmup: unset TRITON_INTERPRET (it compiles kernels)")
+        sys.exit("perf.warmup: set TRITON_INTERPRET=0 (it compiles kernels, never launches here)")
     ops = {o.strip() for o in args.ops.split(",") if o.strip()}
     if not ops or ops - set(OPS):
         raise ValueError(f"--ops: expected names out of {OPS}, got {args.ops!r}")

@@ -15,9 +15,20 @@ data (``_launch.Launch``). Private modules, each with one job:
 - ``_sm90_table``: the generated occupancy of every production variant.
 
 Importing this package imports Triton but never touches a GPU; it imports nothing of ``mqnc``
-above the kernel layer.
+above the kernel layer. When torch was built without CUDA it chooses Triton's interpreter first
+(``TRITON_INTERPRET=1``, unless set already or Triton was imported before; see
+``mqnc.base.runtime.use_interpreter_on_cpu_only_torch``): on such a machine the kernels run as
+called, with no set-up.
 """
 
+from mqnc.base.runtime import use_interpreter_on_cpu_only_torch
+
+use_interpreter_on_cpu_only_torch()  # before anything here imports triton
+
+# ruff: noqa: E402  (the interpreter is chosen above, before triton is imported)
+
+from mqnc.triton_kernels import ops  # noqa: F401  (registers the torch.ops.mqnc.* ops)
+from mqnc.triton_kernels._mla_launch import AttentionPlan
 from mqnc.triton_kernels.merge import (
     lse_from_base2,
     lse_from_ml,
@@ -26,8 +37,13 @@ from mqnc.triton_kernels.merge import (
     merge_partials_into,
     ml_from_lse,
 )
-from mqnc.triton_kernels.mla_decode import mla_decode_partial
-from mqnc.triton_kernels.mla_sparse import mla_sparse_partial
+from mqnc.triton_kernels.mla_decode import (
+    mla_decode_partial,
+    mla_decode_partial_csr,
+    plan_mla_decode,
+    plan_mla_decode_csr,
+)
+from mqnc.triton_kernels.mla_sparse import mla_sparse_partial, plan_mla_sparse
 from mqnc.triton_kernels.splice import rope_rotate, rope_splice
 
 __all__ = [
@@ -38,7 +54,12 @@ __all__ = [
     "lse_from_ml",
     "ml_from_lse",
     "mla_decode_partial",
+    "mla_decode_partial_csr",
     "mla_sparse_partial",
+    "plan_mla_decode",
+    "plan_mla_decode_csr",
+    "plan_mla_sparse",
+    "AttentionPlan",
     "rope_splice",
     "rope_rotate",
 ]

@@ -11,12 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
-from mqnc.base.env import interpreting
-
 __all__ = [
     "check_tensor",
     "check_same_device",
-    "check_kernel_device",
     "check_int",
     "check_num_splits",
     "check_softmax_scale",
@@ -69,23 +66,6 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
         if dev != first:
             raise ValueError(f"{name}: expected device {first} (as {first_name}), got {dev}")
     return first
-
-
-def check_kernel_device(name: str, t: torch.Tensor) -> torch.device:
-    """``t``'s device, if the kernels can run there: compiled kernels read only GPU memory (a CPU
-    tensor's pointer "cannot be accessed from Triton"), the interpreter reads CPU tensors.
-
-    Called by every public launcher after :func:`check_same_device`, so one tensor stands for
-    all; the error says how to move the data or run interpreted, in one line.
-    """
-    if t.device.type == "cpu" and not interpreting():
-        raise ValueError(
-            f"{name}: expected a GPU tensor for the compiled Triton kernels, got a CPU tensor: "
-            "move the inputs to the GPU (mqnc.base.kernel_device()), or run the kernels "
-            "interpreted (set TRITON_INTERPRET=1 before importing triton, or call "
-            "mqnc.base.use_interpreter_without_cuda() first)"
-        )
-    return t.device
 
 
 def check_int(name: str, value: object, *, minimum: int | None = None) -> int:

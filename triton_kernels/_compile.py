@@ -89,14 +89,15 @@ def compile_launch(fn, args: tuple, kwargs: dict, *, grid: tuple = (1,), arch: i
     """Compile ``fn[grid](*args, **kwargs)`` for ``sm_<arch>`` as that launch would compile it.
 
     ``fn`` is a ``@triton.jit`` function (not an interpreted one: call this with
-    ``TRITON_INTERPRET`` unset), ``args`` the launch's positional values (torch tensors on any
+    ``TRITON_INTERPRET=0``, which a CPU-only torch needs: importing the kernels there chooses
+    the interpreter otherwise), ``args`` the launch's positional values (torch tensors on any
     device: only their dtype and ``data_ptr`` alignment matter), ``kwargs`` its constexprs and
     options (``num_warps``, ``num_stages``, ``extern_libs``, ...). Returns Triton's
     ``CompiledKernel`` (``.asm['ttgir' | 'ptx' | 'cubin']``, ``.metadata``), never loaded.
     """
     if not hasattr(fn, "warmup") or type(fn).__name__ != "JITFunction":
         raise TypeError(
-            f"fn: expected a compiled-mode @triton.jit function (TRITON_INTERPRET unset), got "
+            f"fn: expected a compiled-mode @triton.jit function (TRITON_INTERPRET=0), got "
             f"{type(fn).__name__}"
         )
     with _compile_only(arch):
@@ -233,20 +234,21 @@ def compile_variant(name: str, launch, arch: int = 90) -> tuple[KernelResources,
 
 
 def compile_all(arch: int = 90) -> list[dict]:
-    """Compile every launch of every goal shape (``_variants.GOALS``) for ``sm_<arch>``; one
+    """Compile every launch of every goal and ecosystem shape (``_variants.COMPILED``) for
+    ``sm_<arch>``; one
     dict per variant (by name, first-seen order) with its resources, its goal shapes, and
     ``kernels``: how many distinct compiled kernels its shapes' launches got from the JIT (1:
     the name identifies the variant; the later launches of a name are JIT cache hits).
 
-    Must run with ``TRITON_INTERPRET`` unset (under the interpreter ``@triton.jit`` yields
+    Must run in compiled mode, ``TRITON_INTERPRET=0`` (under the interpreter ``@triton.jit`` yields
     interpreted functions that cannot be compiled); the test suite calls it in a subprocess.
     A variant that fails to compile is reported with its error instead of raising.
     """
-    from mqnc.triton_kernels._variants import GOALS, shape_launches
+    from mqnc.triton_kernels._variants import COMPILED, shape_launches
 
     out: dict[str, dict] = {}
     kernels: dict[str, set] = {}
-    for shape in GOALS:
+    for shape in COMPILED:
         for launch in shape_launches(shape):
             row = out.setdefault(launch.name, {"name": launch.name, "shapes": []})
             row["shapes"].append(shape.label)
@@ -301,7 +303,9 @@ if __name__ == "__main__":
     ap.add_argument("--write-table", action="store_true", help="rewrite _sm90_table.py")
     args = ap.parse_args()
     if interpreting():
-        sys.exit("unset TRITON_INTERPRET to compile for a GPU target")
+        sys.exit(
+            "set TRITON_INTERPRET=0 to compile for a GPU target (compile-only: nothing launches)"
+        )
     rows = compile_all(args.arch)
     if args.write_table:
         write_table(rows, os.path.join(os.path.dirname(__file__), "_sm90_table.py"))

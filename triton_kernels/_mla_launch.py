@@ -1,6 +1,8 @@
 """Host side shared by the dense paged and the sparse top-k partial-MLA launchers (§3.3, §6.3):
-tile configurations, shape checks, the split-KV outputs, and the plan of a call: the split
-choice, the attention launch and the merge kernel's combine of split partials.
+tile configurations, operand checks (a fused 576-wide query and cache, or FlashInfer's split
+latent / rope tensors), the split-KV outputs, the plan of one call (the split choice, the
+attention launch and the merge kernel's combine of split partials) and the reusable plan of a
+batch shape (:class:`AttentionPlan`: checks and split choice once, launches per ``run``).
 
 The device side they share is :mod:`mqnc.triton_kernels._mla_tile`; the public ops are
 ``mla_decode.mla_decode_partial`` and ``mla_sparse.mla_sparse_partial``.
@@ -21,13 +23,15 @@ from mqnc.triton_kernels._grid import (
     device_limits,
     kernel_occupancy,
 )
-from mqnc.triton_kernels._runtime import new_output
+from mqnc.triton_kernels._runtime import launch_lock, new_output
 from mqnc.triton_kernels.merge import merge_launch
 
 __all__ = [
     "TileConfig",
     "tile_config",
-    "check_mla_shapes",
+    "MlaOperands",
+    "mla_operands",
+    "check_block_size",
     "dot_precision",
     "variant_name",
     "split_outputs",
@@ -35,6 +39,8 @@ __all__ = [
     "split_bytes",
     "MlaPlan",
     "plan_mla",
+    "meta_output",
+    "AttentionPlan",
 ]
 
 
@@ -87,26 +93,100 @@ def tile_config(heads: int, *, sparse: bool = False) -> TileConfig:
     return table[16] if heads <= 16 else table[32]
 
 
-def check_mla_shapes(q: torch.Tensor, kv_pool: torch.Tensor, d_v: int) -> tuple[int, int]:
-    """Validate ``q`` and ``kv_pool`` as absorbed-MLA rows and cache; returns (d_v, d_pe)."""
+@dataclasses.dataclass(frozen=True)
+class MlaOperands:
+    """The query rows and the cache as the kernels read them.
+
+    ``q`` / ``kv`` hold the latent part (their first ``d_v`` dims); the rope part is the next
+    ``d_pe`` dims of the same rows (fused: ``q_pe is q``, ``kv_pe is kv``) or separate tensors
+    (``split``: FlashInfer's ``q_pe`` and ``kpe_cache``, or a view of a fused tensor when only
+    the other one is split), each read in place through its own pointer and strides.
+    """
+
+    q: torch.Tensor
+    q_pe: torch.Tensor
+    kv: torch.Tensor
+    kv_pe: torch.Tensor
+    d_v: int
+    d_pe: int
+    split: bool
+
+
+def _check_width(name: str, width: int, d_qk: int, d_v: int) -> None:
+    if width < 16 or width & (width - 1):
+        raise ValueError(
+            f"{name}: expected a power of two >= 16 (the latent and rope parts of a "
+            f"{d_qk}-wide row are tiled separately), got {width} (d_qk = {d_qk}, d_v = {d_v})"
+        )
+
+
+def mla_operands(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    d_v: int,
+    *,
+    q_pe: torch.Tensor | None = None,
+    kpe_pool: torch.Tensor | None = None,
+) -> MlaOperands:
+    """Validate absorbed-MLA query rows and cache, fused or split.
+
+    Fused: ``q [R, H, d_qk]`` and ``kv_pool [num_blocks, block_size, d_qk]`` with
+    ``d_qk = d_v + d_pe``. Split (either or both): ``q [R, H, d_v]`` with ``q_pe [R, H, d_pe]``;
+    ``kv_pool [num_blocks, block_size, d_v]`` (the latent ``c_KV``, also the value) with
+    ``kpe_pool [num_blocks, block_size, d_pe]``. One dtype throughout, unit stride on every last
+    dim; ``d_v`` and ``d_pe`` powers of two >= 16.
+    """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, contiguous_last=True)
-    d_qk = q.shape[2]
+    if isinstance(d_v, bool) or not isinstance(d_v, int):
+        raise TypeError(f"d_v: expected an int, got {type(d_v).__name__}")
+    R, H, width = q.shape
+    if q_pe is not None:
+        if width != d_v:
+            raise ValueError(
+                f"q: expected the latent part only (d_v = {d_v} wide) when q_pe is given, got "
+                f"shape {tuple(q.shape)}"
+            )
+        check_tensor("q_pe", q_pe, ndim=3, dtypes=(q.dtype,), contiguous_last=True)
+        check_tensor("q_pe", q_pe, shape=(R, H, None))
+        d_pe = q_pe.shape[2]
+    else:
+        d_pe = width - d_v
+    d_qk = d_v + d_pe
     check_tensor("kv_pool", kv_pool, ndim=3, dtypes=(q.dtype,), contiguous_last=True)
-    if kv_pool.shape[2] != d_qk:
+    if kpe_pool is None and kv_pool.shape[2] != d_qk:
         raise ValueError(
             f"kv_pool: expected entries as wide as q's rows ({d_qk}), got shape "
             f"{tuple(kv_pool.shape)}"
         )
-    if isinstance(d_v, bool) or not isinstance(d_v, int):
-        raise TypeError(f"d_v: expected an int, got {type(d_v).__name__}")
-    d_pe = d_qk - d_v
-    for name, width in (("d_v", d_v), ("d_qk - d_v", d_pe)):
-        if width < 16 or width & (width - 1):
+    if kpe_pool is not None:
+        if kv_pool.shape[2] != d_v:
             raise ValueError(
-                f"{name}: expected a power of two >= 16 (the latent and rope parts of a "
-                f"{d_qk}-wide row are tiled separately), got {width} (d_qk = {d_qk}, d_v = {d_v})"
+                f"kv_pool: expected the latent part only (d_v = {d_v} wide) when kpe_pool is "
+                f"given, got shape {tuple(kv_pool.shape)}"
             )
-    return d_v, d_pe
+        check_tensor("kpe_pool", kpe_pool, ndim=3, dtypes=(q.dtype,), contiguous_last=True)
+        check_tensor("kpe_pool", kpe_pool, shape=(*kv_pool.shape[:2], d_pe))
+    for name, w in (("d_v", d_v), ("d_qk - d_v", d_pe)):
+        _check_width(name, w, d_qk, d_v)
+    split = q_pe is not None or kpe_pool is not None
+    if split:
+        q_pe = q[..., d_v:] if q_pe is None else q_pe
+        kpe_pool = kv_pool[..., d_v:] if kpe_pool is None else kpe_pool
+    else:
+        q_pe, kpe_pool = q, kv_pool
+    return MlaOperands(q, q_pe, kv_pool, kpe_pool, d_v, d_pe, split)
+
+
+def check_block_size(block_size: int) -> int:
+    """A cache block (page) size: any power of two (1 for SGLang's token pools, 64 in
+    production); the kernels look each entry up through its page, so small pages cost one
+    page-id load per entry, nothing else."""
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(
+            f"kv_pool: expected a block size (dim 1) that is a power of two (1 for a token "
+            f"pool, 64 in production), got {block_size}"
+        )
+    return block_size
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -114,28 +194,43 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def variant_name(op: str, dtype: torch.dtype, cfg: TileConfig, split: bool) -> str:
+def variant_name(
+    op: str, dtype: torch.dtype, cfg: TileConfig, split: bool, features: tuple[str, ...] = ()
+) -> str:
     """The name of a compiled variant, as the compile step, the sm_90 table and
-    ``perf/kernel_report.py`` call it: op, cache dtype, tile, warps, stages, output."""
+    ``perf/kernel_report.py`` call it: op, cache dtype, tile, warps, stages, output, then what
+    departs from the production layout (``features``: ``page=N`` for a page other than 64,
+    ``csr`` page tables, ``split-kv`` latent / rope tensors, ``sq`` several query tokens per
+    sequence, ``causal``), none for the goal shapes."""
     out = "fp32-split" if split else dtype_name(dtype)
+    extra = "".join(f",{f}" for f in features)
     return (
         f"{op}[{dtype_name(dtype)},{cfg.block_h}x{cfg.block_n},w{cfg.num_warps},"
-        f"s{cfg.num_stages},out={out}]"
+        f"s{cfg.num_stages},out={out}{extra}]"
     )
 
 
-def split_outputs(B: int, H: int, d_v: int, dtype: torch.dtype, device, num_splits: int):
+def split_outputs(
+    B: int, H: int, d_v: int, dtype: torch.dtype, device, num_splits: int, alloc=new_output
+):
     """The outputs ``o [B, H, d_v]`` (``dtype``) and ``lse [B, H]`` fp32, and where the kernel
     writes: straight into them for one split, else into fp32 per-split partials
-    ``[num_splits, B, H, d_v]`` / ``[num_splits, B, H]`` that :func:`combine_splits` merges.
+    ``[num_splits, B, H, d_v]`` / ``[num_splits, B, H]`` that the merge kernel combines.
+    ``alloc(shape, dtype, device)`` makes each (a plan's template uses :func:`meta_output`).
     Returns ``(o, lse, o_part, lse_part)``."""
-    o = new_output((B, H, d_v), dtype, device)
-    lse = new_output((B, H), torch.float32, device)
+    o = alloc((B, H, d_v), dtype, device)
+    lse = alloc((B, H), torch.float32, device)
     if num_splits == 1:
         return o, lse, o, lse
-    o_part = new_output((num_splits, B, H, d_v), torch.float32, device)
-    lse_part = new_output((num_splits, B, H), torch.float32, device)
+    o_part = alloc((num_splits, B, H, d_v), torch.float32, device)
+    lse_part = alloc((num_splits, B, H), torch.float32, device)
     return o, lse, o_part, lse_part
+
+
+def meta_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A storage-less stand-in for an output (its shape, dtype and contiguous strides are all a
+    plan's template needs; :meth:`AttentionPlan.run` allocates the real ones)."""
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 def split_strides(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple:
@@ -172,17 +267,21 @@ def plan_mla(
     tiles: int,
     num_splits: int | None,
     occupancy: Occupancy | None = None,
+    d_qk: int | None = None,
+    alloc=new_output,
 ) -> MlaPlan:
     """Plan a partial-MLA call: the split count (given, or the policy's for ``tiles`` tiles
     per row at ``occupancy``, by default the compiled split variant's, see
-    :func:`_grid.kernel_occupancy`), the outputs, the attention launch
+    :func:`_grid.kernel_occupancy`), the outputs (made by ``alloc``), the attention launch
     ``build(o_part, lse_part, num_splits)`` and, when split, the merge kernel's combine of the
-    fp32 partials into the outputs."""
-    B, H, d_qk = q.shape
+    fp32 partials into the outputs. ``d_qk``: the row width (``q``'s last dim by default; a
+    split ``q`` holds only its latent part)."""
+    B, H = q.shape[:2]
+    d_qk = q.shape[2] if d_qk is None else d_qk
     device = q.device
     if num_splits is None:
-        num_splits = _policy_splits(build, op, q, d_v, cfg, tiles, occupancy)
-    o, lse, o_part, lse_part = split_outputs(B, H, d_v, q.dtype, device, num_splits)
+        num_splits = _policy_splits(build, op, q, d_qk, d_v, cfg, tiles, occupancy)
+    o, lse, o_part, lse_part = split_outputs(B, H, d_v, q.dtype, device, num_splits, alloc)
     if B * H == 0:
         return MlaPlan(o, lse, num_splits, ())
     launches = [build(o_part, lse_part, num_splits)]
@@ -191,8 +290,8 @@ def plan_mla(
     return MlaPlan(o, lse, num_splits, tuple(launches))
 
 
-def _policy_splits(build, op, q, d_v, cfg, tiles, occupancy) -> int:
-    B, H, d_qk = q.shape
+def _policy_splits(build, op, q, d_qk, d_v, cfg, tiles, occupancy) -> int:
+    B, H = q.shape[:2]
     programs = B * triton.cdiv(H, cfg.block_h)
     if programs == 0:
         return 1
@@ -204,7 +303,9 @@ def _policy_splits(build, op, q, d_v, cfg, tiles, occupancy) -> int:
             lse_part = torch.empty((2, 1, H), dtype=torch.float32, device=q.device)
             return build(o_part, lse_part, 2)
 
-        occupancy = kernel_occupancy(variant_name(op, q.dtype, cfg, True), q.device, probe)
+        o_meta = meta_output((2, 1, H, d_v), torch.float32, q.device)
+        name = build(o_meta, meta_output((2, 1, H), torch.float32, q.device), 2).name
+        occupancy = kernel_occupancy(name, q.device, probe)
     return choose_num_splits(
         programs,
         tiles,
@@ -229,3 +330,62 @@ def split_bytes(cfg: TileConfig, d_qk: int, d_v: int, elt: int, heads: int) -> d
         # the combine's CTAs per program: one per head row and 16-byte-per-thread warp slice
         merge_ctas=cfg.block_h * -(-d_v * 4 // 512),
     )
+
+
+class AttentionPlan:
+    """A partial-MLA call planned once for a batch shape, run many times (§6.3's holder runs
+    one per step and layer): FlashMLA's ``get_mla_metadata`` / FlashInfer's ``plan()``.
+
+    Made by ``plan_mla_decode``, ``plan_mla_decode_csr`` and ``plan_mla_sparse`` (and the
+    layout adapters), which do every check (shapes, dtypes, devices, and the host-side range
+    checks unless switched off) and the split choice on the tensors they are given. :meth:`run`
+    then takes tensors of the same shapes, dtypes, strides and device (new values, or the same
+    buffers refilled) and only launches: no check, no host sync, no split search, no launch
+    configuration; the outputs are allocated per call (or given as ``out``), so a run can be
+    captured in a CUDA graph (outputs then come from the graph's pool).
+
+    ``num_splits`` is the split count chosen; ``launches`` the template launches (their tensor
+    arguments stand-ins, see :func:`meta_output`).
+    """
+
+    def __init__(self, template: MlaPlan, bind, *, n_inputs: int, device: torch.device) -> None:
+        self.num_splits = template.num_splits
+        self.launches = template.launches
+        self._bind = bind
+        self._n = n_inputs
+        self._device = device
+        self._o = (tuple(template.o.shape), template.o.dtype)
+        self._lse = tuple(template.lse.shape)
+        parts = self.launches[0].args[n_inputs : n_inputs + 2] if self.launches else ()
+        self._part = tuple(tuple(t.shape) for t in parts)  # the split workspaces' shapes
+        self._split = len(self.launches) > 1
+
+    def run(self, *args, out: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
+        """Launch on new inputs, passed as to the function that made the plan; returns
+        ``(o, lse)`` (``out``: contiguous tensors of the planned output shapes and dtypes)."""
+        tensors = self._bind(*args, **kwargs)
+        if out is None:
+            o = new_output(self._o[0], self._o[1], self._device)
+            lse = new_output(self._lse, torch.float32, self._device)
+        else:
+            o, lse = out
+        if not self.launches:
+            return o, lse
+        if self._split:
+            o_part = new_output(self._part[0], torch.float32, self._device)
+            lse_part = new_output(self._part[1], torch.float32, self._device)
+        else:
+            o_part, lse_part = o, lse
+        attend = self.launches[0]
+        n = self._n
+        with launch_lock():
+            attend.kernel[attend.grid](
+                *tensors, o_part, lse_part, *attend.args[n + 2 :], **attend.kwargs
+            )
+            if self._split:
+                combine = self.launches[1]
+                # (merge_launch's tensors: partials, outputs, and the unread mask stand-in)
+                combine.kernel[combine.grid](
+                    o_part, lse_part, o, lse, lse, *combine.args[5:], **combine.kwargs
+                )
+        return o, lse

@@ -7,7 +7,9 @@ block-table lookup, or the top-k indices) and share everything else here:
 - :func:`_split_range` gives a split its contiguous range of whole tiles;
 - :func:`_load_query` loads the ``BLOCK_H`` heads of one query token as two tiles, the latent
   part ``[BLOCK_H, D_LAT]`` and the rope part ``[BLOCK_H, D_PE]`` (``tl.arange`` needs
-  power-of-two extents, so the 576-wide head is split 512 + 64);
+  power-of-two extents, so the 576-wide head is split 512 + 64), from one fused row or from two
+  tensors (``SPLIT``: FlashInfer's ``q_nope`` / ``q_pe`` and ``ckv`` / ``kpe`` caches, read in
+  place through their own pointers and strides; the fused path's addresses are unchanged);
 - :func:`_attend_tile` streams one tile of ``BLOCK_N`` cache entries through an online softmax
   for all ``BLOCK_H`` heads at once (every head attends the same entries, so each tile is read
   once per program); the value is the latent part of the same loaded tile, never read again;
@@ -45,23 +47,35 @@ def _split_range(n, NUM_SPLITS, split, BLOCK_N: tl.constexpr, MIN_TILES: tl.cons
 @triton.jit
 def _load_query(
     Q,
+    Q_PE,
     b,
     h0,
     H,
     stride_qb,
     stride_qh,
+    stride_pb,
+    stride_ph,
     BLOCK_H: tl.constexpr,
     D_LAT: tl.constexpr,
     D_PE: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     """Heads ``h0 .. h0 + BLOCK_H`` of query token ``b``: ``(q_lat [BLOCK_H, D_LAT],
-    q_pe [BLOCK_H, D_PE], head mask [BLOCK_H])``; heads ``>= H`` load as 0 and are never stored."""
+    q_pe [BLOCK_H, D_PE], head mask [BLOCK_H])``; heads ``>= H`` load as 0 and are never stored.
+
+    Fused rows (``SPLIT`` False): the rope part follows the latent in ``Q``'s rows (``Q_PE`` and
+    its strides are not read). ``SPLIT``: the rope part is ``Q_PE [B, H, D_PE]`` with its own
+    strides (FlashInfer's ``q_nope`` / ``q_pe``)."""
     offs_h = h0 + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     row = Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
+    if SPLIT:
+        pe_row = Q_PE + b.to(tl.int64) * stride_pb + offs_h[:, None] * stride_ph
+    else:
+        pe_row = row + D_LAT
     q_lat = tl.load(row + tl.arange(0, D_LAT)[None, :], mask=mask_h[:, None], other=0.0)
-    q_pe = tl.load(row + D_LAT + tl.arange(0, D_PE)[None, :], mask=mask_h[:, None], other=0.0)
+    q_pe = tl.load(pe_row + tl.arange(0, D_PE)[None, :], mask=mask_h[:, None], other=0.0)
     if DOT_FP32:
         q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
@@ -73,6 +87,7 @@ def _attend_tile(
     q_lat,
     q_pe,
     kv_rows,
+    pe_rows,
     valid,
     m,
     l,
@@ -80,23 +95,28 @@ def _attend_tile(
     qk_scale,
     D_LAT: tl.constexpr,
     D_PE: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One online-softmax step over ``BLOCK_N`` cache entries for ``BLOCK_H`` heads.
 
     ``kv_rows`` [BLOCK_N] are pointers to the entries' first element (unit stride inside an
-    entry), ``valid`` [BLOCK_N] says which to attend (invalid rows are never read, so padding
-    may hold anything, NaN included). ``m`` [BLOCK_H] is the running max in base-2 units,
-    ``l`` [BLOCK_H] the denominator relative to it, ``acc`` [BLOCK_H, D_LAT] the unnormalised
-    output, all fp32. ``qk_scale = softmax_scale * log2(e)``.
+    entry), ``pe_rows`` [BLOCK_N] pointers to their rope parts when ``SPLIT`` (FlashInfer's
+    ``kpe`` rows; fused 576-wide entries: not read, the rope part is ``kv_rows + D_LAT``, the
+    addresses of one row), ``valid`` [BLOCK_N] says which to attend (invalid rows are never
+    read, so padding may hold anything, NaN included). ``m`` [BLOCK_H] is the running max in
+    base-2 units, ``l`` [BLOCK_H] the denominator relative to it, ``acc`` [BLOCK_H, D_LAT] the
+    unnormalised output, all fp32. ``qk_scale = softmax_scale * log2(e)``.
     """
     kv_lat = tl.load(
         kv_rows[:, None] + tl.arange(0, D_LAT)[None, :], mask=valid[:, None], other=0.0
     )
-    kv_pe = tl.load(
-        kv_rows[:, None] + D_LAT + tl.arange(0, D_PE)[None, :], mask=valid[:, None], other=0.0
-    )
+    if SPLIT:
+        pe_at = pe_rows[:, None] + tl.arange(0, D_PE)[None, :]
+    else:
+        pe_at = kv_rows[:, None] + D_LAT + tl.arange(0, D_PE)[None, :]
+    kv_pe = tl.load(pe_at, mask=valid[:, None], other=0.0)
     if DOT_FP32:
         kv_lat = kv_lat.to(tl.float32)
         kv_pe = kv_pe.to(tl.float32)

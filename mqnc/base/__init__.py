@@ -1,12 +1,13 @@
 """The bottom layer: tiny helpers every other layer may import, kernels included.
 
 Nothing here imports torch or triton at module level (``mqnc.base.runtime`` imports torch inside
-the two functions that must ask it about CUDA), so the torch-free cost model and ``mqnc --help``
+the functions that must ask it about CUDA), so the torch-free cost model and ``mqnc --help``
 can use it.
 
 - :mod:`mqnc.base.env`: every environment switch mqnc reads, each parsed in one place.
 - :mod:`mqnc.base.checks`: scalar argument checks (an int that is not a bool, a positive number).
-- :mod:`mqnc.base.runtime`: interpreter or compiled kernels, chosen once; the device's name.
+- :mod:`mqnc.base.runtime`: interpreter or compiled kernels, chosen once; the device the kernels
+  run on; the device's name.
 - :mod:`mqnc.base.lazy`: re-exports that import their module on first use (PEP 562).
 """
 

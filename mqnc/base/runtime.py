@@ -1,8 +1,8 @@
 """Choose between compiled and interpreted kernels, once, before Triton is imported.
 
 Called by the CLI commands that run kernels, the benchmarks and the test suite; never at import
-time of ``mqnc`` (importing the package must not probe the GPU). The two functions that ask
-torch about CUDA import it inside their bodies, so that this module (and the torch-free layers
+time of ``mqnc`` (importing the package must not probe the GPU). The functions that ask torch
+about CUDA import it inside their bodies, so that this module (and the torch-free layers
 that import it) load neither torch nor triton.
 """
 
@@ -16,6 +16,7 @@ from mqnc.base.env import TRITON_INTERPRET, interpreting
 
 __all__ = [
     "use_interpreter_without_cuda",
+    "use_interpreter_on_cpu_only_torch",
     "kernel_mode",
     "kernel_device",
     "synchronize",
@@ -33,6 +34,27 @@ def use_interpreter_without_cuda() -> bool:
         import torch  # here, not at the top: see the module docstring
 
         if not torch.cuda.is_available():
+            os.environ[TRITON_INTERPRET] = "1"
+    return interpreting()
+
+
+def use_interpreter_on_cpu_only_torch() -> bool:
+    """Set ``TRITON_INTERPRET=1`` when torch was built without CUDA (and ROCm); returns whether
+    it is set. Called by ``mqnc.triton_kernels`` as it is imported.
+
+    Asks torch's build (``torch.version.cuda`` / ``torch.version.hip``), never the GPU: a CPU-only
+    torch cannot hold CUDA tensors, so compiled kernels could never run in this process and the
+    interpreter is the only choice. Like :func:`use_interpreter_without_cuda` it takes effect only
+    before Triton is imported (Triton's own ``@triton.jit`` helpers, e.g. ``tl.cdiv``, are built
+    as it is imported) and leaves a ``TRITON_INTERPRET`` set by the user as it is. A CUDA build
+    of torch on a machine without a GPU is left alone (that would need a GPU probe); its
+    launchers then refuse CPU tensors with the one line that says what to set
+    (``mqnc.triton_kernels._runtime.check_launchable``).
+    """
+    if TRITON_INTERPRET not in os.environ and "triton" not in sys.modules:
+        import torch  # here, not at the top: see the module docstring
+
+        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
             os.environ[TRITON_INTERPRET] = "1"
     return interpreting()
 

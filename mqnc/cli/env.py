@@ -64,7 +64,11 @@ def _run(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "env", help="print versions, device and kernel mode (for bug reports)"
+        "env",
+        help="print versions, device and kernel mode (for bug reports)",
+        description="Print the versions of Python, mqnc, torch, triton and the optional "
+        "packages, the device, and whether kernels run compiled or under Triton's "
+        "interpreter: paste it into bug reports.",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_run)

@@ -21,7 +21,7 @@ def register(sub) -> None:
         help="predicted sm_90 resources, waves and times of the kernels at the goal shapes",
         description=(
             "Compile every goal shape's launches for sm_90 exactly as launched (no GPU needed; "
-            "TRITON_INTERPRET must be unset) and print registers, spills, CTAs per SM, waves, "
+            "run with TRITON_INTERPRET=0) and print registers, spills, CTAs per SM, waves, "
             "bytes, the SASS load / MMA mix and the predicted time at the copy ceiling; "
             "--measured joins the benchmarks' --goals records."
         ),

@@ -10,17 +10,31 @@
 - :mod:`mqnc.measure.sweep`: the probe + route sweep of Table 1.
 - :mod:`mqnc.measure.calibrate`: this machine's fabric profile (``mqnc calibrate``;
   ``from mqnc.measure.calibrate import calibrate``).
-- :mod:`mqnc.measure.options`: the command-line options the benchmarks share.
+- :mod:`mqnc.measure.options`: the command-line options every benchmark takes (one parser),
+  and the option types the ``mqnc`` command shares with them.
+- :mod:`mqnc.measure.targets`: speed targets as data, checked against a run's records.
 - :mod:`mqnc.measure.kernel_report`: the kernels' static sm_90 report at the goal shapes
   (predictions; ``mqnc kernel-report``, ``python -m perf.kernel_report``).
 
-The torch-free modules (results, options) are imported with the package; the others, and
+The torch-free modules (results, options, targets) are imported with the package; the others, and
 the names they define, on first use, so that the figures can read records without torch.
 """
 
 from mqnc.base.lazy import lazy_exports
-from mqnc.measure.options import TRANSPORTS, add_transport_args, ints_of, transports_of
-from mqnc.measure.results import git_commit, read_results, record, results_path
+from mqnc.measure.options import (
+    TRANSPORTS,
+    bench_parser,
+    finish,
+    hidden_alias,
+    int_list,
+    model_arg,
+    nonnegative_int_list,
+    parse_bench_args,
+    positive_int,
+    transport_list,
+)
+from mqnc.measure.results import git_commit, output_path, read_results, record, results_path
+from mqnc.measure.targets import Target, check_targets
 
 _LAZY = {
     **dict.fromkeys(
@@ -58,10 +72,19 @@ __getattr__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "TRANSPORTS",
-    "add_transport_args",
-    "ints_of",
-    "transports_of",
+    "bench_parser",
+    "parse_bench_args",
+    "finish",
+    "int_list",
+    "nonnegative_int_list",
+    "positive_int",
+    "model_arg",
+    "hidden_alias",
+    "transport_list",
+    "Target",
+    "check_targets",
     "git_commit",
+    "output_path",
     "read_results",
     "record",
     "results_path",

@@ -21,7 +21,7 @@ from mqnc.cost import FabricProfile, FitResult, fit
 from mqnc.measure.echo import HDR, OP_CHUNK, EchoFabric, Unavailable
 from mqnc.measure.sweep import route_sweep
 from mqnc.measure.timing import one_intra_op_thread, time_fn
-from mqnc.model.geometry import MLAGeometry, get_preset
+from mqnc.model.geometry import MLAGeometry, load_geometry
 
 __all__ = ["calibrate"]
 
@@ -31,7 +31,7 @@ def calibrate(
     transport: str = "loopback",
     *,
     m_qs=(1, 16, 64, 256, 512, 1024, 2048, 4096),
-    model: str = "deepseek-v2-lite",
+    model: str | MLAGeometry = "deepseek-v2-lite",
     reps: int = 15,
     warmup: int = 3,
     fit_min_rows: int = 512,
@@ -50,8 +50,9 @@ def calibrate(
     m_qs : sequence of int
         Route batch sizes (at least two distinct; the fit uses ``M_q >= fit_min_rows`` when
         two such sizes exist, all points otherwise).
-    model : str
-        Geometry preset giving ``q + p`` (2184 B/row for DeepSeek-V2-Lite).
+    model : str or MLAGeometry
+        Geometry (a preset name, a Hugging Face ``config.json`` path, or the geometry) giving
+        ``q + p`` (2184 B/row for DeepSeek-V2-Lite).
     reps, warmup : int
         Timed and untimed repetitions per point (p50 of the timed ones is fitted).
     fit_min_rows : int
@@ -75,7 +76,7 @@ def calibrate(
     if len(m_qs) < 2 or m_qs[0] < 1:
         raise ValueError(f"m_q: expected at least two distinct sizes >= 1, got {m_qs}")
     check_int("reps", reps, minimum=1)
-    g = get_preset(model)
+    g = model if isinstance(model, MLAGeometry) else load_geometry(model)
     probe, route, bulk = _measure(
         transport, g, m_qs, reps, warmup, bulk_tokens, results=results, progress=progress
     )

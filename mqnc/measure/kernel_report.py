@@ -29,7 +29,8 @@ appended to ``--out`` (default ``out/kernel_report.jsonl`` under the working dir
 untracked in the repository; never the benchmarks' ``perf/results/results.jsonl``).
 ``--measured FILE`` joins the p50 of benchmark records whose ``extra.shape`` is a goal shape's
 label (what ``--goals`` sweeps record) into the table.
-Must run with ``TRITON_INTERPRET`` unset (it compiles; it never launches).
+Must run in compiled mode, ``TRITON_INTERPRET=0`` (it compiles; it never launches; on a CPU-only
+torch importing the kernels would otherwise choose the interpreter).
 """
 
 from __future__ import annotations
@@ -266,7 +267,7 @@ def main(argv=None) -> int:
 def run(args: argparse.Namespace) -> int:
     """Compile, predict, record and print (the options of :func:`add_args`)."""
     if interpreting():
-        sys.exit("unset TRITON_INTERPRET: the report compiles for a GPU target")
+        sys.exit("set TRITON_INTERPRET=0: the report compiles for a GPU target (it never launches)")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     ops = set(args.ops.split(",")) if args.ops else None
     launches, shapes = report(ops, args.ceiling_tbps, args.arch)
