@@ -13,10 +13,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _report(module: str, *args: str, cwd=ROOT, interpret: bool = False):
-    """``python -m <module> <args>`` in compiled mode, ``TRITON_INTERPRET=0`` (no launch, even on
-    a CPU-only torch, whose kernels would otherwise choose the interpreter), or interpreted."""
-    env = {**os.environ, "TRITON_INTERPRET": "1" if interpret else "0"}
+def _report(module: str, *args: str, cwd=ROOT, interpret: str | None = "0"):
+    """``python -m <module> <args>`` with ``TRITON_INTERPRET`` set to ``interpret`` (None: unset;
+    "0" is compiled mode, no launch, even on a CPU-only torch)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret is not None:
+        env["TRITON_INTERPRET"] = interpret
     return subprocess.run(
         [sys.executable, "-m", *module.split(), *args],
         capture_output=True,
@@ -50,15 +52,16 @@ def test_kernel_report_predicts_and_records(tmp_path):
 
 
 def test_mqnc_kernel_report_subcommand(tmp_path):
-    """``mqnc kernel-report`` is the same report (the CLI imports nothing of perf/)."""
+    """``mqnc kernel-report`` is the same report (the CLI imports nothing of perf/); it chooses
+    compiled mode itself when ``TRITON_INTERPRET`` is unset and refuses the interpreter."""
     out = tmp_path / "cli.jsonl"
     args = ("--ops", "rotate", "--out", str(out))
-    r = _report("mqnc kernel-report", *args, cwd=tmp_path)
+    r = _report("mqnc kernel-report", *args, cwd=tmp_path, interpret=None)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "PREDICTIONS" in r.stdout and "| rotate rows=256 delta=int |" in r.stdout
     assert {json.loads(x)["shape"] for x in out.read_text().splitlines()} == {
         "rotate rows=256 delta=int",
         "rotate rows=256 delta=[T]",
     }
-    r = _report("mqnc kernel-report", *args, cwd=tmp_path, interpret=True)
+    r = _report("mqnc kernel-report", *args, cwd=tmp_path, interpret="1")
     assert r.returncode != 0 and "set TRITON_INTERPRET=0" in r.stderr

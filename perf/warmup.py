@@ -17,8 +17,9 @@ the first timed call of every benchmark and test. Two phases:
    variant the CPU planning did not foresee is compiled here and counted (``new``).
 
 Prints one line per variant (seconds, ok) and a summary; exits 1 if a variant failed.
-Must run in compiled mode, ``TRITON_INTERPRET=0`` (on a CPU-only torch importing the kernels
-would otherwise choose the interpreter).
+Runs in compiled mode, ``TRITON_INTERPRET=0``, which it sets itself when the variable is unset (on
+a CPU-only torch importing the kernels would otherwise choose the interpreter);
+``TRITON_INTERPRET=1`` is refused.
 """
 
 from __future__ import annotations
@@ -103,9 +104,9 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma list out of {', '.join(OPS)}")
     args = ap.parse_args(argv)
-    from mqnc.base.env import interpreting
+    from mqnc.base.runtime import use_compiled_kernels
 
-    if interpreting():
+    if not use_compiled_kernels():
         sys.exit("perf.warmup: set TRITON_INTERPRET=0 (it compiles kernels, never launches here)")
     ops = {o.strip() for o in args.ops.split(",") if o.strip()}
     if not ops or ops - set(OPS):

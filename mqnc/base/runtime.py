@@ -17,6 +17,7 @@ from mqnc.base.env import TRITON_INTERPRET, interpreting
 __all__ = [
     "use_interpreter_without_cuda",
     "use_interpreter_on_cpu_only_torch",
+    "use_compiled_kernels",
     "kernel_mode",
     "kernel_device",
     "synchronize",
@@ -57,6 +58,20 @@ def use_interpreter_on_cpu_only_torch() -> bool:
         if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
             os.environ[TRITON_INTERPRET] = "1"
     return interpreting()
+
+
+def use_compiled_kernels() -> bool:
+    """Set ``TRITON_INTERPRET=0`` unless it is set already or Triton was imported first; returns
+    whether the kernels are compiled (False: the user asked for the interpreter).
+
+    For the tools that compile kernels for a GPU target and never launch them on this machine
+    (``mqnc kernel-report``, ``perf/warmup.py``): compiled mode is the only one they can use,
+    and on a CPU-only torch importing ``mqnc.triton_kernels`` would otherwise choose the
+    interpreter (:func:`use_interpreter_on_cpu_only_torch`).
+    """
+    if TRITON_INTERPRET not in os.environ and "triton" not in sys.modules:
+        os.environ[TRITON_INTERPRET] = "0"
+    return not interpreting()
 
 
 def kernel_mode() -> str:

@@ -21,9 +21,9 @@ def register(sub) -> None:
         help="predicted sm_90 resources, waves and times of the kernels at the goal shapes",
         description=(
             "Compile every goal shape's launches for sm_90 exactly as launched (no GPU needed; "
-            "run with TRITON_INTERPRET=0) and print registers, spills, CTAs per SM, waves, "
-            "bytes, the SASS load / MMA mix and the predicted time at the copy ceiling; "
-            "--measured joins the benchmarks' --goals records."
+            "compiled mode, TRITON_INTERPRET=0, set unless given) and print registers, spills, "
+            "CTAs per SM, waves, bytes, the SASS load / MMA mix and the predicted time at the "
+            "copy ceiling; --measured joins the benchmarks' --goals records."
         ),
     )
     add_args(p)

@@ -29,8 +29,9 @@ appended to ``--out`` (default ``out/kernel_report.jsonl`` under the working dir
 untracked in the repository; never the benchmarks' ``perf/results/results.jsonl``).
 ``--measured FILE`` joins the p50 of benchmark records whose ``extra.shape`` is a goal shape's
 label (what ``--goals`` sweeps record) into the table.
-Must run in compiled mode, ``TRITON_INTERPRET=0`` (it compiles; it never launches; on a CPU-only
-torch importing the kernels would otherwise choose the interpreter).
+Runs in compiled mode, ``TRITON_INTERPRET=0``, which it sets itself when the variable is unset (it
+compiles; it never launches; on a CPU-only torch importing the kernels would otherwise choose the
+interpreter); ``TRITON_INTERPRET=1`` is refused.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import os
 import sys
 from pathlib import Path
 
-from mqnc.base.env import interpreting
+from mqnc.base.runtime import use_compiled_kernels
 
 DEFAULT_OUT = Path("out") / "kernel_report.jsonl"
 D_QK, D_V, PAGE = 576, 512, 64
@@ -266,7 +267,7 @@ def main(argv=None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Compile, predict, record and print (the options of :func:`add_args`)."""
-    if interpreting():
+    if not use_compiled_kernels():
         sys.exit("set TRITON_INTERPRET=0: the report compiles for a GPU target (it never launches)")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     ops = set(args.ops.split(",")) if args.ops else None
