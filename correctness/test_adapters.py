@@ -100,7 +100,7 @@ def queries(rows, heads, dtype, gen, width=D_QK):
 
 
 @pytest.mark.parametrize("s_q, causal", [(1, False), (2, True), (3, True), (3, False)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_flashmla_layout_equals_the_plain_call(s_q, causal, dtype):
     """FlashMLA's rule: query token ``i`` of ``s_q`` attends the first ``len - s_q + i + 1``
     entries when causal (the new tokens are the cache's last ``s_q``), all ``len`` otherwise;
@@ -207,7 +207,7 @@ def test_csr_split_choice_without_a_host_sync():
 # ---- split ckv / kpe caches, q_nope / q_pe (FlashInfer) ------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_split_caches_equal_the_fused_cache(dtype):
     """Separate latent and rope tensors (copies here, so their strides differ from the fused
     pool's) read in place give the fused call's bits; dense and sparse, split cache with a

@@ -6,7 +6,7 @@ route row of every requester into one ``mla_decode_partial`` call per layer (and
 ``mla_sparse_partial`` call for selections, §6.3), then the requester merges the holders'
 partials. The batcher builds its page table on the host (and times the call with a device sync):
 that host work stays outside any graph. Its kernel calls are recorded here as it makes them
-(``mla_decode_partial`` / ``mla_sparse_partial`` wrapped in its module, nothing in it changed);
+(its pool's ``ops.mla_decode_partial`` / ``ops.mla_sparse_partial`` wrapped, nothing else changed);
 each is planned once (:func:`plan_mla_decode`, :func:`plan_mla_sparse`: every check and the
 split choice), and the step is the plans' runs on static input buffers plus the M-way merge
 with ``check_lse=False``.
@@ -23,11 +23,11 @@ with ``check_lse=False``.
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
 
-import mqnc.serving.batching as batching
 from mqnc.model.geometry import get_preset
 from mqnc.serving.batching import HostedChunk, RouteBatcher, RouteJob
 from mqnc.serving.pool import PagedPool
@@ -90,10 +90,15 @@ def recorded_holder_calls(monkeypatch, gen):
 
         return wrapped
 
-    monkeypatch.setattr(batching, "mla_decode_partial", recorder(mla_decode_partial))
-    monkeypatch.setattr(batching, "mla_sparse_partial", recorder(mla_sparse_partial))
+    # The batcher calls its pool's kernel ops (``mqnc.serving.compute.kernel_ops``); record them.
+    recording = types.SimpleNamespace(
+        mla_decode_partial=recorder(mla_decode_partial),
+        mla_sparse_partial=recorder(mla_sparse_partial),
+    )
     for tokens, sparse in ((260, False), (130, False), (260, True)):
         pool, chunk = _holder(gen, tokens, DEVICE)
+        assert pool.ops.mla_decode_partial is mla_decode_partial
+        monkeypatch.setattr(pool, "ops", recording)
         batcher = RouteBatcher(pool, GEOMETRY, SCALE, None, None, None, f"holder-{tokens}")
         if sparse:
             batcher._sparse(_jobs(gen, chunk, 2, 2, topk=64), 0)

@@ -17,7 +17,7 @@ from mqnc.reference import (
     rope_rotate_reference,
 )
 from mqnc.serving import ChunkInfo, Holder, RemoteError, Requester
-from mqnc.testing import TOLERANCES, assert_close
+from mqnc.testing import TOLERANCES, assert_close, default_device
 from mqnc.transport import INBOX, REPLY, LoopbackFabric, slot_bytes_for, wire
 
 GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4)
@@ -144,7 +144,7 @@ def test_route_bf16_matches_reference_over_the_sent_rows():
     try:
         req = s.requesters[0]
         q = _q(4, 2)
-        sent = rope_rotate(q, -777, ROPE)
+        sent = rope_rotate(q.to(default_device()), -777, ROPE).cpu()  # where the kernels run
         o_ref, lse_ref = partial_attention_reference(sent, kv[0], _all(2, 128), SCALE)
         part = req.route(7, q, 0, offset=777)
         assert part.o.dtype == torch.bfloat16 and part.lse.dtype == torch.float32

@@ -15,6 +15,8 @@ import dataclasses
 
 import torch
 
+from mqnc.base.runtime import kernel_device
+
 __all__ = [
     "Tolerance",
     "TOLERANCES",
@@ -336,7 +338,8 @@ def assert_close(
 
 
 def default_device() -> torch.device:
-    """Where the tests put tensors: the GPU when there is one (the compiled kernels), else the
-    CPU (the interpreter). Asks torch when called, never at import; test modules call it once
-    at module level (Hypothesis tests cannot take function-scoped fixtures)."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """Where the tests put tensors: the device that runs the kernels
+    (:func:`mqnc.base.kernel_device`: the GPU when the kernels are compiled and CUDA exists,
+    else the CPU, the interpreter's). Asks torch when called, never at import; test modules
+    call it once at module level (Hypothesis tests cannot take function-scoped fixtures)."""
+    return kernel_device()

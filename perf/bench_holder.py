@@ -3,7 +3,7 @@ staging pool for fetch replies (Fig. 5(b)).
 
 ``python -m perf.bench_holder [--n 1,8,32] [--heads 16,128] [--c-t 2048] [--streams 1,4,8,16]``
 plus the flags every benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
-:mod:`mqnc.measure.options`).
+:mod:`mqnc.measure.options`) and ``--tiny``.
 
 What is timed (§6.2, §6.3):
 
@@ -12,7 +12,11 @@ What is timed (§6.2, §6.3):
   rows to one holder, which answers them in ONE partial-attention call over its resident
   ``c_t``-token chunk (what :class:`mqnc.serving.Holder`'s dispatcher does: ``q [N, H, 576]``,
   one block-table row per requester, all pointing at the chunk). On a GPU the call is
-  :func:`mqnc.triton_kernels.mla_decode_partial` (bf16, CUDA events; ``backend="triton"``).
+  :func:`mqnc.triton_kernels.mla_decode_partial` (bf16, ``check_inputs=False`` as the holder
+  calls it, ``backend="triton"``), timed by ``mqnc.measure.time_kernel``: input sets rotated
+  past the L2, CUDA-graph replays between events, the host cost of a call beside it
+  (``extra.timing``). ``--tiny`` (``perf/gpu_check.sh --dry-run``) runs N 1, 2 at c_t 128 with
+  the kernel even without a GPU (interpreted).
   On the CPU the Triton kernel would run under the interpreter (timings of the interpreter
   say nothing about the kernel), and ``Holder``'s compute is not pluggable, so the CPU path
   times :func:`batched_partial_torch` directly (``backend="torch-reference"``): the same
@@ -127,7 +131,7 @@ def _staging(args, geometry, out) -> None:
 
         from mqnc.measure import time_fn
 
-        p = time_fn(run, warmup=args.warmup, reps=args.reps)
+        p = time_fn(run, warmup=args.warmup, reps=args.reps)  # CUDA events around each batch
         record(
             "holder",
             "staging",
@@ -142,6 +146,7 @@ def _staging(args, geometry, out) -> None:
                 "layers": g.layers,
                 "per_request_p50_us": p[1] / requests,
                 "what": "R chunk stagings (paged gather, D2D) round-robin over K streams",
+                "timing": {"method": "cuda-events", "samples": args.reps, "what": "one batch"},
             },
             path=out,
         )
@@ -150,12 +155,15 @@ def _staging(args, geometry, out) -> None:
         )
 
 
-# Over 60 lines: the options (30 lines), then the two sweeps of Fig. 4(b) and 5(b) in order.
+# Over 60 lines: the options (35 lines), then the two sweeps of Fig. 4(b) and 5(b) in order.
 def main(argv=None) -> int:
     from mqnc import measure as H
 
     ap = H.bench_parser(
-        __doc__, reps="50 on a GPU, 5 on a CPU, 3 with --quick", warmup="3 on a GPU, 1 on a CPU"
+        __doc__,
+        reps="50 on a GPU, 5 on a CPU, 3 with --quick, 2 with --tiny",
+        warmup="3 on a GPU, 1 on a CPU, 0 with --tiny",
+        tiny=True,
     )
     ap.add_argument("--n", type=H.int_list, default=None, help="requesters N (1,2,4,...,256)")
     ap.add_argument(
@@ -181,54 +189,76 @@ def main(argv=None) -> int:
         help="model preset or Hugging Face config.json (deepseek-v2-lite)",
     )
     args = H.parse_bench_args(ap, argv)
+    if args.tiny:  # the dry run: N 1, 2 at c_t 128, the kernel
+        args.n, args.heads, args.c_t = args.n or [1, 2], args.heads or [16], 128
     from mqnc.base.runtime import use_interpreter_without_cuda
 
     use_interpreter_without_cuda()
     import torch
     from tqdm import tqdm
 
-    from mqnc.measure import record, time_fn
+    from mqnc.measure import input_sets, l2_bytes, record, time_kernel
 
     g = args.model
     cuda = torch.cuda.is_available()
     ns = args.n or (N_QUICK if args.quick else N_FULL)
     heads = args.heads or ([16, 128] if cuda else [16])
-    args.reps = args.reps or (50 if cuda else (3 if args.quick else 5))
-    args.warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
+    args.reps = args.reps or (50 if cuda else (2 if args.tiny else (3 if args.quick else 5)))
+    if args.warmup is None:
+        args.warmup = 0 if args.tiny else (3 if cuda else 1)
     scale = softmax_scale_of(g)
-    if cuda:
+    kernel = cuda or args.tiny  # the Triton kernel: compiled on a GPU, interpreted otherwise
+    if kernel:
         from mqnc.triton_kernels.mla_decode import mla_decode_partial
 
         def call(q, pool, bt, lens):
-            return mla_decode_partial(q, pool, bt, lens, softmax_scale=scale, d_v=g.d_v)
+            return mla_decode_partial(
+                q, pool, bt, lens, softmax_scale=scale, d_v=g.d_v, check_inputs=False
+            )
 
-        backend, dev = "triton", "cuda"
+        backend = "triton" if cuda else "interpreter"
     else:
 
         def call(q, pool, bt, lens):
             return batched_partial_torch(q, pool, bt, lens, scale, g.d_v)
 
-        backend, dev = "torch-reference", "cpu"
+        backend = "torch-reference"
+    dev = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if kernel else torch.float32
+    l2 = l2_bytes(dev)
     for h in heads:
         for n in tqdm(ns, desc=f"bench_holder h_q={h}"):
-            q, pool, bt, lens = holder_inputs(n, h, args.c_t, g, device=dev)
-            p = time_fn(
-                lambda q=q, pool=pool, bt=bt, lens=lens: call(q, pool, bt, lens),
+            nbytes = args.c_t * g.kv_bytes_per_token_layer + n * h * g.qp_row_bytes
+            calls = []
+            for i in range(input_sets(nbytes, l2)):
+                x = holder_inputs(n, h, args.c_t, g, device=dev, dtype=dtype, seed=i)
+                calls.append(lambda x=x: call(*x))
+            t = time_kernel(
+                calls,
+                working_set_bytes=nbytes,
                 warmup=args.warmup,
                 reps=args.reps,
+                cuda=cuda,
+                checks="off" if kernel else "n/a",
             )
             record(
                 "holder",
                 f"h_q={h} c_t={args.c_t}",
                 n,
-                p,
+                t.percentiles,
                 x_name="requesters",
-                nbytes=args.c_t * g.kv_bytes_per_token_layer + n * h * g.qp_row_bytes,
+                nbytes=nbytes,
                 backend=backend,
-                extra={"heads": h, "c_t": args.c_t, "rows": n * h, "dtype": str(q.dtype)[6:]},
+                extra={
+                    "heads": h,
+                    "c_t": args.c_t,
+                    "rows": n * h,
+                    "dtype": str(dtype)[6:],
+                    "timing": t.how,
+                },
                 path=args.out,
             )
-            print(f"holder h_q={h} N={n}: p50 {p[1]:.0f} us [{backend}]")
+            print(f"holder h_q={h} N={n}: p50 {t.p50:.0f} us [{backend}]")
     _staging(args, g, args.out)
     return H.finish(args, TARGETS)
 

@@ -49,15 +49,24 @@ def launch_lock():
 
 
 def check_launchable(tensor: torch.Tensor, name: str) -> None:
-    """Refuse a tensor the kernels cannot launch on: compiled kernels need CUDA tensors; under the
-    interpreter any device works. Public launchers call it once per call (on their first tensor,
-    after the same-device check), at planning time: a plan's ``run`` never does."""
+    """Refuse a tensor the kernels cannot launch on: compiled kernels read only CUDA memory (a CPU
+    tensor's pointer "cannot be accessed from Triton", or "0 active drivers" on a machine
+    without one); under the interpreter any device works.
+
+    Public launchers call it once per call (on their first tensor, after the same-device check,
+    so one tensor stands for all), at planning time: a plan's ``run`` never does, and the
+    unchecked internal plans (``plan_decode``, ``plan_sparse``, ``splice_launch``, ...) take CPU
+    tensors, so that the sm_90 compile step can build launches without a GPU. The error names
+    the argument and says how to fix it, in one line.
+    """
     if tensor.device.type == "cuda" or interpreting():
         return
+    got = "a CPU tensor" if tensor.device.type == "cpu" else f"a tensor on {tensor.device}"
     raise ValueError(
-        f"{name}: expected a CUDA tensor (kernels run compiled: TRITON_INTERPRET is unset), got "
-        f"one on {tensor.device}; without a GPU set TRITON_INTERPRET=1 before triton is imported "
-        "(or call mqnc.base.use_interpreter_without_cuda() first)"
+        f"{name}: expected a CUDA tensor (the kernels run compiled: TRITON_INTERPRET is not 1), "
+        f"got {got}: move the inputs to the GPU (mqnc.base.kernel_device()), or run the kernels "
+        "interpreted (set TRITON_INTERPRET=1 before importing triton, or call "
+        "mqnc.base.use_interpreter_without_cuda() first)"
     )
 
 

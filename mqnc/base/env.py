@@ -17,6 +17,10 @@
 ``NVSHMEM_LIB_DIR=DIR``
     Where the NVSHMEM engine looks first for ``libnvshmem_device*.bc``
     (:func:`mqnc.transport.nvshmem.device_library_path`).
+``MQNC_COMMIT=SHA``
+    The commit every benchmark record carries (:func:`mqnc.measure.results.git_commit`), for a
+    copy of the repository without ``.git`` (the lent GPU machine: ``perf/gpu_check.sh`` sets it
+    from git or from the ``.mqnc-commit`` file that travels with the copy).
 
 Read elsewhere, not by the package: ``HYPOTHESIS_PROFILE`` (``correctness/conftest.py``:
 ``ci`` or ``thorough``), ``MQNC_FIG_DIR`` (the notebooks' figure folder), ``GLOO_SOCKET_IFNAME``
@@ -32,17 +36,20 @@ __all__ = [
     "MQNC_POISON_OUTPUTS",
     "MQNC_RESULTS",
     "NVSHMEM_LIB_DIR",
+    "MQNC_COMMIT",
     "flag",
     "interpreting",
     "poisoning",
     "results_file",
     "nvshmem_lib_dir",
+    "commit",
 ]
 
 TRITON_INTERPRET = "TRITON_INTERPRET"
 MQNC_POISON_OUTPUTS = "MQNC_POISON_OUTPUTS"
 MQNC_RESULTS = "MQNC_RESULTS"
 NVSHMEM_LIB_DIR = "NVSHMEM_LIB_DIR"
+MQNC_COMMIT = "MQNC_COMMIT"
 
 
 def flag(name: str) -> bool:
@@ -68,3 +75,8 @@ def results_file() -> str | None:
 def nvshmem_lib_dir() -> str | None:
     """``$NVSHMEM_LIB_DIR``, or None when unset or empty."""
     return os.environ.get(NVSHMEM_LIB_DIR) or None
+
+
+def commit() -> str | None:
+    """``$MQNC_COMMIT``, or None when unset or empty."""
+    return os.environ.get(MQNC_COMMIT) or None

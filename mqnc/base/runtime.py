@@ -1,8 +1,8 @@
 """Choose between compiled and interpreted kernels, once, before Triton is imported.
 
 Called by the CLI commands that run kernels, the benchmarks and the test suite; never at import
-time of ``mqnc`` (importing the package must not probe the GPU). The two functions that ask
-torch about CUDA import it inside their bodies, so that this module (and the torch-free layers
+time of ``mqnc`` (importing the package must not probe the GPU). The functions that ask torch
+about CUDA import it inside their bodies, so that this module (and the torch-free layers
 that import it) load neither torch nor triton.
 """
 
@@ -17,7 +17,10 @@ from mqnc.base.env import TRITON_INTERPRET, interpreting
 __all__ = [
     "use_interpreter_without_cuda",
     "use_interpreter_on_cpu_only_torch",
+    "use_compiled_kernels",
     "kernel_mode",
+    "kernel_device",
+    "synchronize",
     "device_name",
 ]
 
@@ -57,9 +60,44 @@ def use_interpreter_on_cpu_only_torch() -> bool:
     return interpreting()
 
 
+def use_compiled_kernels() -> bool:
+    """Set ``TRITON_INTERPRET=0`` unless it is set already or Triton was imported first; returns
+    whether the kernels are compiled (False: the user asked for the interpreter).
+
+    For the tools that compile kernels for a GPU target and never launch them on this machine
+    (``mqnc kernel-report``, ``perf/warmup.py``): compiled mode is the only one they can use,
+    and on a CPU-only torch importing ``mqnc.triton_kernels`` would otherwise choose the
+    interpreter (:func:`use_interpreter_on_cpu_only_torch`).
+    """
+    if TRITON_INTERPRET not in os.environ and "triton" not in sys.modules:
+        os.environ[TRITON_INTERPRET] = "0"
+    return not interpreting()
+
+
 def kernel_mode() -> str:
     """``"interpreted"`` (TRITON_INTERPRET=1) or ``"compiled"``."""
     return "interpreted" if interpreting() else "compiled"
+
+
+def kernel_device():
+    """Where pools, queries and kernel outputs live by default: ``cuda`` when the kernels run
+    compiled and a CUDA device exists, else ``cpu`` (the interpreter's). A ``torch.device``;
+    an explicit ``device=`` always wins over it (Holder, Requester, the tests' tensors)."""
+    import torch  # here, not at the top: see the module docstring
+
+    if not interpreting() and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def synchronize(device) -> None:
+    """Wait until ``device``'s queued work is done (a CUDA device); a no-op on the CPU, whose
+    work is done when the call returns. For timing a GPU call on the host clock."""
+    import torch  # here, not at the top: see the module docstring
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def device_name() -> str:

@@ -35,6 +35,7 @@ SUBCOMMANDS = [
     "mqnc.cli.calibrate",
     "mqnc.cli.corpus",
     "mqnc.cli.serve",
+    "mqnc.cli.kernel_report",
 ]
 
 _VERBOSE_HELP = "show the traceback of an error and log what the command does (-vv: debug)"

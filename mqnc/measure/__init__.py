@@ -2,8 +2,9 @@
 
 - :mod:`mqnc.measure.echo`: a requester and echo holders on a transport (threads over
   loopback, subprocesses over gloo): the transport term of a primitive, without its compute.
-- :mod:`mqnc.measure.timing`: p20/p50/p80 of repeated calls (CUDA events or the host clock),
-  round-robin over several points.
+- :mod:`mqnc.measure.timing`: p20/p50/p80 of repeated calls: kernels by CUDA-graph replay
+  over inputs rotated past the L2 (``time_kernel``, each result saying how it was timed),
+  host-side work on the host clock (``time_fn``), round-robin over several points.
 - :mod:`mqnc.measure.results`: the long-format results file (record, read, where it is, the
   git commit of each record).
 - :mod:`mqnc.measure.sweep`: the probe + route sweep of Table 1.
@@ -12,6 +13,8 @@
 - :mod:`mqnc.measure.options`: the command-line options every benchmark takes (one parser),
   and the option types the ``mqnc`` command shares with them.
 - :mod:`mqnc.measure.targets`: speed targets as data, checked against a run's records.
+- :mod:`mqnc.measure.kernel_report`: the kernels' static sm_90 report at the goal shapes
+  (predictions; ``mqnc kernel-report``, ``python -m perf.kernel_report``).
 
 The torch-free modules (results, options, targets) are imported with the package; the others, and
 the names they define, on first use, so that the figures can read records without torch.
@@ -51,7 +54,18 @@ _LAZY = {
         ),
         ".echo",
     ),
-    **dict.fromkeys(("time_fn", "time_interleaved", "one_intra_op_thread"), ".timing"),
+    **dict.fromkeys(
+        (
+            "time_fn",
+            "time_interleaved",
+            "time_kernel",
+            "Timed",
+            "input_sets",
+            "l2_bytes",
+            "one_intra_op_thread",
+        ),
+        ".timing",
+    ),
     "route_sweep": ".sweep",
 }
 __getattr__ = lazy_exports(__name__, _LAZY)

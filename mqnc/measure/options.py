@@ -146,6 +146,7 @@ def bench_parser(
     reps: int | str,
     warmup: int | str = 3,
     transports: bool = False,
+    tiny: bool = False,
 ) -> argparse.ArgumentParser:
     """The parser every benchmark starts from.
 
@@ -154,8 +155,11 @@ def bench_parser(
     ``"50 on a GPU, 5 on a CPU"`` for a default the benchmark picks itself, when the parsed
     value is None), ``--out FILE`` or ``--record`` (where records go, see the module
     docstring), ``--check`` (exit status 1 when a record misses its target). With
-    ``transports``: ``--transport a,b`` and ``--model``. The description is the first
-    paragraph of ``doc`` (the benchmark's docstring) without its reST markup.
+    ``transports``: ``--transport a,b`` and ``--model``. With ``tiny`` (the kernel benchmarks
+    that ``perf/gpu_check.sh --dry-run`` runs): ``--tiny``, the dry run's sizes, run by the
+    Triton kernels themselves (interpreted without a GPU); each benchmark's docstring says
+    what it cuts. The description is the first paragraph of ``doc`` (the benchmark's
+    docstring) without its reST markup.
     """
     ap = argparse.ArgumentParser(
         description=_plain((doc or "").strip().split("\n\n")[0]),
@@ -200,6 +204,13 @@ def bench_parser(
             default="deepseek-v2-lite",
             metavar="NAME|CONFIG",
             help="model preset or Hugging Face config.json giving the row sizes (deepseek-v2-lite)",
+        )
+    if tiny:
+        ap.add_argument(
+            "--tiny",
+            action="store_true",
+            help="the dry run's sizes (perf/gpu_check.sh --dry-run), run by the Triton kernels "
+            "(interpreted without a GPU)",
         )
     return ap
 

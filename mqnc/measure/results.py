@@ -34,7 +34,7 @@ import subprocess
 from pathlib import Path
 
 from mqnc import __version__
-from mqnc.base.env import results_file
+from mqnc.base.env import commit, results_file
 from mqnc.base.runtime import device_name
 from mqnc.cost.fitting import read_jsonl
 
@@ -107,7 +107,12 @@ def read_results(path: str | os.PathLike | None = None) -> list[dict]:
 
 
 def git_commit() -> str:
-    """The short commit of the checkout holding this package (``"unknown"`` outside one)."""
+    """The commit a record carries: ``$MQNC_COMMIT`` when set (a copy without ``.git``, e.g.
+    the lent GPU machine's: ``perf/gpu_check.sh`` sets it), else the short commit of the checkout
+    holding this package, else ``"unknown"``."""
+    given = commit()
+    if given:
+        return given
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"],

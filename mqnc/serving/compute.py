@@ -45,7 +45,11 @@ def check_kernels(kernels: object) -> str:
 
 
 class ReferenceOps:
-    """The kernels' five entry points computed by the fp64 references, rounded once."""
+    """The kernels' five entry points computed by the fp64 references, rounded once.
+
+    The kernels' ``check_inputs`` / ``check_indices`` / ``check_lse`` switches (skip host-side
+    checks that sync the device) are accepted for the same call signature; the references
+    have no such checks to skip."""
 
     @staticmethod
     def mla_decode_partial(
@@ -56,6 +60,7 @@ class ReferenceOps:
         *,
         softmax_scale: float,
         d_v: int = 512,
+        check_inputs: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense paged partial attention: ``q [B, H, d_qk]`` over ``kv_pool [nb, bs, d_qk]``
         (``block_table [B, max_blocks]`` int32, ``cache_seqlens [B]`` int32); returns
@@ -71,6 +76,7 @@ class ReferenceOps:
         *,
         softmax_scale: float,
         d_v: int = 512,
+        check_indices: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sparse top-k partial attention over the flattened pool entries ``indices [B, topk]``
         (``-1`` unused); returns ``o [B, H, d_v]`` in q's dtype, ``lse [B, H]`` float32."""
@@ -78,7 +84,9 @@ class ReferenceOps:
         return o.to(q.dtype), lse.to(torch.float32)
 
     @staticmethod
-    def merge_partials(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def merge_partials(
+        o: torch.Tensor, lse: torch.Tensor, *, check_lse: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """M-way merge of ``o [M, B, H, Dv]``, ``lse [M, B, H]`` (natural log, ``+-inf``
         empty) into ``o [B, H, Dv]`` in o's dtype and ``lse [B, H]`` float32."""
         om, lm = merge_reference(o, lse)

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from mqnc.base.runtime import kernel_device, synchronize
 from mqnc.model.geometry import MLAGeometry
 from mqnc.serving import policy
 from mqnc.serving.client import Pending, RemoteError, RequestClient, us_since
@@ -75,7 +76,9 @@ class Requester:
     block_size : int
     dtype : torch.dtype
         Query and cache dtype (bf16).
-    device : torch.device or str
+    device : torch.device or str or None
+        Where queries, partials and the pool live; None: :func:`mqnc.base.kernel_device` (the
+        GPU when the kernels are compiled and CUDA exists, else the CPU).
     model : callable or None
         ``model(chunk_id, offset) -> kv [L, c_t, d_qk]``: re-prefills a chunk at ``offset``
         (what :meth:`local` runs).
@@ -97,7 +100,7 @@ class Requester:
         pool_blocks: int = 0,
         block_size: int = 64,
         dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         model: Callable[[int, int], torch.Tensor] | None = None,
         suspect_s: float = 30.0,
         kernels: str = "triton",
@@ -114,7 +117,7 @@ class Requester:
         self.rope = rope
         self.client = RequestClient(transport, geometry, float(timeout_s))
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = kernel_device() if device is None else torch.device(device)
         self.model = model
         self.kernels = check_kernels(kernels)
         self.ops = kernel_ops(kernels)
@@ -129,7 +132,7 @@ class Requester:
                 block_size,
                 geometry.d_qk,
                 dtype=dtype,
-                device=device,
+                device=self.device,
                 kernels=kernels,
             )
             if pool_blocks
@@ -214,7 +217,7 @@ class Requester:
     # ---- route -------------------------------------------------------------------------------
     def _start_route(self, chunk_id, q, layer, offset, indices, peer) -> Pending:
         info = self.lookup(chunk_id)
-        q = check_query(q, self.geometry, self.dtype)
+        q = check_query(q, self.geometry, self.dtype).to(self.device)  # rotated on this device
         peer = info.holders[0] if peer is None else self.transport.check_peer(peer)
         m_q, make = route_request(
             info, q, layer, offset, indices, geometry=self.geometry, rope=self.rope, ops=self.ops
@@ -318,11 +321,18 @@ class Requester:
     def merge(
         parts: Sequence[Partial], *, kernels: str = "triton"
     ) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """M-way merge of partials over disjoint key sets: ``(o, lse, microseconds)``."""
+        """M-way merge of partials over disjoint key sets: ``(o, lse, microseconds)``.
+
+        The microseconds are the merge's call until its result is ready (on a GPU the device
+        is synchronised before and after it); the NaN check of the partials' ``lse`` (a host
+        sync) runs before, untimed."""
+        o, lse = torch.stack([p.o for p in parts]), torch.stack([p.lse for p in parts])
+        if torch.isnan(lse).any():
+            raise ValueError("parts: expected no NaN log-sum-exp values in the partials")
+        synchronize(o.device)
         t0 = time.perf_counter()
-        o, lse = kernel_ops(kernels).merge_partials(
-            torch.stack([p.o for p in parts]), torch.stack([p.lse for p in parts])
-        )
+        o, lse = kernel_ops(kernels).merge_partials(o, lse, check_lse=False)
+        synchronize(o.device)
         return o, lse, us_since(t0)
 
     # ---- fetch and local: chunks in this requester's pool ------------------------------------
