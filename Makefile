@@ -9,7 +9,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.mqnc-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo lint format env clean
+.PHONY: venv test demo lint format env clean compat
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -18,11 +18,12 @@ $(VPY):
 $(STAMP): $(VPY) pyproject.toml
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "CUDA device found: installing the package with its default torch"; \
+		$(VPY) -m pip install --quiet -e '.[test,hf,notebooks,dev]'; \
 	else \
 		echo "No CUDA device: installing torch==2.13.0 (CPU build) first"; \
 		$(VPY) -m pip install --quiet torch==2.13.0; \
+		$(VPY) -m pip install --quiet -e '.[test,hf,notebooks,dev,sm90]'; \
 	fi
-	$(VPY) -m pip install --quiet -e '.[test,hf,notebooks,dev]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -44,5 +45,20 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# The launch-exact sm_90 compile tests (every production variant; the NVSHMEM device kernels at
+# PE 1 / sequence 1) under the GPU machine's triton (3.6.0), in a side venv (torch 2.13.0 CPU,
+# triton from PyPI, NVSHMEM's bitcode, this package editable, no other extras): registers and
+# spills differ between triton versions, and the GPU runs 3.6.0.
+COMPAT        ?= .venv-compat
+COMPAT_TRITON ?= 3.6.0
+
+compat:
+	@test -x $(COMPAT)/bin/python || $(PY) -m venv $(COMPAT)
+	$(COMPAT)/bin/python -m pip install --quiet torch==2.13.0 triton==$(COMPAT_TRITON) \
+		numpy einops tqdm pytest hypothesis nvidia-nvshmem-cu13==3.4.5
+	$(COMPAT)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(COMPAT)/bin/python -m pytest correctness/test_compile_sm90.py \
+		correctness/test_nvshmem_kernels.py -q -rs -s $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(COMPAT) .pytest_cache .hypothesis

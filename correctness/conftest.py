@@ -7,7 +7,10 @@
 - Hypothesis profiles: ``ci`` (bounded, derandomized, no deadline; the default, what
   ``make test`` uses) and ``thorough`` (``HYPOTHESIS_PROFILE=thorough``, for long runs).
 - Tensors go to :func:`mqnc.testing.default_device` (a module-level ``DEVICE`` in the kernel
-  tests): the GPU when there is one, else the CPU; the same tests run on both.
+  tests): the GPU when the kernels are compiled, else the CPU; the same tests run on both.
+- The GPU tier, :data:`GPU_TIER`: the tests a lent GPU's one short run executes
+  (``pytest -m gpu``, from ``perf/gpu_check.sh``), marked ``gpu`` here (the marker is
+  registered in ``pyproject.toml``), in this order.
 """
 
 from __future__ import annotations
@@ -39,3 +42,61 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# The GPU tier: fixed shapes only (a Hypothesis draw is a new compile on a GPU, 1-25 s each),
+# kernels first, on the variants perf/warmup.py compiles before the tier runs; then the bf16
+# ecosystem layouts (FlashMLA's s_q = 2 causal MTP rows, split ckv / kpe caches, SGLang's page
+# 1; a few small variants, ~1 s each), the launchers' refusal of CPU tensors, the holder and
+# requester with pools and queries on the device (their 4-head test geometry compiles a few small
+# variants, ~1 s each), and last the routed holder step in a CUDA graph and under
+# torch.compile(mode="reduce-overhead") (Inductor's compile, ~10-20 s: last, so a cap cuts it
+# alone). The NVSHMEM kernels are compiled and run by the GPU check's nvshmem step, not here.
+# Node ids relative to correctness/; an entry ending in "::" takes the whole file, one with
+# "[...]" that parametrisation, one without it every parametrisation.
+# correctness/test_gpu_check.py checks that each entry names collected tests.
+GPU_TIER = (
+    "test_goal_shapes.py::",
+    "test_mla_decode.py::test_decode_production_geometry_default_splits",
+    "test_adapters.py::test_flashmla_layout_equals_the_plain_call[bf16-2-True]",
+    "test_adapters.py::test_split_caches_equal_the_fused_cache[bf16]",
+    "test_adapters.py::test_padded_tables_take_any_power_of_two_page[1]",
+    "test_device_placement.py::test_launchers_reject_a_cpu_tensor_when_compiled",
+    "test_holder_requester.py::test_route_bf16_matches_reference_over_the_sent_rows",
+    "test_holder_requester.py::test_dispatcher_batches_waiting_requesters_into_one_call",
+    "test_holder_requester.py::test_probe_and_cost_terms",
+    "test_cuda_graph.py::",
+)
+
+
+def in_gpu_tier(nodeid: str) -> bool:
+    """Whether a test (``correctness/<file>::<name>[<params>]``) is in :data:`GPU_TIER`."""
+    rel = nodeid.split("correctness/", 1)[-1]
+    return any(
+        rel.startswith(entry)
+        if entry.endswith("::")
+        else rel == entry
+        if "[" in entry
+        else rel.split("[", 1)[0] == entry
+        for entry in GPU_TIER
+    )
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under ``-m gpu`` only the tier's files are imported (no transformers, no notebooks)."""
+    if config.getoption("-m") == "gpu" and collection_path.name.startswith("test_"):
+        return collection_path.name not in {entry.split("::")[0] for entry in GPU_TIER}
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    def rank(item):
+        rel = item.nodeid.split("correctness/", 1)[-1]
+        return min((i for i, e in enumerate(GPU_TIER) if rel.startswith(e)), default=len(GPU_TIER))
+
+    for item in items:
+        if in_gpu_tier(item.nodeid):
+            item.add_marker(pytest.mark.gpu)
+    if config.getoption("-m") == "gpu":  # the tier runs in its listed order: kernels first
+        items.sort(key=rank)

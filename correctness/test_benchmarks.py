@@ -1,12 +1,17 @@
-"""Smoke tests of the transport benchmarks (issue 8): each runs with tiny ``--quick`` settings into
-a temporary results file, and its records carry the fields, sizes and conventions that
-``mqnc fit`` and ``mqnc.plots`` read. Timings themselves are not asserted (they are what the
-benchmarks measure); their order (p20 <= p50 <= p80) and positivity are. The CPU holder path
-of ``bench_holder`` is checked against the fp64 reference.
+"""Smoke tests of the benchmarks (``perf/bench_*.py``): structure, never speed.
+
+Each benchmark runs with tiny settings into a temporary results file; what is checked is what
+readers rely on: the records' fields and conventions (``mqnc fit``, ``mqnc.plots``), where
+records go (an untracked file by default, the repository's only with ``--record``), the flag
+set every benchmark shares, and exit statuses (``--check``: 1 on a missed target). Timings are
+never asserted beyond their order (p20 <= p50 <= p80) and sign, and nothing here fits noisy
+timed numbers: on a loaded 2-core machine a fit of three repetitions can come out with any
+slope. The CPU holder path of ``bench_holder`` is checked against the fp64 reference.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -16,10 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from mqnc.measure import Target, check_targets
 from mqnc.model import get_preset
 
 GEOM = get_preset("deepseek-v2-lite")
 ROOT = Path(__file__).resolve().parent.parent
+BENCHES = sorted(p.stem for p in (ROOT / "perf").glob("bench_*.py"))
+SHARED_FLAGS = ("--quick", "--reps", "--warmup", "--out", "--record", "--check")
 FIELDS = {
     "bench",
     "variant",
@@ -55,7 +63,25 @@ def _check_common(recs: list[dict], transport: str | None) -> None:
             assert r["transport"] == transport
 
 
-def test_bench_route_loopback(tmp_path):
+@pytest.mark.parametrize("bench", BENCHES)
+def test_every_benchmark_takes_the_shared_flags(bench, capsys):
+    """One flag set for all benchmarks (``mqnc.measure.options.bench_parser``)."""
+    mod = importlib.import_module(f"perf.{bench}")
+    assert '\nif __name__ == "__main__":\n' in Path(mod.__file__).read_text(), "not runnable"
+    with pytest.raises(SystemExit) as exc:
+        mod.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in SHARED_FLAGS:
+        assert flag in text, f"{bench}: no {flag}"
+    assert "``" not in text and ":mod:" not in text and ":func:" not in text
+    with pytest.raises(SystemExit) as exc:  # --out and --record exclude each other
+        mod.main(["--out", "x.jsonl", "--record"])
+    assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+def test_bench_route_loopback(tmp_path, capsys):
+    from mqnc.cost import fit_groups
     from perf import bench_route
 
     out = tmp_path / "r.jsonl"
@@ -64,6 +90,7 @@ def test_bench_route_loopback(tmp_path):
          "1", "--out", str(out)]
     )  # fmt: skip
     assert rc == 0
+    assert f"7 records appended to {out}" in capsys.readouterr().out
     recs = _records(out)
     _check_common(recs, "loopback")
     probes = [r for r in recs if r["bench"] == "probe"]
@@ -79,16 +106,22 @@ def test_bench_route_loopback(tmp_path):
         assert r["extra"]["q_row_bytes"] + r["extra"]["p_row_bytes"] == qp
     real = [r for r in routes if r["extra"]["payload"] == "real"]
     assert {r["extra"]["q_row_bytes"] for r in real} == {GEOM.q_row_bytes}
-    # `mqnc fit` reads them: one fit per payload, each with the measured probe.
-    from mqnc.cost import fit_results
-
-    fits = fit_results(out, qp_row_bytes=GEOM.qp_row_bytes, fit_min_rows=1)
-    assert set(fits) == {"loopback@900B", "loopback@2184B"}
-    assert all(f.probe_measured and f.t_probe_us == probes[0]["p50"] for f in fits.values())
+    # `mqnc fit` groups them: one sweep per payload (same device and commit), each paired with
+    # this run's probe. Whether a fit of 3 noisy repetitions exists is not this test's concern.
+    groups = fit_groups(out, qp_row_bytes=GEOM.qp_row_bytes, fit_min_rows=1)
+    assert {(g.label, g.qp_row_bytes) for g in groups} == {
+        ("loopback@900B", 900),
+        ("loopback@2184B", 2184),
+    }
+    assert {(g.device, g.commit) for g in groups} == {(probes[0]["device"], probes[0]["commit"])}
+    for g in groups:
+        assert g.fit is not None or "does not grow" in g.error
+        assert g.fit is None or (g.fit.probe_measured and g.fit.t_probe_us == probes[0]["p50"])
 
 
 def test_bench_route_gloo_subprocess(tmp_path):
-    """Two processes over gloo on 127.0.0.1, as a researcher runs it."""
+    """Two processes over gloo on 127.0.0.1, as a researcher runs it; ``$MQNC_RESULTS`` is
+    where records go when no flag says otherwise."""
     out = tmp_path / "g.jsonl"
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", MQNC_RESULTS=str(out))
     proc = subprocess.run(
@@ -103,12 +136,46 @@ def test_bench_route_gloo_subprocess(tmp_path):
     assert [r["bench"] for r in recs].count("probe") == 1
 
 
+def test_bench_host_loopback(tmp_path, capsys):
+    """The host path against its floors (issue 14), loopback only: every case recorded in us,
+    every ratio recorded with its unit, and ``--check`` judging the ratios against the goals
+    (which way it goes is the machine's business, not this test's)."""
+    from perf import bench_host
+
+    out = tmp_path / "h.jsonl"
+    rc = bench_host.main(
+        ["--quick", "--transport", "loopback", "--reps", "3", "--warmup", "1", "--out", str(out)]
+    )
+    assert rc == 0
+    assert f"records appended to {out}" in capsys.readouterr().out
+    recs = _records(out)
+    cases = [r for r in recs if r["bench"] == "host"]
+    _check_common(cases, None)
+    assert {r["variant"] for r in cases} == {
+        "cond",
+        "cond_payload",
+        *(f"loopback.{k}" for k in ("echo_probe", "echo_route1", "echo_route256", "probe")),
+        *(f"loopback.{k}" for k in ("route1", "route256", "holder4")),
+    }
+    ratios = {r["variant"]: r for r in recs if r["bench"] == "host_ratio"}
+    assert len(ratios) == 7 and all(r["transport"] is None for r in ratios.values())
+    assert all(r["p20"] == r["p50"] == r["p80"] for r in ratios.values())
+    assert ratios["loopback: Requester.probe / cond"]["unit"] == "ratio"
+    assert ratios["loopback: holder, 4 requesters: routes/s"]["unit"] == "routes/s"
+    assert ratios["loopback: host overhead fit: fixed (us)"]["unit"] == "us"
+    rc = bench_host.main(["--quick", "--transport", "loopback", "--reps", "2", "--warmup", "0",
+                          "--out", str(tmp_path / "c.jsonl"), "--check"])  # fmt: skip
+    text = capsys.readouterr().out
+    assert rc in (0, 1) and ("TARGETS MISSED" in text) == (rc == 1)
+    assert text.count("target issue 14: gloo") == 3 and "not measured" in text
+
+
 def test_bench_fetch_loopback(tmp_path):
     from perf import bench_fetch
 
     out = tmp_path / "f.jsonl"
     rc = bench_fetch.main(
-        ["--quick", "--ct", "16,64", "--max-holders", "3", "--topk", "64", "--m-q", "32",
+        ["--quick", "--c-t", "16,64", "--max-holders", "3", "--topk", "64", "--m-q", "32",
          "--pool-rows", "256", "--reps", "3", "--warmup", "1", "--out", str(out)]
     )  # fmt: skip
     assert rc == 0
@@ -147,8 +214,8 @@ def test_bench_holder_cpu(tmp_path, capsys):
 
     out = tmp_path / "h.jsonl"
     rc = bench_holder.main(
-        ["--n", "1,4", "--heads", "16", "--ct", "128", "--streams", "1,4", "--requests", "4",
-         "--staging-ct", "64", "--reps", "2", "--warmup", "1", "--out", str(out)]
+        ["--n", "1,4", "--heads", "16", "--c-t", "128", "--streams", "1,4", "--requests", "4",
+         "--staging-c-t", "64", "--reps", "2", "--warmup", "1", "--out", str(out)]
     )  # fmt: skip
     assert rc == 0
     recs = _records(out)
@@ -164,6 +231,103 @@ def test_bench_holder_cpu(tmp_path, capsys):
         assert all(r["backend"] == "torch-reference" for r in batched)
         # No CUDA: the K-stream staging pool is not measured, and the run says why.
         assert not staging and "staging pool not measured" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "bench, argv, expect",
+    [
+        ("bench_merge", ["--quick", "--reps", "2"], {("merge", "M=2"), ("merge", "M=8")}),
+        ("bench_copy", ["--gib", "0.001", "--reps", "2"], {("copy", "host")}),
+        ("bench_predicate", ["--grid", "20", "--reps", "3"],
+         {("predicate", "scalar"), ("predicate", "grid")}),
+        ("bench_mla", ["--quick", "--only", "sparse", "--reps", "2"],
+         {("mla_sparse", "H=16,corpus=8192")}),
+        ("bench_splice", ["--quick", "--c-t", "55", "--layers", "2", "--reps", "1"],
+         {("splice", v) for v in ("one-launch", "per-layer", "torch", "torch-per-layer")}),
+    ],
+)  # fmt: skip
+def test_kernel_and_predicate_benches_write_records(tmp_path, bench, argv, expect):
+    if torch.cuda.is_available() and bench in ("bench_copy", "bench_merge", "bench_mla"):
+        pytest.skip("the GPU tier runs these at full size (perf/gpu_check.sh)")
+    out = tmp_path / "k.jsonl"
+    assert importlib.import_module(f"perf.{bench}").main([*argv, "--out", str(out)]) == 0
+    recs = _records(out)
+    _check_common(recs, None)
+    assert {(r["bench"], r["variant"]) for r in recs} == expect
+
+
+def test_default_output_is_untracked_and_record_writes_the_repository(tmp_path, monkeypatch):
+    """Without a flag, records go to ``perf/results/local.jsonl`` beside the repository's
+    results (git-ignored); ``--record`` appends to the tracked ``perf/results/results.jsonl``."""
+    from perf import bench_predicate
+
+    repo = tmp_path / "checkout"
+    tracked = repo / "perf" / "results" / "results.jsonl"
+    tracked.parent.mkdir(parents=True)
+    tracked.write_text('{"bench": "old"}\n')
+    monkeypatch.chdir(repo / "perf")  # found from a subfolder too
+    monkeypatch.delenv("MQNC_RESULTS", raising=False)
+    assert bench_predicate.main(["--grid", "10", "--reps", "2"]) == 0
+    local = repo / "perf" / "results" / "local.jsonl"
+    assert tracked.read_text() == '{"bench": "old"}\n'
+    assert [r["bench"] for r in _records(local)] == ["predicate", "predicate"]
+    assert bench_predicate.main(["--grid", "10", "--reps", "2", "--record"]) == 0
+    assert [r["bench"] for r in _records(tracked)] == ["old", "predicate", "predicate"]
+    assert len(_records(local)) == 2
+    # Outside a checkout --record is an error that says what to do.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        bench_predicate.main(["--record"])
+    assert exc.value.code == 2
+
+
+def test_the_repository_ignores_local_results():
+    git = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=ROOT, capture_output=True)
+    if git.returncode != 0:
+        pytest.skip("not a git checkout")
+    for path, ignored in (
+        ("perf/results/local.jsonl", True),
+        ("perf/results/results.jsonl", False),
+    ):
+        r = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
+        assert (r.returncode == 0) == ignored, path
+
+
+def test_check_makes_a_missed_target_the_exit_status(tmp_path, monkeypatch, capsys):
+    """``--check``: exit 1 when a record misses its target, 0 otherwise; without it a miss is
+    printed and the status stays 0. Limits of 0 us (missed by any timing) and 1e12 us (met
+    by any) make the outcome independent of the machine's speed."""
+    from perf import bench_predicate
+
+    out = str(tmp_path / "p.jsonl")
+    argv = ["--grid", "10", "--reps", "2", "--out", out]
+    never = [Target("predicate", 0.0, "impossible", variant="scalar")]
+    always = [Target("predicate", 1e12, "trivial", variant="*")]
+    monkeypatch.setattr(bench_predicate, "TARGETS", never)
+    assert bench_predicate.main([*argv, "--check"]) == 1
+    assert "TARGETS MISSED" in capsys.readouterr().out
+    assert bench_predicate.main(argv) == 0
+    assert "--check makes it 1" in capsys.readouterr().out
+    monkeypatch.setattr(bench_predicate, "TARGETS", always)
+    assert bench_predicate.main([*argv, "--check"]) == 0
+    text = capsys.readouterr().out
+    assert "targets met" in text and text.count(": predicate ") == 2
+
+
+def test_targets_select_records():
+    recs = [
+        dict(bench="mla_fanin", variant="H=16,ct=2048", x=8, p50=10.0, backend="triton"),
+        dict(bench="mla_fanin", variant="H=16,ct=2048", x=64, p50=99.0, backend="triton"),
+        dict(bench="mla_fanin", variant="H=128,ct=2048", x=8, p50=99.0, backend="triton"),
+        dict(bench="mla_fanin", variant="H=16,ct=2048", x=8, p50=99.0, backend="torch"),
+    ]
+    t = Target("mla_fanin", 15.0, "fan-in", variant="H=16,*", x_max=16, backend="triton")
+    v = check_targets(recs, [t])
+    assert (v.checked, v.missed) == (1, 0)
+    v = check_targets(recs[3:], [t])  # a CPU run: not measured, neither met nor missed
+    assert (v.checked, v.missed) == (0, 0) and "not measured" in v.lines[0]
+    v = check_targets(recs, [Target("splice", 1.0, "other bench")])
+    assert v.lines == []
 
 
 def test_holder_cpu_path_matches_fp64_reference():
@@ -182,6 +346,16 @@ def test_holder_cpu_path_matches_fp64_reference():
         batched_partial_torch(q, pool, bt, lens + torch.tensor([0, 1, 0], dtype=torch.int32), 1.0)
 
 
+def _deterministic(recs: list[dict]) -> list[dict]:
+    """The records with their timings replaced by an exact affine law of the bytes moved: the
+    figures then draw the benchmarks' real record format without fitting noise."""
+    out = []
+    for r in recs:
+        t = 100.0 + (r["bytes"] or 0) / 2e3 + 10.0 * (r["x"] if r["bench"] == "congestion" else 0)
+        out.append(dict(r, p20=0.9 * t, p50=t, p80=1.1 * t))
+    return out
+
+
 def test_figures_read_the_records(tmp_path):
     """The records draw Fig. 2(b), 4(a), 4(b) and 7 through mqnc.plots (the notebook's path)."""
     pytest.importorskip("matplotlib")
@@ -195,15 +369,12 @@ def test_figures_read_the_records(tmp_path):
 
     out = str(tmp_path / "all.jsonl")
     common = ["--reps", "2", "--warmup", "1", "--out", out]
-    # A wide M_q span and more repetitions: the fit needs a slope whose sign survives the
-    # noise of a loaded 2-core CI box.
-    route = ["--m-q", "1,2048,4096", "--payloads", "2184", "--reps", "7", "--out", out]
-    bench_route.main(route)
-    bench_fetch.main(["--ct", "16", "--max-holders", "2", "--topk", "32", "--m-q", "16",
+    bench_route.main(["--m-q", "1,2048,4096", "--payloads", "2184", *common])
+    bench_fetch.main(["--c-t", "16", "--max-holders", "2", "--topk", "32", "--m-q", "16",
                       "--pool-rows", "64", *common])  # fmt: skip
-    bench_holder.main(["--n", "1,2,4", "--heads", "16", "--ct", "64", *common])
-    bench_congestion.main(["--k", "0,1", "--m-q", "1,4096", "--background-m-q", "16", *route[4:]])
-    recs = plots.read_results(out)
+    bench_holder.main(["--n", "1,2,4", "--heads", "16", "--c-t", "64", *common])
+    bench_congestion.main(["--k", "0,1", "--m-q", "1,4096", "--background-m-q", "16", *common])
+    recs = _deterministic(plots.read_results(out))
     fig, axes = plt.subplots(1, 4)
     try:
         fits = plots.route_round_trip(axes[0], recs, GEOM, fit_min_rows=1)
@@ -220,9 +391,32 @@ def test_figures_read_the_records(tmp_path):
 def test_bad_transport_and_nvshmem_skip(tmp_path, capsys):
     from perf import bench_route
 
-    with pytest.raises(ValueError, match="--transport"):
+    with pytest.raises(SystemExit) as exc:
         bench_route.main(["--transport", "ethernet", "--out", str(tmp_path / "x.jsonl")])
+    assert exc.value.code == 2 and "argument --transport" in capsys.readouterr().err
     if not torch.cuda.is_available():
         out = tmp_path / "n.jsonl"
         assert bench_route.main(["--transport", "nvshmem", "--quick", "--out", str(out)]) == 0
         assert "skipped" in capsys.readouterr().out and not out.exists()
+
+
+def test_goal_targets_match_the_goal_shapes(tmp_path, capsys):
+    """perf/targets.py bounds every goal shape with a number in its goal, by the label the
+    --goals sweeps record; a CPU run of them is reported as not measured."""
+    import re
+
+    from mqnc.triton_kernels._variants import GOALS
+    from perf import bench_merge
+    from perf.targets import TARGETS
+
+    limit = re.compile(r"<= ([\d.]+) us")
+    numeric = {s.label: float(limit.search(s.goal)[1]) for s in GOALS if limit.search(s.goal)}
+    assert {t.extra["shape"]: t.limit for t in TARGETS if "shape" in t.extra} == numeric
+    if torch.cuda.is_available():
+        return
+    out = tmp_path / "g.jsonl"
+    assert bench_merge.main(["--goals", "--reps", "2", "--check", "--out", str(out)]) == 0
+    assert {r["extra"]["shape"] for r in _records(out)} == {
+        s.label for s in GOALS if s.op == "merge"
+    }
+    assert "goal: 8-way merge of 256 rows <= 8 us: not measured" in capsys.readouterr().out

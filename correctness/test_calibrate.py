@@ -1,7 +1,9 @@
 """``mqnc calibrate`` (issue 8, item 2): a short probe + route sweep on this machine, fitted and
-written as a fabric profile that ``mqnc predict --fabric FILE`` loads. The fitted constants are
-checked against ``mqnc.cost.fit_results`` over the very records the run wrote (the same
-samples must give the same constants), not against typed numbers.
+written as a fabric profile that ``mqnc predict --fabric FILE`` loads. Nothing here depends on
+timing (a loaded 2-core CI can time anything): the measurement's records are checked to be the
+numbers it fits (the fit of the records equals the fit of the returned numbers, or both refuse),
+and the profile's constants against the fit of its measurements with the route sweep replaced
+by an exact affine law (the real probe, bulk pull and host sweep kept).
 """
 
 from __future__ import annotations
@@ -16,46 +18,94 @@ import pytest
 import torch
 
 from mqnc.cli import main
-from mqnc.cost import FabricProfile, HostOverhead, fit_host, fit_results, t_route
+from mqnc.cost import FabricProfile, HostOverhead, fit_host, t_route
 from mqnc.model import get_preset
 
 GEOM = get_preset("deepseek-v2-lite")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_calibrate_loopback_profile_matches_its_records(tmp_path, capsys):
-    prof_path, results = tmp_path / "fab.json", tmp_path / "r.jsonl"
+def test_calibrate_records_are_what_it_fits(tmp_path):
+    """The real measurement (probe, route sweep, bulk pull, the Holder/Requester host sweep on
+    loopback): its records are the numbers calibrate fits, and the fit of the records equals
+    the fit of the returned numbers. Whether 4 noisy repetitions give a growing round trip is
+    not this test's concern: either both fits exist and agree exactly, or both refuse."""
+    from mqnc.cost import fit, fit_groups
+    from mqnc.measure.calibrate import HOST_M_Q, _measure
+
+    results, m_qs = tmp_path / "r.jsonl", [1, 64, 512, 2048]
+    probe, route, bulk, host = _measure(
+        "loopback", GEOM, m_qs, 4, 1, 16, results=str(results), progress=False, host=True
+    )
+    assert [m for m, _ in route] == m_qs and bulk[0] == GEOM.chunk_bytes(16)
+    assert [h[0] for h in host] == list(HOST_M_Q)
+    recs = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["p50"] for r in recs if r["bench"] == "probe"] == [probe]
+    assert [(r["x"], r["p50"]) for r in recs if r["bench"] == "route"] == route
+    (group,) = fit_groups(results, qp_row_bytes=GEOM.qp_row_bytes, fit_min_rows=1)
+    try:
+        mine = fit(route, qp_row_bytes=GEOM.qp_row_bytes, probe_us=probe, fit_min_rows=1)
+    except ValueError as exc:
+        assert group.fit is None and "does not grow" in str(exc) and "does not grow" in group.error
+        return
+    assert group.fit == mine
+
+
+BW_GBPS, TURN_US = 2.5, 7.0  # the exact affine law the synthetic route sweep follows
+
+
+@pytest.fixture
+def affine_routes(monkeypatch):
+    """calibrate's measurements run for real (probe, bulk pull, host sweep, records), with the
+    route sweep's medians replaced by an exact affine law in M_q (``probe + TURN_US + M_q (q +
+    p) / BW_GBPS``), so that what is checked of the fit is exact, never a fit of noise. The
+    real measurements are in the returned dict."""
+    import mqnc.measure.calibrate as cal
+
+    real, seen = cal._measure, {}
+
+    def measure(transport, g, *args, **kwargs):
+        probe, route, bulk, host = real(transport, g, *args, **kwargs)
+        seen.update(probe=probe, route=route, bulk=bulk, host=host)
+        law = [(m, probe + TURN_US + m * g.qp_row_bytes / (BW_GBPS * 1e3)) for m, _ in route]
+        return probe, law, bulk, host
+
+    monkeypatch.setattr(cal, "_measure", measure)
+    return seen
+
+
+def test_calibrate_loopback_profile_is_the_fit_of_its_measurements(tmp_path, capsys, affine_routes):
+    prof_path = tmp_path / "fab.json"
     rc = main(
-        ["calibrate", "--reps", "4", "--m-q", "1,64,512,2048", "--fit-min-rows", "1",
-         "--bulk-tokens", "16", "--out", str(prof_path), "--results", str(results), "--name",
-         "this-box"]
+        ["calibrate", "--reps", "3", "--m-q", "1,64,512,2048", "--fit-min-rows", "1",
+         "--bulk-tokens", "16", "--out", str(prof_path), "--name", "this-box"]
     )  # fmt: skip
     assert rc == 0, capsys.readouterr().err
+    seen = affine_routes
     prof = FabricProfile.load(prof_path)
     assert prof.name == "this-box" and prof.source.startswith("mqnc calibrate")
-    assert prof.t_probe_us > 0 and prof.bw_gbps > 0 and prof.turnaround_us >= 0
-    assert prof.bulk_bw_gbps is not None and prof.bulk_bw_gbps > 0
+    assert prof.t_probe_us == seen["probe"]
+    assert prof.bw_gbps == pytest.approx(BW_GBPS, rel=1e-9)
+    assert prof.turnaround_us == pytest.approx(TURN_US, rel=1e-9)
+    nbytes, pull_us = seen["bulk"]
+    assert prof.bulk_bw_gbps == pytest.approx(nbytes / (pull_us * 1e-6) / 1e9, rel=1e-12)
     # The package's own path was measured: its host term is in the profile, and the cost
     # model adds it to a route (issue 14: a profile priced the bare transport only).
-    assert prof.host_fixed_us is not None and prof.host_fixed_us >= 0
-    assert prof.host_per_row_us is not None and prof.host_per_row_us >= 0
+    host = fit_host(seen["host"])
+    assert (prof.host_fixed_us, prof.host_per_row_us) == (host.fixed_us, host.per_row_us)
     assert "Holder/Requester" in prof.source
     with_host = t_route(GEOM, prof, 16).total
     bare = t_route(GEOM, prof, 16, host=HostOverhead(0.0, 0.0)).total
     assert with_host == pytest.approx(bare + prof.host_fixed_us + 16 * prof.host_per_row_us)
-    fits = fit_results(results, qp_row_bytes=GEOM.qp_row_bytes, fit_min_rows=1)
-    assert set(fits) == {"loopback"}
-    f = fits["loopback"]
-    assert f.t_probe_us == pytest.approx(prof.t_probe_us, rel=1e-12)
-    assert f.bw_gbps == pytest.approx(prof.bw_gbps, rel=1e-12)
-    assert f.mape_amortised == pytest.approx(prof.mape_amortised, rel=1e-12)
     # The predicate loads it.
     capsys.readouterr()
-    assert main(["predict", "--fabric", str(prof_path), "--mq", "256", "--ct", "2048"]) == 0
+    assert main(["predict", "--fabric", str(prof_path), "--m-q", "256", "--c-t", "2048"]) == 0
     assert "this-box" in capsys.readouterr().out
 
 
-def test_calibrate_json_without_results_writes_no_records(tmp_path, capsys, monkeypatch):
+def test_calibrate_json_without_results_writes_no_records(
+    tmp_path, capsys, monkeypatch, affine_routes
+):
     monkeypatch.setenv("MQNC_RESULTS", str(tmp_path / "must-not-exist.jsonl"))
     prof_path = tmp_path / "fab.json"
     rc = main(
@@ -75,9 +125,11 @@ def test_calibrate_bad_input(tmp_path, capsys):
     assert main(["calibrate", "--m-q", "64", "--out", out]) == 2
     assert "at least two distinct" in capsys.readouterr().err
     assert main(["calibrate", "--m-q", "1,x", "--out", out]) == 2
-    assert "--m-q" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["calibrate", "--transport", "infiniband"])
+    assert "argument --m-q: expected comma-separated ints" in capsys.readouterr().err
+    assert main(["calibrate", "--transport", "infiniband"]) == 2
+    assert "argument --transport: invalid choice" in capsys.readouterr().err
+    assert main(["calibrate", "--reps", "0"]) == 2
+    assert "argument --reps: expected a number >= 1" in capsys.readouterr().err
     from mqnc.measure.calibrate import calibrate
 
     with pytest.raises(ValueError, match="reps"):
@@ -88,27 +140,32 @@ def test_calibrate_bad_input(tmp_path, capsys):
 
 
 def test_calibrate_gloo_cli(tmp_path):
-    """The installed command over gloo (an echo holder process on 127.0.0.1).
-
-    On a loaded 2-core box a gloo wake-up can wait a scheduler slice (several ms), which can
-    invert the p50 of two batch sizes; such a run fails with "does not grow with M_q" and is
-    repeated (at most three runs), any other failure is reported at once.
-    """
-    prof_path = tmp_path / "gloo.json"
+    """The installed command over gloo (an echo holder process and a holder process on
+    127.0.0.1), records included. On a loaded 2-core box a gloo wake-up can wait a scheduler
+    slice (several ms), which can invert the p50 of two batch sizes; the command then refuses
+    to fit ("does not grow with M_q", exit status 2), which is a correct answer about those
+    numbers, so either outcome passes; its records are checked in both."""
+    prof_path, results = tmp_path / "gloo.json", tmp_path / "r.jsonl"
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
-    for _ in range(3):
-        proc = subprocess.run(
-            [sys.executable, "-m", "mqnc", "calibrate", "--transport", "gloo", "--m-q",
-             "1,4096", "--fit-min-rows", "1", "--reps", "9", "--no-bulk", "--out",
-             str(prof_path)],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        if "does not grow with M_q" not in proc.stderr:
-            break
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = subprocess.run(
+        [sys.executable, "-m", "mqnc", "calibrate", "--transport", "gloo", "--m-q",
+         "1,4096", "--fit-min-rows", "1", "--reps", "5", "--no-bulk", "--out",
+         str(prof_path), "--results", str(results)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    recs = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [(r["bench"], r["x"]) for r in recs if r["bench"] == "route"] == [
+        ("route", 1),
+        ("route", 4096),
+    ]
+    assert {r["transport"] for r in recs} == {"gloo"}
+    if proc.returncode != 0:
+        assert proc.returncode == 2 and "does not grow with M_q" in proc.stderr, proc.stderr[-2000:]
+        assert not prof_path.exists()
+        return
     prof = FabricProfile.load(prof_path)
-    assert prof.t_probe_us > 0 and prof.bw_gbps > 0
     assert "gloo" in prof.name and "--transport gloo" in prof.source
+    assert prof.host_fixed_us is not None and "Holder/Requester" in prof.source
 
 
 def test_fit_host_recovers_fixed_and_per_row_costs():

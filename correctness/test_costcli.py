@@ -39,10 +39,11 @@ def test_presets_lists_models_and_fabrics(capsys):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--mq", "256", "--ct", "2048"],
-        ["--mq", "64", "--ct", "32", "--fabric", "a40-pcie4", "--c-us", "0.5"],
-        ["--mq", "1024", "--topk", "2048", "--holders", "7", "--model", "deepseek-v3.2"],
-        ["--mq", "256", "--congestion-bw", "0.4", "--congestion-probe-us", "25", "--tp", "2"],
+        ["--m-q", "256", "--c-t", "2048"],
+        ["--m-q", "64", "--c-t", "32", "--fabric", "a40-pcie4", "--c-us", "0.5"],
+        ["--m-q", "1024", "--topk", "2048", "--holders", "7", "--model", "deepseek-v3.2"],
+        ["--m-q", "256", "--congestion-bw", "0.4", "--congestion-probe-us", "25", "--tp", "2"],
+        ["--mq", "100", "--ct", "300"],  # the old spellings, kept as hidden aliases
     ],
 )
 def test_predict_matches_decide(capsys, argv):
@@ -79,8 +80,7 @@ def test_predict_flags(capsys):
         "1",
         "--host-overhead",
         "--allow",
-        "fetch",
-        "local",
+        "fetch,local",
     )
     d = json.loads(out)
     assert rc == 0 and d["fetch"]["splice"] == 1000 and d["route"]["host"] > 3500
@@ -92,16 +92,30 @@ def test_predict_flags(capsys):
 @pytest.mark.parametrize(
     "argv, needle",
     [
+        (["predict", "--fabric", "nvlink9"], "argument --fabric: "),
         (["predict", "--fabric", "nvlink9"], "h100-ibgda"),
+        (["predict", "--model", "gpt-5"], "argument --model: "),
         (["predict", "--model", "gpt-5"], "deepseek-v2-lite"),
-        (["predict", "--mq", "-3"], "m_q: expected a finite number > 0"),
+        (["predict", "--m-q", "-3"], "argument --m-q: expected a number > 0, got '-3'"),
+        (["predict", "--congestion-bw", "-1"], "argument --congestion-bw: expected a number > 0"),
+        (["predict", "--congestion-probe-us", "x"], "argument --congestion-probe-us: expected"),
+        (["predict", "--holders", "0"], "argument --holders: expected a number >= 1"),
+        (["predict", "--allow", "fetch,teleport"], "argument --allow: expected comma-separated"),
         (["predict", "--splice-ms", "1", "--no-splice"], "at most one of"),
+        (
+            ["crossover", "--out", "/nonexistent/x", "--m-q-min", "9", "--m-q-max", "3"],
+            "--m-q-min/--m-q-max",
+        ),
+        (["crossover", "--out", "/nonexistent/x", "--points", "1"], "--points: expected >= 2"),
         (["fit", "/nonexistent/results.jsonl"], "no such file"),
     ],
 )
-def test_errors_name_the_valid_choices(capsys, argv, needle):
-    rc, _, err = run(capsys, *argv)
-    assert rc == 2 and needle in err
+def test_errors_name_the_flag(capsys, argv, needle):
+    """A bad value is reported against the flag the user typed, never an internal name (exit
+    status 2, no work done)."""
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and needle in err and not out
+    assert "bw_factor" not in err and "Congestion" not in err
 
 
 def test_fit_recovers_constants_from_a_results_file(tmp_path, capsys):
@@ -176,3 +190,85 @@ def test_crossover_writes_csv_and_png(tmp_path, capsys):
 def test_crossover_csv_only(tmp_path, capsys):
     rc, _, _ = run(capsys, "crossover", "--out", str(tmp_path), "--points", "4", "--no-png")
     assert rc == 0 and not list(tmp_path.glob("*.png"))
+
+
+def _sweep(device, commit, date, qp, probe, bw, turn, variant="gloo"):
+    """Records of one route sweep (exact constants), in the results file's long format."""
+    base = dict(variant=variant, device=device, commit=commit, date=date, unit="us")
+    recs = [dict(base, bench="probe", x=1, p20=probe, p50=probe, p80=probe, extra={})]
+    for m in (64, 512, 1024, 2048, 4096):
+        t = probe + turn + m * qp / (bw * 1e3)
+        recs.append(dict(base, bench="route", x=m, p20=t, p50=t, p80=t, extra={"qp_row_bytes": qp}))
+    return recs
+
+
+def test_fit_groups_by_device_transport_payload_and_commit(tmp_path, capsys):
+    """Sweeps of two machines, two commits and a payload sweep are fitted apart (pooled, none
+    of them would come out right); --save takes the newest sweep at the model's row unless
+    --group (or a filter) says otherwise; a negative turnaround is reported."""
+    old = _sweep("gpu-a", "aaaa", "2026-01-01T00:00:00+00:00", 2184, 10.0, 20.0, 5.0)
+    new = _sweep("cpu-b", "bbbb", "2026-02-01T00:00:00+00:00", 2184, 100.0, 2.0, 50.0)
+    payload = _sweep("cpu-b", "bbbb", "2026-03-01T00:00:00+00:00", 8736, 100.0, 2.0, -40.0)
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in old + payload + new))
+    prof = tmp_path / "fab.json"
+    rc, table, err = run(capsys, "fit", str(path), "--save", str(prof))
+    assert rc == 0
+    for label in ("gloo@2184B/aaaa", "gloo@2184B/bbbb", "gloo@8736B"):
+        assert label in table
+    assert "> gloo@2184B/bbbb" in table and f"saved {prof}" in table
+    saved = FabricProfile.load(prof)
+    assert saved.name == "gloo@2184B/bbbb"
+    assert saved.bw_gbps == pytest.approx(2.0) and saved.t_probe_us == pytest.approx(100.0)
+    assert saved.turnaround_us == pytest.approx(50.0)
+    assert "negative turnaround in gloo@8736B (-40.0 us)" in err and "not a time" in err
+    rc, out, _ = run(capsys, "fit", str(path), "--json", "--group", "gloo@2184B/aaaa", "--save",
+                     str(prof))  # fmt: skip
+    got = json.loads(out)
+    assert rc == 0 and list(got) == ["gloo@2184B/aaaa"] and got["gloo@2184B/aaaa"]["saved"]
+    assert got["gloo@2184B/aaaa"]["device"] == "gpu-a"
+    assert got["gloo@2184B/aaaa"]["bw_gbps"] == pytest.approx(20.0)
+    assert FabricProfile.load(prof).t_probe_us == pytest.approx(10.0)
+    rc, out, _ = run(capsys, "fit", str(path), "--json", "--device", "GPU", "--save", str(prof))
+    assert rc == 0 and [k for k, v in json.loads(out).items() if v["saved"]] == ["gloo@2184B/aaaa"]
+    rc, _, err = run(capsys, "fit", str(path), "--group", "nope")
+    assert rc == 2 and "--group: no sweep 'nope'" in err and "gloo@8736B" in err
+    rc, _, err = run(capsys, "fit", str(path), "--commit", "cccc")
+    assert rc == 2 and "no sweep matches" in err
+
+
+def test_fit_reports_a_sweep_it_cannot_fit(tmp_path, capsys):
+    good = _sweep("cpu", "c1", "2026-01-01T00:00:00+00:00", 2184, 10.0, 5.0, 1.0)
+    flat = _sweep("cpu", "c1", "2026-01-01T00:00:00+00:00", 2184, 10.0, 5.0, 1.0, variant="bad")
+    for r in flat:
+        r["p50"] = 500.0 - r["x"] / 100  # a round trip that shrinks with M_q
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in good + flat))
+    rc, table, err = run(capsys, "fit", str(path), "--save", str(tmp_path / "f.json"))
+    assert rc == 0 and "bad" in table and "no fit: samples: round trip does not grow" in table
+    assert "not fitted: bad" in err
+    assert FabricProfile.load(tmp_path / "f.json").name == "gloo"
+
+
+def test_readme_fit_and_predict_on_the_repository_results(tmp_path, capsys):
+    """The README's two lines, on the committed results file."""
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "perf" / "results" / "results.jsonl"
+    prof = tmp_path / "my_fabric.json"
+    rc, table, err = run(capsys, "fit", str(results), "--save", str(prof))
+    assert rc == 0, err
+    rc, out, err = run(capsys, "predict", "--fabric", str(prof), "--splice-from", str(results))
+    assert rc == 0 and "decision:" in out, err
+
+
+def test_fit_negative_intercept_without_probe(tmp_path, capsys):
+    recs = _sweep("cpu", "c1", "2026-01-01T00:00:00+00:00", 2184, 10.0, 5.0, -30.0)
+    recs = [r for r in recs if r["bench"] == "route"]  # no probe: the intercept is T_probe
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rc, table, err = run(capsys, "fit", str(path))
+    assert rc == 0 and "gloo" in table and "negative intercept without a probe record" in err
+    rc, _, err = run(capsys, "fit", str(path), "--save", str(tmp_path / "f.json"))
+    assert rc == 2 and "--save: gloo has no probe record and a negative intercept" in err
+    assert not (tmp_path / "f.json").exists()

@@ -301,3 +301,10 @@ def test_fit_results_reads_the_results_format(tmp_path):
     assert fits["fab-b"].turnaround_us == pytest.approx(7.0)
     with pytest.raises(ValueError, match="no records with bench='rt'.*found benches"):
         cm.fit_results(path, qp_row_bytes=2184, route_bench="rt")
+    # A sweep that cannot be fitted is an error naming it (fit_groups keeps it, with why).
+    record("route", "fab-c", 64, (5.0, 5.0, 5.0), x_name="M_q", path=path)
+    with pytest.raises(ValueError, match="cannot fit fab-c: samples: expected at least two"):
+        cm.fit_results(path, qp_row_bytes=2184)
+    groups = {g.label: g for g in cm.fit_groups(path, qp_row_bytes=2184)}
+    assert groups["fab-c"].fit is None and "two distinct" in groups["fab-c"].error
+    assert cm.newest_group(list(groups.values()), 2184).label in ("fab-a", "fab-b")

@@ -11,12 +11,13 @@ import torch
 
 from mqnc.model import PRESETS, RopeSpec
 from mqnc.reference import (
+    merge_reference,
     mla_sparse_reference,
     partial_attention_reference,
     rope_rotate_reference,
 )
 from mqnc.serving import ChunkInfo, Holder, RemoteError, Requester
-from mqnc.testing import TOLERANCES, assert_close
+from mqnc.testing import TOLERANCES, assert_close, default_device
 from mqnc.transport import INBOX, REPLY, LoopbackFabric, slot_bytes_for, wire
 
 GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4)
@@ -58,6 +59,7 @@ class Setup:
         timeout_s=20.0,
         lanes=2,
         model=None,
+        kernels="triton",
     ):
         self.fabric = LoopbackFabric(world, SLOT, lanes=lanes)
         self.holder = Holder(
@@ -67,6 +69,7 @@ class Setup:
             num_blocks=8,
             dtype=dtype,
             poll_s=0.02,
+            kernels=kernels,
         )
         for cid, kv in chunks.items():
             self.holder.add_chunk(cid, kv, position=0)
@@ -80,6 +83,7 @@ class Setup:
                 pool_blocks=8,
                 dtype=dtype,
                 model=model,
+                kernels=kernels,
             )
             for r in range(1, world)
         ]
@@ -95,11 +99,13 @@ class Setup:
         assert self.holder.failure is None
 
 
-def test_route_rotation_and_fetch_splice_agree_with_keys_at_the_new_position():
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+def test_route_rotation_and_fetch_splice_agree_with_keys_at_the_new_position(kernels):
     """§3.2: rotating q by -delta and attending canonical keys equals attending keys re-encoded
-    at the requester's offset; fetch's splice (§2.2) gives the same. fp32 end to end."""
+    at the requester's offset; fetch's splice (§2.2) gives the same. fp32 end to end, by the
+    Triton kernels and by their torch references (``kernels="torch"``, mqnc.serving.compute)."""
     kv = _chunk(1, 100, torch.float32)
-    s = Setup({5: kv}, dtype=torch.float32)
+    s = Setup({5: kv}, dtype=torch.float32, kernels=kernels)
     try:
         req = s.requesters[0]
         q = _q(2, 3, torch.float32)
@@ -118,6 +124,12 @@ def test_route_rotation_and_fetch_splice_agree_with_keys_at_the_new_position():
         rec = req.costs[-1]
         assert rec.primitive == "fetch" and rec.splice_us > 0
         assert rec.bytes_recv == wire.HEADER_BYTES + GEOM.chunk_bytes(100) * 2  # fp32 entries
+        o, lse, _ = req.merge([routed, local], kernels=kernels)
+        o_ref, lse_ref = merge_reference(
+            torch.stack([routed.o, local.o]), torch.stack([routed.lse, local.lse])
+        )
+        assert_close(o, o_ref, TOLERANCES[("merge", "float32")], name="merged o")
+        assert_close(lse, lse_ref, TOLERANCES[("merge_lse", "float32")], name="merged lse")
     finally:
         s.close()
 
@@ -132,7 +144,7 @@ def test_route_bf16_matches_reference_over_the_sent_rows():
     try:
         req = s.requesters[0]
         q = _q(4, 2)
-        sent = rope_rotate(q, -777, ROPE)
+        sent = rope_rotate(q.to(default_device()), -777, ROPE).cpu()  # where the kernels run
         o_ref, lse_ref = partial_attention_reference(sent, kv[0], _all(2, 128), SCALE)
         part = req.route(7, q, 0, offset=777)
         assert part.o.dtype == torch.bfloat16 and part.lse.dtype == torch.float32
@@ -142,11 +154,13 @@ def test_route_bf16_matches_reference_over_the_sent_rows():
         s.close()
 
 
-def test_dispatcher_batches_waiting_requesters_into_one_call():
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+def test_dispatcher_batches_waiting_requesters_into_one_call(kernels):
     """§6.3: route requests of two requesters (different chunks, same layer) waiting on one
-    holder run as ONE dense kernel call; a selection request runs as one sparse call."""
+    holder run as ONE dense kernel call; a selection request runs as one sparse call. By the
+    kernels and by their torch references."""
     chunks = {1: _chunk(5, 70), 2: _chunk(6, 128)}
-    s = Setup(chunks, world=3, start=False)
+    s = Setup(chunks, world=3, start=False, kernels=kernels)
     r1, r2 = s.requesters
     q1, q2 = _q(7, 2), _q(8, 3)
     idx = torch.tensor([[0, 5, 69, -1], [3, 3, 10, 20]], dtype=torch.int32)
@@ -292,6 +306,10 @@ def test_argument_errors():
         norope.route(1, q, 0, offset=5)
     with pytest.raises(ValueError, match="timeout_s"):
         Requester(s.fabric.endpoint(1), GEOM, softmax_scale=SCALE, timeout_s=0)
+    with pytest.raises(ValueError, match=r"kernels: expected one of \('triton', 'torch'\)"):
+        Requester(s.fabric.endpoint(1), GEOM, softmax_scale=SCALE, kernels="cuda")
+    with pytest.raises(ValueError, match="kernels"):
+        Holder(s.fabric.endpoint(1), GEOM, softmax_scale=SCALE, num_blocks=1, kernels=None)
     with pytest.raises(ValueError, match="kv: expected shape"):
         s.holder.add_chunk(4, _chunk(1, 8)[:1])
     with pytest.raises(ValueError, match="already hosted"):

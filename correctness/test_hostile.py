@@ -402,12 +402,16 @@ def test_records_are_bounded():
 
 def test_a_signal_pushed_ahead_costs_one_timeout_not_a_core():
     """Item 11: a reply slot whose signal a holder pushed far ahead made every later wait spin
-    a core until its timeout. Now that wait backs off (this process stays nearly idle) and
-    times out, and the lane's next request moves past the pushed signal."""
+    a core until its timeout. Now that wait backs off (it re-reads the slot at most as often
+    as its backoff schedule allows, however fast or loaded the machine) and times out, and the
+    lane's next request moves past the pushed signal."""
+    from mqnc.serving.client import _BACKOFF_S
+
+    timeout_s = 1.0
     fab = LoopbackFabric(2, SLOT, lanes=1)
     holder = fab.endpoint(0)
     inbox, reply = fab.layout.slot(INBOX, 1, 0), fab.layout.slot(REPLY, 0, 0)
-    req = Requester(fab.endpoint(1), GEOM, softmax_scale=SCALE, timeout_s=1.0)
+    req = Requester(fab.endpoint(1), GEOM, softmax_scale=SCALE, timeout_s=timeout_s)
     seen = []
 
     def serve(n, push):  # answer n requests; the first one under a number pushed far ahead
@@ -419,13 +423,21 @@ def test_a_signal_pushed_ahead_costs_one_timeout_not_a_core():
             ack = wire.pack_probe(request_id=h.request_id, seq=seq, ack=True)
             holder.put_signal(1, reply, ack, seq)
 
+    reads = []
+    read_message = req.transport.read_message
+    req.transport.read_message = lambda slot: reads.append(slot) or read_message(slot)
     th = threading.Thread(target=serve, args=(2, 2**40), daemon=True)
     th.start()
-    t0, cpu0 = time.monotonic(), time.process_time()
     with pytest.raises(RouteTimeout):
         req.probe(0)
-    wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
-    assert cpu < 0.5 * wall, (cpu, wall)  # a spinning wait burns about one core of wall time
+    # Each skipped read is followed by a sleep of the schedule's next pause (100 us doubling
+    # to 20 ms), so within the timeout there are at most as many reads as pauses summing to
+    # less than it, plus the last one: ~57 here, where a spinning wait reads millions of times.
+    pauses, total, pause = 0, 0.0, _BACKOFF_S[0]
+    while total < timeout_s:
+        total, pause, pauses = total + pause, min(2 * pause, _BACKOFF_S[1]), pauses + 1
+    assert 1 <= len(reads) <= pauses + 2, (len(reads), pauses)
+    req.transport.read_message = read_message
     req.probe(0)  # the lane moved past the pushed signal
     th.join(WAIT)
     assert seen == [1, 2**40 + 2]

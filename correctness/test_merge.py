@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mqnc.reference import merge_ml_reference, merge_reference, partial_attention_reference
-from mqnc.testing import assert_close, compare, tolerance
+from mqnc.testing import assert_close, compare, default_device, tolerance
 from mqnc.triton_kernels import (
     lse_from_base2,
     lse_from_ml,
@@ -28,6 +28,8 @@ from mqnc.triton_kernels import (
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 INF = float("inf")
+# Where the kernels run (the GPU when compiled); drawn on the CPU, moved there.
+DEVICE = default_device()
 # Observed maxima, collected across the run and printed at the end (`pytest -s`) for the notes.
 OBSERVED: dict[str, float] = {}
 
@@ -60,7 +62,7 @@ def partials(draw, max_m=8, dtypes=DTYPES):
     pos = torch.rand(M, B, H, generator=g) < 0.5
     lse = torch.where(empty & pos, INF, torch.where(empty, -INF, lse))
     o = torch.where(empty[..., None], torch.full_like(o, float("nan")), o)
-    return o, lse
+    return o.to(DEVICE), lse.to(DEVICE)
 
 
 def _tol(dtype):
@@ -123,8 +125,8 @@ def test_zero_weight_identity(p, n_empty, plus_inf):
     when their o holds NaN."""
     o, lse = p
     M, B, H, D = o.shape
-    e_o = torch.full((n_empty, B, H, D), float("nan"), dtype=o.dtype)
-    e_lse = torch.full((n_empty, B, H), INF if plus_inf else -INF)
+    e_o = torch.full((n_empty, B, H, D), float("nan"), dtype=o.dtype, device=DEVICE)
+    e_lse = torch.full((n_empty, B, H), INF if plus_inf else -INF, device=DEVICE)
     base = merge_partials(o, lse)
     with_empty = merge_partials(torch.cat([e_o, o, e_o]), torch.cat([e_lse, lse, e_lse]))
     assert torch.equal(base[0], with_empty[0]) or compare(base[0], with_empty[0]).max_abs == 0.0
@@ -132,8 +134,8 @@ def test_zero_weight_identity(p, n_empty, plus_inf):
 
 
 def test_all_empty_rows_give_zero_and_neg_inf():
-    o = torch.full((3, 2, 4, 64), float("nan"))
-    lse = torch.tensor([-INF, INF, -INF]).view(3, 1, 1).expand(3, 2, 4).contiguous()
+    o = torch.full((3, 2, 4, 64), float("nan"), device=DEVICE)
+    lse = torch.tensor([-INF, INF, -INF], device=DEVICE).view(3, 1, 1).expand(3, 2, 4).contiguous()
     o_out, lse_out = merge_partials(o, lse)
     assert torch.equal(o_out, torch.zeros_like(o_out))
     assert torch.isneginf(lse_out).all()
@@ -160,8 +162,8 @@ def test_partition_invariance(M, n_keys, dtype, seed):
         o_i, lse_i = partial_attention_reference(q, kv, valid, scale, d_v)
         parts_o.append(o_i)
         parts_lse.append(lse_i)
-    o = torch.stack(parts_o).to(dtype)  # the partial as it would cross the wire
-    lse = torch.stack(parts_lse).to(torch.float32)
+    o = torch.stack(parts_o).to(DEVICE, dtype)  # the partial as it would cross the wire
+    lse = torch.stack(parts_lse).to(DEVICE, torch.float32)
     o_out, lse_out = merge_partials(o, lse)
     o_ref, lse_ref = partial_attention_reference(
         q, kv, torch.ones(B, n_keys, dtype=torch.bool), scale, d_v
@@ -176,8 +178,8 @@ def test_extreme_lse_gaps(gap):
     """Partials whose lse differ by up to 1e4: the small one underflows to weight 0 without
     NaN, and large absolute lse values keep their relative accuracy."""
     g = torch.Generator().manual_seed(1)
-    o = torch.rand(3, 2, 2, 128, generator=g) * 2 - 1
-    lse = torch.tensor([0.0, -gap, gap]).view(3, 1, 1).expand(3, 2, 2).contiguous()
+    o = (torch.rand(3, 2, 2, 128, generator=g) * 2 - 1).to(DEVICE)
+    lse = torch.tensor([0.0, -gap, gap], device=DEVICE).view(3, 1, 1).expand(3, 2, 2).contiguous()
     lse[1, 1, 1] = -INF
     o_out, lse_out = merge_partials(o, lse)
     o_ref, lse_ref = merge_reference(o, lse)
@@ -192,8 +194,8 @@ def test_extreme_lse_gaps(gap):
 def test_streaming_in_place_merge_equals_m_way(p):
     o, lse = p
     M, B, H, D = o.shape
-    acc_o = torch.zeros(B, H, D, dtype=o.dtype)
-    acc_lse = torch.full((B, H), -INF)
+    acc_o = torch.zeros(B, H, D, dtype=o.dtype, device=DEVICE)
+    acc_lse = torch.full((B, H), -INF, device=DEVICE)
     for i in range(M):
         merge_partials_into(acc_o, acc_lse, o[i].contiguous(), lse[i].contiguous())
     o_ref, lse_ref = merge_reference(o, lse)
@@ -207,9 +209,9 @@ def test_streaming_in_place_merge_equals_m_way(p):
 
 def test_non_contiguous_inputs():
     g = torch.Generator().manual_seed(2)
-    base = torch.randn(4, 3, 2, 640, generator=g)
+    base = torch.randn(4, 3, 2, 640, generator=g).to(DEVICE)
     o = base.permute(1, 2, 0, 3)[..., :600]  # [M=3, B=2, H=4, D=600], strided
-    lse = torch.randn(2, 4, 3, generator=g).permute(2, 0, 1)
+    lse = torch.randn(2, 4, 3, generator=g).to(DEVICE).permute(2, 0, 1)
     o_out, lse_out = merge_partials(o, lse)
     o_ref, lse_ref = merge_reference(o, lse)
     assert_close(o_out, o_ref, _tol(torch.float32), name="o")
@@ -219,8 +221,8 @@ def test_non_contiguous_inputs():
 def test_concurrent_launches_from_threads():
     """Under the interpreter the launch lock serialises launches; on a GPU it is a no-op."""
     g = torch.Generator().manual_seed(3)
-    o = torch.randn(4, 2, 2, 64, generator=g)
-    lse = torch.randn(4, 2, 2, generator=g)
+    o = torch.randn(4, 2, 2, 64, generator=g).to(DEVICE)
+    lse = torch.randn(4, 2, 2, generator=g).to(DEVICE)
     o_ref, _ = merge_reference(o, lse)
     errors: list[BaseException] = []
 
@@ -293,24 +295,25 @@ def test_ml_form_is_equivalent():
     ],
 )
 def test_merge_rejects_bad_input(o, lse, err, match):
+    o = o.to(DEVICE) if isinstance(o, torch.Tensor) else o
     with pytest.raises(err, match=match):
-        merge_partials(o, lse)
+        merge_partials(o, lse.to(DEVICE))
 
 
 def test_merge_into_rejects_mismatched_dtype():
-    acc = torch.zeros(1, 2, 8)
+    acc, lse = torch.zeros(1, 2, 8, device=DEVICE), torch.zeros(1, 2, device=DEVICE)
     with pytest.raises(TypeError, match="o_new: invalid dtype"):
-        merge_partials_into(acc, torch.zeros(1, 2), acc.to(torch.bfloat16), torch.zeros(1, 2))
+        merge_partials_into(acc, lse, acc.to(torch.bfloat16), lse)
 
 
 def test_merge_into_given_outputs_in_another_dtype():
     """``out=``: the fp32 accumulator is rounded once into the caller's tensors (how split-KV
     workspaces in fp32 are combined straight into bf16 attention outputs)."""
     g = torch.Generator().manual_seed(5)
-    o = torch.rand(3, 2, 2, 64, generator=g) * 8 - 4
-    lse = torch.randn(3, 2, 2, generator=g)
-    o_out = torch.full((2, 2, 64), float("nan"), dtype=torch.bfloat16)
-    lse_out = torch.full((2, 2), float("nan"))
+    o = (torch.rand(3, 2, 2, 64, generator=g) * 8 - 4).to(DEVICE)
+    lse = torch.randn(3, 2, 2, generator=g).to(DEVICE)
+    o_out = torch.full((2, 2, 64), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    lse_out = torch.full((2, 2), float("nan"), device=DEVICE)
     got = merge_partials(o, lse, out=(o_out, lse_out))
     assert got[0] is o_out and got[1] is lse_out
     o_ref, lse_ref = merge_reference(o, lse)
@@ -320,3 +323,44 @@ def test_merge_into_given_outputs_in_another_dtype():
         merge_partials(o, lse, out=(o_out[:1], lse_out))
     with pytest.raises(TypeError, match="out: expected a tuple"):
         merge_partials(o, lse, out=o_out)
+
+
+def test_many_partials_beyond_one_lse_block():
+    """M = 300 > LSE_BLOCK (256): the max runs over two lse blocks and the fold over ten steps
+    of 32 partials; empty partials (NaN o) scattered among them."""
+    g = torch.Generator().manual_seed(6)
+    o = (torch.rand(300, 1, 2, 64, generator=g) * 8 - 4).to(DEVICE)
+    lse = (torch.randn(300, 1, 2, generator=g) * 3).to(DEVICE)
+    lse[::7] = -INF
+    lse[5::11] = INF
+    o[::7] = float("nan")
+    o_out, lse_out = merge_partials(o, lse)
+    o_ref, lse_ref = merge_reference(o, lse)
+    assert_close(o_out, o_ref, _tol(torch.float32), name="o")
+    assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")
+
+
+@pytest.mark.parametrize(
+    "dtype, D, block_d",
+    [(torch.float32, 512, 128), (torch.bfloat16, 512, 256), (torch.float32, 600, 128)],
+    ids=str,
+)
+def test_the_compiled_paths_slicing_of_o(dtype, D, block_d):
+    """On a GPU a row's o is merged in 16-byte-per-thread slices by several programs (the
+    interpreter runs one program per row): the same kernel at the GPU's slice width, a ragged
+    last slice, and the lse written once per row, into NaN-poisoned outputs."""
+    from mqnc.triton_kernels.merge import merge_launch
+
+    g = torch.Generator().manual_seed(7)
+    o = (torch.rand(5, 2, 3, D, generator=g) * 8 - 4).to(DEVICE, dtype)
+    lse = torch.randn(5, 2, 3, generator=g).to(DEVICE)
+    lse[1, 0, 2] = -INF
+    o[1, 0, 2] = float("nan")
+    o_out = torch.full((2, 3, D), float("nan"), dtype=dtype, device=DEVICE)
+    lse_out = torch.full((2, 3), float("nan"), device=DEVICE)
+    launch = merge_launch(o, lse, o_out, lse_out, block_d=block_d)
+    assert launch.grid == (6, -(-D // block_d))
+    launch()
+    o_ref, lse_ref = merge_reference(o, lse)
+    assert_close(o_out, o_ref, _tol(dtype), name="o")
+    assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")

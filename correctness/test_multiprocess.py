@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from mqnc.model import PRESETS
+from mqnc.testing import default_device
 
 GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4)
 SCALE = 192**-0.5 * 1.2608**2  # DeepSeek-V2-Lite with YaRN (§3.1 of DESIGN.md)
@@ -164,7 +165,8 @@ def _union_reference(
         bt = torch.arange(n, dtype=torch.int32)[None].expand(B, -1).contiguous()
         lens = torch.full((B,), total, dtype=torch.int32)
         ref = mla_decode_reference(q, dense, bt, lens, SCALE)
-        one = mla_decode_partial(q, dense, bt, lens, softmax_scale=SCALE)
+        on = [x.to(default_device()) for x in (q, dense, bt, lens)]  # where the kernels run
+        one = mla_decode_partial(*on, softmax_scale=SCALE)
         return ref, one
     idx = torch.cat(
         [
@@ -174,7 +176,8 @@ def _union_reference(
         dim=1,
     ).to(torch.int32)
     ref = mla_sparse_reference(q, pool, idx, SCALE)
-    one = mla_sparse_partial(q, pool, idx, softmax_scale=SCALE)
+    on = [x.to(default_device()) for x in (q, pool, idx)]
+    one = mla_sparse_partial(*on, softmax_scale=SCALE)
     return ref, one
 
 

@@ -327,7 +327,7 @@ def _valid_args(device):
         (dict(delta=2**40), ValueError, r"delta: expected \|delta\|"),
         (dict(delta_tensor=[1, 2, 3]), ValueError, "delta: expected shape"),
         (dict(delta_tensor=[1, 2, 3, 2**40]), ValueError, r"delta: expected \|delta\|"),
-        (dict(rope="yarn"), TypeError, "rope: expected a mqnc.model.RopeSpec"),
+        (dict(rope="yarn"), TypeError, "rope: expected a RoPE spec with inv_freq"),
     ],
 )
 def test_splice_rejects_bad_input(change, exc, match):

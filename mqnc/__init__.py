@@ -15,12 +15,17 @@ above or beside it (``correctness/test_layout.py`` checks every import).
 3. ``mqnc.transport``: the wire format and the transport engines (loopback, torch.distributed,
    NVSHMEM; §3.1-§3.2, §6). ``mqnc.cost``: fabric profiles, the cost model's terms, its fit and
    the route / fetch / local predicate (§4, §5; numpy only, no torch).
-4. ``mqnc.serving``: the holder and the requester (§3, §5.3, §6.3).
+4. ``mqnc.serving``: the holder and the requester (§3, §5.3, §6.3); their arithmetic by the
+   kernels or the torch references (``compute``); a context's cache as chunks on holders and
+   its file (``corpus``); one rank of a torchrun job (``service``) and holders on this machine
+   (``local``).
 5. ``mqnc.measure``: the measurement harness ``perf/`` and ``mqnc calibrate`` share (echo
-   holders, timing, the results file; §4.3).
-6. ``mqnc.demo``: the agentic fan-in, decided, executed, verified (§1, §6.3). ``mqnc.plots``:
-   the paper's figures from the model and the results file.
-7. ``mqnc.cli``: the ``mqnc`` command.
+   holders, timing, the results file; §4.3). ``mqnc.integrations``: other people's models over
+   holders (Hugging Face DeepSeek ``generate``, its exactness against transformers').
+6. ``mqnc.demo``: the agentic fan-in, decided, executed, verified (§1, §6.3), and the same for a
+   Hugging Face model (``mqnc demo --hf``). ``mqnc.plots``: the paper's figures from the model
+   and the results file.
+7. ``mqnc.cli``: the ``mqnc`` command (``mqnc corpus`` and ``mqnc serve`` among its commands).
 """
 
 __version__ = "0.1.0"

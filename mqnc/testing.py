@@ -15,6 +15,8 @@ import dataclasses
 
 import torch
 
+from mqnc.base.runtime import kernel_device
+
 __all__ = [
     "Tolerance",
     "TOLERANCES",
@@ -139,6 +141,18 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
         "is the issue's bound) and each ulp(x)/sqrt(12) <= 2^-7/sqrt(12) RMS relative, so "
         "sqrt(3) * 2^-7 / sqrt(12) = 2^-8 = 3.9e-3 RMS (mla_routed's 1e-3 is below that floor).",
     ),
+    # The ecosystem adapters (FlashMLA / FlashInfer layouts, CSR and page-1 tables, split caches,
+    # per-layer splice lists, the merge's layout=) vs the package's own call on the same data.
+    **{
+        ("same_kernel", dt): Tolerance(
+            0.0,
+            0.0,
+            "the same kernel arithmetic on the same values, reached through other pointers, "
+            "strides or page tables (same tiles, same split count, same order): bit-identical, "
+            "so any difference is a wrong address, a wrong length or an unwritten element.",
+        )
+        for dt in ("float32", "float16", "bfloat16")
+    },
     # RoPE delta rotation (rope_splice, rope_rotate) vs the fp64 reference, inputs |x| <= 4 per
     # dim so |out| <= 4*sqrt(2) < 8. Kernel: angle reduced exactly in fp64, fp32 cos/sin ~1 ulp.
     ("rope", "float32"): Tolerance(
@@ -215,6 +229,29 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
         2e-3,
         "natural-log LSE from bf16 queries and keys: the rounded q (and, for fetch/local, k) "
         "perturb each score by ~2^-9 |s| with |s| < ~5, so lse moves by < ~1e-2.",
+    ),
+    # A transformers DeepSeek model generating over holders (mqnc.integrations.hf) vs the same
+    # model's own generate on the whole prompt: multipliers of transformers' own error, see
+    # mqnc.integrations.hf_exactness (bound = rho * (E + S): E = transformers' logits vs the
+    # float64 model on the same tokens, S = its own change when the sequence is shifted).
+    ("hf_logits", "float32"): Tolerance(
+        3.0,
+        3.0,
+        "x (E + S), max-abs and RMS. Per layer the absorbed path rounds at most as often as "
+        "transformers' expanded one (both share its projections, RoPE, o_proj, MLP, norms): "
+        "W_UK absorption of q (1 rounding) and one store of each holder partial (1), scores, "
+        "softmax, W_UV and the merge in fp32, one store (1); transformers rounds k_nope and v "
+        "(2), QK^T (1), the softmax weights (1) and PV (1). Allowing twice its rounding count, "
+        "|ours - exact| <= 2 E (+ S for a shifted context, whose RoPE angles transformers forms "
+        "in fp32 at other positions), so |ours - transformers| <= 3 (E + S).",
+    ),
+    ("hf_logits", "bfloat16"): Tolerance(
+        3.0,
+        3.0,
+        "x (E + S), the fp32 entry's count with bf16 roundings: the absorbed query, each "
+        "holder's partial (bf16 on the wire) and the merged output are rounded to bf16, as "
+        "transformers rounds its expanded keys, scores, weights and PV output; at most twice "
+        "its rounding count gives 2 E, the triangle inequality 3 (E + S).",
     ),
 }
 
@@ -301,7 +338,8 @@ def assert_close(
 
 
 def default_device() -> torch.device:
-    """Where the tests put tensors: the GPU when there is one (the compiled kernels), else the
-    CPU (the interpreter). Asks torch when called, never at import; test modules call it once
-    at module level (Hypothesis tests cannot take function-scoped fixtures)."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """Where the tests put tensors: the device that runs the kernels
+    (:func:`mqnc.base.kernel_device`: the GPU when the kernels are compiled and CUDA exists,
+    else the CPU, the interpreter's). Asks torch when called, never at import; test modules
+    call it once at module level (Hypothesis tests cannot take function-scoped fixtures)."""
+    return kernel_device()

@@ -1,6 +1,8 @@
 """Route under self-congestion: K concurrent route flows sharing one link (Fig. 7).
 
-``python -m perf.bench_congestion [--transport loopback,gloo] [--quick] [--out FILE]``
+``python -m perf.bench_congestion [--transport loopback,gloo] [--k 0,1,2,3] [--m-q 256,1024]
+[--background-m-q 1024]`` plus the flags every benchmark takes (``--quick --reps --warmup
+--out FILE | --record --check``, :mod:`mqnc.measure.options`).
 
 What is timed (§8, Fig. 7), through :class:`mqnc.measure.echo.EchoFabric` with one echo holder and
 ``1 + max(K)`` lanes: K background flows (threads of the requester process, each on its own
@@ -17,11 +19,10 @@ engine. Host wall clock, warm-up first, p20/p50/p80.
 
 from __future__ import annotations
 
-import argparse
 import threading
 
 from mqnc import measure as H
-from mqnc.model import get_preset
+from perf.targets import TARGETS
 
 
 # Over 60 lines: one sweep whose background flows, timing and records share their loop state;
@@ -97,26 +98,29 @@ def _sweep(fabric: H.EchoFabric, g, ks: list[int], m_qs: list[int], args) -> Non
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    H.add_transport_args(ap)
-    ap.add_argument("--k", default=None, help="concurrent background flows (default 0,1,2,3)")
-    ap.add_argument("--m-q", default="256,1024", help="foreground route batches (256,1024)")
-    ap.add_argument("--background-m-q", type=int, default=1024, help="rows per background trip")
-    args = ap.parse_args(argv)
-    H.one_intra_op_thread()
-    g = get_preset(args.model)
-    ks = (
-        [int(k) for k in args.k.split(",")]
-        if args.k
-        else ([0, 1, 3] if args.quick else [0, 1, 2, 3])
+    ap = H.bench_parser(__doc__, reps=20, transports=True)
+    ap.add_argument(
+        "--k",
+        type=H.nonnegative_int_list,
+        default=None,
+        help="concurrent background flows (0,1,2,3; --quick 0,1,3)",
     )
-    if min(ks) < 0:
-        raise ValueError(f"--k: expected flows >= 0, got {args.k!r}")
-    m_qs = H.ints_of(args.m_q, "--m-q")
-    if args.background_m_q < 1:
-        raise ValueError(f"--background-m-q: expected >= 1, got {args.background_m_q}")
+    ap.add_argument(
+        "--m-q", type=H.int_list, default=[256, 1024], help="foreground route batches (256,1024)"
+    )
+    ap.add_argument(
+        "--background-m-q",
+        type=H.positive_int,
+        default=1024,
+        help="rows per background trip (1024)",
+    )
+    args = H.parse_bench_args(ap, argv)
+    H.one_intra_op_thread()
+    g = args.model
+    ks = args.k or ([0, 1, 3] if args.quick else [0, 1, 2, 3])
+    m_qs = args.m_q
     biggest = max([*m_qs, args.background_m_q]) * g.q_row_bytes
-    for name in H.transports_of(args.transport):
+    for name in args.transport:
         try:
             fabric = H.EchoFabric(name, holders=1, lanes=1 + max(ks), slot_bytes=H.HDR + biggest)
         except H.Unavailable as exc:
@@ -124,7 +128,7 @@ def main(argv=None) -> int:
             continue
         with fabric:
             _sweep(fabric, g, ks, m_qs, args)
-    return 0
+    return H.finish(args, TARGETS)
 
 
 if __name__ == "__main__":

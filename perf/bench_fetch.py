@@ -1,7 +1,9 @@
 """Fetch's pull: the contiguous chunk pull and the scattered gather over M holders (Fig. 4(a)),
 beside route's fan-out to the same M holders.
 
-``python -m perf.bench_fetch [--transport loopback,gloo] [--quick] [--out FILE]``
+``python -m perf.bench_fetch [--transport loopback,gloo] [--c-t 64,256] [--max-holders 7]
+[--topk 2048] [--m-q 256] [--pool-rows 16384]`` plus the flags every benchmark takes
+(``--quick --reps --warmup --out FILE | --record --check``, :mod:`mqnc.measure.options`).
 
 What is timed (§5.4, Fig. 4(a)), through :class:`mqnc.measure.echo.EchoFabric`:
 
@@ -23,10 +25,8 @@ Host wall clock, warm-up first, p20/p50/p80.
 
 from __future__ import annotations
 
-import argparse
-
 from mqnc import measure as H
-from mqnc.model import get_preset
+from perf.targets import TARGETS
 
 CT_FULL = [64, 256, 1024, 2048]
 CT_QUICK = [64, 256]
@@ -57,33 +57,43 @@ def _merge_fn(m: int, m_q: int, geometry):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    H.add_transport_args(ap)
-    ap.add_argument("--ct", default=None, help="contiguous chunk sizes (default 64,...,2048)")
-    ap.add_argument("--max-holders", type=int, default=None, help="M up to this (default 7)")
-    ap.add_argument("--topk", type=int, default=2048, help="selected entries gathered")
-    ap.add_argument("--m-q", type=int, default=256, help="routed rows of the fan-out (256)")
-    ap.add_argument("--pool-rows", type=int, default=16384, help="rows per holder's pool")
-    args = ap.parse_args(argv)
+    ap = H.bench_parser(__doc__, reps=20, transports=True)
+    ap.add_argument(
+        "--c-t", type=H.int_list, default=None, help="contiguous chunk sizes (64,256,1024,2048)"
+    )
+    H.hidden_alias(ap, "--ct", "c_t", type=H.int_list)
+    ap.add_argument(
+        "--max-holders", type=H.positive_int, default=None, help="M up to this (7; --quick 3)"
+    )
+    ap.add_argument(
+        "--topk", type=H.positive_int, default=2048, help="selected entries gathered (2048)"
+    )
+    ap.add_argument(
+        "--m-q", type=H.positive_int, default=256, help="routed rows of the fan-out (256)"
+    )
+    ap.add_argument(
+        "--pool-rows", type=H.positive_int, default=16384, help="rows per holder's pool (16384)"
+    )
+    args = H.parse_bench_args(ap, argv)
     H.one_intra_op_thread()
     import torch
 
-    g = get_preset(args.model)
-    cts = H.ints_of(args.ct, "--ct") if args.ct else (CT_QUICK if args.quick else CT_FULL)
+    g = args.model
+    cts = args.c_t or (CT_QUICK if args.quick else CT_FULL)
     max_m = args.max_holders or (3 if args.quick else 7)
     if not 1 <= max_m <= 64:
-        raise ValueError(f"--max-holders: expected 1..64, got {max_m}")
+        ap.error(f"argument --max-holders: expected 1..64, got {max_m}")
     if args.topk < max_m:
-        raise ValueError(f"--topk: expected >= --max-holders ({max_m}), got {args.topk}")
+        ap.error(f"argument --topk: expected >= --max-holders ({max_m}), got {args.topk}")
     gen = torch.Generator().manual_seed(0)
-    for name in H.transports_of(args.transport):
+    for name in args.transport:
         try:
             _contiguous(name, g, cts, args)
         except H.Unavailable as exc:
             print(f"bench_fetch: skipped: {exc}")
             continue
         _over_holders(name, g, max_m, args, gen)
-    return 0
+    return H.finish(args, TARGETS)
 
 
 def _contiguous(name: str, g, cts: list[int], args) -> None:

@@ -1,7 +1,9 @@
 """A holder's batched partial attention over N routed requesters (Fig. 4(b)) and its K-stream
 staging pool for fetch replies (Fig. 5(b)).
 
-``python -m perf.bench_holder [--quick] [--heads 16,128] [--out FILE]``
+``python -m perf.bench_holder [--n 1,8,32] [--heads 16,128] [--c-t 2048] [--streams 1,4,8,16]``
+plus the flags every benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
+:mod:`mqnc.measure.options`) and ``--tiny``.
 
 What is timed (§6.2, §6.3):
 
@@ -10,7 +12,11 @@ What is timed (§6.2, §6.3):
   rows to one holder, which answers them in ONE partial-attention call over its resident
   ``c_t``-token chunk (what :class:`mqnc.serving.Holder`'s dispatcher does: ``q [N, H, 576]``,
   one block-table row per requester, all pointing at the chunk). On a GPU the call is
-  :func:`mqnc.triton_kernels.mla_decode_partial` (bf16, CUDA events; ``backend="triton"``).
+  :func:`mqnc.triton_kernels.mla_decode_partial` (bf16, ``check_inputs=False`` as the holder
+  calls it, ``backend="triton"``), timed by ``mqnc.measure.time_kernel``: input sets rotated
+  past the L2, CUDA-graph replays between events, the host cost of a call beside it
+  (``extra.timing``). ``--tiny`` (``perf/gpu_check.sh --dry-run``) runs N 1, 2 at c_t 128 with
+  the kernel even without a GPU (interpreted).
   On the CPU the Triton kernel would run under the interpreter (timings of the interpreter
   say nothing about the kernel), and ``Holder``'s compute is not pluggable, so the CPU path
   times :func:`batched_partial_torch` directly (``backend="torch-reference"``): the same
@@ -27,8 +33,9 @@ What is timed (§6.2, §6.3):
 
 from __future__ import annotations
 
-import argparse
 import math
+
+from perf.targets import TARGETS
 
 N_FULL = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 N_QUICK = [1, 8, 32]
@@ -100,7 +107,7 @@ def _staging(args, geometry, out) -> None:
         )
         return
     g = geometry
-    c_t, requests = args.staging_ct, args.requests
+    c_t, requests = args.staging_c_t, args.requests
     nb = -(-c_t // 64)
     pool = torch.randn(g.layers, nb * 4, 64, g.d_qk, device="cuda").to(torch.bfloat16)
     blocks = torch.randperm(nb * 4, device="cuda")[:nb]
@@ -124,7 +131,7 @@ def _staging(args, geometry, out) -> None:
 
         from mqnc.measure import time_fn
 
-        p = time_fn(run, warmup=args.warmup, reps=args.reps)
+        p = time_fn(run, warmup=args.warmup, reps=args.reps)  # CUDA events around each batch
         record(
             "holder",
             "staging",
@@ -139,6 +146,7 @@ def _staging(args, geometry, out) -> None:
                 "layers": g.layers,
                 "per_request_p50_us": p[1] / requests,
                 "what": "R chunk stagings (paged gather, D2D) round-robin over K streams",
+                "timing": {"method": "cuda-events", "samples": args.reps, "what": "one batch"},
             },
             path=out,
         )
@@ -147,75 +155,112 @@ def _staging(args, geometry, out) -> None:
         )
 
 
-# Over 60 lines: the options (18 lines), then the two sweeps of Fig. 4(b) and 5(b) in order.
+# Over 60 lines: the options (35 lines), then the two sweeps of Fig. 4(b) and 5(b) in order.
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a small sweep (CPU smoke run)")
-    ap.add_argument("--n", default=None, help="comma-separated requesters N (default 1..256)")
-    ap.add_argument("--heads", default=None, help="h_q per requester (default 16; GPU: 16,128)")
-    ap.add_argument("--ct", type=int, default=2048, help="resident chunk tokens (2048)")
-    ap.add_argument("--streams", default="1,4,8,16", help="staging pool sizes K (GPU only)")
-    ap.add_argument("--requests", type=int, default=32, help="concurrent fetches staged")
-    ap.add_argument("--staging-ct", type=int, default=2048, help="tokens per staged chunk")
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per point")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--model", default="deepseek-v2-lite")
-    ap.add_argument("--out", default=None, help="results file (default $MQNC_RESULTS or perf/)")
-    args = ap.parse_args(argv)
+    from mqnc import measure as H
+
+    ap = H.bench_parser(
+        __doc__,
+        reps="50 on a GPU, 5 on a CPU, 3 with --quick, 2 with --tiny",
+        warmup="3 on a GPU, 1 on a CPU, 0 with --tiny",
+        tiny=True,
+    )
+    ap.add_argument("--n", type=H.int_list, default=None, help="requesters N (1,2,4,...,256)")
+    ap.add_argument(
+        "--heads", type=H.int_list, default=None, help="h_q per requester (16; GPU: 16,128)"
+    )
+    ap.add_argument("--c-t", type=H.positive_int, default=2048, help="resident chunk tokens (2048)")
+    H.hidden_alias(ap, "--ct", "c_t", type=H.positive_int)
+    ap.add_argument(
+        "--streams", type=H.int_list, default=K_STREAMS, help="staging pool sizes K (GPU only)"
+    )
+    ap.add_argument(
+        "--requests", type=H.positive_int, default=32, help="concurrent fetches staged (32)"
+    )
+    ap.add_argument(
+        "--staging-c-t", type=H.positive_int, default=2048, help="tokens per staged chunk (2048)"
+    )
+    H.hidden_alias(ap, "--staging-ct", "staging_c_t", type=H.positive_int)
+    ap.add_argument(
+        "--model",
+        type=H.model_arg,
+        default="deepseek-v2-lite",
+        metavar="NAME|CONFIG",
+        help="model preset or Hugging Face config.json (deepseek-v2-lite)",
+    )
+    args = H.parse_bench_args(ap, argv)
+    if args.tiny:  # the dry run: N 1, 2 at c_t 128, the kernel
+        args.n, args.heads, args.c_t = args.n or [1, 2], args.heads or [16], 128
     from mqnc.base.runtime import use_interpreter_without_cuda
 
     use_interpreter_without_cuda()
     import torch
     from tqdm import tqdm
 
-    from mqnc import measure as H
-    from mqnc.measure import record, time_fn
-    from mqnc.model import get_preset
+    from mqnc.measure import input_sets, l2_bytes, record, time_kernel
 
-    g = get_preset(args.model)
+    g = args.model
     cuda = torch.cuda.is_available()
-    ns = H.ints_of(args.n, "--n") if args.n else (N_QUICK if args.quick else N_FULL)
-    heads = H.ints_of(args.heads, "--heads") if args.heads else ([16, 128] if cuda else [16])
-    args.streams = H.ints_of(args.streams, "--streams")
-    if args.ct < 1:
-        raise ValueError(f"--ct: expected a positive chunk length, got {args.ct}")
-    reps = args.reps or (50 if cuda else (3 if args.quick else 5))
+    ns = args.n or (N_QUICK if args.quick else N_FULL)
+    heads = args.heads or ([16, 128] if cuda else [16])
+    args.reps = args.reps or (50 if cuda else (2 if args.tiny else (3 if args.quick else 5)))
+    if args.warmup is None:
+        args.warmup = 0 if args.tiny else (3 if cuda else 1)
     scale = softmax_scale_of(g)
-    if cuda:
+    kernel = cuda or args.tiny  # the Triton kernel: compiled on a GPU, interpreted otherwise
+    if kernel:
         from mqnc.triton_kernels.mla_decode import mla_decode_partial
 
         def call(q, pool, bt, lens):
-            return mla_decode_partial(q, pool, bt, lens, softmax_scale=scale, d_v=g.d_v)
+            return mla_decode_partial(
+                q, pool, bt, lens, softmax_scale=scale, d_v=g.d_v, check_inputs=False
+            )
 
-        backend, dev = "triton", "cuda"
+        backend = "triton" if cuda else "interpreter"
     else:
 
         def call(q, pool, bt, lens):
             return batched_partial_torch(q, pool, bt, lens, scale, g.d_v)
 
-        backend, dev = "torch-reference", "cpu"
+        backend = "torch-reference"
+    dev = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if kernel else torch.float32
+    l2 = l2_bytes(dev)
     for h in heads:
         for n in tqdm(ns, desc=f"bench_holder h_q={h}"):
-            q, pool, bt, lens = holder_inputs(n, h, args.ct, g, device=dev)
-            p = time_fn(
-                lambda q=q, pool=pool, bt=bt, lens=lens: call(q, pool, bt, lens),
-                warmup=1 if not cuda else args.warmup,
-                reps=reps,
+            nbytes = args.c_t * g.kv_bytes_per_token_layer + n * h * g.qp_row_bytes
+            calls = []
+            for i in range(input_sets(nbytes, l2)):
+                x = holder_inputs(n, h, args.c_t, g, device=dev, dtype=dtype, seed=i)
+                calls.append(lambda x=x: call(*x))
+            t = time_kernel(
+                calls,
+                working_set_bytes=nbytes,
+                warmup=args.warmup,
+                reps=args.reps,
+                cuda=cuda,
+                checks="off" if kernel else "n/a",
             )
             record(
                 "holder",
-                f"h_q={h} c_t={args.ct}",
+                f"h_q={h} c_t={args.c_t}",
                 n,
-                p,
+                t.percentiles,
                 x_name="requesters",
-                nbytes=args.ct * g.kv_bytes_per_token_layer + n * h * g.qp_row_bytes,
+                nbytes=nbytes,
                 backend=backend,
-                extra={"heads": h, "c_t": args.ct, "rows": n * h, "dtype": str(q.dtype)[6:]},
+                extra={
+                    "heads": h,
+                    "c_t": args.c_t,
+                    "rows": n * h,
+                    "dtype": str(dtype)[6:],
+                    "timing": t.how,
+                },
                 path=args.out,
             )
-            print(f"holder h_q={h} N={n}: p50 {p[1]:.0f} us [{backend}]")
+            print(f"holder h_q={h} N={n}: p50 {t.p50:.0f} us [{backend}]")
     _staging(args, g, args.out)
-    return 0
+    return H.finish(args, TARGETS)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The host path against the machine's floors, in one interleaved run (issue 14, §5.3).
 
-``python -m perf.bench_host [--transport loopback,gloo] [--reps 400] [--no-kernel]
-[--breakdown] [--record [FILE]]``
+``python -m perf.bench_host [--transport loopback,gloo] [--no-kernel] [--breakdown]`` plus the
+flags every benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
+:mod:`mqnc.measure.options`; ``--quick``: 20 repetitions, no real-kernel route).
 
 The paper's Python client added ~3.5 ms to every routed call against a 16 us fabric probe
 (§5.3); this benchmark measures what this package's software adds, as ratios to floors
@@ -29,22 +30,25 @@ The goals (issue 14): loopback probe <= 3x ``cond``; gloo probe <= 2x ``gloo_1B`
 1.5x the probe; route256 <= 2x the probe plus the bytes at the floor's bandwidth
 (``cond_payload - cond`` or ``gloo_payload - gloo_1B``). The routes less the echo round trips
 of the same size give the cost model's host term (§5.3, :func:`mqnc.cost.fit_host`). Medians,
-p90 and the ratios are printed; ``--record`` appends them to the results file
-(``bench="host"`` and ``"host_ratio"``; nothing is written without it). ``--breakdown``
-instead times each stage of a call (pack, hand-off, parse, holder work, reply) from the
-stamps of :mod:`mqnc.base.stamps` (requester and holder put and wait fused: "put" is ~0 and
-the put's cost is in the hand-off that follows it).
+p90 and the ratios are printed and recorded (``bench="host"``: each case's p20/p50/p80 in us;
+``bench="host_ratio"``: each ratio, ``unit`` ``"ratio"``, ``"routes/s"`` or ``"us"``), to the
+git-ignored results file unless ``--out`` / ``--record`` say otherwise; ``--check`` holds the
+ratios to the goals (``perf/targets.py``). ``--breakdown`` instead times each stage of a call
+(pack, hand-off, parse, holder work, reply) from the stamps of :mod:`mqnc.base.stamps`
+(requester and holder put and wait fused: "put" is ~0 and the put's cost is in the hand-off
+that follows it); it records nothing.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from perf.targets import TARGETS
 
 ROUTE_BIG = (16, 16)  # B, H: M_q 256
 HOLDER4_CALLS = 5
@@ -271,33 +275,32 @@ def breakdown(args, g, calls: int = 200) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--transport", default="loopback,gloo", help="loopback, gloo or both")
-    ap.add_argument("--reps", type=int, default=400, help="interleaved repetitions")
-    ap.add_argument("--warmup", type=int, default=20)
+    from mqnc.measure.options import bench_parser, finish, parse_bench_args
+
+    ap = bench_parser(__doc__, reps="400; --quick: 20", warmup="20; --quick: 2", transports=True)
+    ap.set_defaults(transport=["loopback", "gloo"])
     ap.add_argument("--no-kernel", dest="kernel", action="store_false",
-                    help="skip the real-kernel route (interpreted on a CPU: slow)")  # fmt: skip
+                    help="skip the real-kernel route (interpreted on a CPU: slow; --quick "
+                    "skips it too)")  # fmt: skip
     ap.add_argument("--breakdown", action="store_true", help="per-stage times instead")
-    ap.add_argument("--record", nargs="?", const="", default=None, metavar="FILE",
-                    help="append the records (default file: the results file)")  # fmt: skip
-    ap.add_argument("--model", default="deepseek-v2-lite")
-    args = ap.parse_args(argv)
+    args = parse_bench_args(ap, argv)
+    bad = [t for t in args.transport if t not in ("loopback", "gloo")]
+    if bad:
+        ap.error(f"--transport: expected loopback and/or gloo, got {','.join(args.transport)}")
+    args.reps = args.reps or (20 if args.quick else 400)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 20)
+    args.kernel = args.kernel and not args.quick
+    args.transports = args.transport
     from mqnc.base.runtime import use_interpreter_without_cuda
 
     use_interpreter_without_cuda()
-    from mqnc.measure.echo import exit_process
     from mqnc.measure.timing import interleaved_samples, one_intra_op_thread
-    from mqnc.model import get_preset
 
-    args.transports = [t.strip() for t in args.transport.split(",") if t.strip()]
-    bad = [t for t in args.transports if t not in ("loopback", "gloo")]
-    if bad or not args.transports:
-        raise SystemExit(f"--transport: expected loopback and/or gloo, got {args.transport!r}")
     one_intra_op_thread()
-    g = get_preset(args.model)
+    g = args.model
     if args.breakdown:
         breakdown(args, g)
-        exit_process(0)
+        return finish(args)
     t0 = time.monotonic()
     load0 = os.getloadavg()
     with contextlib.ExitStack() as stack:
@@ -307,13 +310,13 @@ def main(argv=None) -> int:
     rows = _ratios({k: s["p50"] for k, s in stats.items()}, args.transports)
     _print(stats, rows, args.reps)
     load1 = os.getloadavg()
-    print(f"\nload average before {load0[0]:.2f}, after {load1[0]:.2f} (1 min; 2 cores); "
-          f"{time.monotonic() - t0:.0f} s")  # fmt: skip
-    if args.record is not None:
-        _record(stats, rows, args, args.record or None)
-    exit_process(0)
-    return 0
+    print(f"\nload average before {load0[0]:.2f}, after {load1[0]:.2f} (1 min; "
+          f"{os.cpu_count()} cores); {time.monotonic() - t0:.0f} s")  # fmt: skip
+    _record(stats, rows, args, args.out)
+    return finish(args, TARGETS)
 
 
 if __name__ == "__main__":
-    main()
+    from mqnc.measure.echo import exit_process
+
+    exit_process(main())

@@ -1,7 +1,9 @@
 """Benchmark the holder's partial absorbed-MLA attention (§6.3): dense paged, sparse top-k, and the
 holder fan-in sweep.
 
-``python -m perf.bench_mla [--quick] [--out FILE] [--only dense,sparse,fanin]``
+``python -m perf.bench_mla [--goals | --tiny] [--only dense,sparse,fanin]`` with the flags every
+benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
+:mod:`mqnc.measure.options`).
 
 - ``mla_decode``: B query tokens x H heads, each token over its own ct-entry cache (page 64):
   B in {1, 8, 64}, ct in {2048, 8192, 32768}, H in {16, 128};
@@ -10,25 +12,51 @@ holder fan-in sweep.
 - ``mla_fanin`` (§6.3): N routed requesters (N in 1..256, one query token each) batched into one
   call over the same ct = 2048 chunk the holder holds, H in {16, 128}.
 
+``--goals`` sweeps instead issue 13's goal shapes (``mqnc.triton_kernels._variants.GOALS``:
+dense H 16 / 128 x B 1..128 x c_t 2048..65536, sparse top-2048 at H 16 / 128, B 1 / 8), one
+record per shape with ``extra.shape`` set to the shape's label, which
+``perf/kernel_report.py --measured`` joins to its predictions (one GPU run answers each goal).
+``--tiny`` (``perf/gpu_check.sh --dry-run``) takes the first goal shape of each op cut to
+B <= 2 and 128 entries and runs the Triton kernels even without a GPU (interpreted).
+
+Timing (``mqnc.measure.time_kernel``, recorded as ``extra.timing``): on a GPU the kernel calls,
+checks off (``check_inputs=False``), over enough input sets (pool, table, queries) that one pass
+moves twice the 60 MB L2, captured in one CUDA graph and replayed between CUDA events; the
+host cost of a call is recorded beside it (``extra.timing.host_us``).
+
 Bytes read once (for GB/s): the distinct cache entries (``x 576 x elt``; the fan-in's N rows
 share one chunk), the query rows and the written partials (``o`` + fp32 ``lse``). On a GPU it
-times the Triton kernels in bf16 (CUDA events; the issue's targets: >= 80% of the copy
-ceiling for memory-bound dense shapes, the fan-in partial at N <= 16 in <= 15 us (H 16) /
-<= 30 us (H 128), the sparse top-2048 H 128 partial in <= 30 us). On the CPU it times a torch
-fp32 implementation of the same math (``backend=torch-reference``; interpreter timings say
-nothing about the kernel) and skips shapes whose gathered cache exceeds ~1 GiB.
+times the Triton kernels in bf16 (the issue's targets: >= 80% of the copy ceiling for
+memory-bound dense shapes, the fan-in partial at N <= 16 in <= 15 us (H 16) / <= 30 us (H 128),
+the sparse top-2048 H 128 partial in <= 30 us). On the CPU it times a torch fp32 implementation
+of the same math (``backend=torch-reference``; interpreter timings say nothing about the
+kernel) and skips shapes whose gathered cache exceeds ~1 GiB.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import math
 
 from mqnc.base.runtime import use_interpreter_without_cuda
+from mqnc.measure.options import bench_parser, finish, parse_bench_args
+from perf.targets import TARGETS
 
 D_QK, D_V = 576, 512
 SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite with YaRN
 CPU_MAX_GATHER = 1 << 30  # bytes of gathered fp32 cache the CPU path may build
+TINY_B, TINY_CT = 2, 128  # --tiny: the dry run's cut of a goal shape
+
+
+def tiny_goals(ops) -> list:
+    """The first goal shape of each op in ``ops``, cut to B <= 2 and ct <= 128 (--tiny)."""
+    from mqnc.triton_kernels._variants import GOALS
+
+    out = {}
+    for s in GOALS:
+        if s.op in ops and s.op not in out:
+            out[s.op] = dataclasses.replace(s, B=min(s.B, TINY_B), ct=min(s.ct, TINY_CT))
+    return list(out.values())
 
 
 def _torch_partial(q, kv, valid):
@@ -42,6 +70,15 @@ def _torch_partial(q, kv, valid):
     return torch.einsum("bhn,bnd->bhd", p, kv[..., :D_V].float()).to(q.dtype), lse
 
 
+def _randn(shape, dev, dtype, gen):
+    """N(0, 1) in ``dtype`` on ``dev``: drawn on the device there (goal pools reach ~10 GB)."""
+    import torch
+
+    if str(dev) != "cpu":
+        return torch.empty(shape, device=dev, dtype=dtype).normal_()
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
 def _dense_case(B, H, ct, dev, dtype, shared_chunk, gen):
     """Pool, table and lengths for B rows of ct entries (own caches, or one shared chunk)."""
     import torch
@@ -49,7 +86,7 @@ def _dense_case(B, H, ct, dev, dtype, shared_chunk, gen):
     page = 64
     pages = math.ceil(ct / page)
     nblocks = pages if shared_chunk else B * pages
-    pool = torch.randn(nblocks, page, D_QK, generator=gen).to(device=dev, dtype=dtype)
+    pool = _randn((nblocks, page, D_QK), dev, dtype, gen)
     if shared_chunk:
         table = torch.arange(pages, dtype=torch.int32).repeat(B, 1)
     else:
@@ -59,12 +96,12 @@ def _dense_case(B, H, ct, dev, dtype, shared_chunk, gen):
     return q, pool, table.to(dev), lens.to(dev)
 
 
-def _dense_fn(q, pool, table, lens, cuda):
+def _dense_fn(q, pool, table, lens, kernel):
     import torch
 
     from mqnc.triton_kernels import mla_decode_partial
 
-    if cuda:
+    if kernel:
         return lambda: mla_decode_partial(
             q, pool, table, lens, softmax_scale=SCALE, check_inputs=False
         )
@@ -77,49 +114,114 @@ def _dense_fn(q, pool, table, lens, cuda):
     return lambda: _torch_partial(q, flat[slots], valid)
 
 
+def _sparse_case(B, H, topk, corpus, dev, dtype, gen):
+    import torch
+
+    pool = _randn((corpus // 64, 64, D_QK), dev, dtype, gen)
+    q = torch.randn(B, H, D_QK, generator=gen).to(dev, dtype)
+    idx = torch.stack([torch.randperm(corpus, generator=gen)[:topk] for _ in range(B)])
+    return q, pool, idx.to(torch.int32).to(dev)
+
+
+def _sparse_fn(q, pool, idx, kernel):
+    import torch
+
+    from mqnc.triton_kernels import mla_sparse_partial
+
+    if kernel:
+        return lambda: mla_sparse_partial(q, pool, idx, softmax_scale=SCALE, check_indices=False)
+    kv = pool.reshape(-1, D_QK)
+    valid = torch.ones(idx.shape, dtype=torch.bool)
+    return lambda: _torch_partial(q, kv[idx.long()], valid)
+
+
 def _nbytes(distinct_entries, rows, elt):
     return distinct_entries * D_QK * elt + rows * D_QK * elt + rows * (D_V * elt + 4)
 
 
+def _goals(run, too_big, only, shapes, dev, dtype, elt, kernel, gen) -> None:
+    """One record per goal shape of the dense and sparse ops (``_variants.GOALS``)."""
+    for shape in shapes:
+        B, H, n = shape.B, shape.H, shape.ct
+        extra = {"B": B, "H": H, "page": 64, "shape": shape.label, "goal": shape.goal}
+        if shape.op == "mla_decode" and "dense" in only:
+            if too_big(B * n):
+                print(f"{shape.label}: skipped on CPU (gather too big)")
+                continue
+
+            def make(B=B, H=H, n=n):
+                return _dense_fn(*_dense_case(B, H, n, dev, dtype, False, gen), kernel)
+
+            run("mla_decode", f"H={H},B={B}", n, "ct", make, _nbytes(B * n, B * H, elt), extra)
+        elif shape.op == "mla_sparse" and "sparse" in only:
+            corpus = max(32768 if kernel and dev != "cpu" else 4 * n, n)
+
+            def make(B=B, H=H, n=n, corpus=corpus):
+                return _sparse_fn(*_sparse_case(B, H, n, corpus, dev, dtype, gen), kernel)
+
+            extra["corpus"] = corpus
+            run("mla_sparse", f"H={H},B={B}", n, "topk", make, _nbytes(B * n, B * H, elt), extra)
+
+
+# Over 60 lines: the options, the shared timing + record step, then the three sweeps in order.
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a small sweep (CPU smoke run)")
-    ap.add_argument("--out", default=None, help="results file (default perf/results/results.jsonl)")
+    ap = bench_parser(
+        __doc__,
+        reps="20 on a GPU, 5 on a CPU, 2 with --tiny",
+        warmup="3 on a GPU, 1 on a CPU, 0 with --tiny",
+        tiny=True,
+    )
     ap.add_argument("--only", default="dense,sparse,fanin", help="comma list of sweeps")
-    args = ap.parse_args(argv)
+    ap.add_argument("--goals", action="store_true", help="issue 13's goal shapes instead")
+    args = parse_bench_args(ap, argv)
     use_interpreter_without_cuda()
     import torch
 
-    from mqnc.measure import record, time_fn
-    from mqnc.triton_kernels import mla_sparse_partial
+    from mqnc.measure import input_sets, l2_bytes, record, time_kernel
 
     cuda = torch.cuda.is_available()
+    kernel = cuda or args.tiny  # the Triton kernels: compiled on a GPU, interpreted otherwise
     dev = "cuda" if cuda else "cpu"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = torch.bfloat16 if kernel else torch.float32
     elt = torch.empty((), dtype=dtype).element_size()
-    backend = "triton" if cuda else "torch-reference"
-    reps = 50 if cuda else 5
+    backend = "triton" if cuda else ("interpreter" if kernel else "torch-reference")
+    reps = args.reps or (20 if cuda else (2 if args.tiny else 5))
+    warmup = args.warmup
+    if warmup is None:
+        warmup = 0 if args.tiny else (3 if cuda else 1)
     gen = torch.Generator().manual_seed(0)
     only = set(args.only.split(","))
     heads = [16, 128] if not args.quick else [16]
+    l2 = l2_bytes(dev)
 
-    def run(bench, variant, x, x_name, fn, nbytes, extra):
-        p = time_fn(fn, warmup=3 if cuda else 1, reps=reps)
+    def run(bench, variant, x, x_name, make, nbytes, extra):
+        calls = [make() for _ in range(input_sets(nbytes, l2))]
+        t = time_kernel(
+            calls, working_set_bytes=nbytes, warmup=warmup, reps=reps, cuda=cuda,
+            checks="off" if kernel else "n/a",
+        )  # fmt: skip
         rec = record(
             bench,
             variant,
             x,
-            p,
+            t.percentiles,
             x_name=x_name,
             nbytes=nbytes,
             backend=backend,
             path=args.out,
-            extra={**extra, "dtype": str(dtype)[6:]},
+            extra={**extra, "dtype": str(dtype)[6:], "timing": t.how},
         )
-        print(f"{bench} {variant} {x_name}={x}: p50 {p[1]:.1f} us ({rec['gbps']:.1f} GB/s)")
+        print(f"{bench} {variant} {x_name}={x}: p50 {t.p50:.1f} us ({rec['gbps']:.1f} GB/s)")
 
     def too_big(entries):
         return not cuda and entries * D_QK * 4 > CPU_MAX_GATHER
+
+    if args.goals or args.tiny:
+        from mqnc.triton_kernels._variants import GOALS
+
+        shapes = tiny_goals(("mla_decode", "mla_sparse")) if args.tiny else GOALS
+        _goals(run, too_big, only, shapes, dev, dtype, elt, kernel, gen)
+        return finish(args, TARGETS)
 
     if "dense" in only:
         Bs = [1, 8, 64] if not args.quick else [1, 8]
@@ -130,48 +232,31 @@ def main(argv=None) -> int:
                     if too_big(B * ct):
                         print(f"mla_decode H={H} B={B} ct={ct}: skipped on CPU (gather too big)")
                         continue
-                    q, pool, table, lens = _dense_case(B, H, ct, dev, dtype, False, gen)
-                    run(
-                        "mla_decode",
-                        f"H={H},B={B}",
-                        ct,
-                        "ct",
-                        _dense_fn(q, pool, table, lens, cuda),
-                        _nbytes(B * ct, B * H, elt),
-                        {"B": B, "H": H, "page": 64},
-                    )
+
+                    def make(B=B, H=H, ct=ct):
+                        return _dense_fn(*_dense_case(B, H, ct, dev, dtype, False, gen), kernel)
+
+                    extra = {"B": B, "H": H, "page": 64}
+                    nbytes = _nbytes(B * ct, B * H, elt)
+                    run("mla_decode", f"H={H},B={B}", ct, "ct", make, nbytes, extra)
 
     if "sparse" in only:
         topks = [512, 1024, 2048] if not args.quick else [512, 2048]
         corpora = [2048, 8192, 32768] if not args.quick else [8192]
         for H in heads:
             for corpus in corpora:
-                pool = torch.randn(corpus // 64, 64, D_QK, generator=gen).to(dev, dtype)
-                q = torch.randn(1, H, D_QK, generator=gen).to(dev, dtype)
                 for topk in topks:
                     if topk > corpus:
                         continue
-                    idx = torch.randperm(corpus, generator=gen)[:topk].to(torch.int32)[None]
-                    idx = idx.to(dev)
-                    if cuda:
-                        fn = lambda q=q, idx=idx, pool=pool: mla_sparse_partial(  # noqa: E731
-                            q, pool, idx, softmax_scale=SCALE, check_indices=False
+
+                    def make(H=H, topk=topk, corpus=corpus):
+                        return _sparse_fn(
+                            *_sparse_case(1, H, topk, corpus, dev, dtype, gen), kernel
                         )
-                    else:
-                        kv = pool.reshape(-1, D_QK)
-                        valid = torch.ones(1, topk, dtype=torch.bool)
-                        fn = lambda q=q, idx=idx, kv=kv, valid=valid: _torch_partial(  # noqa: E731
-                            q, kv[idx.long()], valid
-                        )
-                    run(
-                        "mla_sparse",
-                        f"H={H},corpus={corpus}",
-                        topk,
-                        "topk",
-                        fn,
-                        _nbytes(topk, H, elt),
-                        {"H": H, "corpus": corpus, "B": 1},
-                    )
+
+                    extra = {"H": H, "corpus": corpus, "B": 1}
+                    nbytes = _nbytes(topk, H, elt)
+                    run("mla_sparse", f"H={H},corpus={corpus}", topk, "topk", make, nbytes, extra)
 
     if "fanin" in only:
         Ns = [1, 2, 4, 8, 16, 32, 64, 128, 256] if not args.quick else [1, 8, 64]
@@ -181,17 +266,13 @@ def main(argv=None) -> int:
                 if too_big(N * ct):
                     print(f"mla_fanin H={H} N={N}: skipped on CPU (gather too big)")
                     continue
-                q, pool, table, lens = _dense_case(N, H, ct, dev, dtype, True, gen)
-                run(
-                    "mla_fanin",
-                    f"H={H},ct={ct}",
-                    N,
-                    "N",
-                    _dense_fn(q, pool, table, lens, cuda),
-                    _nbytes(ct, N * H, elt),
-                    {"H": H, "ct": ct, "page": 64},
-                )
-    return 0
+
+                def make(N=N, H=H):
+                    return _dense_fn(*_dense_case(N, H, ct, dev, dtype, True, gen), kernel)
+
+                extra = {"H": H, "ct": ct, "page": 64}
+                run("mla_fanin", f"H={H},ct={ct}", N, "N", make, _nbytes(ct, N * H, elt), extra)
+    return finish(args, TARGETS)
 
 
 if __name__ == "__main__":

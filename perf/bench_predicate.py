@@ -6,12 +6,14 @@ would time an idle stream); ``--pin`` restricts the process to one core first. R
 ``bench="predicate"`` with variants ``scalar`` (x = 1 decision) and ``grid`` (x = grid points),
 p20/p50/p80 in us, backend ``python`` / ``numpy``, the CPU model in ``extra``.
 
-    python -m perf.bench_predicate --quick
+    python -m perf.bench_predicate --quick [--grid 1000] [--pin] [--check]
+
+plus the flags every benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
+:mod:`mqnc.measure.options`); ``--check`` exits 1 when a target is missed (``perf/targets.py``).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import time
@@ -19,10 +21,9 @@ import time
 import numpy as np
 
 from mqnc.cost import crossover_map, decide, get_fabric
+from mqnc.measure import bench_parser, finish, parse_bench_args, positive_int, record
 from mqnc.model import get_preset
-
-TARGET_SCALAR_US = 20.0
-TARGET_GRID_S = 0.2
+from perf.targets import TARGETS
 
 
 def _cpu_model() -> str:
@@ -49,47 +50,61 @@ def _time(fn, reps: int, warmup: int) -> tuple[float, float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
-    ap.add_argument("--grid", type=int, default=1000, help="points per grid axis (default 1000)")
+    ap = bench_parser(
+        __doc__,
+        reps="20000 scalar decisions and 20 grids; --quick 2000 and 5",
+        warmup="200 decisions, 1 grid",
+    )
+    ap.add_argument(
+        "--grid", type=positive_int, default=1000, help="points per grid axis (default 1000)"
+    )
     ap.add_argument("--pin", action="store_true", help="run on one CPU core (sched_setaffinity)")
-    ap.add_argument("--no-record", action="store_true", help="print only")
-    args = ap.parse_args(argv)
+    args = parse_bench_args(ap, argv)
     if args.pin and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     g, f = get_preset("deepseek-v2-lite"), get_fabric("h100-ibgda")
     m_axis = np.geomspace(1, 8192, args.grid)
     c_axis = np.geomspace(16, 8192, args.grid)
 
-    scalar = _time(lambda: decide(g, f, 256, 2048), reps=2000 if args.quick else 20000, warmup=200)
+    scalar = _time(
+        lambda: decide(g, f, 256, 2048),
+        reps=args.reps or (2000 if args.quick else 20000),
+        warmup=200 if args.warmup is None else args.warmup,
+    )
     grid = _time(
-        lambda: crossover_map(g, f, m_axis, c_axis), reps=5 if args.quick else 20, warmup=1
+        lambda: crossover_map(g, f, m_axis, c_axis),
+        reps=args.reps or (5 if args.quick else 20),
+        warmup=1 if args.warmup is None else args.warmup,
     )
     extra = dict(cpu=_cpu_model(), pinned=bool(args.pin), model=g.name, fabric=f.name)
     print(
-        f"scalar decide:        p20 {scalar[0]:8.2f}  p50 {scalar[1]:8.2f}  p80 {scalar[2]:8.2f}"
-        f" us   (target <= {TARGET_SCALAR_US:g} us)"
+        f"scalar decide:        p20 {scalar[0]:8.2f}  p50 {scalar[1]:8.2f}  p80 {scalar[2]:8.2f} us"
     )
     print(
         f"{args.grid}x{args.grid} grid:  p20 {grid[0] / 1e3:8.1f}  p50 {grid[1] / 1e3:8.1f}  "
-        f"p80 {grid[2] / 1e3:8.1f} ms   (target <= {TARGET_GRID_S * 1e3:g} ms)"
+        f"p80 {grid[2] / 1e3:8.1f} ms"
     )
-    if not args.no_record:
-        from mqnc.measure import record
-
-        record("predicate", "scalar", 1, scalar, x_name="decisions", backend="python", extra=extra)
-        record(
-            "predicate",
-            "grid",
-            args.grid * args.grid,
-            grid,
-            x_name="grid points",
-            backend="numpy",
-            extra=dict(extra, shape=[args.grid, args.grid]),
-        )
-    ok = scalar[1] <= TARGET_SCALAR_US and grid[1] <= TARGET_GRID_S * 1e6
-    print("targets met" if ok else "TARGETS MISSED")
-    return 0
+    record(
+        "predicate",
+        "scalar",
+        1,
+        scalar,
+        x_name="decisions",
+        backend="python",
+        extra=extra,
+        path=args.out,
+    )
+    record(
+        "predicate",
+        "grid",
+        args.grid * args.grid,
+        grid,
+        x_name="grid points",
+        backend="numpy",
+        extra=dict(extra, shape=[args.grid, args.grid]),
+        path=args.out,
+    )
+    return finish(args, TARGETS)
 
 
 if __name__ == "__main__":

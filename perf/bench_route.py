@@ -1,6 +1,8 @@
 """Route's transport term: the probe (``sig_rt``) and the round trip (``full_rt``) over M_q.
 
-``python -m perf.bench_route [--transport loopback,gloo] [--quick] [--out FILE]``
+``python -m perf.bench_route [--transport loopback,gloo] [--m-q 1,64,1024] [--payloads 2184]``
+plus the flags every benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
+:mod:`mqnc.measure.options`).
 
 What is timed (§3.2, §4.3, Table 1), on each transport named, through
 :class:`mqnc.measure.echo.EchoFabric` (rank 0 this process, one echo holder;
@@ -24,12 +26,10 @@ p20/p50/p80 of ``--reps`` repetitions.
 
 from __future__ import annotations
 
-import argparse
-
 from mqnc import measure as H
 from mqnc.cost import fit
 from mqnc.measure.sweep import route_sweep
-from mqnc.model import get_preset
+from perf.targets import TARGETS
 
 M_Q_FULL = [1, 4, 16, 64, 256, 1024, 4096]
 M_Q_QUICK = [1, 64, 1024]
@@ -37,24 +37,23 @@ PAYLOADS = [900, 2184, 4368, 8736]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    H.add_transport_args(ap)
-    ap.add_argument("--m-q", default=None, help="comma-separated M_q (default 1,4,...,4096)")
+    ap = H.bench_parser(__doc__, reps=20, transports=True)
+    ap.add_argument(
+        "--m-q", type=H.int_list, default=None, help="comma-separated M_q (1,4,16,...,4096)"
+    )
     ap.add_argument(
         "--payloads",
+        type=H.int_list,
         default=None,
-        help="comma-separated q+p bytes/row (default 900,2184,4368,8736; --quick: the real row)",
+        help="comma-separated q+p bytes/row (900,2184,4368,8736; --quick: the model's row)",
     )
-    args = ap.parse_args(argv)
+    args = H.parse_bench_args(ap, argv)
     H.one_intra_op_thread()
-    geometry = get_preset(args.model)
-    m_qs = H.ints_of(args.m_q, "--m-q") if args.m_q else (M_Q_QUICK if args.quick else M_Q_FULL)
-    if args.payloads:
-        payloads = H.ints_of(args.payloads, "--payloads")
-    else:
-        payloads = [geometry.qp_row_bytes] if args.quick else PAYLOADS
+    geometry = args.model
+    m_qs = args.m_q or (M_Q_QUICK if args.quick else M_Q_FULL)
+    payloads = args.payloads or ([geometry.qp_row_bytes] if args.quick else PAYLOADS)
     biggest = max(max(H.split_row_bytes(qp, geometry)) for qp in payloads) * max(m_qs)
-    for name in H.transports_of(args.transport):
+    for name in args.transport:
         try:
             fabric = H.EchoFabric(name, holders=1, slot_bytes=H.HDR + biggest)
         except H.Unavailable as exc:
@@ -78,7 +77,7 @@ def main(argv=None) -> int:
                 except ValueError as exc:
                     msg += f"; no fit ({exc})"
             print(msg)
-    return 0
+    return H.finish(args, TARGETS)
 
 
 if __name__ == "__main__":

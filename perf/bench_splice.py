@@ -15,16 +15,32 @@ smallest size only (c_t = 55), and the torch variants at every size. ``bytes`` i
 splice must move: each entry read once and written once, ``2 * L * c_t * 576 * 2`` bytes. The
 issue's goal on an H200: 27 layers x 2048 tokens in <= 60 us (>= 50x under ~3 ms).
 
-Usage: ``python -m perf.bench_splice [--quick] [--ct 55 2048] [--layers 27]``.
+Usage: ``python -m perf.bench_splice [--goals | --tiny] [--c-t 55,2048] [--layers 27]`` with the
+flags every benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
+:mod:`mqnc.measure.options`).
+
+``--goals`` times issue 13's goal shapes (``_variants.GOALS``: 27 layers x 2048 tokens, one
+int delta for the chunk as the requester's fetch does, and one delta per token), recording
+``extra.shape`` for ``perf/kernel_report.py --measured``; ``--tiny`` (the dry run of
+``perf/gpu_check.sh``) cuts them to 2 layers x 55 tokens, where the Triton variants run
+interpreted without a GPU.
+
+Timing is ``mqnc.measure.time_kernel`` (``extra.timing``): on a GPU each variant (checks off,
+``validate=False``) over enough input sets that one pass moves twice the L2 (the goal shape's
+127 MB needs one), captured in one CUDA graph and replayed between CUDA events (the torch
+variants, whose calls copy index tables to the device, by ``do_bench``); the host cost of a
+call beside it.
 """
 
 from __future__ import annotations
 
-import argparse
-
 from mqnc.base.runtime import use_interpreter_without_cuda
+from mqnc.measure.options import bench_parser, finish, hidden_alias, int_list, parse_bench_args
+from perf.targets import TARGETS
 
 PAPER_SPLICE_US = {55: 2770.0, 1024: 2780.0, 2048: 2910.0, 4096: 3060.0}  # §7, H100
+BLOCK_SIZE = 64
+TINY_LAYERS, TINY_CT = 2, 55  # --tiny: the dry run's cut of a goal shape
 
 
 def splice_torch(chunk, pool, slot_mapping, delta, rope, per_layer: bool = False):
@@ -61,7 +77,17 @@ def splice_torch(chunk, pool, slot_mapping, delta, rope, per_layer: bool = False
     return pool
 
 
-def run(ct_list, layers: int, quick: bool, record_results: bool = True) -> list[dict]:
+def run(
+    ct_list,
+    layers: int,
+    quick: bool,
+    record_results: bool = True,
+    delta_kind: str = "[T]",
+    shape="",
+    **timing,
+) -> list[dict]:
+    """Time every variant at each c_t; ``timing``: ``path`` (results file), ``reps``, ``warmup``
+    (None: the defaults in ``_bench_ct``)."""
     use_interpreter_without_cuda()
     import torch
 
@@ -72,59 +98,62 @@ def run(ct_list, layers: int, quick: bool, record_results: bool = True) -> list[
     rope = RopeSpec.from_preset("deepseek-v2-lite")
     out = []
     for ct in ct_list:
-        out += _bench_ct(ct, layers, quick, record_results, device, cuda, rope)
+        out += _bench_ct(
+            ct, layers, quick, record_results, device, cuda, rope, delta_kind, shape, **timing
+        )
     return out
 
 
-def _bench_ct(ct, layers, quick, record_results, device, cuda, rope) -> list[dict]:
+def _inputs(ct, layers, device, seed, delta_kind):
+    """One input set: chunk ``[L, ct, 576]`` bf16, pool (twice the blocks), scattered slots,
+    per-token delta (or one int for the chunk, the requester's fetch)."""
     import torch
 
-    from mqnc.base.runtime import kernel_mode
-    from mqnc.measure import record, time_fn
+    g = torch.Generator().manual_seed(seed)
+    chunk = torch.randn(layers, ct, 576, generator=g).to(torch.bfloat16).to(device)
+    num_blocks = 2 * (-(-ct // BLOCK_SIZE))
+    pool = torch.zeros(layers, num_blocks, BLOCK_SIZE, 576, dtype=torch.bfloat16, device=device)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=g)[:ct].to(device)
+    delta = torch.randint(-100_000, 100_000, (ct,), generator=g).to(device)
+    if delta_kind == "int":
+        delta = int(delta[0])
+    return chunk, pool, slots, delta
+
+
+def _variants(rope, layers, triton_backend):
+    """``{name: (backend, fn(chunk, pool, slots, delta))}``: the Triton variants when
+    ``triton_backend`` is given, and the torch ones."""
     from mqnc.triton_kernels.splice import rope_splice
 
-    dtype = torch.bfloat16
-    out = []
-    g = torch.Generator().manual_seed(ct)
-    chunk = torch.randn(layers, ct, 576, generator=g).to(dtype).to(device)
-    block_size = 64
-    num_blocks = 2 * (-(-ct // block_size))
-    pool = torch.zeros(layers, num_blocks, block_size, 576, dtype=dtype, device=device)
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:ct].to(device)
-    delta = torch.randint(-100_000, 100_000, (ct,), generator=g).to(device)
-    nbytes = 2 * layers * ct * 576 * chunk.element_size()
-
     variants = {}
-    if cuda or ct <= 64:
-        backend = "triton" if kernel_mode() == "compiled" else "interpreter"
+    if triton_backend:
         variants["one-launch"] = (
-            backend,
-            lambda: rope_splice(chunk, pool, slots, delta, rope, validate=False),
+            triton_backend,
+            lambda c, p, s, d: rope_splice(c, p, s, d, rope, validate=False),
         )
 
-        def per_layer():
+        def per_layer(c, p, s, d):
             for layer in range(layers):
-                rope_splice(
-                    chunk[layer : layer + 1],
-                    pool[layer : layer + 1],
-                    slots,
-                    delta,
-                    rope,
-                    validate=False,
-                )
+                rope_splice(c[layer : layer + 1], p[layer : layer + 1], s, d, rope, validate=False)
 
-        variants["per-layer"] = (backend, per_layer)
-    variants["torch"] = ("torch", lambda: splice_torch(chunk, pool, slots, delta, rope))
+        variants["per-layer"] = (triton_backend, per_layer)
+    variants["torch"] = ("torch", lambda c, p, s, d: splice_torch(c, p, s, d, rope))
     variants["torch-per-layer"] = (
         "torch",
-        lambda: splice_torch(chunk, pool, slots, delta, rope, per_layer=True),
+        lambda c, p, s, d: splice_torch(c, p, s, d, rope, per_layer=True),
     )
+    return variants
 
-    # Correctness of what is timed: every variant must produce the same pool.
+
+def _check_same_pool(variants, inputs) -> None:
+    """Correctness of what is timed: every variant must produce the same pool."""
+    import torch
+
+    chunk, pool, slots, delta = inputs
     pools = {}
     for name, (_, fn) in variants.items():
         pool.zero_()
-        fn()
+        fn(chunk, pool, slots, delta)
         pools[name] = pool.clone()
     ref = pools["torch"]
     for name, p in pools.items():
@@ -134,55 +163,106 @@ def _bench_ct(ct, layers, quick, record_results, device, cuda, rope) -> list[dic
         if err > 0.0625:  # one bf16 ulp at |x| < 8 (two independent roundings)
             raise AssertionError(f"{name}: rope dims differ from the torch path by {err}")
 
+
+def _bench_ct(
+    ct,
+    layers,
+    quick,
+    record_results,
+    device,
+    cuda,
+    rope,
+    delta_kind="[T]",
+    shape="",
+    path=None,
+    reps=None,
+    warmup=None,
+) -> list[dict]:
+    from mqnc.base.runtime import kernel_mode
+    from mqnc.measure import input_sets, l2_bytes, record, time_kernel
+
+    nbytes = 2 * layers * ct * 576 * 2
+    backend = None
+    if cuda or ct <= 64:
+        backend = "triton" if kernel_mode() == "compiled" else "interpreter"
+    variants = _variants(rope, layers, backend)
+    n_sets = input_sets(nbytes, l2_bytes(device))
+    sets = [_inputs(ct, layers, device, ct + i, delta_kind) for i in range(n_sets)]
+    _check_same_pool(variants, sets[0])
+
     interp = not cuda
-    reps = 3 if (quick or interp) else 50
-    warmup = 1 if (quick or interp) else 10
-    times = {}
+    reps = reps or (3 if (quick or interp) else 20)
+    if warmup is None:
+        warmup = 0 if interp else (1 if quick else 3)
+    out, times = [], {}
     for name, (backend, fn) in variants.items():
+        calls = [lambda fn=fn, x=x: fn(*x) for x in sets]
         if backend == "interpreter":  # seconds per call: the correctness call warmed it up
-            times[name] = (backend, time_fn(fn, warmup=0, reps=1))
-        else:
-            times[name] = (backend, time_fn(fn, warmup=warmup, reps=reps))
-    for name, (backend, pct) in times.items():
+            times[name] = (backend, time_kernel(calls, warmup=0, reps=1, cuda=False))
+        else:  # the torch variants copy index tables to the device: not capturable
+            t = time_kernel(calls, working_set_bytes=nbytes, warmup=warmup, reps=reps, cuda=cuda,
+                            graph=backend != "torch", checks="off")  # fmt: skip
+            times[name] = (backend, t)
+    for name, (backend, t) in times.items():
         base = times["torch-per-layer" if backend == "torch" else "per-layer"][1]
         extra = {
             "layers": layers,
             "dtype": "bf16",
-            "delta": "per-token",
-            "block_size": block_size,
-            "speedup_vs_per_layer": base[1] / pct[1],
+            "delta": "per-token" if delta_kind != "int" else "int",
+            **({"shape": shape} if shape and name == "one-launch" else {}),
+            "block_size": BLOCK_SIZE,
+            "speedup_vs_per_layer": base.p50 / t.p50,
             "paper_us_h100": PAPER_SPLICE_US.get(ct),
+            "timing": t.how,
         }
-        rec = dict(bench="splice", variant=name, x=ct, p=pct, backend=backend, extra=extra)
+        rec = dict(
+            bench="splice", variant=name, x=ct, p=t.percentiles, backend=backend, extra=extra
+        )
         if record_results:
             record(
                 "splice",
                 name,
                 ct,
-                pct,
+                t.percentiles,
                 x_name="ct",
                 nbytes=nbytes,
                 backend=backend,
                 extra=extra,
+                path=path,
             )
         out.append(rec)
-        gbps = nbytes / (pct[1] * 1e-6) / 1e9
+        gbps = nbytes / (t.p50 * 1e-6) / 1e9
         print(
-            f"ct={ct:5d} L={layers} {name:16s} [{backend:11s}] p50 {pct[1]:10.1f} us  "
+            f"ct={ct:5d} L={layers} {name:16s} [{backend:11s}] p50 {t.p50:10.1f} us  "
             f"{gbps:7.2f} GB/s  x{extra['speedup_vs_per_layer']:.2f} vs per-layer"
         )
     return out
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="few repetitions (a smoke run)")
-    p.add_argument("--ct", type=int, nargs="+", default=[55, 1024, 2048, 4096])
+    p = bench_parser(
+        __doc__,
+        reps="20 on a GPU, 3 on a CPU or with --quick",
+        warmup="3 on a GPU, 1 with --quick, 0 on a CPU",
+        tiny=True,
+    )
+    p.add_argument("--c-t", type=int_list, default=[55, 1024, 2048, 4096], help="chunk tokens")
+    hidden_alias(p, "--ct", "c_t", type=int_list)
     p.add_argument("--layers", type=int, default=27)
-    p.add_argument("--no-record", action="store_true", help="print only, do not append results")
-    args = p.parse_args(argv)
-    run(args.ct, args.layers, args.quick, record_results=not args.no_record)
-    return 0
+    p.add_argument("--goals", action="store_true", help="issue 13's goal shapes instead")
+    args = parse_bench_args(p, argv)
+    timing = dict(path=args.out, reps=args.reps, warmup=args.warmup)
+    use_interpreter_without_cuda()  # before the goal shapes import triton
+    if args.goals or args.tiny:
+        from mqnc.triton_kernels._variants import GOALS
+
+        for s in (s for s in GOALS if s.op == "splice"):
+            ct, L = (min(s.ct, TINY_CT), min(s.L, TINY_LAYERS)) if args.tiny else (s.ct, s.L)
+            label = "" if args.tiny else s.label
+            run([ct], L, args.quick, delta_kind=s.delta, shape=label, **timing)
+        return finish(args, TARGETS)
+    run(args.c_t, args.layers, args.quick, **timing)
+    return finish(args, TARGETS)
 
 
 if __name__ == "__main__":

@@ -1,79 +1,158 @@
 #!/usr/bin/env bash
-# ONE prepared call for a lent H200 (see the device library's README, METHOD.md, HOPPER.md):
-#   run it as   bash perf/gpu_check.sh   from the repository root, with $OUT set by the device tool.
+# ONE prepared call for a lent H200 (the device library's README, METHOD.md, HOPPER.md), and its
+# dry run on a CPU machine:
 #
-# What it does, in priority order (each step has its own timeout, clamped to what is left of
-# a total budget of $BUDGET seconds, default 450 = 7.5 min; a step that would get < 15 s is
-# skipped; a failing step is logged and the script goes on):
-#   install   the package, offline, into the machine's python3 (no registry there)
-#   env       versions, device, interpreter mode            -> $OUT/env.json
-#   copy      the device copy-bandwidth ceiling, FIRST (kernel GB/s are read against it)
-#   tests     the test suite on the compiled bf16 path (TRITON_INTERPRET unset; the CPU-only
-#             notebook test is left out)
-#   bench_*   kernel benchmarks: merge, mla, splice (whichever exist)
-#   holder    Fig. 4(b) holder batching with the Triton MLA kernel and Fig. 5(b) K-stream staging
-#   nvshmem   route/probe over NVSHMEM with two PEs, if perf/gpu_check_nvshmem.py exists
-#   route, fetch, congestion   the host-side transport benchmarks over gloo (--quick; records
-#             carry extra.host_side = true: they time the host's TCP loopback, not the GPU)
-#   calibrate a gloo fabric profile of this host                -> $OUT/logs (in logs.tgz)
-# Results land in $OUT/results.jsonl (commit it under perf/results/ with the device name);
-# per-step logs are packed into $OUT/logs.tgz (the device tool returns at most 8 files);
-# $OUT/table.txt has one line per record; printed last: the records table (head), the tests'
-# last lines and $OUT/summary.txt (every step's status and time).
+#   bash perf/gpu_check.sh             on the GPU machine, from the repository root, $OUT set
+#   bash perf/gpu_check.sh --dry-run   on a CPU machine: every step's real command, with the
+#                                      interpreter and tiny sizes (correctness/test_gpu_check.py)
+#
+# Steps, in priority order, each with a cap (seconds; the caps sum to at most BUDGET - RESERVE,
+# checked before anything runs; a step is clamped to what is left and skipped under 10 s; a
+# failing step is logged and the script goes on; exit status 2 of a step means "skipped"):
+#   install      the package, offline (no registry there; if pip cannot, mqnc is linked into
+#                $SITE instead)
+#   wheels       the carried wheels of .whl/ (perf/install_wheels.py: nvshmem4py, cuda.core /
+#                cuda.pathfinder only if the image's are too old) into $SITE, on PYTHONPATH
+#   env          versions, device, interpreter mode                      -> $OUT/env.json
+#   copy         the device copy-bandwidth ceiling, first (kernel GB/s are read against it)
+#   warmup       every production kernel variant and the NVSHMEM kernels compiled into the
+#                Triton cache by 16 processes, then every goal shape planned on the GPU
+#   bench_merge, bench_mla, bench_splice   the kernel benchmarks over issue 13's goal shapes
+#                (CUDA-graph replays over L2-rotated inputs; extra.timing says how)
+#   report       perf/kernel_report.py: predictions and the measured p50 in one table
+#   tests        the GPU test tier (pytest -m gpu: correctness/conftest.py's GPU_TIER list)
+#   holder       Fig. 4(b) holder batching (the Triton kernel) and Fig. 5(b) K-stream staging
+#   nvshmem      two NVSHMEM PEs on the one GPU: probe, route sweep, a routed partial's
+#                exactness, host- and device-initiated puts (skipped without nvshmem4py)
+#   route, fetch the host-side transport benchmarks over gloo (the host's TCP loopback)
+# Results land in $OUT/results.jsonl: every benchmark step is given --out "$RESULTS" (the shared
+# flag set of mqnc.measure.options), and $MQNC_RESULTS names the same file for anything that
+# records without a flag, so nothing lands in the copy's perf/results/. Commit the records with
+# the device name by appending them to perf/results/results.jsonl (what --record writes). Every
+# record carries the commit ($MQNC_COMMIT: given, else git, else the .mqnc-commit file that travels
+# with the copy); per-step logs are packed into $OUT/logs.tgz (the device tool returns at most 8
+# files); printed last: the kernel report, the tests' last lines and $OUT/summary.txt.
 set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 1
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
 OUT=${OUT:-$(mktemp -d)}
-LOG="$OUT/logs"
-mkdir -p "$LOG"
-export PYTHONUNBUFFERED=1 MQNC_RESULTS="$OUT/results.jsonl" TRITON_DEFAULT_FP_FUSION=1
-export GLOO_SOCKET_IFNAME=lo
-unset TRITON_INTERPRET
 PY=${PY:-python3}
 BUDGET=${BUDGET:-450}
-RESERVE=20 # kept for packing the logs and printing the table
+RESERVE=20 # kept for packing the logs and printing the tables
+SITE=${SITE:-/tmp/mqnc-site}
+
+# ---- every step's cap and arguments, in one place (the GPU run | the dry run) -----------------
+STEPS=(install wheels env copy warmup bench_merge bench_mla bench_splice report tests holder
+  nvshmem route fetch)
+declare -A CAP=([install]=15 [wheels]=10 [env]=10 [copy]=20 [warmup]=50 [bench_merge]=20
+  [bench_mla]=60 [bench_splice]=30 [report]=30 [tests]=55 [holder]=25 [nvshmem]=60 [route]=20
+  [fetch]=25)
+if ((DRY)); then
+  export TRITON_INTERPRET=1 # every step but the compiling ones (warmup, report: =0) interprets
+  PIP_DRY=(--dry-run)
+  WHEEL_ARGS=(--dry-run)
+  COPY_ARGS=(--gib 0.01)
+  WARMUP_ARGS=(--jobs 2 --ops merge)
+  BENCH_ARGS=(--goals --tiny)
+  REPORT_ARGS=(--ops merge)
+  TEST_ARGS=(--collect-only)
+  HOLDER_ARGS=(--tiny)
+  NVSHMEM_ARGS=(--transport gloo --tiny --timeout 50)
+  ROUTE_ARGS=(--transport gloo --quick --m-q 1,64 --reps 3 --warmup 1)
+  FETCH_ARGS=(--transport gloo --quick --c-t 16 --max-holders 1 --topk 64 --m-q 32
+    --pool-rows 256 --reps 3 --warmup 1)
+else
+  unset TRITON_INTERPRET
+  PIP_DRY=()
+  WHEEL_ARGS=()
+  COPY_ARGS=(--gib 2)
+  WARMUP_ARGS=(--jobs 16)
+  BENCH_ARGS=(--goals)
+  REPORT_ARGS=()
+  TEST_ARGS=()
+  HOLDER_ARGS=()
+  NVSHMEM_ARGS=(--quick --timeout 27) # two put paths inside the step's cap
+  ROUTE_ARGS=(--transport gloo --quick)
+  FETCH_ARGS=(--transport gloo --quick)
+fi
+# -------------------------------------------------------------------------------------------------
+
+LOG="$OUT/logs"
+mkdir -p "$LOG" "$SITE"
+RESULTS="$OUT/results.jsonl" # where every record of this run goes: --out "$RESULTS" below
+export PYTHONUNBUFFERED=1 MQNC_RESULTS="$RESULTS" TRITON_DEFAULT_FP_FUSION=1
+export GLOO_SOCKET_IFNAME=lo
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+if [ -z "${MQNC_COMMIT:-}" ]; then
+  MQNC_COMMIT=$(git rev-parse --short=12 HEAD 2>/dev/null || cat .mqnc-commit 2>/dev/null ||
+    echo unknown)
+fi
+export MQNC_COMMIT
 T0=$SECONDS
 status=0
 : >"$OUT/summary.txt"
 
-step() { # step NAME SECONDS CMD...
-  local name=$1 secs=$2
-  shift 2
+total=0
+for s in "${STEPS[@]}"; do total=$((total + CAP[$s])); done
+if ((total > BUDGET - RESERVE)); then
+  echo "budget: the step caps sum to ${total} s > ${BUDGET} s - ${RESERVE} s reserved" >&2
+  exit 3
+fi
+echo "budget: ${#STEPS[@]} steps, caps ${total} s + reserve ${RESERVE} s <= ${BUDGET} s;" \
+  "commit ${MQNC_COMMIT}; $([ "$DRY" = 1 ] && echo 'DRY RUN (interpreter, tiny sizes)' ||
+    echo 'GPU run')" | tee -a "$OUT/summary.txt"
+
+step() { # step NAME CMD...: run CMD under NAME's cap (clamped to the budget left)
+  local name=$1 secs=${CAP[$1]}
+  shift
   local left=$((BUDGET - RESERVE - (SECONDS - T0)))
   ((secs > left)) && secs=$left
-  if ((secs < 15)); then
-    printf '%-12s skipped (budget: %ss left)\n' "$name" "$left" | tee -a "$OUT/summary.txt"
+  if ((secs < 10)); then
+    printf '%-13s skipped (budget: %ss left)\n' "$name" "$left" | tee -a "$OUT/summary.txt"
     return
   fi
   local t=$SECONDS
-  timeout -k 10 "$secs" "$@" >"$LOG/$name.log" 2>&1
-  local rc=$?
-  local what=ok
-  [ "$rc" = 0 ] || what=FAILED
-  [ "$rc" = 124 ] && what="TIMEOUT (${secs}s)"
-  printf '%-12s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t))" "$what" | tee -a "$OUT/summary.txt"
-  [ "$rc" = 0 ] || status=1
+  timeout -k 5 "$secs" "$@" >"$LOG/$name.log" 2>&1
+  local rc=$? what=ok
+  case $rc in
+  0) ;;
+  2) what="skipped (see its log)" ;;
+  124 | 137) what="TIMEOUT (cap ${secs}s)" ;;
+  *) what=FAILED ;;
+  esac
+  printf '%-13s rc=%-3s %4ss of %4ss  %s\n' "$name" "$rc" "$((SECONDS - t))" "$secs" "$what" |
+    tee -a "$OUT/summary.txt"
+  last_rc=$rc
+  case $rc in 0 | 2) ;; *) status=1 ;; esac
 }
 
-step install 90 "$PY" -m pip install --no-index --no-deps --no-build-isolation -q -e .
-step env 30 "$PY" -m mqnc env --json
-cp "$LOG/env.log" "$OUT/env.json" 2>/dev/null
-step copy 45 "$PY" -m perf.bench_copy --gib 2
-step tests 180 "$PY" -m pytest correctness -q -p no:cacheprovider --maxfail=10 \
-  --ignore=correctness/test_notebooks.py
-for bench in bench_merge bench_mla bench_splice; do
-  [ -f "perf/$bench.py" ] && step "$bench" 60 "$PY" -m "perf.$bench"
-done
-step holder 60 "$PY" -m perf.bench_holder
-if [ -f perf/gpu_check_nvshmem.py ]; then
-  mkdir -p "$LOG/nvshmem"
-  step nvshmem 90 "$PY" perf/gpu_check_nvshmem.py --out "$LOG/nvshmem"
+last_rc=0
+step install "$PY" -m pip install --no-index --no-deps --no-build-isolation -q "${PIP_DRY[@]}" -e .
+if ((last_rc != 0)) && ((!DRY)); then # mqnc importable through links: mqnc/* + triton_kernels
+  mkdir -p "$SITE/mqnc" && for f in mqnc/*; do ln -sfn "$ROOT/$f" "$SITE/mqnc/"; done &&
+    ln -sfn "$ROOT/triton_kernels" "$SITE/mqnc/triton_kernels" &&
+    echo "install       fallback: mqnc linked into $SITE" | tee -a "$OUT/summary.txt"
 fi
-step route 45 "$PY" -m perf.bench_route --transport gloo --quick
-step fetch 45 "$PY" -m perf.bench_fetch --transport gloo --quick
-step congestion 45 "$PY" -m perf.bench_congestion --transport gloo --quick
-step calibrate 30 "$PY" -m mqnc calibrate --transport gloo --quick --out "$LOG/fabric-gloo.json"
+step wheels "$PY" -m perf.install_wheels --wheels .whl --target "$SITE" "${WHEEL_ARGS[@]}"
+step env "$PY" -m mqnc env --json
+cp "$LOG/env.log" "$OUT/env.json" 2>/dev/null
+step copy "$PY" -m perf.bench_copy "${COPY_ARGS[@]}" --out "$RESULTS"
+step warmup env TRITON_INTERPRET=0 "$PY" -m perf.warmup "${WARMUP_ARGS[@]}"
+step bench_merge "$PY" -m perf.bench_merge "${BENCH_ARGS[@]}" --out "$RESULTS"
+step bench_mla "$PY" -m perf.bench_mla "${BENCH_ARGS[@]}" --out "$RESULTS"
+step bench_splice "$PY" -m perf.bench_splice "${BENCH_ARGS[@]}" --out "$RESULTS"
+step report env TRITON_INTERPRET=0 "$PY" -m perf.kernel_report "${REPORT_ARGS[@]}" \
+  --measured "$RESULTS" --out "$OUT/kernel_report.jsonl"
+step tests "$PY" -m pytest correctness -m gpu -q -p no:cacheprovider "${TEST_ARGS[@]}"
+step holder "$PY" -m perf.bench_holder "${HOLDER_ARGS[@]}" --out "$RESULTS"
+step nvshmem "$PY" -m perf.gpu_check_nvshmem "${NVSHMEM_ARGS[@]}" --out "$RESULTS"
+step route "$PY" -m perf.bench_route "${ROUTE_ARGS[@]}" --out "$RESULTS"
+step fetch "$PY" -m perf.bench_fetch "${FETCH_ARGS[@]}" --out "$RESULTS"
 
-# The table: one line per record of this run (bench, variant, x, p50, GB/s, backend).
-"$PY" - "$OUT/results.jsonl" >"$OUT/table.txt" 2>&1 <<'EOF'
+# The records table: one line per record of this run (bench, variant, x, p50, GB/s, how timed).
+"$PY" - "$RESULTS" >"$OUT/table.txt" 2>&1 <<'EOF'
 import json, sys
 try:
     recs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
@@ -81,18 +160,23 @@ except OSError as exc:
     print(f"no results: {exc}")
     raise SystemExit(0)
 print(f"{len(recs)} records on {recs[0]['device'] if recs else '?'}")
-print(f"{'bench':<13}{'variant':<26}{'x':>10}{'p50 us':>12}{'GB/s':>9}  backend/transport")
+print(f"{'bench':<13}{'variant':<26}{'x':>10}{'p50 us':>12}{'GB/s':>9}  backend   timing")
 for r in recs:
     gbps = f"{r['gbps']:.1f}" if r.get("gbps") else ""
     x = r["x"] if not isinstance(r["x"], float) else f"{r['x']:g}"
+    how = (r.get("extra") or {}).get("timing", {}).get("method", "")
     where = r.get("transport") or r.get("backend")
-    print(f"{r['bench']:<13}{str(r['variant'])[:25]:<26}{x!s:>10}{r['p50']:>12.1f}{gbps:>9}  {where}")
+    print(f"{r['bench']:<13}{str(r['variant'])[:25]:<26}{x!s:>10}{r['p50']:>12.1f}{gbps:>9}  "
+          f"{where:<9} {how}")
 EOF
+cp "$LOG/report.log" "$OUT/kernel_report.txt" 2>/dev/null
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOG"
-echo "---- records (first 80 lines; all in table.txt) ----"
-head -n 80 "$OUT/table.txt"
+echo "---- records (first 40 lines; all in table.txt) ----"
+head -n 40 "$OUT/table.txt"
+echo "---- kernel report, shapes (predicted vs measured; all in kernel_report.txt) ----"
+grep -A 80 '^| shape | goal' "$OUT/kernel_report.txt" 2>/dev/null | head -n 80
 echo "---- tests (last lines) ----"
-tar xzf "$OUT/logs.tgz" -O logs/tests.log 2>/dev/null | tail -n 3
+tar xzf "$OUT/logs.tgz" -O logs/tests.log 2>/dev/null | tail -n 5
 echo "---- summary: $((SECONDS - T0)) s of a $BUDGET s budget ----"
 cat "$OUT/summary.txt"
 exit $status

@@ -1,15 +1,18 @@
 """GPU check of the NVSHMEM engine: two PEs on the one lent GPU (NVSHMEM's limited MPG mode).
 
-Run by ``perf/gpu_check.sh`` (the lead's script) on a machine with a CUDA device and the
-nvshmem4py wheels (``nvshmem4py-cu13`` and its ``nvidia-nvshmem-cu13``, carried as wheels, see
-the device README)::
+Run by ``perf/gpu_check.sh`` on a machine with a CUDA device and nvshmem4py (carried as a
+wheel and installed offline by ``perf/install_wheels.py``)::
 
-    python -m perf.gpu_check_nvshmem            # host-initiated and device-initiated puts
-    python -m perf.gpu_check_nvshmem --quick    # fewer repetitions and batch sizes
+    python -m perf.gpu_check_nvshmem                    # host- and device-initiated puts
+    python -m perf.gpu_check_nvshmem --quick            # fewer repetitions and batch sizes
+    python -m perf.gpu_check_nvshmem --transport gloo --tiny   # the dry run, on a CPU
 
-What it checks and records (``perf/results/results.jsonl``, and ``$OUT/nvshmem_check.json``
-when ``$OUT`` is set), for each put path (``host``: nvshmem4py's stream-ordered
-``put_signal``; ``device``: the Triton kernel calling ``nvshmemx_putmem_signal_nbi_block``):
+What it checks and records (where every benchmark records: ``--out FILE``, else with
+``--record`` the repository's ``perf/results/results.jsonl``, else ``$MQNC_RESULTS``, else the
+git-ignored ``perf/results/local.jsonl``; a summary in ``--summary``, default
+``$OUT/nvshmem_check.json`` when ``$OUT`` is set), for each put path (``host``: nvshmem4py's
+stream-ordered ``put_signal``; ``device``: the Triton kernel calling
+``nvshmemx_putmem_signal_nbi_block``):
 
 1. **probe round trip**: a header-only put + signal there and back (``T_probe``, §4.3),
    p20/p50/p80 over the repetitions (bench ``probe``);
@@ -20,19 +23,27 @@ when ``$OUT`` is set), for each put path (``host``: nvshmem4py's stream-ordered
    same chunk and vs a local kernel call (``mla`` bf16 and ``mla_lse`` bounds), errors
    printed and recorded.
 
-Both PEs share one GPU, so puts go over the local transport: IBGDA needs NICs and two nodes
-and is not exercised here. Exit status: 0 when every check passed, 1 when one failed, 2 when
-no GPU or no nvshmem4py (nothing ran).
+Every record says which wait path each PE's waits took (``extra.wait_path``: the engine's
+``wait_paths``, device-side polls of one slot on the requester, of several on the holder) and
+how it was timed (``extra.timing``: the host clock around each whole round trip).
+
+Both PEs share one GPU: two processes, two CUDA contexts, which the GPU **time-slices** (no
+MPS), so a round trip includes context switches and is an upper bound, not the fabric's
+latency; puts go over the local transport, IBGDA (NICs, two nodes) is not exercised here.
+``--transport gloo`` runs the very same two-PE check over the gloo engine (the CPU dry run:
+argument parsing, the workers, the records). Exit status: 0 when every check passed, 1 when
+one failed, 2 when there is no GPU or no nvshmem4py (nothing ran).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 import traceback
+
+from mqnc.measure.options import bench_parser, finish, parse_bench_args, positive_float
 
 L_CHUNK = 2048
 
@@ -43,57 +54,99 @@ def _geometry():
     return PRESETS["deepseek-v2-lite"]
 
 
-def _chunk(g, seed=0):
+def _chunk(g, tokens, seed=0):
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    return (0.5 * torch.randn(g.layers, L_CHUNK, g.d_qk, generator=gen)).to(torch.bfloat16)
+    return (0.5 * torch.randn(g.layers, tokens, g.d_qk, generator=gen)).to(torch.bfloat16)
 
 
-# Over 60 lines: one PE's whole GPU check (bootstrap, probe, route sweep, exactness), run once
-# on a lent GPU, in the order the log reports it.
-def _worker(rank: int, port: int, device_put: bool, batches: list[int], reps: int, q) -> None:
-    import torch
+def _transport(kind: str, rank: int, port: int, slot_bytes: int, device_put: bool):
+    if kind == "gloo":
+        from mqnc.transport.torchdist import TorchDistTransport
+
+        return TorchDistTransport.connect(rank, 2, port, slot_bytes=slot_bytes, lanes=1)
     from torch.distributed import TCPStore
 
-    from mqnc.model import RopeSpec
-    from mqnc.serving import ChunkInfo, Holder, Requester
-    from mqnc.transport import slot_bytes_for
     from mqnc.transport.nvshmem import NvshmemTransport
 
-    out: dict = {"rank": rank, "device_put": device_put}
+    store = TCPStore("127.0.0.1", port, 2, is_master=False)
+    return NvshmemTransport(
+        rank, 2, store, slot_bytes=slot_bytes, lanes=1, device=0, device_put=device_put
+    )
+
+
+def _exactness(req, g, scale, tokens, B, gen, dev) -> dict:
+    """One routed partial (layer 3) vs the fp64 reference and a local kernel call."""
+    import torch
+
+    from mqnc.reference import partial_attention_reference
+    from mqnc.testing import TOLERANCES, compare
+    from mqnc.triton_kernels import mla_decode_partial
+
+    qe = (0.5 * torch.randn(B, g.heads, g.d_qk, generator=gen)).to(torch.bfloat16).to(dev)
+    part = req.route(7, qe, 3)
+    kv = _chunk(g, tokens)[3]
+    o_ref, lse_ref = partial_attention_reference(
+        qe.cpu(), kv, torch.ones(B, tokens, dtype=torch.bool), scale
+    )
+    pool = kv.to(dev).view(tokens // 64, 64, g.d_qk)
+    bt = torch.arange(tokens // 64, dtype=torch.int32, device=dev)[None].repeat(B, 1)
+    lens = torch.full((B,), tokens, dtype=torch.int32, device=dev)
+    o_loc, _ = mla_decode_partial(qe, pool, bt, lens, softmax_scale=scale)
+    so, sl = compare(part.o, o_ref), compare(part.lse, lse_ref)
+    s_loc = compare(part.o, o_loc)
+    tol, tol_l = TOLERANCES[("mla", "bfloat16")], TOLERANCES[("mla_lse", "float32")]
+    return dict(
+        o_vs_fp64=so.max_abs,
+        o_rms_rel=so.rms_rel,
+        lse_vs_fp64=sl.max_abs,
+        o_vs_local_call=s_loc.max_abs,
+        ok=bool(
+            so.max_abs <= tol.atol
+            and so.rms_rel <= tol.rms_rtol
+            and sl.max_abs <= tol_l.atol
+            and s_loc.max_abs <= tol.atol
+        ),
+    )
+
+
+# Over 60 lines: one PE's whole check (transport, holder or requester, probe, route sweep,
+# exactness), run once per put path, in the order the log reports it.
+def _worker(rank: int, port: int, cfg: dict, q) -> None:
+    out: dict = {"rank": rank, "device_put": cfg["device_put"]}
     try:
-        g = _geometry()
+        from mqnc.base.runtime import use_interpreter_without_cuda
+
+        use_interpreter_without_cuda()
+        import numpy as np
+        import torch
+
+        from mqnc.base.runtime import kernel_device
+        from mqnc.model import RopeSpec
+        from mqnc.serving import ChunkInfo, Holder, Requester
+        from mqnc.transport import slot_bytes_for
+
+        g, tokens, batches, reps = _geometry(), cfg["tokens"], cfg["batches"], cfg["reps"]
+        dev = kernel_device()
         scale = RopeSpec.from_preset("deepseek-v2-lite").softmax_scale
-        store = TCPStore("127.0.0.1", port, 2, is_master=False)
-        sb = slot_bytes_for(g, max_rows=max(batches) * g.heads)
-        t = NvshmemTransport(
-            rank, 2, store, slot_bytes=sb, lanes=1, device=0, device_put=device_put
-        )
-        out["signal_constants"] = t.consts
+        sb = slot_bytes_for(g, max_rows=max(batches + [cfg["exact_b"]]) * g.heads)
+        t = _transport(cfg["transport"], rank, port, sb, cfg["device_put"])
+        out["signal_constants"] = getattr(t, "consts", None)
+        out["poll_spins"] = getattr(t, "poll_spins", None)  # each device-side poll's bound
         if rank == 1:
-            h = Holder(
-                t,
-                g,
-                softmax_scale=scale,
-                num_blocks=L_CHUNK // 64,
-                device="cuda",
-                streams=8,
-                poll_s=0.5,
-            )
-            h.add_chunk(7, _chunk(g).cuda())
+            h = Holder(t, g, softmax_scale=scale, num_blocks=tokens // 64, device=dev, poll_s=0.5)
+            h.add_chunk(7, _chunk(g, tokens).to(dev))
             t.barrier(60)
             h.serve_forever()
             out["holder_stats"] = dict(
                 routes=h.stats.routes, probes=h.stats.probes, kernel_calls=h.stats.kernel_calls
             )
         else:
-            req = Requester(t, g, softmax_scale=scale, timeout_s=60.0, device="cuda")
-            req.register(ChunkInfo(7, L_CHUNK, 0, (1,)))
+            req = Requester(t, g, softmax_scale=scale, timeout_s=30.0, device=dev)
+            req.register(ChunkInfo(7, tokens, 0, (1,)))
             t.barrier(60)
-            import numpy as np
-
-            for _ in range(10):
+            for _ in range(3 if cfg["warmup"] is None else cfg["warmup"]):
                 req.probe(1)
             probes = [req.probe(1) for _ in range(reps)]
             out["probe_us"] = [float(x) for x in np.percentile(probes, [20, 50, 80])]
@@ -101,52 +154,28 @@ def _worker(rank: int, port: int, device_put: bool, batches: list[int], reps: in
             route = {}
             for B in batches:
                 qb = (0.5 * torch.randn(B, g.heads, g.d_qk, generator=gen)).to(torch.bfloat16)
-                qb = qb.cuda()
-                for _ in range(5):
+                qb = qb.to(dev)
+                for _ in range(2 if cfg["warmup"] is None else cfg["warmup"]):
                     req.route(7, qb, 3)
                 rts = [req.route(7, qb, 3).record.total_us for _ in range(reps)]
                 route[B * g.heads] = [float(x) for x in np.percentile(rts, [20, 50, 80])]
             out["route_us"] = route
-            # exactness of one routed partial (layer 3, B = 4)
-            from mqnc.reference import partial_attention_reference
-            from mqnc.testing import TOLERANCES, compare
-            from mqnc.triton_kernels import mla_decode_partial
-
-            qe = (0.5 * torch.randn(4, g.heads, g.d_qk, generator=gen)).to(torch.bfloat16).cuda()
-            part = req.route(7, qe, 3)
-            kv = _chunk(g)[3]
-            o_ref, lse_ref = partial_attention_reference(
-                qe.cpu(), kv, torch.ones(4, L_CHUNK, dtype=torch.bool), scale
-            )
-            pool = kv.cuda().view(L_CHUNK // 64, 64, g.d_qk)
-            bt = torch.arange(L_CHUNK // 64, dtype=torch.int32, device="cuda")[None].repeat(4, 1)
-            lens = torch.full((4,), L_CHUNK, dtype=torch.int32, device="cuda")
-            o_loc, lse_loc = mla_decode_partial(qe, pool, bt, lens, softmax_scale=scale)
-            so, sl = compare(part.o, o_ref), compare(part.lse, lse_ref)
-            s_loc = compare(part.o, o_loc)
-            tol, tol_l = TOLERANCES[("mla", "bfloat16")], TOLERANCES[("mla_lse", "float32")]
-            out["exact"] = dict(
-                o_vs_fp64=so.max_abs,
-                o_rms_rel=so.rms_rel,
-                lse_vs_fp64=sl.max_abs,
-                o_vs_local_call=s_loc.max_abs,
-                ok=bool(
-                    so.max_abs <= tol.atol
-                    and so.rms_rel <= tol.rms_rtol
-                    and sl.max_abs <= tol_l.atol
-                    and s_loc.max_abs <= tol.atol
-                ),
-            )
+            out["exact"] = _exactness(req, g, scale, tokens, cfg["exact_b"], gen, dev)
             req.shutdown(1)
+        # NVSHMEM: device-side polls by path; gloo waits on its receive thread's condition
+        out["wait_paths"] = dict(getattr(t, "wait_paths", None) or {"host-condition": t.name})
         t.close()
         out["ok"] = True
     except BaseException:
         out["ok"] = False
         out["error"] = traceback.format_exc()
     q.put(out)
+    q.close()
+    q.join_thread()
+    os._exit(0)  # no transport destructor under a service thread still blocked
 
 
-def _run(device_put: bool, batches: list[int], reps: int, timeout_s: float) -> list[dict]:
+def _run(cfg: dict, timeout_s: float) -> list[dict]:
     import torch.multiprocessing as mp
 
     from mqnc.transport.torchdist import free_port_store
@@ -154,10 +183,7 @@ def _run(device_put: bool, batches: list[int], reps: int, timeout_s: float) -> l
     store = free_port_store(2)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, store.port, device_put, batches, reps, q))
-        for r in range(2)
-    ]
+    procs = [ctx.Process(target=_worker, args=(r, store.port, cfg, q)) for r in range(2)]
     for p in procs:
         p.start()
     results = []
@@ -176,72 +202,100 @@ def _run(device_put: bool, batches: list[int], reps: int, timeout_s: float) -> l
     return results
 
 
-# Over 60 lines: the options, spawning the two PEs and reporting their results, in order.
+def _record(path: str, req: dict, holder: dict, cfg: dict, out) -> None:
+    from mqnc.measure import record
+
+    variant = f"{cfg['transport']}-{path}-1gpu-2pe"
+    extra = dict(
+        chunk_tokens=cfg["tokens"],
+        wait_path={"requester": req.get("wait_paths"), "holder": holder.get("wait_paths")},
+        poll_spins=req.get("poll_spins"),
+        pes=(
+            "2 PEs on 1 GPU: two CUDA contexts, time-sliced"
+            if cfg["transport"] == "nvshmem"
+            else "2 processes on 1 host (gloo, the dry run)"
+        ),
+        timing={"method": "host-clock", "what": "one whole round trip", "samples": cfg["reps"]},
+    )
+    backend = "triton" if cfg["transport"] == "nvshmem" else "interpreter"
+    transport = cfg["transport"]
+    record("probe", variant, 0, tuple(req["probe_us"]), x_name="M_q", transport=transport,
+           backend=backend, extra=extra, path=out)  # fmt: skip
+    g = _geometry()
+    for m_q, pct in req["route_us"].items():
+        record("route", variant, int(m_q), tuple(pct), x_name="M_q",
+               nbytes=int(m_q) * g.qp_row_bytes, transport=transport, backend=backend,
+               extra=extra, path=out)  # fmt: skip
+
+
+def _report(path: str, res: list[dict], wall: float, cfg: dict, out) -> bool:
+    req = next((r for r in res if r.get("rank") == 0), {})
+    holder = next((r for r in res if r.get("rank") == 1), {})
+    good = len(res) == 2 and all(r.get("ok") for r in res) and req.get("exact", {}).get("ok")
+    print(f"[{path}] {'PASS' if good else 'FAIL'} in {wall:.1f} s")
+    for r in res:
+        if not r.get("ok"):
+            print(r.get("error"))
+    if req.get("probe_us"):
+        print(f"  probe p20/p50/p80 us: {req['probe_us']}")
+        for m_q, pct in req["route_us"].items():
+            print(f"  route M_q={m_q}: p20/p50/p80 us {pct}")
+        print(f"  exactness: {req.get('exact')}")
+        print(f"  wait paths: requester {req.get('wait_paths')}, holder {holder.get('wait_paths')}")
+        try:
+            _record(path, req, holder, cfg, out)
+        except Exception as exc:  # noqa: BLE001 - recording must not hide the check's verdict
+            print(f"  (results not recorded: {exc})")
+    return bool(good)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per put path")
-    ap.add_argument("--paths", default="host,device")
-    args = ap.parse_args(argv)
-    import torch
+    ap = bench_parser(
+        __doc__,
+        reps="200, 30 with --quick, 3 with --tiny",
+        warmup="3 probes and 2 routes per batch",
+        tiny=True,
+    )
+    ap.add_argument("--timeout", type=positive_float, default=40.0, help="seconds per put path")
+    ap.add_argument("--paths", default="host,device", help="put paths: host, device")
+    ap.add_argument("--transport", default="nvshmem", choices=("nvshmem", "gloo"))
+    ap.add_argument("--summary", default=None, help="JSON summary (default $OUT/...)")
+    args = parse_bench_args(ap, argv)
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if not paths or set(paths) - {"host", "device"}:
+        raise ValueError(f"--paths: expected names out of host, device, got {args.paths!r}")
+    if args.transport == "nvshmem":
+        from mqnc.transport.nvshmem import nvshmem_available
 
-    from mqnc.transport.nvshmem import nvshmem_available
+        if not nvshmem_available():
+            print("gpu_check_nvshmem: SKIP (needs a CUDA device and nvshmem4py)")
+            return 2
+    else:
+        paths = ["host"]  # the gloo engine has one put path
+    cfg = dict(
+        transport=args.transport,
+        tokens=128 if args.tiny else L_CHUNK,
+        batches=[1] if args.tiny else ([1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64]),
+        reps=args.reps or (3 if args.tiny else (30 if args.quick else 200)),
+        warmup=args.warmup,
+        exact_b=1 if args.tiny else 4,
+    )
+    from mqnc.base.runtime import device_name
 
-    if not nvshmem_available():
-        print("gpu_check_nvshmem: SKIP (needs a CUDA device and nvshmem4py)")
-        return 2
-    batches = [1, 4, 16, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64]
-    reps = 30 if args.quick else 200
-    summary = {"device": torch.cuda.get_device_name(), "paths": {}}
+    summary = {"device": device_name(), "transport": args.transport, "paths": {}}
     ok = True
-    for path in args.paths.split(","):
+    for path in paths:
         t0 = time.monotonic()
-        res = _run(path == "device", batches, reps, args.timeout)
-        req = next((r for r in res if r.get("rank") == 0), {})
+        res = _run({**cfg, "device_put": path == "device"}, args.timeout)
         summary["paths"][path] = dict(results=res, wall_s=time.monotonic() - t0)
-        good = len(res) == 2 and all(r.get("ok") for r in res) and req.get("exact", {}).get("ok")
-        ok &= bool(good)
-        print(f"[{path}] {'PASS' if good else 'FAIL'} in {time.monotonic() - t0:.1f} s")
-        for r in res:
-            if not r.get("ok"):
-                print(r.get("error"))
-        if req.get("probe_us"):
-            print(f"  probe p20/p50/p80 us: {req['probe_us']}")
-            for m_q, pct in req["route_us"].items():
-                print(f"  route M_q={m_q}: p20/p50/p80 us {pct}")
-            print(f"  exactness: {req.get('exact')}")
-            try:
-                from mqnc.measure import record
-
-                variant = f"nvshmem-{path}-1gpu-2pe"
-                record(
-                    "probe",
-                    variant,
-                    0,
-                    tuple(req["probe_us"]),
-                    x_name="M_q",
-                    transport="nvshmem",
-                    backend="triton",
-                )
-                g = _geometry()
-                for m_q, pct in req["route_us"].items():
-                    record(
-                        "route",
-                        variant,
-                        int(m_q),
-                        tuple(pct),
-                        x_name="M_q",
-                        nbytes=int(m_q) * g.qp_row_bytes,
-                        transport="nvshmem",
-                        backend="triton",
-                        extra=dict(chunk_tokens=L_CHUNK),
-                    )
-            except Exception as exc:  # recording must not hide the check's verdict
-                print(f"  (results not recorded: {exc})")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "nvshmem_check.json"), "w") as f:
+        ok &= _report(path, res, time.monotonic() - t0, cfg, args.out)
+    where = args.summary or (
+        os.path.join(os.environ["OUT"], "nvshmem_check.json") if os.environ.get("OUT") else None
+    )
+    if where:
+        with open(where, "w") as f:
             json.dump(summary, f, indent=1, default=str)
+    finish(args)
     print("gpu_check_nvshmem:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -1,10 +1,34 @@
 """mqnc's Triton kernels, installed as ``mqnc.triton_kernels`` (never as a top-level
 ``triton_kernels``, which would shadow Triton's own package of that name).
 
-One op per module, each with its launcher, input checks and ``compile_specs()`` for the sm_90
-compile test. Importing this package imports Triton but never touches a GPU.
+One op per module (``merge``, ``mla_decode``, ``mla_sparse``, ``splice``), each with its
+``@triton.jit`` kernel, its input checks and a planning function that returns its launches as
+data (``_launch.Launch``). Private modules, each with one job:
+
+- ``_checks``: argument validation (every error names the argument, expected and got);
+- ``_runtime``: interpreter mode, the launch lock, NaN-poisoned outputs;
+- ``_numerics``: the store-side round to nearest even;
+- ``_mla_tile`` / ``_mla_launch``: the device / host side shared by the two MLA ops;
+- ``_grid``: occupancy and the split / grid policy (whole waves);
+- ``_variants``: the production (goal) shapes and the launches they make;
+- ``_compile``: launch-exact compiles for sm_90 without a GPU, registers, spills, SASS, TTGIR;
+- ``_sm90_table``: the generated occupancy of every production variant.
+
+Importing this package imports Triton but never touches a GPU; it imports nothing of ``mqnc``
+above the kernel layer. When torch was built without CUDA it chooses Triton's interpreter first
+(``TRITON_INTERPRET=1``, unless set already or Triton was imported before; see
+``mqnc.base.runtime.use_interpreter_on_cpu_only_torch``): on such a machine the kernels run as
+called, with no set-up.
 """
 
+from mqnc.base.runtime import use_interpreter_on_cpu_only_torch
+
+use_interpreter_on_cpu_only_torch()  # before anything here imports triton
+
+# ruff: noqa: E402  (the interpreter is chosen above, before triton is imported)
+
+from mqnc.triton_kernels import ops  # noqa: F401  (registers the torch.ops.mqnc.* ops)
+from mqnc.triton_kernels._mla_launch import AttentionPlan
 from mqnc.triton_kernels.merge import (
     lse_from_base2,
     lse_from_ml,
@@ -13,15 +37,16 @@ from mqnc.triton_kernels.merge import (
     merge_partials_into,
     ml_from_lse,
 )
-from mqnc.triton_kernels.mla_decode import mla_decode_partial
-from mqnc.triton_kernels.mla_sparse import mla_sparse_partial
+from mqnc.triton_kernels.mla_decode import (
+    mla_decode_partial,
+    mla_decode_partial_csr,
+    plan_mla_decode,
+    plan_mla_decode_csr,
+)
+from mqnc.triton_kernels.mla_sparse import mla_sparse_partial, plan_mla_sparse
 from mqnc.triton_kernels.splice import rope_rotate, rope_splice
 
-# Every kernel module, for the sm_90 compile test (each defines ``compile_specs()``).
-KERNEL_MODULES = ["merge", "mla_decode", "mla_sparse", "splice"]
-
 __all__ = [
-    "KERNEL_MODULES",
     "merge_partials",
     "merge_partials_into",
     "lse_to_base2",
@@ -29,7 +54,12 @@ __all__ = [
     "lse_from_ml",
     "ml_from_lse",
     "mla_decode_partial",
+    "mla_decode_partial_csr",
     "mla_sparse_partial",
+    "plan_mla_decode",
+    "plan_mla_decode_csr",
+    "plan_mla_sparse",
+    "AttentionPlan",
     "rope_splice",
     "rope_rotate",
 ]

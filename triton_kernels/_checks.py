@@ -6,11 +6,20 @@ shape, device or value), never by ``assert``, which ``python -O`` removes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["check_tensor", "check_same_device", "FLOAT_DTYPES", "dtype_name"]
+__all__ = [
+    "check_tensor",
+    "check_same_device",
+    "check_int",
+    "check_num_splits",
+    "check_softmax_scale",
+    "FLOAT_DTYPES",
+    "dtype_name",
+]
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -57,3 +66,33 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
         if dev != first:
             raise ValueError(f"{name}: expected device {first} (as {first_name}), got {dev}")
     return first
+
+
+def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
+    """An int that is not a bool, optionally ``>= minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def check_num_splits(num_splits: object) -> int | None:
+    """``None`` (the launcher chooses) or an int >= 1."""
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits: expected None or an int, got {type(num_splits).__name__}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits: expected None or an int >= 1, got {num_splits}")
+    return num_splits
+
+
+def check_softmax_scale(softmax_scale: object) -> float:
+    """A finite positive float (an int is accepted, a bool is not)."""
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale!r}")
+    return scale

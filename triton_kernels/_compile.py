@@ -1,110 +1,312 @@
-"""Compile kernels for a real GPU target without a GPU, and read their resource usage.
+"""Compile kernels for a real GPU target without a GPU, exactly as a launch compiles them.
 
-The interpreter accepts code the GPU compiler rejects, so the test suite also builds every
-kernel for sm_90 (Hopper, the lent H200) at its production block sizes and bf16, through
-``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``, then reads registers,
-stack and local memory (spills) with the ``cuobjdump`` that Triton's wheel ships, and the
-SASS with ``nvdisasm``/``cuobjdump -sass`` (HMMA/HGMMA for tensor-core work).
+The interpreter accepts code the GPU compiler rejects, and Triton compiles a *specialised*
+variant at launch: a pointer or int argument divisible by 16 gets ``tt.divisibility = 16``
+(which decides, e.g., 16-byte ``cp.async`` versus scalar 2-byte loads), an int equal to 1
+becomes a constexpr. A compile test that writes the signature by hand checks a variant that
+never runs. So this module compiles through Triton's own launch path: :func:`compile_launch`
+calls ``JITFunction.warmup`` (the launch path without the launch) under a stand-in driver that
+reports an sm_90 target and no device, so the JIT's own binder derives the signature, constexprs
+and attributes from the real argument values, and ``triton.compile`` builds PTX and a cubin.
+Works with triton 3.6.0 and 3.9.0 (both have ``driver.set_active``, ``warmup`` and the
+``get_current_target/device/stream`` driver interface used by ``JITFunction.run``).
+
+Resources are read from the cubin with the ``cuobjdump`` that Triton's wheel ships
+(``-res-usage``: registers, stack, local memory = spills; ``-sass``: the instruction mix) and
+from the compile metadata (shared memory, warps); :func:`ttgir_summary` reads the shared-memory
+buffers and waits of the software pipeline from the TTGIR.
+
+Any ``@triton.jit`` function can be compiled this way at given launch values
+(``compile_launch(fn, args, kwargs)``; NVSHMEM kernels pass ``extern_libs`` in ``kwargs``).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import os
 import re
 import subprocess
 import tempfile
+from typing import Any
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from mqnc.base.env import interpreting
 
-__all__ = ["KernelResources", "compile_for", "cuobjdump_path"]
+__all__ = [
+    "KernelResources",
+    "compile_launch",
+    "compile_variant",
+    "resources",
+    "sass_mix",
+    "ttgir_summary",
+    "cuobjdump_path",
+    "compile_all",
+    "write_table",
+]
+
+H200_SMS = 132
+
+
+class _CompileOnlyDriver:
+    """The part of Triton's driver interface that ``JITFunction.run(warmup=True)`` uses: a
+    target, a device index and a stream. Nothing here touches a GPU. The device index is
+    ``-arch``, no real device's: the JIT keys its per-device binder and kernel cache by it, so
+    compile-only entries never mix with a real GPU's in the same process."""
+
+    def __init__(self, target: GPUTarget):
+        self.target = target
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+    def get_current_device(self) -> int:
+        return -int(self.target.arch)
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def is_active(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def _compile_only(arch: int):
+    from triton.runtime.driver import driver
+
+    saved = driver._active  # restored as it was (None on a CPU machine, never re-created)
+    driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
+    try:
+        yield
+    finally:
+        driver._active = saved
+
+
+def compile_launch(fn, args: tuple, kwargs: dict, *, grid: tuple = (1,), arch: int = 90):
+    """Compile ``fn[grid](*args, **kwargs)`` for ``sm_<arch>`` as that launch would compile it.
+
+    ``fn`` is a ``@triton.jit`` function (not an interpreted one: call this with
+    ``TRITON_INTERPRET=0``, which a CPU-only torch needs: importing the kernels there chooses
+    the interpreter otherwise), ``args`` the launch's positional values (torch tensors on any
+    device: only their dtype and ``data_ptr`` alignment matter), ``kwargs`` its constexprs and
+    options (``num_warps``, ``num_stages``, ``extern_libs``, ...). Returns Triton's
+    ``CompiledKernel`` (``.asm['ttgir' | 'ptx' | 'cubin']``, ``.metadata``), never loaded.
+    """
+    if not hasattr(fn, "warmup") or type(fn).__name__ != "JITFunction":
+        raise TypeError(
+            f"fn: expected a compiled-mode @triton.jit function (TRITON_INTERPRET=0), got "
+            f"{type(fn).__name__}"
+        )
+    with _compile_only(arch):
+        return fn.warmup(*args, grid=grid, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelResources:
+    """What the compiled variant of one launch uses, per CTA (registers per thread)."""
+
     name: str
     registers: int
     stack: int
     local: int
     shared: int
-    mma: tuple[str, ...]
+    num_warps: int
+    sass: dict
+    ttgir: dict
+    triton: str = triton.__version__
 
     @property
     def spills(self) -> bool:
         return self.local > 0 or self.stack > 0
+
+    @property
+    def mma(self) -> tuple[str, ...]:
+        return tuple(k for k in ("HGMMA", "HMMA", "IMMA") if self.sass.get(k, 0))
 
 
 def cuobjdump_path() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_for(spec: dict, arch: int = 90) -> KernelResources:
-    """Compile one ``compile_specs()`` entry for ``sm_<arch>`` and read its resource usage."""
-    src = ASTSource(
-        fn=spec["fn"], signature=spec["signature"], constexprs=spec.get("constexprs", {})
-    )
-    options = {k: spec[k] for k in ("num_warps", "num_stages") if k in spec}
-    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        usage = subprocess.run(
-            [cuobjdump_path(), "-res-usage", path], capture_output=True, text=True, check=True
+            f.write(cubin)
+        return subprocess.run(
+            [cuobjdump_path(), flag, path], capture_output=True, text=True, check=True
         ).stdout
-        sass = subprocess.run(
-            [cuobjdump_path(), "-sass", path], capture_output=True, text=True, check=True
-        ).stdout
+
+
+# Global loads and stores by width: LDG.E.128 / LDG.E.64 / LDG.E (32) / LDG.E.U16 / LDG.E.U8 ...
+_WIDTH = {"128": 128, "64": 64, "U16": 16, "S16": 16, "U8": 8, "S8": 8}
+
+
+def _width(mods: list[str]) -> int:
+    for m in mods:
+        if m in _WIDTH:
+            return _WIDTH[m]
+    return 32
+
+
+def sass_mix(sass: str) -> dict:
+    """Static counts of the instructions that decide a memory-bound kernel's speed.
+
+    ``LDG.<bits>`` global loads by width, ``LDGSTS.<bits>`` asynchronous global-to-shared
+    copies (``cp.async``), ``UTMALDG`` TMA loads, ``STG.<bits>`` global stores, ``LDS`` /
+    ``STS`` shared-memory traffic, ``HGMMA`` (Hopper warpgroup MMA), ``HMMA`` (mma.sync),
+    ``BAR``/``DEPBAR`` waits. Counted once per instruction in the program text (a loop body
+    counts once).
+    """
+    counts: collections.Counter = collections.Counter()
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m is None:
+            continue
+        op, *mods = m.group(1).split(".")
+        if op in ("LDG", "STG", "LDGSTS"):
+            counts[f"{op}.{_width(mods)}"] += 1
+        elif op in ("UTMALDG", "UTMASTG", "HGMMA", "HMMA", "IMMA", "LDS", "STS", "LDSM"):
+            counts[op] += 1
+        elif op in ("DEPBAR", "BAR", "SYNCS", "WARPGROUP"):
+            counts[op] += 1
+    return dict(sorted(counts.items()))
+
+
+def ttgir_summary(ttgir: str) -> dict:
+    """The software pipeline as the TTGIR shows it.
+
+    ``local_alloc`` lists the shared-memory buffers (``<stages>x<shape>x<dtype>`` as allocated:
+    a leading stage dimension means a multi-buffered ring), ``async_copies`` counts
+    ``cp.async``-style copies into them, ``tma_copies`` TMA copies, ``async_waits`` the
+    ``num`` operand of each ``async_wait`` (how many copy groups may stay in flight: 0 means the
+    loop waits for the tile it just issued, i.e. no overlap), ``barrier_waits`` the mbarrier
+    waits (TMA pipelines), ``wgmma`` Hopper warpgroup dots.
+    """
+    allocs = re.findall(
+        r"ttg\.local_alloc\s*(?:%\S+\s*)?:\s*\([^)]*\)\s*->\s*!ttg\.memdesc<([^,>]+)", ttgir
+    )
+    allocs += re.findall(r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<([^,>]+)", ttgir)
+    return {
+        "local_alloc": sorted(set(a.strip() for a in allocs)),
+        "async_copies": len(re.findall(r"ttg\.async_copy_global_to_local", ttgir)),
+        "tma_copies": len(re.findall(r"async_tma_copy_global_to_local|async_tma_gather", ttgir)),
+        "async_waits": [int(n) for n in re.findall(r"ttg\.async_wait[^{]*\{num = (\d+)", ttgir)],
+        "barrier_waits": len(re.findall(r"ttng\.wait_barrier", ttgir)),
+        "wgmma": len(re.findall(r"ttng\.warp_group_dot\b", ttgir)),
+    }
+
+
+def resources(name: str, compiled) -> KernelResources:
+    """Registers, stack, local memory (spills), shared memory, SASS mix and TTGIR pipeline of
+    one ``CompiledKernel``."""
+    cubin = compiled.asm["cubin"]
+    usage = _cuobjdump(cubin, "-res-usage")
 
     def field(key: str) -> int:
         m = re.search(rf"\b{key}:(\d+)", usage)
         if m is None:
-            raise RuntimeError(f"cuobjdump -res-usage gave no {key} for {spec['name']}:\n{usage}")
+            raise RuntimeError(f"cuobjdump -res-usage gave no {key} for {name}:\n{usage}")
         return int(m.group(1))
 
-    mma = tuple(sorted(set(re.findall(r"\b(HGMMA|HMMA|IMMA)\b", sass))))
     return KernelResources(
-        name=spec["name"],
+        name=name,
         registers=field("REG"),
         stack=field("STACK"),
         local=field("LOCAL"),
-        shared=int(kernel.metadata.shared),
-        mma=mma,
+        shared=int(compiled.metadata.shared),
+        num_warps=int(compiled.metadata.num_warps),
+        sass=sass_mix(_cuobjdump(cubin, "-sass")),
+        ttgir=ttgir_summary(compiled.asm["ttgir"]),
     )
 
 
+def compile_variant(name: str, launch, arch: int = 90) -> tuple[KernelResources, Any]:
+    """Compile a planned :class:`~mqnc.triton_kernels._launch.Launch` for ``sm_<arch>``;
+    returns its resources and Triton's ``CompiledKernel``."""
+    compiled = compile_launch(
+        launch.kernel, launch.args, launch.kwargs, grid=launch.grid, arch=arch
+    )
+    return resources(name, compiled), compiled
+
+
 def compile_all(arch: int = 90) -> list[dict]:
-    """Compile every ``compile_specs()`` entry of every kernel module; one dict per kernel.
+    """Compile every launch of every goal and ecosystem shape (``_variants.COMPILED``) for
+    ``sm_<arch>``; one
+    dict per variant (by name, first-seen order) with its resources, its goal shapes, and
+    ``kernels``: how many distinct compiled kernels its shapes' launches got from the JIT (1:
+    the name identifies the variant; the later launches of a name are JIT cache hits).
 
-    Must run with ``TRITON_INTERPRET`` unset (under the interpreter ``@triton.jit`` yields
+    Must run in compiled mode, ``TRITON_INTERPRET=0`` (under the interpreter ``@triton.jit`` yields
     interpreted functions that cannot be compiled); the test suite calls it in a subprocess.
-    A kernel that fails to compile is reported with its error instead of raising.
+    A variant that fails to compile is reported with its error instead of raising.
     """
-    import importlib
+    from mqnc.triton_kernels._variants import COMPILED, shape_launches
 
-    from mqnc.triton_kernels import KERNEL_MODULES
-
-    out = []
-    for module in KERNEL_MODULES:
-        mod = importlib.import_module(f"mqnc.triton_kernels.{module}")
-        for spec in mod.compile_specs():
+    out: dict[str, dict] = {}
+    kernels: dict[str, set] = {}
+    for shape in COMPILED:
+        for launch in shape_launches(shape):
+            row = out.setdefault(launch.name, {"name": launch.name, "shapes": []})
+            row["shapes"].append(shape.label)
+            if row.get("ok") is False:
+                continue
             try:
-                out.append({"ok": True, **dataclasses.asdict(compile_for(spec, arch))})
-            except Exception as exc:  # noqa: BLE001 - reported to the caller, which fails the test
-                out.append(
-                    {"ok": False, "name": spec["name"], "error": f"{type(exc).__name__}: {exc}"}
+                compiled = compile_launch(
+                    launch.kernel, launch.args, launch.kwargs, grid=launch.grid, arch=arch
                 )
-    return out
+                if "ok" not in row:
+                    res = resources(launch.name, compiled)
+                    row.update({"ok": True, **dataclasses.asdict(res), "grid": launch.grid})
+            except Exception as exc:  # noqa: BLE001 - reported to the caller: the test fails
+                row.update({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            kernels.setdefault(launch.name, set()).add(id(compiled))
+    for name, row in out.items():
+        row["kernels"] = len(kernels.get(name, ()))
+    return list(out.values())
+
+
+def write_table(rows: list[dict], path: str) -> None:
+    """Write the sm_90 occupancy table (``_sm90_table.py``) from :func:`compile_all` rows."""
+    lines = [
+        '"""Generated by ``python -m mqnc.triton_kernels._compile --write-table`` (do not edit):',
+        "the sm_90 resources of every production kernel variant, compiled launch-exact (see",
+        "``_compile``). Read off a GPU by ``_grid.kernel_occupancy``; the compile test checks it",
+        'against a fresh compile under the triton that wrote it."""',
+        "",
+        f'TRITON = "{triton.__version__}"',
+        "SM90_VARIANTS: dict[str, dict] = {",
+    ]
+    for row in rows:
+        if not row.get("ok"):
+            raise RuntimeError(f"{row['name']} did not compile: {row.get('error')}")
+        lines.append(f'    "{row["name"]}": {{')
+        for key in ("registers", "num_warps", "shared", "stack", "local"):
+            lines.append(f'        "{key}": {row[key]},')
+        lines.append("    },")
+    lines.append("}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
+    import argparse
     import json
     import sys
 
+    ap = argparse.ArgumentParser(description="Compile every production variant for sm_<arch>.")
+    ap.add_argument("arch", nargs="?", type=int, default=90)
+    ap.add_argument("--write-table", action="store_true", help="rewrite _sm90_table.py")
+    args = ap.parse_args()
     if interpreting():
-        sys.exit("unset TRITON_INTERPRET to compile for a GPU target")
-    print(json.dumps(compile_all(int(sys.argv[1]) if len(sys.argv) > 1 else 90)))
+        sys.exit(
+            "set TRITON_INTERPRET=0 to compile for a GPU target (compile-only: nothing launches)"
+        )
+    rows = compile_all(args.arch)
+    if args.write_table:
+        write_table(rows, os.path.join(os.path.dirname(__file__), "_sm90_table.py"))
+    print(json.dumps(rows))

@@ -4,9 +4,12 @@ Private ``@triton.jit`` helpers; the public ops are ``mla_decode.mla_decode_part
 ``mla_sparse.mla_sparse_partial``, which differ only in how they find a tile's cache rows (a
 block-table lookup, or the top-k indices) and share everything else here:
 
+- :func:`_split_range` gives a split its contiguous range of whole tiles;
 - :func:`_load_query` loads the ``BLOCK_H`` heads of one query token as two tiles, the latent
   part ``[BLOCK_H, D_LAT]`` and the rope part ``[BLOCK_H, D_PE]`` (``tl.arange`` needs
-  power-of-two extents, so the 576-wide head is split 512 + 64);
+  power-of-two extents, so the 576-wide head is split 512 + 64), from one fused row or from two
+  tensors (``SPLIT``: FlashInfer's ``q_nope`` / ``q_pe`` and ``ckv`` / ``kpe`` caches, read in
+  place through their own pointers and strides; the fused path's addresses are unchanged);
 - :func:`_attend_tile` streams one tile of ``BLOCK_N`` cache entries through an online softmax
   for all ``BLOCK_H`` heads at once (every head attends the same entries, so each tile is read
   once per program); the value is the latent part of the same loaded tile, never read again;
@@ -28,30 +31,51 @@ import triton.language as tl
 
 from mqnc.triton_kernels._numerics import round_to
 
-LN2 = 0.6931471805599453
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_range(n, NUM_SPLITS, split, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
+    """``[start, end)`` of split ``split`` over ``n`` entries: ``NUM_SPLITS`` contiguous ranges
+    of whole ``BLOCK_N`` tiles, at least ``MIN_TILES`` tiles each (so a row shorter than the
+    capacity the host planned for fills its first splits and leaves the last ones empty)."""
+    tiles_per_split = tl.maximum(tl.cdiv(tl.cdiv(n, BLOCK_N), NUM_SPLITS), MIN_TILES)
+    start = split * tiles_per_split * BLOCK_N
+    return start, tl.minimum(start + tiles_per_split * BLOCK_N, n)
 
 
 @triton.jit
 def _load_query(
     Q,
+    Q_PE,
     b,
     h0,
     H,
     stride_qb,
     stride_qh,
+    stride_pb,
+    stride_ph,
     BLOCK_H: tl.constexpr,
     D_LAT: tl.constexpr,
     D_PE: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     """Heads ``h0 .. h0 + BLOCK_H`` of query token ``b``: ``(q_lat [BLOCK_H, D_LAT],
-    q_pe [BLOCK_H, D_PE], head mask [BLOCK_H])``; heads ``>= H`` load as 0 and are never stored."""
+    q_pe [BLOCK_H, D_PE], head mask [BLOCK_H])``; heads ``>= H`` load as 0 and are never stored.
+
+    Fused rows (``SPLIT`` False): the rope part follows the latent in ``Q``'s rows (``Q_PE`` and
+    its strides are not read). ``SPLIT``: the rope part is ``Q_PE [B, H, D_PE]`` with its own
+    strides (FlashInfer's ``q_nope`` / ``q_pe``)."""
     offs_h = h0 + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     row = Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
+    if SPLIT:
+        pe_row = Q_PE + b.to(tl.int64) * stride_pb + offs_h[:, None] * stride_ph
+    else:
+        pe_row = row + D_LAT
     q_lat = tl.load(row + tl.arange(0, D_LAT)[None, :], mask=mask_h[:, None], other=0.0)
-    q_pe = tl.load(row + D_LAT + tl.arange(0, D_PE)[None, :], mask=mask_h[:, None], other=0.0)
+    q_pe = tl.load(pe_row + tl.arange(0, D_PE)[None, :], mask=mask_h[:, None], other=0.0)
     if DOT_FP32:
         q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
@@ -63,6 +87,7 @@ def _attend_tile(
     q_lat,
     q_pe,
     kv_rows,
+    pe_rows,
     valid,
     m,
     l,
@@ -70,23 +95,28 @@ def _attend_tile(
     qk_scale,
     D_LAT: tl.constexpr,
     D_PE: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """One online-softmax step over ``BLOCK_N`` cache entries for ``BLOCK_H`` heads.
 
     ``kv_rows`` [BLOCK_N] are pointers to the entries' first element (unit stride inside an
-    entry), ``valid`` [BLOCK_N] says which to attend (invalid rows are never read, so padding
-    may hold anything, NaN included). ``m`` [BLOCK_H] is the running max in base-2 units,
-    ``l`` [BLOCK_H] the denominator relative to it, ``acc`` [BLOCK_H, D_LAT] the unnormalised
-    output, all fp32. ``qk_scale = softmax_scale * log2(e)``.
+    entry), ``pe_rows`` [BLOCK_N] pointers to their rope parts when ``SPLIT`` (FlashInfer's
+    ``kpe`` rows; fused 576-wide entries: not read, the rope part is ``kv_rows + D_LAT``, the
+    addresses of one row), ``valid`` [BLOCK_N] says which to attend (invalid rows are never
+    read, so padding may hold anything, NaN included). ``m`` [BLOCK_H] is the running max in
+    base-2 units, ``l`` [BLOCK_H] the denominator relative to it, ``acc`` [BLOCK_H, D_LAT] the
+    unnormalised output, all fp32. ``qk_scale = softmax_scale * log2(e)``.
     """
     kv_lat = tl.load(
         kv_rows[:, None] + tl.arange(0, D_LAT)[None, :], mask=valid[:, None], other=0.0
     )
-    kv_pe = tl.load(
-        kv_rows[:, None] + D_LAT + tl.arange(0, D_PE)[None, :], mask=valid[:, None], other=0.0
-    )
+    if SPLIT:
+        pe_at = pe_rows[:, None] + tl.arange(0, D_PE)[None, :]
+    else:
+        pe_at = kv_rows[:, None] + D_LAT + tl.arange(0, D_PE)[None, :]
+    kv_pe = tl.load(pe_at, mask=valid[:, None], other=0.0)
     if DOT_FP32:
         kv_lat = kv_lat.to(tl.float32)
         kv_pe = kv_pe.to(tl.float32)
@@ -132,23 +162,3 @@ def _store_partial(
         nonempty, (m + tl.log2(tl.where(nonempty, l, 1.0))) * 0.6931471805599453, -float("inf")
     )
     tl.store(LSE + lse_base + offs_h * stride_lh, lse, mask=mask_h)
-
-
-def tile_config(heads: int, *, sparse: bool = False) -> tuple[int, int, int]:
-    """``(BLOCK_H, BLOCK_N, num_warps)`` for ``heads`` query heads per token.
-
-    Chosen from sm_90 compiles of the bf16 kernels (the modules' ``compile_specs``, registers
-    and spills read with cuobjdump, triton 3.9.0):
-
-    - dense: 16 heads x 64-entry tiles on 8 warps: 230 registers, no spills; 32 heads need
-      32-entry tiles (204 registers, no spills);
-    - sparse (the per-entry index arithmetic costs registers): 16 x 32 on 8 warps: 178
-      registers; 32 x 16: 222 registers; 16 x 64 spills (152 B of stack).
-
-    64 packed heads (FlashMLA's shape) spill in every Triton configuration tried (8 or 16 warps,
-    16..64-entry tiles: 456..1392 B of stack), its fp32 accumulator alone being 64 x 512; so
-    H > 16 runs in programs of 32 heads, each reading the token's tiles (repeats hit L2).
-    """
-    if heads <= 16:
-        return (16, 32, 8) if sparse else (16, 64, 8)
-    return (32, 16, 8) if sparse else (32, 32, 8)

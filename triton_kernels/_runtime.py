@@ -1,8 +1,12 @@
 """Launch-time helpers shared by every kernel: interpreter mode, the launch lock, output allocation.
 
 Nothing here touches a GPU at import time. Whether kernels run compiled or interpreted is decided
-by ``TRITON_INTERPRET=1`` (read by Triton when it is imported; the test suite sets it itself when
-no CUDA device exists).
+by ``TRITON_INTERPRET=1``, read by Triton when it is imported: the test suite and the CLI set it
+when no CUDA device exists, and importing ``mqnc.triton_kernels`` sets it when torch was built
+without CUDA (``mqnc.base.runtime.use_interpreter_on_cpu_only_torch``: no GPU probe, the build
+says it). Otherwise a launcher given CPU tensors in compiled mode refuses them at once with the
+one line that says how to interpret (:func:`check_launchable`), instead of Triton's
+"0 active drivers".
 
 Environment switches (the only ones the kernels read; parsed in :mod:`mqnc.base.env`):
 
@@ -27,6 +31,7 @@ import torch
 from mqnc.base.env import interpreting, poisoning
 
 __all__ = [
+    "check_launchable",
     "interpreting",
     "launch_lock",
     "dot_in_fp32",
@@ -41,6 +46,28 @@ _LOCK = threading.RLock()
 def launch_lock():
     """The process-wide launch lock when interpreting, a no-op context on a GPU."""
     return _LOCK if interpreting() else contextlib.nullcontext()
+
+
+def check_launchable(tensor: torch.Tensor, name: str) -> None:
+    """Refuse a tensor the kernels cannot launch on: compiled kernels read only CUDA memory (a CPU
+    tensor's pointer "cannot be accessed from Triton", or "0 active drivers" on a machine
+    without one); under the interpreter any device works.
+
+    Public launchers call it once per call (on their first tensor, after the same-device check,
+    so one tensor stands for all), at planning time: a plan's ``run`` never does, and the
+    unchecked internal plans (``plan_decode``, ``plan_sparse``, ``splice_launch``, ...) take CPU
+    tensors, so that the sm_90 compile step can build launches without a GPU. The error names
+    the argument and says how to fix it, in one line.
+    """
+    if tensor.device.type == "cuda" or interpreting():
+        return
+    got = "a CPU tensor" if tensor.device.type == "cpu" else f"a tensor on {tensor.device}"
+    raise ValueError(
+        f"{name}: expected a CUDA tensor (the kernels run compiled: TRITON_INTERPRET is not 1), "
+        f"got {got}: move the inputs to the GPU (mqnc.base.kernel_device()), or run the kernels "
+        "interpreted (set TRITON_INTERPRET=1 before importing triton, or call "
+        "mqnc.base.use_interpreter_without_cuda() first)"
+    )
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:

@@ -10,8 +10,14 @@ their union::
 An empty partial (no keys) is ``o = 0, lse = -inf``; ``lse = +inf`` (what FlashMLA writes for
 an empty row) is read as empty too. All-empty rows give ``o = 0, lse = -inf``, never NaN.
 
-FlashInfer's merges use base-2 LSE: convert with :func:`lse_to_base2` / :func:`lse_from_base2`.
-The wire carries the equivalent statistic ``(o, m, l)`` with ``lse = m + log(l)``: convert with
+FlashInfer's merges use base-2 LSE: convert with :func:`lse_to_base2` / :func:`lse_from_base2`,
+or merge base-2 states as they are (``base2=True``: the kernel then uses ``exp2`` / ``log2``,
+no conversion). The axis that holds the partials is named, never guessed (a 4-D shape cannot say
+it): ``layout="MBHD"`` (this package's ``[M, B, H, D]``, the default) or ``"BMHD"``
+(FlashInfer's ``merge_states`` input ``[T, M, H, D]``), read in place through strides. A
+``mask`` (FlashInfer's ``merge_state_in_place``) leaves the rows it excludes untouched, so a
+CUDA graph captured for a padded batch can skip its padding. The wire carries the equivalent
+statistic ``(o, m, l)`` with ``lse = m + log(l)``: convert with
 :func:`lse_from_ml` / :func:`ml_from_lse`.
 """
 
@@ -23,9 +29,20 @@ import torch
 import triton
 import triton.language as tl
 
-from mqnc.triton_kernels._checks import FLOAT_DTYPES, check_same_device, check_tensor
+from mqnc.triton_kernels._checks import (
+    FLOAT_DTYPES,
+    check_same_device,
+    check_tensor,
+    dtype_name,
+)
+from mqnc.triton_kernels._launch import Launch
 from mqnc.triton_kernels._numerics import round_to
-from mqnc.triton_kernels._runtime import bf16_rne_in_software, launch_lock, new_output
+from mqnc.triton_kernels._runtime import (
+    bf16_rne_in_software,
+    check_launchable,
+    interpreting,
+    new_output,
+)
 
 __all__ = [
     "merge_partials",
@@ -34,38 +51,36 @@ __all__ = [
     "lse_from_base2",
     "lse_from_ml",
     "ml_from_lse",
-    "compile_specs",
+    "merge_launch",
+    "LAYOUTS",
 ]
 
 _LN2 = math.log(2.0)
+LSE_BLOCK = 256  # lse values of a row loaded at once for the max (one load for M <= 256)
+_MAX_BLOCK_M = 32  # partial rows one program unrolls per step
 
 
 @triton.jit
-def _merge_weights(lse_ptr, stride_lse_m, M):
-    """Pass over the M lse values of one row: returns (max, sum of exp(lse_i - max)).
-
-    +inf is read as empty (-inf). If every partial is empty, returns (-inf, 0).
-    """
+def _row_max(lse_row, stride_lm, M, LSE_BLOCK: tl.constexpr):
+    """The largest of the M lse values of one row, loaded ``LSE_BLOCK`` at a time (all at
+    once for M <= LSE_BLOCK); ``+inf`` is read as empty. Returns ``(m, m_safe)``: the max
+    (``-inf`` when every partial is empty) and the shift the weights use (0 then)."""
+    offs = tl.arange(0, LSE_BLOCK)
     m = -float("inf")
-    for i in range(M):
-        x = tl.load(lse_ptr + i * stride_lse_m)
+    for m0 in range(0, M, LSE_BLOCK):
+        x = tl.load(lse_row + (m0 + offs) * stride_lm, mask=m0 + offs < M, other=-float("inf"))
         x = tl.where(x == float("inf"), -float("inf"), x)
-        m = tl.maximum(m, x)
-    m_safe = tl.where(m == -float("inf"), 0.0, m)
-    l = 0.0
-    for i in range(M):
-        x = tl.load(lse_ptr + i * stride_lse_m)
-        x = tl.where(x == float("inf"), -float("inf"), x)
-        l += tl.exp(x - m_safe)
-    return m, m_safe, l
+        m = tl.maximum(m, tl.max(x, 0))
+    return m, tl.where(m == -float("inf"), 0.0, m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "H"])
 def _merge_partials_kernel(
     O_in,
     LSE_in,
     O_out,
     LSE_out,
+    RowMask,
     M,
     H,
     D,
@@ -81,38 +96,70 @@ def _merge_partials_kernel(
     stride_yd,
     stride_zb,
     stride_zh,
+    BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    LSE_BLOCK: tl.constexpr,
     BF16_RNE: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    BASE2: tl.constexpr,
 ):
-    """One program per (b, h) row: weights from the M lse values, then the weighted sum of o."""
+    """Grid ``(B * H, cdiv(D, BLOCK_D))``: one program per (row, ``BLOCK_D`` slice of o).
+
+    The max over the row's M lse values comes from one vector load (:func:`_row_max`); then the
+    partials are folded in order ``i = 0 .. M-1``, ``BLOCK_M`` per step, unrolled, so that the
+    step's lse and o loads are independent of each other and of the running sums (the compiler
+    issues them together: no round trip per partial). Each weight ``e_i = exp(lse_i - max)`` is
+    formed once per program; o is read ``BLOCK_D`` wide (16 bytes per thread) only where
+    ``e_i > 0`` (an empty partial's o may hold anything, NaN included); the fold's fixed order
+    makes an inserted empty partial change nothing, bit for bit.
+
+    ``HAS_MASK``: token rows ``b`` with ``RowMask[b]`` false are not written. ``BASE2``: the lse
+    values are base-2 (FlashInfer's): weights ``exp2``, merged lse ``m + log2(l)``."""
     row = tl.program_id(0)
     b = row // H
     h = row % H
-    lse_row = LSE_in + b * stride_lb + h * stride_lh
-    m, m_safe, l = _merge_weights(lse_row, stride_lm, M)
-    inv_l = tl.where(l > 0.0, 1.0 / l, 0.0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    if HAS_MASK:
+        store_row = tl.load(RowMask + b) != 0
+    else:
+        store_row = True
+    lse_row = LSE_in + b.to(tl.int64) * stride_lb + h * stride_lh
+    o_row = O_in + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d * stride_od
+    m, m_safe = _row_max(lse_row, stride_lm, M, LSE_BLOCK)
 
-    o_row = O_in + b * stride_ob + h * stride_oh
-    y_row = O_out + b * stride_yb + h * stride_yh
-    offs = tl.arange(0, BLOCK_D)
-    for d0 in range(0, D, BLOCK_D):
-        mask = d0 + offs < D
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for i in range(M):
-            x = tl.load(lse_row + i * stride_lm)
+    l = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        for j in tl.static_range(BLOCK_M):
+            i = m0 + j
+            x = tl.load(lse_row + i * stride_lm, mask=i < M, other=-float("inf"))
             x = tl.where(x == float("inf"), -float("inf"), x)
-            w = tl.exp(x - m_safe) * inv_l
-            if w > 0.0:  # an empty partial's o is never read (it may hold anything, even NaN)
-                o = tl.load(o_row + i * stride_om + (d0 + offs) * stride_od, mask=mask, other=0.0)
-                acc += w * o.to(tl.float32)
-        tl.store(
-            y_row + (d0 + offs) * stride_yd,
-            round_to(acc, O_out.dtype.element_ty, BF16_RNE),
-            mask=mask,
-        )
+            if BASE2:
+                e = tl.exp2(x - m_safe)
+            else:
+                e = tl.exp(x - m_safe)
+            # (tl.where, not `mask_d & (e > 0)`: the interpreter cannot `&` a scalar and a block)
+            keep = tl.where(e > 0.0, mask_d, False)
+            o = tl.load(o_row + i.to(tl.int64) * stride_om, mask=keep, other=0.0)
+            l += e
+            acc += e * o.to(tl.float32)
 
-    lse = tl.where(l == 0.0, -float("inf"), m_safe + tl.log(l))  # NaN l (a NaN lse) stays NaN
-    tl.store(LSE_out + b * stride_zb + h * stride_zh, lse)
+    # l = 0: every partial empty (o = 0, lse = -inf); a NaN l (from a NaN lse)
+    # is "non-empty": it propagates as NaN, never reads as "no keys" (issue 15)
+    nonempty = l != 0.0
+    inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l, 1.0), 0.0)
+    y = O_out + b.to(tl.int64) * stride_yb + h * stride_yh + offs_d * stride_yd
+    if HAS_MASK:
+        mask_d = tl.where(store_row, mask_d, False)
+    tl.store(y, round_to(acc * inv_l, O_out.dtype.element_ty, BF16_RNE), mask=mask_d)
+    if tl.program_id(1) == 0:
+        if BASE2:
+            log_l = tl.log2(tl.where(nonempty, l, 1.0))
+        else:
+            log_l = tl.log(tl.where(nonempty, l, 1.0))
+        lse = tl.where(nonempty, m_safe + log_l, -float("inf"))
+        tl.store(LSE_out + b.to(tl.int64) * stride_zb + h * stride_zh, lse, mask=store_row)
 
 
 def _check_lse_values(name: str, lse: torch.Tensor) -> None:
@@ -121,20 +168,53 @@ def _check_lse_values(name: str, lse: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected no NaN log-sum-exp values, got {n} NaN entries")
 
 
-def _block_d(D: int) -> int:
-    return min(triton.next_power_of_2(D), 512)
+def merge_tiles(M: int, D: int, elt: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_D, num_warps)`` for ``M`` partials of width ``D`` (``elt`` bytes).
+
+    One warp per program, each thread reading 16 bytes of a partial row per load
+    (``BLOCK_D = 32 * 16 / elt``: 256 bf16 or 128 fp32 values), fewer for a narrower ``D``;
+    ``BLOCK_M`` partials unrolled per step, ``next_power_of_2(M)`` up to 32. Under the
+    interpreter, whose cost is per program and per operation rather than per element, one
+    program covers the whole row (``BLOCK_D = next_power_of_2(D)``): the same code, fewer
+    programs.
+    """
+    block_m = min(triton.next_power_of_2(max(M, 1)), _MAX_BLOCK_M)
+    block_d = triton.next_power_of_2(max(D, 1))
+    if not interpreting():
+        block_d = min(32 * 16 // elt, block_d)
+    return block_m, block_d, 1
 
 
-def _launch(o: torch.Tensor, lse: torch.Tensor, o_out: torch.Tensor, lse_out: torch.Tensor) -> None:
+def merge_launch(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    o_out: torch.Tensor,
+    lse_out: torch.Tensor,
+    *,
+    block_d: int | None = None,
+    mask: torch.Tensor | None = None,
+    base2: bool = False,
+) -> Launch:
+    """The merge kernel's launch for ``o [M, B, H, D]``, ``lse [M, B, H]`` (any strides) into
+    ``o_out`` / ``lse_out`` (no checks: :func:`merge_partials` checks); ``block_d`` overrides
+    :func:`merge_tiles`' slice width (the tests run the compiled path's tiling under the
+    interpreter with it); ``mask [B]`` bool: write only the rows where it is true; ``base2``:
+    base-2 lse in and out."""
     M, B, H, D = o.shape
-    if B * H == 0:
-        return
-    with launch_lock():
-        _merge_partials_kernel[(B * H,)](
+    block_m, default_d, num_warps = merge_tiles(M, D, o.element_size())
+    block_d = block_d or default_d
+    dt = dtype_name(o.dtype)
+    extra = (",mask" if mask is not None else "") + (",base2" if base2 else "")
+    return Launch(
+        name=f"merge[{dt}->{dtype_name(o_out.dtype)},M<={block_m},D={D},w{num_warps}{extra}]",
+        kernel=_merge_partials_kernel,
+        grid=(B * H, triton.cdiv(D, block_d)),
+        args=(
             o,
             lse,
             o_out,
             lse_out,
+            mask if mask is not None else lse_out,  # (not read without HAS_MASK)
             M,
             H,
             D,
@@ -142,9 +222,64 @@ def _launch(o: torch.Tensor, lse: torch.Tensor, o_out: torch.Tensor, lse_out: to
             *lse.stride(),
             *o_out.stride(),
             *lse_out.stride(),
-            BLOCK_D=_block_d(D),
+        ),
+        kwargs=dict(
+            BLOCK_M=block_m,
+            BLOCK_D=block_d,
+            LSE_BLOCK=LSE_BLOCK,
             BF16_RNE=bf16_rne_in_software(o_out.dtype),
+            HAS_MASK=mask is not None,
+            BASE2=base2,
+            num_warps=num_warps,
+            # Room for a whole step's loads in flight (BLOCK_M rows x 16 bytes per thread):
+            # left to itself ptxas keeps fewer (3.6.0: 80 registers at M <= 32) or spills
+            # (3.9.0: 8 bytes of stack at M <= 16); one-warp programs can afford 255.
+            maxnreg=255,
+        ),
+    )
+
+
+def _launch(o, lse, o_out, lse_out, mask=None, base2=False) -> None:
+    if o.shape[1] * o.shape[2] == 0:
+        return
+    merge_launch(o, lse, o_out, lse_out, mask=mask, base2=base2)()
+
+
+LAYOUTS = ("MBHD", "BMHD")  # the axis of the partials first, or second (FlashInfer's [T, M, H, D])
+
+
+def _partials_first(o: torch.Tensor, lse: torch.Tensor, layout: object):
+    """``o``, ``lse`` as ``[M, B, H, D]`` / ``[M, B, H]`` views (no copy) from ``layout``."""
+    if layout not in LAYOUTS:
+        raise ValueError(
+            f"layout: expected 'MBHD' (partials first, [M, B, H, D]) or 'BMHD' (FlashInfer's "
+            f"[T, M, H, D]), got {layout!r}"
         )
+    names = "[M, B, H, D]" if layout == "MBHD" else "[T, M, H, D]"
+    check_tensor("o", o, dtypes=FLOAT_DTYPES)
+    if o.dim() != 4:
+        raise ValueError(
+            f"o: expected 4 dims {names} (layout={layout!r}; the other layout is "
+            f"{LAYOUTS[layout == 'MBHD']!r}), got shape {tuple(o.shape)}"
+        )
+    check_tensor("lse", lse, ndim=3, dtypes=(torch.float32,))
+    if tuple(lse.shape) != tuple(o.shape[:3]):
+        raise ValueError(
+            f"lse: expected shape {tuple(o.shape[:3])} ({names[:-4]}], o's without D, "
+            f"layout={layout!r}), got {tuple(lse.shape)}"
+        )
+    if layout == "BMHD":
+        return o.transpose(0, 1), lse.transpose(0, 1)
+    return o, lse
+
+
+def _check_mask(mask: object, B: int, device) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    check_tensor("mask", mask, ndim=1, dtypes=(torch.bool,), shape=(B,))
+    if mask.device != device:
+        raise ValueError(f"mask: expected device {device}, got {mask.device}")
+    return mask if mask.is_contiguous() else mask.contiguous()
 
 
 def merge_partials(
@@ -153,30 +288,42 @@ def merge_partials(
     *,
     check_lse: bool = True,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    layout: str = "MBHD",
+    base2: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge M partials over disjoint key subsets into the partial over their union.
 
     Parameters
     ----------
     o : torch.Tensor
-        Partial outputs, shape ``[M, B, H, Dv]``, bf16 / fp16 / fp32, any strides. ``M >= 1``,
-        any ``Dv`` (tiled by powers of two with masks).
+        Partial outputs, shape ``[M, B, H, Dv]`` (``layout="MBHD"``) or ``[B, M, H, Dv]``
+        (``layout="BMHD"``, FlashInfer's ``[T, M, H, D]``), bf16 / fp16 / fp32, any strides.
+        ``M >= 1``, any ``Dv`` (tiled by powers of two with masks).
     lse : torch.Tensor
-        Natural-log log-sum-exp of each partial's scaled scores, shape ``[M, B, H]``, float32.
-        ``-inf`` and ``+inf`` mark an empty partial.
+        Log-sum-exp of each partial's scaled scores, ``o``'s shape without ``Dv``, float32;
+        natural log (base 2 with ``base2``). ``-inf`` and ``+inf`` mark an empty partial.
     check_lse : bool
         Raise on NaN ``lse`` (one host sync); pass False on a hot path.
     out : (torch.Tensor, torch.Tensor) or None
         Write the result into these ``[B, H, Dv]`` (any float dtype: the fp32 accumulator is
         rounded once to it) and ``[B, H]`` float32 tensors instead of new ones (how split-KV
         partials are combined straight into the attention kernels' outputs).
+    layout : str
+        Which axis holds the partials: ``"MBHD"`` (the first; this package's convention) or
+        ``"BMHD"`` (the second; FlashInfer's ``merge_states``). A 4-D tensor cannot say which
+        it is, so the axis is never guessed: pass ``"BMHD"`` for FlashInfer-layout tensors
+        (or call ``mqnc.triton_kernels.flashinfer_api.merge_states``).
+    base2 : bool
+        ``lse`` given, and returned, in base 2 (FlashInfer's convention): merged with ``exp2``
+        / ``log2``, no conversion.
 
     Returns
     -------
     o_merged : torch.Tensor
         ``[B, H, Dv]`` in ``o``'s dtype, accumulated in fp32.
     lse_merged : torch.Tensor
-        ``[B, H]`` float32, natural log; ``-inf`` where every partial was empty (then o = 0).
+        ``[B, H]`` float32, natural log (base 2 with ``base2``); ``-inf`` where every partial
+        was empty (then o = 0).
 
     Examples
     --------
@@ -186,13 +333,20 @@ def merge_partials(
     >>> om, lm = merge_partials(o, lse)
     >>> om.shape, lm.shape
     (torch.Size([2, 16, 512]), torch.Size([2, 16]))
+    >>> om2, _ = merge_partials(o.transpose(0, 1), lse.transpose(0, 1), layout="BMHD")
+    >>> bool((om2 == om).all())
+    True
     """
-    check_tensor("o", o, ndim=4, dtypes=FLOAT_DTYPES)
+    if torch.compiler.is_compiling():
+        if out is not None:
+            raise ValueError("out: not supported under torch.compile (the op returns new tensors)")
+        return torch.ops.mqnc.merge_partials(o, lse, check_lse, layout, base2)
+    o, lse = _partials_first(o, lse, layout)
     M, B, H, D = o.shape
-    check_tensor("lse", lse, ndim=3, dtypes=(torch.float32,), shape=(M, B, H))
     if M < 1:
         raise ValueError(f"o: expected at least one partial (M >= 1), got M = {M}")
     device = check_same_device(o=o, lse=lse)
+    check_launchable(o, "o")
     if check_lse:
         _check_lse_values("lse", lse)
     if out is None:
@@ -205,7 +359,7 @@ def merge_partials(
         check_tensor("out[0]", o_out, ndim=3, dtypes=FLOAT_DTYPES, shape=(B, H, D))
         check_tensor("out[1]", lse_out, ndim=2, dtypes=(torch.float32,), shape=(B, H))
         check_same_device(o=o, out_o=o_out, out_lse=lse_out)
-    _launch(o, lse, o_out, lse_out)
+    _launch(o, lse, o_out, lse_out, base2=bool(base2))
     return o_out, lse_out
 
 
@@ -216,6 +370,8 @@ def merge_partials_into(
     lse_new: torch.Tensor,
     *,
     check_lse: bool = True,
+    mask: torch.Tensor | None = None,
+    base2: bool = False,
 ) -> None:
     """Two-way in-place merge: ``(o_acc, lse_acc) <- merge((o_acc, lse_acc), (o_new, lse_new))``.
 
@@ -232,19 +388,39 @@ def merge_partials_into(
         Arriving partial ``[B, H, Dv]``, same dtype as ``o_acc``.
     lse_new : torch.Tensor
         Its natural-log LSE ``[B, H]`` float32.
+    check_lse : bool
+        Raise on NaN ``lse`` (one host sync); pass False on a hot path.
+    mask : torch.Tensor or None
+        ``[B]`` bool: merge only the token rows where it is true; the others are left untouched
+        (FlashInfer's ``merge_state_in_place`` mask: a CUDA graph captured for a padded batch
+        skips its padding). None merges every row.
+    base2 : bool
+        Both ``lse`` in base 2 (FlashInfer's convention), ``lse_acc`` updated in base 2.
     """
+    if torch.compiler.is_compiling():
+        torch.ops.mqnc.merge_partials_into(o_acc, lse_acc, o_new, lse_new, check_lse, mask, base2)
+        return
     check_tensor("o_acc", o_acc, ndim=3, dtypes=FLOAT_DTYPES)
     B, H, D = o_acc.shape
     check_tensor("lse_acc", lse_acc, ndim=2, dtypes=(torch.float32,), shape=(B, H))
     check_tensor("o_new", o_new, ndim=3, dtypes=(o_acc.dtype,), shape=(B, H, D))
     check_tensor("lse_new", lse_new, ndim=2, dtypes=(torch.float32,), shape=(B, H))
-    check_same_device(o_acc=o_acc, lse_acc=lse_acc, o_new=o_new, lse_new=lse_new)
+    device = check_same_device(o_acc=o_acc, lse_acc=lse_acc, o_new=o_new, lse_new=lse_new)
+    check_launchable(o_acc, "o_acc")
+    mask = _check_mask(mask, B, device)
     if check_lse:
         _check_lse_values("lse_acc", lse_acc)
         _check_lse_values("lse_new", lse_new)
     # The pair is stacked into an M = 2 input (one copy of each, B*H*Dv elements) so that the
     # one merge kernel serves both forms; the result is written straight into the accumulator.
-    _launch(torch.stack([o_acc, o_new]), torch.stack([lse_acc, lse_new]), o_acc, lse_acc)
+    _launch(
+        torch.stack([o_acc, o_new]),
+        torch.stack([lse_acc, lse_new]),
+        o_acc,
+        lse_acc,
+        mask=mask,
+        base2=bool(base2),
+    )
 
 
 def lse_to_base2(lse: torch.Tensor) -> torch.Tensor:
@@ -275,44 +451,3 @@ def ml_from_lse(lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m = torch.where(empty, torch.zeros_like(lse), lse)
     l = torch.where(empty, torch.zeros_like(lse), torch.ones_like(lse))
     return m, l
-
-
-def compile_specs():
-    """Kernels of this file at their production sizes, for the sm_90 compile test."""
-    sig = {
-        "O_in": "*bf16",
-        "LSE_in": "*fp32",
-        "O_out": "*bf16",
-        "LSE_out": "*fp32",
-        "M": "i32",
-        "H": "i32",
-        "D": "i32",
-        **{
-            k: "i32"
-            for k in (
-                "stride_om",
-                "stride_ob",
-                "stride_oh",
-                "stride_od",
-                "stride_lm",
-                "stride_lb",
-                "stride_lh",
-                "stride_yb",
-                "stride_yh",
-                "stride_yd",
-                "stride_zb",
-                "stride_zh",
-            )
-        },
-        "BLOCK_D": "constexpr",
-        "BF16_RNE": "constexpr",
-    }
-    return [
-        dict(
-            name="merge_partials[bf16,D=512]",
-            fn=_merge_partials_kernel,
-            signature=sig,
-            constexprs={"BLOCK_D": 512, "BF16_RNE": False},
-            num_warps=4,
-        ),
-    ]

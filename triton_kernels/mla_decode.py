@@ -8,72 +8,110 @@ all heads, returning the partial ``(o [B, H, 512], lse [B, H])`` the requester m
 Kernel design (decisions written down here, where the issue was silent):
 
 - **Heads packed**: one program handles ``BLOCK_H`` heads of one query token (16 for H <= 16,
-  else 32; FlashMLA's 64 spills registers in Triton, see ``_mla_tile.tile_config``) and streams
-  that token's cache tiles once for all of them; the value is the first ``d_v`` dims of the
-  same tile (no second read of the latent).
-- **Paged**: the ``BLOCK_N`` (64, or 32 at 32 heads) entries of a tile are looked up one by one
-  in the block table, so any power-of-two block size >= 16 works, smaller or larger than the
-  tile.
+  else 32; FlashMLA's 64 spills registers in Triton, see ``_mla_launch.tile_config``) and
+  streams that token's cache tiles once for all of them; the value is the first ``d_v`` dims of
+  the same tile (no second read of the latent).
+- **Grid order**: ``(ceil(H / BLOCK_H), S, B)``, head blocks fastest, so the head blocks of one
+  token (and split) run side by side and read each tile once from DRAM, then from L2.
+- **Paged, pipelined**: the ``BLOCK_N`` (64, or 32 at 32 heads) entries of a tile are looked
+  up in the page table (any power-of-two page size, 1 for SGLang's token pools, smaller or
+  larger than the tile); with 5 pipeline stages Triton double-buffers the KV tile behind that
+  indirection (the next tile's page ids and entries are in flight while this one is attended: TTGIR
+  ``2x64x512xbf16`` buffers, ``async_wait {num = 4}``, checked by ``test_compile_sm90``).
 - **Split-KV**: with ``num_splits = S > 1`` each row's tiles are divided into S contiguous
-  ranges; each split writes an fp32 partial into a workspace ``[S, B, H, d_v]`` and the S
-  partials are combined by the package's merge kernel (``mqnc.triton_kernels.merge``: one
-  implementation of the merge math). ``num_splits=None`` picks S so that
-  ``B * ceil(H / BLOCK_H) * S`` programs cover the device's SMs (132 assumed without a GPU, so
-  the interpreter exercises the same choices as an H100/H200) with at least 256 entries per split.
-  The choice uses the block table's capacity, never ``cache_seqlens`` (no host sync).
+  ranges of at least 64 entries; each split writes an fp32 partial into a workspace
+  ``[S, B, H, d_v]`` and the S partials are combined by the package's merge kernel
+  (``mqnc.triton_kernels.merge``: one implementation of the merge math). ``num_splits=None``
+  lets the split / grid policy choose (``_grid.choose_num_splits``: whole waves of the CTAs
+  that the compiled kernel fits per SM, 132 SMs assumed without a GPU), from the block table's
+  capacity, never ``cache_seqlens`` (no host sync).
 - Lengths per row may differ, including 0 (``o = 0, lse = -inf``).
+- **Layouts, read in place** (constexpr switches; the production variant has none of them and
+  compiles as before): a padded ``[B, max_blocks]`` block table or FlashInfer's CSR page table
+  (``kv_indptr [B + 1]``, ``kv_indices [nnz]``: ``CSR``); one fused ``[.., 576]`` cache or
+  FlashInfer's ``ckv [.., 512]`` + ``kpe [.., 64]`` (``SPLIT``: two base pointers and their
+  strides, no copy); ``s_q`` query tokens per sequence sharing its pages and length (FlashMLA's
+  MTP / speculative decoding: ``MULTI_Q``), optionally causal (``CAUSAL``, FlashMLA's rule:
+  query token ``i`` of ``s_q`` attends the first ``len - s_q + i + 1`` entries, the new tokens
+  being the last ``s_q`` entries of the cache).
 """
 
 from __future__ import annotations
-
-import functools
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from mqnc.triton_kernels._checks import (
-    FLOAT_DTYPES,
+    check_num_splits,
     check_same_device,
+    check_softmax_scale,
     check_tensor,
+)
+from mqnc.triton_kernels._launch import Launch
+from mqnc.triton_kernels._mla_launch import (
+    AttentionPlan,
+    MlaOperands,
+    MlaPlan,
+    TileConfig,
+    check_block_size,
+    dot_precision,
+    meta_output,
+    mla_operands,
+    plan_mla,
+    split_strides,
+    tile_config,
+    variant_name,
 )
 from mqnc.triton_kernels._mla_tile import (
     LOG2E,
     _attend_tile,
     _load_query,
+    _split_range,
     _store_partial,
-    tile_config,
 )
-from mqnc.triton_kernels._runtime import (
-    bf16_rne_in_software,
-    dot_in_fp32,
-    launch_lock,
-    new_output,
-)
-from mqnc.triton_kernels.merge import merge_partials
+from mqnc.triton_kernels._runtime import bf16_rne_in_software, check_launchable, dot_in_fp32
 
-__all__ = ["mla_decode_partial", "choose_num_splits", "compile_specs"]
+__all__ = [
+    "mla_decode_partial",
+    "mla_decode_partial_csr",
+    "plan_mla_decode",
+    "plan_mla_decode_csr",
+    "plan_decode",
+    "decode_launch",
+    "PagedLayout",
+    "checked_plan",
+]
 
-MIN_TOKENS_PER_SPLIT = 256
-ASSUMED_SMS = 132  # H100 / H200 SXM, used when no GPU is present
+PRODUCTION_PAGE = 64  # the goal shapes' page (FlashMLA's); other pages name their variant
 
 
-@triton.jit
+# Runtime ints that vary from call to call are not specialised (an int equal to 1 would become
+# a constexpr, one divisible by 16 get an alignment hint: each a separate compile at run time);
+# the block table's row stride is its width, which follows the longest context of the batch.
+@triton.jit(do_not_specialize=["NUM_SPLITS", "SEQ_Q", "stride_tb"])
 def _mla_decode_kernel(
     Q,
+    Q_PE,
     KV,
+    KV_PE,
     BlockTable,
+    Indptr,
     SeqLens,
     O,
     LSE,
     H,
     NUM_SPLITS,
+    SEQ_Q,
     qk_scale,
     stride_qb,
     stride_qh,
+    stride_pqb,
+    stride_pqh,
     stride_kb,
     stride_kt,
+    stride_pkb,
+    stride_pkt,
     stride_tb,
     stride_tj,
     stride_os,
@@ -85,39 +123,58 @@ def _mla_decode_kernel(
     PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MIN_TILES: tl.constexpr,
     D_LAT: tl.constexpr,
     D_PE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    CSR: tl.constexpr,
+    MULTI_Q: tl.constexpr,
+    CAUSAL: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     BF16_RNE: tl.constexpr,
 ):
-    """Grid ``(B, ceil(H / BLOCK_H), NUM_SPLITS)``: one program per (token, head block, split)."""
-    b = tl.program_id(0)
-    h0 = tl.program_id(1) * BLOCK_H
-    split = tl.program_id(2)
+    """Grid ``(ceil(H / BLOCK_H), NUM_SPLITS, B * SEQ_Q)``: one program per (head block, split,
+    query row); query row ``b`` belongs to sequence ``b // SEQ_Q`` (its pages and length)."""
+    h0 = tl.program_id(0) * BLOCK_H
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    if MULTI_Q:
+        seq = b // SEQ_Q
+    else:
+        seq = b
 
-    seqlen = tl.load(SeqLens + b)
-    tiles_per_split = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), NUM_SPLITS)
-    t_start = split * tiles_per_split * BLOCK_N
-    t_end = tl.minimum(t_start + tiles_per_split * BLOCK_N, seqlen)
+    seqlen = tl.load(SeqLens + seq)
+    if CAUSAL:
+        seqlen = tl.maximum(seqlen - (SEQ_Q - 1 - (b - seq * SEQ_Q)), 0)
+    t_start, t_end = _split_range(seqlen, NUM_SPLITS, split, BLOCK_N, MIN_TILES)
 
     q_lat, q_pe, offs_h, mask_h = _load_query(
-        Q, b, h0, H, stride_qb, stride_qh, BLOCK_H, D_LAT, D_PE, DOT_FP32
-    )
+        Q, Q_PE, b, h0, H, stride_qb, stride_qh, stride_pqb, stride_pqh, BLOCK_H, D_LAT, D_PE,
+        SPLIT, DOT_FP32,
+    )  # fmt: skip
     m = tl.full([BLOCK_H], -float("inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
 
-    table_row = BlockTable + b.to(tl.int64) * stride_tb
+    if CSR:
+        table_row = BlockTable + tl.load(Indptr + seq).to(tl.int64) * stride_tj
+    else:
+        table_row = BlockTable + seq.to(tl.int64) * stride_tb
     offs_n = tl.arange(0, BLOCK_N)
     for t0 in range(t_start, t_end, BLOCK_N):
         t = t0 + offs_n
         valid = t < t_end
         page = tl.load(table_row + (t // PAGE) * stride_tj, mask=valid, other=0)
         kv_rows = KV + page.to(tl.int64) * stride_kb + (t % PAGE) * stride_kt
+        if SPLIT:
+            pe_rows = KV_PE + page.to(tl.int64) * stride_pkb + (t % PAGE) * stride_pkt
+        else:
+            pe_rows = kv_rows  # (not read: the rope part follows the latent)
         m, l, acc = _attend_tile(
-            q_lat, q_pe, kv_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, DOT_FP32, PRECISION
-        )
+            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
+            DOT_FP32, PRECISION,
+        )  # fmt: skip
 
     o_base = split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
     lse_base = split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
@@ -126,69 +183,16 @@ def _mla_decode_kernel(
     )
 
 
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+class PagedLayout:
+    """How the dense kernel finds a query row's cache entries (the host side of its layout
+    switches): ``csr`` page table, ``s_q`` query tokens per sequence, ``causal``."""
 
+    __slots__ = ("csr", "s_q", "causal")
 
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (queried at launch, cached); 132 off-GPU."""
-    if device.type == "cuda":
-        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return ASSUMED_SMS
-
-
-def choose_num_splits(programs: int, max_tokens: int, sms: int) -> int:
-    """Splits of the key axis so that ``programs * splits`` fill ``sms`` SMs, keeping at least
-    ``MIN_TOKENS_PER_SPLIT`` entries per split (1 when the grid is already full)."""
-    if programs <= 0 or programs >= sms:
-        return 1
-    return max(1, min(math.ceil(sms / programs), max_tokens // MIN_TOKENS_PER_SPLIT))
-
-
-def check_mla_shapes(q: torch.Tensor, kv_pool: torch.Tensor, d_v: int) -> tuple[int, int]:
-    """Validate ``q`` and ``kv_pool`` as absorbed-MLA rows and cache; returns (d_v, d_pe)."""
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, contiguous_last=True)
-    d_qk = q.shape[2]
-    check_tensor("kv_pool", kv_pool, ndim=3, dtypes=(q.dtype,), contiguous_last=True)
-    if kv_pool.shape[2] != d_qk:
-        raise ValueError(
-            f"kv_pool: expected entries as wide as q's rows ({d_qk}), got shape "
-            f"{tuple(kv_pool.shape)}"
-        )
-    if isinstance(d_v, bool) or not isinstance(d_v, int):
-        raise TypeError(f"d_v: expected an int, got {type(d_v).__name__}")
-    d_pe = d_qk - d_v
-    for name, width in (("d_v", d_v), ("d_qk - d_v", d_pe)):
-        if width < 16 or width & (width - 1):
-            raise ValueError(
-                f"{name}: expected a power of two >= 16 (the latent and rope parts of a "
-                f"{d_qk}-wide row are tiled separately), got {width} (d_qk = {d_qk}, d_v = {d_v})"
-            )
-    return d_v, d_pe
-
-
-def check_softmax_scale(softmax_scale: object) -> float:
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
-    scale = float(softmax_scale)
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale!r}")
-    return scale
-
-
-def check_num_splits(num_splits: object) -> None:
-    if num_splits is None:
-        return
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
-        raise TypeError(f"num_splits: expected None or an int, got {type(num_splits).__name__}")
-    if num_splits < 1:
-        raise ValueError(f"num_splits: expected None or an int >= 1, got {num_splits}")
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` input precision: full fp32 for fp32 inputs (never tf32); 16-bit ignore it."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    def __init__(self, *, csr: bool = False, s_q: int = 1, causal: bool = False) -> None:
+        self.csr = csr
+        self.s_q = s_q
+        self.causal = causal and s_q > 1  # one query token: causal changes nothing
 
 
 def _check_paging(
@@ -216,6 +220,156 @@ def _check_paging(
         )
 
 
+def _check_csr(
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_lens: torch.Tensor | None,
+    num_blocks: int,
+    block_size: int,
+) -> int:
+    """Host-side range checks of a CSR page table (one sync); returns the longest row."""
+    ptr = kv_indptr.long()
+    nnz, S = kv_indices.shape[0], ptr.numel() - 1
+    if bool((ptr[1:] < ptr[:-1]).any()) or int(ptr[0]) < 0 or int(ptr[-1]) > nnz:
+        raise ValueError(
+            f"kv_indptr: expected non-decreasing offsets in [0, {nnz}] (kv_indices holds {nnz} "
+            f"pages), got {ptr[:8].tolist()}{' ...' if ptr.numel() > 8 else ''}"
+        )
+    cap = (ptr[1:] - ptr[:-1]) * block_size
+    lens = cap if kv_lens is None else kv_lens.long()
+    bad = (lens < 0) | (lens > cap)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"kv_lens: expected values in [0, pages x {block_size}] per row, got {int(lens[i])} "
+            f"at row {i}, which has {int(cap[i]) // block_size} pages"
+        )
+    # the pages a row uses: its first ceil(len / block_size) entries of kv_indices
+    j = torch.arange(nnz, device=kv_indices.device)
+    row = torch.searchsorted(ptr[1:].contiguous(), j, right=True).clamp(max=max(S - 1, 0))
+    start = ptr[row] if S else j
+    used = (j >= start) & (j < ptr[-1]) & ((j - start) * block_size < lens[row] if S else False)
+    pages = kv_indices.long()
+    bad = used & ((pages < 0) | (pages >= num_blocks))
+    if bool(bad.any()):
+        k = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"kv_indices: expected page ids in [0, {num_blocks}) for pages in use, got "
+            f"{int(pages[k])} at [{k}] (row {int(row[k])})"
+        )
+    return int(lens.max()) if lens.numel() else 0
+
+
+def checked_plan(
+    q,
+    kv_pool,
+    table,
+    lens,
+    indptr,
+    *,
+    softmax_scale,
+    d_v,
+    num_splits,
+    check_inputs,
+    q_pe,
+    kpe_pool,
+    layout: PagedLayout,
+    max_kv_len=None,
+) -> tuple[AttentionPlan, MlaOperands]:
+    """Every check of a dense call, then its plan: the one checked path of every dense entry
+    point (the public functions, their plans, the FlashMLA / FlashInfer layout adapters).
+
+    ``table``: the padded ``block_table [S, W]`` or, with ``layout.csr``, ``kv_indices [nnz]``
+    (then ``indptr`` is ``kv_indptr [S + 1]``); ``lens``: ``[S]`` entries per sequence (None
+    with CSR: whole pages); ``q`` holds ``S * layout.s_q`` query rows. Returns the plan (its
+    ``run`` takes the positional tensors of :func:`plan_mla_decode`, or with CSR of
+    :func:`plan_mla_decode_csr`, plus ``q_pe`` / ``kpe_pool``) and the checked operands."""
+    ops = mla_operands(q, kv_pool, d_v, q_pe=q_pe, kpe_pool=kpe_pool)
+    R, H = q.shape[:2]
+    num_blocks, block_size, _ = kv_pool.shape
+    check_block_size(block_size)
+    s_q = layout.s_q
+    if R % s_q:
+        raise ValueError(f"q: expected rows in whole groups of s_q = {s_q}, got {R} rows")
+    S = R // s_q
+    tensors = dict(q=q, kv_pool=kv_pool)
+    if layout.csr:
+        check_tensor("kv_indptr", indptr, ndim=1, dtypes=(torch.int32,), shape=(S + 1,))
+        check_tensor("kv_indices", table, ndim=1, dtypes=(torch.int32,))
+        if lens is not None:
+            check_tensor("kv_lens", lens, ndim=1, dtypes=(torch.int32,), shape=(S,))
+        tensors.update(kv_indptr=indptr, kv_indices=table)
+    else:
+        check_tensor("block_table", table, ndim=2, dtypes=(torch.int32,), shape=(S, None))
+        check_tensor("cache_seqlens", lens, ndim=1, dtypes=(torch.int32,), shape=(S,))
+        tensors.update(block_table=table, cache_seqlens=lens)
+    for name, t in (
+        ("cache_seqlens" if not layout.csr else "kv_lens", lens),
+        ("kv_indptr", indptr),
+    ):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+    if lens is not None:
+        tensors["lens"] = lens
+    for name, t in (("q_pe", q_pe), ("kpe_pool", kpe_pool)):
+        if t is not None:
+            tensors[name] = t
+    check_same_device(**tensors)
+    check_launchable(q, "q")
+    scale = check_softmax_scale(softmax_scale)
+    check_num_splits(num_splits)
+    if max_kv_len is not None and (
+        isinstance(max_kv_len, bool) or not isinstance(max_kv_len, int) or max_kv_len < 0
+    ):
+        raise ValueError(f"max_kv_len: expected None or an int >= 0, got {max_kv_len!r}")
+    if layout.csr:
+        longest = _check_csr(indptr, table, lens, num_blocks, block_size) if check_inputs else None
+        if max_kv_len is None:
+            # the policy's capacity: the longest row when it is known (checked above), else
+            # every page of kv_indices (an upper bound; pass max_kv_len on a hot path)
+            max_kv_len = longest if longest is not None else table.shape[0] * block_size
+    elif check_inputs:
+        _check_paging(table, lens, num_blocks, block_size)
+    template = plan_decode(
+        q,
+        kv_pool,
+        table,
+        lens,
+        scale,
+        d_v,
+        num_splits,
+        ops=ops,
+        indptr=indptr,
+        layout=layout,
+        max_kv_len=max_kv_len,
+        alloc=meta_output,
+    )
+    page, split = block_size, ops.split
+
+    def rope_parts(q, kv_pool, q_pe, kpe_pool):
+        if not split:
+            return q, kv_pool
+        q_pe = q[..., d_v:] if q_pe is None else q_pe
+        return q_pe, kv_pool[..., d_v:] if kpe_pool is None else kpe_pool
+
+    if layout.csr:
+
+        def bind(q, kv_pool, kv_indptr, kv_indices, kv_lens=None, *, q_pe=None, kpe_pool=None):
+            q_pe, kpe_pool = rope_parts(q, kv_pool, q_pe, kpe_pool)
+            if kv_lens is None:
+                kv_lens = (kv_indptr[1:] - kv_indptr[:-1]) * page
+            return (q, q_pe, kv_pool, kpe_pool, kv_indices, kv_indptr, kv_lens)
+
+    else:
+
+        def bind(q, kv_pool, block_table, cache_seqlens, *, q_pe=None, kpe_pool=None):
+            q_pe, kpe_pool = rope_parts(q, kv_pool, q_pe, kpe_pool)
+            # (Indptr is not read without CSR: any pointer does)
+            return (q, q_pe, kv_pool, kpe_pool, block_table, cache_seqlens, cache_seqlens)
+
+    return AttentionPlan(template, bind, n_inputs=7, device=q.device), ops
+
+
 def mla_decode_partial(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
@@ -226,6 +380,8 @@ def mla_decode_partial(
     d_v: int = 512,
     num_splits: int | None = None,
     check_inputs: bool = True,
+    q_pe: torch.Tensor | None = None,
+    kpe_pool: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention of absorbed MLA query rows over a paged cache (the holder's compute, §3.3).
 
@@ -238,11 +394,14 @@ def mla_decode_partial(
     ----------
     q : torch.Tensor
         Absorbed query rows, shape ``[B, H, d_qk]`` (``d_qk = 576``: ``q_nope @ W_UK`` then the
-        rotated ``q_pe``), bf16 / fp16 / fp32, unit stride on the last dim.
+        rotated ``q_pe``), bf16 / fp16 / fp32, unit stride on the last dim. With ``q_pe`` given:
+        the latent part only, ``[B, H, d_v]``.
     kv_pool : torch.Tensor
         Paged cache, shape ``[num_blocks, block_size, d_qk]``, same dtype as ``q``, unit stride on
-        the last dim; ``block_size`` a power of two >= 16 (64 in production). Each entry is
-        ``[c_KV (d_v), k_pe (d_qk - d_v)]``, shared by all heads.
+        the last dim; ``block_size`` a power of two (64 in production, 1 for a token pool). Each
+        entry is ``[c_KV (d_v), k_pe (d_qk - d_v)]``, shared by all heads. With ``kpe_pool``
+        given: the latent part only, ``[num_blocks, block_size, d_v]`` (FlashInfer's
+        ``ckv_cache``).
     block_table : torch.Tensor
         ``[B, max_blocks]`` int32: token ``t`` of row ``b`` lives at
         ``kv_pool[block_table[b, t // block_size], t % block_size]``. Entries past a row's
@@ -261,7 +420,13 @@ def mla_decode_partial(
         (see the module docstring). 1 writes the output directly.
     check_inputs : bool
         Check on the host (one sync) that lengths fit the table and the blocks in use exist;
-        pass False on a hot path.
+        pass False on a hot path (or plan once: :func:`plan_mla_decode`).
+    q_pe : torch.Tensor or None
+        The rope part of the query rows, ``[B, H, d_qk - d_v]``, read in place (FlashInfer's
+        ``q_pe``); then ``q`` is the latent part.
+    kpe_pool : torch.Tensor or None
+        The rope part of the cache, ``[num_blocks, block_size, d_qk - d_v]``, read in place
+        (FlashInfer's ``kpe_cache``); then ``kv_pool`` is the latent part.
 
     Returns
     -------
@@ -283,166 +448,323 @@ def mla_decode_partial(
     >>> o.shape, lse.shape, float(lse[1, 0])
     (torch.Size([2, 16, 512]), torch.Size([2, 16]), -inf)
     """
-    d_v, d_pe = check_mla_shapes(q, kv_pool, d_v)
-    B, H, _ = q.shape
-    num_blocks, block_size, _ = kv_pool.shape
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(
-            f"kv_pool: expected a block size (dim 1) that is a power of two >= 16, got {block_size}"
-        )
-    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), shape=(B, None))
-    check_tensor("cache_seqlens", cache_seqlens, ndim=1, dtypes=(torch.int32,), shape=(B,))
-    if not cache_seqlens.is_contiguous():
-        raise ValueError(
-            f"cache_seqlens: expected a contiguous tensor, got strides {cache_seqlens.stride()}"
-        )
-    device = check_same_device(
-        q=q, kv_pool=kv_pool, block_table=block_table, cache_seqlens=cache_seqlens
-    )
-    scale = check_softmax_scale(softmax_scale)
-    check_num_splits(num_splits)
-    if check_inputs:
-        _check_paging(block_table, cache_seqlens, num_blocks, block_size)
-
-    block_h, block_n, num_warps = tile_config(H)
-    head_blocks = triton.cdiv(H, block_h)
-    if num_splits is None:
-        num_splits = choose_num_splits(
-            B * head_blocks, block_table.shape[1] * block_size, sm_count(device)
-        )
-
-    o, lse, o_part, lse_part, o_strides, l_strides = split_outputs(
-        B, H, d_v, q.dtype, device, num_splits
-    )
-    if B * H == 0:
-        return o, lse
-
-    with launch_lock():
-        _mla_decode_kernel[(B, head_blocks, num_splits)](
+    if torch.compiler.is_compiling():
+        return torch.ops.mqnc.mla_decode_partial(
             q,
             kv_pool,
             block_table,
+            cache_seqlens,
+            softmax_scale,
+            d_v,
+            num_splits,
+            check_inputs,
+            q_pe,
+            kpe_pool,
+        )
+    plan = plan_mla_decode(
+        q,
+        kv_pool,
+        block_table,
+        cache_seqlens,
+        softmax_scale=softmax_scale,
+        d_v=d_v,
+        num_splits=num_splits,
+        check_inputs=check_inputs,
+        q_pe=q_pe,
+        kpe_pool=kpe_pool,
+    )
+    return plan.run(q, kv_pool, block_table, cache_seqlens, q_pe=q_pe, kpe_pool=kpe_pool)
+
+
+def plan_mla_decode(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    softmax_scale: float,
+    d_v: int = 512,
+    num_splits: int | None = None,
+    check_inputs: bool = True,
+    q_pe: torch.Tensor | None = None,
+    kpe_pool: torch.Tensor | None = None,
+) -> AttentionPlan:
+    """Plan :func:`mla_decode_partial` once for a batch shape (FlashMLA's ``get_mla_metadata``,
+    FlashInfer's ``plan()``): every check and the split choice, on these tensors.
+
+    ``plan.run(q, kv_pool, block_table, cache_seqlens, q_pe=None, kpe_pool=None)`` then launches
+    on tensors of the same shapes, dtypes, strides and device (new values, or the same buffers
+    refilled), checking nothing and never syncing: the holder's per-step call, CUDA-graph
+    capturable. Arguments as in :func:`mla_decode_partial`.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mqnc.triton_kernels import plan_mla_decode
+    >>> q, pool = torch.randn(2, 16, 576), torch.randn(4, 64, 576)
+    >>> table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    >>> lens = torch.tensor([100, 128], dtype=torch.int32)
+    >>> plan = plan_mla_decode(q, pool, table, lens, softmax_scale=192**-0.5)
+    >>> for step in range(2):  # new query rows (and lengths) each step, same shapes
+    ...     o, lse = plan.run(torch.randn(2, 16, 576), pool, table, lens)
+    >>> o.shape
+    torch.Size([2, 16, 512])
+    """
+    return checked_plan(
+        q,
+        kv_pool,
+        block_table,
+        cache_seqlens,
+        None,
+        softmax_scale=softmax_scale,
+        d_v=d_v,
+        num_splits=num_splits,
+        check_inputs=check_inputs,
+        q_pe=q_pe,
+        kpe_pool=kpe_pool,
+        layout=PagedLayout(),
+    )[0]
+
+
+def mla_decode_partial_csr(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_lens: torch.Tensor | None = None,
+    *,
+    softmax_scale: float,
+    d_v: int = 512,
+    num_splits: int | None = None,
+    check_inputs: bool = True,
+    max_kv_len: int | None = None,
+    q_pe: torch.Tensor | None = None,
+    kpe_pool: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mla_decode_partial` over a CSR page table (FlashInfer's and SGLang's layout).
+
+    Row ``b``'s pages are ``kv_indices[kv_indptr[b] : kv_indptr[b + 1]]``, in token order;
+    token ``t`` of row ``b`` lives at ``kv_pool[page(t // block_size), t % block_size]``. With
+    ``block_size = 1`` (SGLang's token pool) ``kv_indices`` lists the row's token slots. The
+    kernel reads the table in place (no conversion to a padded table, which would need the
+    longest row on the host).
+
+    Parameters
+    ----------
+    q, kv_pool, softmax_scale, d_v, num_splits, q_pe, kpe_pool
+        As in :func:`mla_decode_partial` (``q [B, H, d_qk]``; ``kv_pool [num_pages, block_size,
+        d_qk]``, any power-of-two ``block_size``).
+    kv_indptr : torch.Tensor
+        ``[B + 1]`` int32, contiguous, non-decreasing offsets into ``kv_indices``.
+    kv_indices : torch.Tensor
+        ``[nnz]`` int32 page ids (any stride).
+    kv_lens : torch.Tensor or None
+        ``[B]`` int32 entries attended per row (FlashInfer's ``kv_len_arr``), at most the row's
+        pages times ``block_size``; None: every entry of the row's pages (exact for
+        ``block_size = 1``, or when each row's last page is full).
+    check_inputs : bool
+        Check on the host (one sync) the offsets, lengths and page ids in use.
+    max_kv_len : int or None
+        The longest row, for the split choice (a host int). None: read from ``kv_lens`` when
+        ``check_inputs`` (which syncs anyway), else every page of ``kv_indices`` (an upper bound
+        that may over-split: pass it on a hot path, or plan once with
+        :func:`plan_mla_decode_csr`).
+
+    Returns
+    -------
+    o : torch.Tensor
+        ``[B, H, d_v]`` in ``q``'s dtype.
+    lse : torch.Tensor
+        ``[B, H]`` float32, natural log (``lse_to_base2`` gives FlashInfer's base 2).
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.mqnc.mla_decode_partial_csr(
+            q, kv_pool, kv_indptr, kv_indices, kv_lens, softmax_scale, d_v, num_splits,
+            check_inputs, max_kv_len, q_pe, kpe_pool,
+        )  # fmt: skip
+    plan = plan_mla_decode_csr(
+        q,
+        kv_pool,
+        kv_indptr,
+        kv_indices,
+        kv_lens,
+        softmax_scale=softmax_scale,
+        d_v=d_v,
+        num_splits=num_splits,
+        check_inputs=check_inputs,
+        max_kv_len=max_kv_len,
+        q_pe=q_pe,
+        kpe_pool=kpe_pool,
+    )
+    return plan.run(q, kv_pool, kv_indptr, kv_indices, kv_lens, q_pe=q_pe, kpe_pool=kpe_pool)
+
+
+def plan_mla_decode_csr(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_lens: torch.Tensor | None = None,
+    *,
+    softmax_scale: float,
+    d_v: int = 512,
+    num_splits: int | None = None,
+    check_inputs: bool = True,
+    max_kv_len: int | None = None,
+    q_pe: torch.Tensor | None = None,
+    kpe_pool: torch.Tensor | None = None,
+) -> AttentionPlan:
+    """Plan :func:`mla_decode_partial_csr` once for a batch shape; ``plan.run(q, kv_pool,
+    kv_indptr, kv_indices, kv_lens=None, q_pe=None, kpe_pool=None)`` then launches on tensors of
+    the same shapes (``kv_indices`` may hold other pages; the same count), unchecked and
+    without a host sync. Pass ``max_kv_len`` (the longest row the plan will see) or keep
+    ``check_inputs``: the split choice is made here, once."""
+    return checked_plan(
+        q,
+        kv_pool,
+        kv_indices,
+        kv_lens,
+        kv_indptr,
+        softmax_scale=softmax_scale,
+        d_v=d_v,
+        num_splits=num_splits,
+        check_inputs=check_inputs,
+        q_pe=q_pe,
+        kpe_pool=kpe_pool,
+        layout=PagedLayout(csr=True),
+        max_kv_len=max_kv_len,
+    )[0]
+
+
+def plan_decode(
+    q,
+    kv_pool,
+    block_table,
+    cache_seqlens,
+    scale,
+    d_v,
+    num_splits,
+    occupancy=None,
+    *,
+    ops: MlaOperands | None = None,
+    indptr=None,
+    layout: PagedLayout | None = None,
+    max_kv_len: int | None = None,
+    alloc=None,
+) -> MlaPlan:
+    """The launches of one :func:`mla_decode_partial` call for valid inputs (unchecked), at
+    ``occupancy`` if given (see ``_mla_launch.plan_mla``). ``ops``: the checked operands
+    (default: ``q`` and ``kv_pool`` fused); ``layout``: the page table and query layout
+    (default: padded table, one query token per row); ``max_kv_len``: the longest row, for the
+    split choice (default: the table's capacity); ``alloc``: how outputs are made."""
+    ops = ops or MlaOperands(q, q, kv_pool, kv_pool, d_v, q.shape[2] - d_v, False)
+    layout = layout or PagedLayout()
+    cfg = tile_config(q.shape[1])
+    page = kv_pool.shape[1]
+    lens = cache_seqlens if cache_seqlens is not None else indptr  # (CSR: derived per run)
+
+    def build(o_part, lse_part, splits):
+        return decode_launch(
+            ops, block_table, indptr, lens, o_part, lse_part, splits, scale, cfg, layout
+        )
+
+    if max_kv_len is None:
+        max_kv_len = block_table.shape[-1] * page
+    extra = {} if alloc is None else {"alloc": alloc}
+    return plan_mla(
+        build,
+        op="mla_decode",
+        q=q,
+        d_v=d_v,
+        cfg=cfg,
+        tiles=triton.cdiv(max_kv_len, cfg.block_n),
+        num_splits=num_splits,
+        occupancy=occupancy,
+        d_qk=d_v + ops.d_pe,
+        **extra,
+    )
+
+
+def decode_features(page: int, split: bool, layout: PagedLayout) -> tuple[str, ...]:
+    """What a dense launch's variant name adds to the production layout (see ``variant_name``)."""
+    feats = () if page == PRODUCTION_PAGE else (f"page={page}",)
+    feats += ("csr",) if layout.csr else ()
+    feats += ("split-kv",) if split else ()
+    feats += ("sq",) if layout.s_q > 1 else ()
+    return feats + (("causal",) if layout.causal else ())
+
+
+def decode_launch(
+    ops: MlaOperands,
+    block_table: torch.Tensor,
+    indptr: torch.Tensor | None,
+    cache_seqlens: torch.Tensor,
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    num_splits: int,
+    scale: float,
+    cfg: TileConfig,
+    layout: PagedLayout,
+) -> Launch:
+    """The dense kernel's launch (no checks: :func:`mla_decode_partial` checks), writing into
+    ``o_part [R, H, d_v]`` / ``lse_part [R, H]`` for one split or the fp32 workspaces
+    ``[num_splits, R, H, d_v]`` / ``[num_splits, R, H]`` (``R = B * s_q`` query rows)."""
+    q, kv = ops.q, ops.kv
+    R, H = q.shape[:2]
+    block_size = kv.shape[1]
+    split = o_part.dim() == 4
+    if layout.csr:
+        stride_tb, stride_tj = 0, block_table.stride(0)
+    else:
+        stride_tb, stride_tj = block_table.stride(0), block_table.stride(1)
+    return Launch(
+        name=variant_name(
+            "mla_decode", q.dtype, cfg, split, decode_features(block_size, ops.split, layout)
+        ),
+        kernel=_mla_decode_kernel,
+        grid=(triton.cdiv(H, cfg.block_h), num_splits, R),
+        args=(
+            q,
+            ops.q_pe,
+            kv,
+            ops.kv_pe,
+            block_table,
+            indptr if indptr is not None else cache_seqlens,
             cache_seqlens,
             o_part,
             lse_part,
             H,
             num_splits,
+            layout.s_q,
             scale * LOG2E,
             q.stride(0),
             q.stride(1),
-            kv_pool.stride(0),
-            kv_pool.stride(1),
-            block_table.stride(0),
-            block_table.stride(1),
-            *o_strides,
-            *l_strides,
+            ops.q_pe.stride(0),
+            ops.q_pe.stride(1),
+            kv.stride(0),
+            kv.stride(1),
+            ops.kv_pe.stride(0),
+            ops.kv_pe.stride(1),
+            stride_tb,
+            stride_tj,
+            *split_strides(o_part, lse_part),
+        ),
+        kwargs=dict(
             PAGE=block_size,
-            BLOCK_H=block_h,
-            BLOCK_N=block_n,
-            D_LAT=d_v,
-            D_PE=d_pe,
+            BLOCK_H=cfg.block_h,
+            BLOCK_N=cfg.block_n,
+            MIN_TILES=cfg.min_tiles,
+            D_LAT=ops.d_v,
+            D_PE=ops.d_pe,
+            SPLIT=ops.split,
+            CSR=layout.csr,
+            MULTI_Q=layout.s_q > 1,
+            CAUSAL=layout.causal,
             DOT_FP32=dot_in_fp32(q.dtype),
             PRECISION=dot_precision(q.dtype),
             BF16_RNE=bf16_rne_in_software(o_part.dtype),
-            num_warps=num_warps,
-        )
-        combine_splits(o_part, lse_part, o, lse, num_splits)
-    return o, lse
-
-
-def split_outputs(B: int, H: int, d_v: int, dtype: torch.dtype, device, num_splits: int):
-    """The outputs ``o [B, H, d_v]`` (``dtype``) and ``lse [B, H]`` fp32, and where the kernel
-    writes: straight into them for one split, else into fp32 per-split partials
-    ``[num_splits, B, H, d_v]`` / ``[num_splits, B, H]`` that :func:`combine_splits` merges.
-    Returns ``(o, lse, o_part, lse_part, o_strides, lse_strides)`` with the split stride first
-    (0 for one split)."""
-    o = new_output((B, H, d_v), dtype, device)
-    lse = new_output((B, H), torch.float32, device)
-    if num_splits == 1:
-        return o, lse, o, lse, (0, *o.stride()[:2]), (0, *lse.stride())
-    o_part = new_output((num_splits, B, H, d_v), torch.float32, device)
-    lse_part = new_output((num_splits, B, H), torch.float32, device)
-    return o, lse, o_part, lse_part, o_part.stride()[:3], lse_part.stride()
-
-
-def combine_splits(o_part, lse_part, o, lse, num_splits: int) -> None:
-    """Split-KV partials are disjoint key subsets: the one merge kernel combines them into
-    ``(o, lse)`` (a no-op for one split, where the kernel wrote them directly)."""
-    if num_splits > 1:
-        merge_partials(o_part, lse_part, check_lse=False, out=(o, lse))
-
-
-def decode_signature(dtype: str = "bf16") -> dict:
-    ptr = f"*{dtype}"
-    return {
-        "Q": ptr,
-        "KV": ptr,
-        "BlockTable": "*i32",
-        "SeqLens": "*i32",
-        "O": ptr,
-        "LSE": "*fp32",
-        "H": "i32",
-        "NUM_SPLITS": "i32",
-        "qk_scale": "fp32",
-        **{
-            k: "i32"
-            for k in (
-                "stride_qb",
-                "stride_qh",
-                "stride_kb",
-                "stride_kt",
-                "stride_tb",
-                "stride_tj",
-                "stride_os",
-                "stride_ob",
-                "stride_oh",
-                "stride_ls",
-                "stride_lb",
-                "stride_lh",
-            )
-        },
-        **{
-            k: "constexpr"
-            for k in (
-                "PAGE",
-                "BLOCK_H",
-                "BLOCK_N",
-                "D_LAT",
-                "D_PE",
-                "DOT_FP32",
-                "PRECISION",
-                "BF16_RNE",
-            )
-        },
-    }
-
-
-def compile_specs():
-    """The dense kernel at its production tiles (``_mla_tile.tile_config``: 16 heads x 64
-    entries and 32 heads x 32 entries, 8 warps), bf16, 576 = 512 + 64, page 64, for the sm_90
-    compile test; with and without split-KV (the split workspace is fp32)."""
-    specs = []
-    for heads in (16, 128):
-        block_h, block_n, num_warps = tile_config(heads)
-        for out in ("bf16", "fp32"):  # direct output, or the fp32 split-KV workspace
-            sig = decode_signature()
-            sig["O"] = f"*{out}"
-            specs.append(
-                dict(
-                    name=f"mla_decode[bf16,BLOCK_H={block_h},BLOCK_N={block_n},O={out}]",
-                    fn=_mla_decode_kernel,
-                    signature=sig,
-                    constexprs=dict(
-                        PAGE=64,
-                        BLOCK_H=block_h,
-                        BLOCK_N=block_n,
-                        D_LAT=512,
-                        D_PE=64,
-                        DOT_FP32=False,
-                        PRECISION="tf32",
-                        BF16_RNE=False,
-                    ),
-                    num_warps=num_warps,
-                )
-            )
-    return specs
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            maxnreg=cfg.maxnreg,
+        ),
+    )

@@ -13,7 +13,8 @@ lookup differs: the ``BLOCK_N`` indices of a tile address ``kv_pool.reshape(-1, 
 is read as unused). Any number of heads (FlashMLA's
 sparse kernel takes only 64 or 128, in FP8). Like the dense op, ``num_splits`` divides each
 row's index list into ranges combined by the merge kernel (one query token at top-2048 is
-otherwise only ``ceil(H / BLOCK_H)`` programs).
+otherwise only ``ceil(H / BLOCK_H)`` programs). Like the dense kernel it reads a split cache
+(``kpe_pool``: FlashInfer's ``ckv`` / ``kpe``) and split query rows (``q_pe``) in place.
 """
 
 from __future__ import annotations
@@ -22,33 +23,46 @@ import torch
 import triton
 import triton.language as tl
 
-from mqnc.triton_kernels._checks import check_same_device, check_tensor
+from mqnc.triton_kernels._checks import (
+    check_num_splits,
+    check_same_device,
+    check_softmax_scale,
+    check_tensor,
+)
+from mqnc.triton_kernels._launch import Launch
+from mqnc.triton_kernels._mla_launch import (
+    AttentionPlan,
+    MlaOperands,
+    MlaPlan,
+    TileConfig,
+    check_block_size,
+    dot_precision,
+    meta_output,
+    mla_operands,
+    plan_mla,
+    split_strides,
+    tile_config,
+    variant_name,
+)
 from mqnc.triton_kernels._mla_tile import (
     LOG2E,
     _attend_tile,
     _load_query,
+    _split_range,
     _store_partial,
-    tile_config,
 )
-from mqnc.triton_kernels._runtime import bf16_rne_in_software, dot_in_fp32, launch_lock
-from mqnc.triton_kernels.mla_decode import (
-    check_mla_shapes,
-    check_num_splits,
-    check_softmax_scale,
-    choose_num_splits,
-    combine_splits,
-    dot_precision,
-    sm_count,
-    split_outputs,
-)
+from mqnc.triton_kernels._runtime import bf16_rne_in_software, check_launchable, dot_in_fp32
 
-__all__ = ["mla_sparse_partial", "compile_specs"]
+__all__ = ["mla_sparse_partial", "plan_mla_sparse", "plan_sparse", "sparse_launch"]
 
 
-@triton.jit
+# topk and the index rows' stride vary from call to call: not specialised (see mla_decode).
+@triton.jit(do_not_specialize=["topk", "NUM_SPLITS", "stride_ib"])
 def _mla_sparse_kernel(
     Q,
+    Q_PE,
     KV,
+    KV_PE,
     Indices,
     O,
     LSE,
@@ -58,8 +72,12 @@ def _mla_sparse_kernel(
     qk_scale,
     stride_qb,
     stride_qh,
+    stride_pqb,
+    stride_pqh,
     stride_kb,
     stride_kt,
+    stride_pkb,
+    stride_pkt,
     stride_ib,
     stride_ik,
     stride_os,
@@ -71,25 +89,26 @@ def _mla_sparse_kernel(
     PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MIN_TILES: tl.constexpr,
     D_LAT: tl.constexpr,
     D_PE: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     BF16_RNE: tl.constexpr,
 ):
-    """Grid ``(B, ceil(H / BLOCK_H), NUM_SPLITS)``; split ``s`` takes a contiguous range of the
+    """Grid ``(ceil(H / BLOCK_H), NUM_SPLITS, B)``; split ``s`` takes a contiguous range of the
     row's ``topk`` index slots, whole tiles each."""
-    b = tl.program_id(0)
-    h0 = tl.program_id(1) * BLOCK_H
-    split = tl.program_id(2)
+    h0 = tl.program_id(0) * BLOCK_H
+    split = tl.program_id(1)
+    b = tl.program_id(2)
 
-    tiles_per_split = tl.cdiv(tl.cdiv(topk, BLOCK_N), NUM_SPLITS)
-    k_start = split * tiles_per_split * BLOCK_N
-    k_end = tl.minimum(k_start + tiles_per_split * BLOCK_N, topk)
+    k_start, k_end = _split_range(topk, NUM_SPLITS, split, BLOCK_N, MIN_TILES)
 
     q_lat, q_pe, offs_h, mask_h = _load_query(
-        Q, b, h0, H, stride_qb, stride_qh, BLOCK_H, D_LAT, D_PE, DOT_FP32
-    )
+        Q, Q_PE, b, h0, H, stride_qb, stride_qh, stride_pqb, stride_pqh, BLOCK_H, D_LAT, D_PE,
+        SPLIT, DOT_FP32,
+    )  # fmt: skip
     m = tl.full([BLOCK_H], -float("inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
@@ -102,9 +121,14 @@ def _mla_sparse_kernel(
         valid = idx >= 0
         idx = tl.where(valid, idx, 0)
         kv_rows = KV + (idx // PAGE).to(tl.int64) * stride_kb + (idx % PAGE) * stride_kt
+        if SPLIT:
+            pe_rows = KV_PE + (idx // PAGE).to(tl.int64) * stride_pkb + (idx % PAGE) * stride_pkt
+        else:
+            pe_rows = kv_rows  # (not read: the rope part follows the latent)
         m, l, acc = _attend_tile(
-            q_lat, q_pe, kv_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, DOT_FP32, PRECISION
-        )
+            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
+            DOT_FP32, PRECISION,
+        )  # fmt: skip
 
     o_base = split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
     lse_base = split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
@@ -133,6 +157,8 @@ def mla_sparse_partial(
     d_v: int = 512,
     num_splits: int | None = None,
     check_indices: bool = True,
+    q_pe: torch.Tensor | None = None,
+    kpe_pool: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention of absorbed MLA query rows over a selected (top-k) set of cache entries.
 
@@ -151,9 +177,9 @@ def mla_sparse_partial(
         stride on the last dim. Any ``H``.
     kv_pool : torch.Tensor
         Cache pool ``[num_blocks, block_size, d_qk]``, same dtype as ``q``, unit stride on the
-        last dim, ``block_size`` a power of two; entry ``j`` of the flattened token axis is
-        ``kv_pool[j // block_size, j % block_size]``. Entries ``[c_KV (d_v), k_pe]``, attended at
-        their canonical positions (no rotation).
+        last dim, ``block_size`` a power of two (1: a token pool); entry ``j`` of the flattened
+        token axis is ``kv_pool[j // block_size, j % block_size]``. Entries ``[c_KV (d_v),
+        k_pe]``, attended at their canonical positions (no rotation).
     indices : torch.Tensor
         ``[B, topk]`` int32 into the flattened token axis; ``-1`` marks an unused slot. A row
         with no valid index gives ``o = 0, lse = -inf``.
@@ -162,12 +188,18 @@ def mla_sparse_partial(
     d_v : int
         Value width (512); ``d_v`` and ``d_qk - d_v`` powers of two >= 16.
     num_splits : int or None
-        Splits of each row's index list (split-KV), combined by the merge kernel; None chooses
-        so that the grid covers the device's SMs with at least 256 slots per split.
+        Splits of each row's index list (split-KV), combined by the merge kernel; None lets the
+        split / grid policy choose (``_grid.choose_num_splits``: whole waves, at least 64
+        slots per split).
     check_indices : bool
         Raise ``ValueError`` on the host (one sync) for an index ``< -1`` or ``>= num_blocks *
         block_size``; pass False on a hot path (an index past the pool then reads out of bounds,
-        a negative one is read as unused).
+        a negative one is read as unused), or plan once (:func:`plan_mla_sparse`).
+    q_pe, kpe_pool : torch.Tensor or None
+        The rope parts of the query rows ``[B, H, d_qk - d_v]`` and of the cache
+        ``[num_blocks, block_size, d_qk - d_v]``, read in place (FlashInfer's split layout); then
+        ``q`` / ``kv_pool`` hold the latent part only, as in
+        :func:`mqnc.triton_kernels.mla_decode.mla_decode_partial`.
 
     Returns
     -------
@@ -188,135 +220,161 @@ def mla_sparse_partial(
     >>> o.shape, lse.shape
     (torch.Size([1, 16, 512]), torch.Size([1, 16]))
     """
-    d_v, d_pe = check_mla_shapes(q, kv_pool, d_v)
-    B, H, _ = q.shape
-    num_blocks, block_size, _ = kv_pool.shape
-    if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(
-            f"kv_pool: expected a block size (dim 1) that is a power of two, got {block_size}"
+    if torch.compiler.is_compiling():
+        return torch.ops.mqnc.mla_sparse_partial(
+            q, kv_pool, indices, softmax_scale, d_v, num_splits, check_indices, q_pe, kpe_pool
         )
+    plan = plan_mla_sparse(
+        q,
+        kv_pool,
+        indices,
+        softmax_scale=softmax_scale,
+        d_v=d_v,
+        num_splits=num_splits,
+        check_indices=check_indices,
+        q_pe=q_pe,
+        kpe_pool=kpe_pool,
+    )
+    return plan.run(q, kv_pool, indices, q_pe=q_pe, kpe_pool=kpe_pool)
+
+
+def plan_mla_sparse(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    softmax_scale: float,
+    d_v: int = 512,
+    num_splits: int | None = None,
+    check_indices: bool = True,
+    q_pe: torch.Tensor | None = None,
+    kpe_pool: torch.Tensor | None = None,
+) -> AttentionPlan:
+    """Plan :func:`mla_sparse_partial` once for a batch shape: every check and the split choice
+    here; ``plan.run(q, kv_pool, indices, q_pe=None, kpe_pool=None)`` then launches on tensors
+    of the same shapes, dtypes, strides and device, unchecked and without a host sync (new
+    indices each step: the range check ran on the planning call's only)."""
+    ops = mla_operands(q, kv_pool, d_v, q_pe=q_pe, kpe_pool=kpe_pool)
+    B = q.shape[0]
+    num_blocks, block_size, _ = kv_pool.shape
+    check_block_size(block_size)
     check_tensor("indices", indices, ndim=2, dtypes=(torch.int32,), shape=(B, None))
-    topk = indices.shape[1]
-    device = check_same_device(q=q, kv_pool=kv_pool, indices=indices)
+    tensors = dict(q=q, kv_pool=kv_pool, indices=indices)
+    for name, t in (("q_pe", q_pe), ("kpe_pool", kpe_pool)):
+        if t is not None:
+            tensors[name] = t
+    check_same_device(**tensors)
+    check_launchable(q, "q")
     scale = check_softmax_scale(softmax_scale)
     check_num_splits(num_splits)
     if check_indices:
         _check_index_range(indices, num_blocks * block_size)
+    template = plan_sparse(q, kv_pool, indices, scale, d_v, num_splits, ops=ops, alloc=meta_output)
+    split = ops.split
 
-    block_h, block_n, num_warps = tile_config(H, sparse=True)
-    head_blocks = triton.cdiv(H, block_h)
-    if num_splits is None:
-        num_splits = choose_num_splits(B * head_blocks, topk, sm_count(device))
+    def bind(q, kv_pool, indices, *, q_pe=None, kpe_pool=None):
+        if not split:
+            return (q, q, kv_pool, kv_pool, indices)
+        q_pe = q[..., d_v:] if q_pe is None else q_pe
+        kpe_pool = kv_pool[..., d_v:] if kpe_pool is None else kpe_pool
+        return (q, q_pe, kv_pool, kpe_pool, indices)
 
-    o, lse, o_part, lse_part, o_strides, l_strides = split_outputs(
-        B, H, d_v, q.dtype, device, num_splits
+    return AttentionPlan(template, bind, n_inputs=5, device=q.device)
+
+
+def plan_sparse(
+    q,
+    kv_pool,
+    indices,
+    scale,
+    d_v,
+    num_splits,
+    occupancy=None,
+    *,
+    ops: MlaOperands | None = None,
+    alloc=None,
+) -> MlaPlan:
+    """The launches of one :func:`mla_sparse_partial` call for valid inputs (unchecked), at
+    ``occupancy`` if given (see ``_mla_launch.plan_mla``); ``ops`` the checked operands
+    (default: fused ``q`` and ``kv_pool``), ``alloc`` how outputs are made."""
+    ops = ops or MlaOperands(q, q, kv_pool, kv_pool, d_v, q.shape[2] - d_v, False)
+    cfg = tile_config(q.shape[1], sparse=True)
+
+    def build(o_part, lse_part, splits):
+        return sparse_launch(ops, indices, o_part, lse_part, splits, scale, cfg)
+
+    extra = {} if alloc is None else {"alloc": alloc}
+    return plan_mla(
+        build,
+        op="mla_sparse",
+        q=q,
+        d_v=d_v,
+        cfg=cfg,
+        tiles=triton.cdiv(indices.shape[1], cfg.block_n),
+        num_splits=num_splits,
+        occupancy=occupancy,
+        d_qk=d_v + ops.d_pe,
+        **extra,
     )
-    if B * H == 0:
-        return o, lse
 
-    with launch_lock():
-        _mla_sparse_kernel[(B, head_blocks, num_splits)](
+
+def sparse_launch(
+    ops: MlaOperands,
+    indices: torch.Tensor,
+    o_part: torch.Tensor,
+    lse_part: torch.Tensor,
+    num_splits: int,
+    scale: float,
+    cfg: TileConfig,
+) -> Launch:
+    """The sparse kernel's launch (no checks: :func:`mla_sparse_partial` checks); outputs as
+    in :func:`mqnc.triton_kernels.mla_decode.decode_launch`."""
+    q, kv_pool = ops.q, ops.kv
+    B, H = q.shape[:2]
+    page = kv_pool.shape[1]
+    feats = () if page == 64 else (f"page={page}",)
+    feats += ("split-kv",) if ops.split else ()
+    return Launch(
+        name=variant_name("mla_sparse", q.dtype, cfg, o_part.dim() == 4, feats),
+        kernel=_mla_sparse_kernel,
+        grid=(triton.cdiv(H, cfg.block_h), num_splits, B),
+        args=(
             q,
+            ops.q_pe,
             kv_pool,
+            ops.kv_pe,
             indices,
             o_part,
             lse_part,
             H,
-            topk,
+            indices.shape[1],
             num_splits,
             scale * LOG2E,
             q.stride(0),
             q.stride(1),
+            ops.q_pe.stride(0),
+            ops.q_pe.stride(1),
             kv_pool.stride(0),
             kv_pool.stride(1),
+            ops.kv_pe.stride(0),
+            ops.kv_pe.stride(1),
             indices.stride(0),
             indices.stride(1),
-            *o_strides,
-            *l_strides,
-            PAGE=block_size,
-            BLOCK_H=block_h,
-            BLOCK_N=block_n,
-            D_LAT=d_v,
-            D_PE=d_pe,
+            *split_strides(o_part, lse_part),
+        ),
+        kwargs=dict(
+            PAGE=kv_pool.shape[1],
+            BLOCK_H=cfg.block_h,
+            BLOCK_N=cfg.block_n,
+            MIN_TILES=cfg.min_tiles,
+            D_LAT=ops.d_v,
+            D_PE=ops.d_pe,
+            SPLIT=ops.split,
             DOT_FP32=dot_in_fp32(q.dtype),
             PRECISION=dot_precision(q.dtype),
             BF16_RNE=bf16_rne_in_software(o_part.dtype),
-            num_warps=num_warps,
-        )
-        combine_splits(o_part, lse_part, o, lse, num_splits)
-    return o, lse
-
-
-def sparse_signature(dtype: str = "bf16") -> dict:
-    ptr = f"*{dtype}"
-    return {
-        "Q": ptr,
-        "KV": ptr,
-        "Indices": "*i32",
-        "O": ptr,
-        "LSE": "*fp32",
-        "H": "i32",
-        "topk": "i32",
-        "NUM_SPLITS": "i32",
-        "qk_scale": "fp32",
-        **{
-            k: "i32"
-            for k in (
-                "stride_qb",
-                "stride_qh",
-                "stride_kb",
-                "stride_kt",
-                "stride_ib",
-                "stride_ik",
-                "stride_os",
-                "stride_ob",
-                "stride_oh",
-                "stride_ls",
-                "stride_lb",
-                "stride_lh",
-            )
-        },
-        **{
-            k: "constexpr"
-            for k in (
-                "PAGE",
-                "BLOCK_H",
-                "BLOCK_N",
-                "D_LAT",
-                "D_PE",
-                "DOT_FP32",
-                "PRECISION",
-                "BF16_RNE",
-            )
-        },
-    }
-
-
-def compile_specs():
-    """The sparse kernel at its production tiles (16 and 32 packed heads), bf16, 576 = 512 + 64,
-    page 64, with and without split-KV, for the sm_90 compile test."""
-    specs = []
-    for heads in (16, 128):
-        block_h, block_n, num_warps = tile_config(heads, sparse=True)
-        for out in ("bf16", "fp32"):  # direct output, or the fp32 split-KV workspace
-            sig = sparse_signature()
-            sig["O"] = f"*{out}"
-            specs.append(
-                dict(
-                    name=f"mla_sparse[bf16,BLOCK_H={block_h},BLOCK_N={block_n},O={out}]",
-                    fn=_mla_sparse_kernel,
-                    signature=sig,
-                    constexprs=dict(
-                        PAGE=64,
-                        BLOCK_H=block_h,
-                        BLOCK_N=block_n,
-                        D_LAT=512,
-                        D_PE=64,
-                        DOT_FP32=False,
-                        PRECISION="tf32",
-                        BF16_RNE=False,
-                    ),
-                    num_warps=num_warps,
-                )
-            )
-    return specs
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            maxnreg=cfg.maxnreg,
+        ),
+    )

@@ -17,32 +17,39 @@ for ``|delta| < 2**29``), reduces it mod pi/2 in float64 (two-constant Cody-Wait
 evaluates float32 minimax polynomials for cos/sin of the reduced angle (see ``_cos_sin``: no
 libdevice call, so no stack frame on sm_90, and the interpreter computes the same thing). The
 angle error is then ~2e-7 rad whatever the delta. The float64 work is 32 angles per token per
-program, negligible next to the copy. Frequencies come from :class:`mqnc.model.RopeSpec`
-(DeepSeek's float32 values, YaRN included); the pure ``R(delta)`` carries no YaRN cos/sin
-factor (it was applied at encoding).
+program, negligible next to the copy.
+
+Frequencies are plain numbers: ``rope`` is any object with the attributes of
+:class:`RopeFrequencies` (``inv_freq``, ``rope_dim``, ``layout``), e.g. the package's
+``RopeSpec`` (DeepSeek's float32 values, YaRN included); the kernel layer imports nothing of
+the model layer. The pure ``R(delta)`` carries no YaRN cos/sin factor (it was applied at
+encoding).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 import triton
 import triton.language as tl
 
-from mqnc.model.rope import RopeSpec
 from mqnc.triton_kernels._checks import FLOAT_DTYPES, check_same_device, check_tensor, dtype_name
+from mqnc.triton_kernels._launch import Launch
 from mqnc.triton_kernels._numerics import round_to
-from mqnc.triton_kernels._runtime import bf16_rne_in_software, launch_lock, new_output
+from mqnc.triton_kernels._runtime import bf16_rne_in_software, check_launchable, new_output
 
-__all__ = ["rope_splice", "rope_rotate", "compile_specs"]
+__all__ = ["rope_splice", "rope_rotate", "RopeFrequencies", "PlainRope", "splice_launch"]
 
 _HALF_PI_HI = 1.5707963267948966  # float64 nearest pi/2
 _HALF_PI_LO = 6.123233995736766e-17  # pi/2 - _HALF_PI_HI
 _TWO_OVER_PI = 2.0 / math.pi
 _MAX_ABS_DELTA = 2**31 - 1  # exact float64 angles need |delta| < 2**29; accurate to 2**31
 
-BLOCK_T = 8  # tokens per program (sm_90, 4 warps: 64 registers, 8 programs per SM resident)
+BLOCK_T = 8  # tokens per program (4 warps; registers in README "Kernels", from _sm90_table)
 BLOCK_D = 128  # latent dims per copy step
 NUM_WARPS = 4
 
@@ -74,13 +81,31 @@ def _cos_sin(ang, HALF_PI_HI: tl.constexpr, HALF_PI_LO: tl.constexpr, TWO_OVER_P
     return c, s
 
 
-@triton.jit
+@runtime_checkable
+class RopeFrequencies(Protocol):
+    """What the splice needs of a RoPE specification (``mqnc``'s ``RopeSpec`` has it).
+
+    ``inv_freq``: the ``rope_dim // 2`` frequencies (the model's float32 values) of the pairs;
+    ``rope_dim``: the rotated dims at the end of each entry (64 for DeepSeek), ``2 * a power
+    of two``; ``layout``: ``"interleaved"`` (pairs ``(x0, x1), (x2, x3), ...``, DeepSeek's
+    reference) or ``"half"`` (pairs ``(x_i, x_{i + rope_dim/2})``, Hugging Face's port).
+    """
+
+    inv_freq: Sequence[float]
+    rope_dim: int
+    layout: str
+
+
+# The token count and a scalar delta vary from call to call: not specialised (delta = 1 or a
+# token count of 1 would otherwise each compile a separate variant at run time).
+@triton.jit(do_not_specialize=["T", "delta_scalar"])
 def _rope_splice_kernel(
     SRC,
     DST,
     SLOTS,
     DELTA,
     INV_FREQ,
+    LAYER_OFF,
     T,
     delta_scalar,
     block_size,
@@ -96,12 +121,17 @@ def _rope_splice_kernel(
     INTERLEAVED: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
     DELTA_PER_TOKEN: tl.constexpr,
+    LAYER_TABLE: tl.constexpr,
+    LAYER_ALIGN: tl.constexpr,
     BF16_RNE: tl.constexpr,
     HALF_PI_HI: tl.constexpr,
     HALF_PI_LO: tl.constexpr,
     TWO_OVER_PI: tl.constexpr,
 ):
-    """One program per (token tile, layer): copy D_NOPE dims, rotate D_ROPE dims by delta."""
+    """One program per (token tile, layer): copy D_NOPE dims, rotate D_ROPE dims by delta.
+
+    ``LAYER_TABLE``: layer ``l``'s pool starts ``LAYER_OFF[l] * LAYER_ALIGN`` elements from
+    ``DST`` (one tensor per layer, vLLM's and SGLang's caches), instead of ``l * stride_dl``."""
     pid_t = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -111,8 +141,14 @@ def _rope_splice_kernel(
     else:
         slot = offs_t.to(tl.int64)
     src_row = SRC + layer * stride_sl + offs_t.to(tl.int64) * stride_st
-    dst_row = (
-        DST + layer * stride_dl + (slot // block_size) * stride_db + (slot % block_size) * stride_ds
+    if LAYER_TABLE:
+        # offsets in units of LAYER_ALIGN elements (16 bytes when the layers allow it): the
+        # compiler then knows each row's 16-byte alignment and keeps 128-bit stores
+        layer_start = tl.load(LAYER_OFF + layer) * LAYER_ALIGN
+    else:
+        layer_start = layer * stride_dl
+    dst_row = DST + (
+        layer_start + (slot // block_size) * stride_db + (slot % block_size) * stride_ds
     )
 
     # The latent c_KV: a bit-exact copy (load and store in the same dtype).
@@ -156,25 +192,37 @@ def _rope_splice_kernel(
 _FREQ_TABLES: dict[tuple, torch.Tensor] = {}
 
 
-def _freq_table(rope: RopeSpec, device: torch.device) -> torch.Tensor:
-    """The spec's frequencies as a float64 tensor on ``device``, cached (one copy per device)."""
-    key = (rope.inv_freq, str(device))
+def _freq_table(rope: RopeFrequencies, device: torch.device) -> torch.Tensor:
+    """The frequencies as a float64 tensor on ``device``, cached (one copy per device)."""
+    key = (tuple(rope.inv_freq), str(device))
     t = _FREQ_TABLES.get(key)
     if t is None:
-        t = torch.tensor(rope.inv_freq, dtype=torch.float64, device=device)
+        t = torch.tensor(key[0], dtype=torch.float64, device=device)
         _FREQ_TABLES[key] = t
     return t
 
 
-def _check_rope(rope: object, width: int, name: str) -> RopeSpec:
-    if not isinstance(rope, RopeSpec):
-        raise TypeError(f"rope: expected a mqnc.model.RopeSpec, got {type(rope).__name__}")
-    half = rope.pairs
-    if half & (half - 1):
-        raise ValueError(f"rope.rope_dim: expected 2 * a power of two, got {rope.rope_dim}")
-    if width <= rope.rope_dim:
+def _check_rope(rope: object, width: int, name: str) -> RopeFrequencies:
+    if not isinstance(rope, RopeFrequencies):
+        raise TypeError(
+            "rope: expected a RoPE spec with inv_freq, rope_dim and layout (e.g. "
+            f"mqnc's RopeSpec), got {type(rope).__name__}"
+        )
+    rope_dim = rope.rope_dim
+    if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or rope_dim < 2:
+        raise ValueError(f"rope.rope_dim: expected an even int >= 2, got {rope_dim!r}")
+    half = rope_dim // 2
+    if rope_dim % 2 or half & (half - 1):
+        raise ValueError(f"rope.rope_dim: expected 2 * a power of two, got {rope_dim}")
+    if len(rope.inv_freq) != half:
         raise ValueError(
-            f"{name}: expected the last dim (d_c + d_r) to exceed rope.rope_dim = {rope.rope_dim}, "
+            f"rope.inv_freq: expected rope_dim // 2 = {half} frequencies, got {len(rope.inv_freq)}"
+        )
+    if rope.layout not in ("interleaved", "half"):
+        raise ValueError(f"rope.layout: expected 'interleaved' or 'half', got {rope.layout!r}")
+    if width <= rope_dim:
+        raise ValueError(
+            f"{name}: expected the last dim (d_c + d_r) to exceed rope.rope_dim = {rope_dim}, "
             f"got {width}"
         )
     return rope
@@ -198,23 +246,52 @@ def _check_delta_values(delta: torch.Tensor) -> None:
         )
 
 
-def _launch(src, dst, slots, delta, freq, T, L, block_size, strides_src, strides_dst, rope):
-    if T == 0 or L == 0:
-        return
+def splice_launch(
+    src,
+    dst,
+    slots,
+    delta,
+    freq,
+    T,
+    L,
+    block_size,
+    strides_src,
+    strides_dst,
+    rope,
+    layer_offsets=None,
+    layer_unit: int = 1,
+) -> Launch:
+    """The splice kernel's launch (no checks: :func:`rope_splice` / :func:`rope_rotate` check):
+    ``T`` tokens of ``L`` layers from ``src`` into ``dst`` at ``slots`` (None: in order), each
+    rotated by ``delta`` (an int, or an int64 tensor ``[T]``); ``freq`` the float64 frequencies;
+    ``layer_offsets`` (int64 ``[L]``): layer ``l`` starts that many ``layer_unit``-element
+    units from ``dst`` (one tensor per layer), instead of at ``l * strides_dst[0]``."""
     per_token = isinstance(delta, torch.Tensor)
-    grid = (triton.cdiv(T, BLOCK_T), L)
-    with launch_lock():
-        _rope_splice_kernel[grid](
+    rows = "slots" if slots is not None else "rows"
+    layers = ""
+    if layer_offsets is not None:
+        layers = ",layers=list" + ("" if layer_unit * src.element_size() == 16 else ",unaligned")
+    return Launch(
+        name=(
+            f"splice[{dtype_name(src.dtype)},{rope.layout},{rows},"
+            f"delta={'[T]' if per_token else 'int'},{BLOCK_T}x{BLOCK_D},w{NUM_WARPS}{layers}]"
+        ),
+        kernel=_rope_splice_kernel,
+        grid=(triton.cdiv(T, BLOCK_T), L),
+        args=(
             src,
             dst,
             slots if slots is not None else freq,
             delta if per_token else freq,
             freq,
+            layer_offsets if layer_offsets is not None else freq,  # (not read without a table)
             T,
             0 if per_token else delta,
             block_size,
             *strides_src,
             *strides_dst,
+        ),
+        kwargs=dict(
             D_NOPE=src.shape[-1] - rope.rope_dim,
             D_ROPE=rope.rope_dim,
             BLOCK_T=BLOCK_T,
@@ -222,20 +299,126 @@ def _launch(src, dst, slots, delta, freq, T, L, block_size, strides_src, strides
             INTERLEAVED=rope.layout == "interleaved",
             HAS_SLOTS=slots is not None,
             DELTA_PER_TOKEN=per_token,
+            LAYER_TABLE=layer_offsets is not None,
+            LAYER_ALIGN=layer_unit,
             BF16_RNE=bf16_rne_in_software(dst.dtype),
             HALF_PI_HI=_HALF_PI_HI,
             HALF_PI_LO=_HALF_PI_LO,
             TWO_OVER_PI=_TWO_OVER_PI,
             num_warps=NUM_WARPS,
-        )
+        ),
+    )
+
+
+def _launch(*args, layer_offsets=None, layer_unit=1):
+    T, L = args[5], args[6]
+    if T == 0 or L == 0:
+        return
+    splice_launch(*args, layer_offsets=layer_offsets, layer_unit=layer_unit)()
+
+
+def _rope_args(rope: RopeFrequencies) -> tuple:
+    """A RoPE spec as plain values (what a ``torch.library`` op's schema can carry)."""
+    return [float(f) for f in rope.inv_freq], int(rope.rope_dim), str(rope.layout)
+
+
+def _delta_args(delta) -> tuple:
+    """``(delta tensor or None, delta int)`` for the ops' schemas."""
+    if isinstance(delta, torch.Tensor):
+        return delta, 0
+    return None, delta
+
+
+def _splice_op(chunk, pool, slot_mapping, delta, rope, validate) -> None:
+    """:func:`rope_splice` through its ``torch.library`` op (what ``torch.compile`` traces)."""
+    d_t, d_i = _delta_args(delta)
+    stacked = not isinstance(pool, (list, tuple))
+    pools = [pool] if stacked else list(pool)
+    torch.ops.mqnc.rope_splice(
+        chunk, pools, stacked, slot_mapping, d_t, d_i, *_rope_args(rope), validate
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainRope:
+    """A :class:`RopeFrequencies` from plain values (how the ``torch.library`` ops rebuild one)."""
+
+    inv_freq: tuple[float, ...]
+    rope_dim: int
+    layout: str
+
+
+_LAYER_TABLES: dict[tuple, torch.Tensor] = {}
+_MAX_LAYER_TABLES = 64
+
+
+def layer_align(base: torch.Tensor, pools: list[torch.Tensor]) -> int:
+    """The unit, in elements, of the per-layer offsets: 16 bytes when every layer starts a
+    multiple of 16 bytes from ``base`` (separate allocations always do), else one element."""
+    unit = max(1, 16 // base.element_size())
+    aligned = all((p.data_ptr() - base.data_ptr()) % (unit * p.element_size()) == 0 for p in pools)
+    return unit if aligned else 1
+
+
+def _layer_table(base: torch.Tensor, pools: list[torch.Tensor], unit: int) -> torch.Tensor:
+    """int64 ``[L]``: where each layer's tensor starts from ``base``'s first element, in units
+    of ``unit`` elements, on ``base``'s device; cached by the layers' addresses (a serving engine
+    allocates its per-layer caches once), so a repeated splice copies nothing to the device."""
+    key = (str(base.device), base.element_size(), unit, *(p.data_ptr() for p in pools))
+    table = _LAYER_TABLES.get(key)
+    if table is None:
+        step = unit * base.element_size()
+        offsets = [(p.data_ptr() - base.data_ptr()) // step for p in pools]
+        table = torch.tensor(offsets, dtype=torch.int64, device=base.device)
+        if len(_LAYER_TABLES) >= _MAX_LAYER_TABLES:
+            _LAYER_TABLES.pop(next(iter(_LAYER_TABLES)))
+        _LAYER_TABLES[key] = table
+    return table
+
+
+def _layer_pools(pools, L: int, D: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Per-layer caches as ``[num_blocks, block_size, D]`` views: ``[num_blocks, block_size,
+    D]`` (vLLM), ``[num_blocks, block_size, 1, D]`` (one KV head: FlashMLA, SGLang) or
+    ``[slots, D]`` (a token pool, block size 1); one shape, dtype, device and strides for all."""
+    if len(pools) != L:
+        raise ValueError(f"pool: expected one cache per layer of chunk ({L}), got {len(pools)}")
+    views = []
+    for i, p in enumerate(pools):
+        name = f"pool[{i}]"
+        check_tensor(name, p, dtypes=FLOAT_DTYPES, contiguous_last=True)
+        if p.dtype != dtype:
+            raise TypeError(
+                f"{name}: invalid dtype, expected {dtype_name(dtype)} (chunk's dtype: the "
+                f"latent is copied bit-exactly), got {dtype_name(p.dtype)}"
+            )
+        if p.dim() == 4 and p.shape[2] == 1:
+            p = p[:, :, 0]
+        elif p.dim() == 2:
+            p = p[:, None]
+        if p.dim() != 3 or p.shape[-1] != D:
+            raise ValueError(
+                f"{name}: expected [num_blocks, block_size, {D}], [num_blocks, block_size, 1, "
+                f"{D}] or [slots, {D}], got shape {tuple(pools[i].shape)}"
+            )
+        first = views[0] if views else p
+        if p.shape != first.shape or p.stride() != first.stride() or p.device != first.device:
+            raise ValueError(
+                f"{name}: expected the shape, strides and device of pool[0] ({tuple(first.shape)},"
+                f" {first.stride()}, {first.device}), got {tuple(p.shape)}, {p.stride()}, "
+                f"{p.device}"
+            )
+        if (p.data_ptr() - first.data_ptr()) % p.element_size():
+            raise ValueError(f"{name}: expected an address aligned to its element size")
+        views.append(p)
+    return views
 
 
 def rope_splice(
     chunk: torch.Tensor,
-    pool: torch.Tensor,
+    pool: torch.Tensor | Sequence[torch.Tensor],
     slot_mapping: torch.Tensor,
     delta: int | torch.Tensor,
-    rope: RopeSpec,
+    rope: RopeFrequencies,
     *,
     validate: bool = True,
 ) -> torch.Tensor:
@@ -251,9 +434,13 @@ def rope_splice(
     chunk : torch.Tensor
         ``[L, ct, d_c + d_r]`` (576 = 512 + 64 for DeepSeek), bf16 / fp16 / fp32, unit stride on
         the last dim; rope dims encoded at the chunk's old positions in ``rope.layout``.
-    pool : torch.Tensor
+    pool : torch.Tensor or sequence of torch.Tensor
         ``[L, num_blocks, block_size, d_c + d_r]``, same dtype and device as ``chunk``, unit
         stride on the last dim. Written in place at the given slots; other slots untouched.
+        Or one cache per layer, as vLLM and SGLang keep them (a list of ``L`` tensors
+        ``[num_blocks, block_size, d_c + d_r]``, ``[num_blocks, block_size, 1, d_c + d_r]`` or
+        ``[slots, d_c + d_r]``, one shape and strides for all): still one launch, the kernel
+        reading each layer's address from a small table (cached per list of addresses).
     slot_mapping : torch.Tensor
         ``[ct]`` int64: slot of each token in the flattened ``[num_blocks * block_size]`` axis
         (block ``slot // block_size``, offset ``slot % block_size``), the same for every layer.
@@ -261,15 +448,16 @@ def rope_splice(
     delta : int or torch.Tensor
         New minus old position: one int for the whole chunk (a contiguous re-homing), or
         ``[ct]`` int64, one per token. ``|delta| <= 2**31 - 1``.
-    rope : RopeSpec
-        Frequencies and pair layout (:class:`mqnc.model.RopeSpec`).
+    rope : RopeFrequencies
+        Frequencies and pair layout: any object with ``inv_freq``, ``rope_dim`` and ``layout``
+        (:class:`RopeFrequencies`), e.g. ``mqnc``'s ``RopeSpec``.
     validate : bool
         Check slot range, duplicates and delta range (host syncs); pass False on a hot path
         once the inputs are known good.
 
     Returns
     -------
-    torch.Tensor
+    torch.Tensor or sequence of torch.Tensor
         ``pool`` (modified in place).
 
     Examples
@@ -284,25 +472,39 @@ def rope_splice(
     >>> torch.equal(pool.view(27, 256, 576)[:, 64:119, :512], chunk[..., :512])
     True
     """
+    if torch.compiler.is_compiling():
+        _splice_op(chunk, pool, slot_mapping, delta, rope, validate)
+        return pool
     check_tensor("chunk", chunk, ndim=3, dtypes=FLOAT_DTYPES, contiguous_last=True)
     L, ct, D = chunk.shape
     _check_rope(rope, D, "chunk")
-    check_tensor("pool", pool, ndim=4, dtypes=FLOAT_DTYPES, contiguous_last=True)
-    if pool.dtype != chunk.dtype:
-        raise TypeError(
-            f"pool: invalid dtype, expected {dtype_name(chunk.dtype)} (chunk's dtype: the "
-            f"latent is copied bit-exactly), got {dtype_name(pool.dtype)}"
-        )
-    check_tensor("pool", pool, shape=(L, None, None, D))
-    _, num_blocks, block_size, _ = pool.shape
+    layers = None
+    if isinstance(pool, (list, tuple)):
+        layers = _layer_pools(pool, L, D, chunk.dtype)
+        dst = layers[0] if layers else chunk.new_empty((0, 1, D))
+        num_blocks, block_size = dst.shape[:2]
+        strides_dst = (0, dst.stride(0), dst.stride(1))
+    else:
+        check_tensor("pool", pool, ndim=4, dtypes=FLOAT_DTYPES, contiguous_last=True)
+        if pool.dtype != chunk.dtype:
+            raise TypeError(
+                f"pool: invalid dtype, expected {dtype_name(chunk.dtype)} (chunk's dtype: the "
+                f"latent is copied bit-exactly), got {dtype_name(pool.dtype)}"
+            )
+        check_tensor("pool", pool, shape=(L, None, None, D))
+        dst = pool
+        _, num_blocks, block_size, _ = pool.shape
+        strides_dst = (pool.stride(0), pool.stride(1), pool.stride(2))
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64,), shape=(ct,))
-    tensors = dict(chunk=chunk, pool=pool, slot_mapping=slot_mapping)
+    tensors = dict(chunk=chunk, pool=dst, slot_mapping=slot_mapping)
     if isinstance(delta, torch.Tensor):
         check_tensor("delta", delta, ndim=1, dtypes=(torch.int64,), shape=(ct,))
         tensors["delta"] = delta
     else:
         _check_scalar_delta(delta)
     device = check_same_device(**tensors)
+    check_launchable(chunk, "chunk")
+    unit = layer_align(dst, layers) if layers else 1
     if validate and ct:
         n_slots = num_blocks * block_size
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
@@ -327,7 +529,7 @@ def rope_splice(
         slot_mapping = slot_mapping.contiguous()
     _launch(
         chunk,
-        pool,
+        dst,
         slot_mapping,
         delta,
         _freq_table(rope, device),
@@ -335,13 +537,15 @@ def rope_splice(
         L,
         block_size,
         (chunk.stride(0), chunk.stride(1)),
-        (pool.stride(0), pool.stride(1), pool.stride(2)),
+        strides_dst,
         rope,
+        layer_offsets=_layer_table(dst, layers, unit) if layers else None,
+        layer_unit=unit,
     )
     return pool
 
 
-def rope_rotate(x: torch.Tensor, delta: int | torch.Tensor, rope: RopeSpec) -> torch.Tensor:
+def rope_rotate(x: torch.Tensor, delta: int | torch.Tensor, rope: RopeFrequencies) -> torch.Tensor:
     """Rotate the rope dims of query (or key) rows by ``R(delta)``; the rest is copied.
 
     The requester applies this to its absorbed query with the opposite of the holder's offset
@@ -357,7 +561,8 @@ def rope_rotate(x: torch.Tensor, delta: int | torch.Tensor, rope: RopeSpec) -> t
     delta : int or torch.Tensor
         One int, or an int64 tensor whose shape is a prefix of ``x.shape[:-1]`` (``[B]`` for
         ``[B, H, 576]``: one delta per query token) or equal to it.
-    rope : RopeSpec
+    rope : RopeFrequencies
+        As in :func:`rope_splice`.
 
     Returns
     -------
@@ -374,11 +579,15 @@ def rope_rotate(x: torch.Tensor, delta: int | torch.Tensor, rope: RopeSpec) -> t
     >>> rope_rotate(q, torch.tensor([-5, 7]), RopeSpec.from_preset("deepseek-v2-lite")).shape
     torch.Size([2, 16, 576])
     """
+    if torch.compiler.is_compiling():
+        d_t, d_i = _delta_args(delta)
+        return torch.ops.mqnc.rope_rotate(x, d_t, d_i, *_rope_args(rope))
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.dim() < 1:
         raise ValueError(f"x: expected at least 1 dim, got shape {tuple(x.shape)}")
     D = x.shape[-1]
     _check_rope(rope, D, "x")
+    check_launchable(x, "x")
     rows = x.shape[:-1]
     if isinstance(delta, torch.Tensor):
         check_tensor("delta", delta, dtypes=(torch.int64,))
@@ -414,63 +623,3 @@ def rope_rotate(x: torch.Tensor, delta: int | torch.Tensor, rope: RopeSpec) -> t
         rope,
     )
     return out
-
-
-def compile_specs():
-    """Kernels of this file at production sizes (bf16, 576 = 512 + 64, BLOCK_T tokens per
-    program; the grid's second axis is the L = 27 layers), for the sm_90 compile test."""
-    base = {
-        "SRC": "*bf16",
-        "DST": "*bf16",
-        "SLOTS": "*i64",
-        "DELTA": "*i64",
-        "INV_FREQ": "*fp64",
-        "T": "i32",
-        "delta_scalar": "i64",
-        "block_size": "i32",
-        "stride_sl": "i64",
-        "stride_st": "i32",
-        "stride_dl": "i64",
-        "stride_db": "i64",
-        "stride_ds": "i32",
-    }
-    ce_names = (
-        "D_NOPE",
-        "D_ROPE",
-        "BLOCK_T",
-        "BLOCK_D",
-        "INTERLEAVED",
-        "HAS_SLOTS",
-        "DELTA_PER_TOKEN",
-        "BF16_RNE",
-        "HALF_PI_HI",
-        "HALF_PI_LO",
-        "TWO_OVER_PI",
-    )
-    sig = {**base, **{k: "constexpr" for k in ce_names}}
-    specs = []
-    for name, interleaved, has_slots, per_token in (
-        ("rope_splice[bf16,576,interleaved,delta=int]", True, True, False),
-        ("rope_splice[bf16,576,interleaved,delta=[ct]]", True, True, True),
-        ("rope_splice[bf16,576,half,delta=[ct]]", False, True, True),
-        ("rope_rotate[bf16,576,interleaved,delta=[rows]]", True, False, True),
-    ):
-        ce = dict(
-            D_NOPE=512,
-            D_ROPE=64,
-            BLOCK_T=BLOCK_T,
-            BLOCK_D=BLOCK_D,
-            INTERLEAVED=interleaved,
-            HAS_SLOTS=has_slots,
-            DELTA_PER_TOKEN=per_token,
-            BF16_RNE=False,
-            HALF_PI_HI=_HALF_PI_HI,
-            HALF_PI_LO=_HALF_PI_LO,
-            TWO_OVER_PI=_TWO_OVER_PI,
-        )
-        specs.append(
-            dict(
-                name=name, fn=_rope_splice_kernel, signature=sig, constexprs=ce, num_warps=NUM_WARPS
-            )
-        )
-    return specs

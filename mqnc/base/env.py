@@ -2,17 +2,25 @@
 
 ``TRITON_INTERPRET=1``
     Run kernels under Triton's CPU interpreter (read by Triton when it is imported; the test
-    suite and the CLI set it when no CUDA device exists, :mod:`mqnc.base.runtime`). The kernels'
+    suite and the CLI set it when no CUDA device exists, and importing ``mqnc.triton_kernels``
+    sets it when torch was built without CUDA, :mod:`mqnc.base.runtime`). The kernels'
     launchers then take one process-wide lock and use their interpreter flags
-    (:mod:`mqnc.triton_kernels._runtime`).
+    (:mod:`mqnc.triton_kernels._runtime`). ``TRITON_INTERPRET=0`` keeps compiled mode even on a
+    CPU-only torch (the compile-only sm_90 step).
 ``MQNC_POISON_OUTPUTS=1``
     Fill every output a kernel launcher allocates with NaN before the kernel writes it, so an
     element a kernel forgets to write fails the comparison. The test suite sets it.
 ``MQNC_RESULTS=FILE``
-    The results file benchmarks append to and figures read (:mod:`mqnc.measure.results`).
+    The results file figures read and benchmarks append to when neither ``--out`` nor
+    ``--record`` is given (unset: figures read the tracked ``perf/results/results.jsonl``,
+    benchmarks write the git-ignored ``perf/results/local.jsonl``; :mod:`mqnc.measure.results`).
 ``NVSHMEM_LIB_DIR=DIR``
     Where the NVSHMEM engine looks first for ``libnvshmem_device*.bc``
     (:func:`mqnc.transport.nvshmem.device_library_path`).
+``MQNC_COMMIT=SHA``
+    The commit every benchmark record carries (:func:`mqnc.measure.results.git_commit`), for a
+    copy of the repository without ``.git`` (the lent GPU machine: ``perf/gpu_check.sh`` sets it
+    from git or from the ``.mqnc-commit`` file that travels with the copy).
 
 Read elsewhere, not by the package: ``HYPOTHESIS_PROFILE`` (``correctness/conftest.py``:
 ``ci`` or ``thorough``), ``MQNC_FIG_DIR`` (the notebooks' figure folder), ``GLOO_SOCKET_IFNAME``
@@ -28,17 +36,20 @@ __all__ = [
     "MQNC_POISON_OUTPUTS",
     "MQNC_RESULTS",
     "NVSHMEM_LIB_DIR",
+    "MQNC_COMMIT",
     "flag",
     "interpreting",
     "poisoning",
     "results_file",
     "nvshmem_lib_dir",
+    "commit",
 ]
 
 TRITON_INTERPRET = "TRITON_INTERPRET"
 MQNC_POISON_OUTPUTS = "MQNC_POISON_OUTPUTS"
 MQNC_RESULTS = "MQNC_RESULTS"
 NVSHMEM_LIB_DIR = "NVSHMEM_LIB_DIR"
+MQNC_COMMIT = "MQNC_COMMIT"
 
 
 def flag(name: str) -> bool:
@@ -64,3 +75,8 @@ def results_file() -> str | None:
 def nvshmem_lib_dir() -> str | None:
     """``$NVSHMEM_LIB_DIR``, or None when unset or empty."""
     return os.environ.get(NVSHMEM_LIB_DIR) or None
+
+
+def commit() -> str | None:
+    """``$MQNC_COMMIT``, or None when unset or empty."""
+    return os.environ.get(MQNC_COMMIT) or None

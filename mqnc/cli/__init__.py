@@ -6,23 +6,39 @@ sets ``func`` (called with the parsed args, returns the exit status). Registerin
 neither torch nor triton (``mqnc --help`` stays fast and GPU-free; a test checks): a command
 that runs kernels or transports imports what it runs inside its handler, after choosing the
 kernel mode. Nothing else in the package imports this one.
+
+Errors: a bad option is an argparse error naming the flag (exit status 2); a ``ValueError``,
+``TypeError`` or missing file raised while the command runs is printed as one line (exit
+status 2), or with ``-v`` / ``--verbose`` as its traceback; ``-v`` also turns on the package's
+log messages (``-vv``: debug).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
+import traceback
 
-__all__ = ["main", "SUBCOMMANDS"]
+from mqnc import __version__
+
+__all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
 SUBCOMMANDS = [
     "mqnc.cli.env",
     "mqnc.cli.selfcheck",
     "mqnc.cli.demo",
     "mqnc.cli.cost",
+    "mqnc.cli.fit",
     "mqnc.cli.calibrate",
+    "mqnc.cli.corpus",
+    "mqnc.cli.serve",
+    "mqnc.cli.kernel_report",
 ]
+
+_VERBOSE_HELP = "show the traceback of an error and log what the command does (-vv: debug)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,23 +47,63 @@ def build_parser() -> argparse.ArgumentParser:
         description="Move the query, not the cache: kernels, transport and cost model for "
         "cross-instance latent (MLA) and sparse attention.",
     )
+    parser.add_argument("--version", action="version", version=f"mqnc {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help=_VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in SUBCOMMANDS:
         importlib.import_module(module).register(sub)
+    for p in sub.choices.values():
+        # accepted after the subcommand too; SUPPRESS keeps a -v given before it
+        p.add_argument(
+            "-v", "--verbose", action="count", default=argparse.SUPPRESS, help=_VERBOSE_HELP
+        )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error argparse has printed
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
+    _log_to_stderr(args.verbose)
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # `mqnc ... | head`: the reader left; say nothing more
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - stdout until the process ends
+        return 0
     except (ValueError, TypeError, FileNotFoundError) as exc:
-        print(f"mqnc {args.command}: error: {exc}", file=sys.stderr)
+        if args.verbose:
+            traceback.print_exc()
+        else:
+            print(f"mqnc {args.command}: error: {exc} (-v shows the traceback)", file=sys.stderr)
         return 2
+
+
+class _Formatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"mqnc: {record.levelname.lower()}: {record.getMessage()}"
+        return text + ("\n" + self.formatException(record.exc_info) if record.exc_info else "")
+
+
+_handler: logging.Handler | None = None
+
+
+def _log_to_stderr(verbose: int) -> None:
+    """The package's loggers (``mqnc.*``) print to the current stderr: warnings always, info
+    with ``-v``, debug with ``-vv``."""
+    global _handler
+    log = logging.getLogger("mqnc")
+    if _handler is not None:
+        log.removeHandler(_handler)
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(_Formatter())
+    log.addHandler(_handler)
+    log.setLevel((logging.WARNING, logging.INFO, logging.DEBUG)[min(verbose, 2)])
+    log.propagate = False
 
 
 if __name__ == "__main__":

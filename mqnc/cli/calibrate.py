@@ -8,15 +8,33 @@ writes a fabric profile JSON that ``mqnc predict --fabric FILE``, the predicate 
 
 from __future__ import annotations
 
-import argparse
 import json
+import logging
 
-from mqnc.measure.options import TRANSPORTS, ints_of
+from mqnc.measure.options import (
+    TRANSPORTS,
+    int_list,
+    model_arg,
+    nonnegative_int,
+    positive_int,
+)
 
 __all__ = ["register"]
 
-DEFAULT_M_Q = "1,16,64,256,512,1024,2048,4096"
-QUICK_M_Q = "1,64,512,1024"
+log = logging.getLogger(__name__)
+
+DEFAULT_M_Q = [1, 16, 64, 256, 512, 1024, 2048, 4096]
+QUICK_M_Q = [1, 64, 512, 1024]
+DESCRIPTION = (
+    "Measure this machine's fabric: a short probe + route sweep on one transport (host-side "
+    "echo holder), a fit of T_probe, BW and the turnaround, and, unless --no-bulk, one timed "
+    "all-layer chunk pull (fetch's T_pull). Writes a fabric profile JSON that "
+    "mqnc predict --fabric FILE and mqnc demo --profile FILE load."
+)
+
+
+def _csv(values: list[int]) -> str:
+    return ",".join(map(str, values))
 
 
 def _run(args) -> int:
@@ -24,8 +42,18 @@ def _run(args) -> int:
     from mqnc.measure.calibrate import calibrate
     from mqnc.measure.echo import exit_process
 
-    m_qs = ints_of(args.m_q or (QUICK_M_Q if args.quick else DEFAULT_M_Q), "--m-q")
+    m_qs = args.m_q or (QUICK_M_Q if args.quick else DEFAULT_M_Q)
     reps = args.reps or (5 if args.quick else 15)
+    out = args.out or f"fabric-{args.transport}.json"
+    log.info(
+        "calibrate %s: M_q %s, %d reps, %d warm-up, model %s -> %s",
+        args.transport,
+        _csv(m_qs),
+        reps,
+        args.warmup,
+        args.model.name,
+        out,
+    )
     profile, res, raw = calibrate(
         args.transport,
         m_qs=m_qs,
@@ -38,7 +66,6 @@ def _run(args) -> int:
         results=args.results,
         progress=not args.json,
     )
-    out = args.out or f"fabric-{args.transport}.json"
     profile.save(out)
     if args.json:
         print(json.dumps({"profile": profile.to_dict(), "fit": res.to_dict(), "path": out}))
@@ -61,9 +88,11 @@ def _print_fit(profile, res, raw: dict, out: str) -> None:
     if profile.bulk_bw_gbps is not None:
         print(f"bulk pull: {profile.bulk_bw_gbps:.3g} GB/s")
     if res.turnaround_us < 0:
-        print(
-            "note: the intercept is below the measured probe (negative turnaround, stored as 0): "
-            "this fabric's round trip is not affine in bytes at small M_q"
+        log.warning(
+            "negative turnaround (%.1f us): the intercept is below the measured probe, which "
+            "is not a time (a holder cannot answer faster than an empty probe); the round trip "
+            "is not affine in M_q at small M_q on this fabric. Stored as 0.",
+            res.turnaround_us,
         )
     print(f"wrote {out} (use: mqnc predict --fabric {out} ...)")
 
@@ -72,20 +101,55 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "calibrate",
         help="measure this machine's fabric (probe + route sweep) and write a profile JSON",
-        description=__doc__.split("\n\n")[1].replace("\n", " "),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=DESCRIPTION,
     )
-    p.add_argument("--transport", default="loopback", choices=list(TRANSPORTS))
-    p.add_argument("--out", default=None, help="profile JSON (default fabric-<transport>.json)")
-    p.add_argument("--m-q", default=None, help=f"route batch sizes (default {DEFAULT_M_Q})")
-    p.add_argument("--quick", action="store_true", help=f"M_q {QUICK_M_Q}, 5 reps")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions (default 15)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--fit-min-rows", type=int, default=512)
-    p.add_argument("--bulk-tokens", type=int, default=256, help="chunk of the bulk-pull timing")
+    p.add_argument(
+        "--transport",
+        default="loopback",
+        choices=list(TRANSPORTS),
+        help="engine to measure (default loopback; nvshmem: see perf/gpu_check_nvshmem.py)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="profile JSON to write (default fabric-<transport>.json)",
+    )
+    p.add_argument(
+        "--m-q",
+        type=int_list,
+        default=None,
+        help=f"comma-separated route batch sizes (default {_csv(DEFAULT_M_Q)})",
+    )
+    p.add_argument("--quick", action="store_true", help=f"M_q {_csv(QUICK_M_Q)} and 5 repetitions")
+    p.add_argument("--reps", type=positive_int, default=None, help="timed repetitions (default 15)")
+    p.add_argument(
+        "--warmup", type=nonnegative_int, default=3, help="untimed repetitions (default 3)"
+    )
+    p.add_argument(
+        "--fit-min-rows",
+        type=positive_int,
+        default=512,
+        help="fit the slope over M_q >= this (default 512)",
+    )
+    p.add_argument(
+        "--bulk-tokens",
+        type=positive_int,
+        default=256,
+        help="chunk tokens of the bulk-pull timing (default 256)",
+    )
     p.add_argument("--no-bulk", action="store_true", help="skip the bulk-pull timing")
-    p.add_argument("--model", default="deepseek-v2-lite")
+    p.add_argument(
+        "--model",
+        type=model_arg,
+        default="deepseek-v2-lite",
+        metavar="NAME|CONFIG",
+        help="model preset or Hugging Face config.json giving the row size "
+        "(default deepseek-v2-lite)",
+    )
     p.add_argument("--name", default=None, help="profile name (default <transport>@<device>)")
-    p.add_argument("--results", default=None, help="also append the records to this file")
+    p.add_argument(
+        "--results", default=None, metavar="FILE", help="also append the records to FILE"
+    )
     p.add_argument("--json", action="store_true", help="print the profile and fit as JSON")
     p.set_defaults(func=_run)

@@ -1,12 +1,9 @@
-"""``mqnc predict | crossover | fit | presets``: the cost model and predicate from the shell.
+"""``mqnc predict | crossover | presets``: the cost model and predicate from the shell.
 
 - ``mqnc predict``: one (chunk, request) decision with every term (§5.1); ``--json`` for
   machines.
 - ``mqnc crossover --out DIR``: the ``M_q x c_t`` wire-byte map of Fig. 3(b), the same grid on
   total cost, and the bandwidth sweep of Fig. 6(a), each as CSV (and PNG unless ``--no-png``).
-- ``mqnc fit RESULTS``: calibrate a fabric from a results file (records as described in
-  :func:`mqnc.cost.fit_results`); prints the constants and MAPE, ``--save`` writes the
-  profile JSON that ``--fabric PATH`` reads.
 - ``mqnc presets``: the model geometries and fabric profiles known by name.
 
 Pure Python + numpy; matplotlib is imported only when ``crossover`` draws its PNGs.
@@ -18,6 +15,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import logging
 import os
 
 import numpy as np
@@ -33,36 +31,67 @@ from mqnc.cost import (
     bw_sweep,
     crossover_map,
     decide,
-    fit_results,
     load_fabric,
     t_local_range,
     wire_break_even_rows,
     wire_byte_saving,
 )
-from mqnc.model.geometry import PRESETS, get_preset
+from mqnc.measure.options import (
+    hidden_alias,
+    model_arg,
+    nonnegative_float,
+    positive_float,
+    positive_int,
+)
+from mqnc.model.geometry import PRESETS
 
 __all__ = ["register"]
 
+log = logging.getLogger(__name__)
+
+
+def _fabric_arg(text: str):
+    """``--fabric``: a preset name or a profile JSON."""
+    try:
+        return load_fabric(text)
+    except (ValueError, FileNotFoundError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 # The options ``predict`` and ``crossover`` share: (flags, argparse keywords), in help order.
+_MODEL = dict(
+    type=model_arg,
+    default="deepseek-v2-lite",
+    metavar="NAME|CONFIG",
+    help="model preset (mqnc presets) or a Hugging Face config.json (default deepseek-v2-lite)",
+)
 _ROUTE_OPTIONS = [
-    (
-        "--model",
-        dict(default="deepseek-v2-lite", help="model preset (`mqnc presets`), default V2-Lite"),
-    ),
+    ("--model", _MODEL),
     (
         "--fabric",
-        dict(default="h100-ibgda", help="fabric preset or profile JSON, default h100-ibgda"),
+        dict(
+            type=_fabric_arg,
+            default="h100-ibgda",
+            metavar="NAME|JSON",
+            help="fabric preset (mqnc presets) or profile JSON (default h100-ibgda)",
+        ),
     ),
     (
         "--c-us",
-        dict(type=float, help="re-prefill cost per token-layer in us (default 1.0; band 0.5-1.5)"),
+        dict(
+            type=positive_float,
+            help="re-prefill cost per token-layer in us (default 1.0; band 0.5-1.5)",
+        ),
     ),
     (
         "--t-compute-us",
-        dict(type=float, help="holder partial attention, us (default 15, §6.3 range 15-37)"),
+        dict(type=nonnegative_float, help="holder partial attention, us (default 15, §6.3)"),
     ),
-    ("--t-merge-us", dict(type=float, help="merge, us (default 25)")),
-    ("--splice-ms", dict(type=float, help="a flat splice in ms instead of the paper's profile")),
+    ("--t-merge-us", dict(type=nonnegative_float, help="merge, us (default 25)")),
+    (
+        "--splice-ms",
+        dict(type=nonnegative_float, help="a flat splice in ms instead of the paper's profile"),
+    ),
     (
         "--splice-from",
         dict(metavar="RESULTS", help="splice profile from a results file (bench 'splice')"),
@@ -74,14 +103,24 @@ _ROUTE_OPTIONS = [
     ),
     (
         "--topk",
-        dict(type=int, help="selection budget: fetch becomes a gather over --holders (§5.4)"),
+        dict(
+            type=positive_int,
+            help="selection budget: fetch becomes a gather over --holders (§5.4)",
+        ),
     ),
-    ("--holders", dict(type=int, default=1, help="holders the selection spans")),
+    ("--holders", dict(type=positive_int, default=1, help="holders the selection spans (1)")),
     (
         "--congestion-bw",
-        dict(type=float, metavar="FACTOR", help="multiply effective bandwidth by FACTOR (§8 (i))"),
+        dict(
+            type=positive_float,
+            metavar="FACTOR",
+            help="multiply effective bandwidth by FACTOR > 0 (§8 (i))",
+        ),
     ),
-    ("--congestion-probe-us", dict(type=float, help="add this queueing to the probe (§8 (ii))")),
+    (
+        "--congestion-probe-us",
+        dict(type=nonnegative_float, help="add this queueing to the probe, us (§8 (ii))"),
+    ),
     (
         "--congestion-route-only",
         dict(action="store_true", help="congestion slows route's link but not fetch's pull"),
@@ -90,10 +129,14 @@ _ROUTE_OPTIONS = [
         "--host-overhead",
         dict(action="store_true", help="add the paper's client host overhead to route (§5.3)"),
     ),
-    ("--tp", dict(type=int, default=1, help="tensor-parallel rank pairs (§8)")),
+    ("--tp", dict(type=positive_int, default=1, help="tensor-parallel rank pairs (§8; 1)")),
     (
         "--round-trips",
-        dict(type=int, default=1, help="sequential route round trips (L: per-layer routing)"),
+        dict(
+            type=positive_int,
+            default=1,
+            help="sequential route round trips (L: per-layer routing; 1)",
+        ),
     ),
 ]
 
@@ -104,8 +147,10 @@ def _route_options(p: argparse.ArgumentParser) -> None:
 
 
 def _resolve(args):
-    geometry = get_preset(args.model)
-    fabric = load_fabric(args.fabric)
+    geometry, fabric = args.model, args.fabric
+    log.info(
+        "model %s (q+p %d B per row), fabric %s", geometry.name, geometry.qp_row_bytes, fabric.name
+    )
     if (
         sum(
             x is not None and x is not False
@@ -149,14 +194,14 @@ def _resolve(args):
 
 def _predict(args) -> int:
     geometry, fabric, kw = _resolve(args)
-    d = decide(geometry, fabric, args.mq, args.ct, allow=tuple(args.allow), **kw)
+    d = decide(geometry, fabric, args.m_q, args.c_t, allow=tuple(args.allow), **kw)
     if args.json:
         out = d.to_dict()
         out["wire"] = dict(
-            route_bytes_per_layer=args.mq * geometry.qp_row_bytes,
-            chunk_bytes_per_layer=args.ct * geometry.kv_bytes_per_token_layer,
-            saving=wire_byte_saving(geometry, args.mq, args.ct),
-            break_even_rows=wire_break_even_rows(geometry, args.ct),
+            route_bytes_per_layer=args.m_q * geometry.qp_row_bytes,
+            chunk_bytes_per_layer=args.c_t * geometry.kv_bytes_per_token_layer,
+            saving=wire_byte_saving(geometry, args.m_q, args.c_t),
+            break_even_rows=wire_break_even_rows(geometry, args.c_t),
         )
         print(json.dumps(out, indent=2))
         return 0
@@ -167,7 +212,7 @@ def _predict(args) -> int:
 def _print_decision(args, d, geometry, fabric, splice) -> None:
     r, f = d.route, d.fetch
     print(
-        f"model {geometry.name}  fabric {fabric.name}  M_q {args.mq:g}  c_t {args.ct:g}"
+        f"model {geometry.name}  fabric {fabric.name}  M_q {args.m_q:g}  c_t {args.c_t:g}"
         + (f"  top-k {args.topk} over {args.holders} holder(s)" if args.topk else "")
     )
     rows = [
@@ -204,21 +249,23 @@ def _print_decision(args, d, geometry, fabric, splice) -> None:
         else "only allowed primitive"
     )
     print(f"decision: {d.primitive} ({runner})")
-    saving = wire_byte_saving(geometry, args.mq, args.ct)
+    saving = wire_byte_saving(geometry, args.m_q, args.c_t)
     print(
-        f"wire bytes per layer: route {args.mq * geometry.qp_row_bytes:,.0f} B vs chunk "
-        f"{args.ct * geometry.kv_bytes_per_token_layer:,.0f} B ({100 * saving:.1f}% "
+        f"wire bytes per layer: route {args.m_q * geometry.qp_row_bytes:,.0f} B vs chunk "
+        f"{args.c_t * geometry.kv_bytes_per_token_layer:,.0f} B ({100 * saving:.1f}% "
         f"{'fewer' if saving >= 0 else 'more'}); break-even M_q = "
-        f"{wire_break_even_rows(geometry, args.ct):.1f}"
+        f"{wire_break_even_rows(geometry, args.c_t):.1f}"
     )
 
 
 # ---- crossover ---------------------------------------------------------------------------------
 
 
-def _logspace(lo: float, hi: float, n: int) -> np.ndarray:
-    if not (0 < lo < hi) or n < 2:
-        raise ValueError(f"axis: expected 0 < min < max and >= 2 points, got {lo}, {hi}, {n}")
+def _logspace(lo: float, hi: float, n: int, flags: str) -> np.ndarray:
+    if not 0 < lo < hi:
+        raise ValueError(f"{flags}: expected 0 < min < max, got {lo:g}, {hi:g}")
+    if n < 2:
+        raise ValueError(f"--points: expected >= 2, got {n}")
     return np.geomspace(lo, hi, n)
 
 
@@ -231,16 +278,16 @@ def _write_csv(path: str, header: list[str], rows) -> None:
 
 def _crossover(args) -> int:
     geometry, fabric, kw = _resolve(args)
+    m_axis = _logspace(args.m_q_min, args.m_q_max, args.points, "--m-q-min/--m-q-max")
+    c_axis = _logspace(args.c_t_min, args.c_t_max, args.points, "--c-t-min/--c-t-max")
+    bw_axis = _logspace(args.bw_min, args.bw_max, args.points, "--bw-min/--bw-max")
     os.makedirs(args.out, exist_ok=True)
-    m_axis = _logspace(args.mq_min, args.mq_max, args.points)
-    c_axis = _logspace(args.ct_min, args.ct_max, args.points)
-    bw_axis = _logspace(args.bw_min, args.bw_max, args.points)
     grid = crossover_map(geometry, fabric, m_axis, c_axis, **kw)
-    sweep = bw_sweep(geometry, fabric, bw_axis, m_q=args.mq, c_t=args.ct, **kw)
+    sweep = bw_sweep(geometry, fabric, bw_axis, m_q=args.m_q, c_t=args.c_t, **kw)
     written = [
         _wire_csv(args.out, geometry, m_axis, c_axis),
         _cost_csv(args.out, grid, m_axis, c_axis),
-        _sweep_csv(args.out, sweep, bw_axis, t_local_range(geometry, args.ct)),
+        _sweep_csv(args.out, sweep, bw_axis, t_local_range(geometry, args.c_t)),
     ]
     if not args.no_png:
         written += _plots(args, geometry, fabric, m_axis, c_axis, bw_axis, kw)
@@ -321,67 +368,11 @@ def _plots(args, geometry, fabric, m_axis, c_axis, bw_axis, kw) -> list[str]:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4.2), constrained_layout=True)
-    plots.bw_sweep_plot(ax, geometry, fabric, bw_axis=bw_axis, m_q=args.mq, c_t=args.ct, **kw)
+    plots.bw_sweep_plot(ax, geometry, fabric, bw_axis=bw_axis, m_q=args.m_q, c_t=args.c_t, **kw)
     sweep = os.path.join(args.out, "fig6a_bw_sweep.png")
     fig.savefig(sweep, dpi=120)
     plt.close(fig)
     return [crossover, sweep]
-
-
-# ---- fit ---------------------------------------------------------------------------------------
-
-
-def _fit(args) -> int:
-    geometry = get_preset(args.model)
-    fits = fit_results(
-        args.results,
-        qp_row_bytes=geometry.qp_row_bytes,
-        route_bench=args.route_bench,
-        probe_bench=args.probe_bench,
-        fit_min_rows=args.fit_min_rows,
-        amortised_min_rows=args.amortised_min_rows,
-    )
-    if args.variant is not None:
-        if args.variant not in fits:
-            raise ValueError(f"--variant: unknown {args.variant!r}; expected one of {sorted(fits)}")
-        fits = {args.variant: fits[args.variant]}
-    if args.save:
-        if len(fits) != 1:
-            raise ValueError(
-                f"--save: the file holds {len(fits)} route variants {sorted(fits)}; "
-                "pick one with --variant"
-            )
-        ((variant, res),) = fits.items()
-        extra = {} if args.link_peak_gbps is None else {"link_peak_gbps": args.link_peak_gbps}
-        res.to_fabric(args.name or variant, description=f"fit of {args.results}", **extra).save(
-            args.save
-        )
-    if args.json:
-        print(json.dumps({k: v.to_dict() for k, v in fits.items()}, indent=2))
-    else:
-        _print_fits(args, fits)
-    return 0
-
-
-def _print_fits(args, fits: dict) -> None:
-    am_head = f"MAPE>={args.amortised_min_rows}"
-    print(
-        f"{'variant':<24} {'T_probe':>8} {'BW':>7} {'turn':>6} {am_head:>10}"
-        f" {'MAPE all':>9} {'affine>=':>9} {'aff all':>8} {'n':>4}"
-    )
-    print(f"{'':<24} {'(us)':>8} {'(GB/s)':>7} {'(us)':>6}")
-    for name, r in fits.items():
-        probe = f"{r.t_probe_us:8.2f}" + ("" if r.probe_measured else "*")
-        print(
-            f"{name:<24} {probe} {r.bw_gbps:7.2f} {r.turnaround_us:6.2f} "
-            f"{100 * r.mape_amortised:9.1f}% {100 * r.mape_full:8.1f}% "
-            f"{100 * r.mape_amortised_affine:8.1f}% {100 * r.mape_full_affine:7.1f}% "
-            f"{r.n_points:4d}"
-        )
-    if any(not r.probe_measured for r in fits.values()):
-        print("* no probe record: T_probe is the intercept, turnaround not separable")
-    if args.save:
-        print(f"saved {args.save}")
 
 
 # ---- presets -----------------------------------------------------------------------------------
@@ -438,32 +429,50 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-def _choices(value: str) -> str:
-    if value not in PRIMITIVES:
-        raise argparse.ArgumentTypeError(f"expected one of {list(PRIMITIVES)}, got {value!r}")
-    return value
+def _primitives(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names or any(v not in PRIMITIVES for v in names):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated names out of {','.join(PRIMITIVES)}, got {text!r}"
+        )
+    return names
 
 
 def register(subparsers) -> None:
-    """Add ``predict``, ``crossover``, ``fit`` and ``presets`` to the ``mqnc`` command."""
+    """Add ``predict``, ``crossover`` and ``presets`` to the ``mqnc`` command."""
     _register_predict(subparsers)
     _register_crossover(subparsers)
-    _register_fit(subparsers)
-    p = subparsers.add_parser("presets", help="list model geometries and fabric profiles")
+    p = subparsers.add_parser(
+        "presets",
+        help="list model geometries and fabric profiles",
+        description="List the model geometries (published Hugging Face configs) and the "
+        "fabric profiles (the paper's Table 2) that --model and --fabric take by name.",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_presets)
 
 
 def _register_predict(subparsers) -> None:
-    p = subparsers.add_parser("predict", help="route / fetch / local decision with every term")
-    p.add_argument("--mq", type=float, default=256.0, help="routed query rows M_q (default 256)")
-    p.add_argument("--ct", type=float, default=2048.0, help="chunk tokens c_t (default 2048)")
+    p = subparsers.add_parser(
+        "predict",
+        help="route / fetch / local decision with every term",
+        description="Price route, fetch and local for one (chunk, request) with the cost "
+        "model of §4 and pick the cheapest (§5.1); every term is printed.",
+    )
+    p.add_argument(
+        "--m-q", type=positive_float, default=256.0, help="routed query rows M_q (default 256)"
+    )
+    hidden_alias(p, "--mq", "m_q", type=positive_float)
+    p.add_argument(
+        "--c-t", type=positive_float, default=2048.0, help="chunk tokens c_t (default 2048)"
+    )
+    hidden_alias(p, "--ct", "c_t", type=positive_float)
     p.add_argument(
         "--allow",
-        nargs="+",
-        type=_choices,
-        default=["route", "fetch", "local"],
-        help="primitives available (default all three)",
+        type=_primitives,
+        default=list(PRIMITIVES),
+        metavar="NAMES",
+        help="comma-separated primitives available (default route,fetch,local)",
     )
     _route_options(p)
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -471,43 +480,33 @@ def _register_predict(subparsers) -> None:
 
 
 def _register_crossover(subparsers) -> None:
-    p = subparsers.add_parser("crossover", help="write the Fig. 3(b) map and Fig. 6(a) sweep")
+    p = subparsers.add_parser(
+        "crossover",
+        help="write the Fig. 3(b) map and Fig. 6(a) sweep",
+        description="Write the M_q x c_t wire-byte map of Fig. 3(b), the same grid on total "
+        "cost, and the bandwidth sweep of Fig. 6(a), as CSV and PNG files in --out.",
+    )
     p.add_argument("--out", required=True, help="output folder for the CSV and PNG files")
-    p.add_argument("--points", type=int, default=64, help="points per axis (default 64)")
-    p.add_argument("--mq-min", type=float, default=1.0)
-    p.add_argument("--mq-max", type=float, default=8192.0)
-    p.add_argument("--ct-min", type=float, default=16.0)
-    p.add_argument("--ct-max", type=float, default=8192.0)
-    p.add_argument("--bw-min", type=float, default=0.2, help="GB/s (default 0.2)")
-    p.add_argument("--bw-max", type=float, default=1000.0, help="GB/s (default 1000)")
-    p.add_argument("--mq", type=float, default=256.0, help="M_q of the bandwidth sweep")
-    p.add_argument("--ct", type=float, default=2048.0, help="c_t of the bandwidth sweep")
+    p.add_argument("--points", type=positive_int, default=64, help="points per axis (default 64)")
+    for flag, old, default, what in (
+        ("--m-q-min", "--mq-min", 1.0, "smallest M_q"),
+        ("--m-q-max", "--mq-max", 8192.0, "largest M_q"),
+        ("--c-t-min", "--ct-min", 16.0, "smallest c_t"),
+        ("--c-t-max", "--ct-max", 8192.0, "largest c_t"),
+    ):
+        dest = flag[2:].replace("-", "_")
+        p.add_argument(flag, type=positive_float, default=default, help=f"{what} ({default:g})")
+        hidden_alias(p, old, dest, type=positive_float)
+    p.add_argument("--bw-min", type=positive_float, default=0.2, help="GB/s (default 0.2)")
+    p.add_argument("--bw-max", type=positive_float, default=1000.0, help="GB/s (default 1000)")
+    p.add_argument(
+        "--m-q", type=positive_float, default=256.0, help="M_q of the bandwidth sweep (256)"
+    )
+    hidden_alias(p, "--mq", "m_q", type=positive_float)
+    p.add_argument(
+        "--c-t", type=positive_float, default=2048.0, help="c_t of the bandwidth sweep (2048)"
+    )
+    hidden_alias(p, "--ct", "c_t", type=positive_float)
     p.add_argument("--no-png", action="store_true", help="CSV only (no matplotlib)")
     _route_options(p)
     p.set_defaults(func=_crossover)
-
-
-def _register_fit(subparsers) -> None:
-    p = subparsers.add_parser("fit", help="fit a fabric profile from a results file (§4.3)")
-    p.add_argument("results", help="JSON-lines results file (perf/results/results.jsonl)")
-    p.add_argument("--model", default="deepseek-v2-lite", help="model whose q+p the rows carry")
-    p.add_argument("--route-bench", default="route", help="bench name of round trips")
-    p.add_argument("--probe-bench", default="probe", help="bench name of 1-byte probes")
-    p.add_argument("--variant", default=None, help="fit only this route variant")
-    p.add_argument(
-        "--fit-min-rows",
-        type=int,
-        default=512,
-        help="fit slope/intercept over M_q >= this (default 512)",
-    )
-    p.add_argument(
-        "--amortised-min-rows",
-        type=int,
-        default=512,
-        help="amortised-regime MAPE threshold (default 512)",
-    )
-    p.add_argument("--save", default=None, metavar="PATH", help="write the fabric profile JSON")
-    p.add_argument("--name", default=None, help="name of the saved profile (default: variant)")
-    p.add_argument("--link-peak-gbps", type=float, default=None, help="store a link peak")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_fit)

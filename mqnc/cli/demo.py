@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from mqnc.demo import DemoConfig, run_demo
+from mqnc.demo import DemoConfig, HFDemoConfig, run_demo, run_hf_demo
 from mqnc.demo.config import TRANSPORTS
 
 __all__ = ["register"]
@@ -27,10 +27,50 @@ _INT_OPTIONS = (
 )
 
 
+# the options `mqnc demo --hf` takes (as HFDemoConfig's fields); the others are an error there
+_HF_OPTIONS = dict(
+    transport="transport",
+    force="force",
+    profile="profile",
+    out="out",
+    holders="holders",
+    replicas="replicas",
+    seed="seed",
+    steps="new_tokens",
+    kill_holder="kill_holder",
+    kill_after_step="kill_after_step",
+)
+
+
+def _hf_config(args) -> HFDemoConfig:
+    """``mqnc demo --hf KIND``'s configuration from the demo's own options where they apply."""
+    given = [
+        k
+        for k, v in vars(args).items()
+        if k in {f.name for f in dataclasses.fields(DemoConfig)}
+        and k not in _HF_OPTIONS
+        and k != "progress"
+        and v is not None
+    ]
+    if given:
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in sorted(given))
+        raise ValueError(f"--hf: {flags} apply to the MLA demo only (not to --hf)")
+    # --transport and --out have the same defaults in both demos; the others default to None
+    fields = {
+        field: getattr(args, name)
+        for name, field in _HF_OPTIONS.items()
+        if getattr(args, name, None) is not None
+    }
+    return HFDemoConfig(kind=args.hf, **fields)
+
+
 def _run(args) -> int:
-    fields = {f.name for f in dataclasses.fields(DemoConfig)}
-    cfg = DemoConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
     try:
+        if args.hf:
+            run_hf_demo(_hf_config(args))
+            return 0
+        fields = {f.name for f in dataclasses.fields(DemoConfig)}
+        cfg = DemoConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
         run_demo(cfg)
     except AssertionError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
@@ -41,7 +81,13 @@ def _run(args) -> int:
 def register(subparsers) -> None:
     d = DemoConfig()
     p = subparsers.add_parser(
-        "demo", help="agentic fan-in over a partitioned corpus: decide, execute, verify, report"
+        "demo",
+        help="agentic fan-in over a partitioned corpus: decide, execute, verify, report",
+        description="The paper's motivating workload: a corpus of chunks prefilled through a "
+        "small MLA model and partitioned over holders; sub-agents decode through it, the "
+        "predicate picks route, fetch or local per (chunk, agent), the choice is executed, "
+        "every answer is checked against an fp64 reference, and the measured cost of each "
+        "primitive is reported beside the model's prediction (demo.json and a PNG in --out).",
     )
     p.add_argument(
         "--transport",
@@ -75,4 +121,15 @@ def register(subparsers) -> None:
     )
     p.add_argument("--kill-after-step", dest="kill_after_step", type=int, default=None)
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    p.add_argument(
+        "--hf",
+        nargs="?",
+        const="deepseek_v2",
+        choices=("deepseek_v2", "deepseek_v3"),
+        default=None,
+        help="instead: a Hugging Face DeepSeek model (deepseek_v2 when no class is named) "
+        "generating with its context on the holders, checked against its own generate; takes "
+        "--transport (gloo or loopback), --force, --profile, --out, --holders, --replicas, "
+        "--seed, --steps (new tokens) and the fault drill",
+    )
     p.set_defaults(func=_run)

@@ -37,6 +37,9 @@ def collect() -> dict:
         "einops": _version("einops"),
         "transformers": _version("transformers"),
         "nvshmem4py": _version("nvshmem4py-cu13", "nvshmem4py-cu12", "nvshmem4py"),
+        "nvidia_nvshmem": _version("nvidia-nvshmem-cu13", "nvidia-nvshmem-cu12"),
+        "cuda_core": _version("cuda-core"),
+        "cuda_pathfinder": _version("cuda-pathfinder"),
         "cuda_available": torch.cuda.is_available(),
         "device": device_name(),
         "kernels": kernel_mode(),
@@ -61,7 +64,11 @@ def _run(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "env", help="print versions, device and kernel mode (for bug reports)"
+        "env",
+        help="print versions, device and kernel mode (for bug reports)",
+        description="Print the versions of Python, mqnc, torch, triton and the optional "
+        "packages, the device, and whether kernels run compiled or under Triton's "
+        "interpreter: paste it into bug reports.",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_run)

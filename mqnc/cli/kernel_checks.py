@@ -1,7 +1,8 @@
 """The checks behind ``mqnc selfcheck``: every kernel once against its fp64 reference.
 
-Small shapes, the CPU interpreter when no GPU exists (the caller chooses the kernel mode before
-importing this module); each check raises ``AssertionError`` beyond its bound from
+Small shapes, on the device that runs the kernels (:func:`mqnc.base.kernel_device`: the CPU
+interpreter when no GPU exists; the caller chooses the kernel mode before importing this
+module); each check raises ``AssertionError`` beyond its bound from
 ``mqnc.testing.TOLERANCES`` and otherwise says what it verified.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from mqnc.base.runtime import kernel_device
 from mqnc.model.rope import RopeSpec
 from mqnc.reference import (
     merge_reference,
@@ -33,6 +35,7 @@ def _check_merge(dtype):
     lse = torch.randn(M, B, H, generator=g) * 3
     lse[1, 0, :4] = float("-inf")  # empty partials
     lse[:, 1, 0] = float("inf")  # an all-empty row, as FlashMLA marks it
+    o, lse = o.to(kernel_device()), lse.to(kernel_device())
     o_ref, lse_ref = merge_reference(o, lse)
     o_out, lse_out = merge_partials(o, lse)
     s_o = assert_close(o_out, o_ref, tolerance("merge", dtype), name="o")
@@ -49,6 +52,7 @@ def _check_splice(dtype):
     pool = torch.full((L, 3, block_size, 576), float("nan"), dtype=dtype)
     slots = torch.randperm(3 * block_size, generator=g)[:ct]
     delta = torch.randint(-100_000, 100_000, (ct,), generator=g)
+    chunk, pool, slots, delta = (x.to(kernel_device()) for x in (chunk, pool, slots, delta))
     expected = rope_splice_reference(chunk, pool, slots, delta, rope)
     rope_splice(chunk, pool, slots, delta, rope)
     if not torch.equal(pool.view(L, -1, 576)[:, slots, :512], chunk[..., :512]):
@@ -67,6 +71,7 @@ def _check_mla_decode(dtype):
     table = torch.randperm(8, generator=g)[:8].view(2, 4).to(torch.int32)
     seqlens = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(B, H, 576, generator=g).to(dtype)
+    q, pool, table, seqlens = (x.to(kernel_device()) for x in (q, pool, table, seqlens))
     scale = 192**-0.5
     o, lse = mla_decode_partial(q, pool, table, seqlens, softmax_scale=scale, num_splits=2)
     o_ref, lse_ref = mla_decode_reference(q, pool, table, seqlens, scale)
@@ -84,6 +89,7 @@ def _check_mla_sparse(dtype):
     idx[:, ::5] = -1
     idx = idx.to(torch.int32)
     q = torch.randn(B, H, 576, generator=g).to(dtype)
+    q, pool, idx = (x.to(kernel_device()) for x in (q, pool, idx))
     scale = 192**-0.5
     o, lse = mla_sparse_partial(q, pool, idx, softmax_scale=scale)
     o_ref, lse_ref = mla_sparse_reference(q, pool, idx, scale)

@@ -25,5 +25,11 @@ def _run(args) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("selfcheck", help="run each kernel once against its fp64 reference")
+    p = subparsers.add_parser(
+        "selfcheck",
+        help="run each kernel once against its fp64 reference",
+        description="Run every kernel (merge, dense and sparse partial attention, splice, "
+        "query rotation) once on small inputs against its fp64 reference and say what was "
+        "verified; exit status 1 if any result exceeds its tolerance.",
+    )
     p.set_defaults(func=_run)

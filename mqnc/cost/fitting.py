@@ -1,8 +1,9 @@
 """Fitting the cost model's constants to measurements (§4.3, §6.3), and reading the records.
 
-- :func:`fit` / :func:`fit_results`: a fabric's ``(T_probe, BW, turnaround)`` from measured
+- :func:`fit` / :func:`fit_groups`: a fabric's ``(T_probe, BW, turnaround)`` from measured
   round trips against ``M_q (q + p)`` (affine least squares, MAPE as the paper reports it,
-  Table 2), from samples or from a results file;
+  Table 2), from samples or from a results file, one fit per sweep (device, transport, row
+  size, commit); :func:`newest_group` is the sweep ``mqnc fit --save`` takes by default;
 - :func:`knee_fit`: the holder's flat-then-linear compute law ``t0 + s max(0, N - N0)`` over
   ``N`` batched requesters (§6.3, Fig. 4(b));
 - :func:`fit_host`: the host software's ``fixed + per_row * M_q`` (§5.3) from calls through
@@ -27,7 +28,18 @@ import numpy as np
 
 from mqnc.cost.fabric import FabricProfile, bytes_to_us
 
-__all__ = ["FitResult", "fit", "fit_results", "fit_host", "knee_fit", "mape", "read_jsonl"]
+__all__ = [
+    "FitResult",
+    "RouteGroup",
+    "fit",
+    "fit_groups",
+    "fit_results",
+    "fit_host",
+    "knee_fit",
+    "mape",
+    "newest_group",
+    "read_jsonl",
+]
 
 
 def mape(predicted, measured) -> float:
@@ -47,6 +59,12 @@ class FitResult:
     separately (the paper's ``sig_rt``), ``t_probe_us`` is that probe and
     ``turnaround_us = intercept - probe``; without it, the intercept is the probe and the
     turnaround cannot be separated (0).
+
+    A negative ``turnaround_us`` (the intercept below the measured probe) is not a time: a
+    holder cannot answer a routed batch faster than an empty probe. It says that the round
+    trip is not affine in ``M_q`` over the fitted points (noise, or a slope that changes with
+    size) or that the probe was timed under other load; :meth:`to_fabric` stores 0 for it.
+    Without a probe a negative intercept is no ``T_probe`` either (a profile rejects it).
 
     ``mape_amortised`` / ``mape_full`` are the paper's numbers: the two-constant model
     ``T_probe + M_q (q + p) / BW`` "with its measured constants and no refit" (§4.3) over
@@ -176,6 +194,158 @@ def fit(
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class RouteGroup:
+    """One route sweep of a results file and its fit: the records of one device, transport
+    (the record's ``variant``), row size ``q + p`` and commit.
+
+    ``label`` is unique within the file: the variant, then ``@<q+p>B`` when the variant was swept
+    at several row sizes, ``/<commit>`` when it was recorded at several commits, ``/<device>``
+    when on several devices. ``date`` is the newest record's date (ISO 8601), ``order`` the
+    line of its last record (ties of ``date`` go to the later line). ``fit`` is None when the
+    sweep cannot be fitted (fewer than two sizes, a round trip that does not grow with
+    ``M_q``); ``error`` says why.
+    """
+
+    label: str
+    variant: str
+    device: str
+    commit: str
+    qp_row_bytes: int
+    date: str
+    order: int
+    fit: FitResult | None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fit's fields (if any) and the group's (label, variant, device, commit, date,
+        error)."""
+        return dict(
+            self.fit.to_dict() if self.fit is not None else {"qp_row_bytes": self.qp_row_bytes},
+            label=self.label,
+            variant=self.variant,
+            device=self.device,
+            commit=self.commit,
+            date=self.date,
+            error=self.error,
+        )
+
+
+def fit_groups(
+    results: str | os.PathLike | list[dict],
+    *,
+    qp_row_bytes: int,
+    route_bench: str = "route",
+    probe_bench: str = "probe",
+    **kwargs: Any,
+) -> list[RouteGroup]:
+    """Fit every route sweep of a results file (the long format of
+    :mod:`mqnc.measure.results`), one fit per (device, variant, row size, commit).
+
+    Records are never pooled across devices or commits: a file that several machines or
+    versions appended to holds several sweeps, and one fit over all of them describes none.
+    Expected records: ``bench == route_bench`` ("route"), ``variant`` the transport measured,
+    ``x`` = M_q, ``p50`` the round trip in us (``unit`` "us"), the row size in
+    ``extra["qp_row_bytes"]`` (default ``qp_row_bytes``, for a payload sweep, Table 1); and
+    ``bench == probe_bench`` ("probe") with ``p50`` the 1-byte round trip. A sweep's probe is
+    the median of the probe records of the same device, variant and commit; without one,
+    ``T_probe`` is the intercept (``probe_measured`` False).
+
+    Parameters
+    ----------
+    results : path or list of dict
+        The results file, or its records (:func:`read_jsonl`).
+    qp_row_bytes : int
+        Row size of records that do not carry one.
+    route_bench, probe_bench : str
+        Bench names of the round trips and the probes.
+    **kwargs
+        Passed to :func:`fit` (``fit_min_rows``, ``amortised_min_rows``).
+
+    Returns
+    -------
+    list of RouteGroup
+        Ordered by variant, row size, then date; a sweep that cannot be fitted is kept with
+        ``fit=None`` and the reason in ``error``.
+    """
+    recs = results if isinstance(results, list) else read_jsonl(results)
+    where = "the records" if isinstance(results, list) else os.fspath(results)
+    routes = [(i, r) for i, r in enumerate(recs) if r.get("bench") == route_bench]
+    if not routes:
+        benches = sorted({str(r.get("bench")) for r in recs})
+        raise ValueError(
+            f"results: no records with bench={route_bench!r} in {where}; found benches {benches}"
+        )
+    probes: dict[tuple[str, str, str], list[float]] = {}
+    for r in recs:
+        if r.get("bench") == probe_bench:
+            probes.setdefault(_sweep_key(r), []).append(float(r["p50"]))
+    groups: dict[tuple[str, str, str, int], list[tuple[int, dict]]] = {}
+    for i, r in routes:
+        if r.get("unit", "us") != "us":
+            raise ValueError(f"results: route record with unit {r.get('unit')!r}, expected 'us'")
+        qp = int((r.get("extra") or {}).get("qp_row_bytes", qp_row_bytes))
+        groups.setdefault((*_sweep_key(r), qp), []).append((i, r))
+    labels = _labels(list(groups))
+    out = []
+    for key, members in groups.items():
+        device, variant, commit, qp = key
+        pts = [(float(r["x"]), float(r["p50"])) for _, r in members]
+        try:
+            res, error = fit(pts, qp_row_bytes=qp, probe_us=probes.get(key[:3]), **kwargs), None
+        except ValueError as exc:
+            res, error = None, str(exc)
+        last = max(members, key=lambda m: (str(m[1].get("date") or ""), m[0]))
+        out.append(
+            RouteGroup(
+                label=labels[key],
+                variant=variant,
+                device=device,
+                commit=commit,
+                qp_row_bytes=qp,
+                date=str(last[1].get("date") or ""),
+                order=last[0],
+                fit=res,
+                error=error,
+            )
+        )
+    return sorted(out, key=lambda g: (g.variant, g.qp_row_bytes, g.date, g.order))
+
+
+def _sweep_key(r: dict) -> tuple[str, str, str]:
+    return (str(r.get("device")), str(r.get("variant")), str(r.get("commit")))
+
+
+def _labels(keys: list[tuple[str, str, str, int]]) -> dict[tuple[str, str, str, int], str]:
+    """Short unique names: variant, then row size, commit and device where they tell apart."""
+    out = {}
+    for key in keys:
+        device, variant, commit, qp = key
+        same = [k for k in keys if k[1] == variant]
+        label = variant
+        if len({k[3] for k in same}) > 1:
+            label += f"@{qp}B"
+        same = [k for k in same if k[3] == qp]
+        if len({k[2] for k in same}) > 1:
+            label += f"/{commit}"
+        if len([k for k in same if k[2] == commit]) > 1:
+            label += f"/{device}"
+        out[key] = label
+    return out
+
+
+def newest_group(groups: Sequence[RouteGroup], qp_row_bytes: int) -> RouteGroup:
+    """The sweep a saved profile is taken from when none is named: among the sweeps at the
+    model's own row size ``qp_row_bytes`` (all sweeps when there is none), the newest (latest
+    record date; a tie goes to the one written later in the file); sweeps without a fit are
+    passed over."""
+    fitted = [g for g in groups if g.fit is not None]
+    if not fitted:
+        raise ValueError(f"groups: expected at least one fitted route sweep, got {len(groups)}")
+    real = [g for g in fitted if g.qp_row_bytes == qp_row_bytes] or fitted
+    return max(real, key=lambda g: (g.date, g.order))
+
+
 def fit_results(
     path: str | os.PathLike,
     *,
@@ -184,41 +354,20 @@ def fit_results(
     probe_bench: str = "probe",
     **kwargs: Any,
 ) -> dict[str, FitResult]:
-    """Fit every route variant of a results file (the long format of
-    :mod:`mqnc.measure.results`).
-
-    Expected records: ``bench == route_bench`` ("route"), ``variant`` a label (the fabric or
-    transport measured), ``x`` = M_q, ``p50`` the round trip in us (``unit`` "us"); and
-    ``bench == probe_bench`` ("probe") with ``p50`` the 1-byte round trip. A probe record is
-    matched to a route variant by equal ``variant``; when the file holds probes of a single
-    variant, they serve every route variant. A row size in ``extra["qp_row_bytes"]`` overrides
-    ``qp_row_bytes`` (a payload sweep, Table 1). Returns one :class:`FitResult` per variant.
-    """
-    recs = read_jsonl(path)
-    routes = [r for r in recs if r.get("bench") == route_bench]
-    if not routes:
-        benches = sorted({str(r.get("bench")) for r in recs})
-        raise ValueError(
-            f"results: no records with bench={route_bench!r} in {path}; found benches {benches}"
-        )
-    probes: dict[str, list[float]] = {}
-    for r in recs:
-        if r.get("bench") == probe_bench:
-            probes.setdefault(str(r.get("variant")), []).append(float(r["p50"]))
-    out: dict[str, FitResult] = {}
-    groups: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    for r in routes:
-        if r.get("unit", "us") != "us":
-            raise ValueError(f"results: route record with unit {r.get('unit')!r}, expected 'us'")
-        qp = int((r.get("extra") or {}).get("qp_row_bytes", qp_row_bytes))
-        groups.setdefault((str(r.get("variant")), qp), []).append((float(r["x"]), float(r["p50"])))
-    for (variant, qp), pts in sorted(groups.items()):
-        probe = probes.get(variant)
-        if probe is None and len(probes) == 1:
-            probe = next(iter(probes.values()))
-        key = variant if sum(1 for v, _ in groups if v == variant) == 1 else f"{variant}@{qp}B"
-        out[key] = fit(pts, qp_row_bytes=qp, probe_us=probe, **kwargs)
-    return out
+    """:func:`fit_groups` as ``{label: FitResult}`` (one fit per device, variant, row size and
+    commit; the labels are the groups' short unique names); a sweep that cannot be fitted is a
+    ValueError naming it."""
+    groups = fit_groups(
+        path,
+        qp_row_bytes=qp_row_bytes,
+        route_bench=route_bench,
+        probe_bench=probe_bench,
+        **kwargs,
+    )
+    failed = [f"{g.label}: {g.error}" for g in groups if g.fit is None]
+    if failed:
+        raise ValueError(f"results: cannot fit {'; '.join(failed)}")
+    return {g.label: g.fit for g in groups}
 
 
 def fit_host(samples: Iterable[Sequence[float]]):

@@ -54,6 +54,7 @@ from mqnc.cost.terms import (
     HostOverhead,
     RouteCost,
     SpliceProfile,
+    host_of,
     is_scalar,
     t_fetch,
     t_local,
@@ -278,7 +279,11 @@ def decide(
     splice, gather : SpliceProfile, GatherProfile
         Fetch's move-the-cache costs (paper presets by default; replace with measured ones).
     host : HostOverhead or None
-        The prototype client's host overhead on route (§5.3), off by default.
+        A client's host software on route (§5.3). None (the default): the fabric's own, which
+        a profile from ``mqnc calibrate`` carries (this package's holder and requester,
+        ``host_fixed_us`` / ``host_per_row_us``) and the paper's fabrics do not (0 for them);
+        ``HostOverhead(0, 0)`` leaves it out, :data:`mqnc.cost.HOST_PAPER` prices the paper's
+        prototype client.
     tp, round_trips, shared_uplink
         See :func:`mqnc.cost.t_route`.
     allow : sequence of str
@@ -302,6 +307,7 @@ def decide(
     route, fetch, local = _terms(geometry, fabric, m_q, c_t, c_us, **options)
     costs = {"route": route.total, "fetch": fetch.total, "local": local}
     best, runner, margin, ratio = _rank(costs, allow)
+    priced = host_of(fabric) if host is None else host  # what t_route added
     inputs = dict(
         model=geometry.name,
         fabric=fabric.name,
@@ -313,7 +319,7 @@ def decide(
         tp=tp,
         round_trips=round_trips,
         congestion=dataclasses.asdict(congestion) if congestion else None,
-        host=dataclasses.asdict(host) if host else None,
+        host=dataclasses.asdict(priced) if priced else None,
         splice=splice.name,
     )
     return Decision(

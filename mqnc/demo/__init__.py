@@ -36,14 +36,17 @@ holders and the requester's transport), :mod:`~mqnc.demo.calibration` (this mach
 constants), :mod:`~mqnc.demo.step` (decide and execute one decode step),
 :mod:`~mqnc.demo.verify` (the fp64 checks), :mod:`~mqnc.demo.report` (table, JSON, PNG) and
 :mod:`~mqnc.demo.run` (all of it in order). The command is registered by :mod:`mqnc.cli.demo`.
+
+``mqnc demo --hf`` (:mod:`mqnc.demo.hf`, :func:`run_hf_demo`) runs a Hugging Face DeepSeek model
+generating over holders (:mod:`mqnc.integrations.hf`) the same way, with the same table.
 """
 
 from __future__ import annotations
 
 from mqnc.base.runtime import use_interpreter_without_cuda
-from mqnc.demo.config import DemoConfig
+from mqnc.demo.config import DemoConfig, HFDemoConfig
 
-__all__ = ["DemoConfig", "run_demo"]
+__all__ = ["DemoConfig", "HFDemoConfig", "run_demo", "run_hf_demo"]
 
 
 def run_demo(cfg: DemoConfig) -> dict:
@@ -55,5 +58,14 @@ def run_demo(cfg: DemoConfig) -> dict:
     # imported here, after the kernel mode is chosen (the kernels are compiled or interpreted
     # as they are imported), and so that ``mqnc --help`` (which reads DemoConfig) loads no torch
     from mqnc.demo.run import run
+
+    return run(cfg)
+
+
+def run_hf_demo(cfg: HFDemoConfig) -> dict:
+    """Run ``mqnc demo --hf`` (:mod:`mqnc.demo.hf`); returns the JSON-able result (also written
+    under ``cfg.out``). Raises ``AssertionError`` when the run is beyond its exactness bound."""
+    use_interpreter_without_cuda()
+    from mqnc.demo.hf import run
 
     return run(cfg)

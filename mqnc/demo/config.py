@@ -7,9 +7,10 @@ import dataclasses
 
 from mqnc.base.checks import check_int
 
-__all__ = ["DemoConfig", "TRANSPORTS", "REQUESTER", "LANES"]
+__all__ = ["DemoConfig", "HFDemoConfig", "TRANSPORTS", "HF_TRANSPORTS", "REQUESTER", "LANES"]
 
 TRANSPORTS = ("gloo", "loopback", "nvshmem")
+HF_TRANSPORTS = ("gloo", "loopback")
 REQUESTER = 0
 """The requester's rank; holders are ranks ``1..holders``."""
 LANES = 8
@@ -73,3 +74,47 @@ class DemoConfig:
     def agents(self) -> int:
         """Sub-agents in all: whole-chunk plus selection agents."""
         return self.whole_agents + self.selection_agents
+
+
+@dataclasses.dataclass
+class HFDemoConfig:
+    """``mqnc demo --hf``: everything a run depends on; the defaults take about a minute on 2
+    CPU cores (:mod:`mqnc.demo.hf`)."""
+
+    kind: str = "deepseek_v2"
+    dtype: str = "float32"
+    context_tokens: int = 512
+    chunk_tokens: int = 128
+    prompt_tokens: int = 16
+    new_tokens: int = 16
+    holders: int = 2
+    replicas: int = 1
+    offset: int | None = 64
+    transport: str = "gloo"
+    kernels: str = "triton"
+    force: str | None = None
+    profile: str | None = None
+    seed: int = 0
+    out: str = "mqnc-demo-out"
+    timeout_s: float = 300.0
+    kill_holder: int | None = None
+    kill_after_step: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("context_tokens", "chunk_tokens", "prompt_tokens", "new_tokens", "holders"):
+            check_int(name, getattr(self, name), minimum=1)
+        choices = dict(
+            kind=("deepseek_v2", "deepseek_v3"),
+            dtype=("float32", "bfloat16"),
+            transport=HF_TRANSPORTS,
+            kernels=("triton", "torch"),
+            force=(None, "route", "fetch", "local"),
+        )
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
+        check_int("replicas", self.replicas, minimum=1, below=self.holders + 1)
+        if self.kill_holder is not None and not 1 <= self.kill_holder <= self.holders:
+            raise ValueError(
+                f"kill_holder: expected a holder rank in 1..{self.holders}, got {self.kill_holder}"
+            )

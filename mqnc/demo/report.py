@@ -1,11 +1,14 @@
 """The demo's report: per primitive, measured time per cost term beside the model's
 prediction (§4) with this machine's constants, wire bytes, MAPE and the largest error; printed
-as a table and drawn as measured against predicted per call."""
+as a table and drawn as measured against predicted per call. :func:`predict_call`,
+:func:`primitive_rows`, :func:`print_table` and :func:`plot` serve both demos (``mqnc demo``
+and ``mqnc demo --hf``, :mod:`mqnc.demo.hf`)."""
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 from mqnc.cost import mape, t_local, t_pull, t_route, t_splice
@@ -15,9 +18,93 @@ from mqnc.demo.workload import Corpus
 from mqnc.model import MLAGeometry
 from mqnc.serving import CostRecord
 
-__all__ = ["Report", "print_table", "plot"]
+__all__ = ["Report", "predict_call", "primitive_rows", "print_table", "plot"]
 
 TERMS = ("probe", "transfer", "compute", "return_", "merge", "splice", "prefill")
+
+
+def predict_call(
+    rec: CostRecord,
+    geometry: MLAGeometry,
+    fabric,
+    *,
+    tokens: int,
+    compute_us_per_row_token: float,
+    c_us: float,
+    batch_work: int | None = None,
+    splice_us: float = 0.0,
+    prefill_tokens: int | None = None,
+) -> dict[str, float]:
+    """The model's terms (§4, microseconds) for one recorded call over a chunk of ``tokens``,
+    with this machine's constants: a route's holder compute over ``batch_work`` rows x tokens
+    (the batch it was answered in; default its own ``m_q x tokens``), a fetch's pull plus
+    ``splice_us``, a local re-prefill of ``prefill_tokens`` (default ``tokens``) at ``c_us``
+    per token-layer."""
+    g = geometry
+    if rec.primitive == "route":
+        work = rec.m_q * tokens if batch_work is None else batch_work
+        compute = compute_us_per_row_token * work
+        r = t_route(g, fabric, rec.m_q, t_compute_us=compute, t_merge_us=0.0)
+        return dict(
+            probe=r.probe + r.turnaround,
+            transfer=r.transfer,
+            compute=r.compute,
+            return_=r.return_,
+            total=r.total,
+        )
+    if rec.primitive == "fetch":
+        pull = t_pull(g, fabric, tokens)
+        return dict(transfer=pull, splice=splice_us, total=pull + splice_us)
+    prefill = t_local(g, tokens if prefill_tokens is None else prefill_tokens, c_us)
+    return dict(prefill=prefill, total=prefill)
+
+
+def primitive_rows(
+    records: list[CostRecord],
+    predict: Callable[[CostRecord], dict[str, float]],
+    errors: dict[str, list[float]],
+) -> dict:
+    """Per primitive (route, fetch, local) of the successful ``records``: count, wire bytes,
+    measured and predicted us per term (``predict(record) -> {term: us}``), MAPE, each call's
+    measured and predicted total, the largest error of its partials in ``errors``."""
+    rows = {}
+    for prim in ("route", "fetch", "local"):
+        recs = [r for r in records if r.primitive == prim and r.ok]
+        if recs:
+            rows[prim] = _row(prim, recs, predict, errors)
+    return rows
+
+
+def _row(prim: str, recs: list[CostRecord], predict, errors: dict) -> dict:
+    preds = [predict(r) for r in recs]
+    measured = dict(
+        transfer=sum(r.transfer_us for r in recs),
+        compute=sum(r.compute_us for r in recs),
+        return_=sum(r.return_us for r in recs),
+        merge=sum(r.merge_us for r in recs),
+        splice=sum(r.splice_us for r in recs),
+        prefill=sum(r.prefill_us for r in recs),
+        total=sum(r.total_us for r in recs),
+    )
+    if prim == "fetch":
+        measured["transfer"] = sum(r.return_us for r in recs)
+        measured["return_"] = 0.0
+    predicted = defaultdict(float)
+    for p in preds:
+        for k, v in p.items():
+            predicted[k] += v
+    return dict(
+        count=len(recs),
+        wire_bytes=sum(r.bytes_sent + r.bytes_recv for r in recs),
+        measured_us=measured,
+        predicted_us=dict(predicted),
+        mape=mape([p["total"] for p in preds], [r.total_us for r in recs]),
+        per_call=[
+            dict(measured=r.total_us, predicted=p["total"], m_q=r.m_q, chunk=r.chunk_id)
+            for r, p in zip(recs, preds, strict=True)
+        ],
+        max_abs_error=max(errors.get(prim, [0.0])),
+    )
 
 
 class Report:
@@ -41,67 +128,24 @@ class Report:
 
     def predict(self, rec: CostRecord) -> dict[str, float]:
         """The model's terms for one recorded call, with this machine's constants."""
-        g, f, cal = self.geometry, self.cal.fabric, self.cal
-        if rec.primitive == "route":
-            work = self.batch_work.get(id(rec), rec.m_q * self.corpus.lengths[rec.chunk_id])
-            compute = cal.compute_us_per_row_token * work
-            r = t_route(g, f, rec.m_q, t_compute_us=compute, t_merge_us=0.0)
-            return dict(
-                probe=r.probe + r.turnaround,
-                transfer=r.transfer,
-                compute=r.compute,
-                return_=r.return_,
-                total=r.total,
-            )
         ct = self.corpus.lengths[rec.chunk_id]
-        if rec.primitive == "fetch":
-            pull = t_pull(g, f, ct)
-            delta = self.deltas.get(id(rec), 1)
-            splice = t_splice(ct, cal.splice_profile(self.cfg)) if delta else 0.0
-            return dict(transfer=pull, splice=splice, total=pull + splice)
-        prefill = t_local(g, ct, cal.c_us)
-        return dict(prefill=prefill, total=prefill)
+        splice = 0.0
+        if rec.primitive == "fetch" and self.deltas.get(id(rec), 1):
+            splice = t_splice(ct, self.cal.splice_profile(self.cfg))
+        return predict_call(
+            rec,
+            self.geometry,
+            self.cal.fabric,
+            tokens=ct,
+            compute_us_per_row_token=self.cal.compute_us_per_row_token,
+            c_us=self.cal.c_us,
+            batch_work=self.batch_work.get(id(rec)),
+            splice_us=splice,
+        )
 
     def rows(self, costs: list[CostRecord], errors: dict[str, list[float]]) -> dict:
-        """Per primitive: count, wire bytes, measured and predicted us per term, MAPE, each
-        call's measured and predicted total, the largest error of its partials."""
-        rows = {}
-        for prim in ("route", "fetch", "local"):
-            recs = [r for r in costs if r.primitive == prim and r.ok]
-            if recs:
-                rows[prim] = self._row(prim, recs, errors)
-        return rows
-
-    def _row(self, prim: str, recs: list[CostRecord], errors: dict) -> dict:
-        preds = [self.predict(r) for r in recs]
-        measured = dict(
-            transfer=sum(r.transfer_us for r in recs),
-            compute=sum(r.compute_us for r in recs),
-            return_=sum(r.return_us for r in recs),
-            merge=sum(r.merge_us for r in recs),
-            splice=sum(r.splice_us for r in recs),
-            prefill=sum(r.prefill_us for r in recs),
-            total=sum(r.total_us for r in recs),
-        )
-        if prim == "fetch":
-            measured["transfer"] = sum(r.return_us for r in recs)
-            measured["return_"] = 0.0
-        predicted = defaultdict(float)
-        for p in preds:
-            for k, v in p.items():
-                predicted[k] += v
-        return dict(
-            count=len(recs),
-            wire_bytes=sum(r.bytes_sent + r.bytes_recv for r in recs),
-            measured_us=measured,
-            predicted_us=dict(predicted),
-            mape=mape([p["total"] for p in preds], [r.total_us for r in recs]),
-            per_call=[
-                dict(measured=r.total_us, predicted=p["total"], m_q=r.m_q, chunk=r.chunk_id)
-                for r, p in zip(recs, preds, strict=True)
-            ],
-            max_abs_error=max(errors.get(prim, [0.0])),
-        )
+        """:func:`primitive_rows` with :meth:`predict`."""
+        return primitive_rows(costs, self.predict, errors)
 
 
 def print_table(rows: dict, errors: dict, decisions: dict, fallbacks: list, cal: dict) -> None:

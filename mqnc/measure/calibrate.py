@@ -29,7 +29,7 @@ from mqnc.cost import FabricProfile, FitResult, fit, fit_host
 from mqnc.measure.echo import HDR, OP_CHUNK, EchoFabric, Unavailable
 from mqnc.measure.sweep import route_sweep
 from mqnc.measure.timing import one_intra_op_thread, time_fn, time_interleaved
-from mqnc.model.geometry import MLAGeometry, get_preset
+from mqnc.model.geometry import MLAGeometry, load_geometry
 
 HOST_M_Q = (1, 16, 256)  # route sizes of the host-overhead sweep (one token's heads, 16 tokens)
 
@@ -41,7 +41,7 @@ def calibrate(
     transport: str = "loopback",
     *,
     m_qs=(1, 16, 64, 256, 512, 1024, 2048, 4096),
-    model: str = "deepseek-v2-lite",
+    model: str | MLAGeometry = "deepseek-v2-lite",
     reps: int = 15,
     warmup: int = 3,
     fit_min_rows: int = 512,
@@ -61,8 +61,9 @@ def calibrate(
     m_qs : sequence of int
         Route batch sizes (at least two distinct; the fit uses ``M_q >= fit_min_rows`` when
         two such sizes exist, all points otherwise).
-    model : str
-        Geometry preset giving ``q + p`` (2184 B/row for DeepSeek-V2-Lite).
+    model : str or MLAGeometry
+        Geometry (a preset name, a Hugging Face ``config.json`` path, or the geometry) giving
+        ``q + p`` (2184 B/row for DeepSeek-V2-Lite).
     reps, warmup : int
         Timed and untimed repetitions per point (p50 of the timed ones is fitted).
     fit_min_rows : int
@@ -89,10 +90,10 @@ def calibrate(
     if len(m_qs) < 2 or m_qs[0] < 1:
         raise ValueError(f"m_q: expected at least two distinct sizes >= 1, got {m_qs}")
     check_int("reps", reps, minimum=1)
-    g = get_preset(model)
+    g = model if isinstance(model, MLAGeometry) else load_geometry(model)
     probe, route, bulk, host_pts = _measure(
         transport, g, m_qs, reps, warmup, bulk_tokens, results=results, progress=progress,
-        host=host, model=model,
+        host=host,
     )  # fmt: skip
     res = fit(route, qp_row_bytes=g.qp_row_bytes, probe_us=probe, fit_min_rows=fit_min_rows)
     dev = device_name()
@@ -115,7 +116,7 @@ def calibrate(
 
 
 def _measure(transport, g: MLAGeometry, m_qs, reps, warmup, bulk_tokens, *, results, progress,
-             host, model):  # fmt: skip
+             host):  # fmt: skip
     """The probe's p50, the route sweep ``[(M_q, p50)]``, the bulk pull ``(bytes, p50)`` and
     the host sweep ``[(M_q, package_p50, echo_p50)]`` (None without ``host``)."""
     one_intra_op_thread()
@@ -144,11 +145,11 @@ def _measure(transport, g: MLAGeometry, m_qs, reps, warmup, bulk_tokens, *, resu
             msg = fabric.message(OP_CHUNK, HDR, bulk_bytes)
             pb = time_fn(lambda: fabric.round_trip(1, msg), warmup=warmup, reps=reps, cuda=False)
             bulk = (bulk_bytes, pb[1])
-        host_pts = _host_sweep(fabric, g, model, reps, warmup) if host else None
+        host_pts = _host_sweep(fabric, g, reps, warmup) if host else None
     return probe[1], sweeps[g.qp_row_bytes], bulk, host_pts
 
 
-def _host_sweep(fabric: EchoFabric, g: MLAGeometry, model: str, reps: int, warmup: int):
+def _host_sweep(fabric: EchoFabric, g: MLAGeometry, reps: int, warmup: int):
     """Routes through a real holder and requester (kernel stubbed) interleaved with echo round
     trips of the same ``M_q``: ``[(M_q, package_p50, echo_p50)]``."""
     import torch
@@ -157,7 +158,7 @@ def _host_sweep(fabric: EchoFabric, g: MLAGeometry, model: str, reps: int, warmu
 
     gen = torch.Generator().manual_seed(0)
     fns = {}
-    with HolderFabric(fabric.name, max_rows=max(HOST_M_Q), model=model) as hf:
+    with HolderFabric(fabric.name, max_rows=max(HOST_M_Q), model=g) as hf:
         for m in HOST_M_Q:
             heads = min(m, g.heads)
             q = torch.randn(m // heads, heads, g.d_qk, generator=gen).to(torch.bfloat16)

@@ -17,6 +17,7 @@ a CPU).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -27,7 +28,7 @@ import torch
 
 from mqnc.base import stamps as _stamps
 from mqnc.measure.echo import exit_process
-from mqnc.model.geometry import MLAGeometry, get_preset
+from mqnc.model.geometry import MLAGeometry, load_geometry
 from mqnc.serving import ChunkInfo, Holder, Requester
 from mqnc.transport import LoopbackFabric, TorchDistTransport, free_port_store, slot_bytes_for
 
@@ -91,8 +92,8 @@ class HolderFabric:
         Largest routed ``M_q`` (sizes the slots).
     stub_kernel : bool
         Holders answer with :func:`stub_attention` instead of the kernels.
-    model : str
-        Geometry preset.
+    model : str or MLAGeometry
+        The geometry: a preset name, a Hugging Face ``config.json`` path, or the geometry.
     lanes : int
         Requests in flight per holder (threads sharing the requester, one lane each).
     timeout_s, start_timeout_s : float
@@ -118,7 +119,7 @@ class HolderFabric:
         chunk_tokens: int = 64,
         max_rows: int = 256,
         stub_kernel: bool = True,
-        model: str = "deepseek-v2-lite",
+        model: str | MLAGeometry = "deepseek-v2-lite",
         lanes: int = 2,
         timeout_s: float = 60.0,
         start_timeout_s: float = 180.0,
@@ -127,8 +128,7 @@ class HolderFabric:
         if transport not in ("loopback", "gloo"):
             raise ValueError(f"transport: expected loopback or gloo, got {transport!r}")
         self.name = transport
-        self.model = model
-        self.geometry = g = get_preset(model)
+        self.geometry = g = model if isinstance(model, MLAGeometry) else load_geometry(model)
         self.world = 1 + holders
         self.holder_ranks = list(range(1, self.world))
         self.chunks = {1 + i: r for i, r in enumerate(self.holder_ranks)}
@@ -161,7 +161,8 @@ class HolderFabric:
             cmd = [sys.executable, "-m", "mqnc.measure.holders", "serve", f"--rank={r}",
                    f"--world={self.world}", f"--port={store.port}", f"--lanes={lanes}",
                    f"--slot-bytes={self.slot_bytes}", f"--chunk={cid}", f"--tokens={tokens}",
-                   f"--model={self.model}", f"--timeout={start_timeout_s}"]  # fmt: skip
+                   f"--geometry={json.dumps(dataclasses.asdict(self.geometry))}",
+                   f"--timeout={start_timeout_s}"]  # fmt: skip
             if stub:
                 cmd.append("--stub")
             if self._stamp_dir:
@@ -229,7 +230,7 @@ def _serve(argv: list[str]) -> int:
     ap.add_argument("--slot-bytes", type=int, required=True)
     ap.add_argument("--chunk", type=int, required=True)
     ap.add_argument("--tokens", type=int, required=True)
-    ap.add_argument("--model", default="deepseek-v2-lite")
+    ap.add_argument("--geometry", required=True, help="the MLAGeometry's fields as JSON")
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--stub", action="store_true")
     ap.add_argument("--stamps", default=None, help="record stage stamps into this JSON file")
@@ -247,7 +248,7 @@ def _serve(argv: list[str]) -> int:
         idle_timeout_s=max(600.0, 4 * args.timeout),
         store_timeout_s=args.timeout,
     )
-    g = get_preset(args.model)
+    g = MLAGeometry(**json.loads(args.geometry))
     h = _make_holder(tr, g, args.chunk, args.tokens, args.stub)
     tr.barrier(args.timeout)
     if args.stamps:

@@ -1,45 +1,267 @@
-"""The command-line options the transport benchmarks (``perf/``) and ``mqnc calibrate`` share
-(torch-free: ``mqnc --help`` reads them)."""
+"""The command-line options every benchmark (``perf/bench_*.py``) takes, and the option types
+the ``mqnc`` command shares with them (torch-free: ``mqnc --help`` reads them).
+
+Every benchmark is built the same way::
+
+    ap = bench_parser(__doc__, reps=20)          # --quick --reps --warmup --out/--record --check
+    ap.add_argument("--c-t", type=int_list, ...)  # its own sweep axes: comma lists
+    args = parse_bench_args(ap, argv)            # args.out: the file this run appends to
+    ...                                          # record(..., path=args.out)
+    return finish(args, TARGETS)                 # summary; with --check, 1 on a missed target
+
+Where records go: ``--out FILE``; else ``--record``, the repository's tracked
+``perf/results/results.jsonl`` (the file the README's tables and the notebooks read: commit
+what you record there); else ``$MQNC_RESULTS``; else ``perf/results/local.jsonl`` beside it,
+which git ignores (:func:`mqnc.measure.results.output_path`). A quick smoke run therefore never
+changes the repository.
+
+Lists are comma-separated everywhere (``--m-q 1,64,1024``); a value that is not valid is an
+argparse error naming the flag (exit status 2).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
+from collections.abc import Sequence
 
-__all__ = ["TRANSPORTS", "add_transport_args", "transports_of", "ints_of"]
+from mqnc.base.env import results_file
+from mqnc.measure.results import output_path, read_new
+from mqnc.measure.targets import Target, check_targets
+from mqnc.model.geometry import MLAGeometry, load_geometry
+
+__all__ = [
+    "TRANSPORTS",
+    "positive_int",
+    "nonnegative_int",
+    "positive_float",
+    "nonnegative_float",
+    "int_list",
+    "nonnegative_int_list",
+    "transport_list",
+    "model_arg",
+    "hidden_alias",
+    "bench_parser",
+    "parse_bench_args",
+    "finish",
+]
 
 TRANSPORTS = ("loopback", "gloo", "nvshmem")
 """Transport engines by name (the echo fabric runs loopback and gloo; nvshmem on a GPU)."""
 
 
-def add_transport_args(ap: argparse.ArgumentParser, *, default_reps: int = 20) -> None:
-    """``--transport``, ``--quick``, ``--reps``, ``--warmup``, ``--model``, ``--out``."""
-    ap.add_argument(
-        "--transport",
-        default="loopback",
-        help=f"comma-separated engines out of {', '.join(TRANSPORTS)} (default loopback)",
-    )
-    ap.add_argument("--quick", action="store_true", help="a small sweep (CPU smoke run)")
-    ap.add_argument("--reps", type=int, default=default_reps, help="timed repetitions per point")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed repetitions first")
-    ap.add_argument("--model", default="deepseek-v2-lite", help="geometry preset (row sizes)")
-    ap.add_argument("--out", default=None, help="results file (default $MQNC_RESULTS or perf/)")
+# ---- option types: argparse prefixes each message with "argument --flag:" ------------------
 
 
-def transports_of(arg: str) -> list[str]:
-    """Parse ``--transport`` (comma-separated); unknown names are a ValueError naming them."""
-    names = [t.strip() for t in arg.split(",") if t.strip()]
+def _number(text: str, kind: type, minimum: float, strict: bool):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    if value < minimum or (strict and value == minimum):
+        raise argparse.ArgumentTypeError(
+            f"expected a number {'>' if strict else '>='} {minimum:g}, got {text!r}"
+        )
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1."""
+    return _number(text, int, 1, strict=False)
+
+
+def nonnegative_int(text: str) -> int:
+    """An int >= 0."""
+    return _number(text, int, 0, strict=False)
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0."""
+    return _number(text, float, 0.0, strict=True)
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite float >= 0."""
+    return _number(text, float, 0.0, strict=False)
+
+
+def _int_list(text: str, minimum: int) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < minimum:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated ints >= {minimum}, got {text!r}"
+        )
+    return values
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated ints >= 1 (``1,4,16``)."""
+    return _int_list(text, 1)
+
+
+def nonnegative_int_list(text: str) -> list[int]:
+    """Comma-separated ints >= 0 (``0,1,3``)."""
+    return _int_list(text, 0)
+
+
+def transport_list(text: str) -> list[str]:
+    """Comma-separated transport names out of :data:`TRANSPORTS`."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [t for t in names if t not in TRANSPORTS]
     if not names or bad:
-        raise ValueError(f"--transport: expected names out of {TRANSPORTS}, got {arg!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated names out of {', '.join(TRANSPORTS)}, got {text!r}"
+        )
     return names
 
 
-def ints_of(arg: str, name: str) -> list[int]:
-    """Parse a comma-separated list of positive ints (``--m-q 1,4,16``)."""
+def model_arg(text: str) -> MLAGeometry:
+    """A model preset name or a path to a Hugging Face ``config.json`` (or its folder)."""
     try:
-        vals = [int(v) for v in arg.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{name}: expected comma-separated ints, got {arg!r}") from None
-    if not vals or min(vals) < 1:
-        raise ValueError(f"{name}: expected positive ints, got {arg!r}")
-    return vals
+        return load_geometry(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("model: ")) from None
+
+
+def hidden_alias(parser: argparse.ArgumentParser, alias: str, dest: str, **kwargs) -> None:
+    """Accept ``alias`` as another spelling of the option stored in ``dest``, without listing
+    it in ``--help`` (kept so that older command lines keep working)."""
+    parser.add_argument(
+        alias, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs
+    )
+
+
+# ---- the benchmarks' flag set ------------------------------------------------------------------
+
+
+def bench_parser(
+    doc: str | None,
+    *,
+    reps: int | str,
+    warmup: int | str = 3,
+    transports: bool = False,
+    tiny: bool = False,
+) -> argparse.ArgumentParser:
+    """The parser every benchmark starts from.
+
+    Flags: ``--quick`` (a small sweep), ``--reps N`` and ``--warmup N`` (per timed point; the
+    defaults are the benchmark's, given as ``reps`` / ``warmup``: a number, or words such as
+    ``"50 on a GPU, 5 on a CPU"`` for a default the benchmark picks itself, when the parsed
+    value is None), ``--out FILE`` or ``--record`` (where records go, see the module
+    docstring), ``--check`` (exit status 1 when a record misses its target). With
+    ``transports``: ``--transport a,b`` and ``--model``. With ``tiny`` (the kernel benchmarks
+    that ``perf/gpu_check.sh --dry-run`` runs): ``--tiny``, the dry run's sizes, run by the
+    Triton kernels themselves (interpreted without a GPU); each benchmark's docstring says
+    what it cuts. The description is the first paragraph of ``doc`` (the benchmark's
+    docstring) without its reST markup.
+    """
+    ap = argparse.ArgumentParser(
+        description=_plain((doc or "").strip().split("\n\n")[0]),
+        epilog="Records go to --out FILE, else with --record to the repository's "
+        "perf/results/results.jsonl, else to $MQNC_RESULTS, else to perf/results/local.jsonl "
+        "(git-ignored).",
+    )
+    ap.add_argument("--quick", action="store_true", help="a small sweep (a CPU smoke run)")
+    ap.add_argument(
+        "--reps",
+        type=positive_int,
+        default=reps if isinstance(reps, int) else None,
+        help=f"timed repetitions per point (default {reps})",
+    )
+    ap.add_argument(
+        "--warmup",
+        type=nonnegative_int,
+        default=warmup if isinstance(warmup, int) else None,
+        help=f"untimed repetitions before them (default {warmup})",
+    )
+    where = ap.add_mutually_exclusive_group()
+    where.add_argument("--out", metavar="FILE", default=None, help="append records to FILE")
+    where.add_argument(
+        "--record",
+        action="store_true",
+        help="append to the repository's tracked perf/results/results.jsonl",
+    )
+    ap.add_argument(
+        "--check", action="store_true", help="exit with status 1 when a target is missed"
+    )
+    if transports:
+        ap.add_argument(
+            "--transport",
+            type=transport_list,
+            default=["loopback"],
+            metavar="NAMES",
+            help=f"comma-separated engines out of {', '.join(TRANSPORTS)} (loopback)",
+        )
+        ap.add_argument(
+            "--model",
+            type=model_arg,
+            default="deepseek-v2-lite",
+            metavar="NAME|CONFIG",
+            help="model preset or Hugging Face config.json giving the row sizes (deepseek-v2-lite)",
+        )
+    if tiny:
+        ap.add_argument(
+            "--tiny",
+            action="store_true",
+            help="the dry run's sizes (perf/gpu_check.sh --dry-run), run by the Triton kernels "
+            "(interpreted without a GPU)",
+        )
+    return ap
+
+
+def _plain(text: str) -> str:
+    """reST to plain text for ``--help``: roles (:mod:`a.b`, :func:`~a.b`) become their target's
+    name, literals lose their backquotes, lines are joined."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", lambda m: m.group(1), text)
+    return " ".join(text.replace("``", "").split())
+
+
+def parse_bench_args(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None = None
+) -> argparse.Namespace:
+    """Parse ``argv``; ``args.out`` becomes the results file this run appends to (a str),
+    ``args.results_lines`` the number of lines it held before (so that :func:`finish` reads
+    back exactly this run's records) and ``args.results_note`` what :func:`finish` says of it."""
+    args = parser.parse_args(argv)
+    try:
+        out = output_path(args.out, record=args.record)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.record:
+        args.results_note = " (the repository's tracked results: commit them with the change)"
+    elif args.out is None and results_file() is None:
+        args.results_note = " (git-ignored; --record appends to perf/results/results.jsonl)"
+    else:
+        args.results_note = ""
+    args.out = os.fspath(out)
+    args.results_lines = _lines(out)
+    return args
+
+
+def _lines(path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def finish(args: argparse.Namespace, targets: Sequence[Target] = ()) -> int:
+    """Say where this run's records went and how they compare with ``targets``; the exit
+    status: 1 when ``--check`` was given and a record missed its target, else 0."""
+    recs = read_new(args.out, args.results_lines)
+    print(f"{len(recs)} records appended to {args.out}{args.results_note}")
+    verdicts = check_targets(recs, targets)
+    for line in verdicts.lines:
+        print(line)
+    if verdicts.checked and not verdicts.missed:
+        print("targets met")
+    if verdicts.missed:
+        print("TARGETS MISSED" + ("" if args.check else " (exit status 0: --check makes it 1)"))
+    return 1 if (args.check and verdicts.missed) else 0

@@ -11,10 +11,15 @@ GB/s), ``device`` the device name (``torch.cuda.get_device_name`` or the CPU mod
 ``backend`` what ran (``triton``, ``torch-reference``, ``interpreter``). Plots and ``mqnc fit``
 read this file, never typed numbers.
 
-Where the file is (:func:`results_path`): the path given, else ``$MQNC_RESULTS``, else
-``perf/results/results.jsonl`` in the nearest folder at or above the working directory that has
-one (the repository root when a benchmark runs as ``python -m perf.bench_x`` there, or a
-notebook runs in ``notebooks/``).
+Two files, found from the repository root (the nearest folder at or above the working
+directory that has ``perf/results/results.jsonl``: the root when a benchmark runs as
+``python -m perf.bench_x`` there, or a notebook runs in ``notebooks/``):
+
+- ``perf/results/results.jsonl``, tracked: the records the README's tables and the notebooks
+  read (:func:`results_path`: the path given, else ``$MQNC_RESULTS``, else this file);
+- ``perf/results/local.jsonl``, git-ignored: where records go by default
+  (:func:`output_path`: the path given, else the tracked file when asked to ``record``, else
+  ``$MQNC_RESULTS``, else this file), so that running a benchmark never changes the repository.
 
 torch-free at import (the device name is asked for when a record is written), so the figures
 read records without loading torch.
@@ -29,27 +34,67 @@ import subprocess
 from pathlib import Path
 
 from mqnc import __version__
-from mqnc.base.env import results_file
+from mqnc.base.env import commit, results_file
 from mqnc.base.runtime import device_name
 from mqnc.cost.fitting import read_jsonl
 
-__all__ = ["results_path", "git_commit", "record", "read_results"]
+__all__ = [
+    "REPO_RESULTS",
+    "LOCAL_RESULTS",
+    "results_path",
+    "output_path",
+    "git_commit",
+    "record",
+    "read_results",
+    "read_new",
+]
+
+REPO_RESULTS = Path("perf") / "results" / "results.jsonl"
+"""The tracked results file, relative to the repository root."""
+LOCAL_RESULTS = Path("perf") / "results" / "local.jsonl"
+"""The git-ignored default output of the benchmarks, relative to the repository root."""
+
+
+def _repository() -> Path | None:
+    """The nearest folder at or above the working directory that has :data:`REPO_RESULTS`."""
+    here = Path.cwd().resolve()
+    for folder in (here, *here.parents):
+        if (folder / REPO_RESULTS).exists():
+            return folder
+    return None
 
 
 def results_path(path: str | os.PathLike | None = None) -> Path:
-    """The results file: ``path``, else ``$MQNC_RESULTS``, else ``perf/results/results.jsonl``
-    in the nearest folder at or above the working directory that has one, else that path
-    relative to the working directory."""
+    """The results file to read: ``path``, else ``$MQNC_RESULTS``, else the repository's
+    tracked ``perf/results/results.jsonl``, else that path relative to the working directory."""
     if path is None:
         path = results_file()
     if path is not None:
         return Path(path)
-    rel = Path("perf") / "results" / "results.jsonl"
-    here = Path.cwd().resolve()
-    for folder in (here, *here.parents):
-        if (folder / rel).exists():
-            return folder / rel
-    return here / rel
+    return (_repository() or Path.cwd().resolve()) / REPO_RESULTS
+
+
+def output_path(path: str | os.PathLike | None = None, *, record: bool = False) -> Path:
+    """The results file to append to: ``path``; else with ``record`` the repository's tracked
+    ``perf/results/results.jsonl`` (a ValueError outside a checkout); else ``$MQNC_RESULTS``;
+    else the git-ignored ``perf/results/local.jsonl`` beside it (under the working directory
+    outside a checkout)."""
+    if path is not None:
+        if record:
+            raise ValueError("--out and --record: expected at most one of them")
+        return Path(path)
+    root = _repository()
+    if record:
+        if root is None:
+            raise ValueError(
+                f"--record: no {REPO_RESULTS} at or above {Path.cwd()}; run from the repository "
+                "or pass --out FILE"
+            )
+        return root / REPO_RESULTS
+    env = results_file()
+    if env is not None:
+        return Path(env)
+    return (root or Path.cwd().resolve()) / LOCAL_RESULTS
 
 
 def read_results(path: str | os.PathLike | None = None) -> list[dict]:
@@ -62,7 +107,12 @@ def read_results(path: str | os.PathLike | None = None) -> list[dict]:
 
 
 def git_commit() -> str:
-    """The short commit of the checkout holding this package (``"unknown"`` outside one)."""
+    """The commit a record carries: ``$MQNC_COMMIT`` when set (a copy without ``.git``, e.g.
+    the lent GPU machine's: ``perf/gpu_check.sh`` sets it), else the short commit of the checkout
+    holding this package, else ``"unknown"``."""
+    given = commit()
+    if given:
+        return given
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"],
@@ -73,6 +123,15 @@ def git_commit() -> str:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def read_new(path: str | os.PathLike, skip_lines: int) -> list[dict]:
+    """The records of ``path`` after its first ``skip_lines`` lines (what one run appended);
+    ``[]`` when the file does not exist."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines()[skip_lines:] if line.strip()]
 
 
 def record(
@@ -89,7 +148,8 @@ def record(
     extra: dict | None = None,
     path: str | os.PathLike | None = None,
 ) -> dict:
-    """Append one record to the results file (:func:`results_path`)."""
+    """Append one record to ``path`` (default :func:`output_path`: ``$MQNC_RESULTS`` or the
+    git-ignored ``perf/results/local.jsonl``)."""
     p20, p50, p80 = percentiles
     gbps = None
     if nbytes is not None and unit == "us" and p50 > 0:
@@ -113,7 +173,7 @@ def record(
         date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         extra=extra or {},
     )
-    out = results_path(path)
+    out = output_path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as f:
         f.write(json.dumps(rec) + "\n")

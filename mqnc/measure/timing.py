@@ -1,17 +1,45 @@
 """Timing: percentiles of repeated calls, on the GPU's clock or the host's (§4.3's protocol:
-warm-up first, p20/p50/p80 of the timed repetitions)."""
+warm-up first, p20/p50/p80 of the timed repetitions).
+
+Two timers, for two kinds of work:
+
+- :func:`time_kernel` times GPU kernels as the GPU runs them: the calls (one per input set,
+  the sets rotated so that one pass over them is at least twice the L2, see
+  :func:`input_sets`) are captured once in a CUDA graph and the graph is replayed between
+  CUDA events, so the time per call is device time with no Python in it and no input left in
+  L2 by the previous call; the host cost of one call (what the Python launcher takes to
+  return) is measured separately. If capture fails it falls back to
+  ``triton.testing.do_bench`` (events around each call, L2 flushed before each). Off a GPU it
+  times the calls on the host clock. Each result says how it was timed (:class:`Timed.how`,
+  recorded as ``extra.timing``).
+- :func:`time_fn` / :func:`time_interleaved` time host-side work (transport round trips).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from mqnc.base.checks import check_int
 
-__all__ = ["time_fn", "time_interleaved", "interleaved_samples", "one_intra_op_thread"]
+__all__ = [
+    "time_fn",
+    "time_interleaved",
+    "interleaved_samples",
+    "time_kernel",
+    "Timed",
+    "input_sets",
+    "l2_bytes",
+    "one_intra_op_thread",
+]
+
+MAX_INPUT_SETS = 64
+"""At most this many rotated input sets (a working set of a few KB is not worth more)."""
 
 
 def time_fn(
@@ -51,6 +79,171 @@ def time_fn(
             samples.append((time.perf_counter_ns() - t0) / 1e3)
     p20, p50, p80 = np.percentile(np.asarray(samples), [20, 50, 80])
     return float(p20), float(p50), float(p80)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timed:
+    """Percentiles of one timed quantity (microseconds per call) and how it was timed.
+
+    ``how`` (recorded as ``extra.timing``): ``method`` (``"cuda-graph"``, ``"do_bench"`` or
+    ``"host-clock"``), ``input_sets`` (the rotated sets), ``working_set_bytes``, ``l2_bytes``,
+    ``host_us`` (p50 host time of one call until it returns: the launch cost), ``samples``,
+    ``calls_per_sample``, and the caller's facts (e.g. ``checks: "off"``)."""
+
+    p20: float
+    p50: float
+    p80: float
+    how: dict
+
+    @property
+    def percentiles(self) -> tuple[float, float, float]:
+        return (self.p20, self.p50, self.p80)
+
+
+def l2_bytes(device: torch.device | str | None = None) -> int:
+    """The L2 cache of a CUDA ``device`` in bytes (60 MB on an H200); 0 off a GPU."""
+    device = torch.device("cuda" if device is None else device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.get_device_properties(device).L2_cache_size)
+
+
+def input_sets(working_set_bytes: int, l2: int, *, factor: float = 2.0) -> int:
+    """How many input sets a kernel benchmark rotates through: enough that one pass over them
+    moves ``factor`` times the L2 (``l2`` bytes; 0 off a GPU: one set), so that no call finds
+    its inputs left in L2 by an earlier one; at most :data:`MAX_INPUT_SETS`."""
+    check_int("working_set_bytes", working_set_bytes, minimum=1)
+    if l2 <= 0:
+        return 1
+    return max(1, min(MAX_INPUT_SETS, math.ceil(factor * l2 / working_set_bytes)))
+
+
+def _pct(samples) -> tuple[float, float, float]:
+    p20, p50, p80 = np.percentile(np.asarray(samples, dtype=float), [20, 50, 80])
+    return float(p20), float(p50), float(p80)
+
+
+def _host_us(calls: Sequence[Callable[[], object]], n: int, cuda: bool) -> tuple:
+    """Host time of each call until it returns (the device idle before each): launch cost."""
+    samples = []
+    for i in range(n):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        calls[i % len(calls)]()
+        samples.append((time.perf_counter_ns() - t0) / 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+    return _pct(samples)
+
+
+def _graph_us(calls: Sequence[Callable[[], object]], reps: int, warmup: int) -> list[float]:
+    """Device microseconds per call: all calls captured in one CUDA graph, replays timed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # first calls off the capture (allocator, lazy init)
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return samples
+
+
+def _do_bench_us(calls: Sequence[Callable[[], object]], reps: int) -> tuple:
+    import triton.testing
+
+    n = [0]
+
+    def one():
+        calls[n[0] % len(calls)]()
+        n[0] += 1
+
+    ms = triton.testing.do_bench(one, warmup=10, rep=max(reps, 20), quantiles=[0.2, 0.5, 0.8])
+    return tuple(float(x) * 1e3 for x in ms)
+
+
+def time_kernel(
+    calls: Sequence[Callable[[], object]],
+    *,
+    working_set_bytes: int | None = None,
+    warmup: int = 3,
+    reps: int = 20,
+    cuda: bool | None = None,
+    graph: bool = True,
+    **facts,
+) -> Timed:
+    """Time GPU kernel calls as the GPU runs them (module docstring): microseconds per call.
+
+    Parameters
+    ----------
+    calls : sequence of callables
+        The same call over each rotated input set (:func:`input_sets` of them); each must be
+        capturable in a CUDA graph on a GPU: no host syncs (pass ``check_inputs=False`` and the
+        like), no host reads of device values.
+    working_set_bytes : int or None
+        Bytes one call moves (recorded).
+    warmup, reps : int
+        Untimed and timed graph replays (or host-clock calls off a GPU).
+    cuda : bool or None
+        Default: whether a CUDA device exists.
+    graph : bool
+        Capture and replay a CUDA graph (False: ``do_bench`` at once, for calls known not to
+        be capturable, e.g. ones that copy host data to the device).
+    **facts
+        Recorded in :attr:`Timed.how` as given (e.g. ``checks="off"``).
+    """
+    if not calls:
+        raise ValueError("calls: expected at least one callable")
+    check_int("reps", reps, minimum=1)
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    how: dict = {
+        "input_sets": len(calls),
+        "working_set_bytes": working_set_bytes,
+        "l2_bytes": l2_bytes() if cuda else 0,
+        **facts,
+    }
+    if not cuda:
+        for i in range(warmup):
+            calls[i % len(calls)]()
+        samples = []
+        for i in range(reps):
+            t0 = time.perf_counter_ns()
+            calls[i % len(calls)]()
+            samples.append((time.perf_counter_ns() - t0) / 1e3)
+        pct = _pct(samples)
+        how.update(method="host-clock", samples=reps, calls_per_sample=1, host_us=pct[1])
+        return Timed(*pct, how=how)
+    for call in calls:  # compile / load, outside every timed region
+        call()
+    torch.cuda.synchronize()
+    how["host_us"] = _host_us(calls, max(reps, len(calls)), cuda)[1]
+    if graph:
+        try:
+            pct = _pct(_graph_us(calls, reps, warmup))
+            how.update(method="cuda-graph", samples=reps, calls_per_sample=len(calls))
+            return Timed(*pct, how=how)
+        except Exception as exc:  # noqa: BLE001 - not capturable after all: do_bench instead
+            torch.cuda.synchronize()
+            how["graph_error"] = repr(exc)[:200]
+    pct = _do_bench_us(calls, reps)
+    how.update(method="do_bench", l2="flushed before each call")
+    return Timed(*pct, how=how)
 
 
 def time_interleaved(fns: dict, *, warmup: int = 3, reps: int = 20, progress=None) -> dict:

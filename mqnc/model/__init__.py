@@ -13,7 +13,14 @@ use), so that ``import mqnc.model.geometry`` loads no torch.
 """
 
 from mqnc.base.lazy import lazy_exports
-from mqnc.model.geometry import PRESET_CONFIGS, PRESETS, MLAGeometry, get_preset, hf_config_dict
+from mqnc.model.geometry import (
+    PRESET_CONFIGS,
+    PRESETS,
+    MLAGeometry,
+    get_preset,
+    hf_config_dict,
+    load_geometry,
+)
 from mqnc.model.rope import (
     LAYOUTS,
     ROPE_PRESET_CONFIGS,
@@ -43,6 +50,7 @@ __all__ = [
     "PRESETS",
     "PRESET_CONFIGS",
     "get_preset",
+    "load_geometry",
     "hf_config_dict",
     "RopeSpec",
     "YarnScaling",

@@ -22,12 +22,21 @@ published config at the time of writing.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from mqnc.base.checks import check_int
 
-__all__ = ["MLAGeometry", "PRESETS", "PRESET_CONFIGS", "get_preset", "hf_config_dict"]
+__all__ = [
+    "MLAGeometry",
+    "PRESETS",
+    "PRESET_CONFIGS",
+    "get_preset",
+    "hf_config_dict",
+    "load_geometry",
+]
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 
@@ -300,3 +309,30 @@ def get_preset(name: str) -> MLAGeometry:
         raise ValueError(
             f"model: unknown preset {name!r}; expected one of {sorted(PRESETS)}"
         ) from None
+
+
+def load_geometry(model: str | os.PathLike) -> MLAGeometry:
+    """A preset by name, or the geometry of a Hugging Face ``config.json`` (a path to the file,
+    or to a folder holding one): what every ``--model`` option of the CLI and the benchmarks
+    takes. A string that is neither a preset nor an existing path is a ValueError listing the
+    presets."""
+    name = os.fspath(model)
+    if name in PRESETS:
+        return PRESETS[name]
+    path = os.path.join(name, "config.json") if os.path.isdir(name) else name
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"model: expected a preset out of {sorted(PRESETS)} or a path to a Hugging Face "
+            f"config.json, got {name!r}"
+        )
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"model: cannot read {path!r} as a JSON config ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"model: expected a JSON object in {path!r}, got {type(config).__name__}")
+    try:
+        return MLAGeometry.from_hf_config(config, name=config.get("_name_or_path") or path)
+    except ValueError as exc:
+        raise ValueError(f"model: {path!r}: {exc}") from None

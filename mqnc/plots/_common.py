@@ -36,7 +36,8 @@ COMMANDS = {
     "splice": "python -m perf.bench_splice",
     "predicate": "python -m perf.bench_predicate",
 }
-"""The command that appends each bench's records to the results file."""
+"""The command that writes each bench's records (by default to the git-ignored
+``perf/results/local.jsonl``; figures read it with ``MQNC_RESULTS=perf/results/local.jsonl``)."""
 
 TRANSPORT_BENCHES = ("route", "probe", "route_fanout", "fetch", "holder", "congestion")
 """Benches drawn by the figure functions; everything else is a kernel benchmark."""
@@ -48,7 +49,8 @@ class MissingData(LookupError):
     """No records to draw a figure from; ``command`` is what produces them."""
 
     def __init__(self, message: str, command: str | None = None):
-        super().__init__(message + (f" (run `{command}`)" if command else ""))
+        hint = f" (run `{command}`; read its records with MQNC_RESULTS=perf/results/local.jsonl)"
+        super().__init__(message + (hint if command else ""))
         self.command = command
 
 

@@ -1,17 +1,20 @@
 """The holder's dispatcher batching (§6.3): every waiting route request, one kernel call per
 (layer, heads, dense or selection) group.
 
-Dense rows of different chunks batch together through :func:`mla_decode_partial` with one
-block-table row per query token; selection rows through :func:`mla_sparse_partial` with their
-chunk-local indices mapped to pool slots. Each group's partial is cut back into its requests
-and answered as one collapsed ``(o, m, l)`` reply each (§5.3).
+Dense rows of different chunks batch together through ``mla_decode_partial`` with one
+block-table row per query token; selection rows through ``mla_sparse_partial`` with their
+chunk-local indices mapped to pool slots; both are the pool's kernel ops
+(:func:`mqnc.serving.compute.kernel_ops`: the Triton kernels or their fp64 references). Each
+group's partial is cut back into its requests and answered as one collapsed ``(o, m, l)`` reply
+each (§5.3).
 
 Host work per call (issue 14): a group's block table and lengths are built once with numpy and
 cached by the group's (chunk, batch) make-up (a decode loop asks for the same tables every
-step); the kernels are called with ``check_inputs=False`` (the holder built and checked the
-tables); ``(o, lse) -> (o, m, l)`` is numpy on the host. The kernels are attributes
-(:attr:`RouteBatcher.dense_kernel`, :attr:`RouteBatcher.sparse_kernel`) so that a benchmark can
-stub them and time the software alone.
+step); the kernels are called with ``check_inputs=False`` / ``check_indices=False`` (the holder
+built the tables and range-checked the selections on receipt); ``(o, lse) -> (o, m, l)`` is
+numpy on the host. The kernels are attributes (:attr:`RouteBatcher.dense_kernel`,
+:attr:`RouteBatcher.sparse_kernel`: the pool's ops unless set) so that a benchmark can stub
+them and time the software alone.
 
 Numbers are never dropped (issue 15): a row that attended at least one entry but whose ``lse``
 is not finite (an overflow, a NaN input) is answered with a NaN ``lse`` (``m = NaN``, ``l =
@@ -33,8 +36,6 @@ from mqnc.base import stamps
 from mqnc.model.geometry import MLAGeometry
 from mqnc.serving.pool import PagedPool
 from mqnc.transport import wire
-from mqnc.triton_kernels.mla_decode import mla_decode_partial
-from mqnc.triton_kernels.mla_sparse import mla_sparse_partial
 
 _TABLE_CACHE = 256  # cached block tables (group make-ups) before the cache is cleared
 
@@ -103,14 +104,35 @@ class RouteBatcher:
         self.softmax_scale = softmax_scale
         self.stats = stats
         self.crc = crc
-        self.dense_kernel = mla_decode_partial
-        self.sparse_kernel = mla_sparse_partial
+        self._dense_kernel: Callable | None = None
+        self._sparse_kernel: Callable | None = None
         self._reply = reply
         self._error = error
         self._name = name
         self._tables: dict[tuple, tuple] = {}
         self._layers = list(pool.kv.unbind(0))  # one view per layer, taken once
         self._slots: dict[int, np.ndarray] = {}
+
+    @property
+    def dense_kernel(self) -> Callable:
+        """The dense partial-attention call: the pool's ``mla_decode_partial`` (read at each
+        call, so that a changed ``pool.ops`` is seen) unless one was set (a benchmark's
+        stub)."""
+        return self._dense_kernel or self.pool.ops.mla_decode_partial
+
+    @dense_kernel.setter
+    def dense_kernel(self, fn: Callable | None) -> None:
+        self._dense_kernel = fn
+
+    @property
+    def sparse_kernel(self) -> Callable:
+        """The selection partial-attention call: the pool's ``mla_sparse_partial`` unless one
+        was set."""
+        return self._sparse_kernel or self.pool.ops.mla_sparse_partial
+
+    @sparse_kernel.setter
+    def sparse_kernel(self, fn: Callable | None) -> None:
+        self._sparse_kernel = fn
 
     def answer(self, routes: list[RouteJob]) -> None:
         """One kernel call per group of ``routes``; a failed call fails its group only."""
@@ -239,6 +261,7 @@ class RouteBatcher:
             torch.from_numpy(idx).to(self.pool.device),
             softmax_scale=self.softmax_scale,
             d_v=self.geometry.d_v,
+            check_indices=False,
         )
         return out, keyed
 

@@ -44,8 +44,10 @@ import torch
 
 from mqnc.base import stamps
 from mqnc.base.checks import check_int
+from mqnc.base.runtime import kernel_device
 from mqnc.model.geometry import MLAGeometry
 from mqnc.serving.batching import HostedChunk, RouteBatcher, RouteJob
+from mqnc.serving.compute import check_kernels
 from mqnc.serving.pool import PagedPool
 from mqnc.serving.records import BoundedList, RecentCounts
 from mqnc.transport import wire
@@ -105,6 +107,8 @@ class _StagingPool:
             return contextlib.nullcontext(None)
         s = self._streams[self._next % self.k]
         self._next += 1
+        # The pool is written on the producer's (current) stream: gather only after it.
+        s.wait_stream(torch.cuda.current_stream(s.device))
         return torch.cuda.stream(s)
 
 
@@ -125,8 +129,9 @@ class Holder:
         Tokens per block (64; a power of two >= 16).
     dtype : torch.dtype
         Cache dtype (bf16; fp16 / fp32 accepted). Routed rows must arrive in this dtype.
-    device : torch.device or str
-        Where the pool lives and the kernels run.
+    device : torch.device or str or None
+        Where the pool lives and the kernels run; None: :func:`mqnc.base.kernel_device` (the
+        GPU when the kernels are compiled and CUDA exists, else the CPU).
     streams : int
         ``K``, the staging stream pool of fetch replies on a GPU (8 is the paper's elbow).
     batch_window_s : float
@@ -142,6 +147,9 @@ class Holder:
     shutdown_from : collection of int or None
         Ranks whose ``SHUTDOWN`` stops the holder (default rank 0, the launcher's rank in
         every runner here); None lets any rank stop it.
+    kernels : {"triton", "torch"}
+        Partial attention by the Triton kernels or their torch references
+        (:mod:`mqnc.serving.compute`).
     """
 
     def __init__(
@@ -153,13 +161,14 @@ class Holder:
         num_blocks: int,
         block_size: int = 64,
         dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         streams: int = 8,
         batch_window_s: float = 0.0,
         poll_s: float = 0.05,
         max_rows: int | None = None,
         max_topk: int | None = None,
         shutdown_from: Collection[int] | None = (0,),
+        kernels: str = "triton",
     ) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport: expected a Transport, got {type(transport).__name__}")
@@ -172,11 +181,18 @@ class Holder:
         self.softmax_scale = float(softmax_scale)
         self.block_size = block_size
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = kernel_device() if device is None else torch.device(device)
         self.batch_window_s = float(batch_window_s)
         self.poll_s = float(poll_s)
+        self.kernels = check_kernels(kernels)
         self.pages = PagedPool(
-            geometry.layers, num_blocks, block_size, geometry.d_qk, dtype=dtype, device=device
+            geometry.layers,
+            num_blocks,
+            block_size,
+            geometry.d_qk,
+            dtype=dtype,
+            device=self.device,
+            kernels=kernels,
         )
         self.pool = self.pages.kv
         self.chunks: dict[int, HostedChunk] = {}

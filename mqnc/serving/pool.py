@@ -12,10 +12,8 @@ from __future__ import annotations
 import torch
 
 from mqnc.base.checks import check_int
+from mqnc.serving.compute import kernel_ops
 from mqnc.serving.records import ChunkInfo, LocalChunk
-from mqnc.triton_kernels.mla_decode import mla_decode_partial
-from mqnc.triton_kernels.mla_sparse import mla_sparse_partial
-from mqnc.triton_kernels.splice import rope_splice
 
 __all__ = ["PagedPool", "LocalChunks", "flag_dropped"]
 
@@ -29,6 +27,9 @@ class PagedPool:
         ``L``, capacity in blocks, tokens per block (a power of two >= 16), ``d_qk``.
     dtype : torch.dtype
     device : torch.device or str
+    kernels : {"triton", "torch"}
+        Splice and partial attention by the Triton kernels or their torch references
+        (:mod:`mqnc.serving.compute`).
 
     Attributes
     ----------
@@ -45,6 +46,7 @@ class PagedPool:
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        kernels: str = "triton",
     ) -> None:
         check_int("num_blocks", num_blocks, minimum=1)
         if check_int("block_size", block_size, minimum=16) & (block_size - 1):
@@ -52,6 +54,7 @@ class PagedPool:
         self.block_size = block_size
         self.width = width
         self.device = torch.device(device)
+        self.ops = kernel_ops(kernels)
         self.kv = torch.zeros(layers, num_blocks, block_size, width, dtype=dtype, device=device)
         self._free = list(range(num_blocks))
 
@@ -93,7 +96,7 @@ class PagedPool:
         if rope is None:
             raise ValueError("rope: splicing at a new offset needs rope= (a RopeSpec)")
         slots = self.slots(blocks, kv.shape[1])
-        rope_splice(kv.to(self.device).contiguous(), self.kv, slots, int(delta), rope)
+        self.ops.rope_splice(kv.to(self.device).contiguous(), self.kv, slots, int(delta), rope)
 
     def gather(self, blocks: torch.Tensor, tokens: int, layers: tuple[int, int]) -> torch.Tensor:
         """A chunk's entries ``[hi - lo, tokens, width]`` of layers ``[lo, hi)``."""
@@ -136,13 +139,13 @@ class PagedPool:
         if indices is None:
             table = blocks.to(self.device)[None].expand(B, -1).contiguous()
             lens = torch.full((B,), tokens, dtype=torch.int32, device=self.device)
-            o, lse = mla_decode_partial(
+            o, lse = self.ops.mla_decode_partial(
                 q, self.kv[layer], table, lens, softmax_scale=softmax_scale, d_v=d_v
             )
             keyed = torch.full((B,), tokens > 0, device=lse.device)
         else:
             idx = self.pool_indices(indices, blocks, tokens).to(torch.int32)
-            o, lse = mla_sparse_partial(
+            o, lse = self.ops.mla_sparse_partial(
                 q, self.kv[layer], idx, softmax_scale=softmax_scale, d_v=d_v
             )
             keyed = (idx >= 0).any(dim=1).to(lse.device)

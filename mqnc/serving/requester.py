@@ -37,9 +37,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from mqnc.base import stamps
+from mqnc.base.runtime import kernel_device, synchronize
 from mqnc.model.geometry import MLAGeometry
 from mqnc.serving import policy
 from mqnc.serving.client import Pending, RemoteError, RequestClient, us_since
+from mqnc.serving.compute import check_kernels, kernel_ops
 from mqnc.serving.pool import LocalChunks, PagedPool
 from mqnc.serving.records import (
     BoundedList,
@@ -52,7 +54,6 @@ from mqnc.serving.records import (
 from mqnc.serving.route import check_query, route_reply, route_request
 from mqnc.transport import wire
 from mqnc.transport.protocol import Transport
-from mqnc.triton_kernels.merge import merge_partials
 
 __all__ = ["Requester"]
 
@@ -83,7 +84,9 @@ class Requester:
     block_size : int
     dtype : torch.dtype
         Query and cache dtype (bf16).
-    device : torch.device or str
+    device : torch.device or str or None
+        Where queries, partials and the pool live; None: :func:`mqnc.base.kernel_device` (the
+        GPU when the kernels are compiled and CUDA exists, else the CPU).
     model : callable or None
         ``model(chunk_id, offset) -> kv [L, c_t, d_qk]``: re-prefills a chunk at ``offset``
         (what :meth:`local` runs).
@@ -92,6 +95,9 @@ class Requester:
     max_records : int
         :attr:`costs` keeps (at least) the last ``max_records`` cost records and at most
         twice that (a long-running requester's memory stays bounded).
+    kernels : {"triton", "torch"}
+        Merge, query rotation, splice and attention over the pool by the Triton kernels or
+        their torch references (:mod:`mqnc.serving.compute`).
     """
 
     def __init__(
@@ -105,10 +111,11 @@ class Requester:
         pool_blocks: int = 0,
         block_size: int = 64,
         dtype: torch.dtype = torch.bfloat16,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         model: Callable[[int, int], torch.Tensor] | None = None,
         suspect_s: float = 30.0,
         max_records: int = 100_000,
+        kernels: str = "triton",
     ) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport: expected a Transport, got {type(transport).__name__}")
@@ -122,15 +129,23 @@ class Requester:
         self.rope = rope
         self.client = RequestClient(transport, geometry, float(timeout_s))
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = kernel_device() if device is None else torch.device(device)
         self.model = model
+        self.kernels = check_kernels(kernels)
+        self.ops = kernel_ops(kernels)
         self.suspects = policy.Suspects(suspect_s)
         self.directory: dict[int, ChunkInfo] = {}
         self.costs: list[CostRecord] = BoundedList(max_records)
         self.last_probe_us: dict[int, float] = {}
         self.kept = LocalChunks(
             PagedPool(
-                geometry.layers, pool_blocks, block_size, geometry.d_qk, dtype=dtype, device=device
+                geometry.layers,
+                pool_blocks,
+                block_size,
+                geometry.d_qk,
+                dtype=dtype,
+                device=self.device,
+                kernels=kernels,
             )
             if pool_blocks
             else None
@@ -218,11 +233,11 @@ class Requester:
     def _prepare_route(self, chunk_id, q, layer, offset, indices, peer):
         """The checked route of ``q``: ``(peer, make, record, (B, H))``."""
         info = self.lookup(chunk_id)
-        q = check_query(q, self.geometry, self.dtype)
+        q = check_query(q, self.geometry, self.dtype).to(self.device)  # rotated on this device
         peer = info.holders[0] if peer is None else self.transport.check_peer(peer)
         m_q, make = route_request(
             info, q, layer, offset, indices, geometry=self.geometry, rope=self.rope,
-            crc=self.client.crc,
+            ops=self.ops, crc=self.client.crc,
         )  # fmt: skip
         probe = self.last_probe_us.get(peer, math.nan)
         rec = CostRecord("route", peer, chunk_id, layer, m_q, 0, 0, probe_us=probe)
@@ -324,18 +339,27 @@ class Requester:
             raise errors[0]
         if not merge:
             return parts
-        o, lse, merge_us = self.merge(parts)
+        o, lse, merge_us = self.merge(parts, kernels=self.kernels)
         for part in parts:
             part.record.merge_us = merge_us
         return o, lse
 
     @staticmethod
-    def merge(parts: Sequence[Partial]) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """M-way merge of partials over disjoint key sets: ``(o, lse, microseconds)``."""
+    def merge(
+        parts: Sequence[Partial], *, kernels: str = "triton"
+    ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """M-way merge of partials over disjoint key sets: ``(o, lse, microseconds)``.
+
+        The microseconds are the merge's call until its result is ready (on a GPU the device
+        is synchronised before and after it); the NaN check of the partials' ``lse`` (a host
+        sync) runs before, untimed."""
+        o, lse = torch.stack([p.o for p in parts]), torch.stack([p.lse for p in parts])
+        if torch.isnan(lse).any():
+            raise ValueError("parts: expected no NaN log-sum-exp values in the partials")
+        synchronize(o.device)
         t0 = time.perf_counter()
-        o, lse = merge_partials(
-            torch.stack([p.o for p in parts]), torch.stack([p.lse for p in parts])
-        )
+        o, lse = kernel_ops(kernels).merge_partials(o, lse, check_lse=False)
+        synchronize(o.device)
         return o, lse, us_since(t0)
 
     # ---- fetch and local: chunks in this requester's pool ------------------------------------

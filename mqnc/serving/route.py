@@ -26,7 +26,6 @@ from mqnc.model.geometry import MLAGeometry
 from mqnc.serving.client import Pending, RemoteError
 from mqnc.serving.records import ChunkInfo, CostRecord, Partial
 from mqnc.transport import wire
-from mqnc.triton_kernels.splice import rope_rotate
 
 __all__ = ["check_query", "check_selection", "lse_of_ml", "route_request", "route_reply"]
 
@@ -90,12 +89,13 @@ def route_request(
     *,
     geometry: MLAGeometry,
     rope,
+    ops,
     crc: bool | None = None,
 ) -> tuple[int, Callable[[int, int], torch.Tensor]]:
     """Check a route of ``q`` (already checked by :func:`check_query`) over chunk ``info``
     and return ``(M_q, make)``: ``make(request_id, seq)`` packs the ``ROUTE`` message (the
     copy to the host included, so that it counts as transfer time; a payload CRC unless
-    ``crc`` is False)."""
+    ``crc`` is False). ``ops`` runs the rotation (:func:`mqnc.serving.compute.kernel_ops`)."""
     if not 0 <= layer < geometry.layers:
         raise ValueError(f"layer: expected 0 <= layer < {geometry.layers}, got {layer}")
     moved = offset is not None and offset != info.position
@@ -111,7 +111,7 @@ def route_request(
         )
     idx = None if indices is None else check_selection(indices, q.shape[0], info.tokens)
     # The holder attends at canonical positions: rotate q by -(new - old) (§3.2).
-    qr = rope_rotate(q, -(int(offset) - info.position), rope) if moved else q
+    qr = ops.rope_rotate(q, -(int(offset) - info.position), rope) if moved else q
     qr = qr.contiguous()
 
     def make(rid: int, seq: int) -> torch.Tensor:

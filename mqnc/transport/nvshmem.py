@@ -3,9 +3,12 @@
 **GPU-only and imported lazily.** Importing this module imports neither ``nvshmem.core`` nor
 CUDA: everything that touches them happens inside :class:`NvshmemTransport` (or the functions
 below), so CPU machines never load NVSHMEM. The engine cannot run without a CUDA device and the
-nvshmem4py wheel (``pip install 'mqnc[gpu]'``: ``nvshmem4py-cu13``, whose dependency
-``nvidia-nvshmem-cu13`` ships ``libnvshmem_device.bc``). It is exercised by
-``perf/gpu_check_nvshmem.py`` on a GPU machine, not by the CPU test suite.
+nvshmem4py wheel (``pip install 'mqnc[gpu]'``: ``nvshmem4py-cu13`` 0.4.1, which needs
+``cuda.core >= 0.5.0``, ``cuda.pathfinder >= 1.2.3`` and ``nvidia-nvshmem-cu13``, any version:
+3.4.5, what torch 2.11 pins, ships ``libnvshmem_device.bc``; 3.8.0 only per-arch
+``libnvshmem_device_sm_<arch>.bc``). It runs on a GPU machine by ``python -m
+perf.gpu_check_nvshmem``; the CPU test suite compiles its device kernels launch-exact for sm_90
+(``correctness/test_nvshmem_kernels.py``) and runs its bounded wait kernel interpreted.
 
 Facts it is built on (nvshmem4py 0.4.1, NVSHMEM 3.x; see DESIGN.md, "Transport"):
 
@@ -24,9 +27,18 @@ Facts it is built on (nvshmem4py 0.4.1, NVSHMEM 3.x; see DESIGN.md, "Transport")
 - several PEs on one GPU run in NVSHMEM's limited multi-process mode, where host-side
   ``signal_wait`` / ``wait_until`` on a stream and team barriers abort the process; ``put``,
   ``get``, ``put_signal``, ``quiet`` and ``barrier_all`` work. So every wait here is
-  **device-side**: a small Triton kernel polls the local signal word with volatile loads for a
-  bounded number of spins and the host relaunches it until the timeout, which keeps every wait
-  bounded (an ``nvshmem_signal_wait_until`` kernel cannot be interrupted);
+  **device-side**, on one slot or several alike: a small Triton kernel (``_poll_kernel``) polls
+  the awaited signal words with volatile loads until one reaches its target or a bounded number
+  of rounds has passed, then writes what it saw; the host reads that once (one sync, no
+  ``sleep``) and relaunches until the timeout, which keeps every wait bounded (an
+  ``nvshmem_signal_wait_until`` kernel cannot be interrupted). :attr:`NvshmemTransport.wait_paths`
+  counts the waits by path (``device-poll[1]``: one slot, ``device-poll[n]``: several), and the
+  GPU check records it;
+- **two PEs on one GPU time-slice**: they are two processes, two CUDA contexts, and without MPS
+  the GPU runs one context at a time, switching at time-slice boundaries. While one PE's wait
+  kernel spins, the other PE's put waits for its slice, so probe and route times measured with
+  both PEs on the one lent GPU include context switches: an upper bound on the protocol's cost,
+  not the NVLink / IBGDA latency of §3.2 (kept short by bounding each spin: ``poll_spins``);
 - the device-initiated path (§3.2: "block-scope ``nvshmemx_putmem_signal_nbi_block``") is a
   Triton kernel calling NVSHMEM's device bitcode through ``extern_elementwise``, as PyTorch's
   ``torch/distributed/_symmetric_memory/_nvshmem_triton.py`` does; its module is registered
@@ -36,6 +48,8 @@ Facts it is built on (nvshmem4py 0.4.1, NVSHMEM 3.x; see DESIGN.md, "Transport")
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import sys
 import sysconfig
@@ -46,6 +60,7 @@ import triton
 import triton.language as tl
 from triton.language import core as tlcore
 
+from mqnc.base.env import nvshmem_lib_dir
 from mqnc.transport.protocol import SlotLayout, Transport, TransportTimeout, check_message
 
 __all__ = [
@@ -55,7 +70,9 @@ __all__ = [
     "signal_constants",
     "device_put_signal",
     "device_wait_until",
+    "device_kernel_launches",
     "compile_device_kernels",
+    "poll_signals",
 ]
 
 _UID_KEY = "mqnc/nvshmem/uid"
@@ -103,36 +120,86 @@ def signal_constants() -> dict[str, int]:
     return got
 
 
-def device_library_path() -> str:
-    """Path of ``libnvshmem_device.bc`` (``NVSHMEM_LIB_DIR`` or the nvidia-nvshmem wheel)."""
-    cands = []
-    if os.environ.get("NVSHMEM_LIB_DIR"):
-        cands.append(os.environ["NVSHMEM_LIB_DIR"])
+def bitcode_names(arch: int) -> tuple[str, str]:
+    """The device bitcode's file names, preferred first: NVSHMEM >= 3.5 wheels ship only
+    per-arch files (``libnvshmem_device_sm_90.bc``, 3.8.0), 3.4.5 (torch 2.11's pin) one
+    ``libnvshmem_device.bc``."""
+    return (f"libnvshmem_device_sm_{arch}.bc", "libnvshmem_device.bc")
+
+
+def _nvshmem4py_bitcode(arch: int) -> str | None:
+    """What nvshmem4py itself reports (0.4.1: ``nvshmem.core.find_device_bitcode_library``,
+    the per-arch file first, then the generic one), or None where it cannot say (not
+    installed, too old, or its CUDA libraries missing)."""
+    try:
+        from nvshmem.core import find_device_bitcode_library
+    except Exception:  # noqa: BLE001 - absent, or present but unloadable off a GPU
+        return None
+    for kwargs in ({"arch": arch}, {}):
+        try:
+            path = str(find_device_bitcode_library(**kwargs))
+        except Exception:  # noqa: BLE001 - that file does not exist in this install
+            continue
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def _library_dirs() -> list[str]:
+    """Where an nvidia-nvshmem wheel or a system install keeps the bitcode."""
     purelib = sysconfig.get_path("purelib")
     # the base interpreter's site-packages too (a venv may not carry the wheel itself)
     base = sysconfig.get_path(
         "purelib", vars={"base": sys.base_prefix, "platbase": sys.base_prefix}
     )
-    cands += [
+    dirs = []
+    try:
+        import nvidia.nvshmem as pkg  # the nvidia-nvshmem-cu12/13 wheel
+
+        dirs += [os.path.join(p, "lib") for p in getattr(pkg, "__path__", [])]
+    except ImportError:
+        pass
+    dirs += [
         os.path.join(purelib, "nvidia", "nvshmem", "lib"),
         os.path.join(base, "nvidia", "nvshmem", "lib"),
         "/usr/local/lib",
         "/usr/lib",
         "/opt/nvidia/nvshmem/lib",
     ]
-    try:
-        import nvidia.nvshmem as pkg  # the nvidia-nvshmem-cu12/13 wheel
+    return list(dict.fromkeys(dirs))
 
-        for p in getattr(pkg, "__path__", []):
-            cands.append(os.path.join(p, "lib"))
-    except ImportError:
-        pass
-    for d in cands:
-        for name in ("libnvshmem_device.bc",):
-            path = os.path.join(d, name)
-            if os.path.exists(path):
-                return path
-    raise RuntimeError(f"nvshmem engine: libnvshmem_device.bc not found in {cands}")
+
+def device_library_path(arch: int | None = None) -> str:
+    """Path of NVSHMEM's device bitcode for ``sm_<arch>`` (default: the current GPU's, else 90).
+
+    Looked for in this order: ``$NVSHMEM_LIB_DIR``; what nvshmem4py reports
+    (``find_device_bitcode_library``); the nvidia-nvshmem wheel's ``lib`` folder and system
+    folders. In each folder ``libnvshmem_device_sm_<arch>.bc`` is preferred to
+    ``libnvshmem_device.bc`` (:func:`bitcode_names`).
+    """
+    if arch is None:
+        arch = 90
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            arch = 10 * major + minor
+    names = bitcode_names(arch)
+    dirs = [nvshmem_lib_dir()] if nvshmem_lib_dir() else []
+    for d in dirs:
+        for name in names:
+            if os.path.exists(os.path.join(d, name)):
+                return os.path.join(d, name)
+    found = _nvshmem4py_bitcode(arch)
+    if found:
+        return found
+    dirs += _library_dirs()
+    for d in dirs:
+        for name in names:
+            if os.path.exists(os.path.join(d, name)):
+                return os.path.join(d, name)
+    raise RuntimeError(
+        f"nvshmem engine: none of {list(names)} found ($NVSHMEM_LIB_DIR, nvshmem4py, {dirs}); "
+        "install nvidia-nvshmem-cu13 or set NVSHMEM_LIB_DIR"
+    )
 
 
 # ---- Triton device functions: NVSHMEM device bitcode through externs ---------------------------
@@ -189,7 +256,14 @@ def _quiet(_semantic=None):
     )
 
 
-@triton.jit
+# Every argument of the device-initiated kernels varies from call to call (addresses, sizes,
+# sequence numbers, PEs) and none may become a constexpr: Triton would specialise an int equal
+# to 1 (``pe=1``, ``sig_val=1``: the first put from PE 0 to PE 1) into a constexpr, on which
+# ``.to()`` fails to compile, and compile one more variant per divisibility class of the others.
+_PUT_ARGS = ["dst", "src", "nbytes", "sig", "sig_val", "sig_op", "pe"]
+
+
+@triton.jit(do_not_specialize=_PUT_ARGS)
 def _put_signal_block_kernel(dst, src, nbytes, sig, sig_val, sig_op, pe):
     """One block: block-scope non-blocking put-with-signal, then quiet (§3.2)."""
     _putmem_signal_nbi_block(
@@ -204,51 +278,118 @@ def _put_signal_block_kernel(dst, src, nbytes, sig, sig_val, sig_op, pe):
     _quiet()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sig", "cmp", "cmp_val"])
 def _wait_until_kernel(sig, cmp, cmp_val):
     """Device-side ``nvshmem_signal_wait_until`` (unbounded: use only when the signal is due)."""
     _signal_wait_until(sig.to(tl.int64), cmp.to(tl.int32), cmp_val.to(tl.uint64))
 
 
-@triton.jit
-def _poll_kernel(sig_ptr, target, out_ptr, spins):
-    """Bounded device-side wait: spin on the local signal word until it reaches ``target`` or
-    ``spins`` volatile loads have been made; store what was seen."""
-    v = tl.load(sig_ptr, volatile=True)
+@triton.jit(do_not_specialize=["n", "spins"])
+def _poll_kernel(SIG, SLOTS, TARGETS, n, SEEN, spins, BLOCK: tl.constexpr):
+    """Bounded device-side wait on ``n`` signal words: ``SIG[SLOTS[i]] >= TARGETS[i]`` for some
+    ``i``, or ``spins`` rounds of volatile loads; stores the last values seen in ``SEEN[:n]``."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    slots = tl.load(SLOTS + offs, mask=mask, other=0)
+    want = tl.load(TARGETS + offs, mask=mask, other=0)
+    v = tl.load(SIG + slots, mask=mask, other=0, volatile=True)
+    done = tl.max(tl.where(mask & (v >= want), 1, 0), axis=0)
     i = 0
-    while (v < target) & (i < spins):
-        v = tl.load(sig_ptr, volatile=True)
+    while (done == 0) & (i < spins):
+        v = tl.load(SIG + slots, mask=mask, other=0, volatile=True)
+        done = tl.max(tl.where(mask & (v >= want), 1, 0), axis=0)
         i += 1
-    tl.store(out_ptr, v)
+    tl.store(SEEN + offs, v, mask=mask)
 
 
-def compile_device_kernels(arch: int = 90) -> dict[str, dict]:
-    """Compile the device-initiated kernels for ``sm_<arch>`` against NVSHMEM's device bitcode,
-    without a GPU (``triton.compile`` for a ``GPUTarget``). Returns, per kernel, the cubin size
-    and which NVSHMEM device functions its PTX calls. Needs ``libnvshmem_device.bc`` only."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+def poll_block(num_slots: int) -> int:
+    """``_poll_kernel``'s ``BLOCK`` for a transport of ``num_slots`` slots (one compile per
+    transport size, whatever the number of awaited slots)."""
+    return max(2, triton.next_power_of_2(num_slots))
 
-    libs = (("libnvshmem_device", device_library_path()),)
-    i64 = "i64"
-    specs = {
+
+def poll_signals(
+    sig: torch.Tensor, targets: dict[int, int], spins: int, stream=None
+) -> dict[int, int]:
+    """One bounded device-side wait (``_poll_kernel``) on ``targets`` (slot -> sequence) of the
+    signal words ``sig [num_slots]`` int64: returns each awaited slot's value when the kernel
+    stopped (one host sync, on ``stream`` when given). Runs interpreted on CPU tensors."""
+    slots = list(targets)
+    block = poll_block(sig.numel())
+    # [2, BLOCK]: both rows 16-byte aligned whatever the number of slots, so every wait launches
+    # the one compiled variant (Triton specialises pointers on 16-byte divisibility).
+    spec = torch.zeros(2, block, dtype=torch.int64)
+    spec[0, : len(slots)] = torch.tensor(slots, dtype=torch.int64)
+    spec[1, : len(slots)] = torch.tensor([int(targets[k]) for k in slots], dtype=torch.int64)
+    ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    with ctx:
+        spec = spec.to(sig.device, non_blocking=True)
+        seen = torch.empty(block, dtype=torch.int64, device=sig.device)
+        _poll_kernel[(1,)](sig, spec[0], spec[1], len(slots), seen, int(spins), BLOCK=block)
+        vals = seen[: len(slots)].cpu()
+    return dict(zip(slots, vals.tolist(), strict=True))
+
+
+def device_kernel_launches(
+    lib: str, *, pe: int = 1, seq: int = 1, num_slots: int = 4, device="cpu"
+) -> dict[str, tuple]:
+    """The device kernels' launches at real values, for :func:`compile_device_kernels` and the
+    GPU check's warm-up: ``{name: (kernel, args, kwargs, grid)}``. ``pe`` and ``seq`` are the
+    edge values by default (PE 1, sequence 1: the first put from PE 0 to PE 1); addresses are
+    16-byte aligned symmetric-heap-like ints, an 8-byte signal word off a 16-byte boundary;
+    ``num_slots`` 4 is the two-PE, one-lane layout of the GPU check."""
+    heap = 0x7F00_0020_0000
+    slot_bytes = 16 * 1152 + 96
+    libs = {"libnvshmem_device": lib}
+    sig = torch.zeros(num_slots, dtype=torch.int64, device=device)
+    spec = torch.zeros(2, poll_block(num_slots), dtype=torch.int64, device=device)
+    seen = torch.zeros(poll_block(num_slots), dtype=torch.int64, device=device)
+    return {
         "put_signal_block": (
             _put_signal_block_kernel,
-            dict(dst=i64, src=i64, nbytes=i64, sig=i64, sig_val=i64, sig_op="i32", pe="i32"),
+            (heap + slot_bytes, heap + 2 * slot_bytes, slot_bytes, heap + 8, seq, 9, pe),
+            {"extern_libs": libs, "num_warps": 4},
+            (1,),
         ),
-        "wait_until": (_wait_until_kernel, dict(sig=i64, cmp="i32", cmp_val=i64)),
-        "poll": (_poll_kernel, dict(sig_ptr="*i64", target=i64, out_ptr="*i64", spins="i32")),
+        "wait_until": (
+            _wait_until_kernel,
+            (heap + 8, NVSHMEM_CMP_GE, seq),
+            {"extern_libs": libs, "num_warps": 4},
+            (1,),
+        ),
+        "poll": (
+            _poll_kernel,
+            (sig, spec[0], spec[1], 1, seen, 1),
+            {"BLOCK": poll_block(num_slots), "num_warps": 4},
+            (1,),
+        ),
     }
+
+
+def compile_device_kernels(arch: int = 90, *, pe: int = 1, seq: int = 1) -> dict[str, dict]:
+    """Compile the NVSHMEM engine's device kernels for ``sm_<arch>`` exactly as their launches
+    compile (``mqnc.triton_kernels._compile.compile_launch``: the JIT's own specialisation of
+    the real argument values, no GPU), against NVSHMEM's device bitcode
+    (:func:`device_library_path`). Returns, per kernel, its resources (registers, stack, local:
+    spills), the compiled kernel's hash and which NVSHMEM device functions its PTX calls.
+    Must run in compiled mode, ``TRITON_INTERPRET=0`` (on a CPU-only torch importing the kernels
+    would otherwise choose the interpreter)."""
+    from mqnc.triton_kernels._compile import compile_launch, resources
+
     names = ("nvshmemx_putmem_signal_nbi_block", "nvshmem_signal_wait_until", "nvshmem_quiet")
     out = {}
-    for name, (fn, sig) in specs.items():
-        k = triton.compile(
-            ASTSource(fn=fn, signature=sig, constexprs={}),
-            target=GPUTarget("cuda", arch, 32),
-            options={"extern_libs": libs, "num_warps": 4},
+    launches = device_kernel_launches(device_library_path(arch), pe=pe, seq=seq)
+    for name, (fn, args, kwargs, grid) in launches.items():
+        k = compile_launch(fn, args, kwargs, grid=grid, arch=arch)
+        res = resources(name, k)
+        out[name] = dict(
+            registers=res.registers,
+            stack=res.stack,
+            local=res.local,
+            hash=k.hash,
+            cubin_bytes=len(k.asm["cubin"]),
+            calls=[n for n in names if n in k.asm["ptx"]],
         )
-        ptx = k.asm["ptx"]
-        out[name] = dict(cubin_bytes=len(k.asm["cubin"]), calls=[n for n in names if n in ptx])
     return out
 
 
@@ -310,7 +451,15 @@ class NvshmemTransport(Transport):
         Issue puts from a Triton kernel (device-initiated, the paper's path) instead of the
         host's stream-ordered ``put_signal``.
     poll_spins : int
-        Volatile loads per launch of the bounded device-side wait.
+        Rounds of volatile loads per launch of the bounded device-side wait (short, so that a
+        PE sharing the GPU gets its time slice back soon; the host relaunches until the
+        timeout).
+
+    Attributes
+    ----------
+    wait_paths : collections.Counter
+        Waits by the path they took: ``device-poll[1]`` (one slot) or ``device-poll[n]``
+        (several slots, e.g. a holder's inboxes); every wait is device-side.
     """
 
     name = "nvshmem"
@@ -325,7 +474,7 @@ class NvshmemTransport(Transport):
         lanes: int = 1,
         device=None,
         device_put: bool = False,
-        poll_spins: int = 1 << 16,
+        poll_spins: int = 1 << 12,
     ) -> None:
         super().__init__(rank, SlotLayout(world_size, lanes), slot_bytes)
         if not torch.cuda.is_available():
@@ -361,11 +510,11 @@ class NvshmemTransport(Transport):
         self._stage = nv.tensor((n * slot_bytes,), dtype=torch.uint8)
         self._sig = nv.tensor((n,), dtype=torch.int64)
         self._sig.zero_()
-        self._seen = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._stream = torch.cuda.Stream(self.device)
         self._wait_stream = torch.cuda.Stream(self.device)
         self.device_put = bool(device_put)
         self.poll_spins = int(poll_spins)
+        self.wait_paths: collections.Counter = collections.Counter()
         torch.cuda.synchronize(self.device)
         nv.barrier_all(stream=self._stream)
         self._stream.synchronize()
@@ -417,26 +566,22 @@ class NvshmemTransport(Transport):
         return int(self._sig[slot].item())
 
     def wait_any(self, targets: dict[int, int], timeout: float) -> list[int]:
+        """Device-side: bounded polls of the awaited signal words (:func:`poll_signals`, one
+        host sync each, no sleep) on the wait stream until one is reached or ``timeout``."""
         for s in targets:
             self._check_slot(s)
         deadline = self._deadline(timeout)
+        path = "device-poll[1]" if len(targets) == 1 else "device-poll[n]"
         while True:
-            vals = self._sig.cpu()
-            ready = [s for s, q in targets.items() if int(vals[s]) >= q]
+            seen = poll_signals(self._sig, targets, self.poll_spins, self._wait_stream)
+            ready = [s for s, q in targets.items() if seen[s] >= q]
             if ready:
+                self.wait_paths[path] += 1
                 return ready
             if time.monotonic() >= deadline:
                 raise TransportTimeout(
                     f"PE {self.rank}: no signal on slots {sorted(targets)} within {timeout:.3g} s"
                 )
-            if len(targets) == 1:
-                # Device-side bounded spin on the one awaited word (limited-MPG safe).
-                ((s, q),) = targets.items()
-                with torch.cuda.stream(self._wait_stream):
-                    _poll_kernel[(1,)](self._sig[s:], q, self._seen, self.poll_spins)
-                self._wait_stream.synchronize()
-            else:
-                time.sleep(20e-6)
 
     def read(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
         self._check_slot(slot)

@@ -1,0 +1,510 @@
+"""The ecosystem adapters against the package's own call on the same data (issue 16).
+
+Each layout is an adapter over the same kernels, so each is compared bit for bit
+(``same_kernel``: atol 0) with the plain call that the layout stands for, at the same split
+count: FlashMLA's ``[b, s_q, h_q, d]`` queries and ``[b, h_q, s_q]`` lse (causal or not) with
+the plain call over an explicitly repeated table and the per-token lengths FlashMLA's rule
+gives; CSR page tables and page size 1 with the padded table over the same entries; split
+``ckv`` / ``kpe`` caches (and ``q_nope`` / ``q_pe``) with the fused cache; FlashInfer's MLA
+call (CSR + split + base-2 lse) with the plain call; the splice into one cache per layer with
+the splice into the stacked pool; the merge's ``layout="BMHD"`` with the transposed call; the
+masked merge with the unmasked one on the rows it merges. Outputs are NaN-poisoned (conftest),
+pool padding is NaN, so an unwritten element or a read past a row's length fails. One fp64
+check per layout with the default split choice closes the loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mqnc.model import RopeSpec
+from mqnc.reference import mla_decode_reference, rope_splice_reference
+from mqnc.reference.merge import merge_reference
+from mqnc.testing import assert_close, default_device, tolerance
+from mqnc.triton_kernels import (
+    lse_from_base2,
+    lse_to_base2,
+    merge_partials,
+    merge_partials_into,
+    mla_decode_partial,
+    mla_decode_partial_csr,
+    mla_sparse_partial,
+    rope_splice,
+)
+from mqnc.triton_kernels.flashinfer_api import (
+    merge_state,
+    merge_state_in_place,
+    merge_states,
+    mla_paged_attention,
+)
+from mqnc.triton_kernels.flashmla_api import mla_decode_with_kvcache, mla_sparse_with_kvcache
+from mqnc.triton_kernels.splice import PlainRope
+
+D_QK, D_V = 576, 512
+SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2
+DEVICE = default_device()
+
+
+def same(actual, expected, name):
+    dt = expected.dtype if expected.dtype != torch.float32 else "float32"
+    assert_close(actual, expected, tolerance("same_kernel", dt), name=name)
+
+
+def paged(lengths, page, dtype, gen, spare=2):
+    """A NaN-padded pool ``[nb, page, 576]`` holding ``lengths[b]`` N(0, 1) entries per row in
+    shuffled pages; ``(pool, table [B, W] int32 (-1 past a row), lens [B] int32)``."""
+    pages = [math.ceil(n / page) for n in lengths]
+    nb = sum(pages) + spare
+    pool = torch.full((nb, page, D_QK), float("nan"))
+    perm = torch.randperm(nb, generator=gen)
+    table = torch.full((len(lengths), max(max(pages), 1)), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lengths):
+        v = torch.randn(n, D_QK, generator=gen)
+        for j in range(pages[b]):
+            blk = int(perm[used])
+            used += 1
+            table[b, j] = blk
+            part = v[j * page : (j + 1) * page]
+            pool[blk, : part.shape[0]] = part
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    return pool.to(DEVICE, dtype), table.to(DEVICE), lens.to(DEVICE)
+
+
+def csr_of(table, lens, page):
+    """The padded table's used pages as a CSR table ``(kv_indptr, kv_indices)``."""
+    rows = [table[b, : math.ceil(int(n) / page)] for b, n in enumerate(lens.tolist())]
+    counts = torch.tensor([0] + [r.numel() for r in rows])
+    indptr = counts.cumsum(0).to(torch.int32).to(DEVICE)
+    return indptr, torch.cat(rows).to(torch.int32)
+
+
+def token_slots(table, lens, page):
+    """Page size 1 of the same data: every entry's flat slot, as a CSR table of tokens."""
+    rows = []
+    for b, n in enumerate(lens.tolist()):
+        t = torch.arange(n, device=table.device)
+        rows.append(table[b, t // page].long() * page + t % page)
+    counts = torch.tensor([0] + [int(n) for n in lens.tolist()])
+    return counts.cumsum(0).to(torch.int32).to(DEVICE), torch.cat(rows).to(torch.int32)
+
+
+def queries(rows, heads, dtype, gen, width=D_QK):
+    return torch.randn(rows, heads, width, generator=gen).to(DEVICE, dtype)
+
+
+# ---- FlashMLA: [b, s_q, h_q, d] queries, [b, h_q, s_q] lse, causal -------------------------
+
+
+@pytest.mark.parametrize("s_q, causal", [(1, False), (2, True), (3, True), (3, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flashmla_layout_equals_the_plain_call(s_q, causal, dtype):
+    """FlashMLA's rule: query token ``i`` of ``s_q`` attends the first ``len - s_q + i + 1``
+    entries when causal (the new tokens are the cache's last ``s_q``), all ``len`` otherwise;
+    a sequence shorter than ``s_q`` leaves its first tokens empty (o 0, lse -inf)."""
+    gen = torch.Generator().manual_seed(10 + s_q)
+    pool, table, lens = paged([40, 2, 23], 16, dtype, gen)
+    b, h = 3, 4
+    q = queries(b * s_q, h, dtype, gen).view(b, s_q, h, D_QK)
+    o, lse = mla_decode_with_kvcache(
+        q, pool[:, :, None], table, lens, softmax_scale=SCALE, causal=causal, num_splits=2
+    )
+    assert o.shape == (b, s_q, h, D_V) and lse.shape == (b, h, s_q)
+    i = torch.arange(s_q, device=DEVICE).repeat(b)
+    row_lens = lens.repeat_interleave(s_q)
+    if causal:
+        row_lens = (row_lens - (s_q - 1 - i)).clamp(min=0)
+    row_lens = row_lens.to(torch.int32)
+    rows = table.repeat_interleave(s_q, 0)
+    o_ref, lse_ref = mla_decode_partial(
+        q.reshape(b * s_q, h, D_QK), pool, rows, row_lens, softmax_scale=SCALE, num_splits=2
+    )
+    same(o.reshape(b * s_q, h, D_V), o_ref, "o")
+    same(lse.transpose(1, 2).reshape(b * s_q, h), lse_ref, "lse")
+    # and against fp64 at the default split choice
+    o, lse = mla_decode_with_kvcache(q, pool, table, lens, softmax_scale=SCALE, causal=causal)
+    o64, lse64 = mla_decode_reference(q.reshape(b * s_q, h, D_QK), pool, rows, row_lens, SCALE)
+    assert_close(o.reshape(b * s_q, h, D_V), o64, tolerance("mla", dtype), name="o vs fp64")
+    assert_close(lse.transpose(1, 2).reshape(b * s_q, h), lse64, tolerance("mla_lse", "float32"))
+
+
+def test_flashmla_sparse_layout_equals_the_plain_call():
+    gen = torch.Generator().manual_seed(11)
+    b, s_q, h, topk = 2, 2, 4, 40
+    pool = torch.randn(4, 16, D_QK, generator=gen).to(DEVICE)
+    idx = torch.randint(-1, 64, (b, s_q, topk), generator=gen, dtype=torch.int32).to(DEVICE)
+    q = queries(b * s_q, h, torch.float32, gen).view(b, s_q, h, D_QK)
+    o, lse = mla_sparse_with_kvcache(q, pool[:, :, None], idx, softmax_scale=SCALE, num_splits=1)
+    o_ref, lse_ref = mla_sparse_partial(
+        q.reshape(-1, h, D_QK), pool, idx.reshape(b * s_q, topk), softmax_scale=SCALE, num_splits=1
+    )
+    same(o.reshape(-1, h, D_V), o_ref, "o")
+    same(lse.transpose(1, 2).reshape(-1, h), lse_ref, "lse")
+
+
+# ---- page size 1 and CSR page tables (SGLang, FlashInfer) ----------------------------------
+
+
+@pytest.mark.parametrize("table_kind", ["csr", "tokens"])
+def test_csr_tables_and_token_pools_equal_the_padded_call(table_kind):
+    """The CSR table of the padded table's pages (FlashInfer), and the token table of the same
+    entries in a page-1 view of the pool (SGLang's token pool, CSR), read the same entries in
+    the same order as the padded call."""
+    gen = torch.Generator().manual_seed(20)
+    pool, table, lens = paged([50, 0, 17], 16, torch.float32, gen)
+    q = queries(3, 4, torch.float32, gen)
+    o_ref, lse_ref = mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE, num_splits=1)
+    if table_kind == "csr":  # offsets that start past two unused (out-of-range) entries
+        indptr, indices = csr_of(table, lens, 16)
+        indptr = indptr + 2
+        indices = torch.cat([torch.full((2,), 999, dtype=torch.int32, device=DEVICE), indices])
+        view = pool
+    else:
+        indptr, indices = token_slots(table, lens, 16)
+        view = pool.reshape(-1, 1, D_QK)
+    o, lse = mla_decode_partial_csr(
+        q, view, indptr, indices, lens, softmax_scale=SCALE, num_splits=1
+    )
+    same(o, o_ref, "o")
+    same(lse, lse_ref, "lse")
+    if table_kind == "tokens":  # lengths derived from the table (whole pages of one token)
+        o2, _ = mla_decode_partial_csr(q, view, indptr, indices, softmax_scale=SCALE, num_splits=1)
+        same(o2, o_ref, "o (kv_lens from kv_indptr)")
+
+
+@pytest.mark.parametrize("page", [1, 2, 8])
+def test_padded_tables_take_any_power_of_two_page(page):
+    """Page sizes below 16 (SGLang's 1) through the padded table, against fp64."""
+    gen = torch.Generator().manual_seed(30 + page)
+    pool, table, lens = paged([37, 5], page, torch.bfloat16, gen)
+    q = queries(2, 16, torch.bfloat16, gen)
+    o, lse = mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE)
+    o64, lse64 = mla_decode_reference(q, pool, table, lens, SCALE)
+    assert_close(o, o64, tolerance("mla", torch.bfloat16), name="o")
+    assert_close(lse, lse64, tolerance("mla_lse", "float32"), name="lse")
+
+
+def test_csr_split_choice_without_a_host_sync():
+    """``check_inputs=False`` without ``max_kv_len``: the split policy takes every page of
+    ``kv_indices`` as the capacity (no sync); with ``max_kv_len`` it plans for the longest row.
+    Both match fp64."""
+    gen = torch.Generator().manual_seed(40)
+    pool, table, lens = paged([300, 64, 5], 16, torch.float32, gen)
+    indptr, indices = csr_of(table, lens, 16)
+    q = queries(3, 4, torch.float32, gen)
+    o64, lse64 = mla_decode_reference(q, pool, table, lens, SCALE)
+    for kw in ({}, {"max_kv_len": 300}):
+        o, lse = mla_decode_partial_csr(
+            q, pool, indptr, indices, lens, softmax_scale=SCALE, check_inputs=False, **kw
+        )
+        assert_close(o, o64, tolerance("mla", torch.float32), name=f"o {kw}")
+        assert_close(lse, lse64, tolerance("mla_lse", "float32"), name=f"lse {kw}")
+
+
+# ---- split ckv / kpe caches, q_nope / q_pe (FlashInfer) ------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_split_caches_equal_the_fused_cache(dtype):
+    """Separate latent and rope tensors (copies here, so their strides differ from the fused
+    pool's) read in place give the fused call's bits; dense and sparse, split cache with a
+    fused query and split both."""
+    gen = torch.Generator().manual_seed(50)
+    pool, table, lens = paged([45, 80], 16, dtype, gen)
+    ckv, kpe = pool[..., :D_V].clone(), pool[..., D_V:].clone()
+    q = queries(2, 20, dtype, gen)  # 20 heads: the 32-head tile
+    q_nope, q_pe = q[..., :D_V].clone(), q[..., D_V:].clone()
+    o_ref, lse_ref = mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE, num_splits=2)
+    for qq, qpe in ((q, None), (q_nope, q_pe)):
+        o, lse = mla_decode_partial(
+            qq, ckv, table, lens, softmax_scale=SCALE, num_splits=2, q_pe=qpe, kpe_pool=kpe
+        )
+        same(o, o_ref, "o")
+        same(lse, lse_ref, "lse")
+    idx = torch.randint(-1, pool.shape[0] * 16, (2, 48), generator=gen, dtype=torch.int32)
+    idx = torch.where(idx >= 0, table[0, 0].cpu() * 16 + idx % 16, idx).to(DEVICE)  # finite rows
+    s_ref = mla_sparse_partial(q, pool, idx, softmax_scale=SCALE, num_splits=1)
+    s = mla_sparse_partial(
+        q_nope, ckv, idx, softmax_scale=SCALE, num_splits=1, q_pe=q_pe, kpe_pool=kpe
+    )
+    same(s[0], s_ref[0], "sparse o")
+    same(s[1], s_ref[1], "sparse lse")
+
+
+@pytest.mark.parametrize("s_q, causal", [(1, False), (2, True)])
+def test_flashinfer_mla_call_equals_the_plain_call(s_q, causal):
+    """FlashInfer's MLA layout (q_nope / q_pe, ckv / kpe at page size 1, CSR table, kv_len)
+    against the plain call; its lse is base 2 (``lse_to_base2`` of the plain call's)."""
+    gen = torch.Generator().manual_seed(60 + s_q)
+    pool, table, lens = paged([33, 70], 16, torch.float32, gen)
+    indptr, indices = token_slots(table, lens, 16)
+    ckv = pool[..., :D_V].reshape(-1, 1, D_V).clone()
+    kpe = pool[..., D_V:].reshape(-1, 1, D_QK - D_V).clone()
+    q = queries(2 * s_q, 4, torch.float32, gen)
+    o, lse2 = mla_paged_attention(
+        q[..., :D_V].contiguous(),
+        q[..., D_V:].contiguous(),
+        ckv,
+        kpe,
+        indptr,
+        indices,
+        lens,
+        sm_scale=SCALE,
+        causal=causal,
+        num_splits=1,
+    )
+    i = torch.arange(s_q, device=DEVICE).repeat(2)
+    row_lens = lens.repeat_interleave(s_q) - ((s_q - 1 - i) if causal else 0)
+    o_ref, lse_ref = mla_decode_partial(
+        q,
+        pool,
+        table.repeat_interleave(s_q, 0),
+        row_lens.to(torch.int32),
+        softmax_scale=SCALE,
+        num_splits=1,
+    )
+    same(o, o_ref, "o")
+    same(lse2, lse_to_base2(lse_ref), "lse (base 2)")
+
+
+# ---- the splice into one cache per layer (vLLM, SGLang) ------------------------------------
+
+
+@pytest.mark.parametrize("form", ["blocks", "one-head", "tokens", "unaligned"])
+def test_splice_into_per_layer_caches_equals_the_stacked_pool(form):
+    """One launch over a list of per-layer caches (``[nb, bs, D]``, ``[nb, bs, 1, D]``,
+    ``[slots, D]``, or layers that are odd-element views of one buffer: the unaligned form
+    falls back to element offsets) writes what the stacked pool's splice writes."""
+    gen = torch.Generator().manual_seed(70)
+    L, ct, nb, bs = 3, 21, 4, 16
+    rope = RopeSpec.from_preset("deepseek-v2-lite")
+    chunk = torch.randn(L, ct, D_QK, generator=gen).to(DEVICE)
+    stacked = torch.full((L, nb, bs, D_QK), float("nan"), device=DEVICE)
+    slots = torch.randperm(nb * bs, generator=gen)[:ct].to(DEVICE)
+    expected = rope_splice_reference(chunk, stacked, slots, 1234, rope)
+    rope_splice(chunk, stacked, slots, 1234, rope)
+    if form == "unaligned":
+        buf = torch.full((L * nb * bs * D_QK + L,), float("nan"), device=DEVICE)
+        caches = [
+            buf[1 + l * (nb * bs * D_QK + 1) :][: nb * bs * D_QK].view(nb, bs, D_QK)
+            for l in range(L)
+        ]
+    else:
+        caches = [torch.full((nb, bs, D_QK), float("nan"), device=DEVICE) for _ in range(L)]
+        if form == "one-head":
+            caches = [c[:, :, None] for c in caches]
+        elif form == "tokens":
+            caches = [c.view(nb * bs, D_QK) for c in caches]
+    assert rope_splice(chunk, caches, slots, 1234, rope) is caches
+    for layer, c in enumerate(caches):
+        got = c.reshape(nb, bs, D_QK)
+        same(got, stacked[layer], f"layer {layer}")
+        assert_close(got, expected[layer], tolerance("rope", torch.float32), name="vs fp64")
+
+
+# ---- the merge: an explicit axis, a mask, base-2 lse (FlashInfer) ----------------------------
+
+
+def _partials(gen, M=3, T=4, H=2, D=64):
+    o = torch.randn(M, T, H, D, generator=gen).to(DEVICE)
+    lse = (3 * torch.randn(M, T, H, generator=gen)).to(DEVICE)
+    lse[0, 1] = float("-inf")
+    return o, lse
+
+
+def test_merge_layout_names_the_axis_of_the_partials():
+    """``layout="BMHD"`` (FlashInfer's ``[T, M, H, D]``) merges over the second axis, through
+    strides: the transposed tensors merged as ``MBHD`` give the same bits."""
+    gen = torch.Generator().manual_seed(80)
+    o, lse = _partials(gen)
+    ref = merge_partials(o, lse)
+    got = merge_partials(
+        o.transpose(0, 1).contiguous(), lse.transpose(0, 1).contiguous(), layout="BMHD"
+    )
+    same(got[0], ref[0], "o")
+    same(got[1], ref[1], "lse")
+
+
+def test_flashinfer_merges_in_base_2():
+    """``merge_states`` / ``merge_state`` take and give base-2 lse (FlashInfer's): they agree
+    with the fp64 merge of the natural-log values."""
+    gen = torch.Generator().manual_seed(81)
+    o, lse = _partials(gen)
+    o64, lse64 = merge_reference(o, lse)
+    v, s2 = merge_states(o.transpose(0, 1), lse_to_base2(lse).transpose(0, 1))
+    assert_close(v, o64, tolerance("merge", torch.float32), name="merge_states o")
+    assert_close(lse_from_base2(s2), lse64, tolerance("merge_lse", "float32"), name="lse")
+    v, s2 = merge_state(o[0], lse_to_base2(lse[0]), o[1], lse_to_base2(lse[1]))
+    o64, lse64 = merge_reference(o[:2], lse[:2])
+    assert_close(v, o64, tolerance("merge", torch.float32), name="merge_state o")
+    assert_close(lse_from_base2(s2), lse64, tolerance("merge_lse", "float32"), name="lse")
+
+
+@pytest.mark.parametrize("base2", [False, True])
+def test_masked_in_place_merge_leaves_other_rows_untouched(base2):
+    """FlashInfer's ``merge_state_in_place`` mask: rows with mask false keep their bits (even
+    NaN), the others equal the unmasked merge."""
+    gen = torch.Generator().manual_seed(82)
+    o, lse = _partials(gen)
+    if base2:
+        lse = lse_to_base2(lse)
+    mask = torch.tensor([True, False, True, False], device=DEVICE)
+    acc, lacc = o[0].clone(), lse[0].clone()
+    acc[1] = float("nan")  # never read, never written
+    full, lfull = o[0].clone(), lse[0].clone()
+    merge_partials_into(full, lfull, o[1], lse[1], base2=base2)
+    if base2:
+        merge_state_in_place(acc, lacc, o[1], lse[1], mask=mask)
+    else:
+        merge_partials_into(acc, lacc, o[1], lse[1], mask=mask)
+    same(acc[mask], full[mask], "merged rows")
+    same(lacc[mask], lfull[mask], "merged lse")
+    assert torch.isnan(acc[1]).all() and torch.equal(acc[3], o[0][3])
+    assert torch.equal(lacc[~mask], lse[0][~mask])
+
+
+# ---- bad input names the argument ----------------------------------------------------------
+
+
+def _bad_calls():
+    torch.set_default_device(DEVICE)  # every tensor below; reset by the caller
+    q3, pool = torch.zeros(2, 4, D_QK), torch.zeros(2, 16, D_QK)
+    table, lens = torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    o, lse = torch.zeros(3, 2, 4, 8), torch.zeros(3, 2, 4)
+    return [
+        (lambda: merge_partials(o, lse, layout="TMHD"), ValueError, "layout: expected 'MBHD'"),
+        (
+            lambda: merge_partials(o[0], lse[0], layout="BMHD"),
+            ValueError,
+            r"o: expected 4 dims \[T, M",
+        ),
+        (
+            lambda: merge_partials(o, lse.transpose(1, 2), layout="BMHD"),
+            ValueError,
+            "lse: expected shape",
+        ),
+        (
+            lambda: merge_partials_into(
+                o[0], lse[0], o[1], lse[1], mask=torch.ones(3, dtype=torch.bool)
+            ),
+            ValueError,
+            "mask: expected shape",
+        ),
+        (
+            lambda: merge_partials_into(o[0], lse[0], o[1], lse[1], mask=torch.ones(2)),
+            TypeError,
+            "mask: invalid dtype",
+        ),
+        (
+            lambda: mla_decode_with_kvcache(q3, pool, table, lens, softmax_scale=SCALE),
+            ValueError,
+            r"q: expected \[b, s_q, h_q, d\]",
+        ),
+        (
+            lambda: mla_decode_with_kvcache(
+                q3[:, None], torch.zeros(2, 16, 2, D_QK), table, lens, softmax_scale=SCALE
+            ),
+            ValueError,
+            "k_cache: expected one KV head",
+        ),
+        (
+            lambda: mla_decode_with_kvcache(
+                q3.view(1, 2, 4, D_QK), pool, table, lens, softmax_scale=SCALE, causal=1
+            ),
+            TypeError,
+            "causal",
+        ),
+        (
+            lambda: mla_decode_partial_csr(
+                q3,
+                pool,
+                torch.tensor([0, 2, 1], dtype=torch.int32),
+                torch.zeros(2, dtype=torch.int32),
+                softmax_scale=SCALE,
+            ),
+            ValueError,
+            "kv_indptr: expected non-decreasing",
+        ),
+        (
+            lambda: mla_decode_partial_csr(
+                q3,
+                pool,
+                torch.tensor([0, 1, 2], dtype=torch.int32),
+                torch.tensor([0, 7], dtype=torch.int32),
+                softmax_scale=SCALE,
+            ),
+            ValueError,
+            r"kv_indices: expected page ids in \[0, 2\)",
+        ),
+        (
+            lambda: mla_decode_partial_csr(
+                q3,
+                pool,
+                torch.tensor([0, 1, 2], dtype=torch.int32),
+                torch.zeros(2, dtype=torch.int32),
+                torch.tensor([3, 17], dtype=torch.int32),
+                softmax_scale=SCALE,
+            ),
+            ValueError,
+            "kv_lens: expected values",
+        ),
+        (
+            lambda: mla_decode_partial(
+                q3,
+                pool[..., :D_V],
+                table,
+                lens,
+                softmax_scale=SCALE,
+                kpe_pool=torch.zeros(2, 16, 32),
+            ),
+            ValueError,
+            "kpe_pool: expected shape",
+        ),
+        (
+            lambda: mla_decode_partial(
+                q3[..., :D_V], pool, table, lens, softmax_scale=SCALE, q_pe=torch.zeros(3, 4, 64)
+            ),
+            ValueError,
+            r"q_pe: expected shape \(2, 4, '\*'\)",
+        ),
+        (
+            lambda: rope_splice(
+                torch.zeros(2, 3, D_QK),
+                [torch.zeros(2, 16, D_QK)],
+                torch.arange(3),
+                1,
+                PlainRope(tuple([1.0] * 32), 64, "interleaved"),
+            ),
+            ValueError,
+            "pool: expected one cache per layer",
+        ),
+        (
+            lambda: rope_splice(
+                torch.zeros(2, 3, D_QK),
+                [torch.zeros(2, 16, D_QK), torch.zeros(3, 16, D_QK)],
+                torch.arange(3),
+                1,
+                PlainRope(tuple([1.0] * 32), 64, "interleaved"),
+            ),
+            ValueError,
+            r"pool\[1\]: expected the shape, strides and device of pool\[0\]",
+        ),
+    ]
+
+
+N_BAD = 15
+
+
+@pytest.mark.parametrize("i", range(N_BAD))
+def test_adapters_reject_bad_input_naming_the_argument(i):
+    try:
+        calls = _bad_calls()
+        assert len(calls) == N_BAD
+        call, exc, match = calls[i]
+        with pytest.raises(exc, match=match):
+            call()
+    finally:
+        torch.set_default_device(None)

@@ -1,0 +1,122 @@
+"""The one-call GPU check runs right the first time (issue 12): ``bash perf/gpu_check.sh
+--dry-run`` runs every step's real command on this CPU machine, with the interpreter and tiny
+sizes (the same argument parsing, imports, ``-m`` module paths, record writing and budget
+arithmetic as on the GPU), and every step must pass; a GPU run then differs only in sizes and
+the compiled path. Also: the budget check refuses caps that do not fit, records carry the
+commit without ``.git``, and the GPU tier names collected tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import GPU_TIER
+
+from mqnc.measure import results
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "perf" / "gpu_check.sh"
+KERNEL_BENCHES = {"copy", "merge", "mla_decode", "mla_sparse", "splice", "holder"}
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MQNC_RESULTS")}
+    return {**env, "PY": sys.executable, **extra}
+
+
+def _steps() -> list[str]:
+    text = SCRIPT.read_text()
+    body = re.search(r"^STEPS=\(([^)]*)\)", text, re.M).group(1)
+    return body.split()
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gpu_check")
+    r = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run"],
+        cwd=ROOT,
+        env=_env(OUT=str(out), MQNC_COMMIT="dryrun0commit", SITE=str(out / "site")),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    print(r.stdout[-6000:])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    return out
+
+
+def _log(out: Path, step: str) -> str:
+    return subprocess.run(
+        ["tar", "xzf", str(out / "logs.tgz"), "-O", f"logs/{step}.log"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
+def test_dry_run_runs_every_step(dry_run):
+    summary = (dry_run / "summary.txt").read_text().splitlines()
+    assert re.match(r"budget: \d+ steps, caps \d+ s \+ reserve 20 s <= 450 s", summary[0])
+    ran = {line.split()[0]: line for line in summary[1:] if line.strip()}
+    assert list(ran) == _steps()
+    for line in ran.values():
+        assert line.rstrip().endswith(" ok"), line
+
+
+def test_dry_run_records_say_how_they_were_timed_and_the_commit(dry_run):
+    recs = [json.loads(x) for x in (dry_run / "results.jsonl").read_text().splitlines()]
+    benches = {r["bench"] for r in recs}
+    assert KERNEL_BENCHES | {"probe", "route", "fetch"} <= benches, benches
+    assert {r["commit"] for r in recs} == {"dryrun0commit"}
+    for r in recs:
+        if r["bench"] in KERNEL_BENCHES:
+            assert r["extra"]["timing"]["method"] == "host-clock", r  # cuda-graph on a GPU
+            assert 0 < r["p20"] <= r["p50"] <= r["p80"]
+    # the kernels themselves ran (interpreted), not a torch stand-in
+    kernels = {r["bench"] for r in recs if r["backend"] == "interpreter"}
+    assert {"merge", "mla_decode", "mla_sparse", "splice", "holder"} <= kernels
+    nvshmem = [r for r in recs if r["variant"].endswith("-1gpu-2pe")]
+    assert nvshmem and all("wait_path" in r["extra"] for r in nvshmem)
+
+
+def test_dry_run_report_and_tier(dry_run):
+    report = (dry_run / "kernel_report.txt").read_text()
+    assert "| merge M=8 rows=256 | <= 8 us |" in report
+    collected = [ln for ln in _log(dry_run, "tests").splitlines() if "::" in ln]
+    for entry in GPU_TIER:
+        assert any(ln.split("correctness/", 1)[-1].startswith(entry) for ln in collected), entry
+    assert collected[0].split("correctness/", 1)[-1].startswith(GPU_TIER[0])  # kernels first
+    assert "0 failed" in _log(dry_run, "warmup")
+
+
+def test_caps_over_the_budget_are_refused_before_anything_runs(tmp_path):
+    r = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run"],
+        cwd=ROOT,
+        env=_env(OUT=str(tmp_path), BUDGET="100"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 3 and "caps sum to" in r.stderr
+    assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_commit_without_git(monkeypatch):
+    """``MQNC_COMMIT`` first (the GPU copy may have no ``.git``), then git, then "unknown"."""
+    monkeypatch.setenv("MQNC_COMMIT", "abc123")
+    assert results.git_commit() == "abc123"
+    monkeypatch.delenv("MQNC_COMMIT")
+
+    def no_git(*args, **kwargs):
+        raise OSError("git: not found")
+
+    monkeypatch.setattr(results.subprocess, "run", no_git)
+    assert results.git_commit() == "unknown"

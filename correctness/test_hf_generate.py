@@ -1,0 +1,307 @@
+"""A real model, run by code nobody here wrote: transformers' DeepSeek-V2 / V3 ``generate`` with
+its shared context on holders produces the tokens of its own ``generate`` on the whole prompt
+(issue 17; §2.1, §3.3).
+
+Models: small random-weight ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``
+(:func:`mqnc.integrations.hf.random_model`): DeepSeek-V2-Lite's attention dims (16 heads,
+``kv_lora_rank`` 512, ``qk_rope_head_dim`` 64, ``qk_nope_head_dim`` 128, ``v_head_dim`` 128, YaRN
+factor 40), DeepSeek-V3's ``q_lora_rank`` 1536 where there is a query LoRA, 2 layers (one dense
+MLP, one MoE), hidden 512, vocabulary 512. Both pair layouts: V2 caches ``k_pe`` in interleaved
+pairs, V3 in halves (``rope_interleave`` True: permuted; False: ``rotate_half`` as is).
+
+Every run: a context of 300 tokens prefilled once by the model's own forward and cut into chunks
+on 1..4 holders, an 8-token prompt, 16 greedy tokens. The oracle is transformers' own
+``generate`` on ``context + prompt`` (same weights, one instance): tokens equal, logits within
+``rho * (E + S)`` where ``E`` is transformers' own distance from the float64 model and ``S`` its
+own shift noise (:mod:`mqnc.integrations.hf_exactness`, ``mqnc.testing.TOLERANCES["hf_logits"]``).
+bf16 runs are also forced onto transformers' tokens so that all 16 steps are compared even past
+a bf16 tie.
+
+Where the kernels run: every run uses the torch references (:mod:`mqnc.serving.compute`, ``kernels=
+"torch"``) for the holders' partial attention, the merge, the query rotation and the splice,
+except ``test_kernels_*``, which run the Triton kernels (interpreted on a CPU): the holders'
+``mla_decode_partial``, the requester's ``rope_rotate`` (route at an offset) or ``rope_splice``
+and ``mla_decode_partial`` in its pool (fetch at an offset), and ``merge_partials``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from mqnc.integrations.hf import attach, prefill_context, random_model  # noqa: E402
+from mqnc.integrations.hf_exactness import HFReference  # noqa: E402
+from mqnc.serving import LocalHolders  # noqa: E402
+
+CONTEXT, PROMPT, STEPS = 300, 8, 16
+MODELS = {
+    "v2": dict(kind="deepseek_v2"),
+    "v2-lora": dict(kind="deepseek_v2", q_lora_rank=1536),
+    "v3": dict(kind="deepseek_v3", q_lora_rank=1536),
+    "v3-rotate-half": dict(kind="deepseek_v3", rope_interleave=False),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_CACHE: dict = {}
+
+
+def setup(name: str, dtype: str = "fp32"):
+    """(model, context ids, prompt ids, HFReference), built once per (model, dtype)."""
+    key = (name, dtype)
+    if key not in _CACHE:
+        spec = dict(MODELS[name])
+        model = random_model(spec.pop("kind"), seed=0, dtype=DTYPES[dtype], **spec)
+        g = torch.Generator().manual_seed(1)
+        ctx = torch.randint(0, model.config.vocab_size, (CONTEXT,), generator=g)
+        prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=g)
+        ref = HFReference(model, ctx, prompt, max_new_tokens=STEPS)
+        _CACHE[key] = (model, ctx, prompt, ref)
+    return _CACHE[key]
+
+
+def generate(model, corpus, holders, *, forced_by=None, fallbacks=False, **session):
+    """One ``generate`` through a session on ``holders``: (output, session); no primitive may
+    have failed over unless ``fallbacks``."""
+    kw = {} if forced_by is None else dict(logits_processor=forced_by.forcing())
+    prompt = session.pop("prompt")
+    with torch.no_grad(), attach(model, corpus, holders.requester(), **session) as s:
+        out = s.generate(
+            prompt,
+            max_new_tokens=STEPS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **kw,
+        )
+    assert fallbacks or not s.fallbacks, s.fallbacks
+    return out, s
+
+
+def killer(holders, *, rank: int, step: int):
+    """``on_step``: kill holder ``rank`` before forward pass ``step``."""
+
+    def on_step(s: int) -> None:
+        if s == step:
+            holders.kill(rank)
+
+    return on_step
+
+
+def check(ref, out, *, offset=None, forced=False, fp32_exact=True):
+    ex = ref.check(out.sequences, out.logits, offset=offset, forced=forced)
+    print(ex.line())
+    assert ex.ok, ex.line()
+    if fp32_exact and ref.model.dtype == torch.float32:
+        assert ex.tokens_equal, ex.line()  # no tie is anywhere near fp32's bound
+    return ex
+
+
+def corpus_of(name, dtype="fp32", *, holders, replicas=1, chunk_tokens=64):
+    model, ctx, _, _ = setup(name, dtype)
+    return prefill_context(
+        model, ctx, chunk_tokens=chunk_tokens, holders=range(1, holders + 1), replicas=replicas
+    )
+
+
+@pytest.mark.parametrize(
+    "name, holders, force",
+    [
+        ("v2", 1, "route"),
+        ("v2-lora", 2, "route"),
+        ("v3", 3, "route"),
+        ("v3-rotate-half", 4, "route"),
+        ("v2", 3, "fetch"),
+        ("v3", 2, "local"),
+        ("v3-rotate-half", 2, None),  # the predicate decides (h100-ibgda constants)
+    ],
+)
+def test_generate_matches_hf(name, holders, force):
+    model, _, prompt, ref = setup(name)
+    corpus = corpus_of(name, holders=holders)
+    with LocalHolders(corpus, kernels="torch") as hs:
+        out, s = generate(model, corpus, hs, prompt=prompt, force=force, fabric="h100-ibgda")
+    check(ref, out)
+    used = {r.primitive for r in s.records() if r.ok}
+    decided = {d["primitive"] for d in s.requests[0].decisions.values()}
+    assert used == decided and (force is None or decided == {force})
+    assert not s.fallbacks
+
+
+@pytest.mark.parametrize(
+    "name, force, offset",
+    [("v3", "route", 77), ("v2", "fetch", 77), ("v3-rotate-half", "local", 1000)],
+)
+def test_context_at_another_offset(name, force, offset):
+    """The context prefilled at positions 0.. is used at ``offset``.. (route rotates the query
+    by -offset, fetch splices by +offset, local re-prefills there); RoPE is relative, so the
+    tokens are those of transformers' generate with the context at 0."""
+    model, _, prompt, ref = setup(name)
+    corpus = corpus_of(name, holders=2)
+    with LocalHolders(corpus, kernels="torch") as hs:
+        out, s = generate(model, corpus, hs, prompt=prompt, force=force, offset=offset)
+    assert s.context_end == offset + CONTEXT
+    ex = check(ref, out, offset=offset)
+    assert ex.shift_max > 0  # the bound carries transformers' own shift noise
+
+
+@pytest.mark.parametrize("name, holders, force", [("v2", 2, "route"), ("v3", 3, "fetch")])
+def test_bf16(name, holders, force):
+    """bf16 weights, cache, wire and holders: the free run's tokens agree up to the first bf16
+    tie, and a run forced onto transformers' tokens agrees at all 16 steps."""
+    model, _, prompt, ref = setup(name, "bf16")
+    corpus = corpus_of(name, "bf16", holders=holders)
+    assert corpus.dtype == torch.bfloat16
+    with LocalHolders(corpus, kernels="torch") as hs:
+        free, _ = generate(model, corpus, hs, prompt=prompt, force=force)
+        forced, _ = generate(model, corpus, hs, prompt=prompt, force=force, forced_by=ref)
+    check(ref, free)
+    ex = check(ref, forced, forced=True)
+    assert ex.compared_steps == STEPS
+
+
+def test_kernels_route_at_offset_fp32():
+    """The Triton kernels (interpreted on a CPU): holder mla_decode_partial, requester
+    rope_rotate, merge_partials; V3 halves layout, query LoRA, the context as one chunk."""
+    model, _, prompt, ref = setup("v3")
+    corpus = corpus_of("v3", holders=1, chunk_tokens=CONTEXT)
+    with LocalHolders(corpus, kernels="triton") as hs:
+        out, s = generate(model, corpus, hs, prompt=prompt, force="route", offset=77)
+    assert s.kernels == "triton"
+    check(ref, out, offset=77)
+
+
+def test_kernels_fetch_at_offset_bf16():
+    """The Triton kernels in bf16: rope_splice of the fetched chunks, mla_decode_partial over
+    the requester's pool, merge_partials; V2 interleaved layout."""
+    model, _, prompt, ref = setup("v2", "bf16")
+    corpus = corpus_of("v2", "bf16", holders=1, chunk_tokens=CONTEXT)
+    with LocalHolders(corpus, kernels="triton") as hs:
+        out, _ = generate(model, corpus, hs, prompt=prompt, force="fetch", offset=77)
+    check(ref, out, offset=77)
+
+
+@pytest.mark.parametrize("replicas, fallback", [(2, "route"), (1, "local")])
+def test_holder_killed_midway(replicas, fallback):
+    """Holder 1 dies before step 6: its chunks are routed to their replica (replicas=2) or,
+    with no replica, re-prefilled locally (fetch from a dead holder fails too). Same tokens."""
+    model, _, prompt, ref = setup("v2")
+    corpus = corpus_of("v2", holders=2, replicas=replicas)
+    with LocalHolders(corpus, kernels="torch") as hs:
+        kill = killer(hs, rank=1, step=6)
+        out, s = generate(
+            model, corpus, hs, prompt=prompt, force="route", on_step=kill, fallbacks=True
+        )
+    check(ref, out)
+    assert s.fallbacks and {f["used"] for f in s.fallbacks} == {fallback}
+    assert all(f["holder"] == 1 and f["step"] >= 6 for f in s.fallbacks)
+    if replicas == 2:
+        assert {f["peer"] for f in s.fallbacks} == {2}
+
+
+def test_gloo_holder_processes_route_kill_and_fetch():
+    """Holders as processes over torch.distributed gloo (``python -m
+    mqnc.serving.holder_process`` with the corpus file): route at an offset, route with a holder
+    process killed mid-way (its chunks go to their replica), then fetch from the survivor."""
+    model, _, prompt, ref = setup("v3")
+    corpus = corpus_of("v3", holders=2, replicas=2)
+    with LocalHolders(corpus, transport="gloo", kernels="torch") as hs:
+        out, s = generate(model, corpus, hs, prompt=prompt, force="route", offset=77)
+        check(ref, out, offset=77)
+        assert {r.peer for r in s.records() if r.primitive == "route"} == {1, 2}
+        kill = killer(hs, rank=2, step=4)
+        out, s = generate(
+            model, corpus, hs, prompt=prompt, force="route", on_step=kill, fallbacks=True
+        )
+        check(ref, out)
+        assert s.fallbacks and {(f["holder"], f["peer"]) for f in s.fallbacks} == {(2, 1)}
+        out, s = generate(model, corpus, hs, prompt=prompt, force="fetch", fallbacks=True)
+        check(ref, out)
+        assert {r.peer for r in s.records() if r.primitive == "fetch" and r.ok} == {1}
+
+
+def test_sampling_with_a_seed():
+    """``do_sample=True`` with a seed: the same random draws over the same distributions."""
+    model, ctx, prompt, _ = setup("v2")
+    corpus = corpus_of("v2", holders=2)
+    kw = dict(max_new_tokens=STEPS, do_sample=True, top_k=50, temperature=0.8)
+    torch.manual_seed(1234)
+    with torch.no_grad():
+        expected = model.generate(torch.cat([ctx[None], prompt], 1), **kw)[0, CONTEXT + PROMPT :]
+    with LocalHolders(corpus, kernels="torch") as hs, torch.no_grad():
+        with attach(model, corpus, hs.requester(), force="route") as s:
+            torch.manual_seed(1234)
+            got = s.generate(prompt, **kw)[0, PROMPT:]
+    assert torch.equal(got, expected), (got.tolist(), expected.tolist())
+    greedy = _CACHE[("v2", "fp32")][3].tokens[0]
+    assert not torch.equal(got, greedy)  # it did sample
+
+
+def test_bad_use_is_a_clear_error():
+    model, _, prompt, _ = setup("v2")
+    corpus = corpus_of("v2", holders=1)
+    with LocalHolders(corpus, kernels="torch") as hs:
+        req = hs.requester()
+        with pytest.raises(ValueError, match="force"):
+            attach(model, corpus, req, force="teleport")
+        with pytest.raises(TypeError, match="dtype"):
+            attach(model, corpus_of("v2", "bf16", holders=1), req)
+        with torch.no_grad(), attach(model, corpus, req, force="route") as s:
+            with pytest.raises(ValueError, match="position_ids"):
+                model.generate(prompt, max_new_tokens=2)  # positions 0..: inside the context
+            with pytest.raises(ValueError, match="padded"):
+                s.generate(prompt, attention_mask=torch.tensor([[0] + [1] * (PROMPT - 1)]))
+        assert model.config._attn_implementation != "mqnc"  # detached on exit
+    with pytest.raises(ValueError, match="attached"):
+        with attach(model, corpus, req):
+            prefill_context(model, [1, 2, 3], chunk_tokens=2, holders=[1])
+
+
+def test_readme_example_runs_as_written():
+    """The README's 15-line example, executed verbatim."""
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    m = re.search(r"<!-- hf-example -->\s*```python\n(.*?)```", readme, re.S)
+    assert m, "README: the hf example block (marked <!-- hf-example -->) is missing"
+    code = m.group(1)
+    assert len(code.strip().splitlines()) <= 15
+    scope: dict = {}
+    exec(compile(code, "README.md (hf example)", "exec"), scope)  # noqa: S102
+    assert scope["out"].shape == (1, PROMPT + STEPS)
+
+
+def test_hf_demo_prints_the_table_and_the_exactness_line(tmp_path, capsys):
+    """``mqnc demo --hf`` end to end (small: loopback holders, torch references): decisions by
+    the predicate on calibrated constants, the demo's table, the exactness line, JSON + PNG."""
+    from mqnc.demo import HFDemoConfig, run_hf_demo
+
+    cfg = HFDemoConfig(
+        context_tokens=256,
+        chunk_tokens=64,
+        transport="loopback",
+        kernels="torch",
+        out=str(tmp_path),
+    )
+    result = run_hf_demo(cfg)
+    printed = capsys.readouterr().out
+    assert "decisions per (chunk, agent)" in printed and "MAPE" in printed
+    assert "16/16 equal to transformers' generate" in printed and "-- OK" in printed
+    assert result["exactness"]["ok"] and result["tokens"] == result["reference_tokens"]
+    assert len(result["decisions"]) == 4 and result["primitives"]
+    assert result["checked"]["merged"] == 2 * STEPS  # both layers of all 16 forward passes
+    assert (tmp_path / "hf_demo.json").exists() and (
+        tmp_path / "hf_measured_vs_predicted.png"
+    ).exists()
+
+
+def test_demo_hf_command_line(capsys):
+    """``mqnc demo --hf``: the MLA demo's own options are an error naming them, and so is a
+    transport the HF demo cannot run (before any work starts)."""
+    from mqnc.cli import main
+
+    assert main(["demo", "--hf", "--layers", "3", "--topk", "8"]) == 2
+    assert "--layers, --topk apply to the MLA demo only" in capsys.readouterr().err
+    assert main(["demo", "--hf", "deepseek_v3", "--transport", "nvshmem"]) == 2
+    assert "transport: expected one of ('gloo', 'loopback')" in capsys.readouterr().err

@@ -1,0 +1,67 @@
+"""The kernel report (``python -m perf.kernel_report``, ``mqnc kernel-report``) runs on a CPU
+machine (it compiles for sm_90, never launches) and records its predictions, labelled as such,
+into the file it is given."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _report(module: str, *args: str, cwd=ROOT, interpret: str | None = "0"):
+    """``python -m <module> <args>`` with ``TRITON_INTERPRET`` set to ``interpret`` (None: unset;
+    "0" is compiled mode, no launch, even on a CPU-only torch)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret is not None:
+        env["TRITON_INTERPRET"] = interpret
+    return subprocess.run(
+        [sys.executable, "-m", *module.split(), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=600,
+    )
+
+
+def test_kernel_report_predicts_and_records(tmp_path):
+    out = tmp_path / "report.jsonl"
+    r = _report("perf.kernel_report", "--ops", "merge,rotate", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "PREDICTIONS" in r.stdout and "| merge M=8 rows=256 | <= 8 us |" in r.stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    launches = [x for x in rows if x["kind"] == "launch"]
+    shapes = [x for x in rows if x["kind"] == "shape"]
+    assert {s["shape"] for s in shapes} == {
+        "merge M=8 rows=256",
+        "merge M=2 rows=256",
+        "rotate rows=256 delta=int",
+        "rotate rows=256 delta=[T]",
+    }
+    for x in rows:
+        assert x["prediction"] is True and x["pred_us"] > 0
+    for x in launches:
+        assert x["spill"] == 0 and 0 < x["fill"] <= 1 and x["cta_per_sm"] >= 1
+        if x["op"] == "merge":
+            assert x["LDG128"] > 0
+
+
+def test_mqnc_kernel_report_subcommand(tmp_path):
+    """``mqnc kernel-report`` is the same report (the CLI imports nothing of perf/); it chooses
+    compiled mode itself when ``TRITON_INTERPRET`` is unset and refuses the interpreter."""
+    out = tmp_path / "cli.jsonl"
+    args = ("--ops", "rotate", "--out", str(out))
+    r = _report("mqnc kernel-report", *args, cwd=tmp_path, interpret=None)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "PREDICTIONS" in r.stdout and "| rotate rows=256 delta=int |" in r.stdout
+    assert {json.loads(x)["shape"] for x in out.read_text().splitlines()} == {
+        "rotate rows=256 delta=int",
+        "rotate rows=256 delta=[T]",
+    }
+    r = _report("mqnc kernel-report", *args, cwd=tmp_path, interpret="1")
+    assert r.returncode != 0 and "set TRITON_INTERPRET=0" in r.stderr

@@ -1,0 +1,183 @@
+"""Plan once, run many (FlashMLA's ``get_mla_metadata``, FlashInfer's ``plan()``).
+
+A plan does every check and the split choice on the tensors it is made from; ``run`` takes new
+tensors of the same shapes and only launches. The tests show that ``run`` gives the functional
+call's bits on new values (new query rows, new lengths, new indices, refilled buffers), that
+it calls none of the checks, range checks or the split search (they are made to fail after
+planning), and that the FlashMLA / FlashInfer plans do the same. That ``run`` never syncs the
+host is checked where a sync would fail: inside a CUDA graph capture
+(``correctness/test_cuda_graph.py``, GPU tier).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mqnc.triton_kernels._checks as checks
+import mqnc.triton_kernels._grid as grid
+import mqnc.triton_kernels.mla_decode as mla_decode
+import mqnc.triton_kernels.mla_sparse as mla_sparse
+from mqnc.testing import assert_close, default_device, tolerance
+from mqnc.triton_kernels import (
+    mla_decode_partial,
+    mla_decode_partial_csr,
+    mla_sparse_partial,
+    plan_mla_decode,
+    plan_mla_decode_csr,
+    plan_mla_sparse,
+)
+from mqnc.triton_kernels.flashinfer_api import mla_paged_attention, plan_mla_paged_attention
+from mqnc.triton_kernels.flashmla_api import mla_decode_with_kvcache, plan_mla_with_kvcache
+
+D_QK, D_V = 576, 512
+SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2
+DEVICE = default_device()
+
+
+def same(actual, expected, name):
+    assert_close(actual, expected, tolerance("same_kernel", "float32"), name=name)
+
+
+@pytest.fixture
+def no_checks(monkeypatch):
+    """After planning: every check, host range check and split search raises if called."""
+
+    def boom(*args, **kwargs):
+        raise AssertionError("called on the run path")
+
+    def arm():
+        for module, names in (
+            (checks, ("check_tensor", "check_same_device", "check_softmax_scale")),
+            (mla_decode, ("_check_paging", "_check_csr", "check_tensor", "check_launchable")),
+            (mla_sparse, ("_check_index_range", "check_tensor", "check_launchable")),
+            (grid, ("choose_num_splits", "kernel_occupancy")),
+        ):
+            for name in names:
+                monkeypatch.setattr(module, name, boom)
+
+    return arm
+
+
+def _inputs(gen, B=3, H=4, page=16, W=5):
+    pool = torch.randn(B * W + 1, page, D_QK, generator=gen).to(DEVICE)
+    table = torch.randperm(B * W + 1, generator=gen)[: B * W].view(B, W).to(DEVICE, torch.int32)
+    q = torch.randn(B, H, D_QK, generator=gen).to(DEVICE)
+    return q, pool, table
+
+
+def test_dense_plan_runs_new_steps_like_the_call(no_checks):
+    gen = torch.Generator().manual_seed(1)
+    q, pool, table = _inputs(gen)
+    lens = torch.tensor([70, 3, 40], dtype=torch.int32, device=DEVICE)
+    plan = plan_mla_decode(q, pool, table, lens, softmax_scale=SCALE)
+    assert plan.num_splits >= 1
+    steps = []
+    for step in range(3):  # the holder's steps: new rows, grown lengths, refilled buffers
+        q_new = torch.randn(q.shape, generator=gen).to(DEVICE)
+        lens_new = lens + step
+        steps.append(
+            (q_new, lens_new, mla_decode_partial(q_new, pool, table, lens_new, softmax_scale=SCALE))
+        )
+    no_checks()
+    with pytest.raises(AssertionError, match="called on the run path"):  # the fixture bites
+        mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE)
+    out = (torch.empty(3, 4, D_V, device=DEVICE), torch.empty(3, 4, device=DEVICE))
+    for q_new, lens_new, (o_ref, lse_ref) in steps:
+        o, lse = plan.run(q_new, pool, table, lens_new)
+        same(o, o_ref, "o")
+        same(lse, lse_ref, "lse")
+        o2, lse2 = plan.run(q_new, pool, table, lens_new, out=out)
+        assert o2 is out[0] and lse2 is out[1]
+        same(o2, o_ref, "o (out=)")
+
+
+def test_split_cache_and_csr_plans(no_checks):
+    gen = torch.Generator().manual_seed(2)
+    q, pool, table = _inputs(gen)
+    lens = torch.tensor([80, 16, 33], dtype=torch.int32, device=DEVICE)
+    ckv, kpe = pool[..., :D_V].clone(), pool[..., D_V:].clone()
+    indptr = torch.tensor([0, 5, 6, 9], dtype=torch.int32, device=DEVICE)
+    indices = torch.cat([table[0], table[1, :1], table[2, :3]])
+    split_plan = plan_mla_decode(q, ckv, table, lens, softmax_scale=SCALE, kpe_pool=kpe)
+    csr_plan = plan_mla_decode_csr(q, pool, indptr, indices, lens, softmax_scale=SCALE)
+    whole_pages = plan_mla_decode_csr(q, pool, indptr, indices, softmax_scale=SCALE)
+    q2 = torch.randn(q.shape, generator=gen).to(DEVICE)
+    ref_split = mla_decode_partial(q2, ckv, table, lens, softmax_scale=SCALE, kpe_pool=kpe)
+    ref_csr = mla_decode_partial_csr(q2, pool, indptr, indices, lens, softmax_scale=SCALE)
+    ref_pages = mla_decode_partial_csr(q2, pool, indptr, indices, softmax_scale=SCALE)
+    no_checks()
+    same(split_plan.run(q2, ckv, table, lens, kpe_pool=kpe)[0], ref_split[0], "split")
+    same(csr_plan.run(q2, pool, indptr, indices, lens)[0], ref_csr[0], "csr")
+    same(whole_pages.run(q2, pool, indptr, indices)[0], ref_pages[0], "csr, whole pages")
+
+
+def test_sparse_plan_takes_new_indices_unchecked(no_checks):
+    gen = torch.Generator().manual_seed(3)
+    q, pool, _ = _inputs(gen)
+    n = pool.shape[0] * pool.shape[1]
+    idx = torch.randint(-1, n, (3, 70), generator=gen, dtype=torch.int32).to(DEVICE)
+    plan = plan_mla_sparse(q, pool, idx, softmax_scale=SCALE)
+    idx2 = torch.randint(-1, n, (3, 70), generator=gen, dtype=torch.int32).to(DEVICE)
+    o_ref, lse_ref = mla_sparse_partial(q, pool, idx2, softmax_scale=SCALE)
+    no_checks()
+    o, lse = plan.run(q, pool, idx2)
+    same(o, o_ref, "o")
+    same(lse, lse_ref, "lse")
+
+
+def test_layout_adapters_plan_once_too(no_checks):
+    gen = torch.Generator().manual_seed(4)
+    q, pool, table = _inputs(gen, B=2, H=4)
+    q4 = torch.randn(2, 2, 4, D_QK, generator=gen).to(DEVICE)
+    lens = torch.tensor([70, 20], dtype=torch.int32, device=DEVICE)
+    mla_plan = plan_mla_with_kvcache(
+        q4, pool[:, :, None], table, lens, softmax_scale=SCALE, causal=True
+    )
+    ref = mla_decode_with_kvcache(
+        q4, pool[:, :, None], table, lens, softmax_scale=SCALE, causal=True
+    )
+    slots = torch.cat(
+        [
+            (table[b].long()[:, None] * 16 + torch.arange(16, device=DEVICE)).reshape(-1)[:n]
+            for b, n in enumerate(lens.tolist())
+        ]
+    ).to(torch.int32)
+    indptr = torch.tensor([0, 70, 90], dtype=torch.int32, device=DEVICE)
+    ckv, kpe = pool[..., :D_V].reshape(-1, 1, D_V), pool[..., D_V:].reshape(-1, 1, D_QK - D_V)
+    args = (q[:2, :, :D_V], q[:2, :, D_V:], ckv, kpe, indptr, slots, lens)
+    fi_plan = plan_mla_paged_attention(*args, sm_scale=SCALE)
+    fi_ref = mla_paged_attention(*args, sm_scale=SCALE)
+    no_checks()
+    o, lse = mla_plan.run(q4, pool[:, :, None], table, lens)
+    same(o, ref[0], "flashmla o")
+    same(lse, ref[1], "flashmla lse")
+    o, lse2 = fi_plan.run(*args)
+    same(o, fi_ref[0], "flashinfer o")
+    same(lse2, fi_ref[1], "flashinfer lse (base 2)")
+
+
+def test_empty_batches_plan_and_run():
+    """No query rows: nothing to launch, empty outputs (dense, CSR, sparse)."""
+    q = torch.zeros(0, 16, D_QK, device=DEVICE)
+    pool = torch.zeros(2, 16, D_QK, device=DEVICE)
+    none = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    plans = (
+        (
+            plan_mla_decode(q, pool, none.view(0, 1), none, softmax_scale=SCALE),
+            (none.view(0, 1), none),
+        ),
+        (
+            plan_mla_decode_csr(q, pool, none[:0].new_zeros(1), none, none, softmax_scale=SCALE),
+            (none.new_zeros(1), none, none),
+        ),
+        (
+            plan_mla_sparse(q, pool, none.new_zeros(0, 4), softmax_scale=SCALE),
+            (none.new_zeros(0, 4),),
+        ),
+    )
+    for plan, rest in plans:
+        o, lse = plan.run(q, pool, *rest)
+        assert o.shape == (0, 16, D_V) and lse.shape == (0, 16) and not plan.launches

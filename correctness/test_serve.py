@@ -1,0 +1,151 @@
+"""Holders as a service launched by torchrun (issue 17, item 3): one machine plays two "nodes".
+
+A random-weight DeepSeek-V2 model is saved with ``save_pretrained`` (what a user's model folder
+is), ``mqnc corpus`` prefills the shared context once from that folder and writes the corpus file
+(chunks on ranks 2 and 3, two replicas each), and two ``torchrun --nnodes 2`` invocations on
+127.0.0.1 start the job: node 1 runs the holder ranks (2, 3: they load their chunks from the
+file), node 0 the requester ranks (0, 1: each loads the model folder and generates from its
+prompt with the context on the holders, at offset 77). Every requester's tokens must equal
+transformers' own ``generate`` on ``context + prompt``. Bounded in time (generous timeouts),
+no timing assertion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from mqnc.cli import main as mqnc_main  # noqa: E402
+from mqnc.integrations.hf import random_model  # noqa: E402
+
+CONTEXT, PROMPT, STEPS = 256, 8, 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(node_rank: int, port: int, args: list[str], log) -> subprocess.Popen:
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [
+        torchrun,
+        "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node_rank),
+        "--rdzv-backend", "static", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "-m", "mqnc", "serve", *args,
+    ]  # fmt: skip
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_torchrun_two_nodes_holders_and_requesters(tmp_path):
+    model = random_model("deepseek_v2", seed=3)
+    model.save_pretrained(tmp_path / "model")
+    g = torch.Generator().manual_seed(4)
+    context = torch.randint(0, model.config.vocab_size, (CONTEXT,), generator=g)
+    prompts = torch.randint(0, model.config.vocab_size, (2, PROMPT), generator=g)
+    (tmp_path / "context.json").write_text(json.dumps(context.tolist()))
+    (tmp_path / "prompts.json").write_text(json.dumps({"prompts": prompts.tolist()}))
+    corpus = tmp_path / "corpus.json"
+    rc = mqnc_main(
+        [
+            "corpus", "--model", str(tmp_path / "model"),
+            "--context", str(tmp_path / "context.json"), "--chunk-tokens", "64",
+            "--holders", "2,3", "--replicas", "2", "--dtype", "float32",
+            "--out", str(corpus),
+        ]
+    )  # fmt: skip
+    assert rc == 0 and corpus.exists() and corpus.with_suffix(".safetensors").exists()
+
+    port = _free_port()
+    args = [
+        "--corpus", str(corpus), "--transport", "gloo", "--kernels", "torch",
+        "--generate", "--model", str(tmp_path / "model"),
+        "--prompts", str(tmp_path / "prompts.json"), "--max-new-tokens", str(STEPS),
+        "--force", "route", "--offset", "77",
+        "--out", str(tmp_path / "out"), "--timeout", "300",
+    ]  # fmt: skip
+    logs = [open(tmp_path / f"node{n}.log", "w") for n in (0, 1)]  # noqa: SIM115
+    nodes = [_torchrun(1, port, args, logs[1]), _torchrun(0, port, args, logs[0])]
+    try:
+        rcs = [p.wait(timeout=600) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    out = "\n".join((tmp_path / f"node{n}.log").read_text()[-3000:] for n in (0, 1))
+    assert rcs == [0, 0], out
+    assert "holder 2 done" in out and "holder 3 done" in out, out
+
+    for rank in (0, 1):
+        got = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
+        assert got["rank"] == rank and got["requester_index"] == rank
+        assert got["calls"]["route"] > 0 and not got["fallbacks"]
+        full = torch.cat([context, prompts[rank]])[None]
+        with torch.no_grad():
+            expected = model.generate(full, max_new_tokens=STEPS, do_sample=False)
+        assert got["tokens"] == expected[0, CONTEXT + PROMPT :].tolist(), (rank, got)
+
+
+def test_corpus_file_round_trip_and_bad_manifests(tmp_path):
+    """The corpus file: the manifest and the chunks come back as written (each holder reads its
+    own chunks), and a manifest that is not one is a clear error naming what is wrong."""
+    from mqnc.model import PRESETS, RopeSpec
+    from mqnc.serving import ChunkSpec, Corpus
+
+    g = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4)
+    entries = torch.randn(g.layers, 200, g.d_qk, generator=torch.Generator().manual_seed(0))
+    rope = RopeSpec.from_preset("deepseek-v2-lite", layout="half")
+    corpus = Corpus.partition(
+        entries, g, 0.1, chunk_tokens=64, holders=[2, 3], replicas=2, position=5, rope=rope
+    )
+    assert [c.tokens for c in corpus.chunks.values()] == [64, 64, 64, 8]
+    assert [c.holders for c in corpus.chunks.values()] == [(2, 3), (3, 2), (2, 3), (3, 2)]
+    path = corpus.save(tmp_path / "c.json")
+    back = Corpus.load(path)
+    assert back.entries is None and back.rope == rope and back.geometry == g
+    assert back.chunks == corpus.chunks and back.position == 5 and back.holder_ranks == [2, 3]
+    for cid, c in back.chunks.items():
+        assert torch.equal(back.chunk_kv(cid), entries[:, c.start : c.start + c.tokens])
+    info = back.directory()[3]
+    assert (info.chunk_id, info.tokens, info.position, info.holders) == (3, 8, 197, (3, 2))
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(ValueError, match="not an mqnc-corpus v1 manifest"):
+        Corpus.load(bad)
+    manifest = json.loads(path.read_text())
+    manifest["chunks"][0].pop("holders")
+    bad.write_text(json.dumps(dict(manifest, tensors="bad.safetensors")))
+    with pytest.raises(ValueError, match="malformed manifest"):
+        Corpus.load(bad)
+    with pytest.raises(ValueError, match="overlap"):
+        Corpus(
+            g,
+            0.1,
+            [ChunkSpec(0, 0, 10, 0, (1,)), ChunkSpec(1, 5, 10, 5, (1,))],
+            dtype=torch.float32,
+        )
+    with pytest.raises(ValueError, match="replicas"):
+        Corpus.partition(entries, g, 0.1, chunk_tokens=64, holders=[1], replicas=2)
+
+
+def test_serve_command_surface():
+    """``mqnc serve``'s transports are the service's; a requester job is --run or --generate."""
+    from mqnc.cli import serve as cli_serve
+    from mqnc.serving import service
+
+    assert cli_serve.TRANSPORTS == service.TRANSPORTS
+    assert mqnc_main(["serve", "--corpus", "x.json", "--run", "a:b", "--generate"]) == 2

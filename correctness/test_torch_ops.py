@@ -1,0 +1,158 @@
+"""The kernels as ``torch.library`` ops (``torch.ops.mqnc.*``, ``triton_kernels/ops.py``).
+
+``torch.library.opcheck`` checks each op's registration against its real run: the schema
+(declared mutations match what the op writes), the fake implementation (shapes, dtypes and
+strides of its outputs equal the real ones) and the functionalised form that ``torch.compile``
+traces. Then ``torch.compile(fullgraph=True)`` of a function that calls the public functions
+(which route to the ops while Dynamo traces) gives the eager bits: one graph, no break. The
+``aot_eager`` backend runs Dynamo, the fakes and AOT functionalisation (what the
+registration is for) without Inductor's C++ build, so the test stays small on a CPU; the GPU
+tier compiles the holder step with Inductor and CUDA graphs (``test_cuda_graph.py``). Tiny
+shapes (32 + 16 wide rows) keep the interpreter fast.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mqnc.triton_kernels  # noqa: F401  (registers torch.ops.mqnc.*)
+from mqnc.testing import assert_close, default_device, tolerance
+from mqnc.triton_kernels import (
+    merge_partials,
+    merge_partials_into,
+    mla_decode_partial,
+    mla_decode_partial_csr,
+    mla_sparse_partial,
+    rope_rotate,
+    rope_splice,
+)
+from mqnc.triton_kernels.ops import OPS
+from mqnc.triton_kernels.splice import PlainRope
+
+DEVICE = default_device()
+D_V, D_PE = 32, 16
+D = D_V + D_PE
+SCALE = 0.2
+ROPE = PlainRope(tuple(10000.0 ** (-2 * i / D_PE) for i in range(D_PE // 2)), D_PE, "half")
+
+
+def _mla(gen):
+    q = torch.randn(2, 3, D, generator=gen).to(DEVICE)
+    pool = torch.randn(3, 16, D, generator=gen).to(DEVICE)
+    table = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([20, 9], dtype=torch.int32, device=DEVICE)
+    idx = torch.tensor([[0, 7, 40, -1], [3, -1, 2, 11]], dtype=torch.int32, device=DEVICE)
+    return q, pool, table, lens, idx
+
+
+def _op_cases():
+    gen = torch.Generator().manual_seed(0)
+    q, pool, table, lens, idx = _mla(gen)
+    indptr = torch.tensor([0, 2, 3], dtype=torch.int32, device=DEVICE)
+    indices = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    o = torch.randn(3, 2, 2, D, generator=gen).to(DEVICE)
+    lse = torch.randn(3, 2, 2, generator=gen).to(DEVICE)
+    chunk = torch.randn(2, 5, D, generator=gen).to(DEVICE)
+    freq = list(ROPE.inv_freq)
+    mask = torch.tensor([True, False], device=DEVICE)
+    return {
+        "mla_decode_partial": (q, pool, table, lens, SCALE, D_V, 2, True, None, None),
+        "mla_decode_partial_csr": (
+            q,
+            pool,
+            indptr,
+            indices,
+            lens,
+            SCALE,
+            D_V,
+            None,
+            True,
+            None,
+            None,
+            None,
+        ),
+        "mla_sparse_partial": (q, pool, idx, SCALE, D_V, None, True, None, None),
+        "merge_partials": (o, lse, True, "MBHD", False),
+        "merge_partials_into": (o[0].clone(), lse[0].clone(), o[1], lse[1], True, mask, False),
+        "rope_splice": (
+            chunk,
+            [torch.zeros(8, D, device=DEVICE) for _ in range(2)],
+            False,
+            torch.arange(5, device=DEVICE),
+            torch.arange(5, device=DEVICE),
+            0,
+            freq,
+            D_PE,
+            "half",
+            True,
+        ),
+        "rope_rotate": (q, None, 9, freq, D_PE, "half"),
+    }
+
+
+def test_every_op_is_checked():
+    assert sorted(_op_cases()) == sorted(OPS)
+
+
+def test_stacked_splice_through_the_op():
+    """The op's stacked form (``[pool]``, ``stacked=True``) writes what the function writes."""
+    gen = torch.Generator().manual_seed(2)
+    chunk = torch.randn(2, 5, D, generator=gen).to(DEVICE)
+    slots = torch.tensor([7, 0, 3, 12, 9], device=DEVICE)
+    pool, expected = (torch.zeros(2, 4, 4, D, device=DEVICE) for _ in range(2))
+    rope_splice(chunk, expected, slots, -3, ROPE)
+    torch.ops.mqnc.rope_splice(
+        chunk, [pool], True, slots, None, -3, list(ROPE.inv_freq), D_PE, "half", True
+    )
+    assert_close(pool, expected, tolerance("same_kernel", "float32"), name="pool")
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_op_registration(name):
+    """Schema, fake and functionalisation of ``torch.ops.mqnc.<name>`` against its real run."""
+    op = getattr(torch.ops.mqnc, name)
+    torch.library.opcheck(
+        op,
+        _op_cases()[name],
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
+    )
+
+
+def _step(q, pool, table, lens, idx, acc, lacc, chunk, caches, slots):
+    """A holder's step and a requester's fold, as user code writes them."""
+    kw = dict(softmax_scale=SCALE, d_v=D_V)
+    o1, l1 = mla_decode_partial(q, pool, table, lens, check_inputs=False, **kw)
+    o2, l2 = mla_sparse_partial(q, pool, idx, check_indices=False, **kw)
+    indptr = torch.tensor([0, 2, 3], dtype=torch.int32, device=q.device)
+    o3, _ = mla_decode_partial_csr(
+        q, pool, indptr, table.flatten()[:3], lens, check_inputs=False, max_kv_len=32, **kw
+    )
+    o, lse = merge_partials(torch.stack([o1, o2]), torch.stack([l1, l2]), check_lse=False)
+    merge_partials_into(acc, lacc, o, lse, check_lse=False)
+    rope_splice(chunk, caches, slots, 5, ROPE, validate=False)
+    return acc * 1.0, lacc, rope_rotate(q, -5, ROPE), o, o3
+
+
+def test_compile_fullgraph_equals_eager():
+    gen = torch.Generator().manual_seed(1)
+    q, pool, table, lens, idx = _mla(gen)
+    chunk = torch.randn(2, 5, D, generator=gen).to(DEVICE)
+    slots = torch.tensor([7, 0, 3, 12, 9], device=DEVICE)
+
+    def fresh():
+        acc = torch.zeros(2, 3, D_V, device=DEVICE)
+        lacc = torch.full((2, 3), float("-inf"), device=DEVICE)
+        return acc, lacc, [torch.zeros(4, 4, D, device=DEVICE) for _ in range(2)]
+
+    acc, lacc, caches = fresh()
+    eager = _step(q, pool, table, lens, idx, acc, lacc, chunk, caches, slots)
+    acc_c, lacc_c, caches_c = fresh()
+    compiled = torch.compile(_step, fullgraph=True, backend="aot_eager")
+    got = compiled(q, pool, table, lens, idx, acc_c, lacc_c, chunk, caches_c, slots)
+    tol = tolerance("same_kernel", "float32")
+    for i, (a, e) in enumerate(zip(got, eager, strict=True)):
+        assert_close(a, e, tol, name=f"output {i}")
+    assert_close(acc_c, acc, tol, name="merged in place")
+    for layer in range(2):
+        assert_close(caches_c[layer], caches[layer], tol, name=f"spliced layer {layer}")

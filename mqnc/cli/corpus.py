@@ -1,0 +1,87 @@
+"""``mqnc corpus``: prefill a shared context once with a Hugging Face DeepSeek model and write the
+corpus file that ``mqnc serve``'s holders load (:func:`mqnc.integrations.hf.prefill_context`,
+:meth:`mqnc.serving.Corpus.save`).
+
+The machine that runs it needs the model; the holders never do. The output is a JSON manifest
+and a ``.safetensors`` file beside it: copy both to every holder machine (or put them on a shared
+file system) and start ``mqnc serve --corpus corpus.json`` under torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mqnc.measure.options import nonnegative_int, nonnegative_int_list, positive_int
+
+__all__ = ["register", "read_token_ids"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+DESCRIPTION = (
+    "Prefill a shared context once with a Hugging Face DeepSeek model (its own forward) and "
+    "write the corpus mqnc serve's holders load: a JSON manifest (chunks, holder ranks, "
+    "replicas, geometry, RoPE) and a .safetensors file beside it. Only this machine needs the "
+    "model."
+)
+
+
+def read_token_ids(path: str) -> list[int]:
+    """Token ids from a JSON file: a list of ints, or ``{"token_ids": [...]}``."""
+    data = json.loads(Path(path).read_text())
+    ids = data.get("token_ids") if isinstance(data, dict) else data
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+        raise ValueError(
+            f"--context: expected a JSON list of token ids or {{'token_ids': [...]}} in {path}"
+        )
+    return ids
+
+
+def _run(args) -> int:
+    # imported here: registering this command must not load torch (``mqnc --help``)
+    from mqnc.base.runtime import use_interpreter_without_cuda
+
+    use_interpreter_without_cuda()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mqnc.integrations.hf import prefill_context
+
+    ids = read_token_ids(args.context)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    corpus = prefill_context(
+        model.eval(),
+        ids,
+        chunk_tokens=args.chunk_tokens,
+        holders=args.holders,
+        replicas=args.replicas,
+        position=args.position,
+    )
+    path = corpus.save(args.out)
+    print(
+        f"wrote {path} and {path.with_suffix('.safetensors').name}: {corpus.tokens} tokens in "
+        f"{len(corpus.chunks)} chunks on ranks {corpus.holder_ranks} (x{args.replicas}), "
+        f"{corpus.dtype}, prefill {corpus.meta['prefill_us'] / 1e3:.0f} ms"
+    )
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "corpus",
+        help="prefill a shared context once with a Hugging Face DeepSeek model; write the "
+        "corpus file mqnc serve's holders load",
+        description=DESCRIPTION,
+    )
+    p.add_argument("--model", required=True, help="Hugging Face model folder (from_pretrained)")
+    p.add_argument("--context", required=True, help="JSON token ids of the shared context")
+    p.add_argument("--chunk-tokens", type=positive_int, default=256, help="default 256")
+    p.add_argument(
+        "--holders", type=nonnegative_int_list, required=True, help="holder ranks, e.g. 2,3"
+    )
+    p.add_argument("--replicas", type=positive_int, default=1, help="copies per chunk (default 1)")
+    p.add_argument(
+        "--position", type=nonnegative_int, default=0, help="canonical position of token 0"
+    )
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="default bfloat16")
+    p.add_argument("--out", required=True, help="manifest path (.json)")
+    p.set_defaults(func=_run)

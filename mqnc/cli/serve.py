@@ -1,0 +1,159 @@
+"""``mqnc serve``: one rank of a holder / requester job started by torchrun
+(:func:`mqnc.serving.run_rank`; the README's "Holders as a service").
+
+A rank that holds chunks of the corpus file serves them until every requester is done; every
+other rank is a requester and runs its job: ``--generate`` (the default: a Hugging Face model
+folder generating from this requester's prompt, :func:`mqnc.integrations.hf.serve_generate`) or
+``--run module:function`` (called with a :class:`mqnc.serving.ServeContext`). Start it with
+``torchrun ... -m mqnc serve --corpus corpus.json ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+from mqnc.measure.options import positive_float, positive_int
+
+__all__ = ["register"]
+
+TRANSPORTS = ("auto", "gloo", "nvshmem")  # mqnc.serving.service.TRANSPORTS (torch-free here)
+DESCRIPTION = (
+    "One rank of a holder / requester job under torchrun (env:// rendezvous). Ranks that hold "
+    "chunks of the corpus file load them and serve route / fetch / probe until every requester "
+    "is done; every other rank is a requester and runs its job: --generate (a Hugging Face "
+    "model folder generating from its prompt with the context on the holders) or --run "
+    "module:function. Start: torchrun --nnodes N --nproc-per-node P --node-rank I "
+    "--rdzv-backend static --rdzv-endpoint HOST0:PORT -m mqnc serve --corpus corpus.json ..."
+)
+
+
+def _job(args):
+    """The requester's job: ``--run module:function`` or the built-in ``--generate``."""
+    if args.run:
+        module, _, fn = args.run.partition(":")
+        if not module or not fn:
+            raise ValueError(f"--run: expected 'module:function', got {args.run!r}")
+        return getattr(importlib.import_module(module), fn)
+
+    def generate(ctx):
+        from mqnc.integrations.hf import serve_generate
+
+        if not args.model or not args.prompts:
+            raise ValueError("--generate: needs --model DIR and --prompts FILE")
+        return serve_generate(
+            ctx,
+            model=args.model,
+            prompts=args.prompts,
+            max_new_tokens=args.max_new_tokens,
+            force=args.force,
+            offset=args.offset,
+            out=args.out,
+            device=args.device or "cpu",
+        )
+
+    return generate
+
+
+def _run(args) -> int:
+    # imported here: registering this command must not load torch (``mqnc --help``)
+    from mqnc.base.runtime import use_interpreter_without_cuda
+
+    use_interpreter_without_cuda()
+    import torch
+
+    from mqnc.serving import run_rank
+
+    # on small CPU machines torch's intra-op workers spin after each op and starve gloo's
+    # receive threads (the demo saw a 1.4 ms round trip become 3.9 ms): one thread by default
+    torch.set_num_threads(args.threads)
+    done = run_rank(
+        args.corpus,
+        _job(args),
+        transport=args.transport,
+        kernels=args.kernels,
+        device=args.device or "cpu",
+        max_rows=args.max_rows,
+        timeout_s=args.timeout,
+        rank=args.rank,
+        world=args.world,
+        master=args.master,
+        options=args,
+    )
+    if done["role"] == "holder":
+        s = done["stats"]
+        print(
+            f"mqnc serve: holder {done['rank']} done ({s.routes} routes, {s.fetches} fetches, "
+            f"{s.kernel_calls} batches)",
+            flush=True,
+        )
+    else:
+        text = json.dumps(done["result"], default=str)
+        print(f"mqnc serve: requester {done['rank']} done: {text[:200]}", flush=True)
+    if done["transport"] != "nvshmem":
+        # the gloo engine keeps closed groups alive until exit (a service thread may sit in a
+        # blocked recv); their destructors at interpreter shutdown can abort: exit directly
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="one rank of a holder / requester job under torchrun (corpus from a file)",
+        description=DESCRIPTION,
+    )
+    p.add_argument("--corpus", required=True, help="corpus manifest (.json) from mqnc corpus")
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default="auto",
+        help="gloo (CPU, any machine) or nvshmem (GPU); auto (default): nvshmem when available",
+    )
+    p.add_argument(
+        "--kernels",
+        choices=("triton", "torch"),
+        default="triton",
+        help="holders' and requesters' arithmetic: Triton kernels (default) or torch references",
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default cpu")
+    p.add_argument(
+        "--max-rows",
+        type=positive_int,
+        default=64 * 16,
+        help="query rows one routed message carries, the same on every rank (default 1024)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=positive_float,
+        default=300.0,
+        help="rendezvous and reply bound in seconds (default 300)",
+    )
+    p.add_argument(
+        "--threads", type=positive_int, default=1, help="torch intra-op threads (default 1)"
+    )
+    job = p.add_mutually_exclusive_group()
+    job.add_argument("--run", default=None, help="requester job 'module:function' (ServeContext)")
+    job.add_argument(
+        "--generate",
+        action="store_true",
+        help="requester job: generate with --model from --prompts (the job without --run)",
+    )
+    p.add_argument("--model", default=None, help="Hugging Face model folder (from_pretrained)")
+    p.add_argument(
+        "--prompts", default=None, help='JSON {"prompts": [[ids], ...]}, one per requester'
+    )
+    p.add_argument("--max-new-tokens", type=positive_int, default=16, help="default 16")
+    p.add_argument("--force", choices=("route", "fetch", "local"), default=None)
+    p.add_argument("--offset", type=int, default=None, help="the context's offset in the prompt")
+    p.add_argument("--out", default=None, help="folder for rank<r>.json (requester results)")
+    # an explicit rendezvous without torchrun: this rank, the world and the TCPStore host:port
+    p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--master", default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=_run)

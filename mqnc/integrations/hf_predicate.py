@@ -1,0 +1,148 @@
+"""The predicate's side of a Hugging Face session (:mod:`mqnc.integrations.hf_session`): this
+machine's constants measured against the holders, and route / fetch / local per chunk (§4, §5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from mqnc.cost import (
+    LOCAL_C_US,
+    SPLICE_PAPER,
+    FabricProfile,
+    SpliceProfile,
+    decide,
+    fit,
+    load_fabric,
+    t_local,
+)
+from mqnc.serving.compute import kernel_ops
+
+__all__ = ["as_fabric", "prefill_c_us", "measure_constants", "decide_chunk"]
+
+
+def as_fabric(fabric):
+    """A :class:`~mqnc.cost.FabricProfile` from a profile, a preset name or a JSON path."""
+    if isinstance(fabric, FabricProfile):
+        return fabric
+    if isinstance(fabric, str):
+        return load_fabric(fabric)
+    raise TypeError(f"fabric: expected a FabricProfile, a preset name or a path, got {fabric!r}")
+
+
+def prefill_c_us(corpus, geometry) -> float:
+    """``c``, the local re-prefill's cost per token-layer (us): the context prefill's own time
+    (``corpus.meta["prefill_us"]``), else the paper's default."""
+    us = corpus.meta.get("prefill_us")
+    if not us:
+        return LOCAL_C_US
+    return float(us) / (corpus.tokens * geometry.layers)
+
+
+def measure_constants(
+    requester, corpus, geometry, *, fabric=None, kernels="triton", probes: int = 9, reps: int = 2
+):
+    """This machine's constants against the corpus' first holder: probe round trips, a route
+    sweep (1, 4, 16 query tokens of ``H`` rows; affine fit, §4.3), one fetch spliced at a new
+    offset (bulk pull rate and splice per token), one merge; the local re-prefill cost per
+    token-layer is the context prefill's own time. Returns ``(fabric, cal)``: the given
+    ``fabric`` or the fitted one, and the constants (the keys ``mqnc demo``'s table prints)."""
+    req, g = requester, geometry
+    c0 = min(corpus.chunks)
+    info = req.directory[c0]
+    peer = info.holders[0]
+    dev = req.device
+    for _ in range(5):
+        req.probe(peer)
+    probe = [req.probe(peer) for _ in range(probes)]
+    samples, computes = [], []
+    gen = torch.Generator().manual_seed(0)  # the global RNG is the caller's (sampling)
+    for tokens in (1, 4, 16):
+        q = torch.randn(tokens, g.heads, g.d_qk, generator=gen).to(dev, req.dtype)
+        for _ in range(reps):
+            rec = req.route(c0, q, 0).record
+            samples.append((tokens * g.heads, max(rec.total_us - rec.compute_us, 1e-3)))
+            computes.append(rec.compute_us / (tokens * g.heads * info.tokens))
+    fetch = req.fetch(c0, offset=info.position + 1)
+    rec = next(r for r in reversed(req.costs) if r.primitive == "fetch")
+    bulk_bw = rec.bytes_recv / (max(rec.return_us, 1e-3) * 1e3)
+    o = torch.randn(len(corpus.chunks) + 1, 1, g.heads, g.v_head_dim, generator=gen)
+    lse = torch.randn(o.shape[:3], generator=gen)
+    o, lse = o.to(dev), lse.to(dev)
+    ops = kernel_ops(kernels)
+    ops.merge_partials(o, lse)
+    t0 = time.perf_counter()
+    ops.merge_partials(o, lse)
+    merge_us = (time.perf_counter() - t0) * 1e6
+    fit_error = None
+    if fabric is None:
+        try:
+            fitted = fit(samples, qp_row_bytes=g.qp_row_bytes, probe_us=probe)
+            fabric = fitted.to_fabric("this-machine (mqnc hf calibration)")
+        except ValueError as exc:  # decode-sized rows on a fast link: all fixed cost
+            fit_error = str(exc)
+            p50 = sorted(probe)[len(probe) // 2]
+            fixed = min(t for m, t in samples if m == g.heads)
+            fabric = FabricProfile(
+                "this-machine (mqnc hf calibration, route BW from the bulk pull)",
+                t_probe_us=p50,
+                bw_gbps=bulk_bw,
+                turnaround_us=max(fixed - p50 - g.heads * g.qp_row_bytes / (bulk_bw * 1e3), 0),
+                source="mqnc hf calibration",
+            )
+        fabric = dataclasses.replace(fabric, bulk_bw_gbps=bulk_bw)
+    cal = dict(
+        fabric=dataclasses.asdict(fabric),
+        fit_error=fit_error,
+        probe_samples_us=probe,
+        compute_us_per_row_token=sum(computes) / len(computes),
+        merge_us=merge_us,
+        splice_us_per_token=rec.splice_us / fetch.tokens,
+        c_us=prefill_c_us(corpus, g),
+    )
+    return fabric, cal
+
+
+def decide_chunk(
+    corpus,
+    geometry,
+    fabric,
+    cal: dict,
+    chunk_id: int,
+    *,
+    delta: int,
+    batch: int,
+    steps: int,
+    allow_local: bool,
+) -> dict:
+    """The predicate's choice for one chunk of one request (``batch * H`` rows per step,
+    ``steps * L`` round trips) and every primitive's total (us). The partial attention and the
+    merge are paid by every primitive (on the holder for route, in the requester's pool for
+    fetch and local), so they stay out of the comparison; fetch splices only when ``delta``;
+    an exact local re-prefill runs the context up to the chunk's end (a causal prefix)."""
+    c, g = corpus.chunks[chunk_id], geometry
+    if not delta:
+        splice = SpliceProfile.none()
+    elif "splice_us_per_token" in cal:
+        splice = SpliceProfile.flat(cal["splice_us_per_token"] * c.tokens, "measured")
+    else:
+        splice = SPLICE_PAPER
+    c_us = cal.get("c_us") or prefill_c_us(corpus, g)
+    d = decide(
+        g,
+        fabric,
+        batch * g.heads,
+        c.tokens,
+        c_us=c_us,
+        t_compute_us=0.0,
+        t_merge_us=0.0,
+        splice=splice,
+        round_trips=steps * g.layers,
+    )
+    costs = dict(d.costs, local=t_local(g, c.start + c.tokens, c_us))
+    allowed = [p for p in costs if p != "local" or allow_local]
+    chosen = min(allowed, key=costs.__getitem__)
+    return dict(chunk=chunk_id, primitive=chosen, predicate=chosen, costs_us=costs, delta=delta)

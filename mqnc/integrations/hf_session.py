@@ -1,0 +1,520 @@
+"""A transformers DeepSeek model attached to a corpus on holders: the attention function
+transformers calls, and the session that routes, fetches or re-prefills every chunk of the shared
+context per decode step and layer (the design is in :mod:`mqnc.integrations.hf`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from mqnc.integrations.hf_model import (
+    ATTN_IMPLEMENTATION,
+    attention_modules,
+    check_model,
+    geometry_of,
+    prefill_entries,
+    rope_spec_of,
+)
+from mqnc.integrations.hf_predicate import as_fabric, decide_chunk, measure_constants
+from mqnc.model import MLAWeights, absorb_query, latent_to_heads
+from mqnc.reference import merge_reference, partial_attention_reference, rope_rotate_reference
+from mqnc.serving import Corpus, Requester, kernel_ops
+from mqnc.testing import compare
+from mqnc.transport.wire import HEADER_BYTES
+
+__all__ = ["HFSession", "attach"]
+
+_BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+# ---- the attention function transformers calls -------------------------------------------------
+
+
+def _mqnc_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers' attention-interface signature; dispatches to the module's session."""
+    session = _BINDINGS.get(module)
+    if session is None:
+        raise RuntimeError(
+            f"mqnc attention: layer {getattr(module, 'layer_idx', '?')} is not attached to an "
+            "mqnc session (use mqnc.integrations.hf.attach)"
+        )
+    if session._bypass:  # a nested re-prefill (the local primitive): the model's own attention
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        return eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    return session._attend(module, query, key, value, attention_mask, scaling, kwargs)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _mqnc_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
+
+
+@dataclasses.dataclass
+class _Request:
+    """What the predicate decides for: one ``generate`` call (rows per step, steps)."""
+
+    batch: int
+    steps: int
+    decisions: dict[int, dict] = dataclasses.field(default_factory=dict)
+
+
+class HFSession:
+    """A transformers DeepSeek model attached to a corpus on holders (see the module docstring).
+
+    Parameters
+    ----------
+    model : DeepseekV2ForCausalLM or DeepseekV3ForCausalLM
+        The model whose context was prefilled into ``corpus`` (same weights, same dtype).
+    corpus : mqnc.serving.Corpus
+        The shared context (:func:`prefill_context`).
+    requester : mqnc.serving.Requester
+        This instance's requester, connected to the corpus' holders
+        (:meth:`mqnc.serving.Corpus.make_requester`); its ``kernels`` choice also runs the
+        session's merge. The corpus' chunks are registered on it if they are not already, and
+        while attached its ``model`` (the local primitive) is a re-prefill through ``model``
+        when the corpus carries the context's token ids.
+    offset : int or None
+        Position of the context's first token in this requester's sequence (default: where it
+        was prefilled). Another offset makes route rotate the query and fetch splice (§2.2).
+    force : {"route", "fetch", "local"} or None
+        Run every chunk through one primitive instead of the predicate's choice.
+    fabric : mqnc.cost.FabricProfile, str or None
+        The fabric the predicate prices (a profile, a preset name or a JSON path); None:
+        calibrate against the holders on first use (:meth:`calibrate`). Unused with ``force``.
+    steps : int
+        Decode steps assumed for a ``model.generate`` call that did not go through
+        :meth:`generate` (which knows ``max_new_tokens``).
+    verify : bool
+        Check every partial and merged answer against an fp64 reference (slow; the demo's
+        table reports the errors in :attr:`errors`).
+    on_step : callable or None
+        ``on_step(step)`` before every forward pass (fault drills: kill a holder at step k).
+    """
+
+    def __init__(
+        self,
+        model,
+        corpus: Corpus,
+        requester,
+        *,
+        offset: int | None = None,
+        force: str | None = None,
+        fabric=None,
+        steps: int = 16,
+        verify: bool = False,
+        on_step: Callable[[int], None] | None = None,
+    ) -> None:
+        check_model(model)
+        if not isinstance(corpus, Corpus):
+            raise TypeError(f"corpus: expected an mqnc.serving.Corpus, got {type(corpus).__name__}")
+        if not isinstance(requester, Requester):
+            raise TypeError(f"requester: expected a Requester, got {type(requester).__name__}")
+        if force not in (None, "route", "fetch", "local"):
+            raise ValueError(f"force: expected None, 'route', 'fetch' or 'local', got {force!r}")
+        if model.dtype != corpus.dtype or requester.dtype != corpus.dtype:
+            raise TypeError(
+                f"model: expected the corpus dtype {corpus.dtype} for the model and the requester, "
+                f"got {model.dtype} and {requester.dtype}"
+            )
+        g = geometry_of(model)
+        cg = corpus.geometry
+        if (g.layers, g.d_c, g.d_r, g.heads) != (cg.layers, cg.d_c, cg.d_r, cg.heads):
+            raise ValueError(
+                f"corpus: written by a model with (layers, d_c, d_r, heads) = "
+                f"{(cg.layers, cg.d_c, cg.d_r, cg.heads)}, this model has "
+                f"{(g.layers, g.d_c, g.d_r, g.heads)}"
+            )
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
+        self.model = model
+        self.corpus = corpus
+        self.requester = requester
+        self.geometry = g
+        self.offset = corpus.position if offset is None else int(offset)
+        self.force = force
+        self.steps = steps
+        self.verify = verify
+        self.on_step = on_step
+        self.kernels = requester.kernels
+        self.ops = kernel_ops(requester.kernels)
+        self.rope = rope_spec_of(model)
+        self.weights = [MLAWeights.from_hf_attention(m) for m in attention_modules(model)]
+        self.token_ids = corpus.meta.get("token_ids")
+        self._reprefilled: dict[int, torch.Tensor] = {}
+        self._bypass = False
+        self._request: _Request | None = None
+        self.step = 0
+        self.fabric = None if fabric is None else as_fabric(fabric)
+        self.cal: dict | None = None
+        self.errors: dict[str, list[float]] = {}
+        self.fallbacks: list[dict] = []
+        self.requests: list[_Request] = []
+        self.batch_work: dict[int, int] = {}
+        for info in corpus.directory():
+            if info.chunk_id not in requester.directory:
+                requester.register(info)
+        if requester.rope is None:
+            requester.rope = corpus.rope
+        self._first_record = len(requester.costs)
+        self._saved_impl = None
+        self._saved_model = None
+        self._route_tokens = self._max_route_tokens()
+
+    # ---- attach / detach --------------------------------------------------------------------
+    def __enter__(self) -> HFSession:
+        _register()
+        for m in attention_modules(self.model):
+            if m in _BINDINGS:
+                raise RuntimeError("model: already attached to another mqnc session")
+        self._saved_impl = self.model.config._attn_implementation
+        self._saved_model = self.requester.model
+        if self.token_ids is not None:  # the local primitive: a re-prefill through this model
+            self.requester.model = self._reprefill
+        for m in attention_modules(self.model):
+            _BINDINGS[m] = self
+        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        return self
+
+    def close(self) -> None:
+        """Give the model its attention implementation back."""
+        if self._saved_impl is None:
+            return
+        for m in attention_modules(self.model):
+            _BINDINGS.pop(m, None)
+        self.model.set_attn_implementation(self._saved_impl)
+        self.requester.model = self._saved_model
+        self._saved_impl = self._saved_model = None
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- generate -----------------------------------------------------------------------------
+    @property
+    def context_end(self) -> int:
+        """First position after the context in this requester's sequence."""
+        return self.offset + self.corpus.tokens
+
+    def positions(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``position_ids [B, S]`` of a prompt that follows the context directly."""
+        B, S = input_ids.shape
+        pos = torch.arange(self.context_end, self.context_end + S, device=input_ids.device)
+        return pos[None].expand(B, -1)
+
+    def generate(self, input_ids: torch.Tensor, **kwargs):
+        """``model.generate(input_ids, position_ids=self.positions(input_ids), **kwargs)``: the
+        prompt continues the shared context; everything else is transformers' ``generate``."""
+        if self._saved_impl is None:
+            raise RuntimeError("session: not attached (use `with attach(...) as session:`)")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids: expected a [B, S] tensor of token ids, got {type(input_ids).__name__}"
+                + (
+                    f" of shape {tuple(input_ids.shape)}"
+                    if isinstance(input_ids, torch.Tensor)
+                    else ""
+                )
+            )
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not bool(torch.as_tensor(mask).all()):
+            raise ValueError(
+                "attention_mask: padded prompts are not supported; pass equal-length prompts"
+            )
+        pad = getattr(self.model.generation_config, "pad_token_id", None)
+        if pad is not None and mask is None and bool((input_ids == pad).any()):
+            raise ValueError(
+                f"input_ids: contains the pad token {pad}, which transformers' generate would "
+                "mask out as padding; pass attention_mask of ones if it is a real token"
+            )
+        if "position_ids" in kwargs:
+            raise ValueError("position_ids: set by the session (the prompt follows the context)")
+        steps = kwargs.get("max_new_tokens") or self.steps
+        self._request = _Request(int(input_ids.shape[0]), int(steps))
+        self.requests.append(self._request)
+        return self.model.generate(input_ids, position_ids=self.positions(input_ids), **kwargs)
+
+    # ---- decisions ------------------------------------------------------------------------------
+    def chunk_offset(self, chunk_id: int) -> int:
+        """Position of ``chunk_id``'s first token in this requester's sequence."""
+        return self.offset + (self.corpus.chunks[chunk_id].position - self.corpus.position)
+
+    def primitive(self, chunk_id: int) -> str:
+        """The primitive of ``chunk_id`` for the current request (``force``, or the predicate's
+        argmin with this session's constants; decided once per request)."""
+        req = self._request
+        if chunk_id in req.decisions:
+            return req.decisions[chunk_id]["primitive"]
+        if self.force is not None:
+            req.decisions[chunk_id] = dict(chunk=chunk_id, primitive=self.force, predicate=None)
+            return self.force
+        if self.fabric is None:
+            self.calibrate()
+        req.decisions[chunk_id] = decide_chunk(
+            self.corpus,
+            self.geometry,
+            self.fabric,
+            self.cal or {},
+            chunk_id,
+            delta=self.chunk_offset(chunk_id) - self.corpus.chunks[chunk_id].position,
+            batch=req.batch,
+            steps=req.steps,
+            allow_local=self.token_ids is not None,
+        )
+        return req.decisions[chunk_id]["primitive"]
+
+    def _decisions(self) -> dict[int, str]:
+        req = self._request
+        return {} if req is None else {k: d["primitive"] for k, d in req.decisions.items()}
+
+    # ---- calibration ----------------------------------------------------------------------------
+    def calibrate(self, *, probes: int = 9, reps: int = 2) -> dict:
+        """Measure this machine's constants against the holders
+        (:func:`mqnc.integrations.hf_predicate.measure_constants`); sets :attr:`fabric` (unless
+        one was given) and :attr:`cal`. The calls' cost records are not part of :meth:`records`."""
+        self.fabric, self.cal = measure_constants(
+            self.requester,
+            self.corpus,
+            self.geometry,
+            fabric=self.fabric,
+            kernels=self.kernels,
+            probes=probes,
+            reps=reps,
+        )
+        self._first_record = len(self.requester.costs)
+        return self.cal
+
+    def records(self) -> list:
+        """The requester's cost records of this session's requests (calibration excluded)."""
+        return self.requester.costs[self._first_record :]
+
+    # ---- the local primitive: re-prefill through this model -------------------------------------
+    def _reprefill(self, chunk_id: int, offset: int) -> torch.Tensor:
+        """``Requester.model``: the chunk's cache ``[L, c_t, d_qk]`` re-prefilled at ``offset``
+        by the model's own forward over the context's tokens up to the end of this chunk and of
+        every chunk the request re-prefills (a long enough prefix already computed at the same
+        context offset is reused)."""
+        c = self.corpus.chunks[chunk_id]
+        start = int(offset) - (c.position - self.corpus.position)
+        # through this chunk and every chunk this request re-prefills (one forward for all)
+        local = [self.corpus.chunks[k] for k, d in self._decisions().items() if d == "local"]
+        end = max([c.start + c.tokens] + [k.start + k.tokens for k in local])
+        have = self._reprefilled.get(start)
+        if have is None or have.shape[1] < end:
+            ids = torch.tensor(self.token_ids[:end], dtype=torch.long)
+            self._bypass = True
+            try:
+                self._reprefilled[start] = prefill_entries(self.model, ids, start).cpu()
+            finally:
+                self._bypass = False
+        return self._reprefilled[start][:, c.start : c.start + c.tokens]
+
+    # ---- one layer of one forward pass ----------------------------------------------------------
+    def _max_route_tokens(self) -> int:
+        item = torch.empty((), dtype=self.corpus.dtype).element_size()
+        row = self.geometry.heads * max(self.geometry.d_qk * item, self.geometry.d_v * item + 8)
+        return max(1, (self.requester.transport.slot_bytes - HEADER_BYTES) // row)
+
+    def _attend(self, module, query, key, value, mask, scaling, kwargs):
+        layer = int(module.layer_idx)
+        B, H, T, _ = query.shape
+        pos = kwargs.get("position_ids")
+        if pos is not None and int(pos.min()) < self.context_end:
+            raise ValueError(
+                f"position_ids: the shared context occupies positions [{self.offset}, "
+                f"{self.context_end}); new tokens must follow it, got positions from "
+                f"{int(pos.min())} (call session.generate, or pass "
+                "position_ids=session.positions(input_ids) to model.generate)"
+            )
+        if not math.isclose(float(scaling), self.corpus.softmax_scale, rel_tol=1e-6):
+            raise ValueError(
+                f"scaling: the model attends with {scaling}, the corpus was written with "
+                f"{self.corpus.softmax_scale}"
+            )
+        if layer == 0:
+            self._begin_forward(B, T, key.shape[2])
+        w = self.weights[layer]
+        dn = w.qk_nope_head_dim
+        q_nope, q_pe = query[..., :dn].transpose(1, 2), query[..., dn:].transpose(1, 2)
+        rows = absorb_query(q_nope, q_pe, w.w_uk).reshape(B * T, H, -1).to(self.corpus.dtype)
+        rows = rows.to(self.requester.device).contiguous()
+        parts = self._remote(rows, layer)
+        o_loc, lse_loc = (
+            t.to(rows.device) for t in _local_partial(query, key, value, mask, scaling)
+        )
+        w_uv = w.w_uv.float().to(rows.device)
+        o = torch.stack([latent_to_heads(p.o.float(), w_uv) for _, p in parts] + [o_loc])
+        lse = torch.stack([p.lse.float() for _, p in parts] + [lse_loc])
+        o_m, _ = self.ops.merge_partials(o, lse)
+        if self.verify:
+            self._check(layer, rows, parts, (o_loc, lse_loc), o_m, w_uv)
+        return o_m.view(B, T, H, -1).to(query.device, query.dtype), None
+
+    def _begin_forward(self, B: int, T: int, n_local: int) -> None:
+        if self._request is None or n_local == T:  # a fresh local cache: a new request
+            if self._request is None or self._request.decisions:
+                self._request = _Request(B, self.steps)
+                self.requests.append(self._request)
+        if self.on_step is not None:
+            self.on_step(self.step)
+        self.step += 1
+
+    def _remote(self, rows: torch.Tensor, layer: int) -> list[tuple[int, object]]:
+        """``[(chunk_id, Partial)]`` of every chunk for these rows at ``layer``."""
+        req = self.requester
+        routed, direct = [], []
+        for cid in sorted(self.corpus.chunks):
+            local = (cid, self.chunk_offset(cid)) in req.local_chunks
+            (routed if self.primitive(cid) == "route" and not local else direct).append(cid)
+        parts: dict[int, object] = {}
+        if routed:
+            parts.update(self._route_wave(routed, rows, layer))
+        for cid in direct:
+            parts[cid] = self._attend_one(cid, rows, layer)
+        return [(cid, parts[cid]) for cid in sorted(parts)]
+
+    def _route_wave(self, chunks: list[int], rows: torch.Tensor, layer: int) -> dict:
+        """Route every chunk's rows at once (the holders batch them, §6.3), in slices of rows
+        that fit a transport slot; a failed wave is redone chunk by chunk with fallback."""
+        req, n = self.requester, self._route_tokens
+        slices = [slice(i, min(i + n, rows.shape[0])) for i in range(0, rows.shape[0], n)]
+        # each chunk's first holder the transport does not know to be dead (else a replica)
+        peers = {}
+        for c in chunks:
+            holders = req.directory[c].holders
+            peers[c] = next((h for h in holders if req.transport.peer_alive(h)), holders[0])
+        n_before = len(req.costs)
+        try:
+            out: dict[int, list] = {c: [] for c in chunks}
+            for sl in slices:
+                got = req.route_many(
+                    [
+                        dict(
+                            chunk_id=c,
+                            q=rows[sl],
+                            layer=layer,
+                            offset=self.chunk_offset(c),
+                            peer=peers[c],
+                        )
+                        for c in chunks
+                    ],
+                    merge=False,
+                )
+                for c, p in zip(chunks, got, strict=True):
+                    out[c].append(p)
+        except Exception:  # noqa: BLE001 - each chunk retried through the fallback order
+            return {c: self._attend_one(c, rows, layer) for c in chunks}
+        self._note_batches(req.costs[n_before:])
+        for c in chunks:
+            if peers[c] != req.directory[c].holders[0]:
+                self._fallback(c, layer, "route", "route", peers[c])
+        return {c: _concat(ps) for c, ps in out.items()}
+
+    def _fallback(self, chunk_id: int, layer: int, decided: str, used: str, peer) -> None:
+        holder = self.requester.directory[chunk_id].holders[0]
+        self.fallbacks.append(
+            dict(
+                chunk=chunk_id,
+                layer=layer,
+                step=self.step - 1,
+                decided=decided,
+                used=used,
+                holder=holder,
+                peer=peer,
+            )
+        )
+
+    def _note_batches(self, recs) -> None:
+        """Per routed record, the rows x tokens of its holder's batch (the requests of one
+        wave to one holder run as one kernel call and each waits for all of it, §6.3)."""
+        work: dict[int | None, int] = {}
+        for r in recs:
+            work[r.peer] = work.get(r.peer, 0) + r.m_q * self.corpus.chunks[r.chunk_id].tokens
+        for r in recs:
+            self.batch_work[id(r)] = work[r.peer]
+
+    def _attend_one(self, chunk_id: int, rows: torch.Tensor, layer: int):
+        """One chunk by its primitive, then the others (and replicas) on failure."""
+        req = self.requester
+        chosen = self.primitive(chunk_id)
+        order = (chosen, *(p for p in ("route", "fetch", "local") if p != chosen))
+        info = req.directory[chunk_id]
+        # a chunk already fetched or re-prefilled at this offset is attended in place
+        reused = (chunk_id, self.chunk_offset(chunk_id)) in req.local_chunks
+        n = self._route_tokens if chosen == "route" else rows.shape[0]
+        parts = [
+            req.attend(
+                chunk_id, rows[i : i + n], layer, offset=self.chunk_offset(chunk_id), order=order
+            )
+            for i in range(0, rows.shape[0], n)
+        ]
+        part = _concat(parts)
+        if not reused and (part.primitive != chosen or part.peer not in (None, info.holders[0])):
+            self._fallback(chunk_id, layer, chosen, part.primitive, part.peer)
+        return part
+
+    # ---- verification (the demo's table) --------------------------------------------------------
+    def _check(self, layer, rows, parts, local, o_merged, w_uv) -> None:
+        refs_o, refs_lse = [], []
+        q64 = rows.double()
+        for cid, p in parts:
+            c = self.corpus.chunks[cid]
+            kv = self.corpus.chunk_kv(cid)[layer].double()
+            delta = self.chunk_offset(cid) - c.position
+            if delta:
+                kv = rope_rotate_reference(kv, delta, self.rope)
+            valid = torch.ones(q64.shape[0], kv.shape[0], dtype=torch.bool)
+            o_ref, lse_ref = partial_attention_reference(
+                q64, kv, valid, self.corpus.softmax_scale, self.geometry.d_v
+            )
+            self.errors.setdefault(p.primitive, []).append(compare(p.o, o_ref).max_abs)
+            refs_o.append(latent_to_heads(o_ref, w_uv.double()))
+            refs_lse.append(lse_ref)
+        o_ref, _ = merge_reference(
+            torch.stack([*refs_o, local[0].double()]), torch.stack([*refs_lse, local[1].double()])
+        )
+        self.errors.setdefault("merged", []).append(compare(o_merged, o_ref).max_abs)
+
+
+def _concat(parts: list):
+    """Partials of consecutive row slices as one (the record of the first is kept)."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    return dataclasses.replace(
+        first, o=torch.cat([p.o for p in parts]), lse=torch.cat([p.lse for p in parts])
+    )
+
+
+def _local_partial(query, key, value, mask, scaling: float):
+    """The partial over the model's own tokens: HF's expanded keys ``[B, H, N, Dqk]`` and
+    values ``[B, H, N, Dv]``, HF's additive mask ``[B, 1, T, N]`` (or None: causal), in fp32.
+    Returns ``o [B*T, H, Dv]`` and natural-log ``lse [B*T, H]``, float32."""
+    B, H, T, _ = query.shape
+    N = key.shape[2]
+    s = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling  # [B, H, T, N]
+    if mask is not None:
+        s = s + mask[..., :N].float()
+    elif T > 1:
+        causal = torch.ones(T, N, dtype=torch.bool, device=s.device).tril(N - T)
+        s = s.masked_fill(~causal, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.matmul(torch.softmax(s, dim=-1), value.float())
+    return o.transpose(1, 2).reshape(B * T, H, -1), lse.transpose(1, 2).reshape(B * T, H)
+
+
+def attach(model, corpus: Corpus, requester, **kwargs) -> HFSession:
+    """Attach ``model`` to ``corpus`` through ``requester``; use as a context manager::
+
+        with attach(model, corpus, requester) as session:
+            out = session.generate(prompt_ids, max_new_tokens=16, do_sample=False)
+
+    ``kwargs`` are :class:`HFSession`'s (``offset``, ``force``, ``fabric``, ``verify``, ...).
+    """
+    return HFSession(model, corpus, requester, **kwargs)

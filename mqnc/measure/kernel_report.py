@@ -1,0 +1,290 @@
+"""Static performance report of the kernels at the goal shapes, compiled for sm_90 exactly as
+launched (issue 13). Every time in it is a PREDICTION, not a measurement.
+
+``mqnc kernel-report [--out FILE] [--ops mla_decode,merge] [--measured RESULTS]`` (or
+``python -m perf.kernel_report ...``, the same).
+
+For each goal shape (``mqnc.triton_kernels._variants.GOALS``) and each launch the op makes there
+(an MLA call: the attention kernel, then the combine when split), it compiles the launch through
+Triton's own launch path for sm_90 (``_compile.compile_launch``: same specialisation, constexprs
+and options as the real launch; no GPU needed) and reports:
+
+- ``regs`` / ``spill`` (stack + local bytes) / ``smem`` from the cubin (cuobjdump) and metadata;
+- ``cta/sm``: CTAs resident per SM at those resources (``_grid.Occupancy``, sm_90 limits),
+  ``ctas`` in the grid the launcher plans at that occupancy, ``waves`` of ``132 * cta/sm``, and
+  ``fill``, the fraction of the waves' CTA slots the grid uses;
+- ``MB``: the bytes the launch must move to or from DRAM once (the cache entries a token's
+  programs share are counted once: its head blocks run side by side and share them through L2);
+- the load and MMA mix from the SASS: ``LDGSTS`` (cp.async, all widths), ``LDG128`` (16-byte
+  loads), ``LDG<128`` (narrower ones), ``TMA`` (UTMALDG), ``HMMA``, ``HGMMA``;
+- ``pred_us = MB / ceiling / fill``: the time at the copy ceiling (4.3 TB/s, the H200's measured
+  device copy, issue 13) when the SMs in use stream at their share of it (``fill``: the used
+  fraction of the waves' CTA slots, or, for a grid of less than one wave, of the 132 SMs, since
+  the CTAs spread one per SM first); a shape's total adds ``LAUNCH_US`` (2 us) per dependent
+  launch after the first, and ``pct_of_ceiling`` is the op's essential bytes (cache, queries,
+  outputs: what the benchmarks' GB/s count, not the split partials) at the ceiling over it.
+
+Records are JSON lines (one per launch, ``"kind": "launch"``, and one per shape, ``"shape"``)
+appended to ``--out`` (default ``out/kernel_report.jsonl`` under the working directory,
+untracked in the repository; never the benchmarks' ``perf/results/results.jsonl``).
+``--measured FILE`` joins the p50 of benchmark records whose ``extra.shape`` is a goal shape's
+label (what ``--goals`` sweeps record) into the table.
+Runs in compiled mode, ``TRITON_INTERPRET=0``, which it sets itself when the variable is unset (it
+compiles; it never launches; on a CPU-only torch importing the kernels would otherwise choose the
+interpreter); ``TRITON_INTERPRET=1`` is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from mqnc.base.runtime import use_compiled_kernels
+
+DEFAULT_OUT = Path("out") / "kernel_report.jsonl"
+D_QK, D_V, PAGE = 576, 512, 64
+
+
+def launch_bytes(shape, index: int, launch) -> int:
+    """DRAM bytes launch ``index`` of ``shape`` moves once (module docstring)."""
+    elt = 2  # bf16
+    if shape.op in ("mla_decode", "mla_sparse"):
+        B, H, n = shape.B, shape.H, shape.ct
+        splits = launch.args[7] if index == 0 else None
+        rows = B * H
+        part = rows * (D_V * 4 + 4)  # one split's fp32 partials
+        if index == 1:  # the combine: read every split's partials, write the outputs
+            m = launch.args[4]
+            return m * part + rows * (D_V * elt + 4)
+        index_bytes = B * (n // PAGE if shape.op == "mla_decode" else n) * 4
+        out = rows * (D_V * elt + 4) if splits == 1 else splits * part
+        return B * n * D_QK * elt + index_bytes + rows * D_QK * elt + out
+    if shape.op == "merge":
+        rows = shape.B * shape.H
+        return shape.M * rows * (D_V * elt + 4) + rows * (D_V * elt + 4)
+    if shape.op == "splice":
+        per_token = 8 + (8 if shape.delta != "int" else 0)
+        return 2 * shape.L * shape.ct * D_QK * elt + shape.ct * per_token
+    rows = shape.B * shape.H
+    return 2 * rows * D_QK * elt + (rows * 8 if shape.delta != "int" else 0)
+
+
+def essential_bytes(shape) -> int:
+    """The bytes the op itself needs (what the benchmarks' GB/s count): for an MLA call the
+    cache entries, the query rows and the outputs, not the split-KV partials."""
+    if shape.op in ("mla_decode", "mla_sparse"):
+        rows = shape.B * shape.H
+        return shape.B * shape.ct * D_QK * 2 + rows * D_QK * 2 + rows * (D_V * 2 + 4)
+    return launch_bytes(shape, 0, None)
+
+
+def _mix(sass: dict) -> dict:
+    ldgsts = sum(v for k, v in sass.items() if k.startswith("LDGSTS"))
+    narrow = sum(v for k, v in sass.items() if k.startswith("LDG.") and k != "LDG.128")
+    return {
+        "LDGSTS": ldgsts,
+        "LDG128": sass.get("LDG.128", 0),
+        "LDG<128": narrow,
+        "TMA": sass.get("UTMALDG", 0),
+        "HMMA": sass.get("HMMA", 0),
+        "HGMMA": sass.get("HGMMA", 0),
+    }
+
+
+def report(ops=None, ceiling_tbps: float = 4.3, arch: int = 90):
+    """Compile and predict every goal shape; returns (launch rows, shape rows)."""
+    from mqnc.triton_kernels._compile import compile_launch, resources
+    from mqnc.triton_kernels._grid import LAUNCH_US, SM90, Occupancy, waves
+    from mqnc.triton_kernels._variants import GOALS, shape_launches
+
+    compiled: dict[str, tuple] = {}
+
+    def occupancy_of(launch):
+        if launch.name not in compiled:
+            k = compile_launch(
+                launch.kernel, launch.args, launch.kwargs, grid=launch.grid, arch=arch
+            )
+            res = resources(launch.name, k)
+            occ = Occupancy(res.registers, 32 * res.num_warps, res.shared)
+            compiled[launch.name] = (res, occ)
+        return compiled[launch.name]
+
+    launches_out, shapes_out = [], []
+    for shape in GOALS:
+        if ops and shape.op not in ops:
+            continue
+        # Plan at the occupancy this triton really compiles (not the checked-in table): first
+        # with the default plan to find the split variant, then again at its compiled occupancy.
+        first = shape_launches(shape)
+        occ = occupancy_of(first[0])[1] if shape.op.startswith("mla") else None
+        if occ is not None:
+            split = [ln for ln in first if "fp32-split" in ln.name]
+            if split:
+                occ = occupancy_of(split[0])[1]
+            else:  # the planned split variant, compiled to read its occupancy
+                probe = shape_launches(shape, Occupancy(255, 256, 0))  # 1 CTA/SM: splits
+                probe_split = [ln for ln in probe if "fp32-split" in ln.name]
+                occ = occupancy_of(probe_split[0])[1] if probe_split else occ
+        plan = shape_launches(shape, occ) if occ is not None else first
+        total_us, total_mb = 0.0, 0.0
+        for i, launch in enumerate(plan):
+            res, o = occupancy_of(launch)
+            per_sm = o.ctas_per_sm(SM90)
+            slots = SM90.sms * per_sm
+            ctas = launch.programs
+            w = waves(ctas, slots)
+            # Less than a wave spreads one CTA per SM first: the SMs in use set the share.
+            fill = ctas / (w * slots) if ctas >= slots else min(ctas, SM90.sms) / SM90.sms
+            nbytes = launch_bytes(shape, i, launch)
+            pred = nbytes / (ceiling_tbps * 1e6) / fill
+            row = {
+                "kind": "launch",
+                "shape": shape.label,
+                "op": shape.op,
+                "variant": launch.name,
+                "regs": res.registers,
+                "spill": res.stack + res.local,
+                "smem": res.shared,
+                "cta_per_sm": per_sm,
+                "ctas": ctas,
+                "grid": list(launch.grid),
+                "waves": w,
+                "fill": round(fill, 3),
+                "bytes": nbytes,
+                **_mix(res.sass),
+                "pred_us": round(pred, 2),
+                "triton": res.triton,
+                "ceiling_tbps": ceiling_tbps,
+                "prediction": True,
+            }
+            launches_out.append(row)
+            total_us += pred + (LAUNCH_US if i else 0.0)
+            total_mb += nbytes / 1e6
+        shapes_out.append(
+            {
+                "kind": "shape",
+                "shape": shape.label,
+                "op": shape.op,
+                "goal": shape.goal,
+                "launches": len(plan),
+                "bytes": int(total_mb * 1e6),
+                "pred_us": round(total_us, 2),
+                "essential_bytes": essential_bytes(shape),
+                "pct_of_ceiling": round(
+                    100 * essential_bytes(shape) / (ceiling_tbps * 1e6) / total_us, 1
+                ),
+                "triton": launches_out[-1]["triton"],
+                "prediction": True,
+            }
+        )
+    return launches_out, shapes_out
+
+
+def _measured(path: str) -> dict[str, float]:
+    out = {}
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            label = (rec.get("extra") or {}).get("shape")
+            if label and rec.get("backend") == "triton":
+                out[label] = rec["p50"]
+    return out
+
+
+def format_table(launches: list[dict], shapes: list[dict], measured: dict | None = None) -> str:
+    cols = (
+        "shape",
+        "variant",
+        "regs",
+        "spill",
+        "smem",
+        "cta_per_sm",
+        "ctas",
+        "waves",
+        "fill",
+        "bytes",
+        "LDGSTS",
+        "LDG128",
+        "LDG<128",
+        "TMA",
+        "HMMA",
+        "HGMMA",
+        "pred_us",
+    )
+    head = "| " + " | ".join(c if c != "bytes" else "MB" for c in cols) + " |"
+    lines = [head, "|" + "---|" * len(cols)]
+    for r in launches:
+        vals = [f"{r[c] / 1e6:.2f}" if c == "bytes" else str(r[c]) for c in cols]
+        vals[4] = f"{r['smem'] // 1024}K"
+        lines.append("| " + " | ".join(vals) + " |")
+    lines += ["", "| shape | goal | launches | MB | pred_us | % of ceiling | measured p50 us |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for s in shapes:
+        got = (measured or {}).get(s["shape"])
+        lines.append(
+            f"| {s['shape']} | {s['goal']} | {s['launches']} | {s['bytes'] / 1e6:.2f} | "
+            f"{s['pred_us']} | {s['pct_of_ceiling']} | {'-' if got is None else f'{got:.1f}'} |"
+        )
+    return "\n".join(lines)
+
+
+def format_matrix(shapes: list[dict]) -> str:
+    """Dense decode at a glance: predicted us (% of the ceiling) per H, B (rows) and c_t."""
+    dense = {}
+    for s in shapes:
+        if s["op"] == "mla_decode":
+            f = dict(kv.split("=") for kv in s["shape"].split()[1:])
+            dense[(int(f["H"]), int(f["B"]), int(f["ct"]))] = s
+    cts = sorted({k[2] for k in dense})
+    lines = ["| H | B | " + " | ".join(f"c_t {c}" for c in cts) + " |"]
+    lines.append("|---|---|" + "---|" * len(cts))
+    for H, B in sorted({k[:2] for k in dense}):
+        cells = [dense.get((H, B, c)) for c in cts]
+        vals = [f"{x['pred_us']} us ({x['pct_of_ceiling']:.0f}%)" if x else "-" for x in cells]
+        lines.append(f"| {H} | {B} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    """The report's options (``mqnc kernel-report`` and ``python -m perf.kernel_report``)."""
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="JSON-lines file to append to")
+    ap.add_argument("--ops", default=None, help="comma list: mla_decode,mla_sparse,merge,...")
+    ap.add_argument("--ceiling-tbps", type=float, default=4.3, help="copy ceiling, TB/s")
+    ap.add_argument("--measured", default=None, help="benchmark results.jsonl to join")
+    ap.add_argument("--arch", type=int, default=90)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_args(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Compile, predict, record and print (the options of :func:`add_args`)."""
+    if not use_compiled_kernels():
+        sys.exit("set TRITON_INTERPRET=0: the report compiles for a GPU target (it never launches)")
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    ops = set(args.ops.split(",")) if args.ops else None
+    launches, shapes = report(ops, args.ceiling_tbps, args.arch)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        for row in launches + shapes:
+            f.write(json.dumps(row) + "\n")
+    measured = _measured(args.measured) if args.measured else None
+    print(f"PREDICTIONS (sm_90, triton {launches[0]['triton']}, {args.ceiling_tbps} TB/s):")
+    print(format_table(launches, shapes, measured))
+    if any(s["op"] == "mla_decode" for s in shapes):
+        print("\nDense decode, predicted us (% of the ceiling):")
+        print(format_matrix(shapes))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,220 @@
+"""FlashMLA's calling convention over mqnc's kernels: an adapter, not a copy of a kernel.
+
+FlashMLA (``flash_mla_with_kvcache``) takes query tokens as ``q [b, s_q, h_q, d]``: ``s_q``
+query tokens per sequence (multi-token prediction, speculative decoding) share that sequence's
+pages and length. It returns ``o [b, s_q, h_q, d_v]`` and ``lse [b, h_q, s_q]``. Here the
+``s_q`` axis is read in place: the dense kernel maps query row ``b * s_q + i`` to sequence
+``b`` (``mla_decode``'s ``MULTI_Q`` switch), so nothing is repeated or copied; ``q`` is
+reshaped to ``[b * s_q, h_q, d]`` (a view for any layout where that is possible, a copy of
+the small query otherwise), ``o`` and ``lse`` come back as views.
+
+**Causal semantics** (FlashMLA's, ``causal=True``): the ``s_q`` query tokens are the last
+``s_q`` entries of their sequence's cache (already written), and token ``i`` attends the first
+``cache_seqlens[b] - s_q + i + 1`` entries: itself and everything before it, the mask aligned
+to the bottom right. A length shorter than ``s_q`` leaves the first tokens with nothing to
+attend (``o = 0, lse = -inf``). With ``causal=False`` every token attends all
+``cache_seqlens[b]`` entries; for ``s_q = 1`` both are the same.
+
+**Differences from FlashMLA**, on purpose: ``softmax_scale`` is required (FlashMLA defaults to
+``d**-0.5``, wrong for DeepSeek with YaRN); an empty row gives ``lse = -inf`` (FlashMLA writes
+``+inf``; mqnc's merge reads both as empty); the lse is the natural log, as FlashMLA's (no
+conversion); planning (:func:`plan_mla_with_kvcache`, FlashMLA's ``get_mla_metadata``)
+returns a plan object whose ``run`` takes the same tensors as the call; the cache may be
+``[num_blocks, page, 1, d]`` (FlashMLA's, one KV head) or ``[num_blocks, page, d]``, with any
+power-of-two page. FP8 caches are not supported.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mqnc.triton_kernels._checks import check_tensor
+from mqnc.triton_kernels._mla_launch import AttentionPlan
+from mqnc.triton_kernels.mla_decode import PagedLayout, checked_plan
+from mqnc.triton_kernels.mla_sparse import plan_mla_sparse
+
+__all__ = [
+    "mla_decode_with_kvcache",
+    "plan_mla_with_kvcache",
+    "FlashMLAPlan",
+    "mla_sparse_with_kvcache",
+]
+
+
+def _cache_3d(k_cache: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks, page, 1, d]`` (FlashMLA's) or ``[num_blocks, page, d]`` as the latter."""
+    check_tensor("k_cache", k_cache)
+    if k_cache.dim() == 4:
+        if k_cache.shape[2] != 1:
+            raise ValueError(
+                f"k_cache: expected one KV head ([num_blocks, page, 1, d]: MLA's latent cache), "
+                f"got shape {tuple(k_cache.shape)}"
+            )
+        return k_cache[:, :, 0]
+    if k_cache.dim() != 3:
+        raise ValueError(
+            f"k_cache: expected [num_blocks, page, 1, d] or [num_blocks, page, d], got shape "
+            f"{tuple(k_cache.shape)}"
+        )
+    return k_cache
+
+
+def _rows(q: torch.Tensor) -> torch.Tensor:
+    """``q [b, s_q, h_q, d]`` as ``[b * s_q, h_q, d]``."""
+    check_tensor("q", q)
+    if q.dim() != 4:
+        raise ValueError(f"q: expected [b, s_q, h_q, d] (FlashMLA's layout), got {tuple(q.shape)}")
+    b, s_q, h, d = q.shape
+    return q.reshape(b * s_q, h, d)
+
+
+def _flashmla_outputs(o: torch.Tensor, lse: torch.Tensor, b: int, s_q: int):
+    """``o [b * s_q, h, dv]``, ``lse [b * s_q, h]`` as ``[b, s_q, h, dv]`` and ``[b, h, s_q]``
+    (views)."""
+    h = o.shape[1]
+    return o.view(b, s_q, h, o.shape[2]), lse.view(b, s_q, h).transpose(1, 2)
+
+
+class FlashMLAPlan:
+    """:func:`mla_decode_with_kvcache` planned once for a batch shape (FlashMLA's
+    ``get_mla_metadata``, computed once per step and reused by every layer); ``run`` takes
+    the call's tensors (same shapes, dtypes, strides, device), checks nothing, never syncs."""
+
+    def __init__(self, plan: AttentionPlan, b: int, s_q: int) -> None:
+        self.plan = plan
+        self.num_splits = plan.num_splits
+        self._b, self._s_q = b, s_q
+
+    def run(self, q, k_cache, block_table, cache_seqlens):
+        """``(o [b, s_q, h_q, d_v], lse [b, h_q, s_q])``, natural-log lse."""
+        b, s_q = self._b, self._s_q
+        q2 = q.reshape(b * s_q, q.shape[2], q.shape[3])
+        kv = k_cache[:, :, 0] if k_cache.dim() == 4 else k_cache
+        o, lse = self.plan.run(q2, kv, block_table, cache_seqlens)
+        return _flashmla_outputs(o, lse, b, s_q)
+
+
+def plan_mla_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    head_dim_v: int = 512,
+    *,
+    softmax_scale: float,
+    causal: bool = False,
+    num_splits: int | None = None,
+    check_inputs: bool = True,
+) -> FlashMLAPlan:
+    """Plan :func:`mla_decode_with_kvcache` for these tensors' shapes: every check and the split
+    choice once; then ``plan.run(q, k_cache, block_table, cache_seqlens)``."""
+    rows = _rows(q)
+    b, s_q = q.shape[:2]
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    plan, _ = checked_plan(
+        rows,
+        _cache_3d(k_cache),
+        block_table,
+        cache_seqlens,
+        None,
+        softmax_scale=softmax_scale,
+        d_v=head_dim_v,
+        num_splits=num_splits,
+        check_inputs=check_inputs,
+        q_pe=None,
+        kpe_pool=None,
+        layout=PagedLayout(s_q=s_q, causal=causal),
+    )
+    return FlashMLAPlan(plan, b, s_q)
+
+
+def mla_decode_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    head_dim_v: int = 512,
+    *,
+    softmax_scale: float,
+    causal: bool = False,
+    num_splits: int | None = None,
+    check_inputs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial attention in FlashMLA's layout (the holder's compute, §3.3, for ``s_q`` tokens).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[b, s_q, h_q, d]`` absorbed query rows (``d = 576``), bf16 / fp16 / fp32, unit stride
+        on the last dim.
+    k_cache : torch.Tensor
+        ``[num_blocks, page, 1, d]`` (FlashMLA's) or ``[num_blocks, page, d]``, same dtype;
+        ``page`` any power of two (FlashMLA's is 64).
+    block_table : torch.Tensor
+        ``[b, max_blocks]`` int32, one row per sequence (shared by its ``s_q`` tokens).
+    cache_seqlens : torch.Tensor
+        ``[b]`` int32 entries per sequence, the ``s_q`` new tokens included.
+    head_dim_v : int
+        Value width, the first ``head_dim_v`` dims of each entry (512).
+    softmax_scale : float
+        The model's scale, required.
+    causal : bool
+        FlashMLA's rule (module docstring): token ``i`` attends the first
+        ``cache_seqlens[b] - s_q + i + 1`` entries.
+    num_splits, check_inputs
+        As in :func:`mqnc.triton_kernels.mla_decode_partial`.
+
+    Returns
+    -------
+    o : torch.Tensor
+        ``[b, s_q, h_q, head_dim_v]`` in ``q``'s dtype.
+    lse : torch.Tensor
+        ``[b, h_q, s_q]`` float32, natural log (a transposed view); ``-inf`` for a token with
+        nothing to attend.
+    """
+    plan = plan_mla_with_kvcache(
+        q,
+        k_cache,
+        block_table,
+        cache_seqlens,
+        head_dim_v,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        num_splits=num_splits,
+        check_inputs=check_inputs,
+    )
+    return plan.run(q, k_cache, block_table, cache_seqlens)
+
+
+def mla_sparse_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    indices: torch.Tensor,
+    head_dim_v: int = 512,
+    *,
+    softmax_scale: float,
+    num_splits: int | None = None,
+    check_indices: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse top-k partial attention in FlashMLA's layout: ``q [b, s_q, h_q, d]``, ``indices
+    [b, s_q, topk]`` int32 into the flattened cache (``-1`` unused; each query token has its
+    own selection, so ``s_q`` is only a reshape); returns ``o [b, s_q, h_q, head_dim_v]`` and
+    natural-log ``lse [b, h_q, s_q]``. Other arguments as in
+    :func:`mqnc.triton_kernels.mla_sparse_partial`."""
+    rows = _rows(q)
+    b, s_q = q.shape[:2]
+    check_tensor("indices", indices, ndim=3, shape=(b, s_q, None))
+    idx = indices.reshape(b * s_q, indices.shape[2])
+    kv = _cache_3d(k_cache)
+    plan = plan_mla_sparse(
+        rows,
+        kv,
+        idx,
+        softmax_scale=softmax_scale,
+        d_v=head_dim_v,
+        num_splits=num_splits,
+        check_indices=check_indices,
+    )
+    o, lse = plan.run(rows, kv, idx)
+    return _flashmla_outputs(o, lse, b, s_q)
