@@ -9,13 +9,14 @@ host-clock path and the arguments the timed calls pass.
 from __future__ import annotations
 
 import collections
+import types
 
 import pytest
 import torch
 
 from mqnc.measure import timing
 from mqnc.model import PRESETS
-from mqnc.serving import ChunkInfo, Holder, Requester, batching
+from mqnc.serving import ChunkInfo, Holder, Requester
 from mqnc.transport import LoopbackFabric, slot_bytes_for
 
 L2_H200 = 60 * 2**20
@@ -63,11 +64,19 @@ def test_holder_batches_call_the_kernels_with_checks_off(monkeypatch):
 
         return call
 
-    monkeypatch.setattr(batching, "mla_decode_partial", spy("dense", batching.mla_decode_partial))
-    monkeypatch.setattr(batching, "mla_sparse_partial", spy("sparse", batching.mla_sparse_partial))
     geom = PRESETS["deepseek-v2-lite"].replace(layers=1, heads=2)
     fabric = LoopbackFabric(2, slot_bytes_for(geom, max_rows=8, max_topk=8), lanes=1)
     h = Holder(fabric.endpoint(0), geom, softmax_scale=0.1, num_blocks=1, poll_s=0.02)
+    # the batcher calls the kernels through its pool's ops (mqnc.serving.compute.kernel_ops)
+    ops = h.pages.ops
+    monkeypatch.setattr(
+        h.pages,
+        "ops",
+        types.SimpleNamespace(
+            mla_decode_partial=spy("dense", ops.mla_decode_partial),
+            mla_sparse_partial=spy("sparse", ops.mla_sparse_partial),
+        ),
+    )
     h.add_chunk(1, torch.zeros(1, 20, geom.d_qk, dtype=torch.bfloat16))
     h.start()
     try:
