@@ -220,9 +220,14 @@ def test_overflowing_scale_is_flagged():
 
 
 def test_kernels_and_references_propagate_nan():
-    """The kernels' partial store and merge (and the fp64 merge reference) give a NaN lse for
-    a NaN input, not an empty one."""
-    from mqnc.triton_kernels import merge_partials, mla_decode_partial
+    """The kernels' partial store (dense and sparse) and merge (M-way, base 2, in place; and
+    the fp64 merge reference) give a NaN lse for a NaN input, not an empty one."""
+    from mqnc.triton_kernels import (
+        merge_partials,
+        merge_partials_into,
+        mla_decode_partial,
+        mla_sparse_partial,
+    )
 
     kv = _chunk(3)[0].reshape(1, 64, GEOM.d_qk)
     q = _q(4)
@@ -231,10 +236,17 @@ def test_kernels_and_references_propagate_nan():
     lens = torch.full((2,), 64, dtype=torch.int32)
     _, lse = mla_decode_partial(q, kv, table, lens, softmax_scale=SCALE)
     assert torch.isnan(lse[1, 2]) and torch.isfinite(lse[0]).all()
+    idx = torch.tensor([[0, 5, -1], [3, 7, 9]], dtype=torch.int32)
+    _, lse = mla_sparse_partial(q, kv, idx, softmax_scale=SCALE)
+    assert torch.isnan(lse[1, 2]) and torch.isfinite(lse[0]).all()
     o = torch.randn(2, 1, 1, 512)
     lse2 = torch.tensor([[[1.0]], [[float("nan")]]])
-    _, merged = merge_partials(o, lse2, check_lse=False)
-    assert torch.isnan(merged).all()
+    for base2 in (False, True):
+        om, merged = merge_partials(o, lse2, check_lse=False, base2=base2)
+        assert torch.isnan(merged).all() and torch.isnan(om).all(), base2
+    acc_o, acc_lse = o[0].clone(), lse2[0].clone()
+    merge_partials_into(acc_o, acc_lse, o[1], lse2[1], check_lse=False)
+    assert torch.isnan(acc_lse).all() and torch.isnan(acc_o).all()
     assert torch.isnan(merge_reference(o, lse2)[1]).all()
 
 

@@ -8,7 +8,9 @@ their union::
     lse = log(sum_i exp(lse_i))          o = sum_i exp(lse_i - lse) * o_i
 
 An empty partial (no keys) is ``o = 0, lse = -inf``; ``lse = +inf`` (what FlashMLA writes for
-an empty row) is read as empty too. All-empty rows give ``o = 0, lse = -inf``, never NaN.
+an empty row) is read as empty too. All-empty rows give ``o = 0, lse = -inf``, never NaN; a
+NaN ``lse`` (a partial whose inputs were NaN or overflowed) is never read as empty: with
+``check_lse=False`` it propagates to the row's ``o`` and ``lse`` (the default check rejects it).
 
 FlashInfer's merges use base-2 LSE: convert with :func:`lse_to_base2` / :func:`lse_from_base2`,
 or merge base-2 states as they are (``base2=True``: the kernel then uses ``exp2`` / ``log2``,
