@@ -43,23 +43,34 @@ generating over holders (:mod:`mqnc.integrations.hf`) the same way, with the sam
 
 from __future__ import annotations
 
-from mqnc.base.runtime import use_interpreter_without_cuda
-from mqnc.demo.config import DemoConfig, HFDemoConfig
+import time
 
-__all__ = ["DemoConfig", "HFDemoConfig", "run_demo", "run_hf_demo"]
+from mqnc.base.runtime import use_interpreter_without_cuda
+from mqnc.demo.config import DemoConfig, HFDemoConfig, HolderStartupError
+
+__all__ = ["DemoConfig", "HFDemoConfig", "HolderStartupError", "run_demo", "run_hf_demo"]
 
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Run the demo; returns the JSON-able result (also written under ``cfg.out``).
 
-    Raises ``AssertionError`` when an answer is beyond its bound (the CLI exits 1).
+    Every argument is checked first (:func:`mqnc.demo.checks.prepare`: ``ValueError`` /
+    ``FileNotFoundError`` naming it, before any work). Raises
+    :class:`~mqnc.demo.cluster.HolderStartupError` when a holder fails or dies before it
+    serves, and ``AssertionError`` when an answer is beyond its bound (the CLI exits 1).
     """
+    from mqnc.demo.checks import prepare
+    from mqnc.demo.progress import Progress
+
+    t0 = time.perf_counter()
+    prep = prepare(cfg)
+    progress = Progress(prep.cfg.progress, t0)
     use_interpreter_without_cuda()
     # imported here, after the kernel mode is chosen (the kernels are compiled or interpreted
     # as they are imported), and so that ``mqnc --help`` (which reads DemoConfig) loads no torch
     from mqnc.demo.run import run
 
-    return run(cfg)
+    return run(prep, progress)
 
 
 def run_hf_demo(cfg: HFDemoConfig) -> dict:

@@ -4,6 +4,7 @@ each agent's partials with its own suffix, verify, advance its hidden state."""
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
@@ -12,11 +13,11 @@ from mqnc.cost import SpliceProfile, decide
 from mqnc.demo.calibration import Calibration
 from mqnc.demo.config import LANES, DemoConfig
 from mqnc.demo.verify import Verifier
+from mqnc.demo.waves import WaveCall
 from mqnc.demo.workload import Agent, Corpus, Indexer
 from mqnc.model import MLAModel
 from mqnc.serving import CostRecord, Partial, Requester
-from mqnc.triton_kernels.merge import merge_partials
-from mqnc.triton_kernels.mla_decode import mla_decode_partial
+from mqnc.serving.compute import kernel_ops
 
 __all__ = ["Decisions", "Decoder"]
 
@@ -49,7 +50,7 @@ class Decisions:
             self.cal.fabric,
             g.heads,
             self.corpus.lengths[chunk],
-            c_us=self.cal.c_us,
+            c_us=self.cal.terms["c_us"],
             # the partial attention and the merge are paid by every primitive (route: attention
             # on the holder; fetch / local: on the requester afterwards; the agent merges its
             # partials either way): they do not enter the comparison
@@ -73,10 +74,13 @@ class Decisions:
 class Decoder:
     """Runs the agents' decode against the holders, through one requester.
 
-    ``kill``, when given, is called once before step ``cfg.kill_after_step`` (the fault drill).
-    Keeps, per cost record, the delta of its call and the work of the holder batch it was
-    answered in (:attr:`deltas`, :attr:`batch_work`, keyed by ``id(record)``), the fallbacks
-    taken, and the number of partials computed.
+    ``kill``, when given, is called once before step ``cfg.kill_after_step`` (the fault drill;
+    :attr:`killed` says which holder, before which step, when). The requester's own work (the
+    suffix partial, the merge) runs on ``cfg.kernels``. Keeps, per cost record (keyed by
+    ``id(record)``), the delta of its call (:attr:`deltas`) and, for a route, the wave it went
+    out in and its place there (:attr:`waves`: the wave's
+    :class:`~mqnc.demo.waves.WaveCall` list in send order, and the index), the fallbacks taken,
+    and the number of partials computed.
     """
 
     def __init__(
@@ -88,21 +92,19 @@ class Decoder:
         agents: list[Agent],
         decisions: Decisions,
         verifier: Verifier,
-        device: str,
         kill=None,
     ) -> None:
         self.cfg, self.model, self.corpus, self.req = cfg, model, corpus, req
-        self.agents, self.decisions, self.verifier, self.device = (
-            agents,
-            decisions,
-            verifier,
-            device,
-        )
+        self.agents, self.decisions, self.verifier = agents, decisions, verifier
+        self.device = cfg.device
         self.kill = kill  # called once before step cfg.kill_after_step (the fault drill)
+        self.killed: dict | None = None
+        self.ops = kernel_ops(cfg.kernels)
+        self.step = 0
         self.indexer = Indexer(corpus, cfg.topk, cfg.seed) if cfg.selection_agents else None
         self.fallbacks: list[dict] = []
         self.deltas: dict[int, int] = {}
-        self.batch_work: dict[int, int] = {}
+        self.waves: dict[int, tuple[list[WaveCall], int]] = {}
         self.calls = 0
 
     # -- executing one (agent, chunk) ------------------------------------------------------------
@@ -114,9 +116,8 @@ class Decoder:
         part = self.req.attend(
             chunk, q, layer, offset=agent.offsets[chunk], indices=indices, order=order
         )
-        self._note_records(
-            n_before, [(agent, chunk, q, layer, indices)] * (len(self.req.costs) - n_before)
-        )
+        for k in range(n_before, len(self.req.costs)):  # each call its own wave
+            self._note_records(k, [(agent, chunk, q, layer, indices)])
         first = self.req.directory[chunk].holders[0]
         if part.primitive != primitive or part.peer not in (None, first):
             # another primitive, or the same one from a replica, answered
@@ -124,6 +125,7 @@ class Decoder:
                 dict(
                     agent=agent.name,
                     chunk=chunk,
+                    step=self.step,
                     layer=layer,
                     decided=primitive,
                     used=part.primitive,
@@ -171,20 +173,21 @@ class Decoder:
             self._note_records(n_before, wave)
         return out
 
-    def _note_records(self, n_before: int, wave) -> None:
-        """Remember, per new cost record, its delta and the work of the holder batch it was
-        answered in: rows x attended tokens summed over the wave's requests to that holder
-        (the holder runs them as one batch, and each request waits for all of it, §6.3)."""
+    def _note_records(self, n_before: int, jobs) -> None:
+        """Remember, per new cost record (one per job, in order), its delta and, for a route,
+        its wave: the routes among them, in send order (a wave of one for a call on its
+        own)."""
         recs: list[CostRecord] = self.req.costs[n_before:]
-        batch: dict[int | None, int] = defaultdict(int)
-        work = []
-        for rec, (agent, c, _q, _layer, ind) in zip(recs, wave, strict=False):
+        routes = []
+        for rec, (agent, c, _q, _layer, ind) in zip(recs, jobs, strict=False):
             self.deltas[id(rec)] = agent.delta(self.corpus, c)
-            tokens = self.corpus.lengths[c] if ind is None else int((ind >= 0).sum())
-            work.append((rec, rec.m_q * tokens))
-            batch[rec.peer] += rec.m_q * tokens
-        for rec, _ in work:
-            self.batch_work[id(rec)] = batch[rec.peer]
+            if rec.primitive == "route" and rec.ok:
+                tokens = self.corpus.lengths[c] if ind is None else int((ind >= 0).sum())
+                call = WaveCall(rec.peer, rec.m_q, rec.m_q * tokens, ind is not None)
+                routes.append((rec, call))
+        wave = [call for _, call in routes]
+        for i, (rec, _) in enumerate(routes):
+            self.waves[id(rec)] = (wave, i)
 
     # -- one layer of one step for all agents ----------------------------------------------------
     def _selection(self, agent: Agent, layer: int, q) -> dict:
@@ -206,7 +209,7 @@ class Decoder:
         nb = -(-n // bs)
         pool = torch.zeros(nb, bs, d_qk, dtype=torch.bfloat16, device=dev)
         pool.view(-1, d_qk)[:n] = suffix.to(dev)
-        return mla_decode_partial(
+        return self.ops.mla_decode_partial(
             q,
             pool,
             torch.arange(nb, dtype=torch.int32, device=dev)[None],
@@ -243,7 +246,7 @@ class Decoder:
             partials = [parts[(agent.name, c)] for c in sels[agent.name]]
             suffix = agent.suffix_kv[layer]
             o_s, lse_s = self._suffix_partial(q, suffix)
-            o, lse = merge_partials(
+            o, lse = self.ops.merge_partials(
                 torch.stack([*(p.o for p in partials), o_s]),
                 torch.stack([*(p.lse for p in partials), lse_s]),
             )
@@ -261,9 +264,16 @@ class Decoder:
             kv = self.model.prefill(x, agent.start, dtype=torch.float32)
             agent.suffix_kv = kv.to(torch.bfloat16)
             agent.hidden = torch.randn(1, self.model.hidden, generator=gen)
+        t0 = time.perf_counter()
         for step in range(self.cfg.steps):
+            self.step = step
             if self.kill is not None and step == self.cfg.kill_after_step:
                 self.kill()
+                self.killed = dict(
+                    holder=self.cfg.kill_holder,
+                    before_step=step,
+                    decode_s=time.perf_counter() - t0,
+                )
             self._step(gen, progress)
 
     def _step(self, gen: torch.Generator, progress) -> None:
