@@ -53,6 +53,7 @@ class Calibration:
     fit: dict | None = None
     fit_error: str | None = None
     samples: dict = dataclasses.field(default_factory=dict)
+    profile: str | None = None
 
     @property
     def route(self) -> RouteConstants:
@@ -79,6 +80,7 @@ class Calibration:
             fit=self.fit,
             fit_error=self.fit_error,
             samples=self.samples,
+            profile=self.profile,
         )
 
     def save_profile(self, path, cfg: DemoConfig, device_name: str) -> None:
@@ -105,15 +107,14 @@ def _loaded(cfg: DemoConfig, profile: LoadedProfile | None):
     compute terms only when measured with the same kernels on the same device."""
     if profile is None:
         return {}, {}, {}
-    name = f"profile {profile.path}"
+    name = "profile"
     fabric = {k: getattr(profile.fabric, k) for k in FABRIC_TERMS}
     fabric = {k: v for k, v in fabric.items() if v is not None}
     sources = dict.fromkeys(fabric, name)
     terms = dict(profile.terms)
     w = profile.measured_with
     if terms and (w.get("kernels"), w.get("device")) != (cfg.kernels, cfg.device):
-        why = f"measured again: the profile's were measured with kernels {w.get('kernels')} "
-        why += f"on {w.get('device')}"
+        why = f"calibrated (profile's: kernels {w.get('kernels')} on {w.get('device')})"
         for k in COMPUTE_TERMS:
             if terms.pop(k, None) is not None:
                 sources[k] = why
@@ -151,7 +152,8 @@ def calibrate(
         **_host_fields(base),
         source=base.source if base else "mqnc demo calibration",
     )
-    return Calibration(fabric, terms, sources, m.probes, m.fit, m.fit_error, m.samples)
+    path = None if profile is None else profile.path
+    return Calibration(fabric, terms, sources, m.probes, m.fit, m.fit_error, m.samples, path)
 
 
 def _host_fields(base: FabricProfile | None) -> dict:
@@ -218,7 +220,7 @@ class _Measure:
         if self.fit_error is not None and "bw_gbps" not in fab:
             # the route fit failed: the rows' bytes move at the bulk pull's rate
             got["bw_gbps"] = got.get("bulk_bw_gbps", fab.get("bulk_bw_gbps"))
-            self.notes["bw_gbps"] = "calibrated (the bulk pull's rate: the route fit failed)"
+            self.notes["bw_gbps"] = "calibrated (bulk rate: route fit failed)"
             bar.update(1)
         return got
 
@@ -238,7 +240,7 @@ class _Measure:
         samples = []
         for tokens in (1, 4, 16):
             q, rts = self._q(tokens), []
-            for _ in range(3):
+            for _ in range(5):
                 rec = req.route(info.chunk_id, q, 0, offset=offset).record
                 rts.append(rec.total_us - rec.compute_us)
                 compute_pairs.append((rec.m_q * info.tokens, rec.compute_us))

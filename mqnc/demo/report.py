@@ -204,9 +204,12 @@ _CONSTANTS = (
 
 
 def _constants(cal: dict) -> list[str]:
-    """One line per constant the calibration holds: value, unit, where it came from."""
+    """One line per constant the calibration holds: value, unit, where it came from
+    ("profile": the file named above the table)."""
     fabric, sources = cal.get("fabric", {}), cal.get("sources", {})
     lines = [f"{'constant':<30} {'value':>10}  {'unit':<18} from"]
+    if cal.get("profile"):
+        lines.insert(0, f"profile: {cal['profile']}")
     for key, label, unit, scale in _CONSTANTS:
         value = fabric.get(key, cal.get(key))
         if value is None:
