@@ -325,3 +325,27 @@ def test_profile_measured_with_other_kernels_is_measured_again(tmp_path):
     assert set(got) == set(DEMO_TERMS) - set(COMPUTE_TERMS)
     assert all(sources[k] == "calibrated (profile's: kernels torch on cpu)" for k in COMPUTE_TERMS)
     assert sources["c_us"] == "profile"
+
+
+def test_prefill_decompressed_is_the_absorbed_attention():
+    """The demo's prefill attends in the decompressed form (per-head keys and values); the
+    decode path's absorbed pieces (cache entries, absorbed query, W_UV after attention) give the
+    same cache, in fp64, at a position with rotation (offset 300)."""
+    from mqnc.demo.workload import build_model
+    from mqnc.testing import assert_close, tolerance
+
+    model = build_model(DemoConfig(**SMALL))
+    x = torch.randn(40, model.hidden, generator=torch.Generator().manual_seed(3))
+    got = model.prefill(x, 300, dtype=torch.float64)
+    pos, h, expected = torch.arange(300, 340), x.double(), []
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()
+    for layer in range(model.geometry.layers):
+        kv = model.cache_entries(layer, h, pos)
+        q = model.absorbed_query(layer, h, pos)
+        s = torch.einsum("thc,sc->ths", q, kv) * model.softmax_scale
+        p = torch.softmax(s.masked_fill(~causal[:, None, :], float("-inf")), dim=-1)
+        o = torch.einsum("ths,sc->thc", p, kv[:, : model.geometry.d_v])
+        h = h + model.attention_output(layer, o)
+        expected.append(kv)
+    assert got.dtype == torch.float64 and got.shape == (2, 40, model.geometry.d_qk)
+    assert_close(got, torch.stack(expected), tolerance("prefill_forms", torch.float64))
