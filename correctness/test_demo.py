@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mqnc.demo import DemoConfig, HolderStartupError, run_demo
+from mqnc.demo.step import OTHER
 
 SMALL = dict(
     layers=2,
@@ -46,7 +47,7 @@ def test_demo_loopback_decides_executes_and_verifies(tmp_path, capsys):
     """The Triton kernels (interpreted here) on the holders and the requester: decided,
     executed, verified; the table fits in 100 columns; the picture names device, transport and
     kernels."""
-    r = _run(tmp_path, "lb", transport="loopback", kernels="triton")
+    r = _run(tmp_path, "lb", transport="loopback", kernels="triton", compare=False)
     printed = capsys.readouterr().out
     assert (tmp_path / "lb" / "demo.json").exists()
     png = tmp_path / "lb" / "measured_vs_predicted.png"
@@ -71,18 +72,35 @@ def test_demo_loopback_decides_executes_and_verifies(tmp_path, capsys):
 
 
 def test_demo_gloo_processes_torch_path_and_progress(tmp_path, capsys):
-    """Holder processes over gloo; on a CPU the default is the torch path, and the run says
-    what it does from its first line (prefill, calibration, decode)."""
+    """Holder processes over gloo; on a CPU the default is the torch path; the run says what it
+    does from its first line (prefill, calibration, decode, the comparison decode), decodes a
+    second time through the other primitive of each choice (the model measured on both), and
+    prints nothing wider than 100 columns."""
     r = _run(tmp_path, "gloo", transport="gloo", progress=True)
-    err = capsys.readouterr().err
-    assert r["checked"]["merged"] == SMALL["steps"] * SMALL["layers"] * 2
-    assert sum(row["count"] for row in r["primitives"].values()) > 0
+    printed = capsys.readouterr()
+    err = printed.err
+    # the decode, then the same decode with every (chunk, agent) through the other primitive
+    assert r["checked"]["merged"] == 2 * SMALL["steps"] * SMALL["layers"] * 2
+    cmp = r["compare"]
+    assert cmp["states_agree"]
+    picked = {d["primitive"] for d in r["decisions"]}
+    assert set(cmp["predicate"]["primitives"]) == picked
+    assert set(cmp["other"]["primitives"]) == {OTHER[p] for p in picked}
+    assert set(r["primitives"]) == picked | {OTHER[p] for p in picked}
+    if len(picked) == 1:  # each decode's calls are then one row of the table
+        (p,) = picked
+        for side, prim in (("predicate", p), ("other", OTHER[p])):
+            total = r["primitives"][prim]["measured_us"]["total"]
+            assert cmp[side]["measured_us"] == pytest.approx(total)
     if not torch.cuda.is_available():
         assert r["kernels"] == "torch (fp64 references)"
         assert r["config"]["kernels"] == "torch" and r["config"]["device"] == "cpu"
-    phases = ["mqnc demo:", "prefill the corpus", "holders", "calibrate", "decode"]
+    phases = ["mqnc demo:", "prefill the corpus", "holders", "calibrate", "decode", "decode again"]
     where = [err.find(p) for p in phases]
     assert all(w >= 0 for w in where) and where == sorted(where), (where, err[:2000])
+    lines = [line for line in _printed_lines(printed.out) if str(tmp_path) not in line]
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    assert "the other primitive" in printed.out
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +243,8 @@ def test_holder_lost_at_start_up_ends_the_run_at_once(tmp_path, monkeypatch, how
         (dict(transport="carrier-pigeon"), ValueError, "transport"),
         (dict(device="tpu"), ValueError, "device"),
         (dict(holders=1, replicas=2), ValueError, "replicas"),
+        (dict(force="route", compare=True), ValueError, "compare: .* without force"),
+        (dict(kill_holder=1, compare=True), ValueError, "compare: .* the fault drill"),
     ],
 )
 def test_bad_argument_fails_before_any_work(tmp_path, monkeypatch, kw, error, match):
@@ -264,6 +284,8 @@ def test_demo_command_line_checks(capsys, tmp_path):
     assert "topk: expected" in capsys.readouterr().err
     assert main(["demo", "--kill-after-step", "1"]) == 2
     assert "--kill-after-step: applies to the fault drill only" in capsys.readouterr().err
+    assert main(["demo", "--force", "fetch", "--compare"]) == 2
+    assert "compare: the second decode" in capsys.readouterr().err
     assert main(["demo", "--kernels", "cuda"]) == 2  # argparse: not a choice
 
 

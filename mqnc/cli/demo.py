@@ -3,6 +3,7 @@ executed, verified and reported."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 
@@ -132,6 +133,14 @@ def register(subparsers) -> None:
     )
     p.add_argument("--kill-after-step", dest="kill_after_step", type=int, default=None)
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    p.add_argument(
+        "--compare",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="after the decode, decode again with every (chunk, agent) through the other of "
+        "route and fetch, so that the model is measured on both (default: on, except with "
+        "--force or the fault drill)",
+    )
     p.add_argument(
         "--hf",
         nargs="?",

@@ -21,7 +21,11 @@ sweep and one timed call of each primitive, or loaded with ``--profile``), and t
 that choice for real: route sends the absorbed query rows (rotated by the opposite delta, §3.2)
 to the holder, which batches all waiting rows into one kernel call (§6.3); fetch pulls all
 layers and splices them into the requester's pool (§2.2); local re-prefills the chunk through
-the model. ``--force`` runs every (chunk, agent) through one primitive.
+the model. ``--force`` runs every (chunk, agent) through one primitive. Then (unless
+``--no-compare``, ``--force`` or the fault drill) the same decode runs once more from an empty
+pool with every (chunk, agent) through the other of route and fetch, so that the model is
+measured on both primitives whatever the predicate picked, and the predicate's picks are timed
+against the alternative.
 
 Every partial and every merged answer is compared with a single-instance fp64 reference over
 the same keys (the canonical cache, re-homed to the agent's offsets by an exact fp64

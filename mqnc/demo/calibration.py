@@ -11,8 +11,9 @@ What is measured (only what the profile lacks):
   ``fixed + per row-token x work``, fitted over the isolated routes and over waves of requests
   batched the way the run batches them (several chunks per holder call, dense and selection);
 - fetch: an affine fit of the pull (the call less its splice) over the smallest and the largest
-  chunk (its fixed part: the request's round trip; its slope: the bulk rate), and the splice per
-  token (median, at a new offset);
+  chunk (its fixed part: the request's round trip; its slope: the bulk rate), the splice per
+  token (median, at a new offset) and the pool write alone per token (median, at the canonical
+  position);
 - the merge of an agent's partials (median of 5) and the re-prefill cost per token-layer.
 """
 
@@ -63,11 +64,14 @@ class Calibration:
             t["send_us"], t["send_alone_us"], t["compute_fixed_us"], t["compute_us_per_row_token"]
         )
 
-    def splice_profile(self, cfg: DemoConfig) -> SpliceProfile:
-        """The measured splice, linear in ``c_t`` over the corpus' chunk sizes."""
-        per_tok = self.terms["splice_us_per_token"]
+    def splice_profile(self, cfg: DemoConfig, moved: bool = True) -> SpliceProfile:
+        """What a fetched chunk costs on arrival, linear in ``c_t`` over the corpus' chunk
+        sizes: the measured splice (re-rotation and pool write) when it ``moved``, else the
+        pool write alone (the scatter: a chunk used at its canonical position)."""
+        per_tok = self.terms["splice_us_per_token" if moved else "scatter_us_per_token"]
         lo, hi = cfg.min_tokens, max(cfg.max_tokens, cfg.min_tokens + 1)
-        return SpliceProfile((lo, hi), (per_tok * lo, per_tok * hi), "measured (demo calibration)")
+        name = "measured (demo calibration)" if moved else "pool write (demo calibration)"
+        return SpliceProfile((lo, hi), (per_tok * lo, per_tok * hi), name)
 
     def to_dict(self) -> dict:
         """The JSON form (``demo.json``'s ``calibration``; :func:`mqnc.demo.report.print_table`
@@ -211,7 +215,9 @@ class _Measure:
             missing
         ):
             take(self._route_sides(compute_pairs, alone))
-        if {"bulk_bw_gbps", "fetch_fixed_us", "splice_us_per_token"} & set(missing):
+        if {"bulk_bw_gbps", "fetch_fixed_us", "splice_us_per_token", "scatter_us_per_token"} & set(
+            missing
+        ):
             take(self._fetch("bulk_bw_gbps" in missing or "fetch_fixed_us" in missing))
         if "merge_us" in missing:
             take(dict(merge_us=self._merge_us()))
@@ -339,8 +345,15 @@ class _Measure:
                     points.append((rec.bytes_recv, rec.total_us - rec.splice_us))
                     splice.append(rec.splice_us / info.tokens)
             req.clear_local()
+        scatter = []
+        for k in range(5):  # at the canonical position: the pool write alone
+            n = len(req.costs)
+            req.fetch(self.small.chunk_id)
+            if k:
+                scatter.append(req.costs[n].splice_us / self.small.tokens)
+            req.clear_local()
         self.samples["fetch_bytes_us"] = points
-        out = dict(splice_us_per_token=_median(splice))
+        out = dict(splice_us_per_token=_median(splice), scatter_us_per_token=_median(scatter))
         if pull:
             out.update(_pull_fit(points))
         return out

@@ -43,7 +43,10 @@ class DemoConfig:
     interpreter, not the method. ``topk``: entries each selection agent attends per layer and
     step, 1 .. ``chunks * min_tokens`` (the smallest corpus); a run without selection agents is
     ``selection_agents=0``. ``kill_after_step``: the step (0 .. ``steps - 1``) before which
-    ``kill_holder`` is killed.
+    ``kill_holder`` is killed. ``compare``: after the decode, decode once more with every
+    (chunk, agent) through the other of route and fetch (route for a ``local``), so that the
+    model is measured on both primitives and the predicate's choice against the other; None:
+    on unless ``force`` or the fault drill is given (True with either is an error).
     """
 
     layers: int = 4
@@ -71,6 +74,7 @@ class DemoConfig:
     kill_holder: int | None = None
     kill_after_step: int = 0
     progress: bool = True
+    compare: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "chunks", "min_tokens", "holders", "replicas", "steps", "hidden"):
@@ -112,6 +116,22 @@ class DemoConfig:
         if self.kill_holder is not None:
             check_int("kill_holder", self.kill_holder, minimum=1, below=self.holders + 1)
             check_int("kill_after_step", self.kill_after_step, minimum=0, below=self.steps)
+
+        if self.compare not in (None, True, False):
+            raise ValueError(f"compare: expected a bool or None, got {self.compare!r}")
+        if self.compare and (self.force is not None or self.kill_holder is not None):
+            raise ValueError(
+                "compare: the second decode runs the other primitive of the predicate's choice; "
+                f"it applies without force and the fault drill, got force={self.force!r}, "
+                f"kill_holder={self.kill_holder!r}"
+            )
+
+    @property
+    def comparing(self) -> bool:
+        """Whether the run decodes a second time through the other primitive."""
+        if self.compare is None:
+            return self.force is None and self.kill_holder is None
+        return self.compare
 
     @property
     def agents(self) -> int:

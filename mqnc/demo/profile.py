@@ -34,10 +34,13 @@ COMPUTE_TERMS = (
     "compute_fixed_us",
     "compute_us_per_row_token",
     "splice_us_per_token",
+    "scatter_us_per_token",
     "merge_us",
 )
 """The demo terms computed by the kernels (``--kernels``) on the device: measured again when a
-profile was measured with other kernels or on another device. A send rotates the query."""
+profile was measured with other kernels or on another device. A send rotates the query; the
+splice re-rotates and writes a fetched chunk into the pool, the scatter only writes it (a chunk
+used at its canonical position)."""
 
 DEMO_TERMS = (*COMPUTE_TERMS, "fetch_fixed_us", "c_us")
 """Every demo term a demo profile holds, besides the fabric."""

@@ -135,7 +135,8 @@ class Report:
     (:class:`mqnc.demo.step.Decoder`); ``cores`` maps a holder to its CPU core
     (:func:`mqnc.demo.cluster.cpu_plan`; None: each its own). A route is predicted by
     :func:`predict_wave` over its wave, a fetch as its request's fixed part, the pull at the
-    bulk rate and the splice (when the chunk moved), a local as the re-prefill.
+    bulk rate and the splice (when the chunk moved; else the pool write alone), a local as the
+    re-prefill.
     """
 
     def __init__(
@@ -171,7 +172,7 @@ class Report:
         ct, t = self.corpus.lengths[rec.chunk_id], self.cal.terms
         if rec.primitive == "fetch":
             moved = self.deltas.get(id(rec), 1) != 0
-            splice = t_splice(ct, self.cal.splice_profile(self.cfg)) if moved else 0.0
+            splice = t_splice(ct, self.cal.splice_profile(self.cfg, moved))
             pull = t["fetch_fixed_us"] + t_pull(self.geometry, self.cal.fabric, ct)
             return dict(pull=pull, splice=splice, total=pull + splice)
         prefill = t_local(self.geometry, ct, t["c_us"])
@@ -198,6 +199,7 @@ _CONSTANTS = (
     ("compute_fixed_us", "holder kernel call, fixed", "us", 1.0),
     ("compute_us_per_row_token", "holder compute", "us/(row x token)", 1.0),
     ("splice_us_per_token", "splice", "us/token", 1.0),
+    ("scatter_us_per_token", "pool write, no rotation", "us/token", 1.0),
     ("merge_us", "merge of an agent's partials", "us", 1.0),
     ("c_us", "re-prefill c", "us/(token x layer)", 1.0),
 )
@@ -252,6 +254,7 @@ def print_table(
     fallbacks: list,
     cal: dict,
     killed: dict | None = None,
+    compare: dict | None = None,
 ) -> None:
     """The constants (value and source), the decisions, the fallbacks, one line per primitive
     (calls, wire bytes, measured and predicted total, MAPE, largest error) and the terms
@@ -265,6 +268,8 @@ def print_table(
     )
     for line in _fallback_lines(fallbacks, killed):
         print(line)
+    if compare:
+        print("\n".join(_compare_lines(compare)))
     print(
         f"\n{'primitive':<9} {'calls':>6} {'wire MB':>9} {'measured ms':>12} "
         f"{'predicted ms':>13} {'MAPE':>6} {'max|err|':>9}"
@@ -282,6 +287,22 @@ def print_table(
         f"merged answers: {len(errors.get('merged', []))} checked against the fp64 reference, "
         f"max |err| {merged:.2e}"
     )
+
+
+def _compare_lines(compare: dict) -> list[str]:
+    """The predicate's decode against the comparison decode (the other primitive each): the
+    calls' measured and predicted time, summed."""
+    lines = [f"\n{'decoded with':<22} {'calls':<28} {'measured ms':>12} {'predicted ms':>13}"]
+    for key, what in (("predicate", "the predicate's picks"), ("other", "the other primitive")):
+        side = compare[key]
+        calls = ", ".join(f"{k} {v}" for k, v in sorted(side["primitives"].items()))
+        lines.append(
+            f"{what:<22} {calls:<28} {side['measured_us'] / 1e3:>12.1f} "
+            f"{side['predicted_us'] / 1e3:>13.1f}"
+        )
+    if not compare["states_agree"]:
+        lines.append("the two decodes ended in different agent states (beyond the bf16 floor)")
+    return lines
 
 
 def _terms_table(rows: dict) -> list[str]:

@@ -61,10 +61,26 @@ def run(prep: Prepared, progress: Progress) -> dict:
         total = cfg.steps * model.geometry.layers * len(agents)
         with progress.bar(total, "decode (agent x layer x step)") as bar:
             decoder.run(bar)
-        report = Report(
-            cfg, model.geometry, corpus, cal, decoder.waves, decoder.deltas, cluster.cpus
-        )
+        decoders, n_first = [decoder], len(req.costs)
+        if cfg.comparing:
+            # the same decode again, each (chunk, agent) through the other primitive, from an
+            # empty pool (nothing fetched before is reused)
+            req.clear_local()
+            other = decisions.other()
+            again = Decoder(
+                cfg, model, corpus, req, make_agents(cfg, corpus), other, verifier, None
+            )
+            with progress.bar(total, "decode again, the other primitive each") as bar:
+                again.run(bar)
+            decoders.append(again)
+        waves = {k: v for d in decoders for k, v in d.waves.items()}
+        deltas = {k: v for d in decoders for k, v in d.deltas.items()}
+        report = Report(cfg, model.geometry, corpus, cal, waves, deltas, cluster.cpus)
         rows = report.rows(req.costs, verifier.errors)
+        compare = None
+        if cfg.comparing:
+            passes = (req.costs[:n_first], req.costs[n_first:])
+            compare = _compare(report, passes, decoders)
     finally:
         cluster.close(req)
     result = dict(
@@ -76,6 +92,7 @@ def run(prep: Prepared, progress: Progress) -> dict:
         decisions=list(decisions.table.values()),
         fallbacks=decoder.fallbacks,
         killed=decoder.killed,
+        compare=compare,
         primitives=rows,
         max_abs_error={k: max(v) for k, v in verifier.errors.items()},
         checked={k: len(v) for k, v in verifier.errors.items()},
@@ -85,6 +102,28 @@ def run(prep: Prepared, progress: Progress) -> dict:
     )
     _write(cfg, result, verifier.errors, decisions.table, cal)
     return result
+
+
+def _compare(report: Report, passes: tuple, decoders: list[Decoder]) -> dict:
+    """The two decodes side by side: per decode, its calls per primitive, their measured and
+    predicted time (us, summed over the calls, as the table sums them), its wall time
+    (verification included), and whether both ended in the same agent states (to the bf16
+    floor: each path rounds its queries or keys once more than the reference)."""
+    out = {}
+    for key, costs, dec in zip(("predicate", "other"), passes, decoders, strict=True):
+        rows = report.rows(costs, {})
+        out[key] = dict(
+            primitives={p: r["count"] for p, r in rows.items()},
+            measured_us=sum(r["measured_us"]["total"] for r in rows.values()),
+            predicted_us=sum(r["predicted_us"]["total"] for r in rows.values()),
+            decode_s=dec.decode_s,
+        )
+    first, again = decoders
+    out["states_agree"] = all(
+        float((a.hidden - b.hidden).abs().max()) <= 2**-6 * float(b.hidden.abs().max())
+        for a, b in zip(first.agents, again.agents, strict=True)
+    )
+    return out
 
 
 def _kernels(cfg: DemoConfig) -> str:
@@ -125,7 +164,13 @@ def _write(cfg: DemoConfig, result: dict, errors, decisions, cal) -> None:
         json.dump(result, f, indent=2, default=float)
     cal.save_profile(out / "demo_profile.json", cfg, result["device"])
     print_table(
-        rows, errors, decisions, result["fallbacks"], result["calibration"], result["killed"]
+        rows,
+        errors,
+        decisions,
+        result["fallbacks"],
+        result["calibration"],
+        result["killed"],
+        result["compare"],
     )
     print(
         f"\n{result['wall_s']:.0f} s on {result['device']}, {cfg.transport}, kernels "

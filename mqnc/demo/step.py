@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import torch
 
-from mqnc.cost import SpliceProfile, decide
+from mqnc.cost import decide
 from mqnc.demo.calibration import Calibration
 from mqnc.demo.config import LANES, DemoConfig
 from mqnc.demo.verify import Verifier
@@ -22,14 +22,30 @@ from mqnc.serving.compute import kernel_ops
 __all__ = ["Decisions", "Decoder"]
 
 PRIMITIVES = ("route", "fetch", "local")
+OTHER = {"route": "fetch", "fetch": "route", "local": "route"}
+"""The primitive the comparison decode (``compare``) runs instead of the predicate's choice."""
 
 
 class Decisions:
-    """The predicate's choice per (agent, chunk), memoised, with its inputs and costs."""
+    """The predicate's choice per (agent, chunk), memoised, with its inputs and costs; with
+    ``first`` (the run's own decisions), :data:`OTHER` of its choice (the comparison decode)."""
 
-    def __init__(self, cfg: DemoConfig, model: MLAModel, corpus: Corpus, cal: Calibration):
+    def __init__(
+        self,
+        cfg: DemoConfig,
+        model: MLAModel,
+        corpus: Corpus,
+        cal: Calibration,
+        first: Decisions | None = None,
+    ):
         self.cfg, self.geometry, self.corpus, self.cal = cfg, model.geometry, corpus, cal
+        self.model, self.first = model, first
         self.table: dict[tuple[str, int], dict] = {}
+
+    def other(self) -> Decisions:
+        """The decisions of the comparison decode: each (chunk, agent) through the other
+        primitive."""
+        return Decisions(self.cfg, self.model, self.corpus, self.cal, first=self)
 
     def __call__(self, agent: Agent, chunk: int) -> str:
         """The choice for (chunk, agent): the agent's whole decode over the chunk is the
@@ -38,8 +54,12 @@ class Decisions:
         comparison: route pays it on the holder, fetch and local on the requester afterwards.
         ``--force`` overrides."""
         key = (agent.name, chunk)
-        if key not in self.table:
+        if key not in self.table and self.first is None:
             self.table[key] = self._decide(agent, chunk)
+        elif key not in self.table:
+            self.first(agent, chunk)
+            chosen = self.first.table[key]
+            self.table[key] = dict(chosen, primitive=OTHER[chosen["primitive"]])
         return self.table[key]["primitive"]
 
     def _decide(self, agent: Agent, chunk: int) -> dict:
@@ -57,8 +77,8 @@ class Decisions:
             t_compute_us=0.0,
             t_merge_us=0.0,
             # a selection agent attends at canonical positions: its fetch pulls the chunks that
-            # hold the selected entries and splices nothing
-            splice=self.cal.splice_profile(cfg) if moved else SpliceProfile.none(),
+            # hold the selected entries and only writes them into its pool (no rotation)
+            splice=self.cal.splice_profile(cfg, moved),
             round_trips=cfg.steps * g.layers,
         )
         return dict(
@@ -106,6 +126,7 @@ class Decoder:
         self.deltas: dict[int, int] = {}
         self.waves: dict[int, tuple[list[WaveCall], int]] = {}
         self.calls = 0
+        self.decode_s = 0.0
 
     # -- executing one (agent, chunk) ------------------------------------------------------------
     def _attend(self, agent: Agent, chunk: int, q, layer: int, indices=None) -> Partial:
@@ -275,6 +296,7 @@ class Decoder:
                     decode_s=time.perf_counter() - t0,
                 )
             self._step(gen, progress)
+        self.decode_s = time.perf_counter() - t0
 
     def _step(self, gen: torch.Generator, progress) -> None:
         states = {a.name: (a.hidden, a.start + a.suffix_kv.shape[1]) for a in self.agents}
