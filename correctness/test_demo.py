@@ -95,7 +95,15 @@ def test_demo_gloo_processes_torch_path_and_progress(tmp_path, capsys):
     if not torch.cuda.is_available():
         assert r["kernels"] == "torch (fp64 references)"
         assert r["config"]["kernels"] == "torch" and r["config"]["device"] == "cpu"
-    phases = ["mqnc demo:", "prefill the corpus", "holders", "calibrate", "decode", "decode again"]
+    assert err.startswith("[   0.0 s] mqnc demo: checking the arguments"), err[:200]
+    phases = [
+        "mqnc demo: 4 chunks",
+        "prefill the corpus",
+        "holders",
+        "calibrate",
+        "decode",
+        "decode again",
+    ]
     where = [err.find(p) for p in phases]
     assert all(w >= 0 for w in where) and where == sorted(where), (where, err[:2000])
     lines = [line for line in _printed_lines(printed.out) if str(tmp_path) not in line]

@@ -67,8 +67,10 @@ def run_demo(cfg: DemoConfig) -> dict:
     from mqnc.demo.progress import Progress
 
     t0 = time.perf_counter()
+    progress = Progress(isinstance(cfg, DemoConfig) and cfg.progress, t0)
+    # said at once: the checks load torch, which takes a second or two
+    progress.phase("mqnc demo: checking the arguments and this machine (CUDA, profile, --out)")
     prep = prepare(cfg)
-    progress = Progress(prep.cfg.progress, t0)
     use_interpreter_without_cuda()
     # imported here, after the kernel mode is chosen (the kernels are compiled or interpreted
     # as they are imported), and so that ``mqnc --help`` (which reads DemoConfig) loads no torch
