@@ -294,7 +294,8 @@ class _Measure:
         for r, rec in zip(requests, self.req.costs[n:], strict=True):
             ind = r.get("indices")
             info = self.req.directory[r["chunk_id"]]
-            work.append((rec, rec.m_q * (info.tokens if ind is None else int((ind >= 0).sum()))))
+            # a selection costs its index row's width, padding included (as in the run)
+            work.append((rec, rec.m_q * (info.tokens if ind is None else ind.shape[-1])))
         return work
 
     def _route_sides(self, compute_pairs: list, alone: list) -> dict[str, float]:

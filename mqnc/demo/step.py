@@ -203,7 +203,9 @@ class Decoder:
         for rec, (agent, c, _q, _layer, ind) in zip(recs, jobs, strict=False):
             self.deltas[id(rec)] = agent.delta(self.corpus, c)
             if rec.primitive == "route" and rec.ok:
-                tokens = self.corpus.lengths[c] if ind is None else int((ind >= 0).sum())
+                # a selection is computed over its whole index row, -1 padding included (the
+                # holder pads a group to its widest row): its width is the work, not its count
+                tokens = self.corpus.lengths[c] if ind is None else ind.shape[-1]
                 call = WaveCall(rec.peer, rec.m_q, rec.m_q * tokens, ind is not None)
                 routes.append((rec, call))
         wave = [call for _, call in routes]

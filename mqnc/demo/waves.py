@@ -57,8 +57,10 @@ class RouteConstants:
 
 @dataclasses.dataclass(frozen=True)
 class WaveCall:
-    """One request of a wave, in send order: its holder, ``M_q`` rows, the rows x tokens it
-    attends (``work``) and whether it is a selection (sparse) request."""
+    """One request of a wave, in send order: its holder, ``M_q`` rows, the rows x tokens its
+    kernel call computes over (``work``; a selection's index row counts at its full width,
+    ``-1`` padding included, as the kernel walks it) and whether it is a selection (sparse)
+    request."""
 
     peer: int
     m_q: int
