@@ -1,16 +1,23 @@
-"""The demo end to end (issue: main job): small configurations on loopback and gloo, the three
-``--force`` paths agreeing, and a holder killed mid-run with every request still answered
-correctly through the fallback. Every partial and merged answer inside the demo is checked
-against the fp64 single-instance reference (``run_demo`` raises beyond the bounds)."""
+"""The demo end to end (issue: main job; issue 16: its command line): small configurations on
+loopback and gloo, the three ``--force`` paths agreeing, a holder killed mid-run with every
+request still answered correctly through the fallback (and the report saying which holder died
+when), a holder that fails or dies at start-up ending the run at once, a profile loaded instead
+of recalibrated, every argument checked before any work. Every partial and merged answer inside
+the demo is checked against the fp64 single-instance reference (``run_demo`` raises beyond the
+bounds). No test reads a time: the model's MAPE is a measured figure for the README."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
-from mqnc.demo import DemoConfig, run_demo
+from mqnc.demo import DemoConfig, HolderStartupError, run_demo
+from mqnc.demo.step import OTHER
 
 SMALL = dict(
     layers=2,
@@ -25,42 +32,96 @@ SMALL = dict(
     steps=2,
     progress=False,
 )
+README = Path(__file__).parents[1] / "README.md"
 
 
 def _run(tmp_path, name, **kw) -> dict:
     return run_demo(DemoConfig(**{**SMALL, "out": str(tmp_path / name), **kw}))
 
 
-def test_demo_loopback_decides_executes_and_verifies(tmp_path):
-    r = _run(tmp_path, "lb", transport="loopback")
+def _printed_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def test_demo_loopback_decides_executes_and_verifies(tmp_path, capsys):
+    """The Triton kernels (interpreted here) on the holders and the requester: decided,
+    executed, verified; the table fits in 100 columns; the picture names device, transport and
+    kernels."""
+    r = _run(tmp_path, "lb", transport="loopback", kernels="triton", compare=False)
+    printed = capsys.readouterr().out
     assert (tmp_path / "lb" / "demo.json").exists()
     png = tmp_path / "lb" / "measured_vs_predicted.png"
     assert png.exists() and png.stat().st_size > 5000
     on_disk = json.loads((tmp_path / "lb" / "demo.json").read_text())
     assert on_disk["checked"]["merged"] == SMALL["steps"] * SMALL["layers"] * 2
+    assert r["kernels"].startswith("triton")
+    assert r["device"] in r["plot_title"] and "loopback" in r["plot_title"]
+    assert r["kernels"] in r["plot_title"]
     # every (chunk, agent) got a decision from the predicate, executed as decided
     assert r["decisions"] and all(d["primitive"] == d["predicate"] for d in r["decisions"])
     assert not r["fallbacks"]
     for prim, row in r["primitives"].items():
         assert row["count"] > 0 and row["measured_us"]["total"] > 0
         assert row["predicted_us"]["total"] > 0, prim
+        assert f"\n{prim} " in printed
+    lines = [line for line in _printed_lines(printed) if str(tmp_path) not in line]
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    assert "decisions per (chunk, agent)" in printed and "MAPE" in printed
+    # every constant printed with where it came from
+    assert re.search(r"T_probe .* calibrated", printed)
 
 
-def test_demo_gloo_processes(tmp_path):
-    r = _run(tmp_path, "gloo", transport="gloo")
-    assert r["checked"]["merged"] == SMALL["steps"] * SMALL["layers"] * 2
-    assert sum(row["count"] for row in r["primitives"].values()) > 0
+def test_demo_gloo_processes_torch_path_and_progress(tmp_path, capsys):
+    """Holder processes over gloo; on a CPU the default is the torch path; the run says what it
+    does from its first line (prefill, calibration, decode, the comparison decode), decodes a
+    second time through the other primitive of each choice (the model measured on both), and
+    prints nothing wider than 100 columns."""
+    r = _run(tmp_path, "gloo", transport="gloo", progress=True)
+    printed = capsys.readouterr()
+    err = printed.err
+    # the decode, then the same decode with every (chunk, agent) through the other primitive
+    assert r["checked"]["merged"] == 2 * SMALL["steps"] * SMALL["layers"] * 2
+    cmp = r["compare"]
+    assert cmp["states_agree"]
+    picked = {d["primitive"] for d in r["decisions"]}
+    assert set(cmp["predicate"]["primitives"]) == picked
+    assert set(cmp["other"]["primitives"]) == {OTHER[p] for p in picked}
+    assert set(r["primitives"]) == picked | {OTHER[p] for p in picked}
+    if len(picked) == 1:  # each decode's calls are then one row of the table
+        (p,) = picked
+        for side, prim in (("predicate", p), ("other", OTHER[p])):
+            total = r["primitives"][prim]["measured_us"]["total"]
+            assert cmp[side]["measured_us"] == pytest.approx(total)
+    if not torch.cuda.is_available():
+        assert r["kernels"] == "torch (fp64 references)"
+        assert r["config"]["kernels"] == "torch" and r["config"]["device"] == "cpu"
+    assert err.startswith("[   0.0 s] mqnc demo: checking the arguments"), err[:200]
+    phases = [
+        "mqnc demo: 4 chunks",
+        "prefill the corpus",
+        "holders",
+        "calibrate",
+        "decode",
+        "decode again",
+    ]
+    where = [err.find(p) for p in phases]
+    assert all(w >= 0 for w in where) and where == sorted(where), (where, err[:2000])
+    lines = [line for line in _printed_lines(printed.out) if str(tmp_path) not in line]
+    assert max(len(line) for line in lines) <= 100, max(lines, key=len)
+    assert "the other primitive" in printed.out
 
 
 @pytest.fixture(scope="module")
 def forced(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("forced")
-    return {p: _run(tmp, p, transport="loopback", force=p) for p in ("route", "fetch", "local")}
+    return tmp, {
+        p: _run(tmp, p, transport="loopback", force=p) for p in ("route", "fetch", "local")
+    }
 
 
 @pytest.mark.parametrize("primitive", ["route", "fetch", "local"])
 def test_force_runs_every_request_through_one_primitive(forced, primitive):
-    r = forced[primitive]
+    r = forced[1][primitive]
     assert {d["primitive"] for d in r["decisions"]} == {primitive}
     # the selection agent's chunks sit at canonical positions: its fetch splices nothing
     assert set(r["primitives"]) == {primitive}
@@ -69,15 +130,37 @@ def test_force_runs_every_request_through_one_primitive(forced, primitive):
 def test_force_paths_agree(forced):
     """Identical work through route, fetch and local ends in the same agent states, to the
     bf16 floor (each path rounds its queries or keys once more than the reference)."""
-    base = forced["route"]["final_hidden"]
+    base = forced[1]["route"]["final_hidden"]
     for other in ("fetch", "local"):
-        for agent, h in forced[other]["final_hidden"].items():
+        for agent, h in forced[1][other]["final_hidden"].items():
             a, b = torch.tensor(h), torch.tensor(base[agent])
             scale = float(b.abs().max())
             assert float((a - b).abs().max()) <= 2**-6 * scale, (other, agent)
 
 
-def test_killed_holder_every_request_answered_through_fallback(tmp_path):
+def test_profile_is_loaded_not_recalibrated(forced, tmp_path):
+    """A demo profile (written by every run) gives every term: nothing is measured again.
+    A fabric profile gives the transport's terms; the demo measures the rest. Each term says
+    where it came from."""
+    profile = forced[0] / "route" / "demo_profile.json"
+    r = _run(tmp_path, "again", transport="loopback", profile=str(profile))
+    cal = r["calibration"]
+    assert set(cal["sources"].values()) == {"profile"} and cal["profile"] == str(profile)
+    assert cal["samples"] == {} and cal["probe_samples_us"] == []
+    saved = json.loads(profile.read_text())
+    assert cal["send_us"] == saved["terms"]["send_us"]
+    assert cal["fabric"]["t_probe_us"] == saved["fabric"]["t_probe_us"]
+
+    fabric = tmp_path / "fabric.json"
+    fabric.write_text(json.dumps(saved["fabric"]))
+    r = _run(tmp_path, "fabric", transport="loopback", profile=str(fabric))
+    src = r["calibration"]["sources"]
+    assert src["t_probe_us"] == src["bw_gbps"] == "profile"
+    assert src["compute_us_per_row_token"] == src["c_us"] == "calibrated"
+    assert r["calibration"]["probe_samples_us"] == []  # the fabric was not probed again
+
+
+def test_killed_holder_every_request_answered_through_fallback(tmp_path, capsys):
     r = _run(
         tmp_path,
         "kill",
@@ -88,14 +171,23 @@ def test_killed_holder_every_request_answered_through_fallback(tmp_path):
         kill_after_step=1,
         force="route",
     )
+    printed = capsys.readouterr().out
     assert r["fallbacks"], "the killed holder's chunks must have been served by the fallback"
     # with a replica, route goes on: to the other holder
     assert all(f["holder"] == 1 and f["peer"] == 2 for f in r["fallbacks"])
     assert {f["used"] for f in r["fallbacks"]} == {"route"}
+    assert {f["step"] for f in r["fallbacks"]} == {1}
     assert r["checked"]["merged"] == SMALL["steps"] * SMALL["layers"] * 2
+    assert r["killed"]["holder"] == 1 and r["killed"]["before_step"] == 1
+    assert "fault drill: holder 1 killed before step 1" in printed
+    n = len(r["fallbacks"])
+    assert (
+        f"holder 1 failed from step 1, layer 0: {n} requests answered by route at holder 2 ({n})"
+        in printed
+    )
 
 
-def test_killed_holder_process_gloo(tmp_path):
+def test_killed_holder_process_gloo(tmp_path, capsys):
     r = _run(
         tmp_path,
         "killgloo",
@@ -106,18 +198,184 @@ def test_killed_holder_process_gloo(tmp_path):
         kill_after_step=1,
         force="route",
     )
+    printed = capsys.readouterr().out
     assert r["fallbacks"]
     assert {f["used"] for f in r["fallbacks"]} <= {"fetch", "local"}
     assert r["checked"]["merged"] == SMALL["steps"] * SMALL["layers"] * 2
+    assert "fault drill: holder 2 killed before step 1" in printed
+    assert re.search(r"holder 2 failed from step 1, layer 0: \d+ requests answered by", printed)
 
 
-def test_bad_config_is_rejected(tmp_path):
-    with pytest.raises(ValueError, match="transport"):
-        DemoConfig(transport="carrier-pigeon")
-    with pytest.raises(ValueError, match="device"):
-        DemoConfig(device="tpu")
+@pytest.mark.parametrize("how", ["fails", "dies"])
+def test_holder_lost_at_start_up_ends_the_run_at_once(tmp_path, monkeypatch, how):
+    """A holder process that fails while building its pool (its exception, through the store)
+    or dies before it loads its chunks (its exit code) ends the run with the holder named; the
+    other holder is stopped. ``timeout_s`` bounds the wait if detection broke: the message
+    then says so, and the test fails."""
+    from mqnc.demo.cluster import Cluster
+
+    if how == "fails":
+        chunks_of = Cluster._chunks_of
+
+        def bad_chunks(self, rank):  # holder 2 gets a cache of the wrong shape
+            out = chunks_of(self, rank)
+            return {c: (kv[:, :, :8], p) for c, (kv, p) in out.items()} if rank == 2 else out
+
+        monkeypatch.setattr(Cluster, "_chunks_of", bad_chunks)
+        expect = r"holder 2 failed at start-up \(building its pool\): ValueError: kv: expected"
+    else:
+        publish = Cluster.publish
+
+        def kill_first(self):
+            self._procs[0].kill()
+            self._procs[0].join()
+            publish(self)
+
+        monkeypatch.setattr(Cluster, "publish", kill_first)
+        expect = r"holder 1 died at start-up \(loading its chunks\): exit code -9"
+    with pytest.raises(HolderStartupError, match=expect):
+        _run(tmp_path, how, transport="gloo", timeout_s=120.0)
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        (dict(profile="no/such/profile.json"), FileNotFoundError, "no/such/profile.json"),
+        (dict(profile=str(README)), ValueError, r"README\.md' is not a profile"),
+        (dict(topk=0), ValueError, "topk: expected an int in"),
+        (dict(topk=4 * 64 + 1), ValueError, "topk: expected an int in"),
+        (dict(kill_holder=1, kill_after_step=2), ValueError, "kill_after_step"),
+        (dict(whole_agents=0, selection_agents=0), ValueError, "at least one agent"),
+        (dict(kernels="cuda"), ValueError, "kernels: expected one of"),
+        (dict(transport="carrier-pigeon"), ValueError, "transport"),
+        (dict(device="tpu"), ValueError, "device"),
+        (dict(holders=1, replicas=2), ValueError, "replicas"),
+        (dict(force="route", compare=True), ValueError, "compare: .* without force"),
+        (dict(kill_holder=1, compare=True), ValueError, "compare: .* the fault drill"),
+    ],
+)
+def test_bad_argument_fails_before_any_work(tmp_path, monkeypatch, kw, error, match):
+    import mqnc.demo.run
+
+    def no_work(*args):
+        raise AssertionError("the run started before its arguments were checked")
+
+    monkeypatch.setattr(mqnc.demo.run, "run", no_work)
+    with pytest.raises(error, match=match):
+        _run(tmp_path, "bad", **kw)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_machine_dependent_arguments_fail_before_any_work(tmp_path, monkeypatch):
+    import mqnc.demo.run
+
+    monkeypatch.setattr(mqnc.demo.run, "run", lambda *a: pytest.fail("the run started"))
     if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device: 'cuda' asked for, but torch sees no CUDA"):
+            _run(tmp_path, "cuda", device="cuda")
         with pytest.raises(ValueError, match="nvshmem.*needs a CUDA device"):
-            run_demo(DemoConfig(**{**SMALL, "out": str(tmp_path), "transport": "nvshmem"}))
-    with pytest.raises(ValueError, match="replicas"):
-        DemoConfig(holders=1, replicas=2)
+            _run(tmp_path, "nv", transport="nvshmem")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="exists and is not a folder"):
+        _run(tmp_path, "file")
+    # no selection agents: no top-k to check (documented in DemoConfig)
+    DemoConfig(**{**SMALL, "selection_agents": 0, "topk": 0})
+
+
+def test_demo_command_line_checks(capsys, tmp_path):
+    from mqnc.cli import main
+
+    assert main(["demo", "--profile", str(README), "--out", str(tmp_path / "o")]) == 2
+    assert f"'{README}' is not a profile" in capsys.readouterr().err
+    assert main(["demo", "--topk", "0"]) == 2
+    assert "topk: expected" in capsys.readouterr().err
+    assert main(["demo", "--kill-after-step", "1"]) == 2
+    assert "--kill-after-step: applies to the fault drill only" in capsys.readouterr().err
+    assert main(["demo", "--force", "fetch", "--compare"]) == 2
+    assert "compare: the second decode" in capsys.readouterr().err
+    assert main(["demo", "--kernels", "cuda"]) == 2  # argparse: not a choice
+
+
+# ---- the model's pieces (no run) ----------------------------------------------------------------
+
+
+def test_wave_of_one_is_the_papers_route():
+    """A wave of one call is §4.2's route: probe + turnaround + rows out + compute + partial
+    back, no queueing; more requests queue behind the sends and the holder's batches."""
+    from mqnc.cost import FABRICS, t_route
+    from mqnc.demo.waves import RouteConstants, WaveCall, predict_wave
+    from mqnc.model import get_preset
+
+    g = get_preset("deepseek-v2-lite")
+    fabric = FABRICS["h100-ibgda"]
+    k = RouteConstants(
+        send_us=40.0, send_alone_us=5.0, compute_fixed_us=3.0, compute_us_per_row_token=0.01
+    )
+    (one,) = predict_wave([WaveCall(1, 16, 16 * 300)], g, fabric, k)
+    ref = t_route(g, fabric, 16, t_compute_us=3.0 + 0.01 * 16 * 300, t_merge_us=0.0)
+    assert one["queue"] == 0.0
+    assert one["total"] == pytest.approx(ref.total - ref.host, rel=1e-12)
+    wave = [WaveCall(1, 16, 16 * 300), WaveCall(1, 16, 16 * 200), WaveCall(2, 16, 16 * 100)]
+    apart = predict_wave(wave, g, fabric, k)
+    shared = predict_wave(wave, g, fabric, k, cores={1: 1, 2: 1})
+    assert all(t["queue"] >= 0 for t in apart)
+    # the first request waits for the sends after it: at least the wave's sends
+    assert apart[0]["total"] >= 3 * k.send_us
+    # two holders on one core take turns: nobody is answered earlier
+    assert all(s["total"] >= a["total"] - 1e-9 for s, a in zip(shared, apart, strict=True))
+
+
+def test_calibration_fits_recover_their_lines():
+    from mqnc.demo.calibration import _pull_fit, _robust_affine
+
+    pts = [(x, 100.0 + 0.5 * x) for x in (10, 20, 30, 40, 50, 60)] + [(30, 900.0)]
+    assert _robust_affine(pts) == pytest.approx((100.0, 0.5), rel=1e-9)
+    pull = _pull_fit([(1_000_000, 1500.0), (2_000_000, 2500.0), (1_000_000, 1500.0)])
+    assert pull["fetch_fixed_us"] == pytest.approx(500.0)
+    assert pull["bulk_bw_gbps"] == pytest.approx(1.0)  # 1e6 bytes per 1000 us
+
+
+def test_profile_measured_with_other_kernels_is_measured_again(tmp_path):
+    """A demo profile's compute terms hold only for the kernels and device they were measured
+    with; the rest is loaded."""
+    from mqnc.demo.calibration import _loaded
+    from mqnc.demo.profile import COMPUTE_TERMS, DEMO_PROFILE, DEMO_TERMS, load_profile
+
+    path = tmp_path / "p.json"
+    fabric = dict(name="x", t_probe_us=10.0, bw_gbps=1.0, bulk_bw_gbps=2.0)
+    terms = {k: 1.0 for k in DEMO_TERMS}
+    measured = dict(kernels="torch", device="cpu", transport="gloo")
+    path.write_text(
+        json.dumps(dict(kind=DEMO_PROFILE, fabric=fabric, terms=terms, measured_with=measured))
+    )
+    cfg = DemoConfig(**SMALL, kernels="triton", device="cpu")
+    fab, got, sources = _loaded(cfg, load_profile(str(path)))
+    assert fab["t_probe_us"] == 10.0 and fab["bulk_bw_gbps"] == 2.0
+    assert set(got) == set(DEMO_TERMS) - set(COMPUTE_TERMS)
+    assert all(sources[k] == "calibrated (profile's: kernels torch on cpu)" for k in COMPUTE_TERMS)
+    assert sources["c_us"] == "profile"
+
+
+def test_prefill_decompressed_is_the_absorbed_attention():
+    """The demo's prefill attends in the decompressed form (per-head keys and values); the
+    decode path's absorbed pieces (cache entries, absorbed query, W_UV after attention) give the
+    same cache, in fp64, at a position with rotation (offset 300)."""
+    from mqnc.demo.workload import build_model
+    from mqnc.testing import assert_close, tolerance
+
+    model = build_model(DemoConfig(**SMALL))
+    x = torch.randn(40, model.hidden, generator=torch.Generator().manual_seed(3))
+    got = model.prefill(x, 300, dtype=torch.float64)
+    pos, h, expected = torch.arange(300, 340), x.double(), []
+    causal = torch.ones(40, 40, dtype=torch.bool).tril()
+    for layer in range(model.geometry.layers):
+        kv = model.cache_entries(layer, h, pos)
+        q = model.absorbed_query(layer, h, pos)
+        s = torch.einsum("thc,sc->ths", q, kv) * model.softmax_scale
+        p = torch.softmax(s.masked_fill(~causal[:, None, :], float("-inf")), dim=-1)
+        o = torch.einsum("ths,sc->thc", p, kv[:, : model.geometry.d_v])
+        h = h + model.attention_output(layer, o)
+        expected.append(kv)
+    assert got.dtype == torch.float64 and got.shape == (2, 40, model.geometry.d_qk)
+    assert_close(got, torch.stack(expected), tolerance("prefill_forms", torch.float64))

@@ -316,3 +316,37 @@ def test_argument_errors():
         s.holder.add_chunk(1, _chunk(1, 8))
     with pytest.raises(ValueError, match="blocks"):
         s.holder.add_chunk(5, _chunk(1, 64 * 8))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_torch_path_by_row_slices_is_the_whole_batch(rows):
+    """The torch path attends a holder's batch in slices of rows (its cost then stays linear in
+    the rows); dense and sparse calls equal the fp64 references over the whole batch, with
+    NaN in the pool's unused slots (a slice that read them would fail)."""
+    from mqnc.reference import mla_decode_reference, mla_sparse_reference
+    from mqnc.serving.compute import ROWS_PER_SLICE, ReferenceOps
+    from mqnc.testing import tolerance
+
+    assert ROWS_PER_SLICE == 2  # 5 rows: two whole slices and a short one
+    g = torch.Generator().manual_seed(rows)
+    pool = torch.randn(12, 16, 576, generator=g).to(torch.bfloat16)
+    pool[-1] = float("nan")  # never in a block table, never selected
+    q = torch.randn(rows, 16, 576, generator=g).to(torch.bfloat16)
+    table = torch.stack([torch.randperm(11, generator=g)[:6] for _ in range(rows)]).int()
+    lens = torch.randint(1, 6 * 16 + 1, (rows,), generator=g).int()
+    idx = torch.randint(0, 11 * 16, (rows, 40), generator=g).int()
+    idx[:, 30:] = -1
+    calls = [
+        (
+            ReferenceOps.mla_decode_partial(q, pool, table, lens, softmax_scale=0.07),
+            mla_decode_reference(q, pool, table, lens, 0.07),
+        ),
+        (
+            ReferenceOps.mla_sparse_partial(q, pool, idx, softmax_scale=0.07),
+            mla_sparse_reference(q, pool, idx, 0.07),
+        ),
+    ]
+    for (o, lse), (o_ref, lse_ref) in calls:
+        assert o.shape == (rows, 16, 512) and lse.shape == (rows, 16)
+        assert_close(o, o_ref, tolerance("mla", torch.bfloat16), name="o")
+        assert_close(lse, lse_ref, tolerance("mla_lse", torch.float32), name="lse")

@@ -218,6 +218,13 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
         "rotated by the splice and rounded; local: re-prefilled at the new offset and rounded), "
         "each rounding perturbing scores by ~2^-9 relative: one ulp of the largest |o| in all.",
     ),
+    ("prefill_forms", "float64"): Tolerance(
+        1e-11,
+        1e-12,
+        "the decompressed and the absorbed prefill are the same sums in another order (W_UK, "
+        "W_UV applied before or after the T-long reductions): fp64 roundoff 1.1e-16 times "
+        "sums of <= 512 terms of |x| <= ~10 over 2 layers, with room.",
+    ),
     ("demo_merged", "bfloat16"): Tolerance(
         2**-7,
         2**-7,

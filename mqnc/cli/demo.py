@@ -3,11 +3,12 @@ executed, verified and reported."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 
-from mqnc.demo import DemoConfig, HFDemoConfig, run_demo, run_hf_demo
-from mqnc.demo.config import TRANSPORTS
+from mqnc.demo import DemoConfig, HFDemoConfig, HolderStartupError, run_demo, run_hf_demo
+from mqnc.demo.config import KERNELS, TRANSPORTS
 
 __all__ = ["register"]
 
@@ -37,6 +38,7 @@ _HF_OPTIONS = dict(
     replicas="replicas",
     seed="seed",
     steps="new_tokens",
+    kernels="kernels",
     kill_holder="kill_holder",
     kill_after_step="kill_after_step",
 )
@@ -69,11 +71,13 @@ def _run(args) -> int:
         if args.hf:
             run_hf_demo(_hf_config(args))
             return 0
+        if args.kill_after_step is not None and args.kill_holder is None:
+            raise ValueError("--kill-after-step: applies to the fault drill only (--kill-holder R)")
         fields = {f.name for f in dataclasses.fields(DemoConfig)}
         cfg = DemoConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
         run_demo(cfg)
-    except AssertionError as exc:
-        print(f"FAILED: {exc}", file=sys.stderr)
+    except (AssertionError, HolderStartupError) as exc:
+        print(f"mqnc demo: FAILED: {exc}", file=sys.stderr)
         return 1
     return 0
 
@@ -102,6 +106,14 @@ def register(subparsers) -> None:
         help="where pools and kernels live (default: cuda when available)",
     )
     p.add_argument(
+        "--kernels",
+        choices=KERNELS,
+        default=None,
+        help="what computes on the holders and the requester: the Triton kernels, or their "
+        "fp64 torch references rounded once (default: triton on cuda, torch on cpu, where "
+        "triton means the interpreter)",
+    )
+    p.add_argument(
         "--force",
         choices=("route", "fetch", "local"),
         default=None,
@@ -122,6 +134,14 @@ def register(subparsers) -> None:
     p.add_argument("--kill-after-step", dest="kill_after_step", type=int, default=None)
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     p.add_argument(
+        "--compare",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="after the decode, decode again with every (chunk, agent) through the other of "
+        "route and fetch, so that the model is measured on both (default: on, except with "
+        "--force or the fault drill)",
+    )
+    p.add_argument(
         "--hf",
         nargs="?",
         const="deepseek_v2",
@@ -129,7 +149,7 @@ def register(subparsers) -> None:
         default=None,
         help="instead: a Hugging Face DeepSeek model (deepseek_v2 when no class is named) "
         "generating with its context on the holders, checked against its own generate; takes "
-        "--transport (gloo or loopback), --force, --profile, --out, --holders, --replicas, "
-        "--seed, --steps (new tokens) and the fault drill",
+        "--transport (gloo or loopback), --kernels, --force, --profile, --out, --holders, "
+        "--replicas, --seed, --steps (new tokens) and the fault drill",
     )
     p.set_defaults(func=_run)

@@ -21,7 +21,11 @@ sweep and one timed call of each primitive, or loaded with ``--profile``), and t
 that choice for real: route sends the absorbed query rows (rotated by the opposite delta, §3.2)
 to the holder, which batches all waiting rows into one kernel call (§6.3); fetch pulls all
 layers and splices them into the requester's pool (§2.2); local re-prefills the chunk through
-the model. ``--force`` runs every (chunk, agent) through one primitive.
+the model. ``--force`` runs every (chunk, agent) through one primitive. Then (unless
+``--no-compare``, ``--force`` or the fault drill) the same decode runs once more from an empty
+pool with every (chunk, agent) through the other of route and fetch, so that the model is
+measured on both primitives whatever the predicate picked, and the predicate's picks are timed
+against the alternative.
 
 Every partial and every merged answer is compared with a single-instance fp64 reference over
 the same keys (the canonical cache, re-homed to the agent's offsets by an exact fp64
@@ -43,23 +47,36 @@ generating over holders (:mod:`mqnc.integrations.hf`) the same way, with the sam
 
 from __future__ import annotations
 
-from mqnc.base.runtime import use_interpreter_without_cuda
-from mqnc.demo.config import DemoConfig, HFDemoConfig
+import time
 
-__all__ = ["DemoConfig", "HFDemoConfig", "run_demo", "run_hf_demo"]
+from mqnc.base.runtime import use_interpreter_without_cuda
+from mqnc.demo.config import DemoConfig, HFDemoConfig, HolderStartupError
+
+__all__ = ["DemoConfig", "HFDemoConfig", "HolderStartupError", "run_demo", "run_hf_demo"]
 
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Run the demo; returns the JSON-able result (also written under ``cfg.out``).
 
-    Raises ``AssertionError`` when an answer is beyond its bound (the CLI exits 1).
+    Every argument is checked first (:func:`mqnc.demo.checks.prepare`: ``ValueError`` /
+    ``FileNotFoundError`` naming it, before any work). Raises
+    :class:`~mqnc.demo.cluster.HolderStartupError` when a holder fails or dies before it
+    serves, and ``AssertionError`` when an answer is beyond its bound (the CLI exits 1).
     """
+    from mqnc.demo.checks import prepare
+    from mqnc.demo.progress import Progress
+
+    t0 = time.perf_counter()
+    progress = Progress(isinstance(cfg, DemoConfig) and cfg.progress, t0)
+    # said at once: the checks load torch, which takes a second or two
+    progress.phase("mqnc demo: checking the arguments and this machine (CUDA, profile, --out)")
+    prep = prepare(cfg)
     use_interpreter_without_cuda()
     # imported here, after the kernel mode is chosen (the kernels are compiled or interpreted
     # as they are imported), and so that ``mqnc --help`` (which reads DemoConfig) loads no torch
     from mqnc.demo.run import run
 
-    return run(cfg)
+    return run(prep, progress)
 
 
 def run_hf_demo(cfg: HFDemoConfig) -> dict:

@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from mqnc.base.checks import check_int
+from mqnc.base.checks import check_int, check_number
 
-__all__ = ["DemoConfig", "HFDemoConfig", "TRANSPORTS", "HF_TRANSPORTS", "REQUESTER", "LANES"]
+__all__ = [
+    "DemoConfig",
+    "HFDemoConfig",
+    "TRANSPORTS",
+    "HF_TRANSPORTS",
+    "KERNELS",
+    "HolderStartupError",
+    "REQUESTER",
+    "LANES",
+]
 
 TRANSPORTS = ("gloo", "loopback", "nvshmem")
+KERNELS = ("triton", "torch")
 HF_TRANSPORTS = ("gloo", "loopback")
 REQUESTER = 0
 """The requester's rank; holders are ranks ``1..holders``."""
@@ -17,9 +27,27 @@ LANES = 8
 """Requests in flight per (requester, holder) pair: a routed wave sends at most this many."""
 
 
+class HolderStartupError(RuntimeError):
+    """A holder failed or died before it served (the message names the holder and what it
+    said); raised by the demo's cluster, here so that the CLI can name it without torch."""
+
+
 @dataclasses.dataclass
 class DemoConfig:
-    """Everything a run depends on; the defaults finish in under 2 minutes on 2 CPU cores."""
+    """Everything a run depends on (checked here, torch-free; what needs torch, such as whether
+    a CUDA device exists, :func:`mqnc.demo.run_demo` checks before any work).
+
+    ``device`` None: ``"cuda"`` when a CUDA device exists, else ``"cpu"``. ``kernels`` None:
+    ``"triton"`` (the compiled kernels) on ``"cuda"``, ``"torch"`` (the fp64 references rounded
+    once, :mod:`mqnc.serving.compute`) on ``"cpu"``, where the Triton interpreter would time the
+    interpreter, not the method. ``topk``: entries each selection agent attends per layer and
+    step, 1 .. ``chunks * min_tokens`` (the smallest corpus); a run without selection agents is
+    ``selection_agents=0``. ``kill_after_step``: the step (0 .. ``steps - 1``) before which
+    ``kill_holder`` is killed. ``compare``: after the decode, decode once more with every
+    (chunk, agent) through the other of route and fetch (route for a ``local``), so that the
+    model is measured on both primitives and the predicate's choice against the other; None:
+    on unless ``force`` or the fault drill is given (True with either is an error).
+    """
 
     layers: int = 4
     chunks: int = 16
@@ -42,33 +70,68 @@ class DemoConfig:
     block_size: int = 64
     timeout_s: float = 60.0
     device: str | None = None
+    kernels: str | None = None
     kill_holder: int | None = None
     kill_after_step: int = 0
     progress: bool = True
+    compare: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "chunks", "min_tokens", "holders", "replicas", "steps", "hidden"):
             check_int(name, getattr(self, name), minimum=1)
-        if self.max_tokens < self.min_tokens:
+        for name in ("whole_agents", "selection_agents", "suffix_tokens", "seed"):
+            check_int(name, getattr(self, name), minimum=0)
+        check_int("max_tokens", self.max_tokens, minimum=self.min_tokens)
+        check_int("replicas", self.replicas, minimum=1, below=self.holders + 1)
+        if self.agents < 1:
             raise ValueError(
-                f"max_tokens: expected >= min_tokens ({self.min_tokens}), got {self.max_tokens}"
+                f"whole_agents + selection_agents: expected at least one agent, got "
+                f"{self.whole_agents} + {self.selection_agents}"
             )
-        if self.replicas > self.holders:
-            raise ValueError(f"replicas: expected <= holders ({self.holders}), got {self.replicas}")
-        if self.chunks_per_agent > self.chunks:
+        if self.whole_agents:
+            check_int("chunks_per_agent", self.chunks_per_agent, minimum=1, below=self.chunks + 1)
+        if self.selection_agents:
+            # every selection must fit in the smallest corpus the lengths can draw: a larger
+            # top-k would be cut to the corpus, a smaller one is what the agent attends
+            check_int("topk", self.topk, minimum=1, below=self.chunks * self.min_tokens + 1)
+        check_int("block_size", self.block_size, minimum=16)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: expected a power of two >= 16, got {self.block_size}")
+        check_number("timeout_s", self.timeout_s, positive=True)
+        choices = dict(
+            transport=TRANSPORTS,
+            device=(None, "cpu", "cuda"),
+            kernels=(None, *KERNELS),
+            force=(None, "route", "fetch", "local"),
+        )
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
+        if self.transport == "nvshmem" and self.device == "cpu":
+            raise ValueError("transport: 'nvshmem' runs on a CUDA device, got device='cpu'")
+        if self.profile is not None and (not isinstance(self.profile, str) or not self.profile):
+            raise ValueError(f"profile: expected a file path, got {self.profile!r}")
+        if not isinstance(self.out, str) or not self.out:
+            raise ValueError(f"out: expected a folder path, got {self.out!r}")
+        if self.kill_holder is not None:
+            check_int("kill_holder", self.kill_holder, minimum=1, below=self.holders + 1)
+            check_int("kill_after_step", self.kill_after_step, minimum=0, below=self.steps)
+
+        if self.compare not in (None, True, False):
+            raise ValueError(f"compare: expected a bool or None, got {self.compare!r}")
+        if self.compare and (self.force is not None or self.kill_holder is not None):
             raise ValueError(
-                f"chunks_per_agent: expected <= chunks ({self.chunks}), got {self.chunks_per_agent}"
+                "compare: the second decode runs the other primitive of the predicate's choice; "
+                f"it applies without force and the fault drill, got force={self.force!r}, "
+                f"kill_holder={self.kill_holder!r}"
             )
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport: expected one of {TRANSPORTS}, got {self.transport!r}")
-        if self.device not in (None, "cpu", "cuda"):
-            raise ValueError(f"device: expected None, 'cpu' or 'cuda', got {self.device!r}")
-        if self.force not in (None, "route", "fetch", "local"):
-            raise ValueError(f"force: expected route, fetch or local, got {self.force!r}")
-        if self.kill_holder is not None and not 1 <= self.kill_holder <= self.holders:
-            raise ValueError(
-                f"kill_holder: expected a holder rank in 1..{self.holders}, got {self.kill_holder}"
-            )
+
+    @property
+    def comparing(self) -> bool:
+        """Whether the run decodes a second time through the other primitive."""
+        if self.compare is None:
+            return self.force is None and self.kill_holder is None
+        return self.compare
 
     @property
     def agents(self) -> int:

@@ -130,7 +130,8 @@ def run(cfg: HFDemoConfig) -> dict:
     path.mkdir(parents=True, exist_ok=True)
     (path / "hf_demo.json").write_text(json.dumps(result, indent=2, default=float))
     if rows:
-        plot(rows, path / "hf_measured_vs_predicted.png")
+        subtitle = f"{result['device']}\n{cfg.transport}, kernels {result['kernels']}"
+        plot(rows, path / "hf_measured_vs_predicted.png", subtitle=subtitle)
     print_table(rows, session.errors, decisions, session.fallbacks, cal)
     print(ex.line())
     print(

@@ -1,26 +1,37 @@
-"""The demo's report: per primitive, measured time per cost term beside the model's
-prediction (§4) with this machine's constants, wire bytes, MAPE and the largest error; printed
-as a table and drawn as measured against predicted per call. :func:`predict_call`,
+"""The demo's report: per primitive, measured time beside the model's prediction (§4) with this
+machine's constants, wire bytes, MAPE and the largest error; printed as tables of at most 100
+columns and drawn as measured against predicted per call. :func:`predict_call`,
 :func:`primitive_rows`, :func:`print_table` and :func:`plot` serve both demos (``mqnc demo``
-and ``mqnc demo --hf``, :mod:`mqnc.demo.hf`)."""
+and ``mqnc demo --hf``, :mod:`mqnc.demo.hf`).
+
+The table's terms are the ones a call's record measures on its own: the holder's kernel call
+(route), the splice (fetch) and the re-prefill (local); ``transport`` is the rest of the call
+(the round trip, the bytes, the requester's packing and, for a route in a wave, the queueing
+behind the other requests of the wave). The prediction's finer terms (round trip, bytes out and
+back, queue) are in ``demo.json``.
+"""
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
 from mqnc.cost import mape, t_local, t_pull, t_route, t_splice
 from mqnc.demo.calibration import Calibration
 from mqnc.demo.config import DemoConfig
+from mqnc.demo.waves import WaveCall, predict_wave
 from mqnc.demo.workload import Corpus
 from mqnc.model import MLAGeometry
 from mqnc.serving import CostRecord
 
-__all__ = ["Report", "predict_call", "primitive_rows", "print_table", "plot"]
+__all__ = ["Report", "predict_call", "primitive_rows", "print_table", "plot", "TABLE_TERMS"]
 
-TERMS = ("probe", "transfer", "compute", "return_", "merge", "splice", "prefill")
+TABLE_TERMS = ("transport", "compute", "splice", "prefill")
+"""The table's terms: what a record measures on its own, and the rest of the call."""
+
+_WORK = ("compute", "splice", "prefill")
 
 
 def predict_call(
@@ -47,6 +58,7 @@ def predict_call(
         r = t_route(g, fabric, rec.m_q, t_compute_us=compute, t_merge_us=0.0)
         return dict(
             probe=r.probe + r.turnaround,
+            host=r.host,
             transfer=r.transfer,
             compute=r.compute,
             return_=r.return_,
@@ -54,9 +66,15 @@ def predict_call(
         )
     if rec.primitive == "fetch":
         pull = t_pull(g, fabric, tokens)
-        return dict(transfer=pull, splice=splice_us, total=pull + splice_us)
+        return dict(pull=pull, splice=splice_us, total=pull + splice_us)
     prefill = t_local(g, tokens if prefill_tokens is None else prefill_tokens, c_us)
     return dict(prefill=prefill, total=prefill)
+
+
+def _measured(rec: CostRecord) -> dict[str, float]:
+    """A record's terms in the table's split: its own work, and the rest of the call."""
+    work = dict(compute=rec.compute_us, splice=rec.splice_us, prefill=rec.prefill_us)
+    return dict(transport=rec.total_us - sum(work.values()), **work, total=rec.total_us)
 
 
 def primitive_rows(
@@ -65,8 +83,9 @@ def primitive_rows(
     errors: dict[str, list[float]],
 ) -> dict:
     """Per primitive (route, fetch, local) of the successful ``records``: count, wire bytes,
-    measured and predicted us per term (``predict(record) -> {term: us}``), MAPE, each call's
-    measured and predicted total, the largest error of its partials in ``errors``."""
+    measured and predicted us per term (``predict(record) -> {term: us}``, with ``total``),
+    MAPE of the totals, each call's measured and predicted total, the largest error of its
+    partials in ``errors``."""
     rows = {}
     for prim in ("route", "fetch", "local"):
         recs = [r for r in records if r.primitive == prim and r.ok]
@@ -77,30 +96,31 @@ def primitive_rows(
 
 def _row(prim: str, recs: list[CostRecord], predict, errors: dict) -> dict:
     preds = [predict(r) for r in recs]
-    measured = dict(
-        transfer=sum(r.transfer_us for r in recs),
-        compute=sum(r.compute_us for r in recs),
-        return_=sum(r.return_us for r in recs),
-        merge=sum(r.merge_us for r in recs),
-        splice=sum(r.splice_us for r in recs),
-        prefill=sum(r.prefill_us for r in recs),
-        total=sum(r.total_us for r in recs),
-    )
-    if prim == "fetch":
-        measured["transfer"] = sum(r.return_us for r in recs)
-        measured["return_"] = 0.0
-    predicted = defaultdict(float)
-    for p in preds:
+    measured: dict[str, float] = defaultdict(float)
+    predicted: dict[str, float] = defaultdict(float)
+    for r, p in zip(recs, preds, strict=True):
+        for k, v in _measured(r).items():
+            measured[k] += v
         for k, v in p.items():
             predicted[k] += v
+        predicted["transport"] += p["total"] - sum(p.get(k, 0.0) for k in _WORK)
     return dict(
         count=len(recs),
         wire_bytes=sum(r.bytes_sent + r.bytes_recv for r in recs),
-        measured_us=measured,
+        measured_us=dict(measured),
         predicted_us=dict(predicted),
         mape=mape([p["total"] for p in preds], [r.total_us for r in recs]),
         per_call=[
-            dict(measured=r.total_us, predicted=p["total"], m_q=r.m_q, chunk=r.chunk_id)
+            dict(
+                measured=r.total_us,
+                predicted=p["total"],
+                m_q=r.m_q,
+                chunk=r.chunk_id,
+                peer=r.peer,
+                layer=r.layer,
+                measured_terms=_measured(r) | dict(send=r.transfer_us, wait=r.return_us),
+                predicted_terms=p,
+            )
             for r, p in zip(recs, preds, strict=True)
         ],
         max_abs_error=max(errors.get(prim, [0.0])),
@@ -110,8 +130,13 @@ def _row(prim: str, recs: list[CostRecord], predict, errors: dict) -> dict:
 class Report:
     """Measured against predicted, per primitive, for a finished run's cost records.
 
-    ``batch_work`` and ``deltas`` map ``id(record)`` to the rows x tokens of the holder batch
-    the call was answered in and to the call's delta (:class:`mqnc.demo.step.Decoder`).
+    ``waves`` maps ``id(record)`` of a route to its wave (the :class:`WaveCall` list in send
+    order) and its index there; ``deltas`` maps ``id(record)`` to the call's delta
+    (:class:`mqnc.demo.step.Decoder`); ``cores`` maps a holder to its CPU core
+    (:func:`mqnc.demo.cluster.cpu_plan`; None: each its own). A route is predicted by
+    :func:`predict_wave` over its wave, a fetch as its request's fixed part, the pull at the
+    bulk rate and the splice (when the chunk moved; else the pool write alone), a local as the
+    re-prefill.
     """
 
     def __init__(
@@ -120,60 +145,143 @@ class Report:
         geometry: MLAGeometry,
         corpus: Corpus,
         cal: Calibration,
-        batch_work: dict[int, int],
+        waves: dict[int, tuple[list[WaveCall], int]],
         deltas: dict[int, int],
+        cores: dict[int, int] | None = None,
     ) -> None:
         self.cfg, self.geometry, self.corpus, self.cal = cfg, geometry, corpus, cal
-        self.batch_work, self.deltas = batch_work, deltas
+        self.waves, self.deltas, self.cores = waves, deltas, cores
+        self._predicted: dict[int, list[dict[str, float]]] = {}
+
+    def _route(self, rec: CostRecord) -> dict[str, float]:
+        wave, i = self.waves.get(id(rec)) or (None, 0)
+        if wave is None:  # not noted (a wave cut short by a failure): on its own
+            tokens = self.corpus.lengths[rec.chunk_id]
+            wave = [WaveCall(rec.peer, rec.m_q, rec.m_q * tokens)]
+        key = id(wave)
+        if key not in self._predicted:
+            self._predicted[key] = predict_wave(
+                wave, self.geometry, self.cal.fabric, self.cal.route, self.cores
+            )
+        return self._predicted[key][i]
 
     def predict(self, rec: CostRecord) -> dict[str, float]:
         """The model's terms for one recorded call, with this machine's constants."""
-        ct = self.corpus.lengths[rec.chunk_id]
-        splice = 0.0
-        if rec.primitive == "fetch" and self.deltas.get(id(rec), 1):
-            splice = t_splice(ct, self.cal.splice_profile(self.cfg))
-        return predict_call(
-            rec,
-            self.geometry,
-            self.cal.fabric,
-            tokens=ct,
-            compute_us_per_row_token=self.cal.compute_us_per_row_token,
-            c_us=self.cal.c_us,
-            batch_work=self.batch_work.get(id(rec)),
-            splice_us=splice,
-        )
+        if rec.primitive == "route":
+            return self._route(rec)
+        ct, t = self.corpus.lengths[rec.chunk_id], self.cal.terms
+        if rec.primitive == "fetch":
+            moved = self.deltas.get(id(rec), 1) != 0
+            splice = t_splice(ct, self.cal.splice_profile(self.cfg, moved))
+            pull = t["fetch_fixed_us"] + t_pull(self.geometry, self.cal.fabric, ct)
+            return dict(pull=pull, splice=splice, total=pull + splice)
+        prefill = t_local(self.geometry, ct, t["c_us"])
+        return dict(prefill=prefill, total=prefill)
 
     def rows(self, costs: list[CostRecord], errors: dict[str, list[float]]) -> dict:
         """:func:`primitive_rows` with :meth:`predict`."""
         return primitive_rows(costs, self.predict, errors)
 
 
-def print_table(rows: dict, errors: dict, decisions: dict, fallbacks: list, cal: dict) -> None:
-    """The calibration, the decisions and one line per primitive (measured / predicted ms)."""
-    f = cal["fabric"]
+# ---- printing ----------------------------------------------------------------------------------
+
+_CONSTANTS = (
+    # (key, label, unit, scale): fabric keys are read from cal["fabric"]
+    ("t_probe_us", "T_probe (probe round trip)", "us", 1.0),
+    ("turnaround_us", "turnaround beyond the probe", "us", 1.0),
+    ("bw_gbps", "BW (routed rows)", "GB/s", 1.0),
+    ("bulk_bw_gbps", "bulk pull rate (fetch)", "GB/s", 1.0),
+    ("host_fixed_us", "host overhead, fixed", "us", 1.0),
+    ("host_per_row_us", "host overhead per row", "us", 1.0),
+    ("fetch_fixed_us", "fetch request, fixed part", "us", 1.0),
+    ("send_alone_us", "route send, alone", "us", 1.0),
+    ("send_us", "route send, in a wave (mean)", "us", 1.0),
+    ("compute_fixed_us", "holder kernel call, fixed", "us", 1.0),
+    ("compute_us_per_row_token", "holder compute", "us/(row x token)", 1.0),
+    ("splice_us_per_token", "splice", "us/token", 1.0),
+    ("scatter_us_per_token", "pool write, no rotation", "us/token", 1.0),
+    ("merge_us", "merge of an agent's partials", "us", 1.0),
+    ("c_us", "re-prefill c", "us/(token x layer)", 1.0),
+)
+
+
+def _constants(cal: dict) -> list[str]:
+    """One line per constant the calibration holds: value, unit, where it came from
+    ("profile": the file named above the table)."""
+    fabric, sources = cal.get("fabric", {}), cal.get("sources", {})
+    lines = [f"{'constant':<30} {'value':>10}  {'unit':<18} from"]
+    if cal.get("profile"):
+        lines.insert(0, f"profile: {cal['profile']}")
+    for key, label, unit, scale in _CONSTANTS:
+        value = fabric.get(key, cal.get(key))
+        if value is None:
+            continue
+        src = sources.get(key, "calibrated")
+        lines.append(f"{label:<30} {value * scale:>10.4g}  {unit:<18} {src}")
+    return lines
+
+
+def _fallback_lines(fallbacks: list, killed: dict | None) -> list[str]:
+    """Which holder died when (the drill's kill, and each failing holder's first failed
+    request) and who answered its requests instead."""
+    lines = []
+    if killed:
+        lines.append(
+            f"fault drill: holder {killed['holder']} killed before step {killed['before_step']} "
+            f"({killed['decode_s']:.1f} s into the decode)"
+        )
+    by_holder: dict[int, list] = defaultdict(list)
+    for f in fallbacks:
+        by_holder[f["holder"]].append(f)
+    for holder, fs in sorted(by_holder.items()):
+        first = min(fs, key=lambda f: (f.get("step", 0), f["layer"]))
+        used = Counter(
+            f["used"] if f["peer"] in (None, holder) else f"{f['used']} at holder {f['peer']}"
+            for f in fs
+        )
+        how = ", ".join(f"{k} ({v})" for k, v in used.most_common())
+        lines.append(
+            f"holder {holder} failed from step {first.get('step', '?')}, layer {first['layer']}: "
+            f"{len(fs)} requests answered by {how}"
+        )
+    return lines
+
+
+def print_table(
+    rows: dict,
+    errors: dict,
+    decisions: dict,
+    fallbacks: list,
+    cal: dict,
+    killed: dict | None = None,
+    compare: dict | None = None,
+) -> None:
+    """The constants (value and source), the decisions, the fallbacks, one line per primitive
+    (calls, wire bytes, measured and predicted total, MAPE, largest error) and the terms
+    (measured and predicted, summed over the calls); every line fits in 100 columns."""
+    print()
+    print("\n".join(_constants(cal)))
+    chosen = Counter(d["primitive"] for d in decisions.values())
     print(
-        f"\ncalibrated fabric: T_probe {f['t_probe_us']:.1f} us, BW {f['bw_gbps']:.3f} GB/s, "
-        f"turnaround {f['turnaround_us']:.1f} us; holder compute "
-        f"{cal['compute_us_per_row_token']:.2f} us/(row x token), merge {cal['merge_us']:.0f} us, "
-        f"splice {cal['splice_us_per_token']:.1f} us/token, "
-        f"prefill c = {cal['c_us']:.1f} us/token-layer"
+        "\ndecisions per (chunk, agent): "
+        + ", ".join(f"{k} {v}" for k, v in sorted(chosen.items()))
     )
-    chosen = defaultdict(int)
-    for d in decisions.values():
-        chosen[d["primitive"]] += 1
+    for line in _fallback_lines(fallbacks, killed):
+        print(line)
+    if compare:
+        print("\n".join(_compare_lines(compare)))
     print(
-        "decisions per (chunk, agent): " + ", ".join(f"{k} {v}" for k, v in sorted(chosen.items()))
+        f"\n{'primitive':<9} {'calls':>6} {'wire MB':>9} {'measured ms':>12} "
+        f"{'predicted ms':>13} {'MAPE':>6} {'max|err|':>9}"
     )
-    if fallbacks:
-        print(f"fallbacks: {len(fallbacks)} (a primitive failed; the next in order answered)")
-    head = f"{'primitive':<9} {'calls':>5} {'wire MB':>8}  " + "  ".join(
-        f"{t.rstrip('_'):>15}" for t in TERMS
-    )
-    print("\n" + head + f"  {'total ms':>17} {'MAPE':>6} {'max|err|':>9}")
-    print("-" * len(head) + "-" * 36)
     for prim, r in rows.items():
-        print(_table_line(prim, r))
-    print("(each cell: measured / predicted, milliseconds summed over the calls)")
+        print(
+            f"{prim:<9} {r['count']:>6} {r['wire_bytes'] / 1e6:>9.2f} "
+            f"{r['measured_us']['total'] / 1e3:>12.1f} {r['predicted_us']['total'] / 1e3:>13.1f} "
+            f"{r['mape'] * 100:>5.0f}% {r['max_abs_error']:>9.2e}"
+        )
+    if rows:
+        print("\n".join(_terms_table(rows)))
     merged = max(errors.get("merged", [0.0]))
     print(
         f"merged answers: {len(errors.get('merged', []))} checked against the fp64 reference, "
@@ -181,30 +289,51 @@ def print_table(rows: dict, errors: dict, decisions: dict, fallbacks: list, cal:
     )
 
 
-def _table_line(prim: str, r: dict) -> str:
-    cells = []
-    for t in TERMS:
-        m = r["measured_us"].get(t)
-        p = r["predicted_us"].get(t)
-        ms = "-" if m is None else f"{m / 1e3:.1f}"
-        ps = "-" if p is None else f"{p / 1e3:.1f}"
-        cells.append(f"{ms:>7}/{ps:>7}")
-    tot = f"{r['measured_us']['total'] / 1e3:8.1f}/{r['predicted_us']['total'] / 1e3:8.1f}"
-    return (
-        f"{prim:<9} {r['count']:>5} {r['wire_bytes'] / 1e6:8.2f}  "
-        + "  ".join(cells)
-        + f"  {tot} {r['mape'] * 100:5.0f}% {r['max_abs_error']:9.2e}"
+def _compare_lines(compare: dict) -> list[str]:
+    """The predicate's decode against the comparison decode (the other primitive each): the
+    calls' measured and predicted time, summed."""
+    lines = [f"\n{'decoded with':<22} {'calls':<28} {'measured ms':>12} {'predicted ms':>13}"]
+    for key, what in (("predicate", "the predicate's picks"), ("other", "the other primitive")):
+        side = compare[key]
+        calls = ", ".join(f"{k} {v}" for k, v in sorted(side["primitives"].items()))
+        lines.append(
+            f"{what:<22} {calls:<28} {side['measured_us'] / 1e3:>12.1f} "
+            f"{side['predicted_us'] / 1e3:>13.1f}"
+        )
+    if not compare["states_agree"]:
+        lines.append("the two decodes ended in different agent states (beyond the bf16 floor)")
+    return lines
+
+
+def _terms_table(rows: dict) -> list[str]:
+    """Terms down, primitives across: measured / predicted ms summed over the calls."""
+    labels = dict(
+        transport="transport + queueing",
+        compute="holder compute",
+        splice="splice",
+        prefill="re-prefill",
+        total="total",
     )
+    head = f"\n{'ms over the calls':<22}" + "".join(f"{p + ' meas/pred':>22}" for p in rows)
+    lines = [head, "-" * (len(head) - 1)]
+    for term in (*TABLE_TERMS, "total"):
+        cells = []
+        for r in rows.values():
+            m, p = r["measured_us"].get(term, 0.0), r["predicted_us"].get(term, 0.0)
+            cells.append(" " * 22 if not (m or p) else f"{m / 1e3:>11.1f} /{p / 1e3:>9.1f}")
+        lines.append(f"{labels[term]:<22}" + "".join(cells))
+    return lines
 
 
-def plot(rows: dict, path: Path) -> None:
-    """Measured against predicted time per call, one colour per primitive (log-log)."""
+def plot(rows: dict, path: Path, subtitle: str = "") -> str:
+    """Measured against predicted time per call, one colour per primitive (log-log);
+    ``subtitle`` (the device, transport and kernels) goes under the title. Returns the title."""
     import matplotlib  # here: an optional dependency (the notebooks extra), only for the PNG
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    fig, ax = plt.subplots(figsize=(6.0, 5.0))
     colors = {"route": "tab:green", "fetch": "tab:red", "local": "tab:purple"}
     lo, hi = math.inf, 0.0
     for prim, r in rows.items():
@@ -225,8 +354,10 @@ def plot(rows: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("predicted per call (us)")
     ax.set_ylabel("measured per call (us)")
-    ax.set_title("mqnc demo: measured vs the cost model")
+    title = "mqnc demo: measured vs the cost model" + (f"\n{subtitle}" if subtitle else "")
+    ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return title

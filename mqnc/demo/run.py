@@ -1,20 +1,22 @@
-"""The demo end to end: stand the instances up, calibrate, decode, verify, report, write
-``demo.json`` and the PNG (see :mod:`mqnc.demo` for what it does and why)."""
+"""The demo end to end: start the holders, prefill the corpus, calibrate what the profile lacks,
+decode, verify, report, write ``demo.json``, the profile and the PNG (see :mod:`mqnc.demo` for
+what it does and why). Every argument was checked before this runs
+(:func:`mqnc.demo.checks.prepare`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-import time
 from pathlib import Path
 
-from tqdm import tqdm
+import torch
 
 from mqnc.base.runtime import device_name, kernel_mode
 from mqnc.demo.calibration import calibrate
-from mqnc.demo.cluster import Cluster, device_of
+from mqnc.demo.checks import Prepared
+from mqnc.demo.cluster import Cluster
 from mqnc.demo.config import DemoConfig
+from mqnc.demo.progress import Progress
 from mqnc.demo.report import Report, plot, print_table
 from mqnc.demo.step import Decisions, Decoder
 from mqnc.demo.verify import Verifier
@@ -25,51 +27,111 @@ from mqnc.serving import ChunkInfo, Requester
 __all__ = ["run"]
 
 
-def run(cfg: DemoConfig) -> dict:
-    """:func:`mqnc.demo.run_demo` once the kernel mode is chosen."""
-    device = device_of(cfg)
-    if cfg.transport == "nvshmem" and device != "cuda":
-        raise ValueError(
-            "transport: 'nvshmem' needs a CUDA device (and nvshmem4py: pip install 'mqnc[gpu]'); "
-            f"this machine has device {device!r}: use 'gloo' or 'loopback'"
-        )
-    t_start = time.perf_counter()
+def run(prep: Prepared, progress: Progress) -> dict:
+    """:func:`mqnc.demo.run_demo` once the arguments are checked and the kernel mode chosen."""
+    cfg = prep.cfg
+    where = "threads" if cfg.transport == "loopback" else "processes"
+    progress.phase(
+        f"mqnc demo: {cfg.chunks} chunks over {cfg.holders} holder {where} ({cfg.transport}), "
+        f"{cfg.agents} agents x {cfg.steps} steps x {cfg.layers} layers; device {cfg.device}, "
+        f"kernels {_kernels(cfg)}"
+    )
     model = build_model(cfg)
     corpus = Corpus(cfg, model)
     cluster = Cluster(cfg, model, corpus)
     req = None
     try:
-        req = _requester(cfg, cluster, model, corpus, device)
-        cal = calibrate(cfg, req, model.geometry, device)
+        # one intra-op thread: the holder processes start beside this prefill, and torch's
+        # OpenMP workers slow down badly on oversubscribed cores (seen: 0.6 -> 1.7 s a chunk)
+        torch.set_num_threads(1)
+        with progress.bar(cfg.chunks, "prefill the corpus (chunks)") as bar:
+            for c in range(cfg.chunks):
+                corpus.kv(c)
+                bar.update(1)
+        cluster.publish()
+        progress.phase("waiting for the holders to serve their chunks")
+        cluster.wait_ready()
+        req = _requester(cfg, cluster, model, corpus)
+        cal = calibrate(cfg, req, model.geometry, prep.profile, progress)
         verifier = Verifier(model, corpus)
         decisions = Decisions(cfg, model, corpus, cal)
         kill = cluster.kill if cfg.kill_holder is not None else None
         agents = make_agents(cfg, corpus)
-        decoder = Decoder(cfg, model, corpus, req, agents, decisions, verifier, device, kill)
-        _decode(cfg, decoder, model)
-        report = Report(cfg, model.geometry, corpus, cal, decoder.batch_work, decoder.deltas)
+        decoder = Decoder(cfg, model, corpus, req, agents, decisions, verifier, kill)
+        total = cfg.steps * model.geometry.layers * len(agents)
+        with progress.bar(total, "decode (agent x layer x step)") as bar:
+            decoder.run(bar)
+        decoders, n_first = [decoder], len(req.costs)
+        if cfg.comparing:
+            # the same decode again, each (chunk, agent) through the other primitive, from an
+            # empty pool (nothing fetched before is reused)
+            req.clear_local()
+            other = decisions.other()
+            again = Decoder(
+                cfg, model, corpus, req, make_agents(cfg, corpus), other, verifier, None
+            )
+            with progress.bar(total, "decode again, the other primitive each") as bar:
+                again.run(bar)
+            decoders.append(again)
+        waves = {k: v for d in decoders for k, v in d.waves.items()}
+        deltas = {k: v for d in decoders for k, v in d.deltas.items()}
+        report = Report(cfg, model.geometry, corpus, cal, waves, deltas, cluster.cpus)
         rows = report.rows(req.costs, verifier.errors)
+        compare = None
+        if cfg.comparing:
+            passes = (req.costs[:n_first], req.costs[n_first:])
+            compare = _compare(report, passes, decoders)
     finally:
         cluster.close(req)
     result = dict(
         config=dataclasses.asdict(cfg),
         device=device_name(),
-        kernels=kernel_mode(),
+        transport=cfg.transport,
+        kernels=_kernels(cfg),
         calibration=cal.to_dict(),
         decisions=list(decisions.table.values()),
         fallbacks=decoder.fallbacks,
+        killed=decoder.killed,
+        compare=compare,
         primitives=rows,
         max_abs_error={k: max(v) for k, v in verifier.errors.items()},
         checked={k: len(v) for k, v in verifier.errors.items()},
         # each agent's last hidden state: the --force runs of one config must agree on it
         final_hidden={a.name: a.hidden.flatten().tolist() for a in agents},
-        wall_s=time.perf_counter() - t_start,
+        wall_s=progress.elapsed_s,
     )
-    _write(cfg, result, verifier.errors, decisions.table, decoder.fallbacks)
+    _write(cfg, result, verifier.errors, decisions.table, cal)
     return result
 
 
-def _requester(cfg: DemoConfig, cluster: Cluster, model: MLAModel, corpus: Corpus, device):
+def _compare(report: Report, passes: tuple, decoders: list[Decoder]) -> dict:
+    """The two decodes side by side: per decode, its calls per primitive, their measured and
+    predicted time (us, summed over the calls, as the table sums them), its wall time
+    (verification included), and whether both ended in the same agent states (to the bf16
+    floor: each path rounds its queries or keys once more than the reference)."""
+    out = {}
+    for key, costs, dec in zip(("predicate", "other"), passes, decoders, strict=True):
+        rows = report.rows(costs, {})
+        out[key] = dict(
+            primitives={p: r["count"] for p, r in rows.items()},
+            measured_us=sum(r["measured_us"]["total"] for r in rows.values()),
+            predicted_us=sum(r["predicted_us"]["total"] for r in rows.values()),
+            decode_s=dec.decode_s,
+        )
+    first, again = decoders
+    out["states_agree"] = all(
+        float((a.hidden - b.hidden).abs().max()) <= 2**-6 * float(b.hidden.abs().max())
+        for a, b in zip(first.agents, again.agents, strict=True)
+    )
+    return out
+
+
+def _kernels(cfg: DemoConfig) -> str:
+    """What computes: the Triton kernels (compiled or interpreted) or the torch references."""
+    return f"triton ({kernel_mode()})" if cfg.kernels == "triton" else "torch (fp64 references)"
+
+
+def _requester(cfg: DemoConfig, cluster: Cluster, model: MLAModel, corpus: Corpus):
     """Rank 0's requester, every chunk of the corpus in its directory."""
     per_chunk_blocks = -(-cfg.max_tokens // cfg.block_size)
     req = Requester(
@@ -78,33 +140,40 @@ def _requester(cfg: DemoConfig, cluster: Cluster, model: MLAModel, corpus: Corpu
         softmax_scale=model.softmax_scale,
         rope=model.rope,
         timeout_s=cfg.timeout_s,
-        # every agent's chunks, every chunk once more, and the calibration's 6 copies
-        pool_blocks=per_chunk_blocks * (cfg.agents * cfg.chunks_per_agent + cfg.chunks + 6),
+        # every agent's chunks, every chunk once more, and the calibration's copies
+        pool_blocks=per_chunk_blocks * (cfg.agents * cfg.chunks_per_agent + cfg.chunks + 8),
         block_size=cfg.block_size,
-        device=device,
+        device=cfg.device,
         model=corpus.prefill_at,
+        kernels=cfg.kernels,
     )
     for c, hs in corpus.placement().items():
         req.register(ChunkInfo(c, corpus.lengths[c], corpus.positions[c], hs))
     return req
 
 
-def _decode(cfg: DemoConfig, decoder: Decoder, model: MLAModel) -> None:
-    total = cfg.steps * model.geometry.layers * len(decoder.agents)
-    desc = "decode (agent x layer x step)"
-    with tqdm(total=total, desc=desc, file=sys.stderr, disable=not cfg.progress) as progress:
-        decoder.run(progress if cfg.progress else None)
-
-
-def _write(cfg: DemoConfig, result: dict, errors, decisions, fallbacks) -> None:
+def _write(cfg: DemoConfig, result: dict, errors, decisions, cal) -> None:
+    """The PNG (its title naming the device, transport and kernels), ``demo.json``, the demo
+    profile and the printed tables."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    rows = result["primitives"]
+    subtitle = f"{result['device']}\n{cfg.transport}, kernels {result['kernels']}"
+    result["plot_title"] = plot(rows, out / "measured_vs_predicted.png", subtitle=subtitle)
     with open(out / "demo.json", "w") as f:
         json.dump(result, f, indent=2, default=float)
-    rows = result["primitives"]
-    plot(rows, out / "measured_vs_predicted.png")
-    print_table(rows, errors, decisions, fallbacks, result["calibration"])
+    cal.save_profile(out / "demo_profile.json", cfg, result["device"])
+    print_table(
+        rows,
+        errors,
+        decisions,
+        result["fallbacks"],
+        result["calibration"],
+        result["killed"],
+        result["compare"],
+    )
     print(
-        f"\nwrote {out / 'demo.json'} and {out / 'measured_vs_predicted.png'} "
-        f"({result['wall_s']:.0f} s, {result['device']}, kernels {result['kernels']})"
+        f"\n{result['wall_s']:.0f} s on {result['device']}, {cfg.transport}, kernels "
+        f"{result['kernels']}\nwrote demo.json, demo_profile.json (--profile loads it) and "
+        f"measured_vs_predicted.png into {out}"
     )

@@ -4,31 +4,48 @@ each agent's partials with its own suffix, verify, advance its hidden state."""
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
 
-from mqnc.cost import SpliceProfile, decide
+from mqnc.cost import decide
 from mqnc.demo.calibration import Calibration
 from mqnc.demo.config import LANES, DemoConfig
 from mqnc.demo.verify import Verifier
+from mqnc.demo.waves import WaveCall
 from mqnc.demo.workload import Agent, Corpus, Indexer
 from mqnc.model import MLAModel
 from mqnc.serving import CostRecord, Partial, Requester
-from mqnc.triton_kernels.merge import merge_partials
-from mqnc.triton_kernels.mla_decode import mla_decode_partial
+from mqnc.serving.compute import kernel_ops
 
 __all__ = ["Decisions", "Decoder"]
 
 PRIMITIVES = ("route", "fetch", "local")
+OTHER = {"route": "fetch", "fetch": "route", "local": "route"}
+"""The primitive the comparison decode (``compare``) runs instead of the predicate's choice."""
 
 
 class Decisions:
-    """The predicate's choice per (agent, chunk), memoised, with its inputs and costs."""
+    """The predicate's choice per (agent, chunk), memoised, with its inputs and costs; with
+    ``first`` (the run's own decisions), :data:`OTHER` of its choice (the comparison decode)."""
 
-    def __init__(self, cfg: DemoConfig, model: MLAModel, corpus: Corpus, cal: Calibration):
+    def __init__(
+        self,
+        cfg: DemoConfig,
+        model: MLAModel,
+        corpus: Corpus,
+        cal: Calibration,
+        first: Decisions | None = None,
+    ):
         self.cfg, self.geometry, self.corpus, self.cal = cfg, model.geometry, corpus, cal
+        self.model, self.first = model, first
         self.table: dict[tuple[str, int], dict] = {}
+
+    def other(self) -> Decisions:
+        """The decisions of the comparison decode: each (chunk, agent) through the other
+        primitive."""
+        return Decisions(self.cfg, self.model, self.corpus, self.cal, first=self)
 
     def __call__(self, agent: Agent, chunk: int) -> str:
         """The choice for (chunk, agent): the agent's whole decode over the chunk is the
@@ -37,8 +54,12 @@ class Decisions:
         comparison: route pays it on the holder, fetch and local on the requester afterwards.
         ``--force`` overrides."""
         key = (agent.name, chunk)
-        if key not in self.table:
+        if key not in self.table and self.first is None:
             self.table[key] = self._decide(agent, chunk)
+        elif key not in self.table:
+            self.first(agent, chunk)
+            chosen = self.first.table[key]
+            self.table[key] = dict(chosen, primitive=OTHER[chosen["primitive"]])
         return self.table[key]["primitive"]
 
     def _decide(self, agent: Agent, chunk: int) -> dict:
@@ -49,15 +70,15 @@ class Decisions:
             self.cal.fabric,
             g.heads,
             self.corpus.lengths[chunk],
-            c_us=self.cal.c_us,
+            c_us=self.cal.terms["c_us"],
             # the partial attention and the merge are paid by every primitive (route: attention
             # on the holder; fetch / local: on the requester afterwards; the agent merges its
             # partials either way): they do not enter the comparison
             t_compute_us=0.0,
             t_merge_us=0.0,
             # a selection agent attends at canonical positions: its fetch pulls the chunks that
-            # hold the selected entries and splices nothing
-            splice=self.cal.splice_profile(cfg) if moved else SpliceProfile.none(),
+            # hold the selected entries and only writes them into its pool (no rotation)
+            splice=self.cal.splice_profile(cfg, moved),
             round_trips=cfg.steps * g.layers,
         )
         return dict(
@@ -73,10 +94,13 @@ class Decisions:
 class Decoder:
     """Runs the agents' decode against the holders, through one requester.
 
-    ``kill``, when given, is called once before step ``cfg.kill_after_step`` (the fault drill).
-    Keeps, per cost record, the delta of its call and the work of the holder batch it was
-    answered in (:attr:`deltas`, :attr:`batch_work`, keyed by ``id(record)``), the fallbacks
-    taken, and the number of partials computed.
+    ``kill``, when given, is called once before step ``cfg.kill_after_step`` (the fault drill;
+    :attr:`killed` says which holder, before which step, when). The requester's own work (the
+    suffix partial, the merge) runs on ``cfg.kernels``. Keeps, per cost record (keyed by
+    ``id(record)``), the delta of its call (:attr:`deltas`) and, for a route, the wave it went
+    out in and its place there (:attr:`waves`: the wave's
+    :class:`~mqnc.demo.waves.WaveCall` list in send order, and the index), the fallbacks taken,
+    and the number of partials computed.
     """
 
     def __init__(
@@ -88,22 +112,21 @@ class Decoder:
         agents: list[Agent],
         decisions: Decisions,
         verifier: Verifier,
-        device: str,
         kill=None,
     ) -> None:
         self.cfg, self.model, self.corpus, self.req = cfg, model, corpus, req
-        self.agents, self.decisions, self.verifier, self.device = (
-            agents,
-            decisions,
-            verifier,
-            device,
-        )
+        self.agents, self.decisions, self.verifier = agents, decisions, verifier
+        self.device = cfg.device
         self.kill = kill  # called once before step cfg.kill_after_step (the fault drill)
+        self.killed: dict | None = None
+        self.ops = kernel_ops(cfg.kernels)
+        self.step = 0
         self.indexer = Indexer(corpus, cfg.topk, cfg.seed) if cfg.selection_agents else None
         self.fallbacks: list[dict] = []
         self.deltas: dict[int, int] = {}
-        self.batch_work: dict[int, int] = {}
+        self.waves: dict[int, tuple[list[WaveCall], int]] = {}
         self.calls = 0
+        self.decode_s = 0.0
 
     # -- executing one (agent, chunk) ------------------------------------------------------------
     def _attend(self, agent: Agent, chunk: int, q, layer: int, indices=None) -> Partial:
@@ -114,9 +137,8 @@ class Decoder:
         part = self.req.attend(
             chunk, q, layer, offset=agent.offsets[chunk], indices=indices, order=order
         )
-        self._note_records(
-            n_before, [(agent, chunk, q, layer, indices)] * (len(self.req.costs) - n_before)
-        )
+        for k in range(n_before, len(self.req.costs)):  # each call its own wave
+            self._note_records(k, [(agent, chunk, q, layer, indices)])
         first = self.req.directory[chunk].holders[0]
         if part.primitive != primitive or part.peer not in (None, first):
             # another primitive, or the same one from a replica, answered
@@ -124,6 +146,7 @@ class Decoder:
                 dict(
                     agent=agent.name,
                     chunk=chunk,
+                    step=self.step,
                     layer=layer,
                     decided=primitive,
                     used=part.primitive,
@@ -171,20 +194,23 @@ class Decoder:
             self._note_records(n_before, wave)
         return out
 
-    def _note_records(self, n_before: int, wave) -> None:
-        """Remember, per new cost record, its delta and the work of the holder batch it was
-        answered in: rows x attended tokens summed over the wave's requests to that holder
-        (the holder runs them as one batch, and each request waits for all of it, §6.3)."""
+    def _note_records(self, n_before: int, jobs) -> None:
+        """Remember, per new cost record (one per job, in order), its delta and, for a route,
+        its wave: the routes among them, in send order (a wave of one for a call on its
+        own)."""
         recs: list[CostRecord] = self.req.costs[n_before:]
-        batch: dict[int | None, int] = defaultdict(int)
-        work = []
-        for rec, (agent, c, _q, _layer, ind) in zip(recs, wave, strict=False):
+        routes = []
+        for rec, (agent, c, _q, _layer, ind) in zip(recs, jobs, strict=False):
             self.deltas[id(rec)] = agent.delta(self.corpus, c)
-            tokens = self.corpus.lengths[c] if ind is None else int((ind >= 0).sum())
-            work.append((rec, rec.m_q * tokens))
-            batch[rec.peer] += rec.m_q * tokens
-        for rec, _ in work:
-            self.batch_work[id(rec)] = batch[rec.peer]
+            if rec.primitive == "route" and rec.ok:
+                # a selection is computed over its whole index row, -1 padding included (the
+                # holder pads a group to its widest row): its width is the work, not its count
+                tokens = self.corpus.lengths[c] if ind is None else ind.shape[-1]
+                call = WaveCall(rec.peer, rec.m_q, rec.m_q * tokens, ind is not None)
+                routes.append((rec, call))
+        wave = [call for _, call in routes]
+        for i, (rec, _) in enumerate(routes):
+            self.waves[id(rec)] = (wave, i)
 
     # -- one layer of one step for all agents ----------------------------------------------------
     def _selection(self, agent: Agent, layer: int, q) -> dict:
@@ -206,7 +232,7 @@ class Decoder:
         nb = -(-n // bs)
         pool = torch.zeros(nb, bs, d_qk, dtype=torch.bfloat16, device=dev)
         pool.view(-1, d_qk)[:n] = suffix.to(dev)
-        return mla_decode_partial(
+        return self.ops.mla_decode_partial(
             q,
             pool,
             torch.arange(nb, dtype=torch.int32, device=dev)[None],
@@ -243,7 +269,7 @@ class Decoder:
             partials = [parts[(agent.name, c)] for c in sels[agent.name]]
             suffix = agent.suffix_kv[layer]
             o_s, lse_s = self._suffix_partial(q, suffix)
-            o, lse = merge_partials(
+            o, lse = self.ops.merge_partials(
                 torch.stack([*(p.o for p in partials), o_s]),
                 torch.stack([*(p.lse for p in partials), lse_s]),
             )
@@ -261,10 +287,18 @@ class Decoder:
             kv = self.model.prefill(x, agent.start, dtype=torch.float32)
             agent.suffix_kv = kv.to(torch.bfloat16)
             agent.hidden = torch.randn(1, self.model.hidden, generator=gen)
+        t0 = time.perf_counter()
         for step in range(self.cfg.steps):
+            self.step = step
             if self.kill is not None and step == self.cfg.kill_after_step:
                 self.kill()
+                self.killed = dict(
+                    holder=self.cfg.kill_holder,
+                    before_step=step,
+                    decode_s=time.perf_counter() - t0,
+                )
             self._step(gen, progress)
+        self.decode_s = time.perf_counter() - t0
 
     def _step(self, gen: torch.Generator, progress) -> None:
         states = {a.name: (a.hidden, a.start + a.suffix_kv.shape[1]) for a in self.agents}

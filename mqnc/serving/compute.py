@@ -65,7 +65,12 @@ class ReferenceOps:
         """Dense paged partial attention: ``q [B, H, d_qk]`` over ``kv_pool [nb, bs, d_qk]``
         (``block_table [B, max_blocks]`` int32, ``cache_seqlens [B]`` int32); returns
         ``o [B, H, d_v]`` in q's dtype and natural-log ``lse [B, H]`` float32."""
-        o, lse = mla_decode_reference(q, kv_pool, block_table, cache_seqlens, softmax_scale, d_v)
+        o, lse = _by_rows(
+            lambda r: mla_decode_reference(
+                q[r], kv_pool, block_table[r], cache_seqlens[r], softmax_scale, d_v
+            ),
+            q.shape[0],
+        )
         return o.to(q.dtype), lse.to(torch.float32)
 
     @staticmethod
@@ -80,7 +85,10 @@ class ReferenceOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sparse top-k partial attention over the flattened pool entries ``indices [B, topk]``
         (``-1`` unused); returns ``o [B, H, d_v]`` in q's dtype, ``lse [B, H]`` float32."""
-        o, lse = mla_sparse_reference(q, kv_pool, indices, softmax_scale, d_v)
+        o, lse = _by_rows(
+            lambda r: mla_sparse_reference(q[r], kv_pool, indices[r], softmax_scale, d_v),
+            q.shape[0],
+        )
         return o.to(q.dtype), lse.to(torch.float32)
 
     @staticmethod
@@ -108,6 +116,23 @@ class ReferenceOps:
         flat = pool.view(pool.shape[0], -1, pool.shape[-1])
         flat[:, slot_mapping.long()] = rope_rotate_reference(chunk, delta, rope).to(pool.dtype)
         return pool
+
+
+ROWS_PER_SLICE = 2
+"""Query tokens per slice of a torch-path attention call: the fp64 reference gathers every
+row's keys at once (``rows x tokens x d_qk`` float64), which for a holder's batch of 8 rows of
+~450 tokens is ~16 MB, out of cache: a call then costs ~2.5x per row x token what a single row
+does. Slices of 2 rows keep the cost linear in the rows (the values are the same: each row's
+attention is its own)."""
+
+
+def _by_rows(call, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``call(slice)`` over slices of :data:`ROWS_PER_SLICE` query tokens, ``(o, lse)`` joined
+    along the batch axis."""
+    if rows <= ROWS_PER_SLICE:
+        return call(slice(None))
+    parts = [call(slice(i, i + ROWS_PER_SLICE)) for i in range(0, rows, ROWS_PER_SLICE)]
+    return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
 
 
 def kernel_ops(kernels: str = "triton"):

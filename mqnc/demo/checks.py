@@ -1,0 +1,60 @@
+"""Everything the demo checks before any work starts: what the configuration alone cannot say
+(a CUDA device for ``device="cuda"`` or NVSHMEM, the profile file, the output folder, the
+plotting library), and the defaults that depend on the machine (device, kernels) resolved."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+
+from mqnc.demo.config import DemoConfig
+from mqnc.demo.profile import LoadedProfile, load_profile
+
+__all__ = ["Prepared", "prepare"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A checked run: the configuration with ``device`` and ``kernels`` resolved, and the
+    loaded profile (None: calibrate everything)."""
+
+    cfg: DemoConfig
+    profile: LoadedProfile | None
+
+
+def prepare(cfg: DemoConfig) -> Prepared:
+    """Check what a run needs from this machine and resolve the machine-dependent defaults;
+    raises ``ValueError`` / ``FileNotFoundError`` naming the argument (before any work)."""
+    if not isinstance(cfg, DemoConfig):
+        raise TypeError(f"cfg: expected a DemoConfig, got {type(cfg).__name__}")
+    import torch  # here: the CLI's parser and DemoConfig stay torch-free
+
+    cuda = torch.cuda.is_available()
+    if cfg.device == "cuda" and not cuda:
+        raise ValueError(
+            "device: 'cuda' asked for, but torch sees no CUDA device on this machine "
+            f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); use --device cpu"
+        )
+    device = cfg.device or ("cuda" if cuda else "cpu")
+    if cfg.transport == "nvshmem":
+        if device != "cuda":
+            raise ValueError(
+                "transport: 'nvshmem' needs a CUDA device (and nvshmem4py: pip install "
+                f"'mqnc[gpu]'); this machine has device {device!r}: use 'gloo' or 'loopback'"
+            )
+        if importlib.util.find_spec("nvshmem") is None:
+            raise ValueError("transport: 'nvshmem' needs nvshmem4py: pip install 'mqnc[gpu]'")
+    kernels = cfg.kernels or ("triton" if device == "cuda" else "torch")
+    profile = None if cfg.profile is None else load_profile(cfg.profile)
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise ValueError(f"out: {cfg.out!r} exists and is not a folder")
+    os.makedirs(cfg.out, exist_ok=True)
+    if not os.access(cfg.out, os.W_OK):
+        raise ValueError(f"out: the folder {cfg.out!r} is not writable")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(
+            "out: the demo draws measured against predicted with matplotlib, which is not "
+            "installed: pip install 'mqnc[notebooks]'"
+        )
+    return Prepared(dataclasses.replace(cfg, device=device, kernels=kernels), profile)
