@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -322,8 +323,74 @@ def test_wave_of_one_is_the_papers_route():
     assert all(t["queue"] >= 0 for t in apart)
     # the first request waits for the sends after it: at least the wave's sends
     assert apart[0]["total"] >= 3 * k.send_us
-    # two holders on one core take turns: nobody is answered earlier
+    # two holders on one core share it: nobody is answered earlier
     assert all(s["total"] >= a["total"] - 1e-9 for s, a in zip(shared, apart, strict=True))
+    # the holder's host work is core time, not latency: a wave of one is still §4.2's route
+    (alone,) = predict_wave([WaveCall(1, 16, 16 * 300)], g, fabric, replace(k, host_us=2.0))
+    assert alone["total"] == pytest.approx(one["total"], rel=1e-12)
+
+
+def test_holders_on_one_core_share_it():
+    """Two holders on one core computing at once share it equally (processor sharing, as the
+    OS time-slices them): each call takes twice its core time on the wall clock, and that wall
+    time is its ``compute`` term; on their own cores each takes its core time."""
+    from mqnc.cost import FABRICS
+    from mqnc.demo.waves import RouteConstants, WaveCall, predict_wave
+    from mqnc.model import get_preset
+
+    g = get_preset("deepseek-v2-lite")
+    fabric = FABRICS["h100-ibgda"]
+    k = RouteConstants(
+        send_us=0.0, send_alone_us=0.0, compute_fixed_us=0.0, compute_us_per_row_token=1.0
+    )
+    wave = [WaveCall(1, 16, 1000), WaveCall(2, 16, 1000)]
+    apart = predict_wave(wave, g, fabric, k)
+    shared = predict_wave(wave, g, fabric, k, cores={1: 1, 2: 1})
+    assert [t["compute"] for t in apart] == pytest.approx([1000.0, 1000.0])
+    assert [t["compute"] for t in shared] == pytest.approx([2000.0, 2000.0])
+    # one after the other (FIFO) would answer the first at 1000 us: shared, both end at 2000
+    assert shared[0]["total"] - apart[0]["total"] == pytest.approx(1000.0)
+    # host work after each call is the core's time too (both end at 2 x (1000 + 100)), and it
+    # leaves the fixed round trip's latency (100 less, out and back)
+    slow = replace(fabric, t_probe_us=500.0, turnaround_us=500.0)
+    hosted = predict_wave(wave, g, slow, replace(k, host_us=100.0), cores={1: 1, 2: 1})
+    base = predict_wave(wave, g, slow, k, cores={1: 1, 2: 1})
+    assert [h["total"] - b["total"] for h, b in zip(hosted, base, strict=True)] == pytest.approx(
+        [100.0, 100.0]
+    )
+
+
+def test_calibration_recovers_the_holders_host_work():
+    """``host_us`` is the value that makes the model give the calibration's own waves their
+    measured time: waves timed by the model with a known host work give it back."""
+    from types import SimpleNamespace
+
+    from mqnc.cost import FABRICS
+    from mqnc.demo.calibration import _Measure
+    from mqnc.demo.waves import RouteConstants, WaveCall, predict_wave
+    from mqnc.model import get_preset
+
+    g = get_preset("deepseek-v2-lite")
+    fabric = FABRICS["h100-ibgda"]
+    known = dict(
+        t_probe_us=fabric.t_probe_us,
+        turnaround_us=fabric.turnaround_us,
+        bw_gbps=fabric.bw_gbps,
+        send_us=40.0,
+        send_alone_us=5.0,
+        compute_fixed_us=30.0,
+        compute_us_per_row_token=0.05,
+    )
+    cores = {1: 1, 2: 1}
+    truth = RouteConstants(40.0, 5.0, 30.0, 0.05, host_us=700.0)
+    shapes = [
+        [WaveCall(1, 16, 16 * 300)] * 8,
+        [WaveCall(1, 16, 16 * 300)] * 8 + [WaveCall(2, 16, 16 * 256, True)] * 8,
+    ]
+    waves = [(w, [t["total"] for t in predict_wave(w, g, fabric, truth, cores)]) for w in shapes]
+    m = SimpleNamespace(waves=waves, g=g, cores=cores, samples={})
+    assert _Measure._host_us(m, known) == pytest.approx(700.0, rel=1e-6)
+    assert _Measure._host_us(SimpleNamespace(waves=[]), known) == 0.0
 
 
 def test_calibration_fits_recover_their_lines():

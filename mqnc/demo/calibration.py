@@ -10,6 +10,12 @@ What is measured (only what the profile lacks):
   (median put time of an ``H``-row request, rotation included) and the holder's kernel call,
   ``fixed + per row-token x work``, fitted over the isolated routes and over waves of requests
   batched the way the run batches them (several chunks per holder call, dense and selection);
+- the holder's host work per kernel call on its core (``host_us``: taking requests in, packing
+  and putting replies, which the kernel time the holder reports leaves out): the one value for
+  which the wave model (:func:`mqnc.demo.waves.predict_wave`, with the constants above and the
+  run's CPU plan) gives the calibration's own waves (to one holder at a time, and to every
+  holder at once as the run's waves go out) their measured summed time. These are the
+  calibration's requests, sent before the run: nothing is taken from the run it predicts;
 - fetch: an affine fit of the pull (the call less its splice) over the smallest and the largest
   chunk (its fixed part: the request's round trip; its slope: the bulk rate), the splice per
   token (median, at a new offset) and the pool write alone per token (median, at the canonical
@@ -31,7 +37,7 @@ import torch
 from mqnc.cost import FabricProfile, SpliceProfile, fit
 from mqnc.demo.config import LANES, DemoConfig
 from mqnc.demo.profile import COMPUTE_TERMS, DEMO_PROFILE, DEMO_TERMS, LoadedProfile
-from mqnc.demo.waves import RouteConstants
+from mqnc.demo.waves import RouteConstants, WaveCall, predict_wave
 from mqnc.model import MLAGeometry
 from mqnc.serving import ChunkInfo, Requester
 from mqnc.serving.compute import kernel_ops
@@ -61,7 +67,11 @@ class Calibration:
         """The routed call's requester and holder sides."""
         t = self.terms
         return RouteConstants(
-            t["send_us"], t["send_alone_us"], t["compute_fixed_us"], t["compute_us_per_row_token"]
+            t["send_us"],
+            t["send_alone_us"],
+            t["compute_fixed_us"],
+            t["compute_us_per_row_token"],
+            t.get("host_us", 0.0),
         )
 
     def splice_profile(self, cfg: DemoConfig, moved: bool = True) -> SpliceProfile:
@@ -132,12 +142,14 @@ def calibrate(
     geometry: MLAGeometry,
     profile: LoadedProfile | None,
     progress,
+    cores: dict[int, int] | None = None,
 ) -> Calibration:
     """Load what ``profile`` holds, measure the rest with ``req`` against its holders (see the
-    module docstring); leaves ``req`` without cost records and with an empty pool (the
-    calibration's calls are not the workload)."""
+    module docstring; ``cores``: the run's CPU plan, :func:`mqnc.demo.cluster.cpu_plan`, taken
+    before this process was pinned); leaves ``req`` without cost records and with an empty
+    pool (the calibration's calls are not the workload)."""
     fab, terms, sources = _loaded(cfg, profile)
-    m = _Measure(cfg, req, geometry)
+    m = _Measure(cfg, req, geometry, cores)
     missing = [k for k in (*FABRIC_TERMS, *DEMO_TERMS) if k not in fab and k not in terms]
     with progress.bar(len(missing), "calibrate what the profile lacks (terms)") as bar:
         got = m.run(missing, fab, bar)
@@ -180,13 +192,16 @@ def _median(xs) -> float:
 class _Measure:
     """The measurements, each run only when a term it gives is missing."""
 
-    def __init__(self, cfg: DemoConfig, req: Requester, g: MLAGeometry) -> None:
-        self.cfg, self.req, self.g = cfg, req, g
+    def __init__(
+        self, cfg: DemoConfig, req: Requester, g: MLAGeometry, cores: dict[int, int] | None
+    ) -> None:
+        self.cfg, self.req, self.g, self.cores = cfg, req, g, cores
         self.probes: list[float] = []
         self.fit: dict | None = None
         self.fit_error: str | None = None
         self.notes: dict[str, str] = {}
         self.samples: dict[str, list] = {}
+        self.waves: list[tuple[list[WaveCall], list[float]]] = []  # calibration waves, measured
         self.gen = torch.Generator().manual_seed(cfg.seed + 31)
         infos = sorted(req.directory.values(), key=lambda i: (i.tokens, i.chunk_id))
         self.small, self.large = infos[0], infos[-1]
@@ -223,6 +238,10 @@ class _Measure:
             take(dict(merge_us=self._merge_us()))
         if "c_us" in missing:
             take(dict(c_us=self._prefill_c_us()))
+        if "host_us" in missing:  # after the bulk rate: the rows' BW when the route fit failed
+            known = {**fab, **got}
+            known.setdefault("bw_gbps", known.get("bulk_bw_gbps"))
+            take(dict(host_us=self._host_us(known)))
         if self.fit_error is not None and "bw_gbps" not in fab:
             # the route fit failed: the rows' bytes move at the bulk pull's rate
             got["bw_gbps"] = got.get("bulk_bw_gbps", fab.get("bulk_bw_gbps"))
@@ -296,6 +315,11 @@ class _Measure:
             info = self.req.directory[r["chunk_id"]]
             # a selection costs its index row's width, padding included (as in the run)
             work.append((rec, rec.m_q * (info.tokens if ind is None else ind.shape[-1])))
+        calls = [
+            WaveCall(rec.peer, rec.m_q, w, "indices" in r)
+            for r, (rec, w) in zip(requests, work, strict=True)
+        ]
+        self.waves.append((calls, [rec.total_us for rec, _ in work]))
         return work
 
     def _route_sides(self, compute_pairs: list, alone: list) -> dict[str, float]:
@@ -332,6 +356,48 @@ class _Measure:
             compute_fixed_us=fixed,
             compute_us_per_row_token=per_work,
         )
+
+    def _host_us(self, known: dict[str, float]) -> float:
+        """The holder's host work per kernel call on its core (:class:`RouteConstants`
+        ``host_us``): the value for which the wave model (:func:`predict_wave`, with the
+        constants measured so far and this run's CPU plan) gives the calibration's own waves
+        (to one holder, and to every holder at once, as the run's) their measured summed time
+        (bisection: the predicted sum rises with it). 0 when no wave was measured here (the
+        routed call's sides came from a profile)."""
+        if not self.waves:
+            return 0.0
+        fabric = FabricProfile(
+            "calibration",
+            t_probe_us=known["t_probe_us"],
+            bw_gbps=known["bw_gbps"],
+            turnaround_us=known["turnaround_us"],
+        )
+        base = RouteConstants(
+            known["send_us"],
+            known["send_alone_us"],
+            known["compute_fixed_us"],
+            known["compute_us_per_row_token"],
+        )
+        measured = sum(sum(totals) for _, totals in self.waves)
+
+        def predicted(host: float) -> float:
+            k = dataclasses.replace(base, host_us=host)
+            return sum(
+                t["total"]
+                for calls, _ in self.waves
+                for t in predict_wave(calls, self.g, fabric, k, self.cores)
+            )
+
+        if predicted(0.0) >= measured:
+            return 0.0
+        lo, hi = 0.0, max(known["t_probe_us"] + known["turnaround_us"], 1.0)
+        while predicted(hi) < measured and hi < 1e6:
+            hi *= 2
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if predicted(mid) < measured else (lo, mid)
+        self.samples["host_fit_us"] = [measured, predicted(hi)]
+        return hi
 
     # -- fetch: the pull at two chunk sizes, the splice ------------------------------------------
     def _fetch(self, pull: bool) -> dict[str, float]:

@@ -52,7 +52,7 @@ def run(prep: Prepared, progress: Progress) -> dict:
         progress.phase("waiting for the holders to serve their chunks")
         cluster.wait_ready()
         req = _requester(cfg, cluster, model, corpus)
-        cal = calibrate(cfg, req, model.geometry, prep.profile, progress)
+        cal = calibrate(cfg, req, model.geometry, prep.profile, progress, cluster.cpus)
         verifier = Verifier(model, corpus)
         decisions = Decisions(cfg, model, corpus, cal)
         kill = cluster.kill if cfg.kill_holder is not None else None
