@@ -132,6 +132,14 @@ def test_probe_fetch_error_shutdown():
         h = wire.parse_header(wire.pack_probe(request_id=2, seq=3, ack=ack))
         assert h.kind == (wire.Kind.PROBE_ACK if ack else wire.Kind.PROBE)
         assert h.payload_bytes == 0 and h.nbytes == wire.HEADER_BYTES
+        # The template path packs the same bytes as the generic header packer.
+        kind = wire.Kind.PROBE_ACK if ack else wire.Kind.PROBE
+        rid, seq = 2**64 - 1, 2**63 + 5
+        want = wire.Header(kind, request_id=rid, seq=seq).pack()
+        assert bytes(wire.pack_probe(request_id=rid, seq=seq, ack=ack).numpy()) == want
+    for bad in (-1, 2**64):
+        with pytest.raises(ValueError, match="request_id"):
+            wire.pack_probe(request_id=bad, seq=1)
     h = wire.parse_header(wire.pack_fetch(request_id=2, seq=3, chunk_id=4), geometry=G)
     assert (h.kind, h.chunk_id, h.layer_lo, h.layer_hi) == (wire.Kind.FETCH, 4, 0, G.layers)
     h, text = wire.unpack_error(wire.pack_error("chunk 4 unknown", request_id=2, seq=3))

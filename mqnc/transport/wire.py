@@ -190,7 +190,8 @@ def _write_header(a: np.ndarray, h: Header) -> None:
         h.position, h.holder_ns, h.payload_crc, 0,
     )  # fmt: skip
     a[_STRUCT.size : HEADER_BYTES] = 0
-    _CRC.pack_into(a, _CRC_OFFSET, _header_crc(a))
+    # The CRC field is zero here: one CRC over the whole header is the chained one (issue 14).
+    _CRC.pack_into(a, _CRC_OFFSET, zlib.crc32(a[:HEADER_BYTES]))
 
 
 # ---- sizes (all derived from the geometry's dims, never typed in) --------------------------------
@@ -332,6 +333,21 @@ def _header_only(h: Header, device) -> torch.Tensor:
         _write_header(a, h)
         return torch.from_numpy(a)
     return _seal(_new_message(HEADER_BYTES, device), h, False)
+
+
+def _template(kind: Kind) -> np.ndarray:
+    """A header-only message of ``kind`` with request id and seq 0 and its CRC field zeroed:
+    :func:`pack_probe` copies it, packs the ids (:data:`_IDS` at :data:`_IDS_OFFSET`) and the
+    CRC over all 96 bytes."""
+    a = np.zeros(HEADER_BYTES, dtype=np.uint8)
+    _write_header(a, Header(kind))
+    a[_CRC_OFFSET : _CRC_OFFSET + 4] = 0
+    return a
+
+
+_IDS = struct.Struct("<QQ")  # request id, seq
+_IDS_OFFSET = struct.calcsize("<4sHHHH")
+_PROBE_TEMPLATE = (_template(Kind.PROBE), _template(Kind.PROBE_ACK))
 
 
 def _payload_view(buf: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape):
@@ -546,6 +562,9 @@ def _geometry(geometry: MLAGeometry | None) -> MLAGeometry:
 _LIMITS = {"position": (-(2**63), 2**63 - 1), "layer": (0, 2**16 - 1)}
 
 
+_U64 = 2**64
+
+
 def _check_ids(**ids: int) -> None:
     for name, v in ids.items():
         if type(v) is not int and not is_int(v):
@@ -623,7 +642,13 @@ def _check_error_reply(h: Header, buf: torch.Tensor, what: str) -> None:
 
 def pack_probe(*, request_id: int, seq: int, ack: bool = False, device=None) -> torch.Tensor:
     """A ``PROBE`` (or ``PROBE_ACK``) message: the header alone, ``[96]`` uint8."""
-    _check_ids(request_id=request_id, seq=seq)
+    if not (type(request_id) is int and type(seq) is int and 0 <= request_id < _U64 > seq >= 0):
+        _check_ids(request_id=request_id, seq=seq)
+    if device is None:  # the per-call path (issue 14): the header in a template's copy
+        a = _PROBE_TEMPLATE[1 if ack else 0].copy()
+        _IDS.pack_into(a, _IDS_OFFSET, request_id, seq)
+        _CRC.pack_into(a, _CRC_OFFSET, zlib.crc32(a))
+        return torch.from_numpy(a)
     h = Header(Kind.PROBE_ACK if ack else Kind.PROBE, request_id=request_id, seq=seq)
     return _header_only(h, device)
 
