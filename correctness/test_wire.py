@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -357,3 +360,15 @@ def test_fuzz_consistent_sizes(fields):
         return
     h["payload_bytes"] = need
     _only_typed_errors(_sealed(h, bytes(need)))
+
+
+def test_all_finite_and_all_equal_one_element_and_many():
+    """The one-element fast path answers as the reduction does (NaN, inf, -inf, 0)."""
+    for v in (0.0, 1.5, math.nan, math.inf, -math.inf):
+        for n in (1, 3):
+            a = np.full((n, 1), v, dtype=np.float32)
+            assert wire.all_finite(a) == bool(np.isfinite(a).all())
+            assert wire.all_equal(a, 1.5) == bool((a == 1.5).all())
+    mixed = np.array([[1.0, math.nan]], dtype=np.float32)
+    assert not wire.all_finite(mixed) and not wire.all_equal(mixed, 1.0)
+    assert wire.all_equal(np.ones(1, bool), True) and not wire.all_equal(np.zeros(1, bool), True)

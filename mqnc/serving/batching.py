@@ -24,7 +24,6 @@ is not finite (an overflow, a NaN input) is answered with a NaN ``lse`` (``m = N
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -272,7 +271,7 @@ def wire_stat(lse: torch.Tensor, keyed: np.ndarray) -> tuple[np.ndarray, np.ndar
     (``keyed[b]`` False), ``(NaN, 1)`` for a row with keys whose ``lse`` is not finite (never
     an empty partial)."""
     x = (lse if lse.is_cpu else lse.cpu()).detach().numpy()
-    if math.isfinite(float(x.sum())) and keyed.all():  # the usual case: all rows have keys
+    if wire.all_finite(x) and wire.all_equal(keyed, True):  # usual: all rows have keys
         return x, np.ones(x.shape, dtype=np.float32)
     with_keys = keyed[:, None]
     m = np.where(with_keys, np.where(np.isfinite(x), x, np.nan), 0.0).astype(np.float32)
