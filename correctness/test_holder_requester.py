@@ -316,3 +316,16 @@ def test_argument_errors():
         s.holder.add_chunk(1, _chunk(1, 8))
     with pytest.raises(ValueError, match="blocks"):
         s.holder.add_chunk(5, _chunk(1, 64 * 8))
+
+
+def test_request_ids_drawn_ahead_are_distinct_u64():
+    """Request ids come 256 to a read of the OS's randomness: non-zero u64s, no repeats
+    across refills (one requester's lanes take them under its lock)."""
+    from mqnc.serving.client import _lanes_of
+
+    fab = LoopbackFabric(2, slot_bytes_for(GEOM, max_rows=1, max_chunk_tokens=1))
+    lanes = _lanes_of(fab.endpoint(0))
+    with lanes.cond:
+        ids = [lanes.request_id() for _ in range(600)]
+    assert len(set(ids)) == len(ids)
+    assert all(type(i) is int and 0 < i < 2**64 for i in ids)
