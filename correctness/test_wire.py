@@ -372,3 +372,14 @@ def test_all_finite_and_all_equal_one_element_and_many():
     mixed = np.array([[1.0, math.nan]], dtype=np.float32)
     assert not wire.all_finite(mixed) and not wire.all_equal(mixed, 1.0)
     assert wire.all_equal(np.ones(1, bool), True) and not wire.all_equal(np.zeros(1, bool), True)
+
+
+def test_wire_crc_is_zlibs_crc32():
+    """The wire's CRC-32 (ISA-L's when installed) gives zlib's values, chained too."""
+    import zlib
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 96, 1153, 300_001):
+        a = rng.integers(0, 256, n, dtype=np.uint8)
+        assert wire._crc32(a) == zlib.crc32(a)
+        assert wire._crc32(a, 12345) == zlib.crc32(a, 12345)
