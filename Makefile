@@ -18,11 +18,11 @@ $(VPY):
 $(STAMP): $(VPY) pyproject.toml
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "CUDA device found: installing the package with its default torch"; \
-		$(VPY) -m pip install --quiet -e '.[test,hf,notebooks,dev]'; \
+		$(VPY) -m pip install --quiet -e '.[test,hf,notebooks,dev,fast]'; \
 	else \
 		echo "No CUDA device: installing torch==2.13.0 (CPU build) first"; \
 		$(VPY) -m pip install --quiet torch==2.13.0; \
-		$(VPY) -m pip install --quiet -e '.[test,hf,notebooks,dev,sm90]'; \
+		$(VPY) -m pip install --quiet -e '.[test,hf,notebooks,dev,sm90,fast]'; \
 	fi
 	@touch $(STAMP)
 

@@ -350,3 +350,16 @@ def test_torch_path_by_row_slices_is_the_whole_batch(rows):
         assert o.shape == (rows, 16, 512) and lse.shape == (rows, 16)
         assert_close(o, o_ref, tolerance("mla", torch.bfloat16), name="o")
         assert_close(lse, lse_ref, tolerance("mla_lse", torch.float32), name="lse")
+
+
+def test_request_ids_drawn_ahead_are_distinct_u64():
+    """Request ids come 256 to a read of the OS's randomness: non-zero u64s, no repeats
+    across refills (one requester's lanes take them under its lock)."""
+    from mqnc.serving.client import _lanes_of
+
+    fab = LoopbackFabric(2, slot_bytes_for(GEOM, max_rows=1, max_chunk_tokens=1))
+    lanes = _lanes_of(fab.endpoint(0))
+    with lanes.cond:
+        ids = [lanes.request_id() for _ in range(600)]
+    assert len(set(ids)) == len(ids)
+    assert all(type(i) is int and 0 < i < 2**64 for i in ids)

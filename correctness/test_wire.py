@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -132,6 +135,14 @@ def test_probe_fetch_error_shutdown():
         h = wire.parse_header(wire.pack_probe(request_id=2, seq=3, ack=ack))
         assert h.kind == (wire.Kind.PROBE_ACK if ack else wire.Kind.PROBE)
         assert h.payload_bytes == 0 and h.nbytes == wire.HEADER_BYTES
+        # The template path packs the same bytes as the generic header packer.
+        kind = wire.Kind.PROBE_ACK if ack else wire.Kind.PROBE
+        rid, seq = 2**64 - 1, 2**63 + 5
+        want = wire.Header(kind, request_id=rid, seq=seq).pack()
+        assert bytes(wire.pack_probe(request_id=rid, seq=seq, ack=ack).numpy()) == want
+    for bad in (-1, 2**64):
+        with pytest.raises(ValueError, match="request_id"):
+            wire.pack_probe(request_id=bad, seq=1)
     h = wire.parse_header(wire.pack_fetch(request_id=2, seq=3, chunk_id=4), geometry=G)
     assert (h.kind, h.chunk_id, h.layer_lo, h.layer_hi) == (wire.Kind.FETCH, 4, 0, G.layers)
     h, text = wire.unpack_error(wire.pack_error("chunk 4 unknown", request_id=2, seq=3))
@@ -349,3 +360,26 @@ def test_fuzz_consistent_sizes(fields):
         return
     h["payload_bytes"] = need
     _only_typed_errors(_sealed(h, bytes(need)))
+
+
+def test_all_finite_and_all_equal_one_element_and_many():
+    """The one-element fast path answers as the reduction does (NaN, inf, -inf, 0)."""
+    for v in (0.0, 1.5, math.nan, math.inf, -math.inf):
+        for n in (1, 3):
+            a = np.full((n, 1), v, dtype=np.float32)
+            assert wire.all_finite(a) == bool(np.isfinite(a).all())
+            assert wire.all_equal(a, 1.5) == bool((a == 1.5).all())
+    mixed = np.array([[1.0, math.nan]], dtype=np.float32)
+    assert not wire.all_finite(mixed) and not wire.all_equal(mixed, 1.0)
+    assert wire.all_equal(np.ones(1, bool), True) and not wire.all_equal(np.zeros(1, bool), True)
+
+
+def test_wire_crc_is_zlibs_crc32():
+    """The wire's CRC-32 (ISA-L's when installed) gives zlib's values, chained too."""
+    import zlib
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 7, 96, 1153, 300_001):
+        a = rng.integers(0, 256, n, dtype=np.uint8)
+        assert wire._crc32(a) == zlib.crc32(a)
+        assert wire._crc32(a, 12345) == zlib.crc32(a, 12345)

@@ -24,7 +24,6 @@ is not finite (an overflow, a NaN input) is answered with a NaN ``lse`` (``m = N
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -266,14 +265,29 @@ class RouteBatcher:
         return out, keyed
 
 
+_ONES: dict[tuple[int, ...], np.ndarray] = {}
+
+
+def _ones(shape: tuple[int, ...]) -> np.ndarray:
+    """A read-only float32 array of ones of ``shape`` (cached: ``np.ones`` is a Python-level
+    function, ~3 us a reply)."""
+    a = _ONES.get(shape)
+    if a is None:
+        if len(_ONES) >= _TABLE_CACHE:
+            _ONES.clear()
+        a = _ONES[shape] = np.ones(shape, dtype=np.float32)
+        a.flags.writeable = False
+    return a
+
+
 def wire_stat(lse: torch.Tensor, keyed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The wire statistic ``(m, l)`` ``[B, H]`` float32 of a partial's natural-log ``lse``:
     ``(lse, 1)`` for a row with keys and a finite ``lse``, ``(0, 0)`` for a row without keys
     (``keyed[b]`` False), ``(NaN, 1)`` for a row with keys whose ``lse`` is not finite (never
     an empty partial)."""
     x = (lse if lse.is_cpu else lse.cpu()).detach().numpy()
-    if math.isfinite(float(x.sum())) and keyed.all():  # the usual case: all rows have keys
-        return x, np.ones(x.shape, dtype=np.float32)
+    if wire.all_finite(x) and wire.all_equal(keyed, True):  # usual: all rows have keys
+        return x, _ones(x.shape)
     with_keys = keyed[:, None]
     m = np.where(with_keys, np.where(np.isfinite(x), x, np.nan), 0.0).astype(np.float32)
     l = np.where(with_keys, 1.0, 0.0).astype(np.float32) * np.ones_like(m)

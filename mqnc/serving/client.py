@@ -95,6 +95,8 @@ class _Lanes:
         self.free = {p: list(range(layout.lanes)) for p in range(layout.world_size)}
         self.seq: dict[tuple[int, int], int] = {}
         self.cond = threading.Condition(threading.Lock())
+        self.waiting = 0  # threads waiting in acquire for a free lane (release notifies them)
+        self._ids: list[int] = []  # request ids drawn ahead from the OS (taken under cond)
         inbox = {lane: layout.slot(INBOX, transport.rank, lane) for lane in range(layout.lanes)}
         self.inbox = inbox
         self.reply = {
@@ -103,7 +105,15 @@ class _Lanes:
             for lane in range(layout.lanes)
         }
 
+    def request_id(self) -> int:
+        """A new request id (the caller holds :attr:`cond`): :func:`new_request_ids` draws
+        them 256 at a time, one call to the OS's randomness instead of one per request."""
+        if not self._ids:
+            self._ids = new_request_ids(_ID_BATCH)
+        return self._ids.pop()
 
+
+_ID_BATCH = 256
 _ENDPOINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ENDPOINTS_LOCK = threading.Lock()
 
@@ -119,6 +129,12 @@ def _lanes_of(transport: Transport) -> _Lanes:
 def new_request_id() -> int:
     """A random, non-zero 64-bit request id (``secrets``: the OS's randomness)."""
     return secrets.randbits(64) or 1
+
+
+def new_request_ids(n: int) -> list[int]:
+    """``n`` random, non-zero 64-bit request ids from one read of the OS's randomness."""
+    raw = secrets.token_bytes(8 * n)
+    return [int.from_bytes(raw[i : i + 8], "little") or 1 for i in range(0, 8 * n, 8)]
 
 
 class RequestClient:
@@ -159,7 +175,11 @@ class RequestClient:
                         f"requester {self.rank}: no free lane to holder {peer} within "
                         f"{self.timeout_s:.3g} s"
                     )
-                lanes.cond.wait(left)
+                lanes.waiting += 1
+                try:
+                    lanes.cond.wait(left)
+                finally:
+                    lanes.waiting -= 1
             lane = free.pop(0)
             reply_signal = self.transport.signal(lanes.reply[(peer, lane)])
             seq = max(lanes.seq.get((peer, lane), 0), reply_signal) + 1
@@ -170,13 +190,14 @@ class RequestClient:
                     f"{reply_signal}, the end of the sequence space: the lane is unusable"
                 )
             lanes.seq[(peer, lane)] = seq
-        return lane, seq, new_request_id()
+            return lane, seq, lanes.request_id()
 
     def release(self, peer: int, lane: int) -> None:
         lanes = self._lanes
         with lanes.cond:
             lanes.free[peer].append(lane)
-            lanes.cond.notify()
+            if lanes.waiting:
+                lanes.cond.notify()
 
     # ---- send and wait -----------------------------------------------------------------------
     def send(

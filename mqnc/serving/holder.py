@@ -184,6 +184,7 @@ class Holder:
         self.device = kernel_device() if device is None else torch.device(device)
         self.batch_window_s = float(batch_window_s)
         self.poll_s = float(poll_s)
+        self._me = f"holder {transport.rank}"  # names this holder in its ERROR answers
         self.kernels = check_kernels(kernels)
         self.pages = PagedPool(
             geometry.layers,
@@ -377,7 +378,7 @@ class Holder:
             return 0  # nothing new on this slot
         self._last_seq[slot] = signal
         self._targets[slot] = signal + 1
-        me = f"holder {self.transport.rank}"
+        me = self._me
         try:
             h = wire.parse_header(buf, geometry=self.geometry, require_payload_crc=self._crc)
         except wire.WireError as exc:

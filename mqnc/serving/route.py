@@ -15,7 +15,6 @@ CPU.)
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 
@@ -71,7 +70,7 @@ def lse_of_ml(m, l) -> torch.Tensor:
     ``l`` finite and positive, NaN anywhere else (never a silent "empty")."""
     mn = m if isinstance(m, np.ndarray) else m.numpy()
     ln = l if isinstance(l, np.ndarray) else l.numpy()
-    if math.isfinite(float(mn.sum())) and (ln == 1).all():  # a holder's usual (lse, 1)
+    if wire.all_finite(mn) and wire.all_equal(ln, 1):  # a holder's usual (lse, 1)
         return torch.from_numpy(mn)
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = mn + np.log(ln)

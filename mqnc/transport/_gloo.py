@@ -8,10 +8,11 @@ once the receiver posts the second receive: half a round trip more, issue 14).
 
 :class:`Inbox` is the receiving half: one service thread per peer keeps two receives posted
 (double-buffered, so a sender never waits for the thread to repost) into landing buffers of
-``32 + slot_bytes`` bytes. A put that lands is made visible by swapping the landing buffer with
-the slot's storage under the signal board's lock (no copy), then raising the signal. A put is
-accepted only into a slot whose source is the peer it came from (issue 15: no rank writes
-another's lanes); anything else is dropped and recorded in :attr:`PeerState.errors`.
+``32 + slot_bytes`` bytes, and reposts into a third, spare one before it applies a message. A
+put that lands is made visible by swapping the landing buffer with the slot's storage under the
+signal board's lock (no copy), then raising the signal. A put is accepted only into a slot
+whose source is the peer it came from (issue 15: no rank writes another's lanes); anything else
+is dropped and recorded in :attr:`PeerState.errors`.
 
 :class:`Outbox` is the sending half: ``send`` frames the message and hands it to gloo from the
 calling thread (gloo sends are asynchronous; a stalled peer never blocks the caller). gloo
@@ -234,22 +235,29 @@ class Inbox:
             self.board.raise_locked(slot, seq)
 
     def _serve_peer(self, peer: int) -> None:
+        """Two receives always posted, and a spare landing buffer: when one completes, the
+        next receive is posted into the spare first and the message applied after, so that
+        the thread its signal wakes does not wait (for the GIL) through the repost (issue 14).
+        The applied message hands back the buffer it freed (the slot's old storage for a
+        put, its own for anything else): the next spare."""
         pg = self._pg
-        bufs = [torch.empty(FRAME + self.slot_bytes, dtype=torch.uint8) for _ in range(2)]
+        bufs = [torch.empty(FRAME + self.slot_bytes, dtype=torch.uint8) for _ in range(3)]
+        spare = bufs.pop()
         works = [pg.recv([b], peer, TAG) for b in bufs]
         i = 0
         try:
             while True:
                 works[i].wait()
-                op, slot, seq, n, _ = _FRAME.unpack_from(bufs[i].numpy(), 0)
+                got = bufs[i]
+                op, slot, seq, n, _ = _FRAME.unpack_from(got.numpy(), 0)
                 if op == CLOSE:
                     with self.cond:
                         self._peers.closed.add(peer)
                         self.cond.notify_all()
                     self.board.wake_all()
                     return
-                bufs[i] = self._on_message(peer, op, slot, seq, n, bufs[i])
-                works[i] = pg.recv([bufs[i]], peer, TAG)
+                bufs[i], works[i] = spare, pg.recv([spare], peer, TAG)
+                spare = self._on_message(peer, op, slot, seq, n, got)
                 i ^= 1
         except Exception as exc:  # the connection closed (peer died) or the link broke
             self._peers.mark_dead(peer, f"{type(exc).__name__}: {exc}")
