@@ -93,6 +93,10 @@ class Cluster:
         assert self.holder.failure is None
 
 
+# Non-finite inputs on purpose: the interpreter's numpy warns as it computes with them.
+NONFINITE = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
 @pytest.fixture
 def cluster():
     c = Cluster()
@@ -183,6 +187,7 @@ def test_sequence_numbers_past_2_63_and_tied_to_the_slot_signal(cluster):
 # ---- 3: non-finite numbers propagate or are rejected, never dropped -------------------------
 
 
+@NONFINITE
 def test_non_finite_inputs_are_never_dropped(cluster):
     """Item 3: NaN / inf in q, a finite row of 3e38 and an overflowing scale used to come back
     as "no keys" (lse = -inf), which the merge skips. Now such rows carry a NaN lse, the
@@ -204,6 +209,7 @@ def test_non_finite_inputs_are_never_dropped(cluster):
         c.holder.add_chunk(2, bad)
 
 
+@NONFINITE
 def test_overflowing_scale_is_flagged():
     """Item 3: a softmax scale of 1e38 passes the finite-positive check and overflows every
     score; the partial says so (NaN), it does not claim to be empty."""
@@ -219,6 +225,7 @@ def test_overflowing_scale_is_flagged():
         h.stop()
 
 
+@NONFINITE
 def test_kernels_and_references_propagate_nan():
     """The kernels' partial store (dense and sparse) and merge (M-way, base 2, in place; and
     the fp64 merge reference) give a NaN lse for a NaN input, not an empty one."""
