@@ -2,24 +2,34 @@
 loaded from ``--profile`` or measured at start-up through the demo's own requester against its
 holders, and each labelled with where it came from.
 
-What is measured (only what the profile lacks):
+What is measured (only what the profile lacks). Each measurement discards warm-ups, takes the
+median of its repetitions and interleaves what it compares (a slow spell of the machine then
+touches every size or shape alike, not one end of a line); lines are Theil-Sen fits
+(:func:`_theil_sen`: medians of pairwise slopes), which one descheduled call does not move.
+The counts are the module's constants (:data:`PROBES` ...); the raw samples go to
+``demo.json`` (``calibration.samples``).
 
-- the fabric: ``T_probe`` (median of 9 probes after a warm-up), ``BW`` and the turnaround (an
-  affine fit of isolated routes of 1, 4 and 16 query tokens, medians of 3, :func:`mqnc.cost.fit`);
+- the fabric: ``T_probe`` (median of :data:`PROBES` probes after 10 warm-ups), ``BW`` and the
+  turnaround (an affine fit, :func:`mqnc.cost.fit`, of isolated routes of 1, 4 and 16 query
+  tokens: medians of :data:`ROUTE_REPS` rounds, the sizes interleaved, after one warm-up each);
 - the routed call's two sides (:class:`~mqnc.demo.waves.RouteConstants`): the requester's send
-  (median put time of an ``H``-row request, rotation included) and the holder's kernel call,
-  ``fixed + per row-token x work``, fitted over the isolated routes and over waves of requests
-  batched the way the run batches them (several chunks per holder call, dense and selection);
+  alone (median of :data:`ALONE` single-token routes, rotation included) and in a wave (the
+  mean send of each wave to every holder, the median over the waves), and the holder's kernel
+  call, ``fixed + per row-token x work`` (Theil-Sen) over the calls of waves to one holder at a
+  time, batched the way the run batches them (several chunks per holder call, dense and
+  selection): :data:`WAVE_REPS` rounds of every shape after a warm-up wave of each kind;
 - the holder's host work per kernel call on its core (``host_us``: taking requests in, packing
   and putting replies, which the kernel time the holder reports leaves out): the one value for
   which the wave model (:func:`mqnc.demo.waves.predict_wave`, with the constants above and the
   run's CPU plan) gives the calibration's own waves (to one holder at a time, and to every
-  holder at once as the run's waves go out) their measured summed time. These are the
-  calibration's requests, sent before the run: nothing is taken from the run it predicts;
-- fetch: an affine fit of the pull (the call less its splice) over the smallest and the largest
-  chunk (its fixed part: the request's round trip; its slope: the bulk rate), the splice per
-  token (median, at a new offset) and the pool write alone per token (median, at the canonical
-  position);
+  holder at once as the run's waves go out; of each shape, the round of median summed time)
+  their measured summed time. These are the calibration's requests, sent before the run:
+  nothing is taken from the run it predicts;
+- fetch: a Theil-Sen line of the pull (the call less its splice) over :data:`FETCH_SIZES`
+  chunk sizes spread over the corpus' range (:data:`FETCH_REPS` interleaved rounds after a
+  warm-up round; its fixed part: the request's round trip; its slope: the bulk rate), the
+  splice per token (median, at a new offset) and the pool write alone per token (median, at
+  the canonical position);
 - the merge of an agent's partials (median of 5) and the re-prefill cost per token-layer.
 """
 
@@ -46,6 +56,22 @@ __all__ = ["Calibration", "calibrate", "FABRIC_TERMS"]
 
 FABRIC_TERMS = ("t_probe_us", "bw_gbps", "turnaround_us", "bulk_bw_gbps")
 """The fabric's terms the demo uses (a profile's, or measured)."""
+
+PROBES = 21
+"""Probes timed for ``T_probe`` (their median), after 10 warm-up probes."""
+ROUTE_REPS = 7
+"""Rounds of the isolated route sweep (1, 4, 16 query tokens interleaved in each; medians)."""
+ALONE = 16
+"""Single-token routes with nothing else in flight timed for ``send_alone_us`` (median)."""
+WAVE_REPS = 5
+"""Rounds of the calibration's waves (each shape once per round, interleaved; medians)."""
+WAVE_GAP_S = 0.05
+"""Idle time before each calibration wave (s): the run's holders wait ~70 ms between its waves
+(2 cores: a layer-step's ~115 ms, less its ~45 ms wave), which slows the next wave's calls."""
+FETCH_SIZES = 4
+"""Chunk sizes the pull is timed at (spread over the corpus' range; Theil-Sen line)."""
+FETCH_REPS = 8
+"""Rounds of fetches (every size once per round, interleaved) after a warm-up round."""
 
 
 @dataclasses.dataclass
@@ -204,7 +230,11 @@ class _Measure:
         self.waves: list[tuple[list[WaveCall], list[float]]] = []  # calibration waves, measured
         self.gen = torch.Generator().manual_seed(cfg.seed + 31)
         infos = sorted(req.directory.values(), key=lambda i: (i.tokens, i.chunk_id))
-        self.small, self.large = infos[0], infos[-1]
+        self.small = infos[0]
+        # one chunk per size, spread over the corpus' range (both ends included)
+        picks = np.linspace(0, len(infos) - 1, FETCH_SIZES).round().astype(int)
+        by_size = {infos[i].tokens: infos[i] for i in picks}
+        self.sizes = [by_size[t] for t in sorted(by_size)]
         self.holder = self.small.holders[0]
         self.by_holder: dict[int, list[ChunkInfo]] = defaultdict(list)
         for info in req.directory.values():
@@ -259,19 +289,22 @@ class _Measure:
         req, g, info = self.req, self.g, self.small
         for _ in range(10):  # warm the link up first (gloo's first transfers run slow)
             req.probe(self.holder)
-        self.probes = [req.probe(self.holder) for _ in range(9)]
+        self.probes = [req.probe(self.holder) for _ in range(PROBES)]
         offset = info.position + 1  # a new offset: the query is rotated, as the run's are
-        req.route(info.chunk_id, self._q(1), 0, offset=offset)
-        samples = []
-        for tokens in (1, 4, 16):
-            q, rts = self._q(tokens), []
-            for _ in range(5):
-                rec = req.route(info.chunk_id, q, 0, offset=offset).record
-                rts.append(rec.total_us - rec.compute_us)
+        sizes = (1, 4, 16)
+        qs = {tokens: self._q(tokens) for tokens in sizes}
+        for tokens in sizes:  # warm-ups: each size's first call runs slow on both sides
+            req.route(info.chunk_id, qs[tokens], 0, offset=offset)
+        rts: dict[int, list[float]] = defaultdict(list)
+        for _ in range(ROUTE_REPS):  # the sizes interleaved: a slow spell touches each
+            for tokens in sizes:
+                rec = req.route(info.chunk_id, qs[tokens], 0, offset=offset).record
+                rts[tokens].append(rec.total_us - rec.compute_us)
                 compute_pairs.append((rec.m_q * info.tokens, rec.compute_us))
                 if tokens == 1:
                     alone.append(rec.transfer_us)
-            samples.append((tokens * g.heads, _median(rts)))
+        samples = [(tokens * g.heads, _median(rts[tokens])) for tokens in sizes]
+        self.samples["route_rows_us"] = {tokens * g.heads: rts[tokens] for tokens in sizes}
         probe = _median(self.probes)
         try:
             res = fit(samples, qp_row_bytes=g.qp_row_bytes, probe_us=self.probes)
@@ -293,6 +326,9 @@ class _Measure:
         ``topk`` canonical entries spread over a holder's chunks). Returns ``(record, work)``
         per request."""
         cfg = self.cfg
+        # the run's waves come after the requester's own work (merging, verifying): holders
+        # idle for tens of ms, their threads asleep; the calibration's waves likewise
+        time.sleep(WAVE_GAP_S)
         requests = []
         for h in holders:
             chunks = self.by_holder[h][:LANES]
@@ -323,18 +359,22 @@ class _Measure:
         return work
 
     def _route_sides(self, compute_pairs: list, alone: list) -> dict[str, float]:
-        """The requester's send (alone: single routes; in a wave: the mean over waves to every
-        holder, the run's shape) and the holder's kernel call (a robust affine fit over the
-        calls of waves to one holder at a time: its core's own speed)."""
+        """The requester's send (alone: single routes, median; in a wave: each wave to every
+        holder, the run's shape, gives its mean send, and the median over those waves is
+        taken) and the holder's kernel call (a Theil-Sen line over the calls of waves to one
+        holder at a time: its core's own speed)."""
         kinds = [False, True] if self.cfg.selection_agents else [False]
         info = self.small
-        while len(alone) < 8:  # single-token routes with nothing else in flight
+        while len(alone) < ALONE:  # single-token routes with nothing else in flight
             rec = self.req.route(info.chunk_id, self._q(1), 0, offset=info.position + 1).record
             alone.append(rec.transfer_us)
         compute_pairs.clear()  # the kernel calls of batches like the run's, not isolated ones
-        sends: list[float] = []
+        sends: list[list[float]] = []  # per wave to every holder: its requests' sends
         holders = sorted(self.by_holder)
-        for _rep in range(3):
+        for sparse in kinds:  # a warm-up wave of each kind, not kept
+            self._wave(sparse, holders)
+        self.waves.clear()
+        for _rep in range(WAVE_REPS):
             for sparse in kinds:
                 for h in holders:
                     recs = self._wave(sparse, [h])
@@ -344,14 +384,14 @@ class _Measure:
                     for rec, w in recs:
                         calls[rec.compute_us] += w
                     compute_pairs += [(w, us) for us, w in calls.items()]
-                sends += [rec.transfer_us for rec, _ in self._wave(sparse, holders)]
-        self.samples["send_us"] = list(sends)
+                sends.append([rec.transfer_us for rec, _ in self._wave(sparse, holders)])
+        self.samples["send_us"] = sends
         self.samples["send_alone_us"] = list(alone)
         self.samples["compute_work_us"] = list(compute_pairs)
         fixed, per_work = _robust_affine(compute_pairs)
         return dict(
-            # a wave's sends add up: their mean, not their median
-            send_us=float(np.mean(sends)),
+            # a wave's sends add up: their mean per wave; the median over the waves
+            send_us=_median([float(np.mean(w)) for w in sends]),
             send_alone_us=_median(alone),
             compute_fixed_us=fixed,
             compute_us_per_row_token=per_work,
@@ -378,13 +418,14 @@ class _Measure:
             known["compute_fixed_us"],
             known["compute_us_per_row_token"],
         )
-        measured = sum(sum(totals) for _, totals in self.waves)
+        waves = _median_waves(self.waves)
+        measured = sum(sum(totals) for _, totals in waves)
 
         def predicted(host: float) -> float:
             k = dataclasses.replace(base, host_us=host)
             return sum(
                 t["total"]
-                for calls, _ in self.waves
+                for calls, _ in waves
                 for t in predict_wave(calls, self.g, fabric, k, self.cores)
             )
 
@@ -399,12 +440,18 @@ class _Measure:
         self.samples["host_fit_us"] = [measured, predicted(hi)]
         return hi
 
-    # -- fetch: the pull at two chunk sizes, the splice ------------------------------------------
+    # -- fetch: the pull over the corpus' chunk sizes, the splice -------------------------------
     def _fetch(self, pull: bool) -> dict[str, float]:
+        """The pull (the call less its splice) over up to ``FETCH_SIZES`` chunk sizes spread
+        over the corpus' range, the sizes interleaved in each of ``FETCH_REPS`` rounds after a
+        warm-up round (a slow spell of the machine then touches every size, not one end of the
+        line); the splice per token at a new offset each time; the pool write alone per token
+        (at the canonical position, median)."""
         req = self.req
+        infos = self.sizes if pull else [self.small]
         points, splice = [], []
-        for info in (self.small, self.large) if pull else (self.small,):
-            for k in range(7):  # the first one warms the path up
+        for k in range(FETCH_REPS + 1):  # round 0 warms the path up
+            for info in infos:
                 n = len(req.costs)
                 req.fetch(info.chunk_id, offset=info.position + 1 + k)
                 rec = req.costs[n]
@@ -413,7 +460,7 @@ class _Measure:
                     splice.append(rec.splice_us / info.tokens)
             req.clear_local()
         scatter = []
-        for k in range(5):  # at the canonical position: the pool write alone
+        for k in range(FETCH_REPS + 1):  # at the canonical position: the pool write alone
             n = len(req.costs)
             req.fetch(self.small.chunk_id)
             if k:
@@ -453,35 +500,51 @@ class _Measure:
         return us / (info.tokens * self.g.layers)
 
 
-def _robust_affine(pairs: list[tuple[float, float]]) -> tuple[float, float]:
-    """``(intercept, slope)`` of a least-squares line through ``(x, y)``, refitted once without
-    the points more than 3 median absolute residuals off (a call the OS descheduled is not the
-    kernel's cost); proportional through the origin when no rising line fits."""
+def _median_waves(waves: list[tuple[list, list[float]]]) -> list[tuple[list, list[float]]]:
+    """Of the repetitions of each wave shape (the same calls in the same order), the one whose
+    summed measured time is the median (the lower of the two middle ones for an even count): a
+    round the OS slowed down does not move ``host_us``, and every shape still counts once, with
+    its own weight (its summed time), in the order the shapes were first sent."""
+    by_shape: dict[tuple, list] = defaultdict(list)
+    for calls, totals in waves:
+        by_shape[tuple(calls)].append((calls, totals))
+    out = []
+    for reps in by_shape.values():
+        reps = sorted(reps, key=lambda w: sum(w[1]))
+        out.append(reps[(len(reps) - 1) // 2])
+    return out
+
+
+def _theil_sen(pairs: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """``(intercept, slope)`` of the Theil-Sen line through ``(x, y)``: the slope is the median
+    of the slopes between every two points at different ``x``, the intercept the median of
+    ``y - slope * x``. A point the OS descheduled moves neither (a median), unlike a least-squares
+    line, whose intercept swings with one slow call at an end of the range. None when every
+    point has the same ``x``."""
     x = np.array([p[0] for p in pairs], dtype=np.float64)
     y = np.array([p[1] for p in pairs], dtype=np.float64)
-    if np.unique(x).size > 1:
-        slope, intercept = np.polyfit(x, y, 1)
-        resid = np.abs(y - (intercept + slope * x))
-        keep = resid <= 3 * np.median(resid) + 1e-9
-        if np.unique(x[keep]).size > 1:
-            slope, intercept = np.polyfit(x[keep], y[keep], 1)
-        if slope > 0 and intercept >= 0:
-            return float(intercept), float(slope)
-    return 0.0, float(np.median(y / x))
+    i, j = np.triu_indices(x.size, k=1)
+    apart = x[i] != x[j]
+    if not apart.any():
+        return None
+    i, j = i[apart], j[apart]
+    slope = float(np.median((y[j] - y[i]) / (x[j] - x[i])))
+    return float(np.median(y - slope * x)), slope
+
+
+def _robust_affine(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(intercept, slope)`` of the Theil-Sen line (:func:`_theil_sen`) through ``(x, y)``;
+    proportional through the origin (the median of ``y / x``) when no rising line with a
+    non-negative intercept fits."""
+    line = _theil_sen(pairs)
+    if line is not None and line[1] > 0 and line[0] >= 0:
+        return line
+    return 0.0, float(np.median([y / x for x, y in pairs]))
 
 
 def _pull_fit(points: list[tuple[int, float]]) -> dict[str, float]:
-    """Fetch's pull, ``fixed + bytes / bulk rate``, from ``(bytes, us)`` at two sizes (medians
-    per size); proportional through the origin when the two sizes do not say more."""
-    by: dict[int, list[float]] = defaultdict(list)
-    for b, us in points:
-        by[b].append(us)
-    xs = sorted(by)
-    ys = [_median(by[b]) for b in xs]
-    if len(xs) > 1 and ys[-1] > ys[0]:
-        slope = (ys[-1] - ys[0]) / (xs[-1] - xs[0])
-        fixed = ys[0] - slope * xs[0]
-        if fixed >= 0:
-            return dict(fetch_fixed_us=fixed, bulk_bw_gbps=1.0 / (slope * 1e3))
-    rate = sum(xs) / sum(ys)  # bytes per us
-    return dict(fetch_fixed_us=0.0, bulk_bw_gbps=rate / 1e3)
+    """Fetch's pull, ``fixed + bytes / bulk rate``, from ``(bytes, us)`` over the chunk sizes
+    (:func:`_robust_affine`: Theil-Sen; proportional through the origin when the sizes do not
+    say more)."""
+    fixed, slope = _robust_affine(points)
+    return dict(fetch_fixed_us=fixed, bulk_bw_gbps=1.0 / (slope * 1e3))
