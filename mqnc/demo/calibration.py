@@ -17,7 +17,8 @@ The counts are the module's constants (:data:`PROBES` ...); the raw samples go t
   mean send of each wave to every holder, the median over the waves), and the holder's kernel
   call, ``fixed + per row-token x work`` (Theil-Sen) over the calls of waves to one holder at a
   time, batched the way the run batches them (several chunks per holder call, dense and
-  selection): :data:`WAVE_REPS` rounds of every shape after a warm-up wave of each kind;
+  selection): :data:`WAVE_REPS` rounds of every shape after a warm-up wave of each kind,
+  each wave after the holders idled :data:`WAVE_GAP_S` (as the run's waves come);
 - the holder's host work per kernel call on its core (``host_us``: taking requests in, packing
   and putting replies, which the kernel time the holder reports leaves out): the one value for
   which the wave model (:func:`mqnc.demo.waves.predict_wave`, with the constants above and the
@@ -401,7 +402,8 @@ class _Measure:
         """The holder's host work per kernel call on its core (:class:`RouteConstants`
         ``host_us``): the value for which the wave model (:func:`predict_wave`, with the
         constants measured so far and this run's CPU plan) gives the calibration's own waves
-        (to one holder, and to every holder at once, as the run's) their measured summed time
+        (to one holder, and to every holder at once, as the run's; of each shape, its round of
+        median summed time: :func:`_median_waves`) their measured summed time
         (bisection: the predicted sum rises with it). 0 when no wave was measured here (the
         routed call's sides came from a profile)."""
         if not self.waves:

@@ -26,10 +26,10 @@ Measured on this 2-core machine after the transport's speed-up (issue 14): with 
 calls modelled one after the other (FIFO per core) the model predicted half the holder compute
 the holders reported (962 vs 1910 ms over 200 routes), the kernel's own CPU time per call
 agreeing with the calibration; the holders' host work per call (0.7-1.5 ms of CPU, traced) was
-not in the model at all. A send in a wave is priced at its mean over waves shaped like the
-run's (to every holder at once): the engine's threads carry replies meanwhile, and a busy
-holder takes a request later. Nothing else is assumed to run on the machine: on a loaded one
-the measured times stretch beyond the model, wave by wave.
+not in the model at all. A send in a wave is priced at its mean in a wave (the median over
+calibration waves shaped like the run's, to every holder at once): the engine's threads carry
+replies meanwhile, and a busy holder takes a request later. Nothing else is assumed to run on
+the machine: on a loaded one the measured times stretch beyond the model, wave by wave.
 """
 
 from __future__ import annotations
