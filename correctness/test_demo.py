@@ -360,6 +360,27 @@ def test_holders_on_one_core_share_it():
     )
 
 
+def test_holder_streams_the_replies_of_a_kernel_call():
+    """The replies of one kernel call go out one by one, each after its own host work: the
+    first of two requests answered together is back ``host_us`` before the second, and a lone
+    request waits for its own host work only."""
+    from mqnc.cost import FABRICS
+    from mqnc.demo.waves import RouteConstants, WaveCall, predict_wave
+    from mqnc.model import get_preset
+
+    g = get_preset("deepseek-v2-lite")
+    # a round trip longer than the host work, which it includes (as the probe's does)
+    fabric = replace(FABRICS["h100-ibgda"], t_probe_us=500.0, turnaround_us=500.0)
+    k = RouteConstants(0.0, 0.0, 0.0, 1.0, host_us=100.0)
+    two = predict_wave([WaveCall(1, 16, 1000)] * 2, g, fabric, k)
+    assert [t["compute"] for t in two] == pytest.approx([2000.0, 2000.0])  # one call
+    assert two[1]["total"] - two[0]["total"] == pytest.approx(100.0)
+    one = predict_wave([WaveCall(1, 16, 1000)], g, fabric, k)
+    base = predict_wave([WaveCall(1, 16, 1000)], g, fabric, replace(k, host_us=0.0))
+    assert one[0]["total"] == pytest.approx(base[0]["total"])  # host work out of the latency
+    assert two[0]["total"] - base[0]["total"] == pytest.approx(1000.0)  # the shared call only
+
+
 def test_calibration_recovers_the_holders_host_work():
     """``host_us`` is the value that makes the model give the calibration's own waves their
     measured time: waves timed by the model with a known host work give it back."""

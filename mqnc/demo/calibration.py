@@ -19,8 +19,8 @@ The counts are the module's constants (:data:`PROBES` ...); the raw samples go t
   time, batched the way the run batches them (several chunks per holder call, dense and
   selection): :data:`WAVE_REPS` rounds of every shape after a warm-up wave of each kind,
   each wave after the holders idled :data:`WAVE_GAP_S` (as the run's waves come);
-- the holder's host work per kernel call on its core (``host_us``: taking requests in, packing
-  and putting replies, which the kernel time the holder reports leaves out): the one value for
+- the holder's host work per request on its core (``host_us``: taking a request in, packing
+  and putting its reply, which the kernel time the holder reports leaves out): the one value for
   which the wave model (:func:`mqnc.demo.waves.predict_wave`, with the constants above and the
   run's CPU plan) gives the calibration's own waves (to one holder at a time, and to every
   holder at once as the run's waves go out; of each shape, the round of median summed time)
@@ -399,7 +399,7 @@ class _Measure:
         )
 
     def _host_us(self, known: dict[str, float]) -> float:
-        """The holder's host work per kernel call on its core (:class:`RouteConstants`
+        """The holder's host work per request on its core (:class:`RouteConstants`
         ``host_us``): the value for which the wave model (:func:`predict_wave`, with the
         constants measured so far and this run's CPU plan) gives the calibration's own waves
         (to one holder, and to every holder at once, as the run's; of each shape, its round of

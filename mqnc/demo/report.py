@@ -198,7 +198,7 @@ _CONSTANTS = (
     ("send_us", "route send, in a wave (mean)", "us", 1.0),
     ("compute_fixed_us", "holder kernel call, fixed", "us", 1.0),
     ("compute_us_per_row_token", "holder compute", "us/(row x token)", 1.0),
-    ("host_us", "holder host work per call", "us", 1.0),
+    ("host_us", "holder host work per request", "us", 1.0),
     ("splice_us_per_token", "splice", "us/token", 1.0),
     ("scatter_us_per_token", "pool write, no rotation", "us/token", 1.0),
     ("merge_us", "merge of an agent's partials", "us", 1.0),

@@ -13,8 +13,10 @@ never taken from the run it predicts): ``T_probe + turnaround`` and ``BW`` of th
 requester's time to send one request (``send_us``: rotate, pack, put), the holder's kernel
 call as ``compute_fixed_us + compute_us_per_row_token * work`` (work: query rows x attended
 tokens of the whole call, measured in waves to one holder at a time: its core's own speed)
-and the holder's host work around each kernel call (``host_us``: taking the requests in,
-packing and putting the replies), which occupies its core like the kernel does.
+and the holder's host work per request it answers (``host_us``: taking the request in,
+packing and putting its reply), which occupies its core like the kernel does; the replies of
+a kernel call go out one by one, each as its own host work ends (the holder streams them: a
+lone request's reply does not wait for a batch's).
 
 Holders that share a CPU core (:func:`mqnc.demo.cluster.cpu_plan` puts both on one core of a
 2-core machine) share it as the OS' fair scheduler does: equally among the holders busy at
@@ -56,9 +58,9 @@ class RouteConstants:
     threads then also carry the replies, and a busy holder takes a request later);
     ``compute_fixed_us + compute_us_per_row_token * work``: one holder kernel call over
     ``work`` query rows x attended tokens (the call of a batch of requests: their sum);
-    ``host_us``: the holder's own work around each kernel call on its core (taking the
-    requests in, packing and putting the replies), which a holder sharing its core with
-    another takes from that one too.
+    ``host_us``: the holder's own work per request it answers, on its core (taking the
+    request in, packing and putting its reply), which a holder sharing its core with another
+    takes from that one too.
     """
 
     send_us: float
@@ -96,20 +98,20 @@ def _groups(calls: list[WaveCall], batch: list[int], k: RouteConstants) -> list:
 
 
 def _serve(arrive: list[float], calls: list[WaveCall], idx: list[int], k: RouteConstants):
-    """The service of requests ``idx`` by the holders on one core. Each holder, whenever it is
-    idle, takes everything of its own that has arrived and runs one kernel call per group
-    (dense, selection), each followed by its host work (``host_us``: the group's replies
-    packed and put), replying to the group as that ends. The core is shared equally by the
-    holders busy at the same moment (processor sharing: the OS' fair scheduler time-slices
-    runnable processes on a core), so a call's wall time is its core time stretched by the
-    holders busy beside it. Returns ``{i: (done_us, own_call_us)}``, the kernel call's wall
-    time (what the holder measures: ``holder_ns``)."""
+    """The service of requests ``idx`` by the holders on one core. Each holder, whenever it is idle,
+    takes everything of its own that has arrived and runs one kernel call per group (dense,
+    selection), each followed by the host work of its requests in turn (``host_us`` each: its reply
+    packed and put), each reply going out as its own ends. The core is shared equally by the holders
+    busy at the same moment (processor sharing: the OS' fair scheduler time-slices runnable
+    processes on a core), so a call's wall time is its core time stretched by the holders busy
+    beside it. Returns ``{i: (done_us, own_call_us)}``, the kernel call's wall time (what the holder
+    measures: ``holder_ns``)."""
     out: dict[int, tuple[float, float]] = {}
     waiting: dict[int, list[int]] = defaultdict(list)
     for i in sorted(idx, key=arrive.__getitem__):
         waiting[calls[i].peer].append(i)
-    # holder -> its phases left, in order: [core us left, requests, kind]; kind "kernel" starts
-    # a kernel call, "host" ends it (the replies go out)
+    # holder -> its phases left, in order: [core us left, requests, kind]; kind "kernel" is a
+    # kernel call, each "host" after it one of its requests' replies (which goes out at its end)
     busy: dict[int, list[list]] = {}
     started: dict[int, float] = {}  # holder -> start of its current kernel call
     kernel_us: dict[int, float] = {}  # request -> its kernel call's wall time
@@ -120,9 +122,10 @@ def _serve(arrive: list[float], calls: list[WaveCall], idx: list[int], k: RouteC
                 batch = [i for i in queue if arrive[i] <= t + eps]
                 waiting[p] = queue[len(batch) :]
                 busy[p] = [
-                    [core, group, kind]
+                    phase
                     for group, call in _groups(calls, batch, k)
-                    for core, kind in ((call, "kernel"), (k.host_us, "host"))
+                    for phase in [[call, group, "kernel"]]
+                    + [[k.host_us, [i], "host"] for i in group]
                 ]
                 started[p] = t
         idle_next = [arrive[q[0]] for p, q in waiting.items() if p not in busy and q]
@@ -172,7 +175,7 @@ def predict_wave(
     # request i is sent when the sends before it are done and reaches its holder after half of
     # the fixed round trip less a send alone (the other half is the reply's)
     send = k.send_us if n > 1 else k.send_alone_us
-    # the holder's host work around its kernel call is its core's time (in _serve), not latency
+    # the holder's host work per request is its core's time (in _serve), not latency
     half = max(fixed - k.send_alone_us - k.host_us, 0.0) / 2
     start = [i * send for i in range(n)]
     arrive = [start[i] + send + half + out_us[i] for i in range(n)]
