@@ -155,7 +155,7 @@ def _loaded(cfg: DemoConfig, profile: LoadedProfile | None):
     terms = dict(profile.terms)
     w = profile.measured_with
     if terms and (w.get("kernels"), w.get("device")) != (cfg.kernels, cfg.device):
-        why = f"calibrated (profile's: kernels {w.get('kernels')} on {w.get('device')})"
+        why = f"calibrated (profile: {w.get('kernels')} on {w.get('device')})"
         for k in COMPUTE_TERMS:
             if terms.pop(k, None) is not None:
                 sources[k] = why
@@ -276,7 +276,7 @@ class _Measure:
         if self.fit_error is not None and "bw_gbps" not in fab:
             # the route fit failed: the rows' bytes move at the bulk pull's rate
             got["bw_gbps"] = got.get("bulk_bw_gbps", fab.get("bulk_bw_gbps"))
-            self.notes["bw_gbps"] = "calibrated (bulk rate: route fit failed)"
+            self.notes["bw_gbps"] = "bulk rate (route fit failed)"
             bar.update(1)
         return got
 

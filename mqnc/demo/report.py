@@ -14,6 +14,7 @@ back, queue) are in ``demo.json``.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,9 @@ from mqnc.demo.waves import WaveCall, predict_wave
 from mqnc.demo.workload import Corpus
 from mqnc.model import MLAGeometry
 from mqnc.serving import CostRecord
+
+WIDTH = 100
+"""The columns every printed table fits in."""
 
 __all__ = ["Report", "predict_call", "primitive_rows", "print_table", "plot", "TABLE_TERMS"]
 
@@ -213,12 +217,16 @@ def _constants(cal: dict) -> list[str]:
     lines = [f"{'constant':<30} {'value':>10}  {'unit':<18} from"]
     if cal.get("profile"):
         lines.insert(0, f"profile: {cal['profile']}")
+    indent = " " * len(lines[-1].removesuffix("from"))
     for key, label, unit, scale in _CONSTANTS:
         value = fabric.get(key, cal.get(key))
         if value is None:
             continue
         src = sources.get(key, "calibrated")
-        lines.append(f"{label:<30} {value * scale:>10.4g}  {unit:<18} {src}")
+        # a long source wraps in its own column, so that the table stays within WIDTH
+        src = textwrap.wrap(src, WIDTH - len(indent), break_on_hyphens=False) or [""]
+        lines.append(f"{label:<30} {value * scale:>10.4g}  {unit:<18} {src[0]}")
+        lines += [indent + more for more in src[1:]]
     return lines
 
 
