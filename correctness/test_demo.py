@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from mqnc.demo import DemoConfig, HolderStartupError, run_demo
+from mqnc.demo.report import replay_routes
 from mqnc.demo.step import OTHER
+from mqnc.demo.waves import predict_wave
 
 SMALL = dict(
     layers=2,
@@ -127,6 +129,17 @@ def test_demo_gloo_processes_torch_path_and_progress(tmp_path, capsys):
     lines = [line for line in _printed_lines(printed.out) if str(tmp_path) not in line]
     assert max(len(line) for line in lines) <= 100, max(lines, key=len)
     assert "the other primitive" in printed.out
+    # demo.json holds what the route predictions need: replayed, they are the recorded ones
+    on_disk = json.loads((tmp_path / "gloo" / "demo.json").read_text())
+    calls = on_disk["primitives"]["route"]["per_call"]
+    assert calls and all("wave" in c for c in calls)
+    replayed = replay_routes(on_disk)
+    assert [p["total"] for p in replayed] == pytest.approx([c["predicted"] for c in calls])
+    # ... and a changed model is played out over the same waves
+    slower = replay_routes(on_disk, lambda *a: [
+        {**t, "total": 2 * t["total"]} for t in predict_wave(*a)
+    ])  # fmt: skip
+    assert [p["total"] for p in slower] == pytest.approx([2 * c["predicted"] for c in calls])
 
 
 @pytest.fixture(scope="module")

@@ -13,16 +13,17 @@ back, queue) are in ``demo.json``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import textwrap
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from mqnc.cost import mape, t_local, t_pull, t_route, t_splice
+from mqnc.cost import FabricProfile, mape, t_local, t_pull, t_route, t_splice
 from mqnc.demo.calibration import Calibration
 from mqnc.demo.config import DemoConfig
-from mqnc.demo.waves import WaveCall, predict_wave
+from mqnc.demo.waves import RouteConstants, WaveCall, predict_wave
 from mqnc.demo.workload import Corpus
 from mqnc.model import MLAGeometry
 from mqnc.serving import CostRecord
@@ -30,7 +31,15 @@ from mqnc.serving import CostRecord
 WIDTH = 100
 """The columns every printed table fits in."""
 
-__all__ = ["Report", "predict_call", "primitive_rows", "print_table", "plot", "TABLE_TERMS"]
+__all__ = [
+    "Report",
+    "predict_call",
+    "primitive_rows",
+    "replay_routes",
+    "print_table",
+    "plot",
+    "TABLE_TERMS",
+]
 
 TABLE_TERMS = ("transport", "compute", "splice", "prefill")
 """The table's terms: what a record measures on its own, and the rest of the call."""
@@ -85,20 +94,21 @@ def primitive_rows(
     records: list[CostRecord],
     predict: Callable[[CostRecord], dict[str, float]],
     errors: dict[str, list[float]],
+    where: Callable[[CostRecord], dict] | None = None,
 ) -> dict:
     """Per primitive (route, fetch, local) of the successful ``records``: count, wire bytes,
     measured and predicted us per term (``predict(record) -> {term: us}``, with ``total``),
-    MAPE of the totals, each call's measured and predicted total, the largest error of its
-    partials in ``errors``."""
+    MAPE of the totals, each call's measured and predicted total (with ``where(record)``'s
+    fields: a route's wave), the largest error of its partials in ``errors``."""
     rows = {}
     for prim in ("route", "fetch", "local"):
         recs = [r for r in records if r.primitive == prim and r.ok]
         if recs:
-            rows[prim] = _row(prim, recs, predict, errors)
+            rows[prim] = _row(prim, recs, predict, errors, where)
     return rows
 
 
-def _row(prim: str, recs: list[CostRecord], predict, errors: dict) -> dict:
+def _row(prim: str, recs: list[CostRecord], predict, errors: dict, where=None) -> dict:
     preds = [predict(r) for r in recs]
     measured: dict[str, float] = defaultdict(float)
     predicted: dict[str, float] = defaultdict(float)
@@ -124,6 +134,7 @@ def _row(prim: str, recs: list[CostRecord], predict, errors: dict) -> dict:
                 layer=r.layer,
                 measured_terms=_measured(r) | dict(send=r.transfer_us, wait=r.return_us),
                 predicted_terms=p,
+                **(where(r) if where is not None else {}),
             )
             for r, p in zip(recs, preds, strict=True)
         ],
@@ -156,6 +167,7 @@ class Report:
         self.cfg, self.geometry, self.corpus, self.cal = cfg, geometry, corpus, cal
         self.waves, self.deltas, self.cores = waves, deltas, cores
         self._predicted: dict[int, list[dict[str, float]]] = {}
+        self._wave_ids: dict[int, tuple[int, list[WaveCall]]] = {}
 
     def _route(self, rec: CostRecord) -> dict[str, float]:
         wave, i = self.waves.get(id(rec)) or (None, 0)
@@ -183,8 +195,50 @@ class Report:
         return dict(prefill=prefill, total=prefill)
 
     def rows(self, costs: list[CostRecord], errors: dict[str, list[float]]) -> dict:
-        """:func:`primitive_rows` with :meth:`predict`."""
-        return primitive_rows(costs, self.predict, errors)
+        """:func:`primitive_rows` with :meth:`predict`; each route call names its wave
+        (``wave``: an index into :meth:`wave_list`, ``index``: its place there)."""
+        return primitive_rows(costs, self.predict, errors, self._where)
+
+    def _where(self, rec: CostRecord) -> dict:
+        noted = self.waves.get(id(rec))
+        if noted is None:
+            return {}
+        wave, i = noted
+        return dict(
+            wave=self._wave_ids.setdefault(id(wave), (len(self._wave_ids), wave))[0], index=i
+        )
+
+    def wave_list(self) -> list[list[dict]]:
+        """Every wave a route call of :meth:`rows` named, in that order: its calls in send
+        order (:class:`WaveCall` fields), what :func:`predict_wave` plays out (``demo.json``'s
+        ``waves``: with ``calibration`` they let a reader rerun the route predictions)."""
+        return [[dataclasses.asdict(c) for c in wave] for _, wave in self._wave_ids.values()]
+
+
+def replay_routes(result: dict, predict=predict_wave) -> list[dict[str, float]]:
+    """The route predictions of a finished run, played out again from its ``demo.json``
+    (``result``): each wave of ``result["waves"]`` through ``predict`` (default
+    :func:`predict_wave`, the demo's own model; pass a changed model to see what it would have
+    said) with the run's constants (``calibration``), geometry and CPU plan (``cores``).
+    Returns, per route call of ``primitives["route"]["per_call"]`` that names its wave, the
+    model's terms (us, with ``total``); with the default model they equal the recorded
+    ``predicted_terms``."""
+    cal = result["calibration"]
+    fabric = FabricProfile.from_dict(cal["fabric"])
+    k = RouteConstants(
+        cal["send_us"],
+        cal["send_alone_us"],
+        cal["compute_fixed_us"],
+        cal["compute_us_per_row_token"],
+        cal.get("host_us", 0.0),
+    )
+    g = MLAGeometry(**result["geometry"])
+    cores = result.get("cores")
+    cores = {int(r): c for r, c in cores.items()} if cores else None
+    waves = [predict(w, g, fabric, k, cores) for w in
+             ([WaveCall(**c) for c in wave] for wave in result["waves"])]  # fmt: skip
+    calls = result["primitives"].get("route", {}).get("per_call", [])
+    return [waves[c["wave"]][c["index"]] for c in calls if "wave" in c]
 
 
 # ---- printing ----------------------------------------------------------------------------------

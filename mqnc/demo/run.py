@@ -94,6 +94,9 @@ def run(prep: Prepared, progress: Progress) -> dict:
         killed=decoder.killed,
         compare=compare,
         primitives=rows,
+        waves=report.wave_list(),
+        geometry=dataclasses.asdict(model.geometry),
+        cores=cluster.cpus,
         max_abs_error={k: max(v) for k, v in verifier.errors.items()},
         checked={k: len(v) for k, v in verifier.errors.items()},
         # each agent's last hidden state: the --force runs of one config must agree on it
