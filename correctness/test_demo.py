@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mqnc.demo import DemoConfig, HolderStartupError, run_demo
-from mqnc.demo.report import replay_routes
+from mqnc.demo.report import replay_routes, spread_mape
 from mqnc.demo.step import OTHER
 from mqnc.demo.waves import predict_wave
 
@@ -140,6 +140,31 @@ def test_demo_gloo_processes_torch_path_and_progress(tmp_path, capsys):
         {**t, "total": 2 * t["total"]} for t in predict_wave(*a)
     ])  # fmt: skip
     assert [p["total"] for p in slower] == pytest.approx([2 * c["predicted"] for c in calls])
+    # the run's own spread, the floor under the per-call MAPE, is recorded and printed
+    assert on_disk["primitives"]["route"]["spread_mape"] >= 0
+    assert "floor under MAPE" in printed.out
+
+
+def test_spread_mape_scores_each_call_by_the_median_of_its_repeats():
+    """Calls at the same place of waves of the same shape are one call repeated; each is
+    scored against their median; a call seen fewer than ``min_repeats`` times is not."""
+    a = [dict(peer=1, m_q=16, work=100, sparse=False), dict(peer=2, m_q=16, work=50, sparse=False)]
+    b = [dict(peer=1, m_q=16, work=999, sparse=True)]
+    waves = [a, b, a, a, b]
+    calls = [
+        dict(wave=0, index=0, measured=10.0), dict(wave=0, index=1, measured=4.0),
+        dict(wave=1, index=0, measured=7.0),
+        dict(wave=2, index=0, measured=20.0), dict(wave=2, index=1, measured=4.0),
+        dict(wave=3, index=0, measured=40.0), dict(wave=3, index=1, measured=8.0),
+        dict(wave=4, index=0, measured=9.0),
+        dict(measured=1.0),  # a call outside any noted wave
+    ]  # fmt: skip
+    got, n = spread_mape(calls, waves)
+    # (a, 0): median 20 -> 10/10, 0, 20/40; (a, 1): median 4 -> 0, 0, 4/8; b seen twice only
+    want = (1.0 + 0.0 + 0.5 + 0.0 + 0.0 + 0.5) / 6
+    assert n == 6 and got == pytest.approx(want)
+    assert spread_mape(calls, waves, min_repeats=4) == (None, 0)
+    assert spread_mape(calls, waves, min_repeats=2)[1] == 8
 
 
 @pytest.fixture(scope="module")

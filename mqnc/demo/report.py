@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import textwrap
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -36,6 +37,7 @@ __all__ = [
     "predict_call",
     "primitive_rows",
     "replay_routes",
+    "spread_mape",
     "print_table",
     "plot",
     "TABLE_TERMS",
@@ -241,6 +243,25 @@ def replay_routes(result: dict, predict=predict_wave) -> list[dict[str, float]]:
     return [waves[c["wave"]][c["index"]] for c in calls if "wave" in c]
 
 
+def spread_mape(per_call: list[dict], waves: list[list[dict]], min_repeats: int = 3):
+    """The run's own spread, as a MAPE: each route call scored by the median of its repeats
+    (the call at the same place of a wave of the same shape, one per layer-step) instead of a
+    model. No prediction that gives every repeat of a call one value scores much below it
+    (the median is the best such value for the absolute error), so it is the floor under the
+    model's per-call MAPE on this run. ``(mape, calls scored)``; ``(None, 0)`` when no call
+    repeats ``min_repeats`` times."""
+    repeats: dict[tuple, list[float]] = defaultdict(list)
+    for c in per_call:
+        if "wave" in c:
+            shape = tuple(tuple(sorted(w.items())) for w in waves[c["wave"]])
+            repeats[(shape, c["index"])].append(c["measured"])
+    scored = [ms for ms in repeats.values() if len(ms) >= min_repeats]
+    if not scored:
+        return None, 0
+    errs = [abs(m - median) / m for ms in scored for median in [statistics.median(ms)] for m in ms]
+    return sum(errs) / len(errs), len(errs)
+
+
 # ---- printing ----------------------------------------------------------------------------------
 
 _CONSTANTS = (
@@ -342,6 +363,12 @@ def print_table(
             f"{prim:<9} {r['count']:>6} {r['wire_bytes'] / 1e6:>9.2f} "
             f"{r['measured_us']['total'] / 1e3:>12.1f} {r['predicted_us']['total'] / 1e3:>13.1f} "
             f"{r['mape'] * 100:>5.0f}% {r['max_abs_error']:>9.2e}"
+        )
+    spread = rows.get("route", {}).get("spread_mape")
+    if spread is not None:
+        print(
+            f"route calls scored by the median of their own repeats (the run's spread, the "
+            f"floor under MAPE): {spread * 100:.0f}%"
         )
     if rows:
         print("\n".join(_terms_table(rows)))

@@ -17,7 +17,7 @@ from mqnc.demo.checks import Prepared
 from mqnc.demo.cluster import Cluster
 from mqnc.demo.config import DemoConfig
 from mqnc.demo.progress import Progress
-from mqnc.demo.report import Report, plot, print_table
+from mqnc.demo.report import Report, plot, print_table, spread_mape
 from mqnc.demo.step import Decisions, Decoder
 from mqnc.demo.verify import Verifier
 from mqnc.demo.workload import Corpus, build_model, make_agents
@@ -77,6 +77,10 @@ def run(prep: Prepared, progress: Progress) -> dict:
         deltas = {k: v for d in decoders for k, v in d.deltas.items()}
         report = Report(cfg, model.geometry, corpus, cal, waves, deltas, cluster.cpus)
         rows = report.rows(req.costs, verifier.errors)
+        if "route" in rows:
+            rows["route"]["spread_mape"] = spread_mape(
+                rows["route"]["per_call"], report.wave_list()
+            )[0]
         compare = None
         if cfg.comparing:
             passes = (req.costs[:n_first], req.costs[n_first:])
