@@ -317,6 +317,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from mqnc.measure.echo import exit_process
+    from mqnc.measure.ranks import exit_process
 
     exit_process(main())

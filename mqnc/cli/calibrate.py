@@ -40,7 +40,7 @@ def _csv(values: list[int]) -> str:
 def _run(args) -> int:
     # imported here: registering this command must not load torch (``mqnc --help``)
     from mqnc.measure.calibrate import calibrate
-    from mqnc.measure.echo import exit_process
+    from mqnc.measure.ranks import exit_process
 
     m_qs = args.m_q or (QUICK_M_Q if args.quick else DEFAULT_M_Q)
     reps = args.reps or (5 if args.quick else 15)
@@ -72,7 +72,7 @@ def _run(args) -> int:
         return 0
     _print_fit(profile, res, raw, out)
     if args.transport == "gloo":
-        exit_process(0)  # see mqnc.measure.echo.exit_process: gloo teardown at interpreter exit
+        exit_process(0)  # see mqnc.measure.ranks.exit_process: gloo teardown at interpreter exit
     return 0
 
 

@@ -4,6 +4,8 @@
   loopback, subprocesses over gloo): the transport term of a primitive, without its compute.
 - :mod:`mqnc.measure.holders`: a requester and real holders (kernel stubbed or real) on a
   transport: the package's own host path (``perf/bench_host``, ``mqnc calibrate``).
+- :mod:`mqnc.measure.ranks`: holder ranks as child processes over gloo (both sides of standing
+  them up, for the two fabrics above).
 - :mod:`mqnc.measure.floors`: the machine's floors (a Condition round trip, bare gloo, a
   socketpair) that the host path is measured against.
 - :mod:`mqnc.measure.timing`: p20/p50/p80 of repeated calls: kernels by CUDA-graph replay
@@ -48,7 +50,6 @@ _LAZY = {
             "Unavailable",
             "split_row_bytes",
             "host_extra",
-            "exit_process",
             "HDR",
             "OP_PROBE",
             "OP_ECHO",
@@ -72,6 +73,7 @@ _LAZY = {
         ".timing",
     ),
     "route_sweep": ".sweep",
+    "exit_process": ".ranks",
 }
 __getattr__ = lazy_exports(__name__, _LAZY)
 

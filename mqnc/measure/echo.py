@@ -34,8 +34,6 @@ Everything here is host-side: record these timings with
 
 from __future__ import annotations
 
-import argparse
-import os
 import subprocess
 import sys
 import threading
@@ -45,8 +43,9 @@ import torch
 
 from mqnc.base.checks import check_int
 from mqnc.measure.options import TRANSPORTS
+from mqnc.measure.ranks import connect_rank, rank_parser, start_gloo_ranks
 from mqnc.model.geometry import MLAGeometry
-from mqnc.transport import LoopbackFabric, TorchDistTransport, free_port_store
+from mqnc.transport import LoopbackFabric
 from mqnc.transport.protocol import INBOX, REPLY, PeerLost, Transport, TransportTimeout
 
 __all__ = [
@@ -55,7 +54,6 @@ __all__ = [
     "EchoHolder",
     "EchoFabric",
     "split_row_bytes",
-    "exit_process",
     "host_extra",
     "OP_PROBE",
     "OP_ECHO",
@@ -67,25 +65,6 @@ __all__ = [
 
 OP_PROBE, OP_ECHO, OP_GATHER, OP_CHUNK, OP_STOP = 0, 1, 2, 3, 4
 HDR = 16
-
-
-_GLOO_OPENED = False
-
-
-def exit_process(rc: int) -> None:
-    """End a benchmark process with ``rc``.
-
-    After a gloo fabric, the process exits through ``os._exit`` once its output is flushed:
-    the torchdist engine keeps closed process groups alive until exit (a service thread may
-    still sit in a blocked ``recv``), and their destructors at interpreter shutdown can abort
-    the process (seen once here as SIGABRT after every record was written). Results are on
-    disk by then; only the exit status would be lost.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if _GLOO_OPENED:
-        os._exit(rc)
-    raise SystemExit(rc)
 
 
 class Unavailable(RuntimeError):
@@ -294,41 +273,15 @@ class EchoFabric:
 
     def _start_gloo(self, start_timeout_s: float, *, pool_rows: int, chunk_bytes: int) -> None:
         """Holder subprocesses (``python -m mqnc.measure.echo serve``) and this rank's engine."""
-        global _GLOO_OPENED
-        _GLOO_OPENED = True
-        store = free_port_store(self.world, timeout_s=start_timeout_s)
-        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-        for r in self.holders:
-            cmd = [
-                sys.executable,
-                "-m",
-                "mqnc.measure.echo",
-                "serve",
-                f"--rank={r}",
-                f"--world={self.world}",
-                f"--port={store.port}",
-                f"--slot-bytes={self.slot_bytes}",
-                f"--lanes={self.lanes}",
-                f"--pool-rows={pool_rows}",
-                f"--chunk-bytes={chunk_bytes}",
-                f"--start-timeout={start_timeout_s}",
-            ]
-            self._procs.append(subprocess.Popen(cmd, env=env))
-        try:
-            self.transport = TorchDistTransport(
-                0,
-                self.world,
-                store,
-                slot_bytes=self.slot_bytes,
-                lanes=self.lanes,
-                idle_timeout_s=max(600.0, 4 * start_timeout_s),
-            )
-            self.transport.barrier(start_timeout_s)
-        except BaseException:
-            for p in self._procs:
-                p.kill()
-            raise
-        self._store = store
+        own = [f"--pool-rows={pool_rows}", f"--chunk-bytes={chunk_bytes}"]
+        self.transport, self._store, self._procs = start_gloo_ranks(
+            "mqnc.measure.echo",
+            dict.fromkeys(self.holders, own),
+            world=self.world,
+            slot_bytes=self.slot_bytes,
+            lanes=self.lanes,
+            start_timeout_s=start_timeout_s,
+        )
 
     # ---- messages -----------------------------------------------------------------------------
     def message(self, op: int, nbytes: int, n: int = 0, indices: torch.Tensor | None = None):
@@ -431,26 +384,11 @@ def host_extra(fabric: EchoFabric, **extra) -> dict:
 
 
 def _serve(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mqnc.measure.echo serve")
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--slot-bytes", type=int, required=True)
-    ap.add_argument("--lanes", type=int, default=1)
+    ap = rank_parser("python -m mqnc.measure.echo serve")
     ap.add_argument("--pool-rows", type=int, default=0)
     ap.add_argument("--chunk-bytes", type=int, default=0)
-    ap.add_argument("--start-timeout", type=float, default=180.0)
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    tr = TorchDistTransport.connect(
-        args.rank,
-        args.world,
-        args.port,
-        slot_bytes=args.slot_bytes,
-        lanes=args.lanes,
-        idle_timeout_s=max(600.0, 4 * args.start_timeout),
-        store_timeout_s=args.start_timeout,
-    )
+    tr = connect_rank(args)
     holder = EchoHolder(tr, pool_rows=args.pool_rows, chunk_bytes=args.chunk_bytes).start()
     tr.barrier(args.start_timeout)
     while not holder.stop_event.wait(0.5):

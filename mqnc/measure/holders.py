@@ -16,7 +16,6 @@ a CPU).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -27,10 +26,10 @@ import tempfile
 import torch
 
 from mqnc.base import stamps as _stamps
-from mqnc.measure.echo import exit_process
+from mqnc.measure.ranks import connect_rank, exit_process, rank_parser, start_gloo_ranks
 from mqnc.model.geometry import MLAGeometry, load_geometry
 from mqnc.serving import ChunkInfo, Holder, Requester
-from mqnc.transport import LoopbackFabric, TorchDistTransport, free_port_store, slot_bytes_for
+from mqnc.transport import LoopbackFabric, slot_bytes_for
 
 __all__ = ["HolderFabric", "stub_attention", "SCALE"]
 
@@ -152,37 +151,22 @@ class HolderFabric:
             self.requester.register(ChunkInfo(cid, chunk_tokens, 0, (r,)))
 
     def _start_gloo(self, lanes, tokens, stub, start_timeout_s):
-        from mqnc.measure import echo
-
-        echo._GLOO_OPENED = True  # see mqnc.measure.echo.exit_process
-        store = free_port_store(self.world, timeout_s=start_timeout_s)
-        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+        g = json.dumps(dataclasses.asdict(self.geometry))
+        own = {}
         for cid, r in self.chunks.items():
-            cmd = [sys.executable, "-m", "mqnc.measure.holders", "serve", f"--rank={r}",
-                   f"--world={self.world}", f"--port={store.port}", f"--lanes={lanes}",
-                   f"--slot-bytes={self.slot_bytes}", f"--chunk={cid}", f"--tokens={tokens}",
-                   f"--geometry={json.dumps(dataclasses.asdict(self.geometry))}",
-                   f"--timeout={start_timeout_s}"]  # fmt: skip
+            own[r] = [f"--chunk={cid}", f"--tokens={tokens}", f"--geometry={g}"]
             if stub:
-                cmd.append("--stub")
+                own[r].append("--stub")
             if self._stamp_dir:
-                cmd.append(f"--stamps={os.path.join(self._stamp_dir, f'{r}.json')}")
-            self._procs.append(subprocess.Popen(cmd, env=env))
-        try:
-            end = TorchDistTransport(
-                0,
-                self.world,
-                store,
-                slot_bytes=self.slot_bytes,
-                lanes=lanes,
-                idle_timeout_s=max(600.0, 4 * start_timeout_s),
-            )
-            end.barrier(start_timeout_s)
-        except BaseException:
-            for p in self._procs:
-                p.kill()
-            raise
-        self._store = store
+                own[r].append(f"--stamps={os.path.join(self._stamp_dir, f'{r}.json')}")
+        end, self._store, self._procs = start_gloo_ranks(
+            "mqnc.measure.holders",
+            own,
+            world=self.world,
+            slot_bytes=self.slot_bytes,
+            lanes=lanes,
+            start_timeout_s=start_timeout_s,
+        )
         return end
 
     def close(self) -> None:
@@ -222,35 +206,20 @@ class HolderFabric:
 
 
 def _serve(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mqnc.measure.holders serve")
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--lanes", type=int, default=2)
-    ap.add_argument("--slot-bytes", type=int, required=True)
+    ap = rank_parser("python -m mqnc.measure.holders serve")
     ap.add_argument("--chunk", type=int, required=True)
     ap.add_argument("--tokens", type=int, required=True)
     ap.add_argument("--geometry", required=True, help="the MLAGeometry's fields as JSON")
-    ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--stub", action="store_true")
     ap.add_argument("--stamps", default=None, help="record stage stamps into this JSON file")
     args = ap.parse_args(argv)
     from mqnc.base.runtime import use_interpreter_without_cuda
 
     use_interpreter_without_cuda()
-    torch.set_num_threads(1)
-    tr = TorchDistTransport.connect(
-        args.rank,
-        args.world,
-        args.port,
-        slot_bytes=args.slot_bytes,
-        lanes=args.lanes,
-        idle_timeout_s=max(600.0, 4 * args.timeout),
-        store_timeout_s=args.timeout,
-    )
+    tr = connect_rank(args)
     g = MLAGeometry(**json.loads(args.geometry))
     h = _make_holder(tr, g, args.chunk, args.tokens, args.stub)
-    tr.barrier(args.timeout)
+    tr.barrier(args.start_timeout)
     if args.stamps:
         _stamps.enable()
     h.serve_forever()
