@@ -187,3 +187,34 @@ def test_pyproject_installs_every_subpackage():
     }
     assert listed == folders | {"mqnc.triton_kernels"}
     assert setuptools["package-dir"] == {"mqnc": "mqnc", "mqnc.triton_kernels": "triton_kernels"}
+
+
+@pytest.mark.parametrize(
+    ("package", "module", "exclude"),
+    [("mqnc.model", ".mla", ()), ("mqnc.measure", ".echo", ("TRANSPORTS",)),
+     ("mqnc.measure", ".timing", ()), ("mqnc.measure", ".sweep", ())],
+)  # fmt: skip
+def test_lazy_reexports_are_the_modules_own_names(package, module, exclude):
+    """A package's lazy re-exports are read from the module's ``__all__`` (no second list):
+    they are exactly its names, each resolves to the module's object, and the package lists
+    them in its own ``__all__``."""
+    import importlib
+
+    from mqnc.base.lazy import public_names
+
+    pkg = importlib.import_module(package)
+    mod = importlib.import_module(module, package)
+    names = public_names(package, module, exclude=exclude)
+    assert set(names) == set(mod.__all__) - set(exclude)
+    for name in names:
+        assert getattr(pkg, name) is getattr(mod, name), name
+        assert name in pkg.__all__, name
+
+
+def test_public_names_refuses_what_it_cannot_read():
+    from mqnc.base.lazy import public_names
+
+    with pytest.raises(ValueError, match="not found"):
+        public_names("mqnc.measure", ".no_such_module")
+    with pytest.raises(ValueError, match="no literal __all__"):
+        public_names("mqnc", ".measure")  # its __all__ is computed (``*_LAZY``)

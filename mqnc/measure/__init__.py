@@ -26,7 +26,7 @@ The torch-free modules (results, options, targets) are imported with the package
 the names they define, on first use, so that the figures can read records without torch.
 """
 
-from mqnc.base.lazy import lazy_exports
+from mqnc.base.lazy import lazy_exports, public_names
 from mqnc.measure.options import (
     TRANSPORTS,
     bench_parser,
@@ -43,36 +43,9 @@ from mqnc.measure.results import git_commit, output_path, read_results, record, 
 from mqnc.measure.targets import Target, check_targets
 
 _LAZY = {
-    **dict.fromkeys(
-        (
-            "EchoFabric",
-            "EchoHolder",
-            "Unavailable",
-            "split_row_bytes",
-            "host_extra",
-            "HDR",
-            "OP_PROBE",
-            "OP_ECHO",
-            "OP_GATHER",
-            "OP_CHUNK",
-            "OP_STOP",
-        ),
-        ".echo",
-    ),
-    **dict.fromkeys(
-        (
-            "time_fn",
-            "time_interleaved",
-            "interleaved_samples",
-            "time_kernel",
-            "Timed",
-            "input_sets",
-            "l2_bytes",
-            "one_intra_op_thread",
-        ),
-        ".timing",
-    ),
-    "route_sweep": ".sweep",
+    **dict.fromkeys(public_names(__name__, ".echo", exclude=("TRANSPORTS",)), ".echo"),
+    **dict.fromkeys(public_names(__name__, ".timing"), ".timing"),
+    **dict.fromkeys(public_names(__name__, ".sweep"), ".sweep"),
     "exit_process": ".ranks",
 }
 __getattr__ = lazy_exports(__name__, _LAZY)

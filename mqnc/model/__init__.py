@@ -12,7 +12,7 @@ The torch-backed names of :mod:`mqnc.model.mla` are re-exported lazily (imported
 use), so that ``import mqnc.model.geometry`` loads no torch.
 """
 
-from mqnc.base.lazy import lazy_exports
+from mqnc.base.lazy import lazy_exports, public_names
 from mqnc.model.geometry import (
     PRESET_CONFIGS,
     PRESETS,
@@ -31,18 +31,7 @@ from mqnc.model.rope import (
     yarn_get_mscale,
 )
 
-_MLA = (
-    "MLAModel",
-    "MLAWeights",
-    "softmax_scale_from_config",
-    "rms_norm",
-    "project_query",
-    "project_kv",
-    "absorb_query",
-    "cache_entry",
-    "latent_to_heads",
-    "output_projection",
-)
+_MLA = public_names(__name__, ".mla")
 __getattr__ = lazy_exports(__name__, {name: ".mla" for name in _MLA})
 
 __all__ = [
