@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import numpy as np
 import pytest
@@ -102,6 +103,11 @@ def test_predict_flags(capsys):
         (["predict", "--holders", "0"], "argument --holders: expected a number >= 1"),
         (["predict", "--allow", "fetch,teleport"], "argument --allow: expected comma-separated"),
         (["predict", "--splice-ms", "1", "--no-splice"], "at most one of"),
+        (["predict", "--allow", "route,route"], "each once"),
+        (["predict", "--holders", "7"], "--holders: only means something with --topk"),
+        (["predict", "--splice-variant", "v"], "--splice-variant: only means something with"),
+        (["predict", "--congestion-route-only"], "--congestion-route-only: only means"),
+        (["crossover", "--out", "/nonexistent/x", "--holders", "3"], "--holders: only"),
         (
             ["crossover", "--out", "/nonexistent/x", "--m-q-min", "9", "--m-q-max", "3"],
             "--m-q-min/--m-q-max",
@@ -272,3 +278,30 @@ def test_fit_negative_intercept_without_probe(tmp_path, capsys):
     rc, _, err = run(capsys, "fit", str(path), "--save", str(tmp_path / "f.json"))
     assert rc == 2 and "--save: gloo has no probe record and a negative intercept" in err
     assert not (tmp_path / "f.json").exists()
+
+
+def test_fabric_file_with_a_wrong_field_type_names_the_file_and_field(tmp_path, capsys):
+    bad = tmp_path / "strprobe.json"
+    bad.write_text(json.dumps(dict(name="x", t_probe_us="16", bw_gbps=25.0)))
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    for path, field in ((bad, "t_probe_us: expected a number, got str"), (listed, "a dict")):
+        rc, out, err = run(capsys, "predict", "--fabric", str(path))
+        assert rc == 2 and not out
+        assert f"argument --fabric: {path}" in err and field in err, err
+
+
+def test_predict_shows_a_profiles_host_term_and_charges_it_per_round_trip(tmp_path, capsys):
+    """A calibrated profile's host overhead (§5.3) is in route's printed terms whenever it is in
+    its total, once per routed call (``--round-trips``)."""
+    prof = tmp_path / "host.json"
+    fab = FabricProfile("calibrated", 200.0, 2.0, host_fixed_us=1000.0, host_per_row_us=1.0)
+    prof.write_text(json.dumps(fab.to_dict()))
+    for trips in (1, 27):
+        rc, out, _ = run(capsys, "predict", "--fabric", str(prof), "--m-q", "16",
+                         "--round-trips", str(trips))  # fmt: skip
+        assert rc == 0
+        line = next(x for x in out.splitlines() if x[1:].startswith("route "))
+        assert f"+ host {trips * 1016.0:.1f}" in line, line
+        total, *terms = [float(v) for v in re.findall(r"(\d+\.\d)", line)]
+        assert total == pytest.approx(sum(terms), abs=0.05 * len(terms)), line

@@ -98,6 +98,8 @@ def test_route_fan_out_and_host():
     assert shared.transfer == pytest.approx(7 * one.transfer)
     host = cm.HostOverhead(100.0, 2.0)
     assert cm.t_route(V2, IBGDA, 10, host=host).host == 120.0
+    # each round trip is a routed call of its own: the host overhead is paid each time
+    assert cm.t_route(V2, IBGDA, 10, host=host, round_trips=27).host == 27 * 120.0
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="tp: expected an int >= 1"):
             cm.t_route(V2, IBGDA, 256, tp=bad)
@@ -161,6 +163,17 @@ def test_congestion_errors():
             rt_idle_us=50,
             rt_congested_us=60,
         )
+    # a congested round trip faster than the idle one (bw_factor > 1) is refused too
+    with pytest.raises(ValueError, match="no faster than idle"):
+        cm.fit_congestion(
+            V2, IBGDA, 1024, probe_idle_us=16, probe_congested_us=16, rt_idle_us=116,
+            rt_congested_us=100,
+        )  # fmt: skip
+    same = cm.fit_congestion(
+        V2, IBGDA, 1024, probe_idle_us=16, probe_congested_us=16, rt_idle_us=116,
+        rt_congested_us=116,
+    )  # fmt: skip
+    assert same.bw_factor == 1.0 and same.probe_add_us == 0.0
 
 
 # ---- fetch and local ---------------------------------------------------------------------------

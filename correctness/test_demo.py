@@ -560,3 +560,20 @@ def test_prefill_decompressed_is_the_absorbed_attention():
         expected.append(kv)
     assert got.dtype == torch.float64 and got.shape == (2, 40, model.geometry.d_qk)
     assert_close(got, torch.stack(expected), tolerance("prefill_forms", torch.float64))
+
+
+def test_profile_bulk_rate_from_link_peak_is_loaded_not_recalibrated():
+    """A profile whose bulk rate is its link peak (``FabricProfile.bulk_bw``: bulk, else link
+    peak, else BW) gives the demo that rate; only a profile with neither leaves it to measure."""
+    from mqnc.cost import FabricProfile
+    from mqnc.demo.calibration import _loaded
+    from mqnc.demo.profile import load_profile
+
+    cfg = DemoConfig(device="cpu", kernels="torch")
+    preset = load_profile("h100-ibgda")
+    fabric, _, sources = _loaded(cfg, preset)
+    assert fabric["bulk_bw_gbps"] == preset.fabric.bulk_bw == preset.fabric.link_peak_gbps
+    assert sources["bulk_bw_gbps"] == "profile"
+    bare = replace(preset, fabric=FabricProfile("route-only fit", 300.0, 1.0))
+    fabric, _, _ = _loaded(cfg, bare)
+    assert "bulk_bw_gbps" not in fabric  # measured by the calibration

@@ -175,6 +175,24 @@ def test_amortisation_steps():
     r = cm.t_route(V2, IBGDA, 256)
     fetch = cm.t_fetch(V2, IBGDA, 2048).total
     assert fetch + n * r.compute == pytest.approx(n * r.total)
+    # congestion prices both sides (as route_fetch_inversion_rows does), unless route-only
+    for c in (cm.Congestion(0.25, 5.0), cm.Congestion(0.25, 5.0, on_fetch=False)):
+        n = pr.amortisation_steps(V2, IBGDA, 256, 2048, congestion=c)
+        r = cm.t_route(V2, IBGDA, 256, congestion=c)
+        fetch = cm.t_fetch(V2, IBGDA, 2048, congestion=c).total
+        assert fetch + n * r.compute == pytest.approx(n * r.total)
+
+
+@pytest.mark.parametrize("topk", [0, -2048, float("nan"), float("inf")])
+def test_decide_grid_refuses_a_bad_topk_as_decide_does(topk):
+    for call in (pr.decide, pr.decide_grid):
+        with pytest.raises(ValueError, match="topk"):
+            call(V2, IBGDA, 256.0, 2048.0, topk=topk)
+
+
+def test_allow_names_each_primitive_once():
+    with pytest.raises(ValueError, match="each once"):
+        pr.decide(V2, IBGDA, 256, 2048, allow=("route", "route"))
 
 
 def test_rank_fabrics_is_sorted_by_route_round_trip():

@@ -54,8 +54,9 @@ def _fabric_arg(text: str):
     """``--fabric``: a preset name or a profile JSON."""
     try:
         return load_fabric(text)
-    except (ValueError, FileNotFoundError) as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        why = str(exc)
+        raise argparse.ArgumentTypeError(why if text in why else f"{text}: {why}") from None
 
 
 # The options ``predict`` and ``crossover`` share: (flags, argparse keywords), in help order.
@@ -159,6 +160,19 @@ def _resolve(args):
         > 1
     ):
         raise ValueError("splice: expected at most one of --splice-ms, --splice-from, --no-splice")
+    # a flag that only qualifies another is an error without it, not silently ignored
+    for flag, given, needs, present in (
+        ("--splice-variant", args.splice_variant, "--splice-from", args.splice_from),
+        ("--holders", args.holders != 1, "--topk (it is the selection's fan-out)", args.topk),
+        (
+            "--congestion-route-only",
+            args.congestion_route_only,
+            "--congestion-bw or --congestion-probe-us",
+            args.congestion_bw is not None or args.congestion_probe_us is not None,
+        ),
+    ):
+        if given and not present:
+            raise ValueError(f"{flag}: only means something with {needs}")
     if args.no_splice:
         splice = SpliceProfile.none()
     elif args.splice_ms is not None:
@@ -221,7 +235,7 @@ def _print_decision(args, d, geometry, fabric, splice) -> None:
             r.total,
             f"probe {r.probe:.1f} + turnaround {r.turnaround:.1f} + transfer "
             f"{r.transfer:.1f} + return {r.return_:.1f} + compute {r.compute:.1f} + merge "
-            f"{r.merge:.1f}" + (f" + host {r.host:.1f}" if args.host_overhead else ""),
+            f"{r.merge:.1f}" + (f" + host {r.host:.1f}" if args.host_overhead or r.host else ""),
         ),
         (
             "fetch",
@@ -431,9 +445,9 @@ def _pct(x) -> str:
 
 def _primitives(text: str) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
-    if not names or any(v not in PRIMITIVES for v in names):
+    if not names or any(v not in PRIMITIVES for v in names) or len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated names out of {','.join(PRIMITIVES)}, got {text!r}"
+            f"expected comma-separated names out of {','.join(PRIMITIVES)}, each once, got {text!r}"
         )
     return names
 

@@ -149,8 +149,10 @@ def _check_inputs(geometry, fabric, allow) -> tuple[str, ...]:
         raise TypeError(f"fabric: expected a FabricProfile, got {type(fabric).__name__}")
     allow = tuple(allow)
     bad = [a for a in allow if a not in PRIMITIVES]
-    if bad or not allow:
-        raise ValueError(f"allow: expected a non-empty subset of {list(PRIMITIVES)}, got {allow}")
+    if bad or not allow or len(set(allow)) != len(allow):
+        raise ValueError(
+            f"allow: expected a non-empty subset of {list(PRIMITIVES)}, each once, got {allow}"
+        )
     return allow
 
 
@@ -403,6 +405,8 @@ def decide_grid(
         _check_positive(name, value)
     if bw_gbps is not None:
         _check_positive("bw_gbps", bw_gbps)
+    if topk is not None:
+        _check_positive("topk", topk)
     m_q = np.asarray(m_q, dtype=np.float64)
     c_t = np.asarray(c_t, dtype=np.float64)
     arguments = locals()
@@ -565,7 +569,8 @@ def amortisation_steps(
     so ``n = T_fetch / (T_route - T_compute)``.
     """
     route = t_route(geometry, fabric, m_q, **route_kwargs)
-    fetch = t_fetch(geometry, fabric, c_t, splice=splice).total
+    congestion = route_kwargs.get("congestion")  # the fetch sees it too (as in the inversion)
+    fetch = t_fetch(geometry, fabric, c_t, splice=splice, congestion=congestion).total
     per_step = route.total - route.compute
     return fetch / per_step if per_step > 0 else math.inf
 

@@ -307,13 +307,15 @@ def fit_congestion(
     probe_add = probe_congested_us - probe_idle_us
     extra = (rt_congested_us - rt_idle_us) - probe_add
     transfer = bytes_to_us(m_q * geometry.qp_row_bytes, fabric.bw_gbps)
-    if probe_add < 0 or extra <= -transfer:
+    # a congested transfer faster than the idle one (bw_factor > 1) is refused too; the slack
+    # is floating-point rounding only (bw_factor = 1 exactly when nothing changed)
+    if probe_add < 0 or extra < -1e-9 * transfer:
         raise ValueError(
             f"congested round trips: expected no faster than idle, got probe "
             f"{probe_idle_us}->{probe_congested_us}, rt {rt_idle_us}->"
             f"{rt_congested_us} us"
         )
-    return Congestion(bw_factor=1.0 / (1.0 + extra / transfer), probe_add_us=probe_add)
+    return Congestion(bw_factor=min(1.0 / (1.0 + extra / transfer), 1.0), probe_add_us=probe_add)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,7 +481,9 @@ def t_route(
         A client's host overhead (§5.3); None: the fabric's own (a calibrated profile's, this
         package's software; none for the paper's fabrics). ``HOST_PAPER`` is the paper's.
     round_trips : int
-        Sequential round trips charged (1 as in the paper; ``L`` for per-layer routing).
+        Sequential round trips charged (1 as in the paper; ``L`` for per-layer routing), each
+        a routed call of its own: every term, the host overhead included, is charged that
+        many times.
     bw_gbps : float or numpy.ndarray or None
         Override the fabric's route bandwidth (the Fig. 6(a) sweep).
     """
@@ -496,7 +500,7 @@ def t_route(
         return_=r * fan * t_return(geometry, fabric, m_q, **kw),
         compute=r * t_compute(t_compute_us),
         merge=r * t_merge(t_merge_us),
-        host=t_host(m_q, host_of(fabric) if host is None else host),
+        host=r * t_host(m_q, host_of(fabric) if host is None else host),
     )
 
 

@@ -150,6 +150,8 @@ def _loaded(cfg: DemoConfig, profile: LoadedProfile | None):
         return {}, {}, {}
     name = "profile"
     fabric = {k: getattr(profile.fabric, k) for k in FABRIC_TERMS}
+    if profile.fabric.link_peak_gbps is not None:  # the profile's bulk rate (FabricProfile.bulk_bw)
+        fabric["bulk_bw_gbps"] = profile.fabric.bulk_bw
     fabric = {k: v for k, v in fabric.items() if v is not None}
     sources = dict.fromkeys(fabric, name)
     terms = dict(profile.terms)
@@ -192,6 +194,7 @@ def calibrate(
         bw_gbps=fab["bw_gbps"],
         turnaround_us=fab["turnaround_us"],
         bulk_bw_gbps=fab["bulk_bw_gbps"],
+        link_peak_gbps=base.link_peak_gbps if base else None,
         **_host_fields(base),
         source=base.source if base else "mqnc demo calibration",
     )
