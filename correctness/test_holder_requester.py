@@ -363,3 +363,87 @@ def test_request_ids_drawn_ahead_are_distinct_u64():
         ids = [lanes.request_id() for _ in range(600)]
     assert len(set(ids)) == len(ids)
     assert all(type(i) is int and 0 < i < 2**64 for i in ids)
+
+
+def test_pool_keeps_no_blocks_for_a_failed_or_replaced_chunk():
+    """A splice that fails gives its blocks back; the same chunk at the same offset again
+    replaces the old copy and frees its blocks; a fetch that could not be spliced (no rope)
+    is refused before the pull."""
+    from mqnc.serving.pool import LocalChunks, PagedPool
+
+    kv = _chunk(3, 40, torch.float32)
+    info = ChunkInfo(7, 40, 0, (0,))
+    pool = PagedPool(GEOM.layers, 4, 16, GEOM.d_qk, dtype=torch.float32, device="cpu")
+    kept = LocalChunks(pool)
+    with pytest.raises(ValueError, match="needs rope"):
+        kept.put(info, 9, kv, delta=9, rope=None, source="fetch")
+    assert pool.free_blocks == 4
+    kept.put(info, 0, kv, delta=0, rope=None, source="local")
+    assert pool.free_blocks == 1
+    kept.put(info, 0, kv, delta=0, rope=None, source="fetch")  # replaces the first copy
+    assert pool.free_blocks == 1 and len(kept.chunks) == 1
+    with pytest.raises(ValueError, match="blocks: expected distinct taken blocks"):
+        pool.free([0, 0])
+    s = Setup({5: _chunk(4, 40)}, start=False)
+    try:
+        req = s.requesters[0]
+        req.rope = None
+        before = (req.kept.pool.free_blocks, req.client.transport.signal(0))
+        with pytest.raises(ValueError, match="offset: chunk 5 is cached at 0; splicing it to 3"):
+            req.fetch(5, offset=3)
+        assert (req.kept.pool.free_blocks, req.client.transport.signal(0)) == before
+        assert not req.costs  # nothing was sent
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("offset", [10.9, 3.0, True, -1])
+def test_offsets_and_positions_are_ints_never_truncated(offset):
+    """A float offset would be rotated by its truncation (route) or kept under it (fetch,
+    local): refused, naming the argument, before any work."""
+    s = Setup({5: _chunk(5, 40)}, start=False)
+    try:
+        req = s.requesters[0]
+        q = _q(1, 1)
+        err = ValueError  # check_int: "offset: expected an int >= 0, got 10.9"
+        for call in (
+            lambda: req.route(5, q, 0, offset=offset),
+            lambda: req.fetch(5, offset=offset),
+            lambda: req.attend(5, q, 0, offset=offset),
+        ):
+            with pytest.raises(err, match="offset"):
+                call()
+        assert not req.costs
+        with pytest.raises(err, match="position"):
+            s.holder.add_chunk(6, _chunk(6, 16), position=offset)
+    finally:
+        s.close()
+
+
+def test_holder_and_requester_refuse_bad_scales_and_limits():
+    fab = LoopbackFabric(2, SLOT)
+    for kw, err, needle in (
+        (dict(softmax_scale=float("nan")), ValueError, "softmax_scale: expected a finite"),
+        (dict(softmax_scale=0.0), ValueError, "softmax_scale"),
+        (dict(max_rows=0), ValueError, "max_rows: expected an int >= 1"),
+        (dict(max_rows=-1), ValueError, "max_rows"),
+        (dict(max_topk=0), ValueError, "max_topk"),
+        (dict(poll_s=0), ValueError, "poll_s"),
+        (dict(batch_window_s=-1.0), ValueError, "batch_window_s"),
+    ):
+        args = dict(softmax_scale=SCALE, num_blocks=1) | kw
+        with pytest.raises(err, match=needle):
+            Holder(fab.endpoint(0), GEOM, **args)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        Requester(fab.endpoint(1), GEOM, softmax_scale=float("nan"))
+
+
+def test_merge_refuses_no_partials_and_partials_of_other_shapes():
+    from mqnc.serving import Partial
+
+    a = Partial(torch.zeros(1, 4, GEOM.d_v), torch.zeros(1, 4), "route", 0, None)
+    b = Partial(torch.zeros(2, 4, GEOM.d_v), torch.zeros(2, 4), "route", 0, None)
+    with pytest.raises(ValueError, match="parts: expected at least one partial, got 0"):
+        Requester.merge([])
+    with pytest.raises(ValueError, match="parts: expected partials of one shape"):
+        Requester.merge([a, b])

@@ -65,3 +65,12 @@ def test_mqnc_kernel_report_subcommand(tmp_path):
     }
     r = _report("mqnc kernel-report", *args, cwd=tmp_path, interpret="1")
     assert r.returncode != 0 and "set TRITON_INTERPRET=0" in r.stderr
+
+
+def test_an_unknown_op_is_one_line_before_anything_compiles(tmp_path):
+    out = tmp_path / "typo.jsonl"
+    for module in ("perf.kernel_report", "mqnc kernel-report"):
+        r = _report(module, "--ops", "mla_decod", "--out", str(out), cwd=ROOT)
+        assert r.returncode == 2, r.stderr[-2000:]
+        assert "--ops: expected names out of merge,mla_decode,mla_sparse" in r.stderr
+        assert "Traceback" not in r.stderr and not out.exists()

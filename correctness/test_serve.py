@@ -131,6 +131,23 @@ def test_corpus_file_round_trip_and_bad_manifests(tmp_path):
     bad.write_text(json.dumps(dict(manifest, tensors="bad.safetensors")))
     with pytest.raises(ValueError, match="malformed manifest"):
         Corpus.load(bad)
+    # a field of the wrong kind is named, inside the same one-line error
+    good = json.loads(path.read_text())
+    for key, value, needle in (
+        ("softmax_scale", None, "no 'softmax_scale'"),
+        ("softmax_scale", "x", "softmax_scale: expected a number"),
+        ("softmax_scale", float("nan"), "softmax_scale: expected a finite number > 0"),
+        ("block_size", "big", "block_size: expected an int"),
+    ):
+        m = dict(good)
+        if value is None:
+            m.pop(key)
+        else:
+            m[key] = value
+        bad = tmp_path / "c.json"  # beside its tensors
+        bad.write_text(json.dumps(m))
+        with pytest.raises(ValueError, match=f"malformed manifest.*{needle}"):
+            Corpus.load(bad)
     with pytest.raises(ValueError, match="overlap"):
         Corpus(
             g,

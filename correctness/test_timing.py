@@ -105,3 +105,13 @@ def test_bench_holder_times_the_kernel_with_checks_off(monkeypatch, tmp_path):
     monkeypatch.setattr(mla_decode, "mla_decode_partial", spy)
     assert bench_holder.main(["--tiny", "--n", "1", "--out", str(tmp_path / "h.jsonl")]) == 0
     assert seen and not any(seen)
+
+
+def test_time_fn_refuses_counts_it_cannot_time():
+    bad = [(dict(reps=0), "reps"), (dict(warmup=-1), "warmup"),
+           (dict(min_time_s=-1.0), "min_time_s"), (dict(reps=2.5), "reps")]  # fmt: skip
+    for kw, needle in bad:
+        with pytest.raises((ValueError, TypeError), match=needle):
+            timing.time_fn(lambda: None, cuda=False, **kw)
+    p20, p50, p80 = timing.time_fn(lambda: None, reps=1, warmup=0, cuda=False)
+    assert 0 <= p20 <= p50 <= p80

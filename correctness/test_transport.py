@@ -82,6 +82,16 @@ def test_put_argument_errors():
         a.put_signal(1, fab.layout.slot(REPLY, 1), torch.zeros(2, dtype=torch.uint8), 1)
     with pytest.raises(ValueError, match="seq"):
         a.put_signal(1, 0, torch.zeros(2, dtype=torch.uint8), 2**64)
+    # a read's or get's byte count is an int within the slot, never cut to fit
+    for n, err in ((-16, ValueError), (129, ValueError), (3.9, ValueError), (True, ValueError)):
+        with pytest.raises(err, match="nbytes"):
+            a.get(1, 0, n, timeout=1.0)
+        with pytest.raises(err, match="nbytes"):
+            a.read(0, n)
+    assert a.get(1, 0, 128, timeout=1.0).numel() == 128 and a.read(0, 0).numel() == 0
+    fab.kill(0)
+    with pytest.raises(PeerLost):
+        a.get(1, 0, 8, timeout=1.0)  # a dead rank reads nothing
 
 
 def test_dead_rank_is_reported():

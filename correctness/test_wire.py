@@ -217,8 +217,14 @@ def test_pack_argument_errors():
         wire.pack_query(q[..., :512], request_id=1, seq=1, chunk_id=1, layer=0)
     with pytest.raises(TypeError, match="q: invalid dtype"):
         wire.pack_query(q.to(torch.int32), request_id=1, seq=1, chunk_id=1, layer=0)
-    with pytest.raises(ValueError, match="layers"):
+    with pytest.raises(ValueError, match=rf"layer: expected 0 <= layer < {G.layers}, got -1"):
+        wire.pack_query(q, request_id=1, seq=1, chunk_id=1, layer=-1)
+    with pytest.raises(ValueError, match=rf"layer: expected 0 <= layer < {G.layers}"):
         wire.pack_query(q, request_id=1, seq=1, chunk_id=1, layer=G.layers)
+    # a layer range is a pair of ints: a float or a bool is refused, not cut to a layer
+    for layers in ((0.9, 2.7), (True, 2), [0.5, 2.5]):
+        with pytest.raises(TypeError, match="layers: expected a pair of ints"):
+            wire.pack_fetch(request_id=1, seq=1, chunk_id=1, layers=layers)
     with pytest.raises(ValueError, match="request_id"):
         wire.pack_query(q, request_id=-1, seq=1, chunk_id=1, layer=0)
     with pytest.raises(TypeError, match="indices: invalid dtype"):

@@ -68,13 +68,8 @@ def _make_holder(transport, geometry, chunk_id, tokens, stub, poll_s=0.2) -> Hol
 
 def stub_holder(holder: Holder) -> None:
     """Replace ``holder``'s partial-attention kernels by :func:`stub_attention`."""
-    import mqnc.serving.batching as batching
-
     b = holder._batcher
-    if hasattr(b, "dense_kernel"):
-        b.dense_kernel = b.sparse_kernel = stub_attention
-    else:  # an older batcher calls the module's kernels by name
-        batching.mla_decode_partial = batching.mla_sparse_partial = stub_attention
+    b.dense_kernel = b.sparse_kernel = stub_attention
 
 
 class HolderFabric:

@@ -94,12 +94,22 @@ def _mix(sass: dict) -> dict:
     }
 
 
+def _check_ops(ops, name: str = "ops") -> None:
+    """``ops``: None (all) or a non-empty set of the goal shapes' op names."""
+    from mqnc.triton_kernels._variants import GOALS
+
+    known = sorted({s.op for s in GOALS})
+    if ops is not None and (not ops or set(ops) - set(known)):
+        raise ValueError(f"{name}: expected names out of {','.join(known)}, got {sorted(ops)}")
+
+
 def report(ops=None, ceiling_tbps: float = 4.3, arch: int = 90):
     """Compile and predict every goal shape; returns (launch rows, shape rows)."""
     from mqnc.triton_kernels._compile import compile_launch, resources
     from mqnc.triton_kernels._grid import LAUNCH_US, SM90, Occupancy, waves
     from mqnc.triton_kernels._variants import GOALS, shape_launches
 
+    _check_ops(ops)
     compiled: dict[str, tuple] = {}
 
     def occupancy_of(launch):
@@ -262,7 +272,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_args(ap)
-    return run(ap.parse_args(argv))
+    args = ap.parse_args(argv)
+    try:
+        _check_ops(set(args.ops.split(",")) if args.ops else None, "--ops")
+    except ValueError as exc:  # one line, exit status 2
+        ap.error(str(exc))
+    return run(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -271,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
         sys.exit("set TRITON_INTERPRET=0: the report compiles for a GPU target (it never launches)")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     ops = set(args.ops.split(",")) if args.ops else None
+    _check_ops(ops, "--ops")  # before anything compiles or the output file is opened
     launches, shapes = report(ops, args.ceiling_tbps, args.arch)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from mqnc.base.checks import check_int
+from mqnc.base.checks import check_int, check_number
 
 __all__ = [
     "time_fn",
@@ -57,6 +57,9 @@ def time_fn(
     GPU machine). ``reps`` repetitions after ``warmup`` untimed ones (at least ``min_time_s`` of
     timed work when given).
     """
+    check_int("warmup", warmup, minimum=0)
+    check_int("reps", reps, minimum=1)
+    check_number("min_time_s", min_time_s, nonnegative=True)
     if cuda is None:
         cuda = torch.cuda.is_available()
     for _ in range(warmup):

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from mqnc.base.checks import check_int, check_number
 from mqnc.model.geometry import MLAGeometry
 from mqnc.model.rope import RopeSpec, YarnScaling
 from mqnc.serving.holder import Holder
@@ -140,7 +141,7 @@ class Corpus:
         if block_size < 16 or block_size & (block_size - 1):
             raise ValueError(f"block_size: expected a power of two >= 16, got {block_size}")
         self.geometry = geometry
-        self.softmax_scale = float(softmax_scale)
+        self.softmax_scale = check_number("softmax_scale", softmax_scale, positive=True)
         self.dtype = dtype
         self.rope = rope
         self.block_size = int(block_size)
@@ -194,11 +195,12 @@ class Corpus:
         with ``replicas`` copies each (:func:`place_round_robin`)."""
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ValueError(f"chunk_tokens: expected an int >= 1, got {chunk_tokens!r}")
+        position = check_int("position", position, minimum=0)
         C = int(entries.shape[1])
         starts = list(range(0, C, chunk_tokens))
         places = place_round_robin(len(starts), holders, replicas)
         chunks = [
-            ChunkSpec(i, s, min(chunk_tokens, C - s), int(position) + s, places[i])
+            ChunkSpec(i, s, min(chunk_tokens, C - s), position + s, places[i])
             for i, s in enumerate(starts)
         ]
         kwargs.setdefault("dtype", entries.dtype)
@@ -371,15 +373,20 @@ class Corpus:
             ]
             geometry = MLAGeometry(**m["geometry"])
             rope = _rope_from_dict(m.get("rope"))
-        except (KeyError, TypeError, ValueError) as exc:
+            scale = check_number("softmax_scale", m["softmax_scale"], positive=True)
+            block_size = check_int("block_size", m.get("block_size", 64), minimum=1)
+            dtype = _DTYPES[m["dtype"]]
+        except KeyError as exc:
+            raise ValueError(f"corpus: malformed manifest {str(path)!r} (no {exc})") from None
+        except (TypeError, ValueError) as exc:
             raise ValueError(f"corpus: malformed manifest {str(path)!r} ({exc})") from None
         return cls(
             geometry,
-            float(m["softmax_scale"]),
+            scale,
             chunks,
-            dtype=_DTYPES[m["dtype"]],
+            dtype=dtype,
             rope=rope,
-            block_size=int(m.get("block_size", 64)),
+            block_size=block_size,
             meta=m.get("meta") or {},
             path=path,
         )

@@ -43,7 +43,7 @@ from collections.abc import Collection
 import torch
 
 from mqnc.base import stamps
-from mqnc.base.checks import check_int
+from mqnc.base.checks import check_int, check_number
 from mqnc.base.runtime import kernel_device
 from mqnc.model.geometry import MLAGeometry
 from mqnc.serving.batching import HostedChunk, RouteBatcher, RouteJob
@@ -178,12 +178,14 @@ class Holder:
             raise TypeError(f"dtype: expected bfloat16, float16 or float32, got {dtype}")
         self.transport = transport
         self.geometry = geometry
-        self.softmax_scale = float(softmax_scale)
+        self.softmax_scale = float(check_number("softmax_scale", softmax_scale, positive=True))
         self.block_size = block_size
         self.dtype = dtype
         self.device = kernel_device() if device is None else torch.device(device)
-        self.batch_window_s = float(batch_window_s)
-        self.poll_s = float(poll_s)
+        self.batch_window_s = float(
+            check_number("batch_window_s", batch_window_s, nonnegative=True)
+        )
+        self.poll_s = float(check_number("poll_s", poll_s, positive=True))
         self._me = f"holder {transport.rank}"  # names this holder in its ERROR answers
         self.kernels = check_kernels(kernels)
         self.pages = PagedPool(
@@ -214,8 +216,17 @@ class Holder:
         ]
         self._crc = not transport.in_process
         slot_rows = max(transport.slot_bytes - wire.HEADER_BYTES, 0)
-        self.max_rows = max_rows or max(slot_rows // geometry.q_row_bytes, 1)
-        self.max_topk = max_topk or max(slot_rows // 4, 1)
+        # None: as many as a slot holds; an explicit 0 is an error, not "the default"
+        self.max_rows = (
+            max(slot_rows // geometry.q_row_bytes, 1)
+            if max_rows is None
+            else check_int("max_rows", max_rows, minimum=1)
+        )
+        self.max_topk = (
+            max(slot_rows // 4, 1)
+            if max_topk is None
+            else check_int("max_topk", max_topk, minimum=1)
+        )
         self.shutdown_from = None if shutdown_from is None else frozenset(shutdown_from)
         self.stats = HolderStats()
         name = f"holder {transport.rank}"
@@ -232,6 +243,7 @@ class Holder:
         """Copy a chunk's cache ``kv [L, c_t, d_qk]`` (canonical positions from ``position``)
         into free pool blocks."""
         g = self.geometry
+        position = check_int("position", position, minimum=0)
         if not isinstance(kv, torch.Tensor):
             raise TypeError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
         if kv.dim() != 3 or kv.shape[0] != g.layers or kv.shape[2] != g.d_qk:
@@ -248,7 +260,7 @@ class Holder:
         blocks = self.pages.alloc(kv.shape[1])
         self.pages.write(blocks, kv)
         blocks = torch.tensor(blocks, dtype=torch.int32)
-        c = HostedChunk(chunk_id, kv.shape[1], int(position), blocks)
+        c = HostedChunk(chunk_id, kv.shape[1], position, blocks)
         self.chunks[chunk_id] = c
         return c
 

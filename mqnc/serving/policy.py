@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mqnc.base.checks import check_int
 from mqnc.serving.records import Partial
 from mqnc.transport.protocol import PeerLost, TransportError
 
@@ -62,7 +63,10 @@ def attend_with_fallback(
     if bad:
         raise ValueError(f"order: expected 'route', 'fetch' or 'local', got {bad[0]!r}")
     info = req.lookup(chunk_id)
-    off = info.position if offset is None or indices is not None else int(offset)
+    if offset is None or indices is not None:
+        off = info.position
+    else:
+        off = check_int("offset", offset, minimum=0)
     if (chunk_id, off) in req.local_chunks:
         return req.attend_local(req.local_chunks[(chunk_id, off)], q, layer, indices=indices)
     peers = req.suspects.healthy(info.holders)

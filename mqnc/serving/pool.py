@@ -72,6 +72,16 @@ class PagedPool:
             )
         return [self._free.pop(0) for _ in range(nb)]
 
+    def free(self, blocks: list[int] | torch.Tensor) -> None:
+        """Give ``blocks`` back to the free list (the entries are left as they are); a block
+        out of range or already free is a ``ValueError``."""
+        blocks = [int(b) for b in (blocks.tolist() if torch.is_tensor(blocks) else blocks)]
+        free, n = set(self._free), self.kv.shape[1]
+        bad = [b for b in blocks if not 0 <= b < n or b in free]
+        if bad or len(set(blocks)) != len(blocks):
+            raise ValueError(f"blocks: expected distinct taken blocks of [0, {n}), got {blocks}")
+        self._free.extend(blocks)
+
     def reset(self) -> None:
         """Free every block (the entries are left as they are)."""
         self._free = list(range(self.kv.shape[1]))
@@ -180,9 +190,20 @@ class LocalChunks:
         self, info: ChunkInfo, offset: int, kv: torch.Tensor, *, delta: int, rope, source: str
     ) -> LocalChunk:
         """Write a chunk's ``kv [L, c_t, d_qk]`` into free blocks, re-homed by ``delta``
-        (§2.2), and remember it at ``offset``."""
-        blocks = self._pool().alloc(info.tokens, "pool")
-        self.pool.splice(blocks, kv, delta, rope)
+        (§2.2), and remember it at ``offset`` (replacing, and freeing, a copy already kept
+        there). A write that fails keeps no block."""
+        pool = self._pool()
+        if delta != 0 and rope is None:  # before any block is taken
+            raise ValueError("rope: splicing at a new offset needs rope= (a RopeSpec)")
+        old = self.chunks.pop((info.chunk_id, offset), None)
+        if old is not None:  # the same chunk at the same offset again: the new copy replaces it
+            pool.free(old.blocks)
+        blocks = pool.alloc(info.tokens, "pool")
+        try:
+            pool.splice(blocks, kv, delta, rope)
+        except BaseException:
+            pool.free(blocks)  # a failed write keeps nothing
+            raise
         lc = LocalChunk(
             info.chunk_id, offset, info.tokens, torch.tensor(blocks, dtype=torch.int32), source
         )

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from mqnc.base import stamps
+from mqnc.base.checks import check_int, check_number
 from mqnc.base.runtime import kernel_device, synchronize
 from mqnc.model.geometry import MLAGeometry
 from mqnc.serving import policy
@@ -125,7 +126,7 @@ class Requester:
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
         self.transport = transport
         self.geometry = geometry
-        self.softmax_scale = float(softmax_scale)
+        self.softmax_scale = check_number("softmax_scale", softmax_scale, positive=True)
         self.rope = rope
         self.client = RequestClient(transport, geometry, float(timeout_s))
         self.dtype = dtype
@@ -353,6 +354,14 @@ class Requester:
         The microseconds are the merge's call until its result is ready (on a GPU the device
         is synchronised before and after it); the NaN check of the partials' ``lse`` (a host
         sync) runs before, untimed."""
+        if not parts:
+            raise ValueError("parts: expected at least one partial, got 0")
+        shapes = {(tuple(p.o.shape), tuple(p.lse.shape)) for p in parts}
+        if len(shapes) != 1:
+            raise ValueError(
+                f"parts: expected partials of one shape (o [B, H, d_v], lse [B, H]), got "
+                f"{sorted(shapes)}"
+            )
         o, lse = torch.stack([p.o for p in parts]), torch.stack([p.lse for p in parts])
         if torch.isnan(lse).any():
             raise ValueError("parts: expected no NaN log-sum-exp values in the partials")
@@ -370,9 +379,14 @@ class Requester:
         ``offset`` (default: the canonical position), rotating by ``offset - position``
         (§2.2). A chunk already spliced at that offset is reused."""
         info = self.lookup(chunk_id)
-        offset = info.position if offset is None else int(offset)
+        offset = info.position if offset is None else check_int("offset", offset, minimum=0)
         if (chunk_id, offset) in self.local_chunks:
             return self.local_chunks[(chunk_id, offset)]
+        if offset != info.position and self.rope is None:  # refused before the pull, not after
+            raise ValueError(
+                f"offset: chunk {chunk_id} is cached at {info.position}; splicing it to {offset} "
+                "needs rope= (a RopeSpec)"
+            )
         peer = info.holders[0] if peer is None else self.transport.check_peer(peer)
         probe = self.last_probe_us.get(peer, math.nan)
         rec = CostRecord("fetch", peer, chunk_id, None, 0, 0, 0, probe_us=probe)
@@ -420,7 +434,7 @@ class Requester:
         if self.model is None:
             raise ValueError("model: local needs a model (model(chunk_id, offset) -> kv)")
         info = self.lookup(chunk_id)
-        offset = info.position if offset is None else int(offset)
+        offset = info.position if offset is None else check_int("offset", offset, minimum=0)
         known = self.local_chunks.get((chunk_id, offset))
         if known is not None and known.source == "local":
             return known

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from mqnc.base.checks import check_int
 from mqnc.model.geometry import MLAGeometry
 from mqnc.serving.client import Pending, RemoteError
 from mqnc.serving.records import ChunkInfo, CostRecord, Partial
@@ -97,6 +98,8 @@ def route_request(
     ``crc`` is False). ``ops`` runs the rotation (:func:`mqnc.serving.compute.kernel_ops`)."""
     if not 0 <= layer < geometry.layers:
         raise ValueError(f"layer: expected 0 <= layer < {geometry.layers}, got {layer}")
+    if offset is not None:  # an int: a float would be rotated by its truncation
+        offset = check_int("offset", offset, minimum=0)
     moved = offset is not None and offset != info.position
     if indices is not None and moved:
         raise ValueError(
@@ -110,7 +113,7 @@ def route_request(
         )
     idx = None if indices is None else check_selection(indices, q.shape[0], info.tokens)
     # The holder attends at canonical positions: rotate q by -(new - old) (§3.2).
-    qr = ops.rope_rotate(q, -(int(offset) - info.position), rope) if moved else q
+    qr = ops.rope_rotate(q, -(offset - info.position), rope) if moved else q
     qr = qr.contiguous()
 
     def make(rid: int, seq: int) -> torch.Tensor:

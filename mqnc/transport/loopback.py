@@ -138,7 +138,7 @@ class LoopbackTransport(Transport):
 
     def read(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
         self._check_slot(slot)
-        n = self.slot_bytes if nbytes is None else int(nbytes)
+        n = self.slot_bytes if nbytes is None else self._check_nbytes(nbytes)
         with self._board.lock:
             return torch.from_numpy(self._view[slot, :n].copy())
 
@@ -154,9 +154,11 @@ class LoopbackTransport(Transport):
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
         self.check_peer(peer)
         self._check_slot(slot)
+        n = self._check_nbytes(nbytes)
+        self._alive_or_raise(self.rank)
         self._alive_or_raise(peer)
         with self._fabric._boards[peer].lock:
-            return torch.from_numpy(self._fabric._views[peer][slot, : int(nbytes)].copy())
+            return torch.from_numpy(self._fabric._views[peer][slot, :n].copy())
 
     def barrier(self, timeout: float) -> None:
         try:

@@ -585,7 +585,7 @@ class NvshmemTransport(Transport):
 
     def read(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
         self._check_slot(slot)
-        n = self.slot_bytes if nbytes is None else int(nbytes)
+        n = self.slot_bytes if nbytes is None else self._check_nbytes(nbytes)
         off = self._slot_off(slot)
         torch.cuda.current_stream(self.device).synchronize()
         return self._heap[off : off + n].cpu()
@@ -593,7 +593,7 @@ class NvshmemTransport(Transport):
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
         self.check_peer(peer)
         self._check_slot(slot)
-        off, n = self._slot_off(slot), int(nbytes)
+        off, n = self._slot_off(slot), self._check_nbytes(nbytes)
         # Lands in this PE's staging copy of the slot (symmetric), then leaves the device.
         self._nv.get(
             self._sub(self._stage, off, max(n, 1)),

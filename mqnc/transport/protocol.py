@@ -166,6 +166,12 @@ class Transport(abc.ABC):
             return slot
         return check_int("slot", slot, minimum=0, below=self.num_slots)
 
+    def _check_nbytes(self, nbytes: object) -> int:
+        """A read's or get's byte count: an int in ``[0, slot_bytes]`` (never cut to fit)."""
+        if type(nbytes) is int and 0 <= nbytes <= self.slot_bytes:
+            return nbytes
+        return check_int("nbytes", nbytes, minimum=0, below=self.slot_bytes + 1)
+
     def check_peer(self, peer: int) -> int:
         """``peer`` if it is a rank of this fabric, else a ``ValueError`` naming it."""
         if type(peer) is int and 0 <= peer < self.world_size:

@@ -224,7 +224,7 @@ class TorchDistTransport(Transport):
 
     def read(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
         self._check_slot(slot)
-        n = self.slot_bytes if nbytes is None else int(nbytes)
+        n = self.slot_bytes if nbytes is None else self._check_nbytes(nbytes)
         with self._board.lock:
             return torch.from_numpy(self._inbox.views[slot][:n].copy())
 
@@ -240,8 +240,9 @@ class TorchDistTransport(Transport):
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
         self.check_peer(peer)
         self._check_slot(slot)
+        n = self._check_nbytes(nbytes)  # before a token is registered
         if peer == self.rank:
-            return self.read(slot, nbytes)
+            return self.read(slot, n)
         deadline = self._deadline(timeout)
         self._peers.alive_or_raise(peer)
         with self._get_lock:
@@ -250,7 +251,7 @@ class TorchDistTransport(Transport):
         gets = self._inbox.gets
         with self._cond:
             gets[token] = None
-        self._outbox.send(peer, GET, slot, token, None, count=int(nbytes))
+        self._outbox.send(peer, GET, slot, token, None, count=n)
         with self._cond:
             while gets.get(token) is None:
                 if peer in self._peers.dead:

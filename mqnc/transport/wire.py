@@ -641,6 +641,8 @@ def _check_layers(layers: tuple[int, int], g: MLAGeometry) -> tuple[int, int]:
             return lo, hi
     if not isinstance(layers, (tuple, list)) or len(layers) != 2:
         raise TypeError(f"layers: expected a (lo, hi) pair, got {layers!r}")
+    if not all(is_int(x) for x in layers):  # a float or a bool is not cut to a layer
+        raise TypeError(f"layers: expected a pair of ints, got {layers!r}")
     lo, hi = (int(x) for x in layers)
     if not 0 <= lo < hi <= g.layers:
         raise ValueError(f"layers: expected 0 <= lo < hi <= {g.layers}, got ({lo}, {hi})")
@@ -731,6 +733,8 @@ def pack_query(
     _check_float("q", q, 3, g.d_qk)
     if not (_plain_ids(request_id, seq, chunk_id) and type(layer) is int and layer < 2**16 - 1):
         _check_ids(request_id=request_id, seq=seq, chunk_id=chunk_id, layer=layer)
+    if not 0 <= layer < g.layers:  # named as the caller wrote it, not as the header's range
+        raise ValueError(f"layer: expected 0 <= layer < {g.layers}, got {layer}")
     lo, hi = _check_layers((layer, layer + 1), g)
     B, H, D = q.shape
     topk = 0 if indices is None else _check_indices(indices, q)
