@@ -492,10 +492,95 @@ def _bad_calls():
             ValueError,
             r"pool\[1\]: expected the shape, strides and device of pool\[0\]",
         ),
+        (  # one cache given for two layers: the layers would overwrite each other
+            lambda: rope_splice(
+                torch.zeros(2, 3, D_QK),
+                [pool, pool],
+                torch.arange(3),
+                1,
+                PlainRope(tuple([1.0] * 32), 64, "interleaved"),
+            ),
+            ValueError,
+            r"pool\[1\]: expected a cache of its own per layer, got memory shared with pool\[0\]",
+        ),
+        (
+            lambda: mla_decode_with_kvcache(
+                torch.zeros(2, 0, 4, D_QK), pool, table, lens, softmax_scale=SCALE
+            ),
+            ValueError,
+            "s_q: expected an int >= 1, got 0",
+        ),
+        (
+            lambda: mla_paged_attention(
+                torch.zeros(0, 4, D_V),
+                torch.zeros(0, 4, 64),
+                pool[..., :D_V],
+                pool[..., D_V:],
+                torch.tensor([0, 1, 2], dtype=torch.int32),
+                torch.zeros(2, dtype=torch.int32),
+                torch.ones(2, dtype=torch.int32),
+                sm_scale=SCALE,
+            ),  # fmt: skip
+            ValueError,
+            "q_nope: expected N = B \\* s_q query rows, s_q >= 1",
+        ),
+        (
+            lambda: mla_paged_attention(
+                torch.zeros(2, 4, D_V),
+                None,
+                pool[..., :D_V],
+                pool[..., D_V:],
+                torch.tensor([0, 1, 2], dtype=torch.int32),
+                torch.zeros(2, dtype=torch.int32),
+                torch.ones(2, dtype=torch.int32),
+                sm_scale=SCALE,
+            ),  # fmt: skip
+            TypeError,
+            "q_pe: expected a torch.Tensor, got NoneType",
+        ),
+        (
+            lambda: mla_paged_attention(
+                torch.zeros(2, 4, D_V),
+                torch.zeros(2, 4, 64),
+                pool[..., :D_V],
+                None,
+                torch.tensor([0, 1, 2], dtype=torch.int32),
+                torch.zeros(2, dtype=torch.int32),
+                torch.ones(2, dtype=torch.int32),
+                sm_scale=SCALE,
+            ),  # fmt: skip
+            TypeError,
+            "kpe_cache: expected a torch.Tensor, got NoneType",
+        ),
+        (
+            lambda: merge_state(o[0], lse[0], o[1].to(torch.bfloat16), lse[1]),
+            TypeError,
+            "v_b: invalid dtype",
+        ),
+        (
+            lambda: merge_state(o[0], lse[0], o[1, ..., :4], lse[1]),
+            ValueError,
+            "v_b: expected shape",
+        ),
+        (
+            lambda: merge_state(o[0], lse[0], o[1], lse[1, :, :3]),
+            ValueError,
+            "s_b: expected shape",
+        ),
+        (
+            lambda: merge_partials(o[..., :0], lse),
+            ValueError,
+            "o: expected D >= 1 values per row",
+        ),
+        (
+            lambda: merge_partials_into(o[0, ..., :0], lse[0], o[1, ..., :0], lse[1]),
+            ValueError,
+            "o_acc: expected D >= 1 values per row",
+        ),
     ]
 
 
-N_BAD = 15
+N_BAD = 25
 
 
 @pytest.mark.parametrize("i", range(N_BAD))

@@ -1,11 +1,13 @@
 """Plan once, run many (FlashMLA's ``get_mla_metadata``, FlashInfer's ``plan()``).
 
 A plan does every check and the split choice on the tensors it is made from; ``run`` takes new
-tensors of the same shapes and only launches. The tests show that ``run`` gives the functional
-call's bits on new values (new query rows, new lengths, new indices, refilled buffers), that
-it calls none of the checks, range checks or the split search (they are made to fail after
-planning), and that the FlashMLA / FlashInfer plans do the same. That ``run`` never syncs the
-host is checked where a sync would fail: inside a CUDA graph capture
+tensors of the same shapes and launches, comparing only their shapes, strides, dtypes and
+devices with the planning call's (a batch of another shape is refused, never cut to the plan).
+The tests show that ``run`` gives the functional call's bits on new values (new query rows,
+new lengths, new indices, refilled buffers), that it calls none of the checks, range checks or
+the split search (they are made to fail after planning), and that the FlashMLA / FlashInfer
+plans do the same. That ``run`` never syncs the host is checked where a sync would fail: inside
+a CUDA graph capture
 (``correctness/test_cuda_graph.py``, GPU tier).
 """
 
@@ -181,3 +183,34 @@ def test_empty_batches_plan_and_run():
     for plan, rest in plans:
         o, lse = plan.run(q, pool, *rest)
         assert o.shape == (0, 16, D_V) and lse.shape == (0, 16) and not plan.launches
+
+
+def test_run_refuses_tensors_unlike_the_planned_ones(no_checks):
+    """A run on a batch of another shape (more requests, other strides, another dtype) is a
+    ValueError naming the argument, not a launch over the planned sizes that drops rows."""
+    gen = torch.Generator().manual_seed(5)
+    q, pool, table = _inputs(gen, B=2)
+    lens = torch.tensor([30, 9], dtype=torch.int32, device=DEVICE)
+    q4, _, table4 = _inputs(gen, B=4)
+    plan = plan_mla_decode(q, pool, table, lens, softmax_scale=SCALE)
+    mla_plan = plan_mla_with_kvcache(q[:, None], pool, table, lens, softmax_scale=SCALE)
+    sparse = plan_mla_sparse(q, pool, table, softmax_scale=SCALE)
+    rows = torch.tensor([0, 5, 10], dtype=torch.int32, device=DEVICE)
+    fi_args = (q[..., :D_V], q[..., D_V:], pool[..., :D_V], pool[..., D_V:], rows,
+               table.reshape(-1), lens)  # fmt: skip
+    fi_plan = plan_mla_paged_attention(*fi_args, sm_scale=SCALE)
+    no_checks()
+    with pytest.raises(ValueError, match=r"q: expected shape \(2, 4, 576\).*as planned.*\(4, 4"):
+        plan.run(q4, pool, table4, lens.repeat(2))
+    with pytest.raises(ValueError, match="block_table: expected shape"):
+        plan.run(q, pool, table.t().contiguous().t(), lens)  # same values, other strides
+    with pytest.raises(ValueError, match="q: expected shape"):
+        plan.run(q.to(torch.float64), pool, table, lens)
+    with pytest.raises(TypeError, match="cache_seqlens: expected a torch.Tensor"):
+        plan.run(q, pool, table, lens.tolist())
+    with pytest.raises(ValueError, match=r"q: expected shape \(2, 1, h_q, d\) \(as planned\)"):
+        mla_plan.run(q4[:, None], pool, table4, lens.repeat(2))
+    with pytest.raises(ValueError, match="indices: expected shape"):
+        sparse.run(q, pool, table[:, :1].contiguous())
+    with pytest.raises(ValueError, match="q_nope: expected shape"):
+        fi_plan.run(q4[..., :D_V], *fi_args[1:])

@@ -332,6 +332,10 @@ def split_bytes(cfg: TileConfig, d_qk: int, d_v: int, elt: int, heads: int) -> d
     )
 
 
+def _signature(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.stride(), t.dtype, t.device
+
+
 class AttentionPlan:
     """A partial-MLA call planned once for a batch shape, run many times (§6.3's holder runs
     one per step and layer): FlashMLA's ``get_mla_metadata`` / FlashInfer's ``plan()``.
@@ -340,16 +344,31 @@ class AttentionPlan:
     layout adapters), which do every check (shapes, dtypes, devices, and the host-side range
     checks unless switched off) and the split choice on the tensors they are given. :meth:`run`
     then takes tensors of the same shapes, dtypes, strides and device (new values, or the same
-    buffers refilled) and only launches: no check, no host sync, no split search, no launch
-    configuration; the outputs are allocated per call (or given as ``out``), so a run can be
-    captured in a CUDA graph (outputs then come from the graph's pool).
+    buffers refilled), compares exactly that with the planning call (host metadata: a tensor
+    that differs is a ``ValueError`` naming it, never a launch over the planned sizes) and
+    launches: no value check, no host sync, no split search, no launch configuration; the
+    outputs are allocated per call (or given as ``out``), so a run can be captured in a CUDA
+    graph (outputs then come from the graph's pool).
 
     ``num_splits`` is the split count chosen; ``launches`` the template launches (their tensor
     arguments stand-ins, see :func:`meta_output`).
     """
 
-    def __init__(self, template: MlaPlan, bind, *, n_inputs: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        template: MlaPlan,
+        bind,
+        *,
+        n_inputs: int,
+        device: torch.device,
+        planned: tuple[torch.Tensor, ...],
+        names: tuple[str, ...],
+    ) -> None:
         self.num_splits = template.num_splits
+        # what run() compares: each bound tensor's shape, strides, dtype and device; ``names``
+        # are what its errors call them (a layout adapter sets its own arguments' names)
+        self.names = names
+        self._planned = tuple(_signature(t) for t in planned)
         self.launches = template.launches
         self._bind = bind
         self._n = n_inputs
@@ -364,6 +383,16 @@ class AttentionPlan:
         """Launch on new inputs, passed as to the function that made the plan; returns
         ``(o, lse)`` (``out``: contiguous tensors of the planned output shapes and dtypes)."""
         tensors = self._bind(*args, **kwargs)
+        for name, t, want in zip(self.names, tensors, self._planned, strict=True):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            got = _signature(t)
+            if got != want:
+                raise ValueError(
+                    f"{name}: expected shape {want[0]}, strides {want[1]}, {want[2]} on "
+                    f"{want[3]} (as planned), got shape {got[0]}, strides {got[1]}, {got[2]} "
+                    f"on {got[3]}"
+                )
         if out is None:
             o = new_output(self._o[0], self._o[1], self._device)
             lse = new_output(self._lse, torch.float32, self._device)

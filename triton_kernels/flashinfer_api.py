@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from mqnc.triton_kernels._checks import check_tensor
+from mqnc.triton_kernels._checks import check_same_device, check_tensor
 from mqnc.triton_kernels._mla_launch import AttentionPlan
 from mqnc.triton_kernels.merge import lse_to_base2, merge_partials, merge_partials_into
 from mqnc.triton_kernels.mla_decode import PagedLayout, checked_plan
@@ -41,10 +41,14 @@ __all__ = [
 
 class FlashInferMLAPlan:
     """:func:`mla_paged_attention` planned once (FlashInfer's ``plan()``); ``run`` takes the
-    call's tensors (same shapes, dtypes, strides, device), checks nothing, never syncs."""
+    call's tensors (same shapes, dtypes, strides, device: compared with the plan's, host
+    metadata only), checks no value, never syncs."""
 
     def __init__(self, plan: AttentionPlan, return_lse: bool) -> None:
         self.plan = plan
+        # run()'s shape errors name this layout's arguments (the plan binds them in this order)
+        plan.names = ("q_nope", "q_pe", "ckv_cache", "kpe_cache", "kv_indices", "kv_indptr",
+                      "kv_len")  # fmt: skip
         self.num_splits = plan.num_splits
         self._return_lse = return_lse
 
@@ -77,13 +81,15 @@ def plan_mla_paged_attention(
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     check_tensor("q_nope", q_nope, ndim=3)
+    check_tensor("q_pe", q_pe, ndim=3)
     check_tensor("kv_indptr", kv_indptr, ndim=1)
     check_tensor("ckv_cache", ckv_cache, ndim=3)
+    check_tensor("kpe_cache", kpe_cache, ndim=3)
     B, N = kv_indptr.shape[0] - 1, q_nope.shape[0]
-    if B < 1 or N % B:
+    if B < 1 or N < B or N % B:
         raise ValueError(
-            f"q_nope: expected N = B * s_q query rows for B = {B} requests (kv_indptr has B + 1 "
-            f"entries; equal query counts per request), got N = {N}"
+            f"q_nope: expected N = B * s_q query rows, s_q >= 1, for B = {B} requests "
+            f"(kv_indptr has B + 1 entries; equal query counts per request), got N = {N}"
         )
     plan, _ = checked_plan(
         q_nope,
@@ -184,7 +190,13 @@ def merge_state(
     v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashInfer's ``merge_state``: two states ``v [seq_len, H, D]``, base-2 ``s [seq_len,
-    H]`` -> the merged ``(v, s)``, base 2."""
+    H]`` -> the merged ``(v, s)``, base 2 (``v_b`` / ``s_b`` as ``v_a`` / ``s_a``: shape, dtype,
+    device)."""
+    check_tensor("v_a", v_a, ndim=3)
+    check_tensor("s_a", s_a, ndim=2)
+    check_tensor("v_b", v_b, dtypes=(v_a.dtype,), shape=tuple(v_a.shape))
+    check_tensor("s_b", s_b, dtypes=(s_a.dtype,), shape=tuple(s_a.shape))
+    check_same_device(v_a=v_a, s_a=s_a, v_b=v_b, s_b=s_b)
     return merge_partials(torch.stack([v_a, v_b]), torch.stack([s_a, s_b]), base2=True)
 
 

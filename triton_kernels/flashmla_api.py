@@ -78,7 +78,8 @@ def _flashmla_outputs(o: torch.Tensor, lse: torch.Tensor, b: int, s_q: int):
 class FlashMLAPlan:
     """:func:`mla_decode_with_kvcache` planned once for a batch shape (FlashMLA's
     ``get_mla_metadata``, computed once per step and reused by every layer); ``run`` takes
-    the call's tensors (same shapes, dtypes, strides, device), checks nothing, never syncs."""
+    the call's tensors (same shapes, dtypes, strides, device: compared with the plan's, host
+    metadata only), checks no value, never syncs."""
 
     def __init__(self, plan: AttentionPlan, b: int, s_q: int) -> None:
         self.plan = plan
@@ -88,6 +89,9 @@ class FlashMLAPlan:
     def run(self, q, k_cache, block_table, cache_seqlens):
         """``(o [b, s_q, h_q, d_v], lse [b, h_q, s_q])``, natural-log lse."""
         b, s_q = self._b, self._s_q
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or tuple(q.shape[:2]) != (b, s_q):
+            got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(f"q: expected shape ({b}, {s_q}, h_q, d) (as planned), got {got}")
         q2 = q.reshape(b * s_q, q.shape[2], q.shape[3])
         kv = k_cache[:, :, 0] if k_cache.dim() == 4 else k_cache
         o, lse = self.plan.run(q2, kv, block_table, cache_seqlens)

@@ -264,6 +264,8 @@ def _partials_first(o: torch.Tensor, lse: torch.Tensor, layout: object):
             f"o: expected 4 dims {names} (layout={layout!r}; the other layout is "
             f"{LAYOUTS[layout == 'MBHD']!r}), got shape {tuple(o.shape)}"
         )
+    if o.shape[3] < 1:  # no column to merge: the lse would never be written
+        raise ValueError(f"o: expected D >= 1 values per row, got shape {tuple(o.shape)}")
     check_tensor("lse", lse, ndim=3, dtypes=(torch.float32,))
     if tuple(lse.shape) != tuple(o.shape[:3]):
         raise ValueError(
@@ -404,6 +406,8 @@ def merge_partials_into(
         return
     check_tensor("o_acc", o_acc, ndim=3, dtypes=FLOAT_DTYPES)
     B, H, D = o_acc.shape
+    if D < 1:  # no column to merge: lse_acc would never be written
+        raise ValueError(f"o_acc: expected D >= 1 values per row, got shape {(B, H, D)}")
     check_tensor("lse_acc", lse_acc, ndim=2, dtypes=(torch.float32,), shape=(B, H))
     check_tensor("o_new", o_new, ndim=3, dtypes=(o_acc.dtype,), shape=(B, H, D))
     check_tensor("lse_new", lse_new, ndim=2, dtypes=(torch.float32,), shape=(B, H))

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from mqnc.triton_kernels._checks import (
+    check_int,
     check_num_splits,
     check_same_device,
     check_softmax_scale,
@@ -288,7 +289,7 @@ def checked_plan(
     R, H = q.shape[:2]
     num_blocks, block_size, _ = kv_pool.shape
     check_block_size(block_size)
-    s_q = layout.s_q
+    s_q = check_int("s_q", layout.s_q, minimum=1)
     if R % s_q:
         raise ValueError(f"q: expected rows in whole groups of s_q = {s_q}, got {R} rows")
     S = R // s_q
@@ -367,7 +368,18 @@ def checked_plan(
             # (Indptr is not read without CSR: any pointer does)
             return (q, q_pe, kv_pool, kpe_pool, block_table, cache_seqlens, cache_seqlens)
 
-    return AttentionPlan(template, bind, n_inputs=7, device=q.device), ops
+    planned = (
+        bind(q, kv_pool, indptr, table, lens, q_pe=q_pe, kpe_pool=kpe_pool)
+        if layout.csr
+        else bind(q, kv_pool, table, lens, q_pe=q_pe, kpe_pool=kpe_pool)
+    )
+    names = ("q", "q_pe", "kv_pool", "kpe_pool") + (
+        ("kv_indices", "kv_indptr", "kv_lens")
+        if layout.csr
+        else ("block_table", "cache_seqlens", "cache_seqlens")
+    )
+    plan = AttentionPlan(template, bind, n_inputs=7, device=q.device, planned=planned, names=names)
+    return plan, ops
 
 
 def mla_decode_partial(

@@ -279,7 +279,9 @@ def plan_mla_sparse(
         kpe_pool = kv_pool[..., d_v:] if kpe_pool is None else kpe_pool
         return (q, q_pe, kv_pool, kpe_pool, indices)
 
-    return AttentionPlan(template, bind, n_inputs=5, device=q.device)
+    planned = bind(q, kv_pool, indices, q_pe=q_pe, kpe_pool=kpe_pool)
+    names = ("q", "q_pe", "kv_pool", "kpe_pool", "indices")
+    return AttentionPlan(template, bind, n_inputs=5, device=q.device, planned=planned, names=names)
 
 
 def plan_sparse(

@@ -409,8 +409,22 @@ def _layer_pools(pools, L: int, D: int, dtype: torch.dtype) -> list[torch.Tensor
             )
         if (p.data_ptr() - first.data_ptr()) % p.element_size():
             raise ValueError(f"{name}: expected an address aligned to its element size")
+        lo, hi = _extent(p)
+        for j, v in enumerate(views):  # each layer written by its own programs: no sharing
+            vlo, vhi = _extent(v)
+            if lo < vhi and vlo < hi:
+                raise ValueError(
+                    f"{name}: expected a cache of its own per layer, got memory shared with "
+                    f"pool[{j}] (one layer's entries would overwrite the other's)"
+                )
         views.append(p)
     return views
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range ``[first, last + 1)`` a strided tensor's elements span (host metadata)."""
+    span = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) if t.numel() else 0
+    return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
 
 
 def rope_splice(
