@@ -354,3 +354,18 @@ def test_demo_hf_checks_before_any_work(capsys, tmp_path, monkeypatch):
         out, err = capsys.readouterr()
         assert needle in err and len(err.strip().splitlines()) == 1, err
         assert "generate" not in out, out
+
+
+@pytest.mark.parametrize("bad", [64.9, -100, True])
+def test_offset_and_position_are_checked_not_truncated(bad):
+    """A context offset or prefill position must be an int >= 0: a float is not truncated, a
+    bool or a negative position not taken (prefill_context, attach, HFReference)."""
+    model, ctx, prompt, _ = setup("v2")
+    with pytest.raises(ValueError, match=rf"position: expected an int >= 0, got {bad!r}"):
+        prefill_context(model, ctx, chunk_tokens=64, holders=[1], position=bad)
+    with pytest.raises(ValueError, match=rf"position: expected an int >= 0, got {bad!r}"):
+        HFReference(model, ctx, prompt, max_new_tokens=1, position=bad)
+    corpus = corpus_of("v2", holders=1)
+    with LocalHolders(corpus, transport="loopback", kernels="torch") as hs:
+        with pytest.raises(ValueError, match=rf"offset: expected an int >= 0, got {bad!r}"):
+            attach(model, corpus, hs.requester(), offset=bad, force="route")
