@@ -305,3 +305,63 @@ def test_predict_shows_a_profiles_host_term_and_charges_it_per_round_trip(tmp_pa
         assert f"+ host {trips * 1016.0:.1f}" in line, line
         total, *terms = [float(v) for v in re.findall(r"(\d+\.\d)", line)]
         assert total == pytest.approx(sum(terms), abs=0.05 * len(terms)), line
+
+
+@pytest.mark.parametrize(
+    "lines, needle",
+    [
+        (['{"bench":"route","x":16,"p50":1}', '{"bench":"route","x":512}'], "line 2: key 'p50'"),
+        (["[1, 2]"], "line 1: expected a JSON object (a record), got list"),
+        (['{"bench":"route","x":"abc","p50":1}'], "line 1: key 'x': expected a finite number"),
+        (['{"bench":"route","x":true,"p50":1}'], "line 1: key 'x': expected a finite number"),
+        (['{"bench":"route","x":16,"p50":NaN}'], "line 1: key 'p50': expected a finite number"),
+        (['{"bench":"route","x":16,"p50":1,"extra":[1]}'], "line 1: key 'extra': expected"),
+        (
+            ['{"bench":"route","x":16,"p50":1,"extra":{"qp_row_bytes":2.5}}'],
+            "line 1: key 'extra.qp_row_bytes': expected an int >= 1, got 2.5",
+        ),
+        (['{"bench":"probe","p50":5}', '{"bench":"route","p50":3}'], "record 2 (bench 'route')"),
+    ],
+)
+@pytest.mark.parametrize("command", ["fit", "splice"])
+def test_malformed_results_records_are_one_line_errors(tmp_path, capsys, lines, needle, command):
+    """Every record `mqnc fit` and `--splice-from` read is checked: a line that is not an object,
+    or whose x / p50 / extra is missing or not a number, is one line naming file, line and key
+    (exit status 2), never a KeyError, AttributeError or a float() message without a place."""
+    path = tmp_path / "bad.jsonl"
+    if command == "splice":
+        lines = [s.replace('"route"', '"splice"') for s in lines]
+        needle = needle.replace("record 2 (bench 'route')", "line 1: key 'x'")
+        argv = ["predict", "--splice-from", str(path)]
+    else:
+        argv = ["fit", str(path)]
+    path.write_text("\n".join(lines) + "\n")
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and not out, err
+    assert needle in err and str(path) in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_fit_probe_records_need_no_x(tmp_path, capsys):
+    """A probe measures a fixed payload: `mqnc fit` takes its p50 without an x."""
+    path = tmp_path / "ok.jsonl"
+    recs = [
+        {"bench": "route", "variant": "gloo", "x": 16, "p50": 100},
+        {"bench": "route", "variant": "gloo", "x": 512, "p50": 300},
+        {"bench": "probe", "variant": "gloo", "p50": 50},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rc, out, err = run(capsys, "fit", str(path), "--json")
+    assert rc == 0, err
+    assert json.loads(out)["gloo"]["t_probe_us"] == 50.0
+
+
+@pytest.mark.parametrize("flag", [["--name", "mine"], ["--link-peak-gbps", "50"]])
+def test_fit_save_only_flags_without_save_are_an_error(tmp_path, capsys, flag):
+    """--name and --link-peak-gbps describe the saved profile: without --save they would be
+    ignored, so they are a one-line error naming the flag (exit status 2)."""
+    recs = _sweep("cpu", "c1", "2026-01-01T00:00:00+00:00", 2184, 10.0, 5.0, 1.0)
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rc, out, err = run(capsys, "fit", str(path), *flag)
+    assert rc == 2 and not out
+    assert f"{flag[0]}: only applies with --save" in err and len(err.strip().splitlines()) == 1

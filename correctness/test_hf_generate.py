@@ -305,3 +305,67 @@ def test_demo_hf_command_line(capsys):
     assert "--layers, --topk apply to the MLA demo only" in capsys.readouterr().err
     assert main(["demo", "--hf", "deepseek_v3", "--transport", "nvshmem"]) == 2
     assert "transport: expected one of ('gloo', 'loopback')" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (
+            dict(kill_holder=1, kill_after_step=STEPS),
+            rf"kill_after_step: expected an int in \[0, {STEPS}\)",
+        ),
+        (dict(kill_after_step=-5), r"kill_after_step: expected an int in \[0, 16\), got -5"),
+        (dict(timeout_s=-1.0), "timeout_s: expected a finite number > 0, got -1.0"),
+        (dict(timeout_s=0), "timeout_s: expected a finite number > 0"),
+        (dict(profile=""), "profile: expected a file path or a preset name, got ''"),
+        (dict(out=""), "out: expected a folder path, got ''"),
+        (dict(offset=-7), "offset: expected an int >= 0, got -7"),
+        (dict(offset=6.5), "offset: expected an int >= 0, got 6.5"),
+        (dict(seed=-1), "seed: expected an int >= 0, got -1"),
+    ],
+)
+def test_hf_demo_config_checks_what_the_mla_demo_checks(kw, match):
+    """HFDemoConfig rejects what DemoConfig rejects (a kill step outside the decode, a timeout
+    that is no time, an empty path) and a negative offset or seed, naming the argument."""
+    from mqnc.demo import HFDemoConfig
+
+    with pytest.raises(ValueError, match=match):
+        HFDemoConfig(**kw)
+
+
+def test_demo_hf_checks_before_any_work(capsys, tmp_path, monkeypatch):
+    """``mqnc demo --hf``: --kill-after-step without --kill-holder, and a bad --profile or
+    --out, are one-line errors (exit status 2) before the model, transformers' reference
+    generate or the prefill runs."""
+    import mqnc.demo.hf
+    from mqnc.cli import main
+
+    monkeypatch.setattr(mqnc.demo.hf, "random_model", lambda *a, **k: pytest.fail("work ran"))
+    readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+    (tmp_path / "file").write_text("")
+    cases = [
+        (["--kill-after-step", "3"], "--kill-after-step: applies to the fault drill only"),
+        (["--profile", str(readme)], f"'{readme}' is not a profile"),
+        (["--profile", str(tmp_path / "none.json")], "profile: no such file"),
+        (["--out", str(tmp_path / "file")], "exists and is not a folder"),
+    ]
+    for argv, needle in cases:
+        assert main(["demo", "--hf", "--transport", "loopback", *argv]) == 2, argv
+        out, err = capsys.readouterr()
+        assert needle in err and len(err.strip().splitlines()) == 1, err
+        assert "generate" not in out, out
+
+
+@pytest.mark.parametrize("bad", [64.9, -100, True])
+def test_offset_and_position_are_checked_not_truncated(bad):
+    """A context offset or prefill position must be an int >= 0: a float is not truncated, a
+    bool or a negative position not taken (prefill_context, attach, HFReference)."""
+    model, ctx, prompt, _ = setup("v2")
+    with pytest.raises(ValueError, match=rf"position: expected an int >= 0, got {bad!r}"):
+        prefill_context(model, ctx, chunk_tokens=64, holders=[1], position=bad)
+    with pytest.raises(ValueError, match=rf"position: expected an int >= 0, got {bad!r}"):
+        HFReference(model, ctx, prompt, max_new_tokens=1, position=bad)
+    corpus = corpus_of("v2", holders=1)
+    with LocalHolders(corpus, transport="loopback", kernels="torch") as hs:
+        with pytest.raises(ValueError, match=rf"offset: expected an int >= 0, got {bad!r}"):
+            attach(model, corpus, hs.requester(), offset=bad, force="route")

@@ -166,3 +166,25 @@ def test_serve_command_surface():
 
     assert cli_serve.TRANSPORTS == service.TRANSPORTS
     assert mqnc_main(["serve", "--corpus", "x.json", "--run", "a:b", "--generate"]) == 2
+
+
+@pytest.mark.parametrize(
+    "content, got",
+    [
+        ("[1, true, 3]", "element True"),
+        ("[1, -2]", "element -2"),
+        ("[1, 2.0]", "element 2.0"),
+        ('{"token_ids": []}', "list []"),
+        ('{"ids": [1]}', "NoneType None"),
+    ],
+)
+def test_corpus_context_token_ids_are_checked(tmp_path, content, got):
+    """`mqnc corpus --context`: token ids are ints >= 0; a bool, negative or float id (or no
+    list) is an error naming the flag, the file and what was found."""
+    from mqnc.cli.corpus import read_token_ids
+
+    path = tmp_path / "context.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match="--context: expected a JSON list of token ids") as exc:
+        read_token_ids(str(path))
+    assert str(path) in str(exc.value) and f"got {got}" in str(exc.value)

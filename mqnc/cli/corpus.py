@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mqnc.base.checks import is_int
 from mqnc.measure.options import nonnegative_int, nonnegative_int_list, positive_int
 
 __all__ = ["register", "read_token_ids"]
@@ -29,9 +30,12 @@ def read_token_ids(path: str) -> list[int]:
     """Token ids from a JSON file: a list of ints, or ``{"token_ids": [...]}``."""
     data = json.loads(Path(path).read_text())
     ids = data.get("token_ids") if isinstance(data, dict) else data
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+    bad = [i for i in ids if not (is_int(i) and i >= 0)] if isinstance(ids, list) else []
+    if not isinstance(ids, list) or not ids or bad:
+        got = f"element {bad[0]!r}" if bad else f"{type(ids).__name__} {str(ids)[:40]}"
         raise ValueError(
-            f"--context: expected a JSON list of token ids or {{'token_ids': [...]}} in {path}"
+            f"--context: expected a JSON list of token ids (ints >= 0) or "
+            f"{{'token_ids': [...]}} in {path}, got {got}"
         )
     return ids
 

@@ -68,11 +68,11 @@ def _hf_config(args) -> HFDemoConfig:
 
 def _run(args) -> int:
     try:
+        if args.kill_after_step is not None and args.kill_holder is None:
+            raise ValueError("--kill-after-step: applies to the fault drill only (--kill-holder R)")
         if args.hf:
             run_hf_demo(_hf_config(args))
             return 0
-        if args.kill_after_step is not None and args.kill_holder is None:
-            raise ValueError("--kill-after-step: applies to the fault drill only (--kill-holder R)")
         fields = {f.name for f in dataclasses.fields(DemoConfig)}
         cfg = DemoConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
         run_demo(cfg)

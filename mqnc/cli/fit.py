@@ -50,6 +50,9 @@ def _select(groups: list, args) -> list:
 
 
 def _run(args) -> int:
+    for flag, value in (("--name", args.name), ("--link-peak-gbps", args.link_peak_gbps)):
+        if value is not None and not args.save:
+            raise ValueError(f"{flag}: only applies with --save FILE (it names what is saved)")
     geometry = args.model
     groups = fit_groups(
         args.results,

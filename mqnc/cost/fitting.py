@@ -26,11 +26,13 @@ from typing import Any
 
 import numpy as np
 
+from mqnc.base.checks import check_int, is_number
 from mqnc.cost.fabric import FabricProfile, bytes_to_us
 
 __all__ = [
     "FitResult",
     "RouteGroup",
+    "check_record",
     "fit",
     "fit_groups",
     "fit_results",
@@ -268,9 +270,15 @@ def fit_groups(
         Ordered by variant, row size, then date; a sweep that cannot be fitted is kept with
         ``fit=None`` and the reason in ``error``.
     """
-    recs = results if isinstance(results, list) else read_jsonl(results)
+    # a probe needs no x (its payload is fixed); a route record is checked for one below
+    if isinstance(results, list):
+        recs = [check_record(r, f"record {i}", required=("p50",)) for i, r in enumerate(results)]
+    else:
+        recs = read_jsonl(results, required=("p50",))
     where = "the records" if isinstance(results, list) else os.fspath(results)
     routes = [(i, r) for i, r in enumerate(recs) if r.get("bench") == route_bench]
+    for i, r in routes:
+        check_record(r, f"{where}, record {i + 1} (bench {route_bench!r})")
     if not routes:
         benches = sorted({str(r.get("bench")) for r in recs})
         raise ValueError(
@@ -404,9 +412,51 @@ def fit_host(samples: Iterable[Sequence[float]]):
     return HostOverhead(max(float(intercept), 0.0), max(float(slope), 0.0))
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
+RECORD_NUMBERS = ("x", "p50")
+"""The fields every results record carries as a finite number (:mod:`mqnc.measure.results`
+writes them; ``mqnc fit`` and ``SpliceProfile.from_results`` read them)."""
+
+
+def check_record(record: object, where: str, *, required: Sequence[str] = RECORD_NUMBERS) -> dict:
+    """``record`` if it is a results record, else a ``ValueError`` naming ``where`` (the file
+    and line, or the list and index) and the key.
+
+    A record is a JSON object whose ``x`` and ``p50`` are finite numbers (not bools; both
+    required, or those in ``required``: a probe needs no ``x``), whose ``extra`` is an object
+    (or absent / null) and whose ``extra["qp_row_bytes"]``, when given, is a positive int.
+    """
+    if not isinstance(record, dict):
+        raise ValueError(
+            f"results: {where}: expected a JSON object (a record), got {type(record).__name__}"
+        )
+    for key in RECORD_NUMBERS:
+        if key not in record and key not in required:
+            continue
+        if key not in record:
+            raise ValueError(f"results: {where}: key {key!r} missing; expected a finite number")
+        value = record[key]
+        if not (is_number(value) and math.isfinite(value)):
+            raise ValueError(
+                f"results: {where}: key {key!r}: expected a finite number, got {value!r}"
+            )
+    extra = record.get("extra")
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(
+            f"results: {where}: key 'extra': expected a JSON object, got {type(extra).__name__}"
+        )
+    if extra and "qp_row_bytes" in extra:
+        try:
+            check_int("'extra.qp_row_bytes'", extra["qp_row_bytes"], minimum=1)
+        except ValueError as exc:
+            raise ValueError(f"results: {where}: key {exc}") from None
+    return record
+
+
+def read_jsonl(path: str | os.PathLike, *, required: Sequence[str] = RECORD_NUMBERS) -> list[dict]:
     """Every record of a JSON-lines results file (:mod:`mqnc.measure.results`' format); a
-    missing file or a line that is not JSON is an error naming the file (and line)."""
+    missing file is a ``FileNotFoundError``, a line that is not JSON or not a record
+    (:func:`check_record`: an object whose ``x`` and ``p50`` are finite numbers; those not in
+    ``required`` may be absent) a ``ValueError`` naming the file, the line and the key."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"results: no such file {os.fspath(path)!r}")
     out = []
@@ -414,9 +464,10 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         for i, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    out.append(json.loads(line))
+                    rec = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"results: {path} line {i} is not JSON ({exc})") from None
+                out.append(check_record(rec, f"{path} line {i}", required=required))
     return out
 
 

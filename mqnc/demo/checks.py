@@ -11,7 +11,17 @@ import os
 from mqnc.demo.config import DemoConfig
 from mqnc.demo.profile import LoadedProfile, load_profile
 
-__all__ = ["Prepared", "prepare"]
+__all__ = ["Prepared", "make_out", "prepare"]
+
+
+def make_out(out: str) -> None:
+    """Create the output folder ``out`` (a ``ValueError`` naming it when it is a file or not
+    writable): checked before any work, so that a run never ends unable to write its result."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"out: {out!r} exists and is not a folder")
+    os.makedirs(out, exist_ok=True)
+    if not os.access(out, os.W_OK):
+        raise ValueError(f"out: the folder {out!r} is not writable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +57,7 @@ def prepare(cfg: DemoConfig) -> Prepared:
             raise ValueError("transport: 'nvshmem' needs nvshmem4py: pip install 'mqnc[gpu]'")
     kernels = cfg.kernels or ("triton" if device == "cuda" else "torch")
     profile = None if cfg.profile is None else load_profile(cfg.profile)
-    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
-        raise ValueError(f"out: {cfg.out!r} exists and is not a folder")
-    os.makedirs(cfg.out, exist_ok=True)
-    if not os.access(cfg.out, os.W_OK):
-        raise ValueError(f"out: the folder {cfg.out!r} is not writable")
+    make_out(cfg.out)
     if importlib.util.find_spec("matplotlib") is None:
         raise ValueError(
             "out: the demo draws measured against predicted with matplotlib, which is not "

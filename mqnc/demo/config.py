@@ -115,7 +115,7 @@ class DemoConfig:
             raise ValueError(f"out: expected a folder path, got {self.out!r}")
         if self.kill_holder is not None:
             check_int("kill_holder", self.kill_holder, minimum=1, below=self.holders + 1)
-            check_int("kill_after_step", self.kill_after_step, minimum=0, below=self.steps)
+        check_int("kill_after_step", self.kill_after_step, minimum=0, below=self.steps)
 
         if self.compare not in (None, True, False):
             raise ValueError(f"compare: expected a bool or None, got {self.compare!r}")
@@ -177,7 +177,16 @@ class HFDemoConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
         check_int("replicas", self.replicas, minimum=1, below=self.holders + 1)
-        if self.kill_holder is not None and not 1 <= self.kill_holder <= self.holders:
+        check_int("seed", self.seed, minimum=0)
+        if self.offset is not None:
+            check_int("offset", self.offset, minimum=0)
+        check_number("timeout_s", self.timeout_s, positive=True)
+        if self.profile is not None and (not isinstance(self.profile, str) or not self.profile):
             raise ValueError(
-                f"kill_holder: expected a holder rank in 1..{self.holders}, got {self.kill_holder}"
+                f"profile: expected a file path or a preset name, got {self.profile!r}"
             )
+        if not isinstance(self.out, str) or not self.out:
+            raise ValueError(f"out: expected a folder path, got {self.out!r}")
+        if self.kill_holder is not None:
+            check_int("kill_holder", self.kill_holder, minimum=1, below=self.holders + 1)
+        check_int("kill_after_step", self.kill_after_step, minimum=0, below=self.new_tokens)

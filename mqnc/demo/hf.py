@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 
 from mqnc.base.runtime import device_name, kernel_mode
+from mqnc.demo.checks import make_out
 from mqnc.demo.config import HFDemoConfig
+from mqnc.demo.profile import load_profile
 from mqnc.demo.report import plot, predict_call, primitive_rows, print_table
 from mqnc.integrations.hf import HFSession, attach, prefill_context, random_model
 from mqnc.integrations.hf_exactness import HFReference
@@ -59,6 +61,9 @@ def run(cfg: HFDemoConfig) -> dict:
     """:func:`mqnc.demo.run_hf_demo` once the kernel mode is chosen; returns the JSON-able
     result (also written to ``cfg.out/hf_demo.json``)."""
     t_start = time.perf_counter()
+    # what can fail without the model is checked first, as `mqnc demo` does (checks.prepare)
+    fabric = None if cfg.profile is None else load_profile(cfg.profile).fabric
+    make_out(cfg.out)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
     lora = dict(q_lora_rank=1536) if cfg.kind == "deepseek_v3" else {}
     model = random_model(cfg.kind, seed=cfg.seed, dtype=dtype, **lora)
@@ -94,7 +99,7 @@ def run(cfg: HFDemoConfig) -> dict:
             hs.requester(),
             offset=cfg.offset,
             force=cfg.force,
-            fabric=cfg.profile,
+            fabric=fabric,
             steps=cfg.new_tokens,
             verify=True,
             on_step=on_step,

@@ -36,6 +36,7 @@ import dataclasses
 
 import torch
 
+from mqnc.base.checks import check_int
 from mqnc.integrations.hf_model import ATTN_IMPLEMENTATION
 from mqnc.testing import tolerance
 
@@ -138,7 +139,7 @@ class HFReference:
     def __init__(self, model, context_ids, prompt_ids, *, max_new_tokens: int, position: int = 0):
         _check_detached(model)
         self.model = model
-        self.position = int(position)
+        self.position = check_int("position", position, minimum=0)
         self.prompt_len = int(prompt_ids.shape[1])
         ctx = torch.as_tensor(context_ids).reshape(1, -1).to(prompt_ids.device)
         full = torch.cat([ctx.expand(prompt_ids.shape[0], -1), prompt_ids], dim=1)
@@ -223,7 +224,7 @@ class HFReference:
             step = self.logits[s, b]
             margins.append(float(step[self.tokens[b, s]] - step[ours[b, s]]))
         e_max, e_rms = self.hf_error
-        delta = 0 if offset is None else int(offset) - self.position
+        delta = 0 if offset is None else check_int("offset", offset, minimum=0) - self.position
         s_max, s_rms = self.shift_noise(delta)
         rho = tolerance("hf_logits", str(self.model.dtype).replace("torch.", ""))
         max_abs, rms_rel = _err(ours_logits[:compared], self.logits[:compared])

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from mqnc.base.checks import check_int
 from mqnc.model import PRESET_CONFIGS, MLAGeometry, RopeSpec
 from mqnc.serving.corpus import Corpus, dtype_code
 
@@ -207,8 +208,9 @@ def prefill_context(
             "model's own attention (before attach, or after the session closes)"
         )
     ids = _token_ids(token_ids, "token_ids")
+    position = check_int("position", position, minimum=0)
     t0 = time.perf_counter()
-    entries = prefill_entries(model, ids, int(position))
+    entries = prefill_entries(model, ids, position)
     prefill_us = (time.perf_counter() - t0) * 1e6
     attn = attention_modules(model)[0]
     return Corpus.partition(
@@ -218,7 +220,7 @@ def prefill_context(
         chunk_tokens=chunk_tokens,
         holders=holders,
         replicas=replicas,
-        position=int(position),
+        position=position,
         rope=rope_spec_of(model),
         block_size=block_size,
         meta=dict(

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from mqnc.base.checks import check_int
 from mqnc.integrations.hf_model import (
     ATTN_IMPLEMENTATION,
     attention_modules,
@@ -138,7 +139,7 @@ class HFSession:
         self.corpus = corpus
         self.requester = requester
         self.geometry = g
-        self.offset = corpus.position if offset is None else int(offset)
+        self.offset = corpus.position if offset is None else check_int("offset", offset, minimum=0)
         self.force = force
         self.steps = steps
         self.verify = verify
