@@ -400,6 +400,37 @@ def test_bad_transport_and_nvshmem_skip(tmp_path, capsys):
         assert "skipped" in capsys.readouterr().out and not out.exists()
 
 
+def test_benchmarks_refuse_bad_sweep_names_and_counts_by_flag(tmp_path, capsys):
+    from perf import bench_mla, bench_splice
+
+    out = str(tmp_path / "x.jsonl")
+    for main, argv, flag in (
+        (bench_mla.main, ["--quick", "--only", "dnse,sparce"], "argument --only"),
+        (bench_splice.main, ["--quick", "--layers", "0"], "argument --layers"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, "--out", out])
+        assert exc.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_benchmarks_follow_a_model_whose_partial_row_is_wider_than_its_query_row(tmp_path):
+    """DeepSeek-V4-Flash: q 1024 B, p 1032 B per row. The slots hold the partials coming back,
+    and the holders of bench_host get the model the requester's queries are shaped for."""
+    from perf import bench_congestion, bench_fetch, bench_host
+
+    g = get_preset("deepseek-v4-flash")
+    assert g.p_row_bytes > g.q_row_bytes
+    out = str(tmp_path / "v4.jsonl")
+    common = ["--model", "deepseek-v4-flash", "--reps", "2", "--warmup", "0", "--out", out]
+    assert bench_congestion.main(["--k", "0", "--m-q", "256", "--background-m-q", "256",
+                                  *common]) == 0  # fmt: skip
+    assert bench_fetch.main(["--quick", "--c-t", "16", "--max-holders", "1", "--topk", "8",
+                             "--m-q", "256", "--pool-rows", "64", *common]) == 0  # fmt: skip
+    assert bench_host.main(["--quick", "--transport", "loopback", *common]) == 0
+    recs = _records(tmp_path / "v4.jsonl")
+    assert {r["bench"] for r in recs} >= {"congestion", "fetch", "host"}
+
+
 def test_goal_targets_match_the_goal_shapes(tmp_path, capsys):
     """perf/targets.py bounds every goal shape with a number in its goal, by the label the
     --goals sweeps record; a CPU run of them is reported as not measured."""

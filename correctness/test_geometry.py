@@ -76,3 +76,26 @@ def test_unknown_preset_lists_valid_names():
 def test_non_mla_config_is_rejected():
     with pytest.raises(ValueError, match="missing"):
         MLAGeometry.from_hf_config({"num_attention_heads": 32, "num_hidden_layers": 2})
+
+
+def test_hf_config_values_are_taken_as_given_never_cut_or_replaced():
+    """A float is not truncated to an int and a 0 is not replaced by the default 128: the
+    geometry (and the RoPE spec) refuse them by name; only an absent width defaults."""
+    from mqnc.model import MLAGeometry, RopeSpec
+
+    base = dict(kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=16, num_hidden_layers=27)
+    for bad, name in (
+        (dict(kv_lora_rank=512.9), "d_c"),
+        (dict(num_attention_heads=16.5), "heads"),
+        (dict(qk_nope_head_dim=0), "qk_nope_head_dim"),
+        (dict(v_head_dim=0), "v_head_dim"),
+    ):
+        with pytest.raises(ValueError, match=f"MLAGeometry.{name}: expected an int >= 1"):
+            MLAGeometry.from_hf_config(base | bad)
+    g = MLAGeometry.from_hf_config(base | dict(v_head_dim=None))
+    assert g.qk_nope_head_dim == g.v_head_dim == 128
+    for bad, name in ((dict(qk_nope_head_dim=0), "qk_nope_head_dim"),
+                      (dict(qk_rope_head_dim=63.5), "qk_rope_head_dim")):  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            RopeSpec.from_hf_config(base | bad)
+    assert RopeSpec.from_hf_config(base).qk_head_dim == 192

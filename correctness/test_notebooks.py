@@ -294,7 +294,13 @@ def test_measurements_notebook_on_repository_results(tmp_path):
     for bench in plots.benches(records):
         if bench not in plots.TRANSPORT_BENCHES:
             assert_png(fig_dir / f"bench_{bench}.png")
+    engines = sorted({str(r.get("transport")) for r in records if r.get("bench") == "congestion"})
     for fig in TRANSPORT_FIGS:
+        if fig == "fig7_congestion" and len(engines) > 1:  # one figure per engine
+            for t in engines:
+                name = f"{fig}_{t}"
+                assert (fig_dir / f"{name}.png").exists() or f"{name}: not drawn" in text
+            continue
         assert (fig_dir / f"{fig}.png").exists() or f"{fig}: not drawn" in text
 
 
@@ -311,6 +317,33 @@ def test_plots_missing_data_names_the_command():
     for fn, args, needle in cases:
         with pytest.raises(plots.MissingData, match=re.escape(needle)):
             fn(None, *args)  # raises before touching the axes
+
+
+def test_congestion_is_drawn_per_engine_never_across_engines():
+    """Fig. 7 over the records of two engines: a median across them would be no engine's,
+    so one must be chosen (``transport=``); each one's fit is that engine's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    g = get_preset("deepseek-v2-lite")
+    one = [r for r in synthetic_records(kernels=False, noise=0.0) if r["bench"] == "congestion"]
+    slow = [dict(r, transport="gloo", p20=10 * r["p20"], p50=10 * r["p50"], p80=10 * r["p80"])
+            for r in one]  # fmt: skip
+    both = one + slow
+    with pytest.raises(ValueError, match=r"2 \(device, transport\) pairs"):
+        plots.congestion_plot(None, both, g)
+    with pytest.raises(plots.MissingData, match="transport='ethernet'"):
+        plots.congestion_plot(None, both, g, transport="ethernet")
+    fig, ax = plt.subplots()
+    try:
+        fast = plots.congestion_plot(ax, both, g, transport="synthetic")
+        alone = plots.congestion_plot(ax, one, g)
+    finally:
+        plt.close(fig)
+    assert fast == alone  # the other engine's records changed nothing
+    assert fast.bw_factor == pytest.approx(0.45, rel=0.02)
 
 
 def test_route_fit_recovers_the_generating_fabric():

@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     g = args.model
     ks = args.k or ([0, 1, 3] if args.quick else [0, 1, 2, 3])
     m_qs = args.m_q
-    biggest = max([*m_qs, args.background_m_q]) * g.q_row_bytes
+    biggest = max([*m_qs, args.background_m_q]) * max(g.q_row_bytes, g.p_row_bytes)
     for name in args.transport:
         try:
             fabric = H.EchoFabric(name, holders=1, lanes=1 + max(ks), slot_bytes=H.HDR + biggest)

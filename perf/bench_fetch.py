@@ -135,7 +135,8 @@ def _over_holders(name: str, g, max_m: int, args, gen) -> None:
 
     from mqnc.measure import time_fn
 
-    slot = H.HDR + max(args.topk * g.kv_bytes_per_token_layer, args.m_q * g.q_row_bytes)
+    rows = args.m_q * max(g.q_row_bytes, g.p_row_bytes)  # the query out and the partial back
+    slot = H.HDR + max(args.topk * g.kv_bytes_per_token_layer, rows)
     with H.EchoFabric(name, holders=max_m, slot_bytes=slot, pool_rows=args.pool_rows) as fab:
         route_msg = fab.route_message(args.m_q, g.q_row_bytes, g.p_row_bytes)
         for m in tqdm(range(1, max_m + 1), desc=f"bench_fetch[{name}] holders"):

@@ -33,8 +33,6 @@ What is timed (§6.2, §6.3):
 
 from __future__ import annotations
 
-import math
-
 from perf.targets import TARGETS
 
 N_FULL = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -43,9 +41,15 @@ K_STREAMS = [1, 4, 8, 16]
 
 
 def softmax_scale_of(geometry) -> float:
-    """DeepSeek-V2-Lite's scale with YaRN (DESIGN.md): ``192**-0.5 * mscale**2``."""
-    mscale = 0.1 * 0.707 * math.log(40) + 1
-    return 192**-0.5 * mscale**2
+    """The model's softmax scale: its preset's RoPE spec's (YaRN's mscale included; for
+    DeepSeek-V2-Lite ``192**-0.5 * 1.2608**2``, DESIGN.md), else ``(qk_nope + d_r)**-0.5``
+    (a geometry from a config without a preset)."""
+    from mqnc.model import RopeSpec
+
+    try:
+        return RopeSpec.from_preset(geometry.name).softmax_scale
+    except ValueError:
+        return (geometry.qk_nope_head_dim + geometry.d_r) ** -0.5
 
 
 def holder_inputs(n: int, heads: int, c_t: int, geometry, *, device="cpu", dtype=None, seed=0):

@@ -92,15 +92,15 @@ def _cases(args, stack: contextlib.ExitStack, g) -> dict:
         for m in (1, m_big):
             msg = echo.route_message(m, g.q_row_bytes, g.p_row_bytes)
             cases[f"{t}.echo_route{m}"] = lambda echo=echo, msg=msg: echo.round_trip(1, msg)
-        fab = stack.enter_context(HolderFabric(t, max_rows=m_big, stub_kernel=True))
+        fab = stack.enter_context(HolderFabric(t, max_rows=m_big, stub_kernel=True, model=g))
         req = fab.requester
         cases[f"{t}.probe"] = lambda req=req, r=fab.holder_ranks[0]: req.probe(r)
         cases[f"{t}.route1"] = _route(req, 1, q_of(1, 1))
         cases[f"{t}.route256"] = _route(req, 1, q_of(*ROUTE_BIG))
         if args.kernel:
-            kf = stack.enter_context(HolderFabric(t, max_rows=g.heads, stub_kernel=False))
+            kf = stack.enter_context(HolderFabric(t, max_rows=g.heads, stub_kernel=False, model=g))
             cases[f"{t}.route16_kernel"] = _route(kf.requester, 1, q_of(1, g.heads))
-        hf = stack.enter_context(HolderFabric(t, lanes=4, max_rows=g.heads))
+        hf = stack.enter_context(HolderFabric(t, lanes=4, max_rows=g.heads, model=g))
         pool = stack.enter_context(ThreadPoolExecutor(4))
         qs = [q_of(1, g.heads) for _ in range(4)]
 
@@ -246,7 +246,7 @@ def breakdown(args, g, calls: int = 200) -> None:
         "route256": torch.randn(*ROUTE_BIG, g.d_qk, generator=gen).to(torch.bfloat16),
     }
     for t in args.transports:
-        with HolderFabric(t, max_rows=ROUTE_BIG[0] * ROUTE_BIG[1], stamps=True) as fab:
+        with HolderFabric(t, max_rows=ROUTE_BIG[0] * ROUTE_BIG[1], stamps=True, model=g) as fab:
             req, peer = fab.requester, fab.holder_ranks[0]
             fns = {"probe": lambda req=req, peer=peer: req.probe(peer)}
             fns.update({k: (lambda q=q, req=req: req.route(1, q, 0)) for k, q in qs.items()})

@@ -35,6 +35,7 @@ kernel) and skips shapes whose gathered cache exceeds ~1 GiB.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 
@@ -163,6 +164,21 @@ def _goals(run, too_big, only, shapes, dev, dtype, elt, kernel, gen) -> None:
             run("mla_sparse", f"H={H},B={B}", n, "topk", make, _nbytes(B * n, B * H, elt), extra)
 
 
+SWEEPS = ("dense", "sparse", "fanin")
+
+
+def _sweeps(text: str) -> list[str]:
+    """``--only``: comma-separated sweeps out of :data:`SWEEPS` (a typo is an error, not an
+    empty run)."""
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in names if v not in SWEEPS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated names out of {', '.join(SWEEPS)}, got {text!r}"
+        )
+    return names
+
+
 # Over 60 lines: the options, the shared timing + record step, then the three sweeps in order.
 def main(argv=None) -> int:
     ap = bench_parser(
@@ -171,7 +187,12 @@ def main(argv=None) -> int:
         warmup="3 on a GPU, 1 on a CPU, 0 with --tiny",
         tiny=True,
     )
-    ap.add_argument("--only", default="dense,sparse,fanin", help="comma list of sweeps")
+    ap.add_argument(
+        "--only",
+        type=_sweeps,
+        default="dense,sparse,fanin",
+        help="comma list of sweeps out of dense, sparse, fanin",
+    )
     ap.add_argument("--goals", action="store_true", help="issue 13's goal shapes instead")
     args = parse_bench_args(ap, argv)
     use_interpreter_without_cuda()
@@ -190,7 +211,7 @@ def main(argv=None) -> int:
     if warmup is None:
         warmup = 0 if args.tiny else (3 if cuda else 1)
     gen = torch.Generator().manual_seed(0)
-    only = set(args.only.split(","))
+    only = set(args.only)
     heads = [16, 128] if not args.quick else [16]
     l2 = l2_bytes(dev)
 

@@ -35,7 +35,14 @@ call beside it.
 from __future__ import annotations
 
 from mqnc.base.runtime import use_interpreter_without_cuda
-from mqnc.measure.options import bench_parser, finish, hidden_alias, int_list, parse_bench_args
+from mqnc.measure.options import (
+    bench_parser,
+    finish,
+    hidden_alias,
+    int_list,
+    parse_bench_args,
+    positive_int,
+)
 from perf.targets import TARGETS
 
 PAPER_SPLICE_US = {55: 2770.0, 1024: 2780.0, 2048: 2910.0, 4096: 3060.0}  # §7, H100
@@ -248,7 +255,7 @@ def main(argv=None) -> int:
     )
     p.add_argument("--c-t", type=int_list, default=[55, 1024, 2048, 4096], help="chunk tokens")
     hidden_alias(p, "--ct", "c_t", type=int_list)
-    p.add_argument("--layers", type=int, default=27)
+    p.add_argument("--layers", type=positive_int, default=27)
     p.add_argument("--goals", action="store_true", help="issue 13's goal shapes instead")
     args = parse_bench_args(p, argv)
     timing = dict(path=args.out, reps=args.reps, warmup=args.warmup)

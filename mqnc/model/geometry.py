@@ -189,15 +189,22 @@ class MLAGeometry:
         return cls(
             name=name
             or str(config.get("_name_or_path") or config.get("model_type") or "hf-config"),
-            d_c=int(config["kv_lora_rank"]),
-            d_r=int(config["qk_rope_head_dim"]),
-            heads=int(config["num_attention_heads"]),
-            layers=int(config["num_hidden_layers"]),
-            qk_nope_head_dim=int(config.get("qk_nope_head_dim") or 128),
-            v_head_dim=int(config.get("v_head_dim") or 128),
+            # the values as given: the dataclass refuses a float or a 0 by name (never cut)
+            d_c=config["kv_lora_rank"],
+            d_r=config["qk_rope_head_dim"],
+            heads=config["num_attention_heads"],
+            layers=config["num_hidden_layers"],
+            qk_nope_head_dim=_or_default(config, "qk_nope_head_dim", 128),
+            v_head_dim=_or_default(config, "v_head_dim", 128),
             q_lora_rank=config.get("q_lora_rank"),
             topk=config.get("index_topk"),
         )
+
+
+def _or_default(config: Mapping[str, Any], key: str, default: int) -> Any:
+    """``config[key]``, or ``default`` only where the key is absent or None (a 0 stays 0)."""
+    value = config.get(key)
+    return default if value is None else value
 
 
 # Published config fields (only those this package reads: the dims above, and for some the RoPE

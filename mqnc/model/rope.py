@@ -201,7 +201,10 @@ class RopeSpec:
         rope_dim = config.get("qk_rope_head_dim")
         if rope_dim is None:
             raise ValueError("config: not an MLA config, missing 'qk_rope_head_dim'")
-        nope = config.get("qk_nope_head_dim") or 128
+        nope = config.get("qk_nope_head_dim")
+        nope = 128 if nope is None else nope  # only an absent width defaults (a 0 stays 0)
+        rope_dim = check_int("qk_rope_head_dim", rope_dim, minimum=2)
+        nope = check_int("qk_nope_head_dim", nope, minimum=1)
         params = config.get("rope_parameters")
         scaling = config.get("rope_scaling")
         if isinstance(params, Mapping) and params:
@@ -212,8 +215,8 @@ class RopeSpec:
         yarn = _yarn_of(scaling, config) if isinstance(scaling, Mapping) and scaling else None
         return cls(
             theta=float(theta),
-            rope_dim=int(rope_dim),
-            qk_head_dim=int(nope) + int(rope_dim),
+            rope_dim=rope_dim,
+            qk_head_dim=nope + rope_dim,
             yarn=yarn,
             layout=layout,
         )

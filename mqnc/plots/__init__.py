@@ -41,7 +41,8 @@ draw. The records they read:
 - :func:`congestion_plot` Fig. 7: ``bench="congestion"``, ``x`` = K concurrent flows, variant
   ``"probe"`` for the probe and the route round trip at ``extra["m_q"]`` (or a variant
   ``"M_q=256"``) otherwise. Model: :func:`mqnc.cost.fit_congestion` from the idle and the
-  fully subscribed point at the largest M_q, predicting the other batches.
+  fully subscribed point at the largest M_q, predicting the other batches; one engine on one
+  machine per figure (``transport=`` / ``device=`` choose when the records hold several).
 - :func:`bench_plot`: any benchmark (merge, copy, mla, splice, predicate, ...): p50 against
   ``x`` per variant, p20-p80 shaded, device and backend in the title.
 """

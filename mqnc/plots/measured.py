@@ -227,7 +227,8 @@ def _draw_affine(ax, x, y, color) -> tuple[float, float]:
 def holder_compute(ax, records: Sequence[dict], *, splice_us: float | None = None):
     """Fig. 4(b): a holder's batched partial attention against ``N`` routed requesters (§6.3).
 
-    Measured medians of ``bench="holder"`` with ``x_name="requesters"`` per variant, with the
+    Measured medians of ``bench="holder"`` with ``x_name="requesters"`` per variant, device and
+    backend (compiled kernels, the interpreter and the torch references never pooled), with the
     flat-then-linear fit ``t_0 + s max(0, N - N_0)`` (the knee ``N_0`` chosen by least
     squares over the measured N); fetch's splice as the dashed reference (default: the paper's
     profile at 2048 tokens, :data:`mqnc.cost.SPLICE_PAPER`).
@@ -235,7 +236,7 @@ def holder_compute(ax, records: Sequence[dict], *, splice_us: float | None = Non
     Returns
     -------
     dict
-        ``(device, variant) -> (t0_us, slope_us_per_requester, knee_N)``.
+        ``(device, variant, backend) -> (t0_us, slope_us_per_requester, knee_N)``.
 
     Raises
     ------
@@ -251,16 +252,20 @@ def holder_compute(ax, records: Sequence[dict], *, splice_us: float | None = Non
     fits = {}
     cycle = _cycle()
     many_dev = len(_devices(recs)) > 1
-    for (dev, variant), grp in sorted(
-        _group(recs, lambda r: (str(r.get("device")), str(r.get("variant")))).items()
+    many_backends = len({str(r.get("backend")) for r in recs}) > 1
+    for (dev, variant, backend), grp in sorted(
+        _group(
+            recs, lambda r: (str(r.get("device")), str(r.get("variant")), str(r.get("backend")))
+        ).items()
     ):
         x, p20, p50, p80 = _medians(grp)
         color = next(cycle)
-        label = variant + (f" ({_short_device(dev)})" if many_dev else "")
+        label = variant + (f" [{backend}]" if many_backends else "")
+        label += f" ({_short_device(dev)})" if many_dev else ""
         ax.errorbar(x, p50, yerr=[p50 - p20, p80 - p50], fmt="o", color=color, ms=4, label=label)
         if x.size >= 3:
             t0, s, n0 = knee_fit(x, p50)
-            fits[(dev, variant)] = (t0, s, n0)
+            fits[(dev, variant, backend)] = (t0, s, n0)
             xx = np.geomspace(x[0], x[-1], 100)
             ax.plot(
                 xx,
@@ -295,9 +300,18 @@ def _m_q_of(r: dict) -> float | None:
 
 
 def congestion_plot(
-    ax, records: Sequence[dict], geometry, *, splice_us: float | None = None, fabric=None
+    ax,
+    records: Sequence[dict],
+    geometry,
+    *,
+    splice_us: float | None = None,
+    fabric=None,
+    transport: str | None = None,
+    device: str | None = None,
 ):
-    """Fig. 7: route round trip and probe under ``K`` concurrent route flows on one link (§8).
+    """Fig. 7: route round trip and probe under ``K`` concurrent route flows on one link (§8),
+    for one engine on one machine: ``transport`` / ``device`` select them (needed when the
+    records hold several: a median across engines is no engine's, and neither is a fit to it).
 
     Measured medians of ``bench="congestion"`` (``x`` = K): the probe (variant ``"probe"``) and
     the round trip at each ``M_q``. The model (crosses): idle constants from the ``K = 0``
@@ -313,11 +327,30 @@ def congestion_plot(
     Raises
     ------
     MissingData
-        No congestion records.
+        No congestion records (of ``transport`` / ``device`` when given).
+    ValueError
+        Records of several (device, transport) pairs and no ``transport`` / ``device`` that
+        picks one.
     """
-    recs = _select(records, "congestion")
+    recs = [
+        r
+        for r in _select(records, "congestion")
+        if (transport is None or r.get("transport") == transport)
+        and (device is None or r.get("device") == device)
+    ]
     if not recs:
-        raise MissingData("no congestion records (bench 'congestion')", COMMANDS["congestion"])
+        which = "".join(
+            f" {k}={v!r}" for k, v in (("transport", transport), ("device", device)) if v
+        )
+        raise MissingData(
+            f"no congestion records (bench 'congestion'){which}", COMMANDS["congestion"]
+        )
+    pairs = sorted({(str(r.get("device")), str(r.get("transport"))) for r in recs})
+    if len(pairs) > 1:
+        raise ValueError(
+            f"transport, device: the congestion records are of {len(pairs)} (device, transport) "
+            f"pairs {pairs}; pass transport= (and device=) to draw one"
+        )
     probe = [r for r in recs if str(r.get("variant")) == "probe"]
     routes = _group([r for r in recs if _m_q_of(r) is not None], _m_q_of)
     cycle = _cycle()
