@@ -374,6 +374,15 @@ def _bad_calls():
     q3, pool = torch.zeros(2, 4, D_QK), torch.zeros(2, 16, D_QK)
     table, lens = torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     o, lse = torch.zeros(3, 2, 4, 8), torch.zeros(3, 2, 4)
+
+    def paged(**change):  # FlashInfer's layout, two requests of one row each, one field changed
+        args = dict(
+            q_nope=torch.zeros(2, 4, D_V), q_pe=torch.zeros(2, 4, 64), ckv_cache=pool[..., :D_V],
+            kpe_cache=pool[..., D_V:], kv_indptr=torch.tensor([0, 1, 2], dtype=torch.int32),
+            kv_indices=torch.zeros(2, dtype=torch.int32), kv_len=torch.ones(2, dtype=torch.int32),
+        )  # fmt: skip
+        return mla_paged_attention(**(args | change), sm_scale=SCALE)
+
     return [
         (lambda: merge_partials(o, lse, layout="TMHD"), ValueError, "layout: expected 'MBHD'"),
         (
@@ -511,44 +520,13 @@ def _bad_calls():
             "s_q: expected an int >= 1, got 0",
         ),
         (
-            lambda: mla_paged_attention(
-                torch.zeros(0, 4, D_V),
-                torch.zeros(0, 4, 64),
-                pool[..., :D_V],
-                pool[..., D_V:],
-                torch.tensor([0, 1, 2], dtype=torch.int32),
-                torch.zeros(2, dtype=torch.int32),
-                torch.ones(2, dtype=torch.int32),
-                sm_scale=SCALE,
-            ),  # fmt: skip
+            lambda: paged(q_nope=torch.zeros(0, 4, D_V), q_pe=torch.zeros(0, 4, 64)),
             ValueError,
             "q_nope: expected N = B \\* s_q query rows, s_q >= 1",
         ),
+        (lambda: paged(q_pe=None), TypeError, "q_pe: expected a torch.Tensor, got NoneType"),
         (
-            lambda: mla_paged_attention(
-                torch.zeros(2, 4, D_V),
-                None,
-                pool[..., :D_V],
-                pool[..., D_V:],
-                torch.tensor([0, 1, 2], dtype=torch.int32),
-                torch.zeros(2, dtype=torch.int32),
-                torch.ones(2, dtype=torch.int32),
-                sm_scale=SCALE,
-            ),  # fmt: skip
-            TypeError,
-            "q_pe: expected a torch.Tensor, got NoneType",
-        ),
-        (
-            lambda: mla_paged_attention(
-                torch.zeros(2, 4, D_V),
-                torch.zeros(2, 4, 64),
-                pool[..., :D_V],
-                None,
-                torch.tensor([0, 1, 2], dtype=torch.int32),
-                torch.zeros(2, dtype=torch.int32),
-                torch.ones(2, dtype=torch.int32),
-                sm_scale=SCALE,
-            ),  # fmt: skip
+            lambda: paged(kpe_cache=None),
             TypeError,
             "kpe_cache: expected a torch.Tensor, got NoneType",
         ),

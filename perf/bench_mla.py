@@ -35,12 +35,11 @@ kernel) and skips shapes whose gathered cache exceeds ~1 GiB.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 
 from mqnc.base.runtime import use_interpreter_without_cuda
-from mqnc.measure.options import bench_parser, finish, parse_bench_args
+from mqnc.measure.options import bench_parser, choice_list, finish, parse_bench_args
 from perf.targets import TARGETS
 
 D_QK, D_V = 576, 512
@@ -167,18 +166,6 @@ def _goals(run, too_big, only, shapes, dev, dtype, elt, kernel, gen) -> None:
 SWEEPS = ("dense", "sparse", "fanin")
 
 
-def _sweeps(text: str) -> list[str]:
-    """``--only``: comma-separated sweeps out of :data:`SWEEPS` (a typo is an error, not an
-    empty run)."""
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in names if v not in SWEEPS]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated names out of {', '.join(SWEEPS)}, got {text!r}"
-        )
-    return names
-
-
 # Over 60 lines: the options, the shared timing + record step, then the three sweeps in order.
 def main(argv=None) -> int:
     ap = bench_parser(
@@ -189,7 +176,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--only",
-        type=_sweeps,
+        type=choice_list(SWEEPS),
         default="dense,sparse,fanin",
         help="comma list of sweeps out of dense, sparse, fanin",
     )

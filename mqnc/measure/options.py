@@ -40,6 +40,7 @@ __all__ = [
     "int_list",
     "nonnegative_int_list",
     "transport_list",
+    "choice_list",
     "model_arg",
     "hidden_alias",
     "bench_parser",
@@ -110,15 +111,24 @@ def nonnegative_int_list(text: str) -> list[int]:
     return _int_list(text, 0)
 
 
+def choice_list(choices: Sequence[str]):
+    """An option type: comma-separated names out of ``choices`` (at least one; a name not
+    among them is an error naming the choices, never an empty run)."""
+
+    def parse(text: str) -> list[str]:
+        names = [t.strip() for t in text.split(",") if t.strip()]
+        if not names or any(t not in choices for t in names):
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated names out of {', '.join(choices)}, got {text!r}"
+            )
+        return names
+
+    return parse
+
+
 def transport_list(text: str) -> list[str]:
     """Comma-separated transport names out of :data:`TRANSPORTS`."""
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [t for t in names if t not in TRANSPORTS]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated names out of {', '.join(TRANSPORTS)}, got {text!r}"
-        )
-    return names
+    return choice_list(TRANSPORTS)(text)
 
 
 def model_arg(text: str) -> MLAGeometry:
