@@ -96,6 +96,28 @@ def test_dry_run_report_and_tier(dry_run):
     assert "0 failed" in _log(dry_run, "warmup")
 
 
+def test_dry_run_leaves_what_the_device_tool_brings_back(dry_run):
+    """At most 8 files in $OUT (the device tool returns no more), env.json valid JSON (stderr
+    kept in env.log), the NVSHMEM summary packed in logs.tgz."""
+    files = [
+        p for p in dry_run.rglob("*") if p.is_file() and "site" not in p.relative_to(dry_run).parts
+    ]
+    assert len(files) <= 8, sorted(str(p.relative_to(dry_run)) for p in files)
+    env = json.loads((dry_run / "env.json").read_text())
+    assert "torch" in json.dumps(env)
+    summary = json.loads(_log_file(dry_run, "logs/nvshmem_check.json"))
+    assert summary["transport"] == "gloo" and summary["paths"]
+
+
+def _log_file(out: Path, member: str) -> str:
+    return subprocess.run(
+        ["tar", "xzf", str(out / "logs.tgz"), "-O", member],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
 def test_caps_over_the_budget_are_refused_before_anything_runs(tmp_path):
     r = subprocess.run(
         ["bash", str(SCRIPT), "--dry-run"],

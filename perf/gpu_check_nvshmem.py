@@ -10,7 +10,8 @@ wheel and installed offline by ``perf/install_wheels.py``)::
 What it checks and records (where every benchmark records: ``--out FILE``, else with
 ``--record`` the repository's ``perf/results/results.jsonl``, else ``$MQNC_RESULTS``, else the
 git-ignored ``perf/results/local.jsonl``; a summary in ``--summary``, default
-``$OUT/nvshmem_check.json`` when ``$OUT`` is set), for each put path (``host``: nvshmem4py's
+``$OUT/logs/nvshmem_check.json`` when ``$OUT`` is set, rewritten after each path), for each put
+path (``host``: nvshmem4py's
 stream-ordered ``put_signal``; ``device``: the Triton kernel calling
 ``nvshmemx_putmem_signal_nbi_block``):
 
@@ -194,8 +195,8 @@ def _run(cfg: dict, timeout_s: float) -> list[dict]:
         except Exception:
             if all(not p.is_alive() for p in procs):
                 break
-    for p in procs:
-        p.join(5)
+    for p in procs:  # the joins share what is left of the bound (plus 2 s), not 5 s each
+        p.join(max(0.5, deadline + 2.0 - time.monotonic()))
         if p.is_alive():
             p.kill()
             results.append({"ok": False, "error": f"PE process {p.pid} hung (killed)"})
@@ -283,18 +284,22 @@ def main(argv=None) -> int:
     from mqnc.base.runtime import device_name
 
     summary = {"device": device_name(), "transport": args.transport, "paths": {}}
+    # in $OUT/logs (packed into logs.tgz): the device tool brings back at most 8 files of $OUT
+    where = args.summary or (
+        os.path.join(os.environ["OUT"], "logs", "nvshmem_check.json")
+        if os.environ.get("OUT")
+        else None
+    )
     ok = True
     for path in paths:
         t0 = time.monotonic()
         res = _run({**cfg, "device_put": path == "device"}, args.timeout)
         summary["paths"][path] = dict(results=res, wall_s=time.monotonic() - t0)
         ok &= _report(path, res, time.monotonic() - t0, cfg, args.out)
-    where = args.summary or (
-        os.path.join(os.environ["OUT"], "nvshmem_check.json") if os.environ.get("OUT") else None
-    )
-    if where:
-        with open(where, "w") as f:
-            json.dump(summary, f, indent=1, default=str)
+        if where:  # after each path: a step killed at its cap keeps what it found
+            os.makedirs(os.path.dirname(where) or ".", exist_ok=True)
+            with open(where, "w") as f:
+                json.dump(summary, f, indent=1, default=str)
     finish(args)
     print("gpu_check_nvshmem:", "PASS" if ok else "FAIL")
     return 0 if ok else 1

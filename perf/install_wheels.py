@@ -107,7 +107,38 @@ def main(argv=None) -> int:
            *(wheels[n][0] for n in chosen)]  # fmt: skip
     r = subprocess.run(cmd)
     print(f"install_wheels: pip exit {r.returncode}; export PYTHONPATH={args.target}")
-    return 0 if r.returncode == 0 else 1
+    if r.returncode != 0:
+        return 1
+    return 0 if imported_from_target(chosen, args.target) else 1
+
+
+MODULES = {"nvshmem4py-cu13": "nvshmem.core", "cuda-core": "cuda.core",
+           "cuda-pathfinder": "cuda.pathfinder"}  # fmt: skip
+"""The module each carried distribution provides (what the NVSHMEM steps import)."""
+
+
+def imported_from_target(chosen: list[str], target: str) -> bool:
+    """Import each chosen distribution's module in a fresh interpreter with ``target`` first on
+    ``PYTHONPATH`` and print where it came from; False when one comes from elsewhere (an image
+    whose ``cuda/`` is a regular package shadows the carried namespace part)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (target, os.environ.get("PYTHONPATH")) if p))  # fmt: skip
+    ok = True
+    for name in chosen:
+        module = MODULES.get(name)
+        if module is None:
+            continue
+        code = f"import importlib; print(importlib.import_module({module!r}).__file__)"
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        if r.returncode == 0:
+            where = r.stdout.strip()
+            carried = os.path.realpath(where).startswith(os.path.realpath(target))
+        else:
+            where, carried = (r.stderr.strip().splitlines() or ["?"])[-1], False
+        what = "carried" if carried else "NOT the carried copy"
+        print(f"install_wheels: {name}: import {module} -> {where} ({what})")
+        ok &= carried
+    return ok
 
 
 if __name__ == "__main__":
