@@ -170,11 +170,15 @@ class _FakePE:
     rank = 0
     poll_spins = 4
     _wait_stream = None
+    _closed = False
     _deadline = staticmethod(Transport._deadline)
+    _check_targets = Transport._check_targets
+    _open = nvshmem.NvshmemTransport._open
 
     def __init__(self, values):
         self._sig = torch.tensor(values, dtype=torch.int64)
         self.wait_paths = collections.Counter()
+        self.layout = collections.namedtuple("Layout", "num_slots")(len(values))
 
     def _check_slot(self, slot):
         if not 0 <= slot < self._sig.numel():

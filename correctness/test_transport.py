@@ -214,3 +214,62 @@ def test_nvshmem_device_kernels_compile_for_sm90():
     assert res["put_signal_block"]["calls"] == ["nvshmemx_putmem_signal_nbi_block", "nvshmem_quiet"]
     assert res["wait_until"]["calls"] == ["nvshmem_signal_wait_until"]
     assert all(v["cubin_bytes"] > 0 for v in res.values())
+
+
+def test_nvshmem_engine_host_side_keeps_the_protocol(monkeypatch):
+    """The NVSHMEM engine's host Python on fakes (no GPU here): a put only into a slot of this
+    rank's with a valid sequence number (int64 signals: < 2**63), waits on valid targets, a
+    0-byte put as the signal alone, one staging region's copy and put as one step under a
+    lock, and nothing once closed."""
+    import contextlib
+
+    from mqnc.transport import nvshmem
+    from mqnc.transport.protocol import INBOX, TransportError
+
+    calls = []
+
+    class NV:
+        class SignalOp:
+            SIGNAL_SET = 9
+
+        def put_signal(self, dst, src, sig, val, op, remote_pe, stream):
+            calls.append(("put_signal", dst[2], src[2], val, remote_pe))
+
+        def signal_op(self, sig, val, op, remote_pe, stream):
+            calls.append(("signal_op", val, remote_pe))
+
+    class Buf:
+        @staticmethod
+        def from_handle(ptr, n):
+            return ("buf", ptr, n)
+
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    t = nvshmem.NvshmemTransport.__new__(nvshmem.NvshmemTransport)
+    nvshmem.Transport.__init__(t, 0, SlotLayout(3, 1), 128)
+    n = t.layout.num_slots
+    t._nv, t._Buffer, t._stream, t.device_put, t._closed = NV(), Buf, None, False, False
+    t._heap, t._stage = (torch.zeros(n * 128, dtype=torch.uint8) for _ in range(2))
+    t._sig = torch.zeros(n, dtype=torch.int64)
+    t._put_lock = nvshmem.threading.Lock()
+    mine, theirs = t.layout.slot(INBOX, 0), t.layout.slot(INBOX, 1)
+    data = torch.arange(100, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="fed by rank 1"):
+        t.put_signal(1, theirs, data, 1)
+    for seq in (-1, 2.7, True, 2**64):
+        with pytest.raises(ValueError, match="seq"):
+            t.put_signal(1, mine, data, seq)
+    with pytest.raises(ValueError, match=r"seq: expected an int in \[0, 2\*\*63\)"):
+        t.put_signal(1, mine, data, 2**63)
+    t.put_signal(2, mine, data, 7)
+    assert calls[-1] == ("put_signal", 100, 100, 7, 2)
+    t.put_signal(1, mine, torch.empty(0, dtype=torch.uint8), 8)
+    assert calls[-1] == ("signal_op", 8, 1)  # no byte of the peer's slot moved
+    with pytest.raises(ValueError, match="seq"):
+        t.wait_any({mine: 2**63}, timeout=1.0)
+    with pytest.raises(ValueError, match="slot"):
+        t.wait_any({n: 1}, timeout=1.0)
+    t._closed = True
+    with pytest.raises(TransportError, match="closed"):
+        t.put_signal(1, mine, data, 9)
+    with pytest.raises(TransportError, match="closed"):
+        t.signal(mine)

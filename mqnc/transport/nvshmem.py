@@ -53,6 +53,7 @@ import contextlib
 import os
 import sys
 import sysconfig
+import threading
 import time
 
 import torch
@@ -60,8 +61,9 @@ import triton
 import triton.language as tl
 from triton.language import core as tlcore
 
+from mqnc.base.checks import check_int
 from mqnc.base.env import nvshmem_lib_dir
-from mqnc.transport.protocol import SlotLayout, Transport, TransportTimeout, check_message
+from mqnc.transport.protocol import SlotLayout, Transport, TransportError, TransportTimeout
 
 __all__ = [
     "NvshmemTransport",
@@ -76,6 +78,7 @@ __all__ = [
 ]
 
 _UID_KEY = "mqnc/nvshmem/uid"
+SIGNAL_LIMIT = 2**63  # signals are int64 words here (the protocol's are u64)
 # NVSHMEM's own values (nvshmem.h); checked against nvshmem.core at start-up.
 NVSHMEM_SIGNAL_SET, NVSHMEM_SIGNAL_ADD, NVSHMEM_CMP_GE = 9, 10, 5
 
@@ -393,12 +396,15 @@ def compile_device_kernels(arch: int = 90, *, pe: int = 1, seq: int = 1) -> dict
     return out
 
 
-_INITIALISED_MODULES: set[int] = set()
+_INITIALISED_MODULES: dict[int, int] = {}
+"""Compiled kernel (``id``) -> its CUDA module, registered with the NVSHMEM instance of this
+process (:func:`_finalize_modules` undoes it when that instance ends)."""
 
 
 def _launch_extern(kernel, args, stream: torch.cuda.Stream) -> None:
     """Launch a kernel that calls NVSHMEM device functions: compile it against the device
-    bitcode, register its module with nvshmem4py once, then launch on ``stream``."""
+    bitcode, register its module with nvshmem4py once per NVSHMEM instance, then launch on
+    ``stream``."""
     import nvshmem.bindings as nvb
 
     libs = {"libnvshmem_device": device_library_path()}
@@ -407,8 +413,20 @@ def _launch_extern(kernel, args, stream: torch.cuda.Stream) -> None:
         compiled._init_handles()
         if id(compiled) not in _INITIALISED_MODULES:
             nvb.cumodule_init(int(compiled.module))
-            _INITIALISED_MODULES.add(id(compiled))
+            _INITIALISED_MODULES[id(compiled)] = int(compiled.module)
         kernel[(1,)](*args, extern_libs=libs)
+
+
+def _finalize_modules() -> None:
+    """Unregister every module :func:`_launch_extern` registered (before ``finalize``): a later
+    instance in this process registers them again with its own device state."""
+    import nvshmem.bindings as nvb
+
+    finalize = getattr(nvb, "cumodule_finalize", None)
+    for module in _INITIALISED_MODULES.values():
+        if finalize is not None:
+            finalize(module)
+    _INITIALISED_MODULES.clear()
 
 
 def device_put_signal(
@@ -488,19 +506,28 @@ class NvshmemTransport(Transport):
         self.consts = signal_constants()
         if device is None:
             index = torch.cuda.current_device()
-        elif isinstance(device, int):
+        elif isinstance(device, int) and not isinstance(device, bool):
             index = device
         else:
-            index = torch.device(device).index or 0
+            d = torch.device(device)
+            if d.type != "cuda":
+                raise ValueError(f"device: expected a CUDA device, got {device!r}")
+            index = torch.cuda.current_device() if d.index is None else d.index
         self.device = torch.device("cuda", index)
+        self.poll_spins = check_int("poll_spins", poll_spins, minimum=1)
+        if not isinstance(device_put, bool):
+            raise TypeError(f"device_put: expected a bool, got {type(device_put).__name__}")
         torch.cuda.set_device(self.device)
         dev = Device(self.device.index)
         dev.set_current()
+        # One key per instance: every PE counts its instances on the store, so a second fabric
+        # over the same store (a reused torchrun store) never reads the previous one's id.
+        key = f"{_UID_KEY}/{store.add(f'{_UID_KEY}/count/{rank}', 1)}"
         if rank == 0:
             uid = nv.get_unique_id()
-            store.set(_UID_KEY, uid._data.view(np.int8).tobytes())
+            store.set(key, uid._data.view(np.int8).tobytes())
         else:
-            raw = store.get(_UID_KEY)
+            raw = store.get(key)
             uid = nv.get_unique_id(empty=True)
             uid._data.view(np.int8)[:] = np.frombuffer(raw, dtype=np.int8)
         nv.init(device=dev, uid=uid, rank=rank, nranks=world_size, initializer_method="uid")
@@ -510,10 +537,12 @@ class NvshmemTransport(Transport):
         self._stage = nv.tensor((n * slot_bytes,), dtype=torch.uint8)
         self._sig = nv.tensor((n,), dtype=torch.int64)
         self._sig.zero_()
+        self._heap.zero_()  # an unwritten slot reads as zeros, as on the other engines
         self._stream = torch.cuda.Stream(self.device)
         self._wait_stream = torch.cuda.Stream(self.device)
-        self.device_put = bool(device_put)
-        self.poll_spins = int(poll_spins)
+        self.device_put = device_put
+        # one staging region per slot serves every peer: a put's copy and its put are one step
+        self._put_lock = threading.Lock()
         self.wait_paths: collections.Counter = collections.Counter()
         torch.cuda.synchronize(self.device)
         nv.barrier_all(stream=self._stream)
@@ -528,49 +557,73 @@ class NvshmemTransport(Transport):
         return slot * self.slot_bytes
 
     # ---- the protocol -------------------------------------------------------------------------
+    def _open(self) -> None:
+        if self._closed:
+            raise TransportError(f"PE {self.rank}: the NVSHMEM engine is closed")
+
     def put_signal(self, peer: int, slot: int, data: torch.Tensor, seq: int) -> None:
-        self.check_peer(peer)
-        self._check_slot(slot)
-        data = check_message(data, self.slot_bytes)
+        """As the protocol's; this engine's signals are int64 words, so ``seq < 2**63``."""
+        data = self._check_put(peer, slot, data, seq)  # a slot of this rank's, a u64 seq
+        if seq >= SIGNAL_LIMIT:
+            raise ValueError(f"seq: expected an int in [0, 2**63) on this engine, got {seq}")
+        self._open()
         n = int(data.numel())
         off = self._slot_off(slot)
-        with torch.cuda.stream(self._stream):
-            self._stage[off : off + n].copy_(data, non_blocking=True)
-        if self.device_put:
-            device_put_signal(
-                int(self._heap.data_ptr()) + off,
-                int(self._stage.data_ptr()) + off,
-                n,
-                int(self._sig.data_ptr()) + 8 * slot,
-                int(seq),
-                peer,
-                self._stream,
+        with self._put_lock:  # the next copy into this staging region waits for this put
+            with torch.cuda.stream(self._stream):
+                self._stage[off : off + n].copy_(data, non_blocking=True)
+            if self.device_put:
+                device_put_signal(
+                    int(self._heap.data_ptr()) + off,
+                    int(self._stage.data_ptr()) + off,
+                    n,
+                    int(self._sig.data_ptr()) + 8 * slot,
+                    seq,
+                    peer,
+                    self._stream,
+                )
+                return
+            sig = self._sub(self._sig, 8 * slot, 8)
+            if n == 0:  # the signal alone: no byte of the slot is touched
+                signal_op = getattr(self._nv, "signal_op", None)
+                if signal_op is None:
+                    raise ValueError("data: a 0-byte put needs nvshmem4py's signal_op")
+                signal_op(sig, seq, self._nv.SignalOp.SIGNAL_SET, remote_pe=peer,
+                          stream=self._stream)  # fmt: skip
+                return
+            self._nv.put_signal(
+                self._sub(self._heap, off, n),
+                self._sub(self._stage, off, n),
+                sig,
+                seq,
+                self._nv.SignalOp.SIGNAL_SET,
+                remote_pe=peer,
+                stream=self._stream,
             )
-            return
-        self._nv.put_signal(
-            self._sub(self._heap, off, max(n, 1)),
-            self._sub(self._stage, off, max(n, 1)),
-            self._sub(self._sig, 8 * slot, 8),
-            int(seq),
-            self._nv.SignalOp.SIGNAL_SET,
-            remote_pe=peer,
-            stream=self._stream,
-        )
 
     def quiet(self, timeout: float | None = None, peers=None) -> None:
+        """Complete every put of this PE (``peers`` is not narrower on NVSHMEM: one quiet
+        covers all). A GPU stream cannot be abandoned: ``timeout`` is checked, not enforced."""
+        if timeout is not None:
+            self._deadline(timeout)
+        self._open()
         self._nv.quiet(stream=self._stream)
         self._stream.synchronize()
 
     def signal(self, slot: int) -> int:
         self._check_slot(slot)
+        self._open()
         return int(self._sig[slot].item())
 
     def wait_any(self, targets: dict[int, int], timeout: float) -> list[int]:
         """Device-side: bounded polls of the awaited signal words (:func:`poll_signals`, one
         host sync each, no sleep) on the wait stream until one is reached or ``timeout``."""
-        for s in targets:
-            self._check_slot(s)
+        self._check_targets(targets)
+        big = [q for q in targets.values() if not 0 <= q < SIGNAL_LIMIT]
+        if big:
+            raise ValueError(f"seq: expected ints in [0, 2**63) on this engine, got {big}")
         deadline = self._deadline(timeout)
+        self._open()
         path = "device-poll[1]" if len(targets) == 1 else "device-poll[n]"
         while True:
             seen = poll_signals(self._sig, targets, self.poll_spins, self._wait_stream)
@@ -586,24 +639,33 @@ class NvshmemTransport(Transport):
     def read(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
         self._check_slot(slot)
         n = self.slot_bytes if nbytes is None else self._check_nbytes(nbytes)
+        self._open()
         off = self._slot_off(slot)
         torch.cuda.current_stream(self.device).synchronize()
         return self._heap[off : off + n].cpu()
 
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
+        """As the protocol's; a GPU stream cannot be abandoned: ``timeout`` is checked, not
+        enforced."""
         self.check_peer(peer)
         self._check_slot(slot)
         off, n = self._slot_off(slot), self._check_nbytes(nbytes)
-        # Lands in this PE's staging copy of the slot (symmetric), then leaves the device.
-        self._nv.get(
-            self._sub(self._stage, off, max(n, 1)),
-            self._sub(self._heap, off, max(n, 1)),
-            remote_pe=peer,
-            stream=self._stream,
-        )
-        self._nv.quiet(stream=self._stream)
-        self._stream.synchronize()
-        return self._stage[off : off + n].cpu()
+        self._deadline(timeout)
+        self._open()
+        if n == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        # Lands in this PE's staging copy of the slot (symmetric), then leaves the device; the
+        # staging region is the puts' too
+        with self._put_lock:
+            self._nv.get(
+                self._sub(self._stage, off, n),
+                self._sub(self._heap, off, n),
+                remote_pe=peer,
+                stream=self._stream,
+            )
+            self._nv.quiet(stream=self._stream)
+            self._stream.synchronize()
+            return self._stage[off : off + n].cpu()
 
     def barrier(self, timeout: float) -> None:
         """``barrier_all`` (works in limited MPG mode). A GPU collective cannot be abandoned:
@@ -617,6 +679,7 @@ class NvshmemTransport(Transport):
         self._closed = True
         torch.cuda.synchronize(self.device)
         nv = self._nv
+        _finalize_modules()
         for t in (self._heap, self._stage, self._sig):
             nv.free_tensor(t)
         nv.finalize()
