@@ -92,14 +92,7 @@ class Calibration:
     @property
     def route(self) -> RouteConstants:
         """The routed call's requester and holder sides."""
-        t = self.terms
-        return RouteConstants(
-            t["send_us"],
-            t["send_alone_us"],
-            t["compute_fixed_us"],
-            t["compute_us_per_row_token"],
-            t.get("host_us", 0.0),
-        )
+        return RouteConstants.from_terms(self.terms)
 
     def splice_profile(self, cfg: DemoConfig, moved: bool = True) -> SpliceProfile:
         """What a fetched chunk costs on arrival, linear in ``c_t`` over the corpus' chunk

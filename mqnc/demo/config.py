@@ -97,25 +97,16 @@ class DemoConfig:
         check_int("block_size", self.block_size, minimum=16)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: expected a power of two >= 16, got {self.block_size}")
-        check_number("timeout_s", self.timeout_s, positive=True)
-        choices = dict(
+        _check_choices(
+            self,
             transport=TRANSPORTS,
             device=(None, "cpu", "cuda"),
             kernels=(None, *KERNELS),
             force=(None, "route", "fetch", "local"),
         )
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
         if self.transport == "nvshmem" and self.device == "cpu":
             raise ValueError("transport: 'nvshmem' runs on a CUDA device, got device='cpu'")
-        if self.profile is not None and (not isinstance(self.profile, str) or not self.profile):
-            raise ValueError(f"profile: expected a file path, got {self.profile!r}")
-        if not isinstance(self.out, str) or not self.out:
-            raise ValueError(f"out: expected a folder path, got {self.out!r}")
-        if self.kill_holder is not None:
-            check_int("kill_holder", self.kill_holder, minimum=1, below=self.holders + 1)
-        check_int("kill_after_step", self.kill_after_step, minimum=0, below=self.steps)
+        _check_run(self, steps=self.steps)
 
         if self.compare not in (None, True, False):
             raise ValueError(f"compare: expected a bool or None, got {self.compare!r}")
@@ -166,27 +157,37 @@ class HFDemoConfig:
     def __post_init__(self) -> None:
         for name in ("context_tokens", "chunk_tokens", "prompt_tokens", "new_tokens", "holders"):
             check_int(name, getattr(self, name), minimum=1)
-        choices = dict(
+        _check_choices(
+            self,
             kind=("deepseek_v2", "deepseek_v3"),
             dtype=("float32", "bfloat16"),
             transport=HF_TRANSPORTS,
             kernels=("triton", "torch"),
             force=(None, "route", "fetch", "local"),
         )
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}: expected one of {allowed}, got {getattr(self, name)!r}")
         check_int("replicas", self.replicas, minimum=1, below=self.holders + 1)
         check_int("seed", self.seed, minimum=0)
         if self.offset is not None:
             check_int("offset", self.offset, minimum=0)
-        check_number("timeout_s", self.timeout_s, positive=True)
-        if self.profile is not None and (not isinstance(self.profile, str) or not self.profile):
-            raise ValueError(
-                f"profile: expected a file path or a preset name, got {self.profile!r}"
-            )
-        if not isinstance(self.out, str) or not self.out:
-            raise ValueError(f"out: expected a folder path, got {self.out!r}")
-        if self.kill_holder is not None:
-            check_int("kill_holder", self.kill_holder, minimum=1, below=self.holders + 1)
-        check_int("kill_after_step", self.kill_after_step, minimum=0, below=self.new_tokens)
+        _check_run(self, steps=self.new_tokens)
+
+
+def _check_choices(cfg, **choices) -> None:
+    """Each named field of ``cfg`` one of its allowed values."""
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            raise ValueError(f"{name}: expected one of {allowed}, got {getattr(cfg, name)!r}")
+
+
+def _check_run(cfg, *, steps: int) -> None:
+    """The fields both demos share: the timeout, the profile (a file or a preset name), the
+    output folder and the fault drill (a holder of ``1..holders`` killed after a step of
+    ``[0, steps)``)."""
+    check_number("timeout_s", cfg.timeout_s, positive=True)
+    if cfg.profile is not None and (not isinstance(cfg.profile, str) or not cfg.profile):
+        raise ValueError(f"profile: expected a file path or a preset name, got {cfg.profile!r}")
+    if not isinstance(cfg.out, str) or not cfg.out:
+        raise ValueError(f"out: expected a folder path, got {cfg.out!r}")
+    if cfg.kill_holder is not None:
+        check_int("kill_holder", cfg.kill_holder, minimum=1, below=cfg.holders + 1)
+    check_int("kill_after_step", cfg.kill_after_step, minimum=0, below=steps)

@@ -227,13 +227,7 @@ def replay_routes(result: dict, predict=predict_wave) -> list[dict[str, float]]:
     ``predicted_terms``."""
     cal = result["calibration"]
     fabric = FabricProfile.from_dict(cal["fabric"])
-    k = RouteConstants(
-        cal["send_us"],
-        cal["send_alone_us"],
-        cal["compute_fixed_us"],
-        cal["compute_us_per_row_token"],
-        cal.get("host_us", 0.0),
-    )
+    k = RouteConstants.from_terms(cal)  # to_dict() puts the terms beside the fabric
     g = MLAGeometry(**result["geometry"])
     cores = result.get("cores")
     cores = {int(r): c for r, c in cores.items()} if cores else None

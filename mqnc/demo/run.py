@@ -77,10 +77,9 @@ def run(prep: Prepared, progress: Progress) -> dict:
         deltas = {k: v for d in decoders for k, v in d.deltas.items()}
         report = Report(cfg, model.geometry, corpus, cal, waves, deltas, cluster.cpus)
         rows = report.rows(req.costs, verifier.errors)
+        wave_list = report.wave_list()  # every wave the rows name (demo.json's "waves")
         if "route" in rows:
-            rows["route"]["spread_mape"] = spread_mape(
-                rows["route"]["per_call"], report.wave_list()
-            )[0]
+            rows["route"]["spread_mape"] = spread_mape(rows["route"]["per_call"], wave_list)[0]
         compare = None
         if cfg.comparing:
             passes = (req.costs[:n_first], req.costs[n_first:])
@@ -98,7 +97,7 @@ def run(prep: Prepared, progress: Progress) -> dict:
         killed=decoder.killed,
         compare=compare,
         primitives=rows,
-        waves=report.wave_list(),
+        waves=wave_list,
         geometry=dataclasses.asdict(model.geometry),
         cores=cluster.cpus,
         max_abs_error={k: max(v) for k, v in verifier.errors.items()},

@@ -69,6 +69,18 @@ class RouteConstants:
     compute_us_per_row_token: float
     host_us: float = 0.0
 
+    @classmethod
+    def from_terms(cls, terms) -> RouteConstants:
+        """From a calibration's terms (a mapping with these fields' names; ``host_us`` 0 when
+        absent: the routed call's sides came from a profile)."""
+        return cls(
+            terms["send_us"],
+            terms["send_alone_us"],
+            terms["compute_fixed_us"],
+            terms["compute_us_per_row_token"],
+            terms.get("host_us", 0.0),
+        )
+
     def compute_us(self, work: float) -> float:
         """One holder kernel call over ``work`` rows x tokens."""
         return self.compute_fixed_us + self.compute_us_per_row_token * work

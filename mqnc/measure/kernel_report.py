@@ -94,13 +94,20 @@ def _mix(sass: dict) -> dict:
     }
 
 
-def _check_ops(ops, name: str = "ops") -> None:
-    """``ops``: None (all) or a non-empty set of the goal shapes' op names."""
+def _check_ops(ops) -> None:
+    """``ops``: None (all) or a non-empty set of the goal shapes' op names (a ``ValueError``
+    saying which are known)."""
     from mqnc.triton_kernels._variants import GOALS
 
     known = sorted({s.op for s in GOALS})
     if ops is not None and (not ops or set(ops) - set(known)):
-        raise ValueError(f"{name}: expected names out of {','.join(known)}, got {sorted(ops)}")
+        raise ValueError(f"expected names out of {','.join(known)}, got {sorted(ops)}")
+
+
+def _ops_arg(text: str) -> set[str]:
+    """``--ops``: the comma list as a set (checked by :func:`run` once the kernel mode is
+    chosen: the names come from the kernels' module, whose import would choose it)."""
+    return {t.strip() for t in text.split(",") if t.strip()}
 
 
 def report(ops=None, ceiling_tbps: float = 4.3, arch: int = 90):
@@ -109,7 +116,10 @@ def report(ops=None, ceiling_tbps: float = 4.3, arch: int = 90):
     from mqnc.triton_kernels._grid import LAUNCH_US, SM90, Occupancy, waves
     from mqnc.triton_kernels._variants import GOALS, shape_launches
 
-    _check_ops(ops)
+    try:
+        _check_ops(ops)
+    except ValueError as exc:
+        raise ValueError(f"ops: {exc}") from None
     compiled: dict[str, tuple] = {}
 
     def occupancy_of(launch):
@@ -263,7 +273,9 @@ def format_matrix(shapes: list[dict]) -> str:
 def add_args(ap: argparse.ArgumentParser) -> None:
     """The report's options (``mqnc kernel-report`` and ``python -m perf.kernel_report``)."""
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="JSON-lines file to append to")
-    ap.add_argument("--ops", default=None, help="comma list: mla_decode,mla_sparse,merge,...")
+    ap.add_argument(
+        "--ops", type=_ops_arg, default=None, help="comma list: mla_decode,mla_sparse,merge,..."
+    )
     ap.add_argument("--ceiling-tbps", type=float, default=4.3, help="copy ceiling, TB/s")
     ap.add_argument("--measured", default=None, help="benchmark results.jsonl to join")
     ap.add_argument("--arch", type=int, default=90)
@@ -272,12 +284,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_args(ap)
-    args = ap.parse_args(argv)
-    try:
-        _check_ops(set(args.ops.split(",")) if args.ops else None, "--ops")
-    except ValueError as exc:  # one line, exit status 2
-        ap.error(str(exc))
-    return run(args)
+    return run(ap.parse_args(argv))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -285,9 +292,12 @@ def run(args: argparse.Namespace) -> int:
     if not use_compiled_kernels():
         sys.exit("set TRITON_INTERPRET=0: the report compiles for a GPU target (it never launches)")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    ops = set(args.ops.split(",")) if args.ops else None
-    _check_ops(ops, "--ops")  # before anything compiles or the output file is opened
-    launches, shapes = report(ops, args.ceiling_tbps, args.arch)
+    try:
+        _check_ops(args.ops)  # before anything compiles or the output file is opened
+    except ValueError as exc:
+        print(f"kernel-report: error: --ops: {exc}", file=sys.stderr)
+        return 2
+    launches, shapes = report(args.ops, args.ceiling_tbps, args.arch)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as f:

@@ -178,14 +178,12 @@ class Holder:
             raise TypeError(f"dtype: expected bfloat16, float16 or float32, got {dtype}")
         self.transport = transport
         self.geometry = geometry
-        self.softmax_scale = float(check_number("softmax_scale", softmax_scale, positive=True))
+        self.softmax_scale = check_number("softmax_scale", softmax_scale, positive=True)
         self.block_size = block_size
         self.dtype = dtype
         self.device = kernel_device() if device is None else torch.device(device)
-        self.batch_window_s = float(
-            check_number("batch_window_s", batch_window_s, nonnegative=True)
-        )
-        self.poll_s = float(check_number("poll_s", poll_s, positive=True))
+        self.batch_window_s = check_number("batch_window_s", batch_window_s, nonnegative=True)
+        self.poll_s = check_number("poll_s", poll_s, positive=True)
         self._me = f"holder {transport.rank}"  # names this holder in its ERROR answers
         self.kernels = check_kernels(kernels)
         self.pages = PagedPool(

@@ -193,8 +193,6 @@ class LocalChunks:
         (§2.2), and remember it at ``offset`` (replacing, and freeing, a copy already kept
         there). A write that fails keeps no block."""
         pool = self._pool()
-        if delta != 0 and rope is None:  # before any block is taken
-            raise ValueError("rope: splicing at a new offset needs rope= (a RopeSpec)")
         old = self.chunks.pop((info.chunk_id, offset), None)
         if old is not None:  # the same chunk at the same offset again: the new copy replaces it
             pool.free(old.blocks)
