@@ -447,3 +447,89 @@ def test_merge_refuses_no_partials_and_partials_of_other_shapes():
         Requester.merge([])
     with pytest.raises(ValueError, match="parts: expected partials of one shape"):
         Requester.merge([a, b])
+
+
+def _wave(req, chunks, q, idx):
+    """A wave to holder 0: a dense request per chunk, then a selection over the first."""
+    first = min(chunks)
+    requests = [dict(chunk_id=c, q=q, layer=1) for c in sorted(chunks)]
+    requests.append(dict(chunk_id=first, q=q, layer=1, indices=idx))
+    return req.route_many(requests, merge=False)
+
+
+def test_a_wave_to_one_holder_is_answered_in_one_call_per_kind():
+    """``route_many`` flags every request but the last to a holder ``FLAG_MORE``; the holder
+    holds them until the wave is complete and answers it in one dense and one selection call,
+    whatever the timing of the sends (without the flag it takes whatever has arrived when it
+    wakes). Each partial against the fp64 reference."""
+    chunks = {1: _chunk(21, 70), 2: _chunk(22, 128), 3: _chunk(23, 40)}
+    s = Setup(chunks, start=False, lanes=4, kernels="torch")
+    s.holder.wave_hold_s = 30.0  # never reached: the wave's last request closes it
+    s.holder.start()
+    try:
+        (req,) = s.requesters
+        q = _q(24, 2)
+        idx = torch.tensor([[0, 5, 69, -1], [3, 3, 10, 20]], dtype=torch.int32)
+        parts = _wave(req, chunks, q, idx)
+        assert s.holder.stats.kernel_calls == 2
+        assert sorted(s.holder.stats.batch_requests) == [1, 3]
+        assert s.holder.stats.holds_expired == 0
+        assert len({p.record.compute_us for p in parts[:3]}) == 1  # one dense call's time
+        tol, tol_lse = TOLERANCES[("mla", "bfloat16")], TOLERANCES[("mla_lse", "float32")]
+        for part, cid in zip(parts[:3], sorted(chunks), strict=True):
+            kv = chunks[cid][1]
+            o_ref, lse_ref = partial_attention_reference(
+                q, kv, _all(q.shape[0], kv.shape[0]), SCALE
+            )
+            assert_close(part.o, o_ref, tol, name=f"chunk {cid} o")
+            assert_close(part.lse, lse_ref, tol_lse, name=f"chunk {cid} lse")
+        o_ref, lse_ref = mla_sparse_reference(q, chunks[1][1].reshape(1, 70, GEOM.d_qk), idx, SCALE)
+        assert_close(parts[3].o, o_ref, tol, name="selection o")
+        assert_close(parts[3].lse, lse_ref, tol_lse, name="selection lse")
+    finally:
+        s.close()
+
+
+def _send_flagged(req, chunk_id, q):
+    """One route request flagged FLAG_MORE whose wave never goes on: its pending call."""
+    peer, make, rec, shape = req._prepare_route(chunk_id, q, 1, None, None, None)
+    more = lambda rid, seq: make(rid, seq, more=True)  # noqa: E731
+    return req._send(peer, wire.Kind.PARTIAL, more, rec, shape)
+
+
+def test_a_wave_left_open_delays_its_own_requests_only():
+    """A requester that flags a request and never sends the rest of its wave: another
+    requester's requests are answered meanwhile (not held); the flagged one is answered once
+    ``wave_hold_s`` has passed (``stats.holds_expired``), or when the holder stops."""
+    chunks = {1: _chunk(31, 64)}
+    s = Setup(chunks, world=3, start=False, kernels="torch")
+    s.holder.wave_hold_s = 600.0  # far beyond every wait below
+    s.holder.start()
+    r1, r2 = s.requesters
+    q = _q(32, 1)
+    kv = chunks[1][1]
+    o_ref, lse_ref = partial_attention_reference(q, kv, _all(1, kv.shape[0]), SCALE)
+    tol = TOLERANCES[("mla", "bfloat16")]
+    try:
+        held = _send_flagged(r1, 1, q)
+        deadline = time.monotonic() + 20
+        while s.holder.stats.routes == 0 and not s.holder._held:
+            assert time.monotonic() < deadline, "the flagged request did not arrive"
+            time.sleep(0.01)
+        assert_close(r2.route(1, q, 1).o, o_ref, tol, name="other requester")  # not held
+        assert len(s.holder._held) == 1
+        s.holder.stop()  # a stopping holder answers what it holds
+        assert_close(r1._finish_route(held, time.monotonic() + 20).o, o_ref, tol, name="held")
+        assert s.holder.stats.holds_expired == 0
+    finally:
+        s.close()
+    s = Setup(chunks, start=False, kernels="torch")
+    s.holder.wave_hold_s = 0.05
+    s.holder.start()
+    try:
+        (req,) = s.requesters
+        part = req._finish_route(_send_flagged(req, 1, q), time.monotonic() + 20)
+        assert_close(part.o, o_ref, tol, name="after the hold")
+        assert s.holder.stats.holds_expired == 1
+    finally:
+        s.close()
