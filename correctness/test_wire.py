@@ -389,18 +389,3 @@ def test_wire_crc_is_zlibs_crc32():
         a = rng.integers(0, 256, n, dtype=np.uint8)
         assert wire._crc32(a) == zlib.crc32(a)
         assert wire._crc32(a, 12345) == zlib.crc32(a, 12345)
-
-
-def test_more_flag_marks_a_route_and_is_a_bool():
-    """``FLAG_MORE`` (more of the wave follow) rides in the flags beside the payload CRC's bit,
-    sealed by the header CRC; only a bool sets it."""
-    q = _rand((1, 2, G.d_qk), torch.bfloat16, 3)
-    for more, crc in ((True, None), (True, False), (False, None)):
-        buf = wire.pack_query(q, request_id=5, seq=2, chunk_id=7, layer=1, more=more, crc=crc)
-        h = wire.parse_header(buf, geometry=G, require_payload_crc=crc is None)
-        assert bool(h.flags & wire.FLAG_MORE) is more
-        assert bool(h.flags & wire.FLAG_PAYLOAD_CRC) is (crc is None)
-        _, got, _ = wire.unpack_query(buf, geometry=G)
-        assert _bits_equal(got, q)
-    with pytest.raises(TypeError, match="more: expected a bool, got int"):
-        wire.pack_query(q, request_id=1, seq=1, chunk_id=1, layer=0, more=1)

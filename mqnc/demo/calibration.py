@@ -57,15 +57,6 @@ __all__ = ["Calibration", "calibrate", "FABRIC_TERMS"]
 
 FABRIC_TERMS = ("t_probe_us", "bw_gbps", "turnaround_us", "bulk_bw_gbps")
 """The fabric's terms the demo uses (a profile's, or measured)."""
-ROUTE_SIDE_TERMS = (
-    "send_us",
-    "send_alone_us",
-    "compute_fixed_us",
-    "compute_us_per_row_token",
-    "sparse_fixed_us",
-    "sparse_us_per_row_token",
-)
-"""The routed call's two sides (:meth:`_Measure._route_sides`)."""
 
 PROBES = 21
 """Probes timed for ``T_probe`` (their median), after 10 warm-up probes."""
@@ -262,7 +253,9 @@ class _Measure:
             if self.fit_error is not None:
                 missing = [k for k in missing if k != "bw_gbps"]  # from the bulk pull, below
             take(fabric)
-        if set(ROUTE_SIDE_TERMS) & set(missing):
+        if {"send_us", "send_alone_us", "compute_fixed_us", "compute_us_per_row_token"} & set(
+            missing
+        ):
             take(self._route_sides(compute_pairs, alone))
         if {"bulk_bw_gbps", "fetch_fixed_us", "splice_us_per_token", "scatter_us_per_token"} & set(
             missing
@@ -324,18 +317,18 @@ class _Measure:
             return dict(t_probe_us=probe, turnaround_us=max(fixed - probe, 0.0))
 
     # -- the routed call's two sides: waves batched as the run batches ---------------------------
-    def _wave(self, sparse: bool, holders: list[int], count: int = LANES) -> list:
+    def _wave(self, sparse: bool, holders: list[int]) -> list:
         """One wave shaped like the run's: single-token requests to ``holders``, up to
-        ``count`` (at most ``LANES``) each over its chunks, grouped by holder (dense: at new
-        offsets; selection: ``topk`` canonical entries spread over a holder's chunks).
-        Returns ``(record, work)`` per request."""
+        ``LANES`` each over its chunks, grouped by holder (dense: at new offsets; selection:
+        ``topk`` canonical entries spread over a holder's chunks). Returns ``(record, work)``
+        per request."""
         cfg = self.cfg
         # the run's waves come after the requester's own work (merging, verifying): holders
         # idle for tens of ms, their threads asleep; the calibration's waves likewise
         time.sleep(WAVE_GAP_S)
         requests = []
         for h in holders:
-            chunks = self.by_holder[h][: min(count, LANES)]
+            chunks = self.by_holder[h][:LANES]
             for info in chunks:
                 r = dict(chunk_id=info.chunk_id, q=self._q(1), layer=0)
                 if sparse:
@@ -365,18 +358,14 @@ class _Measure:
     def _route_sides(self, compute_pairs: list, alone: list) -> dict[str, float]:
         """The requester's send (alone: single routes, median; in a wave: each wave to every
         holder, the run's shape, gives its mean send, and the median over those waves is
-        taken) and the holder's kernel call, dense and selection each its own Theil-Sen line
-        over the calls of waves to one holder at a time (its core's own speed). A holder
-        answers a wave's requests to it in one call per kind
-        (:data:`~mqnc.transport.wire.FLAG_MORE`), so the waves to one holder go with all of its
-        chunks and with half of them: two sizes of call per holder and kind."""
+        taken) and the holder's kernel call (a Theil-Sen line over the calls of waves to one
+        holder at a time: its core's own speed)."""
         kinds = [False, True] if self.cfg.selection_agents else [False]
         info = self.small
         while len(alone) < ALONE:  # single-token routes with nothing else in flight
             rec = self.req.route(info.chunk_id, self._q(1), 0, offset=info.position + 1).record
             alone.append(rec.transfer_us)
         compute_pairs.clear()  # the kernel calls of batches like the run's, not isolated ones
-        pairs: dict[bool, list] = {kind: [] for kind in kinds}
         sends: list[list[float]] = []  # per wave to every holder: its requests' sends
         holders = sorted(self.by_holder)
         for sparse in kinds:  # a warm-up wave of each kind, not kept
@@ -385,32 +374,25 @@ class _Measure:
         for _rep in range(WAVE_REPS):
             for sparse in kinds:
                 for h in holders:
-                    n = min(len(self.by_holder[h]), LANES)
-                    for count in sorted({max(n // 2, 1), n}):
-                        recs = self._wave(sparse, [h], count)
-                        # one kernel call answers every request of its group: they carry the
-                        # same kernel time in their reply headers
-                        calls: dict[float, int] = defaultdict(int)
-                        for rec, w in recs:
-                            calls[rec.compute_us] += w
-                        pairs[sparse] += [(w, us) for us, w in calls.items()]
+                    recs = self._wave(sparse, [h])
+                    # one kernel call answers every request of its group: they carry the same
+                    # kernel time in their reply headers
+                    calls: dict[float, int] = defaultdict(int)
+                    for rec, w in recs:
+                        calls[rec.compute_us] += w
+                    compute_pairs += [(w, us) for us, w in calls.items()]
                 sends.append([rec.transfer_us for rec, _ in self._wave(sparse, holders)])
-        compute_pairs += pairs[False]
         self.samples["send_us"] = sends
         self.samples["send_alone_us"] = list(alone)
-        self.samples["compute_work_us"] = list(pairs[False])
-        fixed, per_work = _robust_affine(pairs[False])
-        out = dict(
+        self.samples["compute_work_us"] = list(compute_pairs)
+        fixed, per_work = _robust_affine(compute_pairs)
+        return dict(
             # a wave's sends add up: their mean per wave; the median over the waves
             send_us=_median([float(np.mean(w)) for w in sends]),
             send_alone_us=_median(alone),
             compute_fixed_us=fixed,
             compute_us_per_row_token=per_work,
         )
-        if pairs.get(True):
-            self.samples["sparse_work_us"] = list(pairs[True])
-            out["sparse_fixed_us"], out["sparse_us_per_row_token"] = _robust_affine(pairs[True])
-        return out
 
     def _host_us(self, known: dict[str, float]) -> float:
         """The holder's host work per request on its core (:class:`RouteConstants`
@@ -428,7 +410,12 @@ class _Measure:
             bw_gbps=known["bw_gbps"],
             turnaround_us=known["turnaround_us"],
         )
-        base = dataclasses.replace(RouteConstants.from_terms(known), host_us=0.0)
+        base = RouteConstants(
+            known["send_us"],
+            known["send_alone_us"],
+            known["compute_fixed_us"],
+            known["compute_us_per_row_token"],
+        )
         waves = _median_waves(self.waves)
         measured = sum(sum(totals) for _, totals in waves)
 

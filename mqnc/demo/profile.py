@@ -33,8 +33,6 @@ COMPUTE_TERMS = (
     "send_alone_us",
     "compute_fixed_us",
     "compute_us_per_row_token",
-    "sparse_fixed_us",
-    "sparse_us_per_row_token",
     "host_us",
     "splice_us_per_token",
     "scatter_us_per_token",

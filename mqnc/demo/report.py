@@ -271,8 +271,6 @@ _CONSTANTS = (
     ("send_us", "route send, in a wave (mean)", "us", 1.0),
     ("compute_fixed_us", "holder kernel call, fixed", "us", 1.0),
     ("compute_us_per_row_token", "holder compute", "us/(row x token)", 1.0),
-    ("sparse_fixed_us", "holder selection call, fixed", "us", 1.0),
-    ("sparse_us_per_row_token", "holder selection compute", "us/(row x width)", 1.0),
     ("host_us", "holder host work per request", "us", 1.0),
     ("splice_us_per_token", "splice", "us/token", 1.0),
     ("scatter_us_per_token", "pool write, no rotation", "us/token", 1.0),

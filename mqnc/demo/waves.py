@@ -6,12 +6,7 @@ them, and each holder answers what has arrived whenever it is free, one kernel c
 (dense | selection) group (dispatcher batching, §6.3). A call's time is then its own route
 (§4.2: the round trip's fixed part, its bytes out and back, the compute of the holder batch it
 was answered in) plus the queueing the wave adds: the sends after it (the requester awaits
-nothing before the wave is out), the holder's earlier batches, the replies before it. Every
-request of the wave but the last to each holder is flagged
-:data:`~mqnc.transport.wire.FLAG_MORE`, so a holder starts on the wave's requests to it once
-the last has come (and it is free), one kernel call per group: the batches are the wave's,
-not whatever had arrived when the holder woke (which moved from one repeat of a wave to the
-next and made a call's time depend on it: the demo's per-call spread, issue 16).
+nothing before the wave is out), the holder's earlier batches, the replies before it.
 
 :func:`predict_wave` plays that out with this machine's constants (all measured at start-up,
 never taken from the run it predicts): ``T_probe + turnaround`` and ``BW`` of the fabric, the
@@ -63,9 +58,6 @@ class RouteConstants:
     threads then also carry the replies, and a busy holder takes a request later);
     ``compute_fixed_us + compute_us_per_row_token * work``: one holder kernel call over
     ``work`` query rows x attended tokens (the call of a batch of requests: their sum);
-    ``sparse_fixed_us + sparse_us_per_row_token * work``: the same for a selection call
-    (``work``: rows x index-row width), when measured (None: the dense line; a selection
-    kernel walks its index rows, not the chunk, and costs its own per row-token);
     ``host_us``: the holder's own work per request it answers, on its core (taking the
     request in, packing and putting its reply), which a holder sharing its core with another
     takes from that one too.
@@ -76,29 +68,21 @@ class RouteConstants:
     compute_fixed_us: float
     compute_us_per_row_token: float
     host_us: float = 0.0
-    sparse_fixed_us: float | None = None
-    sparse_us_per_row_token: float | None = None
 
     @classmethod
     def from_terms(cls, terms) -> RouteConstants:
         """From a calibration's terms (a mapping with these fields' names; ``host_us`` 0 when
-        absent: the routed call's sides came from a profile; the selection line None when
-        absent)."""
+        absent: the routed call's sides came from a profile)."""
         return cls(
             terms["send_us"],
             terms["send_alone_us"],
             terms["compute_fixed_us"],
             terms["compute_us_per_row_token"],
             terms.get("host_us", 0.0),
-            terms.get("sparse_fixed_us"),
-            terms.get("sparse_us_per_row_token"),
         )
 
-    def compute_us(self, work: float, sparse: bool = False) -> float:
-        """One holder kernel call over ``work`` rows x tokens (a selection call's own line when
-        ``sparse`` and measured)."""
-        if sparse and self.sparse_us_per_row_token is not None:
-            return self.sparse_fixed_us + self.sparse_us_per_row_token * work
+    def compute_us(self, work: float) -> float:
+        """One holder kernel call over ``work`` rows x tokens."""
         return self.compute_fixed_us + self.compute_us_per_row_token * work
 
 
@@ -121,7 +105,7 @@ def _groups(calls: list[WaveCall], batch: list[int], k: RouteConstants) -> list:
     out = []
     for sparse in dict.fromkeys(calls[i].sparse for i in batch):
         group = [i for i in batch if calls[i].sparse == sparse]
-        out.append((group, k.compute_us(sum(calls[i].work for i in group), sparse)))
+        out.append((group, k.compute_us(sum(calls[i].work for i in group))))
     return out
 
 
@@ -207,17 +191,12 @@ def predict_wave(
     half = max(fixed - k.send_alone_us - k.host_us, 0.0) / 2
     start = [i * send for i in range(n)]
     arrive = [start[i] + send + half + out_us[i] for i in range(n)]
-    # a holder holds a wave's requests to it until the last of them has come (FLAG_MORE)
-    last: dict[int, float] = {}
-    for i, c in enumerate(calls):
-        last[c.peer] = max(last.get(c.peer, 0.0), arrive[i])
-    ready = [last[c.peer] for c in calls]
     by_core: dict[int, list[int]] = defaultdict(list)
     for i, c in enumerate(calls):
         by_core[c.peer if cores is None else cores[c.peer]].append(i)
     served: dict[int, tuple[float, float]] = {}
     for idx in by_core.values():
-        served.update(_serve(ready, calls, idx, k))
+        served.update(_serve(arrive, calls, idx, k))
     terms, t = [], n * send  # the requester awaits once every request is out
     for i in range(n):
         done, call = served[i]

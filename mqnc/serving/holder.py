@@ -10,16 +10,7 @@ A holder keeps the canonical ``c_KV`` of its chunks at their canonical positions
   kind, and each group runs as ONE partial-attention kernel call: dense rows through
   ``mla_decode_partial`` with one block-table row per query token (different chunks batch
   together), selection rows through ``mla_sparse_partial`` with chunk-local indices mapped to
-  pool slots. The holder is position-oblivious: requesters rotate their queries (§3.2).
-  **Waves**: a request flagged :data:`~mqnc.transport.wire.FLAG_MORE` (more of its requester's
-  wave to this holder follow, :meth:`~mqnc.serving.Requester.route_many`) is held, with every
-  request of its requester, until the wave's last request (the one without the flag) has come
-  or ``wave_hold_s`` has passed since the hold began; other requesters' requests are not held.
-  A wave is then answered in one kernel call per group rather than in whatever pieces its
-  requests happened to arrive in while the holder was busy: fewer kernel calls, and batches
-  that do not depend on timing (which the demo's wave model, :mod:`mqnc.demo.waves`, relies
-  on). A requester that flags requests and never sends the rest delays its own requests by
-  ``wave_hold_s`` and nothing else (``stats.holds_expired`` counts it);
+  pool slots. The holder is position-oblivious: requesters rotate their queries (§3.2);
 - ``FETCH``: all (or a range of) layers of a chunk, gathered from the pool and staged into the
   reply through a pool of ``K`` CUDA streams on a GPU (§6.2's K-stream staging; on the CPU the
   staging copy is a plain copy);
@@ -92,7 +83,6 @@ class HolderStats:
     errors: int = 0
     duplicates: int = 0
     kernel_calls: int = 0
-    holds_expired: int = 0
     batch_rows: list[int] = dataclasses.field(default_factory=lambda: BoundedList(_KEEP_BATCHES))
     batch_requests: list[int] = dataclasses.field(
         default_factory=lambda: BoundedList(_KEEP_BATCHES)
@@ -147,10 +137,6 @@ class Holder:
     batch_window_s : float
         After a wake-up, wait this long for more requests before running the batch (0: batch
         exactly what is already waiting).
-    wave_hold_s : float
-        How long a requester's requests are held for the rest of its wave (a request flagged
-        :data:`~mqnc.transport.wire.FLAG_MORE`), from the moment the hold began; 0 holds
-        nothing (every request is answered in the first batch it arrives for).
     poll_s : float
         The service loop's wait granularity (how often it checks for ``stop()``).
     max_rows : int or None
@@ -178,7 +164,6 @@ class Holder:
         device: torch.device | str | None = None,
         streams: int = 8,
         batch_window_s: float = 0.0,
-        wave_hold_s: float = 0.05,
         poll_s: float = 0.05,
         max_rows: int | None = None,
         max_topk: int | None = None,
@@ -198,7 +183,6 @@ class Holder:
         self.dtype = dtype
         self.device = kernel_device() if device is None else torch.device(device)
         self.batch_window_s = check_number("batch_window_s", batch_window_s, nonnegative=True)
-        self.wave_hold_s = check_number("wave_hold_s", wave_hold_s, nonnegative=True)
         self.poll_s = check_number("poll_s", poll_s, positive=True)
         self._me = f"holder {transport.rank}"  # names this holder in its ERROR answers
         self.kernels = check_kernels(kernels)
@@ -225,8 +209,6 @@ class Holder:
         self._targets = {s: 1 for s in self._inboxes}
         self._deferred: tuple | None = None
         self._defer = False
-        self._held: list[RouteJob] = []  # requests of waves still coming (FLAG_MORE)
-        self._hold_until = 0.0
         self._reply_slots = [
             layout.slot(REPLY, transport.rank, lane) for lane in range(layout.lanes)
         ]
@@ -310,7 +292,6 @@ class Holder:
         try:
             while not self._stop.is_set():
                 self._step(self.poll_s)
-            self._release_held()
         finally:
             self._defer = False
             self._flush()
@@ -355,60 +336,26 @@ class Holder:
 
     def _step(self, timeout: float) -> int:
         tr = self.transport
-        holding = bool(self._held)
-        if holding:  # wait no longer than the hold has left
-            timeout = min(timeout, max(self._hold_until - time.monotonic(), 1e-6))
         try:
             ready = self._wait(timeout)
         except PeerLost:
-            # Every requester is gone: nothing can arrive any more (nor be answered).
+            # Every requester is gone: nothing can arrive any more.
             self._stop.set()
             return 0
         except TransportTimeout:
-            ready = []
-            if not holding:
-                return 0
+            return 0
         if stamps.ON:
             stamps.stamp("hold.woke")
-        if self.batch_window_s > 0 and ready:
+        if self.batch_window_s > 0:
             time.sleep(self.batch_window_s)
             ready = [s for s in self._inboxes if tr.signal(s) >= self._targets[s]]
-        routes, self._held = self._held, []
+        routes: list[RouteJob] = []
         handled = 0
         for slot in ready:
             handled += self._receive(slot, routes)
-        routes = self._hold_waves(routes, holding)
         if routes:
             self._batcher.answer(routes)
         return handled
-
-    def _hold_waves(self, routes: list[RouteJob], holding: bool) -> list[RouteJob]:
-        """The requests to answer now; those of requesters whose wave is still coming (a
-        request flagged ``FLAG_MORE`` and none without it yet) are kept in ``_held`` until
-        the wave is complete or ``wave_hold_s`` has passed since the hold began."""
-        if not routes or self.wave_hold_s == 0 or self._stop.is_set():
-            return routes
-        more = wire.FLAG_MORE
-        open_ = {j.src for j in routes if j.header.flags & more}
-        if not open_:
-            return routes
-        open_ -= {j.src for j in routes if not j.header.flags & more}
-        if not open_:
-            return routes
-        now = time.monotonic()
-        if not holding:
-            self._hold_until = now + self.wave_hold_s
-        elif now >= self._hold_until:
-            self.stats.holds_expired += 1
-            return routes
-        self._held = [j for j in routes if j.src in open_]
-        return [j for j in routes if j.src not in open_]
-
-    def _release_held(self) -> None:
-        """Answer what is still held (the service is stopping)."""
-        routes, self._held = self._held, []
-        if routes:
-            self._batcher.answer(routes)
 
     # ---- receiving --------------------------------------------------------------------------
     def _reply(self, src: int, lane: int, buf: torch.Tensor, seq: int) -> None:

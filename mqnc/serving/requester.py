@@ -30,7 +30,6 @@ The kernels are imported with this module: on a CPU-only machine choose the inte
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -245,6 +244,10 @@ class Requester:
         rec = CostRecord("route", peer, chunk_id, layer, m_q, 0, 0, probe_us=probe)
         return peer, make, rec, (q.shape[0], q.shape[1])
 
+    def _start_route(self, chunk_id, q, layer, offset, indices, peer) -> Pending:
+        peer, make, rec, shape = self._prepare_route(chunk_id, q, layer, offset, indices, peer)
+        return self._send(peer, wire.Kind.PARTIAL, make, rec, shape)
+
     def _finish_route(self, p: Pending, deadline: float, reply=None) -> Partial:
         h, buf = self.client.wait(p, deadline) if reply is None else reply
         part = route_reply(p, h, buf, geometry=self.geometry, device=self.device, dtype=self.dtype)
@@ -311,31 +314,18 @@ class Requester:
         """Fan one query batch out to several holders and merge (§3.3, Fig. 4(a)).
 
         ``requests`` are keyword dicts of :meth:`route` (``chunk_id``, ``q``, ``layer`` and
-        optionally ``offset``, ``indices``, ``peer``). All are checked (and rotated), then sent
-        before any is awaited; every request but the last to its holder carries
-        :data:`~mqnc.transport.wire.FLAG_MORE`, so that the holder answers a wave's requests
-        to it together, one kernel call per group (§6.3; :class:`~mqnc.serving.Holder`'s
-        ``wave_hold_s`` bounds how long it waits for the rest). With ``merge`` (and the same
-        ``[B, H]`` in every request) returns the M-way merged ``(o, lse)`` (one merge kernel
-        call, its time recorded as ``merge_us`` in every record); otherwise the list of
-        partials. Any failure raises after every reply has been awaited or timed out (no lane
-        is left waiting).
+        optionally ``offset``, ``indices``, ``peer``). All are sent before any is awaited.
+        With ``merge`` (and the same ``[B, H]`` in every request) returns the M-way merged
+        ``(o, lse)`` (one merge kernel call, its time recorded as ``merge_us`` in every
+        record); otherwise the list of partials. Any failure raises after every reply has
+        been awaited or timed out (no lane is left waiting).
         """
         pending: list[Pending] = []
         errors: list[BaseException] = []
-        prepared = []
         for r in requests:
             args = (r["chunk_id"], r["q"], r["layer"], r.get("offset"), r.get("indices"))
             try:
-                prepared.append(self._prepare_route(*args, r.get("peer")))
-            except BaseException as exc:
-                errors.append(exc)
-        last = {peer: i for i, (peer, *_) in enumerate(prepared)}
-        for i, (peer, make, rec, shape) in enumerate(prepared):
-            if last[peer] != i:  # more of this wave to the same holder follow (FLAG_MORE)
-                make = functools.partial(make, more=True)
-            try:
-                pending.append(self._send(peer, wire.Kind.PARTIAL, make, rec, shape))
+                pending.append(self._start_route(*args, r.get("peer")))
             except BaseException as exc:
                 errors.append(exc)
         deadline = time.monotonic() + self.timeout_s

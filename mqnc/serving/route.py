@@ -91,14 +91,11 @@ def route_request(
     rope,
     ops,
     crc: bool | None = None,
-) -> tuple[int, Callable[..., torch.Tensor]]:
+) -> tuple[int, Callable[[int, int], torch.Tensor]]:
     """Check a route of ``q`` (already checked by :func:`check_query`) over chunk ``info``
     and return ``(M_q, make)``: ``make(request_id, seq)`` packs the ``ROUTE`` message (the
     copy to the host included, so that it counts as transfer time; a payload CRC unless
-    ``crc`` is False; ``make(request_id, seq, more=True)`` sets
-    :data:`~mqnc.transport.wire.FLAG_MORE`: more of the wave to the same holder follow).
-    ``ops`` runs the rotation
-    (:func:`mqnc.serving.compute.kernel_ops`)."""
+    ``crc`` is False). ``ops`` runs the rotation (:func:`mqnc.serving.compute.kernel_ops`)."""
     if not 0 <= layer < geometry.layers:
         raise ValueError(f"layer: expected 0 <= layer < {geometry.layers}, got {layer}")
     if offset is not None:  # an int: a float would be rotated by its truncation
@@ -119,7 +116,7 @@ def route_request(
     qr = ops.rope_rotate(q, -(offset - info.position), rope) if moved else q
     qr = qr.contiguous()
 
-    def make(rid: int, seq: int, more: bool = False) -> torch.Tensor:
+    def make(rid: int, seq: int) -> torch.Tensor:
         return wire.pack_query(
             qr.cpu(),
             request_id=rid,
@@ -129,7 +126,6 @@ def route_request(
             indices=idx,
             geometry=geometry,
             crc=crc,
-            more=more,
         )
 
     return q.shape[0] * q.shape[1], make

@@ -31,8 +31,8 @@ starts 16-byte aligned): magic ``b"MQNC"``, version, kind, dtype code, flags, re
 batch (u32), heads (u32), width (u32), layer_lo / layer_hi (u16, the half-open layer range),
 topk (u32), payload bytes (u64), position (i64), holder nanoseconds (u64: the holder's compute
 time, reported in a ``PARTIAL`` for the requester's cost record), payload CRC-32 (u32, when
-flag bit 0 is set; bit 1, :data:`FLAG_MORE`, marks a ``ROUTE`` that more of its wave follow)
-and header CRC-32 (u32, over the header with this field zeroed, padding included).
+flag bit 0 is set) and header CRC-32 (u32, over the header with this field zeroed, padding
+included).
 
 Checksums. The header CRC is always written and always checked. The payload CRC is written
 by default for host buffers (``crc=None``); a sender whose bytes never leave the process (the
@@ -74,7 +74,6 @@ __all__ = [
     "HEADER_FORMAT",
     "HEADER_BYTES",
     "FLAG_PAYLOAD_CRC",
-    "FLAG_MORE",
     "Kind",
     "Header",
     "WireError",
@@ -109,11 +108,6 @@ _CRC_OFFSET = _STRUCT.size - 4  # header CRC is the last field
 _PAYLOAD_OFFSET = 14  # index of payload_bytes in the unpacked struct
 _ZERO4 = bytes(4)
 FLAG_PAYLOAD_CRC = 1
-FLAG_MORE = 2
-"""A ``ROUTE`` flag: the requester sends more requests of the same wave to this holder right
-after this one (:meth:`mqnc.serving.Requester.route_many`); the holder may hold the wave's
-requests until the one without the flag has come (bounded by its ``wave_hold_s``) and answer
-them in one kernel call per group (§6.3)."""
 
 if _STRUCT.size > HEADER_BYTES:  # pragma: no cover - layout invariant
     raise ImportError(f"wire header struct is {_STRUCT.size} B, more than {HEADER_BYTES}")
@@ -709,7 +703,6 @@ def pack_query(
     indices: torch.Tensor | None = None,
     geometry: MLAGeometry | None = None,
     crc: bool | None = None,
-    more: bool = False,
 ) -> torch.Tensor:
     """Pack ``M_q = B * H`` absorbed query rows (and a selection) into one ``ROUTE`` message.
 
@@ -730,8 +723,6 @@ def pack_query(
     crc : bool or None
         Payload CRC: None (default) for host buffers, False to skip it (bytes that never leave
         the process).
-    more : bool
-        Set :data:`FLAG_MORE`: more requests of this wave to the same holder follow.
 
     Returns
     -------
@@ -748,10 +739,7 @@ def pack_query(
     B, H, D = q.shape
     topk = 0 if indices is None else _check_indices(indices, q)
     nbytes = query_payload_bytes(B, H, D, topk, q.dtype)
-    if type(more) is not bool:
-        raise TypeError(f"more: expected a bool, got {type(more).__name__}")
-    flags = FLAG_MORE if more else 0
-    h = Header(Kind.ROUTE, q.dtype, flags, request_id, seq, chunk_id, B, H, D, lo, hi, topk, nbytes)
+    h = Header(Kind.ROUTE, q.dtype, 0, request_id, seq, chunk_id, B, H, D, lo, hi, topk, nbytes)
     return _assemble(h, (q, indices) if topk else (q,), q.device, None, crc)
 
 
