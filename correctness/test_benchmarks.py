@@ -314,6 +314,25 @@ def test_check_makes_a_missed_target_the_exit_status(tmp_path, monkeypatch, caps
     assert "targets met" in text and text.count(": predicate ") == 2
 
 
+def test_a_runs_new_records_are_checked_line_by_line(tmp_path):
+    """``read_new`` (what ``--check`` holds to the targets) reads only the lines a run appended
+    and refuses one that is not a record, naming the file and the line."""
+    from mqnc.measure.results import read_new
+
+    path = tmp_path / "r.jsonl"
+    old = '{"bench": "old", "x": 1, "p50": 2.0}\n'
+    new = '{"bench": "new", "x": 4, "p50": 5.0}\n'
+    path.write_text(old + new)
+    assert [r["bench"] for r in read_new(path, 1)] == ["new"]
+    assert read_new(tmp_path / "none.jsonl", 0) == []
+    path.write_text(old + '{"bench": "new", "x": 4, "p50": NaN}\n')
+    with pytest.raises(ValueError, match=r"r.jsonl line 2: key 'p50': expected a finite number"):
+        read_new(path, 1)
+    path.write_text(old + "not json\n")
+    with pytest.raises(ValueError, match=r"r.jsonl line 2 is not JSON"):
+        read_new(path, 1)
+
+
 def test_targets_select_records():
     recs = [
         dict(bench="mla_fanin", variant="H=16,ct=2048", x=8, p50=10.0, backend="triton"),

@@ -36,7 +36,7 @@ from pathlib import Path
 from mqnc import __version__
 from mqnc.base.env import commit, results_file
 from mqnc.base.runtime import device_name
-from mqnc.cost.fitting import read_jsonl
+from mqnc.cost.fitting import check_record, read_jsonl
 
 __all__ = [
     "REPO_RESULTS",
@@ -127,11 +127,20 @@ def git_commit() -> str:
 
 def read_new(path: str | os.PathLike, skip_lines: int) -> list[dict]:
     """The records of ``path`` after its first ``skip_lines`` lines (what one run appended);
-    ``[]`` when the file does not exist."""
+    ``[]`` when the file does not exist. Each line is checked as :func:`read_jsonl` checks
+    them (a ``ValueError`` naming the file, the line and the key)."""
     p = Path(path)
     if not p.exists():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines()[skip_lines:] if line.strip()]
+    out = []
+    for i, line in enumerate(p.read_text().splitlines()[skip_lines:], skip_lines + 1):
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"results: {p} line {i} is not JSON ({exc})") from None
+            out.append(check_record(rec, f"{p} line {i}"))
+    return out
 
 
 def record(
