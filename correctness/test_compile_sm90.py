@@ -23,6 +23,7 @@ import sys
 import pytest
 import triton
 
+from mqnc.triton_kernels._grid import SM90
 from mqnc.triton_kernels._sm90_table import SM90_VARIANTS, TRITON
 from mqnc.triton_kernels._variants import production_variants
 
@@ -57,6 +58,8 @@ def test_compiles_for_sm90_without_spills(compiled, name):
         f"local {res['local']}, shared {res['shared']} B, sass {res['sass']}"
     )
     assert res["registers"] <= 255
+    # a launch asking more shared memory than a CTA may have fails (OutOfResources)
+    assert res["shared"] <= SM90.shared_per_cta, f"{name}: {res['shared']} B of shared memory"
     assert res["stack"] == 0 and res["local"] == 0, (
         f"{name} spills: stack {res['stack']}, local {res['local']}"
     )
@@ -70,15 +73,21 @@ def test_mla_tile_loop_is_double_buffered(compiled, name):
     """The KV tile behind the page-table (or index) indirection is double-buffered: TTGIR
     allocates a 2-deep ring of ``BLOCK_N x 512`` tiles, copies into it asynchronously
     (``cp.async``: LDGSTS in the SASS) and waits with groups still in flight (``num > 0``);
-    the single-buffered loop had ``1x64x512xbf16`` and ``async_wait {num = 0}`` only."""
+    the single-buffered loop had ``1x64x512xbf16`` and ``async_wait {num = 0}`` only. 16-bit
+    operands run on the tensor cores (HMMA); fp32 ones in full fp32 (``ieee``, never tf32)."""
     res = compiled[name]
-    block_n = name.split(",")[1].split("x")[1]
+    dtype, tile = name.split("[")[1].split(",")[:2]
+    block_n = tile.split("x")[1]
+    elem = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[dtype]
     ttgir = res["ttgir"]
     print(f"{name}: buffers {ttgir['local_alloc']}, async_wait nums {ttgir['async_waits']}")
-    assert f"2x{block_n}x512xbf16" in ttgir["local_alloc"]
+    assert f"2x{block_n}x512x{elem}" in ttgir["local_alloc"]
     assert ttgir["async_copies"] > 0 and max(ttgir["async_waits"]) > 0
     assert res["sass"].get("LDGSTS.128", 0) > 0, res["sass"]
-    assert res["sass"].get("HMMA", 0) > 0, res["sass"]  # bf16 operands on the tensor cores
+    if elem != "f32":
+        assert res["sass"].get("HMMA", 0) > 0, res["sass"]  # 16-bit operands on tensor cores
+    else:
+        assert not res["sass"].get("HMMA", 0), res["sass"]  # no tf32 rounding of fp32
 
 
 @pytest.mark.parametrize("name", [n for n in VARIANTS if n.startswith("merge")])

@@ -116,18 +116,18 @@ def test_split_kv_merge_traffic_stays_small_at_long_contexts():
 
 
 def test_head_blocks_of_one_token_are_scheduled_together():
-    """H 128: the grid is (head blocks, splits, tokens): the four head blocks of a token are
-    consecutive programs (grid axis 0 varies fastest), so they run in the same wave and read
-    the token's tiles from DRAM once."""
+    """H 128: the grid is (tokens x head blocks, splits): the four head blocks of a token are
+    consecutive programs on axis 0 (which varies fastest), so they run in the same wave and
+    read the token's tiles from DRAM once; the rows on axis 0, not on axis 2 (65,535 at most)."""
     shape = next(s for s in GOALS if s.op == "mla_decode" and (s.H, s.B) == (128, 64))
     attend = shape_launches(shape)[0]
-    assert attend.grid[0] == 128 // tile_config(128).block_h and attend.grid[2] == 64
+    assert len(attend.grid) == 2 and attend.grid[0] == 64 * (128 // tile_config(128).block_h)
 
 
 def test_launch_names_identify_the_split_variant():
     shape = next(s for s in GOALS if s.op == "mla_decode" and (s.H, s.B, s.ct) == (16, 1, 2048))
     attend, combine = shape_launches(shape)
-    assert attend.name.endswith("out=fp32-split]") and attend.grid == (1, 32, 1)
+    assert attend.name.endswith("out=fp32-split]") and attend.grid == (1, 32)
     assert combine.name.startswith("merge[float32->bfloat16,M<=32")
     assert attend.args[0].dtype == torch.bfloat16
 
@@ -170,3 +170,31 @@ def test_gpu_occupancy_is_read_from_the_jits_compiled_kernel(monkeypatch):
     row = SM90_VARIANTS[name]
     got = _grid.kernel_occupancy(name, torch.device("cpu"), lambda: 1 / 0)
     assert got == Occupancy(row["registers"], 32 * row["num_warps"], row["shared"])
+
+
+@pytest.mark.parametrize("op", ["decode", "sparse"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_grids_of_many_query_rows_fit_cudas_limits(op, heads):
+    """70,000 query rows (a long sparse prefill, or ``B * s_q`` decode rows) launch: the rows
+    are on grid axis 0 (2**31 - 1 programs), not on axis 2, whose 65,535 a launch would exceed
+    ("invalid argument" from the driver; the interpreter accepts any grid). Planned on meta
+    tensors: only shapes and strides are read."""
+    from mqnc.triton_kernels.mla_decode import plan_decode
+    from mqnc.triton_kernels.mla_sparse import plan_sparse
+
+    rows, meta = 70_000, dict(dtype=torch.bfloat16, device="meta")
+    q = torch.empty(rows, heads, 576, **meta)
+    kv = torch.empty(8, 64, 576, **meta)
+    if op == "decode":
+        table = torch.empty(rows, 2, dtype=torch.int32, device="meta")
+        lens = torch.empty(rows, dtype=torch.int32, device="meta")
+        plan = plan_decode(q, kv, table, lens, 0.1, 512, 2)
+    else:
+        plan = plan_sparse(
+            q, kv, torch.empty(rows, 64, dtype=torch.int32, device="meta"), 0.1, 512, 2
+        )
+    attend = plan.launches[0]
+    assert attend.grid[0] == rows * -(-heads // tile_config(heads).block_h)
+    for launch in plan.launches:
+        x, *rest = launch.grid
+        assert x <= 2**31 - 1 and all(n <= 65_535 for n in rest), (launch.name, launch.grid)

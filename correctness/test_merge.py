@@ -12,6 +12,8 @@ import threading
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,6 +27,7 @@ from mqnc.triton_kernels import (
     merge_partials_into,
     ml_from_lse,
 )
+from mqnc.triton_kernels._numerics import round_to
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 INF = float("inf")
@@ -364,3 +367,30 @@ def test_the_compiled_paths_slicing_of_o(dtype, D, block_d):
     o_ref, lse_ref = merge_reference(o, lse)
     assert_close(o_out, o_ref, _tol(dtype), name="o")
     assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")
+
+
+@triton.jit
+def _round_bf16(X, Y, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, round_to(tl.load(X + offs), tl.bfloat16, True))
+
+
+def test_software_bf16_rounding_keeps_every_nan_a_nan():
+    """``_numerics.round_to`` with ``BF16_RNE`` (the interpreter's store-side cast, shared by
+    every kernel's bf16 store): round to nearest even as torch's cast does, and a NaN of any
+    payload stays a NaN (the carry once made 0x7F800001 inf and 0x7FFFFFFF -0.0)."""
+    from mqnc.triton_kernels._runtime import interpreting, launch_lock
+
+    if not interpreting():
+        pytest.skip("the software rounding runs under the interpreter only")
+    bits = [0x7F800001, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0xFF800001, 0x7F800000, 0xFF800000]
+    bits += [0x3F808000, 0x3F818000, 0x3F80FFFF, 0x00000001, 0x80000000, 0x477FFFFF, 0x7F7FFFFF]
+    x = torch.tensor(bits + [0] * (16 - len(bits)), dtype=torch.int64).to(torch.uint32)
+    x = x.view(torch.float32)
+    y = torch.full((16,), float("nan"), dtype=torch.bfloat16)
+    with launch_lock():
+        _round_bf16[(1,)](x, y, 16)
+    want = x.to(torch.bfloat16)
+    assert torch.equal(torch.isnan(y), torch.isnan(x))
+    finite = ~torch.isnan(x)
+    assert torch.equal(y[finite].view(torch.int16), want[finite].view(torch.int16))

@@ -214,3 +214,17 @@ def test_run_refuses_tensors_unlike_the_planned_ones(no_checks):
         sparse.run(q, pool, table[:, :1].contiguous())
     with pytest.raises(ValueError, match="q_nope: expected shape"):
         fi_plan.run(q4[..., :D_V], *fi_args[1:])
+    # an out= the kernels would write through the planned strides: refused before the launch
+    o, lse = plan.run(q, pool, table, lens)
+    wide = torch.full((2, 4, 2 * D_V), float("nan"), device=DEVICE)
+    for bad, what in (
+        ((wide[..., :D_V], lse.clone()), r"out\[0\] \(o\): expected a contiguous tensor"),
+        ((o.to(torch.float64), lse.clone()), r"out\[0\] \(o\): .*torch.float64"),
+        ((o.clone(), lse[:1].clone()), r"out\[1\] \(lse\): expected .*shape \(2, 4\)"),
+        ((o.clone()[:1], lse.clone()), r"out\[0\] \(o\): expected .*shape \(2, 4, 512\)"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            plan.run(q, pool, table, lens, out=bad)
+    with pytest.raises(TypeError, match="out: expected a pair"):
+        plan.run(q, pool, table, lens, out=o)
+    assert torch.isnan(wide).all()  # nothing was written

@@ -81,6 +81,11 @@ class SmLimits:
     shared_per_cta_reserved: int = 1024  # the driver's reservation per CTA
     reg_alloc_unit: int = 256  # registers are allocated per warp in units of 256
 
+    @property
+    def shared_per_cta(self) -> int:
+        """The most shared memory one CTA may have (a launch asking more fails)."""
+        return self.shared - self.shared_per_cta_reserved
+
 
 SM90 = SmLimits()
 

@@ -72,9 +72,19 @@ class TileConfig:
 # and waits with `num = 4` groups in flight (triton 3.6.0 and 3.9.0; test_compile_sm90 checks).
 _DENSE = {16: TileConfig(16, 64, 8, 5), 32: TileConfig(32, 32, 8, 5)}
 _SPARSE = {16: TileConfig(16, 32, 8, 5), 32: TileConfig(32, 16, 8, 5)}
+# fp32 caches: the 2-deep KV ring holds twice the bytes and the fp32 query and accumulator twice
+# the registers. At the 16-bit tiles the dense 16 x 64 kernel needs 336,960 B of shared memory
+# (sm_90 gives a CTA at most 232,448: it cannot launch) and the 32-head tiles spill; 16 x 32 on
+# 8 warps fits under triton 3.9.0 but spills under 3.6.0 (144 B of stack dense, 88 B sparse),
+# as do 16 x 32 and 16 x 16 on 4 or 8 warps. 16 heads x 16 entries on 16 warps, 5 stages (still
+# double-buffered) spills under neither: 111,936 B shared, 183 / 187 registers dense (3.9.0 /
+# 3.6.0), 112,064 B and 125 / 197 sparse (launch-exact compiles, ECOSYSTEM's fp32 shapes).
+_FP32 = TileConfig(16, 16, 16, 5)
 
 
-def tile_config(heads: int, *, sparse: bool = False) -> TileConfig:
+def tile_config(
+    heads: int, *, sparse: bool = False, dtype: torch.dtype = torch.bfloat16
+) -> TileConfig:
     """The tile configuration for ``heads`` query heads per token.
 
     Chosen from launch-exact sm_90 compiles of the bf16 kernels (``_variants``, registers and
@@ -88,7 +98,13 @@ def tile_config(heads: int, *, sparse: bool = False) -> TileConfig:
     16..64-entry tiles), its fp32 accumulator alone being 64 x 512; so H > 16 runs in programs
     of 32 heads, the head blocks of one token scheduled together (grid axis 0) so that each of
     the token's tiles is read from DRAM once and from L2 by the others.
+
+    An fp32 cache (``dtype``: the cache's; 4-byte elements) runs 16 heads x 16 entries on 16
+    warps for every head count, dense and sparse: the 16-bit tiles exceed sm_90's shared memory
+    or spill there.
     """
+    if dtype.itemsize == 4:
+        return _FP32
     table = _SPARSE if sparse else _DENSE
     return table[16] if heads <= 16 else table[32]
 
@@ -336,6 +352,15 @@ def _signature(t: torch.Tensor) -> tuple:
     return tuple(t.shape), t.stride(), t.dtype, t.device
 
 
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 class AttentionPlan:
     """A partial-MLA call planned once for a batch shape, run many times (§6.3's holder runs
     one per step and layer): FlashMLA's ``get_mla_metadata`` / FlashInfer's ``plan()``.
@@ -397,7 +422,7 @@ class AttentionPlan:
             o = new_output(self._o[0], self._o[1], self._device)
             lse = new_output(self._lse, torch.float32, self._device)
         else:
-            o, lse = out
+            o, lse = self._check_out(out)
         if not self.launches:
             return o, lse
         if self._split:
@@ -418,3 +443,24 @@ class AttentionPlan:
                     o_part, lse_part, o, lse, lse, *combine.args[5:], **combine.kwargs
                 )
         return o, lse
+
+    def _check_out(self, out) -> tuple[torch.Tensor, torch.Tensor]:
+        """``out`` as the kernels write it: contiguous ``o`` and ``lse`` of the planned shapes,
+        dtypes and device (the launches carry the planned strides: anything else would be
+        written wrongly, or past its end)."""
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(f"out: expected a pair (o, lse) of tensors, got {type(out).__name__}")
+        planned = ((self._o[0], self._o[1]), (self._lse, torch.float32))
+        names = ("out[0] (o)", "out[1] (lse)")
+        for name, t, (shape, dtype) in zip(names, out, planned, strict=True):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            want = (shape, _contiguous(shape), dtype)
+            got = _signature(t)
+            if got[:3] != want or t.device != torch.device(self._device):
+                raise ValueError(
+                    f"{name}: expected a contiguous tensor of shape {shape} (strides "
+                    f"{want[1]}), {dtype} on {self._device} (as planned), got shape {got[0]}, "
+                    f"strides {got[1]}, {got[2]} on {got[3]}"
+                )
+        return out[0], out[1]

@@ -49,7 +49,8 @@ class Shape:
     Layouts (the adapters'; the goals use the defaults): ``page`` size, ``csr`` page table,
     ``split`` latent / rope tensors, ``s_q`` query tokens per sequence (``B`` sequences),
     ``causal``; a splice into ``layers="list"`` (one cache per layer); a merge with a ``mask``
-    and base-2 lse (``base2``)."""
+    and base-2 lse (``base2``); an MLA cache and query ``dtype`` other than bf16 (a torch dtype
+    name)."""
 
     op: str
     B: int = 1
@@ -67,6 +68,7 @@ class Shape:
     layers: str = "stacked"
     mask: bool = False
     base2: bool = False
+    dtype: str = "bfloat16"
 
     @property
     def label(self) -> str:
@@ -81,6 +83,7 @@ class Shape:
                 ("layers=list", self.layers != "stacked"),
                 ("mask", self.mask),
                 ("base2", self.base2),
+                (self.dtype, self.dtype != "bfloat16"),
             )
             if on
         )
@@ -134,6 +137,10 @@ def _ecosystem() -> tuple[Shape, ...]:
         Shape(**dense, B=4, H=128, s_q=2, causal=True),
         # sparse over a split cache
         Shape("mla_sparse", B=1, H=128, ct=2048, split=True),
+        # fp32 caches (their own tile: the 16-bit ones exceed sm_90's shared memory or spill)
+        Shape(**dense, B=4, H=16, dtype="float32"),
+        Shape(**dense, B=4, H=128, dtype="float32"),
+        Shape("mla_sparse", B=1, H=128, ct=2048, dtype="float32"),
         # FlashInfer's merge_state_in_place: masked, base-2 lse
         Shape("merge", B=16, H=16, M=2, mask=True, base2=True),
         # the splice into one cache per layer (vLLM / SGLang)
@@ -161,15 +168,16 @@ def _mla_inputs(shape: Shape, device):
     """Query rows and a (fused or split) cache of the shape's layout, as a launcher takes them:
     ``(q, kv_pool, q_pe, kpe_pool)``."""
     rows = shape.B * shape.s_q
+    dtype = getattr(torch, shape.dtype)
     page = shape.page
     blocks = max(2, 128 // page)  # a few pages (the compile sees strides only)
     if not shape.split:
-        q = torch.zeros(rows, shape.H, D_QK, dtype=DTYPE, device=device)
-        return q, torch.zeros(blocks, page, D_QK, dtype=DTYPE, device=device), None, None
-    q = torch.zeros(rows, shape.H, D_V, dtype=DTYPE, device=device)
-    q_pe = torch.zeros(rows, shape.H, D_QK - D_V, dtype=DTYPE, device=device)
-    ckv = torch.zeros(blocks, page, D_V, dtype=DTYPE, device=device)
-    kpe = torch.zeros(blocks, page, D_QK - D_V, dtype=DTYPE, device=device)
+        q = torch.zeros(rows, shape.H, D_QK, dtype=dtype, device=device)
+        return q, torch.zeros(blocks, page, D_QK, dtype=dtype, device=device), None, None
+    q = torch.zeros(rows, shape.H, D_V, dtype=dtype, device=device)
+    q_pe = torch.zeros(rows, shape.H, D_QK - D_V, dtype=dtype, device=device)
+    ckv = torch.zeros(blocks, page, D_V, dtype=dtype, device=device)
+    kpe = torch.zeros(blocks, page, D_QK - D_V, dtype=dtype, device=device)
     return q, ckv, q_pe, kpe
 
 

@@ -11,8 +11,10 @@ Kernel design (decisions written down here, where the issue was silent):
   else 32; FlashMLA's 64 spills registers in Triton, see ``_mla_launch.tile_config``) and
   streams that token's cache tiles once for all of them; the value is the first ``d_v`` dims of
   the same tile (no second read of the latent).
-- **Grid order**: ``(ceil(H / BLOCK_H), S, B)``, head blocks fastest, so the head blocks of one
-  token (and split) run side by side and read each tile once from DRAM, then from L2.
+- **Grid order**: ``(B * ceil(H / BLOCK_H), S)``, a token's head blocks adjacent on axis 0, so
+  the head blocks of one token (and split) run side by side and read each tile once from DRAM,
+  then from L2; the rows are on axis 0 (up to 2**31 - 1 programs), not on axis 2, whose 65,535
+  would refuse a launch of more query rows (a long sparse prefill, ``B * s_q`` rows).
 - **Paged, pipelined**: the ``BLOCK_N`` (64, or 32 at 32 heads) entries of a tile are looked
   up in the page table (any power-of-two page size, 1 for SGLang's token pools, smaller or
   larger than the tile); with 5 pipeline stages Triton double-buffers the KV tile behind that
@@ -135,11 +137,15 @@ def _mla_decode_kernel(
     PRECISION: tl.constexpr,
     BF16_RNE: tl.constexpr,
 ):
-    """Grid ``(ceil(H / BLOCK_H), NUM_SPLITS, B * SEQ_Q)``: one program per (head block, split,
-    query row); query row ``b`` belongs to sequence ``b // SEQ_Q`` (its pages and length)."""
-    h0 = tl.program_id(0) * BLOCK_H
+    """Grid ``(B * SEQ_Q * ceil(H / BLOCK_H), NUM_SPLITS)``: one program per (query row, head
+    block) and split, a row's head blocks adjacent on axis 0 (axis 0 holds 2**31 - 1 programs;
+    rows on axis 2 stopped at 65,535); query row ``b`` belongs to sequence ``b // SEQ_Q`` (its
+    pages and length)."""
+    head_blocks = tl.cdiv(H, BLOCK_H)
+    pid = tl.program_id(0)
+    b = pid // head_blocks
+    h0 = (pid - b * head_blocks) * BLOCK_H
     split = tl.program_id(1)
-    b = tl.program_id(2)
     if MULTI_Q:
         seq = b // SEQ_Q
     else:
@@ -671,7 +677,7 @@ def plan_decode(
     split choice (default: the table's capacity); ``alloc``: how outputs are made."""
     ops = ops or MlaOperands(q, q, kv_pool, kv_pool, d_v, q.shape[2] - d_v, False)
     layout = layout or PagedLayout()
-    cfg = tile_config(q.shape[1])
+    cfg = tile_config(q.shape[1], dtype=q.dtype)
     page = kv_pool.shape[1]
     lens = cache_seqlens if cache_seqlens is not None else indptr  # (CSR: derived per run)
 
@@ -734,7 +740,7 @@ def decode_launch(
             "mla_decode", q.dtype, cfg, split, decode_features(block_size, ops.split, layout)
         ),
         kernel=_mla_decode_kernel,
-        grid=(triton.cdiv(H, cfg.block_h), num_splits, R),
+        grid=(R * triton.cdiv(H, cfg.block_h), num_splits),
         args=(
             q,
             ops.q_pe,

@@ -97,11 +97,14 @@ def _mla_sparse_kernel(
     PRECISION: tl.constexpr,
     BF16_RNE: tl.constexpr,
 ):
-    """Grid ``(ceil(H / BLOCK_H), NUM_SPLITS, B)``; split ``s`` takes a contiguous range of the
-    row's ``topk`` index slots, whole tiles each."""
-    h0 = tl.program_id(0) * BLOCK_H
+    """Grid ``(B * ceil(H / BLOCK_H), NUM_SPLITS)``: a row's head blocks adjacent on axis 0 (as
+    the dense kernel's); split ``s`` takes a contiguous range of the row's ``topk`` index
+    slots, whole tiles each."""
+    head_blocks = tl.cdiv(H, BLOCK_H)
+    pid = tl.program_id(0)
+    b = pid // head_blocks
+    h0 = (pid - b * head_blocks) * BLOCK_H
     split = tl.program_id(1)
-    b = tl.program_id(2)
 
     k_start, k_end = _split_range(topk, NUM_SPLITS, split, BLOCK_N, MIN_TILES)
 
@@ -300,7 +303,7 @@ def plan_sparse(
     ``occupancy`` if given (see ``_mla_launch.plan_mla``); ``ops`` the checked operands
     (default: fused ``q`` and ``kv_pool``), ``alloc`` how outputs are made."""
     ops = ops or MlaOperands(q, q, kv_pool, kv_pool, d_v, q.shape[2] - d_v, False)
-    cfg = tile_config(q.shape[1], sparse=True)
+    cfg = tile_config(q.shape[1], sparse=True, dtype=q.dtype)
 
     def build(o_part, lse_part, splits):
         return sparse_launch(ops, indices, o_part, lse_part, splits, scale, cfg)
@@ -339,7 +342,7 @@ def sparse_launch(
     return Launch(
         name=variant_name("mla_sparse", q.dtype, cfg, o_part.dim() == 4, feats),
         kernel=_mla_sparse_kernel,
-        grid=(triton.cdiv(H, cfg.block_h), num_splits, B),
+        grid=(B * triton.cdiv(H, cfg.block_h), num_splits),
         args=(
             q,
             ops.q_pe,
