@@ -198,3 +198,22 @@ def test_grids_of_many_query_rows_fit_cudas_limits(op, heads):
     for launch in plan.launches:
         x, *rest = launch.grid
         assert x <= 2**31 - 1 and all(n <= 65_535 for n in rest), (launch.name, launch.grid)
+
+
+def test_a_view_whose_inner_offsets_overflow_32_bits_is_refused():
+    """The kernels offset within a page (and within a row's heads) in 32-bit arithmetic: a
+    permuted view whose ``(shape[1] - 1) * stride(1)`` passes 2**31 (a token-major pool of 60K
+    blocks transposed) is a ValueError naming it, not a wrapped address on the GPU. Meta
+    tensors: nothing is allocated."""
+    from mqnc.triton_kernels._mla_launch import mla_operands
+
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    q = torch.empty(4, 16, 576, **meta)
+    token_major = torch.empty(64, 60_000, 576, **meta).transpose(0, 1)  # [blocks, page, d]
+    with pytest.raises(ValueError, match=r"kv_pool: expected \(shape\[1\] - 1\) \* stride\(1\)"):
+        mla_operands(q, token_major, 512)
+    head_major = torch.empty(16, 300_000, 576, **meta).transpose(0, 1)  # [rows, H, d]
+    with pytest.raises(ValueError, match=r"q: expected \(shape\[1\] - 1\)"):
+        mla_operands(head_major, torch.empty(8, 64, 576, **meta), 512)
+    ops = mla_operands(q, torch.empty(8, 64, 576, **meta), 512)  # contiguous: fine
+    assert ops.kv.shape == (8, 64, 576)

@@ -190,7 +190,25 @@ def mla_operands(
         kpe_pool = kv_pool[..., d_v:] if kpe_pool is None else kpe_pool
     else:
         q_pe, kpe_pool = q, kv_pool
+    for name, t in (("q", q), ("q_pe", q_pe), ("kv_pool", kv_pool), ("kpe_pool", kpe_pool)):
+        _check_inner_offsets(name, t)
     return MlaOperands(q, q_pe, kv_pool, kpe_pool, d_v, d_pe, split)
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _check_inner_offsets(name: str, t: torch.Tensor) -> None:
+    """The kernels widen the outer index (row, page) to 64 bits before it meets its stride, but
+    offset within a row's heads or a page's entries in 32-bit arithmetic: ``(n - 1) * stride``
+    of the middle dim must fit (a permuted view, e.g. a token-major pool transposed to
+    ``[num_blocks, block_size, d]`` with ~60K blocks, would wrap and read or write elsewhere)."""
+    n, stride = t.shape[1], t.stride(1)
+    if (n - 1) * stride > _INT32_MAX:
+        raise ValueError(
+            f"{name}: expected (shape[1] - 1) * stride(1) < 2**31 (the kernels' 32-bit offsets "
+            f"within a row or page), got {n - 1} * {stride}; pass a contiguous tensor"
+        )
 
 
 def check_block_size(block_size: int) -> int:
