@@ -369,3 +369,79 @@ def test_offset_and_position_are_checked_not_truncated(bad):
     with LocalHolders(corpus, transport="loopback", kernels="torch") as hs:
         with pytest.raises(ValueError, match=rf"offset: expected an int >= 0, got {bad!r}"):
             attach(model, corpus, hs.requester(), offset=bad, force="route")
+
+
+# ---- bad input and state the review found (small: a 40-token context, 3 new tokens) -----------
+
+
+def tiny():
+    """(model, context [40], a generator for prompts): the v2 model of :func:`setup` with a short
+    context, for checks that need no 300-token run."""
+    if "tiny" not in _CACHE:
+        model = random_model("deepseek_v2", seed=0)
+        g = torch.Generator().manual_seed(1)
+        _CACHE["tiny"] = (model, torch.randint(0, model.config.vocab_size, (40,), generator=g))
+    return _CACHE["tiny"]
+
+
+def test_padded_prompts_are_refused_not_misread():
+    """A mask that hides prompt tokens (left padding through ``model.generate``, or the mask
+    transformers builds from ``pad_token_id`` when the prompt holds that token) is a ValueError
+    naming attention_mask: the session cannot pad the shared context, and would otherwise return
+    logits of a different sequence. Unpadded batches of equal-length prompts stay exact."""
+    model, ctx = tiny()
+    g = torch.Generator().manual_seed(2)
+    prompts = torch.randint(8, model.config.vocab_size, (2, 4), generator=g)
+    ref = HFReference(model, ctx, prompts, max_new_tokens=3)
+    corpus = prefill_context(model, ctx, chunk_tokens=16, holders=[1, 2])
+    with LocalHolders(corpus, transport="loopback", kernels="torch") as hs, torch.no_grad():
+        with attach(model, corpus, hs.requester(), force="route") as s:
+            left_padded = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+            with pytest.raises(ValueError, match="attention_mask: padded prompts"):
+                model.generate(
+                    prompts,
+                    attention_mask=left_padded,
+                    position_ids=s.positions(prompts),
+                    max_new_tokens=3,
+                    do_sample=False,
+                )
+            with_pad = prompts.clone()
+            with_pad[0, 0] = 7
+            with pytest.raises(ValueError, match="attention_mask: padded prompts.*pad_token_id"):
+                s.generate(with_pad, pad_token_id=7, max_new_tokens=3, do_sample=False)
+            out = s.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                max_new_tokens=3,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+    check(ref, out)
+
+
+def test_calibration_leaves_the_pool_as_it_found_it():
+    """calibrate() pulls and splices a chunk at a new offset to time it, then evicts it: with
+    the context at exactly that offset and force='route', every chunk is still routed (a kept
+    copy would be attended in place, bypassing force and the cost records)."""
+    model, ctx = tiny()
+    prompt = torch.randint(0, model.config.vocab_size, (1, 2), generator=torch.Generator())
+    corpus = prefill_context(model, ctx, chunk_tokens=16, holders=[1, 2])
+    with LocalHolders(corpus, transport="loopback", kernels="torch") as hs, torch.no_grad():
+        req = hs.requester()
+        free = req.kept.pool.free_blocks
+        s = attach(model, corpus, req, force="route", offset=corpus.position + 1)
+        s.calibrate(probes=1, reps=1)
+        assert not req.local_chunks and req.kept.pool.free_blocks == free
+        with s:
+            s.generate(prompt, max_new_tokens=2, do_sample=False)
+        used = {(r.chunk_id, r.primitive) for r in s.records()}
+        assert used == {(c, "route") for c in corpus.chunks}, used
+        req.fetch(1, offset=5)  # Requester.evict_local: one copy out, its blocks freed
+        req.fetch(1)
+        assert req.kept.pool.free_blocks == free - 2
+        assert req.evict_local(1, 5) and not req.evict_local(1, 5)
+        assert set(req.local_chunks) == {(1, corpus.chunks[1].position)}
+        assert req.evict_local(1) and req.kept.pool.free_blocks == free
+        with pytest.raises(ValueError, match="offset: expected an int >= 0, got -1"):
+            req.evict_local(1, -1)

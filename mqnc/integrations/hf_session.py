@@ -211,7 +211,12 @@ class HFSession:
 
     def generate(self, input_ids: torch.Tensor, **kwargs):
         """``model.generate(input_ids, position_ids=self.positions(input_ids), **kwargs)``: the
-        prompt continues the shared context; everything else is transformers' ``generate``."""
+        prompt continues the shared context; everything else is transformers' ``generate``.
+
+        ``input_ids [B, S]`` (``S >= 1``) are equal-length prompts: padding is refused with a
+        ``ValueError`` naming ``attention_mask`` (a mask with zeros, or the one transformers
+        builds from ``pad_token_id`` when a prompt contains the pad token), see
+        :mod:`mqnc.integrations.hf`."""
         if self._saved_impl is None:
             raise RuntimeError("session: not attached (use `with attach(...) as session:`)")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -227,12 +232,6 @@ class HFSession:
         if mask is not None and not bool(torch.as_tensor(mask).all()):
             raise ValueError(
                 "attention_mask: padded prompts are not supported; pass equal-length prompts"
-            )
-        pad = getattr(self.model.generation_config, "pad_token_id", None)
-        if pad is not None and mask is None and bool((input_ids == pad).any()):
-            raise ValueError(
-                f"input_ids: contains the pad token {pad}, which transformers' generate would "
-                "mask out as padding; pass attention_mask of ones if it is a real token"
             )
         if "position_ids" in kwargs:
             raise ValueError("position_ids: set by the session (the prompt follows the context)")
@@ -339,6 +338,7 @@ class HFSession:
                 f"{self.corpus.softmax_scale}"
             )
         if layer == 0:
+            _check_unpadded(mask, key.shape[2])
             self._begin_forward(B, T, key.shape[2])
         w = self.weights[layer]
         dn = w.qk_nope_head_dim
@@ -491,6 +491,29 @@ def _concat(parts: list):
     return dataclasses.replace(
         first, o=torch.cat([p.o for p in parts]), lse=torch.cat([p.lse for p in parts])
     )
+
+
+def _check_unpadded(mask, n_local: int) -> None:
+    """Refuse padding: every query row must attend to a prefix of the local keys (its own
+    earlier tokens), the same for every row of the batch, one key more per query token, as an
+    unpadded causal row does. ``mask``: HF's additive (or boolean) mask ``[B, 1, T, N]``."""
+    if mask is None:
+        return
+    m = mask[:, 0, :, :n_local]
+    allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+    k = allowed.sum(-1)  # [B, T] keys each row sees
+    prefix = allowed.long().cumprod(-1).sum(-1) == k
+    causal = k[:1, :1] + torch.arange(k.shape[1], device=k.device)
+    bad = (~prefix | (k != causal)).any(-1).nonzero()
+    if bad.numel():
+        b = int(bad[0, 0])
+        raise ValueError(
+            "attention_mask: padded prompts are not supported; expected every row to attend to "
+            f"all of its own earlier tokens (an unpadded causal mask), got a mask hiding tokens "
+            f"of batch row {b} (an attention_mask with zeros, or the one transformers builds from "
+            "pad_token_id when the prompt contains the pad token: pass attention_mask of ones "
+            "if it is a real token)"
+        )
 
 
 def _local_partial(query, key, value, mask, scaling: float):
