@@ -445,3 +445,32 @@ def test_calibration_leaves_the_pool_as_it_found_it():
         assert req.evict_local(1) and req.kept.pool.free_blocks == free
         with pytest.raises(ValueError, match="offset: expected an int >= 0, got -1"):
             req.evict_local(1, -1)
+
+
+def test_token_ids_are_checked():
+    """Context and prompt token ids must be integer ids in the vocabulary: a negative or
+    too-large id (an IndexError deep in the embedding), a bool (silently 1/0) or a float id, an
+    empty prompt or a 1-D one are errors naming ``token_ids`` / ``input_ids``."""
+    model, ctx = tiny()
+    for bad, err, match in [
+        ([-1, 5, 6], ValueError, r"token_ids: expected token ids in \[0, 512\).*from -1 to 6"),
+        ([600, 5], ValueError, r"token_ids: expected token ids in \[0, 512\).*from 5 to 600"),
+        (torch.tensor([True, False]), TypeError, "token_ids: expected integer token ids, got"),
+        ([1.0, 2.0], TypeError, "token_ids: expected integer token ids, got dtype torch.float32"),
+    ]:
+        with pytest.raises(err, match=match):
+            prefill_context(model, bad, chunk_tokens=8, holders=[1])
+    corpus = prefill_context(model, ctx, chunk_tokens=16, holders=[1])
+    with LocalHolders(corpus, transport="loopback", kernels="torch") as hs, torch.no_grad():
+        with attach(model, corpus, hs.requester(), force="route") as s:
+            for bad, err, match in [
+                (torch.tensor([[600, 2]]), ValueError, r"input_ids: expected token ids in \["),
+                (torch.tensor([[1.0, 2.0]]), TypeError, "input_ids: expected integer token ids"),
+                (torch.zeros(1, 0, dtype=torch.long), ValueError, r"S >= 1, got Tensor of sh"),
+                (torch.tensor([1, 2]), ValueError, r"input_ids: expected a \[B, S\] tensor"),
+            ]:
+                with pytest.raises(err, match=match):
+                    s.generate(bad, max_new_tokens=1)
+            with pytest.raises(ValueError, match=r"input_ids: expected a \[B, S\] tensor.*\(2,\)"):
+                s.positions(torch.tensor([1, 2]))
+        assert not s.records()  # refused before any call
