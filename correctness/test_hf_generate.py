@@ -474,3 +474,26 @@ def test_token_ids_are_checked():
             with pytest.raises(ValueError, match=r"input_ids: expected a \[B, S\] tensor.*\(2,\)"):
                 s.positions(torch.tensor([1, 2]))
         assert not s.records()  # refused before any call
+
+
+def test_a_requester_of_another_corpus_is_refused(tmp_path):
+    """A corpus attached through a requester whose holders serve another corpus of the same
+    shape (same chunk ids, lengths, positions, holders; other tokens) is a ValueError naming
+    corpus: route would read the other corpus' cache while local re-prefilled this one's. The
+    chunks' fingerprints (their token ids, Corpus.directory) tell them apart; a corpus saved
+    and loaded again (manifest only) still matches."""
+    model, ctx_a = tiny()
+    ctx_b = ctx_a.flip(0)
+    a = prefill_context(model, ctx_a, chunk_tokens=16, holders=[1, 2])
+    b = prefill_context(model, ctx_b, chunk_tokens=16, holders=[1, 2])
+    assert [(i.tokens, i.position, i.holders) for i in a.directory()] == [
+        (i.tokens, i.position, i.holders) for i in b.directory()
+    ]
+    with LocalHolders(a, transport="loopback", kernels="torch") as hs:
+        with pytest.raises(ValueError, match="corpus: chunk 0 is ChunkInfo.*another corpus"):
+            attach(model, b, hs.requester(), force="route")
+        attach(model, a, hs.requester(), force="route")  # its own corpus: accepted
+    from mqnc.serving import Corpus
+
+    loaded = Corpus.load(a.save(tmp_path / "a.json"))
+    assert loaded.directory() == a.directory() and a.directory()[0].fingerprint

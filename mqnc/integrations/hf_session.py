@@ -161,8 +161,15 @@ class HFSession:
         self.requests: list[_Request] = []
         self.batch_work: dict[int, int] = {}
         for info in corpus.directory():
-            if info.chunk_id not in requester.directory:
+            known = requester.directory.get(info.chunk_id)
+            if known is None:
                 requester.register(info)
+            elif not known.same_chunk(info):
+                raise ValueError(
+                    f"corpus: chunk {info.chunk_id} is {info}, the requester has {known} "
+                    "registered (its holders serve another corpus); attach through a requester "
+                    "of this corpus' holders (corpus.make_requester, LocalHolders(corpus))"
+                )
         if requester.rope is None:
             requester.rope = corpus.rope
         self._first_record = len(requester.costs)
