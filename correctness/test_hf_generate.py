@@ -497,3 +497,41 @@ def test_a_requester_of_another_corpus_is_refused(tmp_path):
 
     loaded = Corpus.load(a.save(tmp_path / "a.json"))
     assert loaded.directory() == a.directory() and a.directory()[0].fingerprint
+
+
+def test_arguments_are_checked_and_steps_resolved_as_transformers_does():
+    """prefill_context checks holders and the model dtype before its forward; HFReference its
+    prompt; attach its verify and on_step; re-entering a session says so; the predicate prices
+    the tokens transformers will generate (a passed generation_config's max_new_tokens, or
+    max_length minus the prompt), not the session's default."""
+    from transformers import GenerationConfig
+
+    model, ctx = tiny()
+    for holders, err, match in [
+        ([-1], ValueError, r"holders: expected ranks \(ints >= 0\), got \[-1\]"),
+        (3, TypeError, "holders: expected a sequence of holder ranks, got 3"),
+    ]:
+        with pytest.raises(err, match=match):
+            prefill_context(model, ctx, chunk_tokens=16, holders=holders)
+    with pytest.raises(TypeError, match="model: expected bfloat16, float16 or float32"):
+        prefill_context(random_model(dtype=torch.float64), ctx, chunk_tokens=16, holders=[1])
+    for bad in ([[1, 2]], torch.tensor([1, 2])):
+        with pytest.raises(ValueError, match=r"prompt_ids: expected a \[B, S\] tensor"):
+            HFReference(model, ctx, bad, max_new_tokens=1)
+    corpus = prefill_context(model, ctx, chunk_tokens=16, holders=[1])
+    prompt = torch.randint(0, model.config.vocab_size, (1, 2), generator=torch.Generator())
+    with LocalHolders(corpus, transport="loopback", kernels="torch") as hs, torch.no_grad():
+        req = hs.requester()
+        with pytest.raises(TypeError, match="verify: expected True or False, got 'no'"):
+            attach(model, corpus, req, verify="no")
+        with pytest.raises(TypeError, match="on_step: expected None or a callable"):
+            attach(model, corpus, req, on_step=5)
+        with attach(model, corpus, req, fabric="h100-ibgda", steps=16) as s:
+            with pytest.raises(RuntimeError, match="model: already attached to this session"):
+                s.__enter__()
+            with pytest.raises(RuntimeError, match="already attached to another mqnc session"):
+                attach(model, corpus, req).__enter__()
+            out = s.generate(prompt, generation_config=GenerationConfig(max_new_tokens=3))
+            assert out.shape[1] - 2 == s.requests[-1].steps == 3
+            out = s.generate(prompt, max_length=6, do_sample=False)
+            assert out.shape[1] - 2 == s.requests[-1].steps == 4

@@ -224,13 +224,18 @@ def prefill_context(
         )
     ids = _token_ids(token_ids, "token_ids", model.config.vocab_size)
     position = check_int("position", position, minimum=0)
+    geometry = geometry_of(model)  # the dtype is checked before the forward, not after
+    if isinstance(holders, (str, bytes)) or not isinstance(holders, Sequence | range):
+        raise TypeError(f"holders: expected a sequence of holder ranks, got {holders!r}")
+    if any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in holders):
+        raise ValueError(f"holders: expected ranks (ints >= 0), got {list(holders)}")
     t0 = time.perf_counter()
     entries = prefill_entries(model, ids, position)
     prefill_us = (time.perf_counter() - t0) * 1e6
     attn = attention_modules(model)[0]
     return Corpus.partition(
         entries.cpu(),
-        geometry_of(model),
+        geometry,
         float(attn.scaling),
         chunk_tokens=chunk_tokens,
         holders=holders,

@@ -136,6 +136,10 @@ class HFSession:
             )
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
+        if not isinstance(verify, bool):
+            raise TypeError(f"verify: expected True or False, got {verify!r}")
+        if on_step is not None and not callable(on_step):
+            raise TypeError(f"on_step: expected None or a callable on_step(step), got {on_step!r}")
         self.model = model
         self.corpus = corpus
         self.requester = requester
@@ -182,7 +186,8 @@ class HFSession:
         _register()
         for m in attention_modules(self.model):
             if m in _BINDINGS:
-                raise RuntimeError("model: already attached to another mqnc session")
+                which = "this session" if _BINDINGS[m] is self else "another mqnc session"
+                raise RuntimeError(f"model: already attached to {which} (close it first)")
         self._saved_impl = self.model.config._attn_implementation
         self._saved_model = self.requester.model
         if self.token_ids is not None:  # the local primitive: a re-prefill through this model
@@ -238,7 +243,7 @@ class HFSession:
             )
         if "position_ids" in kwargs:
             raise ValueError("position_ids: set by the session (the prompt follows the context)")
-        steps = kwargs.get("max_new_tokens") or self.steps
+        steps = _new_tokens(self.model, input_ids.shape[1], kwargs) or self.steps
         self._request = _Request(int(input_ids.shape[0]), int(steps))
         self.requests.append(self._request)
         return self.model.generate(input_ids, position_ids=self.positions(input_ids), **kwargs)
@@ -494,6 +499,18 @@ def _concat(parts: list):
     return dataclasses.replace(
         first, o=torch.cat([p.o for p in parts]), lse=torch.cat([p.lse for p in parts])
     )
+
+
+def _new_tokens(model, prompt_len: int, kwargs: dict) -> int | None:
+    """The tokens ``generate`` will add as transformers resolves them: ``max_new_tokens`` (a
+    keyword, else the passed or the model's generation config), else ``max_length`` minus the
+    prompt; None if neither is set."""
+    gc = kwargs.get("generation_config") or model.generation_config
+    n = kwargs.get("max_new_tokens", gc.max_new_tokens)
+    if n is None:
+        length = kwargs.get("max_length", gc.max_length)
+        n = None if length is None else max(int(length) - int(prompt_len), 1)
+    return n
 
 
 def _check_prompt(input_ids) -> None:
