@@ -369,3 +369,169 @@ def test_offset_and_position_are_checked_not_truncated(bad):
     with LocalHolders(corpus, transport="loopback", kernels="torch") as hs:
         with pytest.raises(ValueError, match=rf"offset: expected an int >= 0, got {bad!r}"):
             attach(model, corpus, hs.requester(), offset=bad, force="route")
+
+
+# ---- bad input and state the review found (small: a 40-token context, 3 new tokens) -----------
+
+
+def tiny():
+    """(model, context [40], a generator for prompts): the v2 model of :func:`setup` with a short
+    context, for checks that need no 300-token run."""
+    if "tiny" not in _CACHE:
+        model = random_model("deepseek_v2", seed=0)
+        g = torch.Generator().manual_seed(1)
+        _CACHE["tiny"] = (model, torch.randint(0, model.config.vocab_size, (40,), generator=g))
+    return _CACHE["tiny"]
+
+
+def test_padded_prompts_are_refused_not_misread():
+    """A mask that hides prompt tokens (left padding through ``model.generate``, or the mask
+    transformers builds from ``pad_token_id`` when the prompt holds that token) is a ValueError
+    naming attention_mask: the session cannot pad the shared context, and would otherwise return
+    logits of a different sequence. Unpadded batches of equal-length prompts stay exact."""
+    model, ctx = tiny()
+    g = torch.Generator().manual_seed(2)
+    prompts = torch.randint(8, model.config.vocab_size, (2, 4), generator=g)
+    ref = HFReference(model, ctx, prompts, max_new_tokens=3)
+    corpus = prefill_context(model, ctx, chunk_tokens=16, holders=[1, 2])
+    with LocalHolders(corpus, transport="loopback", kernels="torch") as hs, torch.no_grad():
+        with attach(model, corpus, hs.requester(), force="route") as s:
+            left_padded = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+            with pytest.raises(ValueError, match="attention_mask: padded prompts"):
+                model.generate(
+                    prompts,
+                    attention_mask=left_padded,
+                    position_ids=s.positions(prompts),
+                    max_new_tokens=3,
+                    do_sample=False,
+                )
+            with_pad = prompts.clone()
+            with_pad[0, 0] = 7
+            with pytest.raises(ValueError, match="attention_mask: padded prompts.*pad_token_id"):
+                s.generate(with_pad, pad_token_id=7, max_new_tokens=3, do_sample=False)
+            out = s.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                max_new_tokens=3,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+    check(ref, out)
+
+
+def test_calibration_leaves_the_pool_as_it_found_it():
+    """calibrate() pulls and splices a chunk at a new offset to time it, then evicts it: with
+    the context at exactly that offset and force='route', every chunk is still routed (a kept
+    copy would be attended in place, bypassing force and the cost records)."""
+    model, ctx = tiny()
+    prompt = torch.randint(0, model.config.vocab_size, (1, 2), generator=torch.Generator())
+    corpus = prefill_context(model, ctx, chunk_tokens=16, holders=[1, 2])
+    with LocalHolders(corpus, transport="loopback", kernels="torch") as hs, torch.no_grad():
+        req = hs.requester()
+        free = req.kept.pool.free_blocks
+        s = attach(model, corpus, req, force="route", offset=corpus.position + 1)
+        s.calibrate(probes=1, reps=1)
+        assert not req.local_chunks and req.kept.pool.free_blocks == free
+        with s:
+            s.generate(prompt, max_new_tokens=2, do_sample=False)
+        used = {(r.chunk_id, r.primitive) for r in s.records()}
+        assert used == {(c, "route") for c in corpus.chunks}, used
+        req.fetch(1, offset=5)  # Requester.evict_local: one copy out, its blocks freed
+        req.fetch(1)
+        assert req.kept.pool.free_blocks == free - 2
+        assert req.evict_local(1, 5) and not req.evict_local(1, 5)
+        assert set(req.local_chunks) == {(1, corpus.chunks[1].position)}
+        assert req.evict_local(1) and req.kept.pool.free_blocks == free
+        with pytest.raises(ValueError, match="offset: expected an int >= 0, got -1"):
+            req.evict_local(1, -1)
+
+
+def test_token_ids_are_checked():
+    """Context and prompt token ids must be integer ids in the vocabulary: a negative or
+    too-large id (an IndexError deep in the embedding), a bool (silently 1/0) or a float id, an
+    empty prompt or a 1-D one are errors naming ``token_ids`` / ``input_ids``."""
+    model, ctx = tiny()
+    for bad, err, match in [
+        ([-1, 5, 6], ValueError, r"token_ids: expected token ids in \[0, 512\).*from -1 to 6"),
+        ([600, 5], ValueError, r"token_ids: expected token ids in \[0, 512\).*from 5 to 600"),
+        (torch.tensor([True, False]), TypeError, "token_ids: expected integer token ids, got"),
+        ([1.0, 2.0], TypeError, "token_ids: expected integer token ids, got dtype torch.float32"),
+    ]:
+        with pytest.raises(err, match=match):
+            prefill_context(model, bad, chunk_tokens=8, holders=[1])
+    corpus = prefill_context(model, ctx, chunk_tokens=16, holders=[1])
+    with LocalHolders(corpus, transport="loopback", kernels="torch") as hs, torch.no_grad():
+        with attach(model, corpus, hs.requester(), force="route") as s:
+            for bad, err, match in [
+                (torch.tensor([[600, 2]]), ValueError, r"input_ids: expected token ids in \["),
+                (torch.tensor([[1.0, 2.0]]), TypeError, "input_ids: expected integer token ids"),
+                (torch.zeros(1, 0, dtype=torch.long), ValueError, r"S >= 1, got Tensor of sh"),
+                (torch.tensor([1, 2]), ValueError, r"input_ids: expected a \[B, S\] tensor"),
+            ]:
+                with pytest.raises(err, match=match):
+                    s.generate(bad, max_new_tokens=1)
+            with pytest.raises(ValueError, match=r"input_ids: expected a \[B, S\] tensor.*\(2,\)"):
+                s.positions(torch.tensor([1, 2]))
+        assert not s.records()  # refused before any call
+
+
+def test_a_requester_of_another_corpus_is_refused(tmp_path):
+    """A corpus attached through a requester whose holders serve another corpus of the same
+    shape (same chunk ids, lengths, positions, holders; other tokens) is a ValueError naming
+    corpus: route would read the other corpus' cache while local re-prefilled this one's. The
+    chunks' fingerprints (their token ids, Corpus.directory) tell them apart; a corpus saved
+    and loaded again (manifest only) still matches."""
+    model, ctx_a = tiny()
+    ctx_b = ctx_a.flip(0)
+    a = prefill_context(model, ctx_a, chunk_tokens=16, holders=[1, 2])
+    b = prefill_context(model, ctx_b, chunk_tokens=16, holders=[1, 2])
+    assert [(i.tokens, i.position, i.holders) for i in a.directory()] == [
+        (i.tokens, i.position, i.holders) for i in b.directory()
+    ]
+    with LocalHolders(a, transport="loopback", kernels="torch") as hs:
+        with pytest.raises(ValueError, match="corpus: chunk 0 is ChunkInfo.*another corpus"):
+            attach(model, b, hs.requester(), force="route")
+        attach(model, a, hs.requester(), force="route")  # its own corpus: accepted
+    from mqnc.serving import Corpus
+
+    loaded = Corpus.load(a.save(tmp_path / "a.json"))
+    assert loaded.directory() == a.directory() and a.directory()[0].fingerprint
+
+
+def test_arguments_are_checked_and_steps_resolved_as_transformers_does():
+    """prefill_context checks holders and the model dtype before its forward; HFReference its
+    prompt; attach its verify and on_step; re-entering a session says so; the predicate prices
+    the tokens transformers will generate (a passed generation_config's max_new_tokens, or
+    max_length minus the prompt), not the session's default."""
+    from transformers import GenerationConfig
+
+    model, ctx = tiny()
+    for holders, err, match in [
+        ([-1], ValueError, r"holders: expected ranks \(ints >= 0\), got \[-1\]"),
+        (3, TypeError, "holders: expected a sequence of holder ranks, got 3"),
+    ]:
+        with pytest.raises(err, match=match):
+            prefill_context(model, ctx, chunk_tokens=16, holders=holders)
+    with pytest.raises(TypeError, match="model: expected bfloat16, float16 or float32"):
+        prefill_context(random_model(dtype=torch.float64), ctx, chunk_tokens=16, holders=[1])
+    for bad in ([[1, 2]], torch.tensor([1, 2])):
+        with pytest.raises(ValueError, match=r"prompt_ids: expected a \[B, S\] tensor"):
+            HFReference(model, ctx, bad, max_new_tokens=1)
+    corpus = prefill_context(model, ctx, chunk_tokens=16, holders=[1])
+    prompt = torch.randint(0, model.config.vocab_size, (1, 2), generator=torch.Generator())
+    with LocalHolders(corpus, transport="loopback", kernels="torch") as hs, torch.no_grad():
+        req = hs.requester()
+        with pytest.raises(TypeError, match="verify: expected True or False, got 'no'"):
+            attach(model, corpus, req, verify="no")
+        with pytest.raises(TypeError, match="on_step: expected None or a callable"):
+            attach(model, corpus, req, on_step=5)
+        with attach(model, corpus, req, fabric="h100-ibgda", steps=16) as s:
+            with pytest.raises(RuntimeError, match="model: already attached to this session"):
+                s.__enter__()
+            with pytest.raises(RuntimeError, match="already attached to another mqnc session"):
+                attach(model, corpus, req).__enter__()
+            out = s.generate(prompt, generation_config=GenerationConfig(max_new_tokens=3))
+            assert out.shape[1] - 2 == s.requests[-1].steps == 3
+            out = s.generate(prompt, max_length=6, do_sample=False)
+            assert out.shape[1] - 2 == s.requests[-1].steps == 4

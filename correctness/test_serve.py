@@ -188,3 +188,39 @@ def test_corpus_context_token_ids_are_checked(tmp_path, content, got):
     with pytest.raises(ValueError, match="--context: expected a JSON list of token ids") as exc:
         read_token_ids(str(path))
     assert str(path) in str(exc.value) and f"got {got}" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "body, got",
+    [
+        ({"prompts": []}, "got []"),
+        ({"prompts": [[]]}, "got prompt 0 = []"),
+        ({"prompts": [[1, 2], [1.5, 2.5]]}, "got prompt 1 = [1.5, 2.5]"),
+        ({"prompts": [[1, True]]}, "got prompt 0 = [1, True]"),
+        ({"prompts": [[1, 512]]}, "got prompt 0 = [1, 512]"),
+        ({"prompts": [[-1]]}, "got prompt 0 = [-1]"),
+        ({"prompts": [1, 2]}, "got prompt 0 = 1"),
+    ],
+)
+def test_generate_prompts_are_checked_before_the_model_loads(tmp_path, monkeypatch, body, got):
+    """``mqnc serve --generate``: the prompts file must be a non-empty list of non-empty lists of
+    token ids in the model's vocabulary; anything else is a ValueError naming ``prompts`` and
+    what it found, raised before the model's weights are loaded."""
+    import transformers
+
+    from mqnc.integrations.hf import serve_generate
+
+    random_model("deepseek_v2").config.save_pretrained(tmp_path)  # vocabulary 512
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM,
+        "from_pretrained",
+        lambda *a, **k: pytest.fail("the model was loaded"),
+    )
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps(body))
+    want = r"prompts: expected a JSON file \{'prompts': \[\[ids\], \.\.\.\]\} of token ids in "
+    with pytest.raises(ValueError, match=want + r"\[0, 512\)") as exc:
+        serve_generate(None, model=str(tmp_path), prompts=str(path))  # no context is needed
+    assert got in str(exc.value)
+    with pytest.raises(ValueError, match="max_new_tokens: expected an int >= 1, got 0"):
+        serve_generate(None, model=str(tmp_path), prompts=str(path), max_new_tokens=0)

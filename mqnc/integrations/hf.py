@@ -55,7 +55,12 @@ from its own cache, which holds only the local tokens, so :meth:`HFSession.gener
 ``model.generate`` with ``position_ids`` (``model.generate(ids,
 position_ids=session.positions(ids), ...)`` is the same call); the attention function rejects
 tokens placed inside the context. Batches of equal-length prompts are supported; padded batches
-are not (a ``ValueError``).
+are refused, not supported: every layer checks the mask transformers hands over (an
+``attention_mask`` with zeros, or the one ``generate`` builds from ``pad_token_id`` when the prompt
+contains the pad token) and raises a ``ValueError`` naming ``attention_mask`` unless each row
+attends to all of its own earlier tokens, as an unpadded causal row does. Padding would need the
+shared context's positions per row (a left-padded row's prompt starts later, so the context would
+sit at another offset per row) and was left out: split such a batch by prompt length.
 
 Where the shared context's prefill is computed, and by whom
 -----------------------------------------------------------

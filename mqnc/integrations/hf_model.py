@@ -23,6 +23,7 @@ __all__ = [
     "check_model",
     "attention_modules",
     "prefill_entries",
+    "check_token_ids",
 ]
 
 ATTN_IMPLEMENTATION = "mqnc"
@@ -133,16 +134,30 @@ def random_model(kind: str = "deepseek_v2", *, seed: int = 0, dtype=torch.float3
 # ---- the shared context's prefill ---------------------------------------------------------------
 
 
-def _token_ids(token_ids, name: str) -> torch.Tensor:
+def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str) -> torch.Tensor:
+    """``ids`` (any shape) if they are integer token ids in ``[0, vocab_size)``: a bool or
+    floating tensor is a ``TypeError``, an id outside the vocabulary a ``ValueError``, both
+    naming ``name``."""
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise TypeError(f"{name}: expected integer token ids, got dtype {ids.dtype}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(
+            f"{name}: expected token ids in [0, {vocab_size}) (the model's vocabulary), got ids "
+            f"from {int(ids.min())} to {int(ids.max())}"
+        )
+    return ids
+
+
+def _token_ids(token_ids, name: str, vocab_size: int) -> torch.Tensor:
     ids = torch.as_tensor(token_ids)
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]
-    if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point():
+    if ids.dim() != 1 or ids.numel() == 0:
         raise ValueError(
             f"{name}: expected a non-empty 1-D sequence of token ids (or [1, C]), got "
             f"shape {tuple(ids.shape)} dtype {ids.dtype}"
         )
-    return ids.long()
+    return check_token_ids(ids, vocab_size, name).long()
 
 
 def prefill_entries(model, ids: torch.Tensor, position: int) -> torch.Tensor:
@@ -207,15 +222,20 @@ def prefill_context(
             "model: attached to an mqnc session (attention 'mqnc'); prefill the context with the "
             "model's own attention (before attach, or after the session closes)"
         )
-    ids = _token_ids(token_ids, "token_ids")
+    ids = _token_ids(token_ids, "token_ids", model.config.vocab_size)
     position = check_int("position", position, minimum=0)
+    geometry = geometry_of(model)  # the dtype is checked before the forward, not after
+    if isinstance(holders, (str, bytes)) or not isinstance(holders, Sequence | range):
+        raise TypeError(f"holders: expected a sequence of holder ranks, got {holders!r}")
+    if any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in holders):
+        raise ValueError(f"holders: expected ranks (ints >= 0), got {list(holders)}")
     t0 = time.perf_counter()
     entries = prefill_entries(model, ids, position)
     prefill_us = (time.perf_counter() - t0) * 1e6
     attn = attention_modules(model)[0]
     return Corpus.partition(
         entries.cpu(),
-        geometry_of(model),
+        geometry,
         float(attn.scaling),
         chunk_tokens=chunk_tokens,
         holders=holders,

@@ -47,9 +47,10 @@ def measure_constants(
 ):
     """This machine's constants against the corpus' first holder: probe round trips, a route
     sweep (1, 4, 16 query tokens of ``H`` rows; affine fit, §4.3), one fetch spliced at a new
-    offset (bulk pull rate and splice per token), one merge; the local re-prefill cost per
-    token-layer is the context prefill's own time. Returns ``(fabric, cal)``: the given
-    ``fabric`` or the fitted one, and the constants (the keys ``mqnc demo``'s table prints)."""
+    offset (bulk pull rate and splice per token; the copy is evicted again, so the requester's
+    pool is left as it was), one merge; the local re-prefill cost per token-layer is the context
+    prefill's own time. Returns ``(fabric, cal)``: the given ``fabric`` or the fitted one, and
+    the constants (the keys ``mqnc demo``'s table prints)."""
     req, g = requester, geometry
     c0 = min(corpus.chunks)
     info = req.directory[c0]
@@ -66,7 +67,13 @@ def measure_constants(
             rec = req.route(c0, q, 0).record
             samples.append((tokens * g.heads, max(rec.total_us - rec.compute_us, 1e-3)))
             computes.append(rec.compute_us / (tokens * g.heads * info.tokens))
-    fetch = req.fetch(c0, offset=info.position + 1)
+    # a real pull and splice at an offset nothing keeps, then evicted: the pool is left as the
+    # calibration found it (a kept copy would be attended in place by every later request)
+    off = info.position + 1
+    while (c0, off) in req.local_chunks:
+        off += 1
+    fetch = req.fetch(c0, offset=off)
+    req.evict_local(c0, off)
     rec = next(r for r in reversed(req.costs) if r.primitive == "fetch")
     bulk_bw = rec.bytes_recv / (max(rec.return_us, 1e-3) * 1e3)
     o = torch.randn(len(corpus.chunks) + 1, 1, g.heads, g.v_head_dim, generator=gen)

@@ -17,6 +17,7 @@ from mqnc.integrations.hf_model import (
     ATTN_IMPLEMENTATION,
     attention_modules,
     check_model,
+    check_token_ids,
     geometry_of,
     prefill_entries,
     rope_spec_of,
@@ -135,6 +136,10 @@ class HFSession:
             )
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
+        if not isinstance(verify, bool):
+            raise TypeError(f"verify: expected True or False, got {verify!r}")
+        if on_step is not None and not callable(on_step):
+            raise TypeError(f"on_step: expected None or a callable on_step(step), got {on_step!r}")
         self.model = model
         self.corpus = corpus
         self.requester = requester
@@ -160,8 +165,15 @@ class HFSession:
         self.requests: list[_Request] = []
         self.batch_work: dict[int, int] = {}
         for info in corpus.directory():
-            if info.chunk_id not in requester.directory:
+            known = requester.directory.get(info.chunk_id)
+            if known is None:
                 requester.register(info)
+            elif not known.same_chunk(info):
+                raise ValueError(
+                    f"corpus: chunk {info.chunk_id} is {info}, the requester has {known} "
+                    "registered (its holders serve another corpus); attach through a requester "
+                    "of this corpus' holders (corpus.make_requester, LocalHolders(corpus))"
+                )
         if requester.rope is None:
             requester.rope = corpus.rope
         self._first_record = len(requester.costs)
@@ -174,7 +186,8 @@ class HFSession:
         _register()
         for m in attention_modules(self.model):
             if m in _BINDINGS:
-                raise RuntimeError("model: already attached to another mqnc session")
+                which = "this session" if _BINDINGS[m] is self else "another mqnc session"
+                raise RuntimeError(f"model: already attached to {which} (close it first)")
         self._saved_impl = self.model.config._attn_implementation
         self._saved_model = self.requester.model
         if self.token_ids is not None:  # the local primitive: a re-prefill through this model
@@ -204,39 +217,33 @@ class HFSession:
         return self.offset + self.corpus.tokens
 
     def positions(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``position_ids [B, S]`` of a prompt that follows the context directly."""
+        """``position_ids [B, S]`` of a prompt ``input_ids [B, S]`` that follows the context
+        directly."""
+        _check_prompt(input_ids)
         B, S = input_ids.shape
         pos = torch.arange(self.context_end, self.context_end + S, device=input_ids.device)
         return pos[None].expand(B, -1)
 
     def generate(self, input_ids: torch.Tensor, **kwargs):
         """``model.generate(input_ids, position_ids=self.positions(input_ids), **kwargs)``: the
-        prompt continues the shared context; everything else is transformers' ``generate``."""
+        prompt continues the shared context; everything else is transformers' ``generate``.
+
+        ``input_ids [B, S]`` (``S >= 1``) are equal-length prompts: padding is refused with a
+        ``ValueError`` naming ``attention_mask`` (a mask with zeros, or the one transformers
+        builds from ``pad_token_id`` when a prompt contains the pad token), see
+        :mod:`mqnc.integrations.hf`."""
         if self._saved_impl is None:
             raise RuntimeError("session: not attached (use `with attach(...) as session:`)")
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise ValueError(
-                f"input_ids: expected a [B, S] tensor of token ids, got {type(input_ids).__name__}"
-                + (
-                    f" of shape {tuple(input_ids.shape)}"
-                    if isinstance(input_ids, torch.Tensor)
-                    else ""
-                )
-            )
+        _check_prompt(input_ids)
+        check_token_ids(input_ids, self.model.config.vocab_size, "input_ids")
         mask = kwargs.get("attention_mask")
         if mask is not None and not bool(torch.as_tensor(mask).all()):
             raise ValueError(
                 "attention_mask: padded prompts are not supported; pass equal-length prompts"
             )
-        pad = getattr(self.model.generation_config, "pad_token_id", None)
-        if pad is not None and mask is None and bool((input_ids == pad).any()):
-            raise ValueError(
-                f"input_ids: contains the pad token {pad}, which transformers' generate would "
-                "mask out as padding; pass attention_mask of ones if it is a real token"
-            )
         if "position_ids" in kwargs:
             raise ValueError("position_ids: set by the session (the prompt follows the context)")
-        steps = kwargs.get("max_new_tokens") or self.steps
+        steps = _new_tokens(self.model, input_ids.shape[1], kwargs) or self.steps
         self._request = _Request(int(input_ids.shape[0]), int(steps))
         self.requests.append(self._request)
         return self.model.generate(input_ids, position_ids=self.positions(input_ids), **kwargs)
@@ -339,6 +346,7 @@ class HFSession:
                 f"{self.corpus.softmax_scale}"
             )
         if layer == 0:
+            _check_unpadded(mask, key.shape[2])
             self._begin_forward(B, T, key.shape[2])
         w = self.weights[layer]
         dn = w.qk_nope_head_dim
@@ -491,6 +499,51 @@ def _concat(parts: list):
     return dataclasses.replace(
         first, o=torch.cat([p.o for p in parts]), lse=torch.cat([p.lse for p in parts])
     )
+
+
+def _new_tokens(model, prompt_len: int, kwargs: dict) -> int | None:
+    """The tokens ``generate`` will add as transformers resolves them: ``max_new_tokens`` (a
+    keyword, else the passed or the model's generation config), else ``max_length`` minus the
+    prompt; None if neither is set."""
+    gc = kwargs.get("generation_config") or model.generation_config
+    n = kwargs.get("max_new_tokens", gc.max_new_tokens)
+    if n is None:
+        length = kwargs.get("max_length", gc.max_length)
+        n = None if length is None else max(int(length) - int(prompt_len), 1)
+    return n
+
+
+def _check_prompt(input_ids) -> None:
+    """A ``[B, S]`` tensor with ``B, S >= 1``, else a ``ValueError`` naming ``input_ids``."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
+        shape = f" of shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else ""
+        raise ValueError(
+            "input_ids: expected a [B, S] tensor of token ids with B, S >= 1, got "
+            f"{type(input_ids).__name__}{shape}"
+        )
+
+
+def _check_unpadded(mask, n_local: int) -> None:
+    """Refuse padding: every query row must attend to a prefix of the local keys (its own
+    earlier tokens), the same for every row of the batch, one key more per query token, as an
+    unpadded causal row does. ``mask``: HF's additive (or boolean) mask ``[B, 1, T, N]``."""
+    if mask is None:
+        return
+    m = mask[:, 0, :, :n_local]
+    allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+    k = allowed.sum(-1)  # [B, T] keys each row sees
+    prefix = allowed.long().cumprod(-1).sum(-1) == k
+    causal = k[:1, :1] + torch.arange(k.shape[1], device=k.device)
+    bad = (~prefix | (k != causal)).any(-1).nonzero()
+    if bad.numel():
+        b = int(bad[0, 0])
+        raise ValueError(
+            "attention_mask: padded prompts are not supported; expected every row to attend to "
+            f"all of its own earlier tokens (an unpadded causal mask), got a mask hiding tokens "
+            f"of batch row {b} (an attention_mask with zeros, or the one transformers builds from "
+            "pad_token_id when the prompt contains the pad token: pass attention_mask of ones "
+            "if it is a real token)"
+        )
 
 
 def _local_partial(query, key, value, mask, scaling: float):

@@ -27,6 +27,7 @@ so that a holder reads only its own chunks (``safetensors.safe_open`` maps the f
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -227,11 +228,33 @@ class Corpus:
         return [c for _, c in sorted(self.chunks.items()) if rank in c.holders]
 
     def directory(self) -> list:
-        """One :class:`mqnc.serving.ChunkInfo` per chunk (what a requester registers)."""
+        """One :class:`mqnc.serving.ChunkInfo` per chunk (what a requester registers), with a
+        fingerprint of what it holds when ``meta`` has the context's ``token_ids``: the SHA-256
+        of the model's ``model_type`` and ``name_or_path`` and the token ids up to the chunk's
+        end (a chunk's cache depends on every token before it). It tells two corpora of other
+        tokens apart; two models of one name with other weights look alike."""
+        prints = self._fingerprints()
         return [
-            ChunkInfo(c.chunk_id, c.tokens, c.position, c.holders)
+            ChunkInfo(c.chunk_id, c.tokens, c.position, c.holders, prints.get(c.chunk_id))
             for _, c in sorted(self.chunks.items())
         ]
+
+    def _fingerprints(self) -> dict[int, str]:
+        ids = self.meta.get("token_ids")
+        if not isinstance(ids, list) or len(ids) < max(
+            c.start + c.tokens for c in self.chunks.values()
+        ):
+            return {}
+        h = hashlib.sha256(
+            json.dumps([self.meta.get("model_type"), self.meta.get("name_or_path")]).encode()
+        )
+        out, done = {}, 0
+        for c in sorted(self.chunks.values(), key=lambda c: c.start + c.tokens):
+            end = c.start + c.tokens
+            h.update(json.dumps(ids[done:end]).encode())
+            done = end
+            out[c.chunk_id] = h.copy().hexdigest()
+        return out
 
     def chunk_kv(self, chunk_id: int) -> torch.Tensor:
         """The cache of one chunk, ``[L, c_t, d_qk]`` in :attr:`dtype`."""

@@ -208,6 +208,14 @@ class LocalChunks:
         self.chunks[(info.chunk_id, offset)] = lc
         return lc
 
+    def evict(self, chunk_id: int, offset: int) -> LocalChunk | None:
+        """Forget the chunk kept at ``(chunk_id, offset)`` and free its blocks; returns it, or
+        None if none was kept there."""
+        lc = self.chunks.pop((chunk_id, offset), None)
+        if lc is not None:
+            self._pool().free(lc.blocks)
+        return lc
+
     def attend(
         self, lc: LocalChunk, q: torch.Tensor, layer: int, indices, *, softmax_scale, d_v
     ) -> tuple[torch.Tensor, torch.Tensor]:

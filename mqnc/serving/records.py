@@ -22,12 +22,25 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class ChunkInfo:
     """Where a chunk lives: its id, length, canonical position and holders (replicas first
-    to last in order of preference)."""
+    to last in order of preference), and what it holds when known: ``fingerprint``, a digest
+    of the corpus' content up to the chunk's end (:meth:`mqnc.serving.Corpus.directory`; None
+    when the corpus carries no token ids). Requester-side only: nothing of it goes on the wire."""
 
     chunk_id: int
     tokens: int
     position: int
     holders: tuple[int, ...]
+    fingerprint: str | None = None
+
+    def same_chunk(self, other: ChunkInfo) -> bool:
+        """Both describe the same chunk: equal id, length, position and holders, and equal
+        fingerprints where both have one."""
+        where = (self.chunk_id, self.tokens, self.position, tuple(self.holders))
+        if where != (other.chunk_id, other.tokens, other.position, tuple(other.holders)):
+            return False
+        return (
+            None in (self.fingerprint, other.fingerprint) or self.fingerprint == other.fingerprint
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -454,6 +454,13 @@ class Requester:
         self.costs.append(rec)
         return lc
 
+    def evict_local(self, chunk_id: int, offset: int | None = None) -> bool:
+        """Forget the copy of ``chunk_id`` fetched or re-prefilled at ``offset`` (default: the
+        canonical position) and free its pool blocks; False if none was kept there."""
+        info = self.lookup(chunk_id)
+        offset = info.position if offset is None else check_int("offset", offset, minimum=0)
+        return self.kept.evict(chunk_id, offset) is not None
+
     def clear_local(self) -> None:
         """Forget every fetched and re-prefilled chunk and free the whole pool."""
         self.kept.clear()
