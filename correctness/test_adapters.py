@@ -143,6 +143,43 @@ def test_flashmla_sparse_layout_equals_the_plain_call():
     )
     same(o.reshape(-1, h, D_V), o_ref, "o")
     same(lse.transpose(1, 2).reshape(-1, h), lse_ref, "lse")
+    # FlashMLA's topk_length: only the leftmost topk_length[i] indices of sequence i count
+    length = torch.tensor([7, 40], dtype=torch.int32, device=DEVICE)
+    o_len, lse_len = mla_sparse_with_kvcache(
+        q, pool, idx, softmax_scale=SCALE, topk_length=length, num_splits=1
+    )
+    cut = idx.clone()
+    cut[0, :, 7:] = -1
+    o_cut, lse_cut = mla_sparse_with_kvcache(q, pool, cut, softmax_scale=SCALE, num_splits=1)
+    same(o_len, o_cut, "o (topk_length)")
+    same(lse_len, lse_cut, "lse (topk_length)")
+
+
+def test_outputs_are_laid_out_as_the_libraries_return_them():
+    """FlashMLA's dense call returns a contiguous lse ``[b, h_q, s_q]`` (its sparse call the
+    transposed view); FlashInfer's MLA ``run`` returns ``o`` alone unless ``return_lse``, base 2
+    unless ``return_lse_base_on_e``."""
+    gen = torch.Generator().manual_seed(12)
+    pool, table, lens = paged([40, 23], 16, torch.float32, gen)
+    q = queries(6, 4, torch.float32, gen).view(2, 3, 4, D_QK)
+    o, lse = mla_decode_with_kvcache(q, pool, table, lens, softmax_scale=SCALE, causal=True)
+    assert lse.shape == (2, 4, 3) and lse.is_contiguous() and lse.view(2, -1).shape == (2, 12)
+    indptr, indices = token_slots(table, lens, 16)
+    ckv = pool[..., :D_V].reshape(-1, 1, D_V).clone()
+    kpe = pool[..., D_V:].reshape(-1, 1, D_QK - D_V).clone()
+    qn, qp = q[:, 0, :, :D_V].contiguous(), q[:, 0, :, D_V:].contiguous()
+    args = (qn, qp, ckv, kpe, indptr, indices, lens)
+    alone = mla_paged_attention(*args, sm_scale=SCALE, num_splits=1)
+    assert isinstance(alone, torch.Tensor) and alone.shape == (2, 4, D_V)
+    o2, lse2 = mla_paged_attention(*args, sm_scale=SCALE, num_splits=1, return_lse=True)
+    oe, lse_e = mla_paged_attention(
+        *args, sm_scale=SCALE, num_splits=1, return_lse=True, return_lse_base_on_e=True
+    )
+    same(alone, o2, "o alone")
+    same(oe, o2, "o (base e)")
+    assert_close(lse_e, lse2 * math.log(2), tolerance("mla_lse", "float32"), name="lse base e")
+    with pytest.raises(TypeError, match="return_lse_base_on_e: expected a bool"):
+        mla_paged_attention(*args, sm_scale=SCALE, return_lse=True, return_lse_base_on_e=1)
 
 
 # ---- page size 1 and CSR page tables (SGLang, FlashInfer) ----------------------------------
@@ -255,6 +292,7 @@ def test_flashinfer_mla_call_equals_the_plain_call(s_q, causal):
         sm_scale=SCALE,
         causal=causal,
         num_splits=1,
+        return_lse=True,
     )
     i = torch.arange(s_q, device=DEVICE).repeat(2)
     row_lens = lens.repeat_interleave(s_q) - ((s_q - 1 - i) if causal else 0)
@@ -555,10 +593,58 @@ def _bad_calls():
             ValueError,
             "o_acc: expected D >= 1 values per row",
         ),
+        # an adapter's errors name its own arguments, not the kernels' (kv_pool, lse_acc, ...)
+        (lambda: paged(kv_len=torch.ones(2, dtype=torch.int64)), TypeError, "kv_len: invalid"),
+        (lambda: paged(ckv_cache=pool[..., :D_V].double()), TypeError, "ckv_cache: invalid"),
+        (
+            lambda: mla_decode_with_kvcache(
+                q3[:, None], pool.double(), table, lens, softmax_scale=SCALE
+            ),
+            TypeError,
+            "k_cache: invalid dtype",
+        ),
+        (
+            lambda: mla_decode_with_kvcache(
+                q3[:, None, :, :D_V], pool[..., :D_V], table, lens, softmax_scale=SCALE
+            ),
+            ValueError,
+            r"q: expected a power of two >= 16",
+        ),
+        (
+            lambda: merge_state(o[0], lse[0].half(), o[1], lse[1]),
+            TypeError,
+            "s_a: invalid dtype",
+        ),
+        (
+            lambda: merge_state_in_place(o[0], lse[0, :, :3], o[1], lse[1]),
+            ValueError,
+            "s: expected shape",
+        ),
+        (
+            lambda: mla_sparse_with_kvcache(
+                q3.view(1, 2, 4, D_QK),
+                pool,
+                torch.tensor([[[0, 1, 2], [3, 4, 99]]], dtype=torch.int32),
+                softmax_scale=SCALE,
+            ),
+            ValueError,
+            r"got 99 at \[0, 1, 2\]",
+        ),
+        (
+            lambda: mla_sparse_with_kvcache(
+                q3.view(1, 2, 4, D_QK),
+                pool,
+                torch.zeros(1, 2, 3, dtype=torch.int32),
+                softmax_scale=SCALE,
+                topk_length=torch.ones(2, dtype=torch.int32),
+            ),
+            ValueError,
+            "topk_length: expected shape",
+        ),
     ]
 
 
-N_BAD = 25
+N_BAD = 33
 
 
 @pytest.mark.parametrize("i", range(N_BAD))

@@ -6,12 +6,14 @@ shape, device or value), never by ``assert``, which ``python -O`` removes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 
 import torch
 
 __all__ = [
+    "argument_names",
     "check_tensor",
     "check_same_device",
     "check_int",
@@ -96,3 +98,17 @@ def check_softmax_scale(softmax_scale: object) -> float:
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale!r}")
     return scale
+
+
+@contextlib.contextmanager
+def argument_names(names: dict[str, str]):
+    """Errors raised inside name the caller's arguments: a ``ValueError`` / ``TypeError`` whose
+    message starts ``internal:`` is raised again as ``names[internal]:`` (an adapter runs the
+    kernels' own checks, which know the kernels' names: ``kv_pool``, ``lse_acc``, ...)."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        head, sep, rest = str(exc).partition(":")
+        if sep and head in names and type(exc) in (ValueError, TypeError):
+            raise type(exc)(f"{names[head]}:{rest}") from exc
+        raise

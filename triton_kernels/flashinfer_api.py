@@ -15,16 +15,17 @@
   (the merge kernel works in base 2 itself: nothing converted, masked rows untouched).
 
 **LSE base.** FlashInfer's lse is base 2; every function here takes and returns base 2. The
-MLA adapter converts the kernel's natural-log lse on the way out (``lse / ln 2``, one small
-elementwise op); the merges convert nothing. The rest of mqnc is natural log
-(``lse_from_base2`` / ``lse_to_base2`` convert).
+MLA adapter returns ``o`` alone unless ``return_lse`` (FlashInfer's default) and converts the
+kernel's natural-log lse on the way out (``lse / ln 2``, one small elementwise op) unless
+``return_lse_base_on_e`` (FlashInfer's flag for the natural log); the merges convert nothing.
+The rest of mqnc is natural log (``lse_from_base2`` / ``lse_to_base2`` convert).
 """
 
 from __future__ import annotations
 
 import torch
 
-from mqnc.triton_kernels._checks import check_same_device, check_tensor
+from mqnc.triton_kernels._checks import argument_names, check_same_device, check_tensor
 from mqnc.triton_kernels._mla_launch import AttentionPlan
 from mqnc.triton_kernels.merge import lse_to_base2, merge_partials, merge_partials_into
 from mqnc.triton_kernels.mla_decode import PagedLayout, checked_plan
@@ -44,20 +45,34 @@ class FlashInferMLAPlan:
     call's tensors (same shapes, dtypes, strides, device: compared with the plan's, host
     metadata only), checks no value, never syncs."""
 
-    def __init__(self, plan: AttentionPlan, return_lse: bool) -> None:
+    def __init__(self, plan: AttentionPlan, return_lse: bool, lse_base_e: bool = False) -> None:
         self.plan = plan
         # run()'s shape errors name this layout's arguments (the plan binds them in this order)
         plan.names = ("q_nope", "q_pe", "ckv_cache", "kpe_cache", "kv_indices", "kv_indptr",
                       "kv_len")  # fmt: skip
         self.num_splits = plan.num_splits
-        self._return_lse = return_lse
+        self._return_lse, self._lse_base_e = return_lse, lse_base_e
 
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len):
-        """``o [N, H, 512]``, and ``lse [N, H]`` base 2 when planned with ``return_lse``."""
+        """``o [N, H, 512]``, and ``lse [N, H]`` when planned with ``return_lse`` (base 2, or
+        the natural log with ``return_lse_base_on_e``)."""
         o, lse = self.plan.run(
             q_nope, ckv_cache, kv_indptr, kv_indices, kv_len, q_pe=q_pe, kpe_pool=kpe_cache
         )
-        return (o, lse_to_base2(lse)) if self._return_lse else o
+        if not self._return_lse:
+            return o
+        return o, (lse if self._lse_base_e else lse_to_base2(lse))
+
+
+# the kernels' checks, named as FlashInfer's callers know the arguments
+_MLA_NAMES = {"q": "q_nope", "kv_pool": "ckv_cache", "kpe_pool": "kpe_cache", "kv_lens": "kv_len",
+              "lens": "kv_len"}  # fmt: skip
+
+
+def _check_flags(**flags) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
 
 
 def plan_mla_paged_attention(
@@ -71,15 +86,15 @@ def plan_mla_paged_attention(
     *,
     sm_scale: float,
     causal: bool = False,
-    return_lse: bool = True,
+    return_lse: bool = False,
+    return_lse_base_on_e: bool = False,
     num_splits: int | None = None,
     check_inputs: bool = True,
     max_kv_len: int | None = None,
 ) -> FlashInferMLAPlan:
     """Plan :func:`mla_paged_attention` once for these tensors' shapes (checks and the split
     choice); ``plan.run(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len)``."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    _check_flags(causal=causal, return_lse=return_lse, return_lse_base_on_e=return_lse_base_on_e)
     check_tensor("q_nope", q_nope, ndim=3)
     check_tensor("q_pe", q_pe, ndim=3)
     check_tensor("kv_indptr", kv_indptr, ndim=1)
@@ -91,22 +106,23 @@ def plan_mla_paged_attention(
             f"q_nope: expected N = B * s_q query rows, s_q >= 1, for B = {B} requests "
             f"(kv_indptr has B + 1 entries; equal query counts per request), got N = {N}"
         )
-    plan, _ = checked_plan(
-        q_nope,
-        ckv_cache,
-        kv_indices,
-        kv_len,
-        kv_indptr,
-        softmax_scale=sm_scale,
-        d_v=ckv_cache.shape[-1],
-        num_splits=num_splits,
-        check_inputs=check_inputs,
-        q_pe=q_pe,
-        kpe_pool=kpe_cache,
-        layout=PagedLayout(csr=True, s_q=N // B, causal=causal),
-        max_kv_len=max_kv_len,
-    )
-    return FlashInferMLAPlan(plan, return_lse)
+    with argument_names(_MLA_NAMES):
+        plan, _ = checked_plan(
+            q_nope,
+            ckv_cache,
+            kv_indices,
+            kv_len,
+            kv_indptr,
+            softmax_scale=sm_scale,
+            d_v=ckv_cache.shape[-1],
+            num_splits=num_splits,
+            check_inputs=check_inputs,
+            q_pe=q_pe,
+            kpe_pool=kpe_cache,
+            layout=PagedLayout(csr=True, s_q=N // B, causal=causal),
+            max_kv_len=max_kv_len,
+        )
+    return FlashInferMLAPlan(plan, return_lse, return_lse_base_on_e)
 
 
 def mla_paged_attention(
@@ -120,7 +136,8 @@ def mla_paged_attention(
     *,
     sm_scale: float,
     causal: bool = False,
-    return_lse: bool = True,
+    return_lse: bool = False,
+    return_lse_base_on_e: bool = False,
     num_splits: int | None = None,
     check_inputs: bool = True,
     max_kv_len: int | None = None,
@@ -151,7 +168,9 @@ def mla_paged_attention(
         With ``s_q > 1``: token ``i`` of a request attends its first ``kv_len - s_q + i + 1``
         entries (see ``flashmla_api``).
     return_lse : bool
-        Also return the lse (base 2, FlashInfer's).
+        Also return the lse (FlashInfer's default: False, ``o`` alone).
+    return_lse_base_on_e : bool
+        The lse as the natural log (the kernels' own) instead of FlashInfer's base 2.
     num_splits, check_inputs, max_kv_len
         As in :func:`mqnc.triton_kernels.mla_decode_partial_csr`.
 
@@ -160,7 +179,8 @@ def mla_paged_attention(
     o : torch.Tensor
         ``[N, H, d_ckv]`` in the query dtype.
     lse : torch.Tensor
-        ``[N, H]`` float32, **base 2** (only with ``return_lse``).
+        ``[N, H]`` float32, **base 2** unless ``return_lse_base_on_e`` (only with
+        ``return_lse``).
     """
     plan = plan_mla_paged_attention(
         q_nope,
@@ -173,6 +193,7 @@ def mla_paged_attention(
         sm_scale=sm_scale,
         causal=causal,
         return_lse=return_lse,
+        return_lse_base_on_e=return_lse_base_on_e,
         num_splits=num_splits,
         check_inputs=check_inputs,
         max_kv_len=max_kv_len,
@@ -193,7 +214,7 @@ def merge_state(
     H]`` -> the merged ``(v, s)``, base 2 (``v_b`` / ``s_b`` as ``v_a`` / ``s_a``: shape, dtype,
     device)."""
     check_tensor("v_a", v_a, ndim=3)
-    check_tensor("s_a", s_a, ndim=2)
+    check_tensor("s_a", s_a, ndim=2, dtypes=(torch.float32,))
     check_tensor("v_b", v_b, dtypes=(v_a.dtype,), shape=tuple(v_a.shape))
     check_tensor("s_b", s_b, dtypes=(s_a.dtype,), shape=tuple(s_a.shape))
     check_same_device(v_a=v_a, s_a=s_a, v_b=v_b, s_b=s_b)
@@ -210,4 +231,6 @@ def merge_state_in_place(
     """FlashInfer's ``merge_state_in_place``: ``(v, s) <- merge((v, s), (v_other, s_other))``,
     base-2 ``s``; ``mask [seq_len]`` bool merges only the rows where it is true, leaving the
     others untouched (a captured CUDA graph skipping its padding)."""
-    merge_partials_into(v, s, v_other, s_other, mask=mask, base2=True)
+    names = {"o_acc": "v", "lse_acc": "s", "o_new": "v_other", "lse_new": "s_other"}
+    with argument_names(names):
+        merge_partials_into(v, s, v_other, s_other, mask=mask, base2=True)

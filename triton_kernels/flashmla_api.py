@@ -21,14 +21,18 @@ attend (``o = 0, lse = -inf``). With ``causal=False`` every token attends all
 conversion); planning (:func:`plan_mla_with_kvcache`, FlashMLA's ``get_mla_metadata``)
 returns a plan object whose ``run`` takes the same tensors as the call; the cache may be
 ``[num_blocks, page, 1, d]`` (FlashMLA's, one KV head) or ``[num_blocks, page, d]``, with any
-power-of-two page. FP8 caches are not supported.
+power-of-two page. FP8 caches are not supported (so the sparse call reads a bf16 / fp16 /
+fp32 cache, not FlashMLA's packed FP8 one); heads are ``d_v`` + a rope part (576 = 512 + 64),
+FlashMLA's rope-less ``d = 512`` is refused by name (``q``).
 """
 
 from __future__ import annotations
 
+import re
+
 import torch
 
-from mqnc.triton_kernels._checks import check_tensor
+from mqnc.triton_kernels._checks import argument_names, check_tensor
 from mqnc.triton_kernels._mla_launch import AttentionPlan
 from mqnc.triton_kernels.mla_decode import PagedLayout, checked_plan
 from mqnc.triton_kernels.mla_sparse import plan_mla_sparse
@@ -68,11 +72,17 @@ def _rows(q: torch.Tensor) -> torch.Tensor:
     return q.reshape(b * s_q, h, d)
 
 
-def _flashmla_outputs(o: torch.Tensor, lse: torch.Tensor, b: int, s_q: int):
-    """``o [b * s_q, h, dv]``, ``lse [b * s_q, h]`` as ``[b, s_q, h, dv]`` and ``[b, h, s_q]``
-    (views)."""
+# the kernels' checks, named as FlashMLA's callers know the arguments
+_NAMES = {"kv_pool": "k_cache", "d_qk - d_v": "q"}
+
+
+def _flashmla_outputs(o: torch.Tensor, lse: torch.Tensor, b: int, s_q: int, contiguous: bool):
+    """``o [b * s_q, h, dv]``, ``lse [b * s_q, h]`` as ``[b, s_q, h, dv]`` (a view) and
+    ``[b, h, s_q]``: contiguous as FlashMLA's dense call returns it (a copy of ``b * h * s_q``
+    floats; its sparse call returns the transposed view, as here with ``contiguous=False``)."""
     h = o.shape[1]
-    return o.view(b, s_q, h, o.shape[2]), lse.view(b, s_q, h).transpose(1, 2)
+    lse = lse.view(b, s_q, h).transpose(1, 2)
+    return o.view(b, s_q, h, o.shape[2]), (lse.contiguous() if contiguous else lse)
 
 
 class FlashMLAPlan:
@@ -95,7 +105,7 @@ class FlashMLAPlan:
         q2 = q.reshape(b * s_q, q.shape[2], q.shape[3])
         kv = k_cache[:, :, 0] if k_cache.dim() == 4 else k_cache
         o, lse = self.plan.run(q2, kv, block_table, cache_seqlens)
-        return _flashmla_outputs(o, lse, b, s_q)
+        return _flashmla_outputs(o, lse, b, s_q, contiguous=True)
 
 
 def plan_mla_with_kvcache(
@@ -116,20 +126,21 @@ def plan_mla_with_kvcache(
     b, s_q = q.shape[:2]
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    plan, _ = checked_plan(
-        rows,
-        _cache_3d(k_cache),
-        block_table,
-        cache_seqlens,
-        None,
-        softmax_scale=softmax_scale,
-        d_v=head_dim_v,
-        num_splits=num_splits,
-        check_inputs=check_inputs,
-        q_pe=None,
-        kpe_pool=None,
-        layout=PagedLayout(s_q=s_q, causal=causal),
-    )
+    with argument_names(_NAMES):
+        plan, _ = checked_plan(
+            rows,
+            _cache_3d(k_cache),
+            block_table,
+            cache_seqlens,
+            None,
+            softmax_scale=softmax_scale,
+            d_v=head_dim_v,
+            num_splits=num_splits,
+            check_inputs=check_inputs,
+            q_pe=None,
+            kpe_pool=None,
+            layout=PagedLayout(s_q=s_q, causal=causal),
+        )
     return FlashMLAPlan(plan, b, s_q)
 
 
@@ -174,8 +185,8 @@ def mla_decode_with_kvcache(
     o : torch.Tensor
         ``[b, s_q, h_q, head_dim_v]`` in ``q``'s dtype.
     lse : torch.Tensor
-        ``[b, h_q, s_q]`` float32, natural log (a transposed view); ``-inf`` for a token with
-        nothing to attend.
+        ``[b, h_q, s_q]`` float32, natural log, contiguous (as FlashMLA's); ``-inf`` for a
+        token with nothing to attend.
     """
     plan = plan_mla_with_kvcache(
         q,
@@ -198,27 +209,45 @@ def mla_sparse_with_kvcache(
     head_dim_v: int = 512,
     *,
     softmax_scale: float,
+    topk_length: torch.Tensor | None = None,
     num_splits: int | None = None,
     check_indices: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse top-k partial attention in FlashMLA's layout: ``q [b, s_q, h_q, d]``, ``indices
     [b, s_q, topk]`` int32 into the flattened cache (``-1`` unused; each query token has its
-    own selection, so ``s_q`` is only a reshape); returns ``o [b, s_q, h_q, head_dim_v]`` and
-    natural-log ``lse [b, h_q, s_q]``. Other arguments as in
+    own selection, so ``s_q`` is only a reshape); ``topk_length [b]`` int32 (FlashMLA's): only
+    the leftmost ``topk_length[i]`` indices of sequence ``i`` count (the rest are read as
+    ``-1``: a masked copy of ``indices``). Returns ``o [b, s_q, h_q, head_dim_v]`` and
+    natural-log ``lse [b, h_q, s_q]`` (a transposed view, as FlashMLA's sparse call). The cache
+    is bf16 / fp16 / fp32 ``[num_blocks, page, (1,) d]``: FlashMLA's sparse kernels read its
+    packed FP8 cache, which mqnc does not. Other arguments as in
     :func:`mqnc.triton_kernels.mla_sparse_partial`."""
     rows = _rows(q)
     b, s_q = q.shape[:2]
     check_tensor("indices", indices, ndim=3, shape=(b, s_q, None))
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, ndim=1, dtypes=(torch.int32,), shape=(b,))
+        keep = torch.arange(indices.shape[2], device=indices.device) < topk_length[:, None, None]
+        indices = torch.where(keep, indices, -1)
     idx = indices.reshape(b * s_q, indices.shape[2])
     kv = _cache_3d(k_cache)
-    plan = plan_mla_sparse(
-        rows,
-        kv,
-        idx,
-        softmax_scale=softmax_scale,
-        d_v=head_dim_v,
-        num_splits=num_splits,
-        check_indices=check_indices,
-    )
+    try:
+        with argument_names(_NAMES):
+            plan = plan_mla_sparse(
+                rows,
+                kv,
+                idx,
+                softmax_scale=softmax_scale,
+                d_v=head_dim_v,
+                num_splits=num_splits,
+                check_indices=check_indices,
+            )
+    except ValueError as exc:  # an index's place in [b * s_q, topk] named as [b, s_q, topk]
+        where = re.search(r" at \[(\d+), (\d+)\]", str(exc))
+        if where is None:
+            raise
+        r, k = int(where.group(1)), int(where.group(2))
+        msg = str(exc).replace(where.group(0), f" at [{r // s_q}, {r % s_q}, {k}]")
+        raise ValueError(msg) from exc
     o, lse = plan.run(rows, kv, idx)
-    return _flashmla_outputs(o, lse, b, s_q)
+    return _flashmla_outputs(o, lse, b, s_q, contiguous=False)
