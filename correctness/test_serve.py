@@ -85,9 +85,12 @@ def test_torchrun_two_nodes_holders_and_requesters(tmp_path):
                 p.wait()
         for f in logs:
             f.close()
+    # the whole logs: torchrun's own teardown can end a node's log with a long traceback (its
+    # exit barrier on the static rendezvous store, already closed by the other node: rc still 0)
+    full = "\n".join((tmp_path / f"node{n}.log").read_text() for n in (0, 1))
     out = "\n".join((tmp_path / f"node{n}.log").read_text()[-3000:] for n in (0, 1))
     assert rcs == [0, 0], out
-    assert "holder 2 done" in out and "holder 3 done" in out, out
+    assert "holder 2 done" in full and "holder 3 done" in full, out
 
     for rank in (0, 1):
         got = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
