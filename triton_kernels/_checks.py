@@ -14,6 +14,7 @@ import torch
 
 __all__ = [
     "argument_names",
+    "check_flags",
     "check_tensor",
     "check_same_device",
     "check_int",
@@ -98,6 +99,13 @@ def check_softmax_scale(softmax_scale: object) -> float:
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"softmax_scale: expected a finite positive float, got {softmax_scale!r}")
     return scale
+
+
+def check_flags(**flags: object) -> None:
+    """Each keyword a bool (``causal``, ``return_lse``, ...), else a ``TypeError`` naming it."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
 
 
 @contextlib.contextmanager

@@ -25,7 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from mqnc.triton_kernels._checks import argument_names, check_same_device, check_tensor
+from mqnc.triton_kernels._checks import (
+    argument_names,
+    check_flags,
+    check_same_device,
+    check_tensor,
+)
 from mqnc.triton_kernels._mla_launch import AttentionPlan
 from mqnc.triton_kernels.merge import lse_to_base2, merge_partials, merge_partials_into
 from mqnc.triton_kernels.mla_decode import PagedLayout, checked_plan
@@ -69,12 +74,6 @@ _MLA_NAMES = {"q": "q_nope", "kv_pool": "ckv_cache", "kpe_pool": "kpe_cache", "k
               "lens": "kv_len"}  # fmt: skip
 
 
-def _check_flags(**flags) -> None:
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
-
-
 def plan_mla_paged_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -94,7 +93,7 @@ def plan_mla_paged_attention(
 ) -> FlashInferMLAPlan:
     """Plan :func:`mla_paged_attention` once for these tensors' shapes (checks and the split
     choice); ``plan.run(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len)``."""
-    _check_flags(causal=causal, return_lse=return_lse, return_lse_base_on_e=return_lse_base_on_e)
+    check_flags(causal=causal, return_lse=return_lse, return_lse_base_on_e=return_lse_base_on_e)
     check_tensor("q_nope", q_nope, ndim=3)
     check_tensor("q_pe", q_pe, ndim=3)
     check_tensor("kv_indptr", kv_indptr, ndim=1)

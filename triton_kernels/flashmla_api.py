@@ -32,7 +32,7 @@ import re
 
 import torch
 
-from mqnc.triton_kernels._checks import argument_names, check_tensor
+from mqnc.triton_kernels._checks import argument_names, check_flags, check_tensor
 from mqnc.triton_kernels._mla_launch import AttentionPlan
 from mqnc.triton_kernels.mla_decode import PagedLayout, checked_plan
 from mqnc.triton_kernels.mla_sparse import plan_mla_sparse
@@ -124,8 +124,7 @@ def plan_mla_with_kvcache(
     choice once; then ``plan.run(q, k_cache, block_table, cache_seqlens)``."""
     rows = _rows(q)
     b, s_q = q.shape[:2]
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    check_flags(causal=causal)
     with argument_names(_NAMES):
         plan, _ = checked_plan(
             rows,

@@ -37,7 +37,7 @@ import dataclasses
 import torch
 
 from mqnc.base.checks import check_int
-from mqnc.integrations.hf_model import ATTN_IMPLEMENTATION
+from mqnc.integrations.hf_model import ATTN_IMPLEMENTATION, check_prompt_ids
 from mqnc.testing import tolerance
 
 __all__ = ["Exactness", "HFReference", "check_generation"]
@@ -140,16 +140,7 @@ class HFReference:
         _check_detached(model)
         self.model = model
         self.position = check_int("position", position, minimum=0)
-        if (
-            not isinstance(prompt_ids, torch.Tensor)
-            or prompt_ids.dim() != 2
-            or 0 in prompt_ids.shape
-        ):
-            shape = f" of shape {tuple(prompt_ids.shape)}" if torch.is_tensor(prompt_ids) else ""
-            raise ValueError(
-                "prompt_ids: expected a [B, S] tensor of token ids with B, S >= 1, got "
-                f"{type(prompt_ids).__name__}{shape}"
-            )
+        check_prompt_ids(prompt_ids, "prompt_ids")
         self.prompt_len = int(prompt_ids.shape[1])
         ctx = torch.as_tensor(context_ids).reshape(1, -1).to(prompt_ids.device)
         full = torch.cat([ctx.expand(prompt_ids.shape[0], -1), prompt_ids], dim=1)

@@ -24,6 +24,7 @@ __all__ = [
     "attention_modules",
     "prefill_entries",
     "check_token_ids",
+    "check_prompt_ids",
 ]
 
 ATTN_IMPLEMENTATION = "mqnc"
@@ -146,6 +147,16 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str) -> torch.Tens
             f"from {int(ids.min())} to {int(ids.max())}"
         )
     return ids
+
+
+def check_prompt_ids(ids, name: str) -> None:
+    """A ``[B, S]`` tensor with ``B, S >= 1``, else a ``ValueError`` naming ``name``."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or 0 in ids.shape:
+        shape = f" of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else ""
+        raise ValueError(
+            f"{name}: expected a [B, S] tensor of token ids with B, S >= 1, got "
+            f"{type(ids).__name__}{shape}"
+        )
 
 
 def _token_ids(token_ids, name: str, vocab_size: int) -> torch.Tensor:

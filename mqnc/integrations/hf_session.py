@@ -17,6 +17,7 @@ from mqnc.integrations.hf_model import (
     ATTN_IMPLEMENTATION,
     attention_modules,
     check_model,
+    check_prompt_ids,
     check_token_ids,
     geometry_of,
     prefill_entries,
@@ -219,7 +220,7 @@ class HFSession:
     def positions(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``position_ids [B, S]`` of a prompt ``input_ids [B, S]`` that follows the context
         directly."""
-        _check_prompt(input_ids)
+        check_prompt_ids(input_ids, "input_ids")
         B, S = input_ids.shape
         pos = torch.arange(self.context_end, self.context_end + S, device=input_ids.device)
         return pos[None].expand(B, -1)
@@ -234,7 +235,7 @@ class HFSession:
         :mod:`mqnc.integrations.hf`."""
         if self._saved_impl is None:
             raise RuntimeError("session: not attached (use `with attach(...) as session:`)")
-        _check_prompt(input_ids)
+        check_prompt_ids(input_ids, "input_ids")
         check_token_ids(input_ids, self.model.config.vocab_size, "input_ids")
         mask = kwargs.get("attention_mask")
         if mask is not None and not bool(torch.as_tensor(mask).all()):
@@ -511,16 +512,6 @@ def _new_tokens(model, prompt_len: int, kwargs: dict) -> int | None:
         length = kwargs.get("max_length", gc.max_length)
         n = None if length is None else max(int(length) - int(prompt_len), 1)
     return n
-
-
-def _check_prompt(input_ids) -> None:
-    """A ``[B, S]`` tensor with ``B, S >= 1``, else a ``ValueError`` naming ``input_ids``."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
-        shape = f" of shape {tuple(input_ids.shape)}" if isinstance(input_ids, torch.Tensor) else ""
-        raise ValueError(
-            "input_ids: expected a [B, S] tensor of token ids with B, S >= 1, got "
-            f"{type(input_ids).__name__}{shape}"
-        )
 
 
 def _check_unpadded(mask, n_local: int) -> None:
