@@ -54,7 +54,7 @@ def no_checks(monkeypatch):
         for module, names in (
             (checks, ("check_tensor", "check_same_device", "check_softmax_scale")),
             (mla_decode, ("_check_paging", "_check_csr", "check_tensor", "check_launchable")),
-            (mla_sparse, ("_check_index_range", "check_tensor", "check_launchable")),
+            (mla_sparse, ("check_index_range", "check_tensor", "check_launchable")),
             (grid, ("choose_num_splits", "kernel_occupancy")),
         ):
             for name in names:

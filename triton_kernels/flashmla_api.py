@@ -28,14 +28,12 @@ FlashMLA's rope-less ``d = 512`` is refused by name (``q``).
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from mqnc.triton_kernels._checks import argument_names, check_flags, check_tensor
 from mqnc.triton_kernels._mla_launch import AttentionPlan
 from mqnc.triton_kernels.mla_decode import PagedLayout, checked_plan
-from mqnc.triton_kernels.mla_sparse import plan_mla_sparse
+from mqnc.triton_kernels.mla_sparse import check_index_range, plan_mla_sparse
 
 __all__ = [
     "mla_decode_with_kvcache",
@@ -230,23 +228,17 @@ def mla_sparse_with_kvcache(
         indices = torch.where(keep, indices, -1)
     idx = indices.reshape(b * s_q, indices.shape[2])
     kv = _cache_3d(k_cache)
-    try:
-        with argument_names(_NAMES):
-            plan = plan_mla_sparse(
-                rows,
-                kv,
-                idx,
-                softmax_scale=softmax_scale,
-                d_v=head_dim_v,
-                num_splits=num_splits,
-                check_indices=check_indices,
-            )
-    except ValueError as exc:  # an index's place in [b * s_q, topk] named as [b, s_q, topk]
-        where = re.search(r" at \[(\d+), (\d+)\]", str(exc))
-        if where is None:
-            raise
-        r, k = int(where.group(1)), int(where.group(2))
-        msg = str(exc).replace(where.group(0), f" at [{r // s_q}, {r % s_q}, {k}]")
-        raise ValueError(msg) from exc
+    with argument_names(_NAMES):
+        plan = plan_mla_sparse(
+            rows,
+            kv,
+            idx,
+            softmax_scale=softmax_scale,
+            d_v=head_dim_v,
+            num_splits=num_splits,
+            check_indices=False,
+        )
+    if check_indices:  # after every other check, on the caller's [b, s_q, topk] (its places)
+        check_index_range(indices, kv.shape[0] * kv.shape[1])
     o, lse = plan.run(rows, kv, idx)
     return _flashmla_outputs(o, lse, b, s_q, contiguous=False)

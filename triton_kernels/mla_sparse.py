@@ -140,14 +140,17 @@ def _mla_sparse_kernel(
     )
 
 
-def _check_index_range(indices: torch.Tensor, pool_tokens: int) -> None:
-    """Host-side check (one sync): every index is -1 (unused) or in ``[0, pool_tokens)``."""
+def check_index_range(indices: torch.Tensor, pool_tokens: int) -> None:
+    """Host-side check (one sync): every index is -1 (unused) or in ``[0, pool_tokens)``; the
+    first one that is not is named at its place in ``indices`` (any number of dims: an
+    adapter checks its own layout, e.g. FlashMLA's ``[b, s_q, topk]``)."""
     bad = (indices < -1) | (indices >= pool_tokens)
     if bool(bad.any()):
-        i, j = (int(x) for x in bad.nonzero()[0])
+        where = tuple(int(x) for x in bad.nonzero()[0])
         raise ValueError(
             f"indices: expected -1 (unused) or a token id in [0, {pool_tokens}) of the flattened "
-            f"kv_pool, got {int(indices[i, j])} at [{i}, {j}] ({int(bad.sum())} out of range)"
+            f"kv_pool, got {int(indices[where])} at [{', '.join(map(str, where))}] "
+            f"({int(bad.sum())} out of range)"
         )
 
 
@@ -271,7 +274,7 @@ def plan_mla_sparse(
     scale = check_softmax_scale(softmax_scale)
     check_num_splits(num_splits)
     if check_indices:
-        _check_index_range(indices, num_blocks * block_size)
+        check_index_range(indices, num_blocks * block_size)
     template = plan_sparse(q, kv_pool, indices, scale, d_v, num_splits, ops=ops, alloc=meta_output)
     split = ops.split
 
