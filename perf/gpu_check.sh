@@ -38,7 +38,12 @@ cd "$ROOT" || exit 1
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
 OUT=${OUT:-$(mktemp -d)}
-PY=${PY:-python3}
+# the interpreter: $PY, else for the dry run the checkout's venv (`make venv`) when there is one
+# (the system python3 of a CPU machine has no torch), else python3 (the GPU image's)
+if [ -z "${PY:-}" ]; then
+  PY=python3
+  ((DRY)) && [ -x .venv/bin/python ] && PY=.venv/bin/python
+fi
 BUDGET=${BUDGET:-450}
 RESERVE=20 # kept for packing the logs and printing the tables
 SITE=${SITE:-/tmp/mqnc-site}
