@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from mqnc.demo import DemoConfig, HolderStartupError, run_demo
-from mqnc.demo.report import replay_routes, spread_mape
+from mqnc.demo.report import median_calls, replay_routes, spread_mape
 from mqnc.demo.step import OTHER
 from mqnc.demo.waves import predict_wave
+from mqnc.serving import CostRecord
 
 SMALL = dict(
     layers=2,
@@ -34,6 +35,7 @@ SMALL = dict(
     suffix_tokens=8,
     steps=2,
     progress=False,
+    repeats=1,  # each decode once; the gloo test runs its decodes three times
 )
 README = Path(__file__).parents[1] / "README.md"
 
@@ -96,11 +98,22 @@ def test_demo_gloo_processes_torch_path_and_progress(tmp_path, capsys):
     does from its first line (prefill, calibration, decode, the comparison decode), decodes a
     second time through the other primitive of each choice (the model measured on both), and
     prints nothing wider than 100 columns."""
-    r = _run(tmp_path, "gloo", transport="gloo", progress=True)
+    r = _run(tmp_path, "gloo", transport="gloo", progress=True, repeats=3)
     printed = capsys.readouterr()
     err = printed.err
-    # the decode, then the same decode with every (chunk, agent) through the other primitive
-    assert r["checked"]["merged"] == 2 * SMALL["steps"] * SMALL["layers"] * 2
+    # the decode, then the same decode with every (chunk, agent) through the other primitive,
+    # both three times (interleaved), every answer of every repeat checked
+    assert r["checked"]["merged"] == 3 * 2 * SMALL["steps"] * SMALL["layers"] * 2
+    # each call scored once, by its median over the three repeats; each repeat's MAPE beside
+    for prim, row in r["primitives"].items():
+        assert row["count"] == r["compare"]["predicate"]["primitives"].get(prim, 0) + r["compare"][
+            "other"
+        ]["primitives"].get(prim, 0)
+        assert row["repeats"] == 3 and len(row["mape_single"]) == 3, prim
+        for call in row["per_call"]:
+            ms = call["measured_repeats"]
+            assert len(ms) == 3 and ms == sorted(ms) and call["measured"] == ms[1], call
+    assert "each call is its median over 3 decodes; one decode's MAPE: route " in printed.out
     cmp = r["compare"]
     assert cmp["states_agree"]
     picked = {d["primitive"] for d in r["decisions"]}
@@ -122,7 +135,7 @@ def test_demo_gloo_processes_torch_path_and_progress(tmp_path, capsys):
         "holders",
         "calibrate",
         "decode",
-        "decode again",
+        "then the other primitive, 3 times",
     ]
     where = [err.find(p) for p in phases]
     assert all(w >= 0 for w in where) and where == sorted(where), (where, err[:2000])
@@ -165,6 +178,30 @@ def test_spread_mape_scores_each_call_by_the_median_of_its_repeats():
     assert n == 6 and got == pytest.approx(want)
     assert spread_mape(calls, waves, min_repeats=4) == (None, 0)
     assert spread_mape(calls, waves, min_repeats=2)[1] == 8
+
+
+def _record(prim="route", chunk=0, layer=0, total=1.0, ok=True):
+    return CostRecord(
+        prim, 1, chunk, layer, 16, 100, 200, compute_us=total / 2, total_us=total, ok=ok
+    )
+
+
+def test_median_calls_picks_each_calls_median_record_over_the_repeats():
+    """A call (primitive, chunk, layer, peer, rows, and its occurrence) is stood for by its
+    record of median total over the repeats, whole (its terms with it); a failed call of the
+    first run stays; a call one repeat did not make is scored over the others; the sorted
+    totals come with it."""
+    first = [_record(total=5), _record(total=9), _record(chunk=1, total=3), _record(ok=False)]
+    second = [_record(total=1), _record(total=7), _record(chunk=1, total=4)]
+    third = [_record(total=3), _record(total=8)]  # chunk 1 fell back to another primitive
+    third.append(_record("fetch", chunk=1, total=50))
+    got = median_calls([first, second, third])
+    assert [ts for _, ts in got] == [[1, 3, 5], [7, 8, 9], [3, 4], [first[3].total_us]]
+    assert [rec for rec, _ in got] == [third[0], third[1], first[2], first[3]]
+    assert got[0][0].compute_us == 1.5  # the record, not a median per term
+    assert median_calls([first]) == [(r, [r.total_us]) for r in first]
+    with pytest.raises(ValueError, match="runs: expected at least one run"):
+        median_calls([])
 
 
 @pytest.fixture(scope="module")
@@ -309,6 +346,8 @@ def test_holder_lost_at_start_up_ends_the_run_at_once(tmp_path, monkeypatch, how
         (dict(holders=1, replicas=2), ValueError, "replicas"),
         (dict(force="route", compare=True), ValueError, "compare: .* without force"),
         (dict(kill_holder=1, compare=True), ValueError, "compare: .* the fault drill"),
+        (dict(repeats=0), ValueError, "repeats: expected an int"),
+        (dict(kill_holder=1, repeats=2), ValueError, "repeats: the fault drill decodes once"),
     ],
 )
 def test_bad_argument_fails_before_any_work(tmp_path, monkeypatch, kw, error, match):
@@ -350,6 +389,10 @@ def test_demo_command_line_checks(capsys, tmp_path):
     assert "--kill-after-step: applies to the fault drill only" in capsys.readouterr().err
     assert main(["demo", "--force", "fetch", "--compare"]) == 2
     assert "compare: the second decode" in capsys.readouterr().err
+    assert main(["demo", "--repeats", "0"]) == 2
+    assert "repeats: expected an int" in capsys.readouterr().err
+    assert main(["demo", "--hf", "--repeats", "2"]) == 2
+    assert "--repeats apply to the MLA demo only" in capsys.readouterr().err
     assert main(["demo", "--kernels", "cuda"]) == 2  # argparse: not a choice
 
 

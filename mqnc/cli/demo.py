@@ -142,6 +142,14 @@ def register(subparsers) -> None:
         "--force or the fault drill)",
     )
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="run each decode this many times, each from an empty pool, and score every call "
+        "by its median over them; each single decode's MAPE is printed beside (default 3; 1 "
+        "in the fault drill)",
+    )
+    p.add_argument(
         "--hf",
         nargs="?",
         const="deepseek_v2",

@@ -38,6 +38,7 @@ __all__ = [
     "primitive_rows",
     "replay_routes",
     "spread_mape",
+    "median_calls",
     "print_table",
     "plot",
     "TABLE_TERMS",
@@ -101,7 +102,7 @@ def primitive_rows(
     """Per primitive (route, fetch, local) of the successful ``records``: count, wire bytes,
     measured and predicted us per term (``predict(record) -> {term: us}``, with ``total``),
     MAPE of the totals, each call's measured and predicted total (with ``where(record)``'s
-    fields: a route's wave), the largest error of its partials in ``errors``."""
+    fields: a route's wave, a call's repeats), the largest error of its partials in ``errors``."""
     rows = {}
     for prim in ("route", "fetch", "local"):
         recs = [r for r in records if r.primitive == prim and r.ok]
@@ -150,7 +151,10 @@ class Report:
     ``waves`` maps ``id(record)`` of a route to its wave (the :class:`WaveCall` list in send
     order) and its index there; ``deltas`` maps ``id(record)`` to the call's delta
     (:class:`mqnc.demo.step.Decoder`); ``cores`` maps a holder to its CPU core
-    (:func:`mqnc.demo.cluster.cpu_plan`; None: each its own). A route is predicted by
+    (:func:`mqnc.demo.cluster.cpu_plan`; None: each its own); ``repeats`` maps ``id(record)``
+    to the totals of its call over the decode's repeats (:func:`median_calls`: the record is
+    their median; each call of :meth:`rows` then carries them as ``measured_repeats``). A
+    route is predicted by
     :func:`predict_wave` over its wave, a fetch as its request's fixed part, the pull at the
     bulk rate and the splice (when the chunk moved; else the pool write alone), a local as the
     re-prefill.
@@ -165,9 +169,11 @@ class Report:
         waves: dict[int, tuple[list[WaveCall], int]],
         deltas: dict[int, int],
         cores: dict[int, int] | None = None,
+        repeats: dict[int, list[float]] | None = None,
     ) -> None:
         self.cfg, self.geometry, self.corpus, self.cal = cfg, geometry, corpus, cal
         self.waves, self.deltas, self.cores = waves, deltas, cores
+        self.repeats = repeats or {}
         self._predicted: dict[int, list[dict[str, float]]] = {}
         self._wave_ids: dict[int, tuple[int, list[WaveCall]]] = {}
 
@@ -202,13 +208,15 @@ class Report:
         return primitive_rows(costs, self.predict, errors, self._where)
 
     def _where(self, rec: CostRecord) -> dict:
+        out = {}
+        if id(rec) in self.repeats:
+            out["measured_repeats"] = self.repeats[id(rec)]
         noted = self.waves.get(id(rec))
-        if noted is None:
-            return {}
-        wave, i = noted
-        return dict(
-            wave=self._wave_ids.setdefault(id(wave), (len(self._wave_ids), wave))[0], index=i
-        )
+        if noted is not None:
+            wave, i = noted
+            out["wave"] = self._wave_ids.setdefault(id(wave), (len(self._wave_ids), wave))[0]
+            out["index"] = i
+        return out
 
     def wave_list(self) -> list[list[dict]]:
         """Every wave a route call of :meth:`rows` named, in that order: its calls in send
@@ -254,6 +262,47 @@ def spread_mape(per_call: list[dict], waves: list[list[dict]], min_repeats: int 
         return None, 0
     errs = [abs(m - median) / m for ms in scored for median in [statistics.median(ms)] for m in ms]
     return sum(errs) / len(errs), len(errs)
+
+
+def median_calls(runs: list[list[CostRecord]]) -> list[tuple[CostRecord, list[float]]]:
+    """Each call of the first run as the record of its median total over the runs, with the
+    totals it was chosen from (us, sorted).
+
+    ``runs`` are the cost records of repeats of one decode (the same calls in the same order:
+    a decode is deterministic). A call is its primitive, chunk, layer, peer and rows, and its
+    occurrence among the run's calls alike; its record in each run where it occurs is taken,
+    and the one whose ``total_us`` is the median (the lower middle for an even count) stands
+    for the call, all its terms with it (so they still add up to its total). Failed calls of
+    the first run stay as they are; a call some repeat did not make (a fallback there) is
+    scored over the repeats that made it.
+    """
+    if not runs:
+        raise ValueError("runs: expected at least one run of cost records, got none")
+    keyed = [_call_keys(recs) for recs in runs]
+    found = [dict(zip(keys, recs, strict=True)) for keys, recs in zip(keyed, runs, strict=True)]
+    out = []
+    for key, rec in zip(keyed[0], runs[0], strict=True):
+        if key is None:
+            out.append((rec, [rec.total_us]))
+            continue
+        same = sorted((f[key] for f in found if key in f), key=lambda r: r.total_us)
+        out.append((same[(len(same) - 1) // 2], [r.total_us for r in same]))
+    return out
+
+
+def _call_keys(recs: list[CostRecord]) -> list[tuple | None]:
+    """Each record's call: (primitive, chunk, layer, peer, rows) and its occurrence among the
+    records; None for a failed one."""
+    seen: Counter = Counter()
+    keys: list[tuple | None] = []
+    for r in recs:
+        if not r.ok:
+            keys.append(None)
+            continue
+        call = (r.primitive, r.chunk_id, r.layer, r.peer, r.m_q)
+        keys.append((call, seen[call]))
+        seen[call] += 1
+    return keys
 
 
 # ---- printing ----------------------------------------------------------------------------------
@@ -357,6 +406,15 @@ def print_table(
             f"{prim:<9} {r['count']:>6} {r['wire_bytes'] / 1e6:>9.2f} "
             f"{r['measured_us']['total'] / 1e3:>12.1f} {r['predicted_us']['total'] / 1e3:>13.1f} "
             f"{r['mape'] * 100:>5.0f}% {r['max_abs_error']:>9.2e}"
+        )
+    repeats = max((r.get("repeats", 1) for r in rows.values()), default=1)
+    if repeats > 1:
+        print(
+            f"each call is its median over {repeats} decodes; one decode's MAPE: "
+            + "; ".join(
+                f"{prim} " + ", ".join(f"{m * 100:.0f}" for m in r["mape_single"]) + "%"
+                for prim, r in rows.items()
+            )
         )
     spread = rows.get("route", {}).get("spread_mape")
     if spread is not None:

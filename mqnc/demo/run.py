@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from mqnc.demo.checks import Prepared
 from mqnc.demo.cluster import Cluster
 from mqnc.demo.config import DemoConfig
 from mqnc.demo.progress import Progress
-from mqnc.demo.report import Report, plot, print_table, spread_mape
+from mqnc.demo.report import Report, median_calls, plot, print_table, spread_mape
 from mqnc.demo.step import Decisions, Decoder
 from mqnc.demo.verify import Verifier
 from mqnc.demo.workload import Corpus, build_model, make_agents
@@ -56,34 +57,47 @@ def run(prep: Prepared, progress: Progress) -> dict:
         verifier = Verifier(model, corpus)
         decisions = Decisions(cfg, model, corpus, cal)
         kill = cluster.kill if cfg.kill_holder is not None else None
-        agents = make_agents(cfg, corpus)
-        decoder = Decoder(cfg, model, corpus, req, agents, decisions, verifier, kill)
-        total = cfg.steps * model.geometry.layers * len(agents)
-        with progress.bar(total, "decode (agent x layer x step)") as bar:
-            decoder.run(bar)
-        decoders, n_first = [decoder], len(req.costs)
+        passes = [("predicate", decisions)]
         if cfg.comparing:
-            # the same decode again, each (chunk, agent) through the other primitive, from an
-            # empty pool (nothing fetched before is reused)
-            req.clear_local()
-            other = decisions.other()
-            again = Decoder(
-                cfg, model, corpus, req, make_agents(cfg, corpus), other, verifier, None
-            )
-            with progress.bar(total, "decode again, the other primitive each") as bar:
-                again.run(bar)
-            decoders.append(again)
-        waves = {k: v for d in decoders for k, v in d.waves.items()}
-        deltas = {k: v for d in decoders for k, v in d.deltas.items()}
-        report = Report(cfg, model.geometry, corpus, cal, waves, deltas, cluster.cpus)
-        rows = report.rows(req.costs, verifier.errors)
+            # the same decode again, each (chunk, agent) through the other primitive
+            passes.append(("other", decisions.other()))
+        repeats = cfg.decode_repeats
+        total = cfg.steps * model.geometry.layers * cfg.agents * len(passes) * repeats
+        runs: dict[str, list[tuple[Decoder, list]]] = {key: [] for key, _ in passes}
+        what = "decode (agent x layer x step)" + (", then the other primitive" * cfg.comparing)
+        with progress.bar(total, what + (f", {repeats} times" if repeats > 1 else "")) as bar:
+            for r in range(repeats):  # the passes interleaved: a slow spell hits both alike
+                for key, picks in passes:
+                    req.clear_local()  # from an empty pool: nothing fetched before is reused
+                    dec = Decoder(
+                        cfg, model, corpus, req, make_agents(cfg, corpus), picks, verifier,
+                        kill if r == 0 and key == "predicate" else None,
+                    )  # fmt: skip
+                    n = len(req.costs)
+                    dec.run(bar)
+                    runs[key].append((dec, req.costs[n:]))
+        decoder = runs["predicate"][0][0]
+        decoders = [rs[0][0] for rs in runs.values()]
+        waves = {k: v for rs in runs.values() for d, _ in rs for k, v in d.waves.items()}
+        deltas = {k: v for rs in runs.values() for d, _ in rs for k, v in d.deltas.items()}
+        medians = {key: median_calls([recs for _, recs in rs]) for key, rs in runs.items()}
+        chosen = {key: [rec for rec, _ in calls] for key, calls in medians.items()}
+        totals = {id(rec): ts for calls in medians.values() for rec, ts in calls}
+        report = Report(cfg, model.geometry, corpus, cal, waves, deltas, cluster.cpus, totals)
+        rows = report.rows([rec for recs in chosen.values() for rec in recs], verifier.errors)
         wave_list = report.wave_list()  # every wave the rows name (demo.json's "waves")
         if "route" in rows:
             rows["route"]["spread_mape"] = spread_mape(rows["route"]["per_call"], wave_list)[0]
+        for prim, row in rows.items():  # each single decode's MAPE, beside the medians'
+            singles = [
+                report.rows([rec for rs in runs.values() for rec in rs[i][1]], {}).get(prim)
+                for i in range(repeats)
+            ]
+            row["repeats"] = repeats
+            row["mape_single"] = [s["mape"] for s in singles if s is not None]
         compare = None
         if cfg.comparing:
-            passes = (req.costs[:n_first], req.costs[n_first:])
-            compare = _compare(report, passes, decoders)
+            compare = _compare(report, chosen, runs, decoders)
     finally:
         cluster.close(req)
     result = dict(
@@ -93,7 +107,7 @@ def run(prep: Prepared, progress: Progress) -> dict:
         kernels=_kernels(cfg),
         calibration=cal.to_dict(),
         decisions=list(decisions.table.values()),
-        fallbacks=decoder.fallbacks,
+        fallbacks=[f for d, _ in runs["predicate"] for f in d.fallbacks],
         killed=decoder.killed,
         compare=compare,
         primitives=rows,
@@ -103,26 +117,27 @@ def run(prep: Prepared, progress: Progress) -> dict:
         max_abs_error={k: max(v) for k, v in verifier.errors.items()},
         checked={k: len(v) for k, v in verifier.errors.items()},
         # each agent's last hidden state: the --force runs of one config must agree on it
-        final_hidden={a.name: a.hidden.flatten().tolist() for a in agents},
+        final_hidden={a.name: a.hidden.flatten().tolist() for a in decoder.agents},
         wall_s=progress.elapsed_s,
     )
     _write(cfg, result, verifier.errors, decisions.table, cal)
     return result
 
 
-def _compare(report: Report, passes: tuple, decoders: list[Decoder]) -> dict:
-    """The two decodes side by side: per decode, its calls per primitive, their measured and
-    predicted time (us, summed over the calls, as the table sums them), its wall time
-    (verification included), and whether both ended in the same agent states (to the bf16
-    floor: each path rounds its queries or keys once more than the reference)."""
+def _compare(report: Report, medians: dict, runs: dict, decoders: list[Decoder]) -> dict:
+    """The two decodes side by side: per decode, its calls per primitive, their measured (each
+    call's median over the repeats) and predicted time (us, summed over the calls, as the table
+    sums them), its wall time (verification included; the median over the repeats), and
+    whether both ended in the same agent states (to the bf16 floor: each path rounds its
+    queries or keys once more than the reference)."""
     out = {}
-    for key, costs, dec in zip(("predicate", "other"), passes, decoders, strict=True):
-        rows = report.rows(costs, {})
+    for key in ("predicate", "other"):
+        rows = report.rows(medians[key], {})
         out[key] = dict(
             primitives={p: r["count"] for p, r in rows.items()},
             measured_us=sum(r["measured_us"]["total"] for r in rows.values()),
             predicted_us=sum(r["predicted_us"]["total"] for r in rows.values()),
-            decode_s=dec.decode_s,
+            decode_s=statistics.median(d.decode_s for d, _ in runs[key]),
         )
     first, again = decoders
     out["states_agree"] = all(
