@@ -443,8 +443,8 @@ def test_a_signal_pushed_ahead_costs_one_timeout_not_a_core():
             holder.put_signal(1, reply, ack, seq)
 
     reads = []
-    read_message = req.transport.read_message
-    req.transport.read_message = lambda slot: reads.append(slot) or read_message(slot)
+    read_message = req.transport.read_message_host  # what the requester reads replies with
+    req.transport.read_message_host = lambda slot: reads.append(slot) or read_message(slot)
     th = threading.Thread(target=serve, args=(2, 2**40), daemon=True)
     th.start()
     with pytest.raises(RouteTimeout):
@@ -456,7 +456,7 @@ def test_a_signal_pushed_ahead_costs_one_timeout_not_a_core():
     while total < timeout_s:
         total, pause, pauses = total + pause, min(2 * pause, _BACKOFF_S[1]), pauses + 1
     assert 1 <= len(reads) <= pauses + 2, (len(reads), pauses)
-    req.transport.read_message = read_message
+    req.transport.read_message_host = read_message
     req.probe(0)  # the lane moved past the pushed signal
     th.join(WAIT)
     assert seen == [1, 2**40 + 2]

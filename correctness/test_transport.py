@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,6 +53,36 @@ def test_put_signal_read_get_and_monotonic_signals():
     a.put_signal(1, slot, data.flip(0), seq=2)  # a late, lower sequence number
     assert b.signal(slot) == 5  # never moves a signal back
     assert b.wait_any({slot: 5, slot + 1: 1}, timeout=1.0) == [slot]
+
+
+def test_a_host_array_is_a_message_too():
+    """A put takes a host uint8 numpy array (the wire's ``array=True``) as it takes a tensor,
+    with the same checks by name; ``read_message_host`` gives the message back as an array,
+    ``read_message`` as a tensor, the same bytes and signal."""
+    from mqnc.transport import wire
+
+    fab = LoopbackFabric(2, slot_bytes=256)
+    a, b = fab.endpoints
+    slot = fab.layout.slot(INBOX, 0)
+    msg = wire.pack_error("x" * 40, request_id=3, seq=4, array=True)
+    a.put_signal(1, slot, msg, seq=4)
+    sig, got = b.read_message_host(slot)
+    assert sig == 4 and type(got) is np.ndarray and bytes(got) == bytes(msg)
+    sig, t = b.read_message(slot)
+    assert sig == 4 and type(t) is torch.Tensor and bytes(t.numpy()) == bytes(msg)
+    got[:] = 0  # a copy, not the slot
+    assert bytes(b.read_message_host(slot)[1]) == bytes(msg)
+    with pytest.raises(ValueError, match="does not fit a slot of 256 B"):
+        a.put_signal(1, slot, np.zeros(300, np.uint8), 5)
+    with pytest.raises(TypeError, match="data: expected a 1-D uint8 array, got dtype int32"):
+        a.put_signal(1, slot, np.zeros(10, np.int32), 5)
+    with pytest.raises(TypeError, match="data: expected a 1-D uint8 array"):
+        a.put_signal(1, slot, np.zeros((2, 5), np.uint8), 5)
+    with pytest.raises(ValueError, match="data: expected a contiguous array"):
+        a.put_signal(1, slot, np.zeros(20, np.uint8)[::2], 5)
+    with pytest.raises(TypeError, match="data: expected a torch.Tensor or numpy array"):
+        a.put_signal(1, slot, b"bytes", 5)
+    assert b.signal(slot) == 4  # nothing refused was written
 
 
 def test_wait_times_out_within_the_bound():

@@ -150,6 +150,63 @@ def test_probe_fetch_error_shutdown():
     assert wire.parse_header(wire.pack_shutdown()).kind == wire.Kind.SHUTDOWN
 
 
+def test_array_messages_are_the_same_bytes_and_read_alike():
+    """``array=True`` (what the holder and the requester put, issue 14) packs the same bytes as
+    the tensor form into a host numpy array, and every reader takes it: the same header, the
+    same query, selection, partial, chunk and error text, bit for bit."""
+    q = _rand((2, 3, G.d_qk), torch.bfloat16, 0)
+    idx = torch.tensor([[0, 5, -1], [7, 1, 2]], dtype=torch.int32)
+    ids = dict(request_id=2**64 - 1, seq=2**63 + 5)
+    pairs = {
+        "probe": lambda array: wire.pack_probe(**ids, ack=True, array=array),
+        "fetch": lambda array: wire.pack_fetch(**ids, chunk_id=4, array=array),
+        "shutdown": lambda array: wire.pack_shutdown(**ids, array=array),
+        "error": lambda array: wire.pack_error("chunk 4 \u00e9", **ids, array=array),
+        "route": lambda array: wire.pack_query(
+            q, **ids, chunk_id=2, layer=1, indices=idx, array=array
+        ),
+    }
+    for name, pack in pairs.items():
+        t, a = pack(False), pack(True)
+        assert type(t) is torch.Tensor and type(a) is np.ndarray, name
+        assert a.dtype == np.uint8 and a.ndim == 1 and bytes(a) == bytes(t.numpy()), name
+        assert wire.parse_header(a, geometry=G) == wire.parse_header(t, geometry=G), name
+        assert wire.peek_length(a) == wire.peek_length(t) == t.numel(), name
+    assert wire.unpack_error(pairs["error"](True)) == wire.unpack_error(pairs["error"](False))
+    for buf in (pairs["route"](True), pairs["route"](False)):
+        h, q2, idx2 = wire.unpack_query(buf, geometry=G)
+        assert _bits_equal(q2, q) and torch.equal(idx2, idx)
+    # the holder's partial: numpy statistics in, the same message and views out
+    o = _rand((2, 3, G.d_v), torch.bfloat16, 1)
+    m = np.array([[0.5, -1, 2], [3, 4, -np.inf]], np.float32)
+    l = np.array([[1, 2, 3], [4, 5, 0]], np.float32)
+    ob = o.contiguous().view(torch.uint8).numpy().reshape(2, -1)
+    kw = dict(dtype=torch.bfloat16, width=G.d_v, chunk_id=2, layer=1, holder_ns=7, crc=None)
+    t = wire.pack_partial_arrays(ob, m, l, **ids, **kw)
+    a = wire.pack_partial_arrays(ob, m, l, **ids, array=True, **kw)
+    assert type(a) is np.ndarray and bytes(a) == bytes(t.numpy())
+    for buf in (a, t):
+        h = wire.parse_header(buf, geometry=G, require_payload_crc=True)
+        o2, m2, l2 = wire.partial_arrays(buf, h)
+        assert _bits_equal(o2, o) and np.array_equal(m2, m) and np.array_equal(l2, l)
+        _, o3, m3, l3 = wire.unpack_partial(buf, geometry=G)
+        assert _bits_equal(o3, o) and torch.equal(m3, torch.from_numpy(m))
+    # a chunk read from a host array (the requester's fetch reply)
+    kv = _rand((2, 5, G.d_qk), torch.bfloat16, 3)
+    c = wire.pack_chunk(kv, **ids, chunk_id=2, layers=(0, 2), position=9)
+    assert _bits_equal(wire.unpack_chunk(c.numpy().copy(), geometry=G)[1], kv)
+    # a field at an offset its dtype cannot view in place is copied, as for a tensor
+    odd = np.zeros(c.numel() + 1, np.uint8)[1:]
+    odd[:] = c.numpy()
+    assert not odd[wire.HEADER_BYTES :].view(np.int16).flags.aligned
+    assert _bits_equal(wire.unpack_chunk(odd, geometry=G)[1], kv)
+    # an array is a host message: asked for with a device, refused by name
+    with pytest.raises(ValueError, match="array: a numpy array is a host message"):
+        wire.pack_probe(**ids, device="meta", array=True)
+    with pytest.raises(ValueError, match="array: a numpy array is a host message"):
+        wire.pack_query(q.to("meta"), **ids, chunk_id=2, layer=1, array=True)
+
+
 def _messages():
     q = _rand((2, 3, G.d_qk), torch.bfloat16, 0)
     idx = torch.tensor([[0, 5, -1], [7, 1, 2]], dtype=torch.int32)
@@ -203,8 +260,12 @@ def test_rejections_name_what_is_wrong():
     bad[:4] = torch.tensor(list(b"XXXX"), dtype=torch.uint8)
     with pytest.raises(wire.WireError, match="magic"):
         wire.parse_header(bad)
-    with pytest.raises(TypeError, match="buf"):
-        wire.parse_header(route.numpy())
+    # a host uint8 array is a message too (the packers' array=True); any other is refused
+    assert wire.parse_header(route.numpy(), geometry=G) == wire.parse_header(route, geometry=G)
+    with pytest.raises(TypeError, match="buf: expected a contiguous 1-D uint8 array"):
+        wire.parse_header(route.numpy().view(np.int16))
+    with pytest.raises(TypeError, match="buf: expected a torch.Tensor or numpy array"):
+        wire.parse_header(list(route.numpy()))
     with pytest.raises(TypeError, match="uint8"):
         wire.parse_header(route.view(torch.int16))
     with pytest.raises(ValueError, match="contiguous"):

@@ -187,6 +187,7 @@ class RouteBatcher:
                     layer=h.layer_lo,
                     holder_ns=ns,
                     crc=self.crc,
+                    array=True,
                 )
                 if stamps.ON:
                     stamps.stamp("hold.packed")

@@ -214,7 +214,7 @@ class RequestClient:
         lane, seq, rid = self.acquire(peer, t0_mono + self.timeout_s)
         try:
             buf = make(rid, seq)
-            record.bytes_sent = buf.numel()
+            record.bytes_sent = len(buf)
             if stamps.ON:
                 stamps.stamp("req.packed")
             self.transport.put_signal(peer, self._lanes.inbox[lane], buf, seq)
@@ -249,7 +249,7 @@ class RequestClient:
         except BaseException:
             self.release(peer, lane)
             raise
-        record.bytes_sent = buf.numel()
+        record.bytes_sent = len(buf)
         t_sent = time.perf_counter()
         record.transfer_us = (t_sent - t0) * 1e6
         p = Pending(peer, lane, seq, rid, slot, t0, t_sent, record, kind, shape, t0_mono)
@@ -280,7 +280,7 @@ class RequestClient:
                     tr.wait_signal(p.slot, p.seq, left)
                 if stamps.ON:
                     stamps.stamp("req.woke")
-                signal, buf = tr.read_message(p.slot)
+                signal, buf = tr.read_message_host(p.slot)
                 h = self._parse(p, signal, buf)
                 if h is not None:
                     if stamps.ON:

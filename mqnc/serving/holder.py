@@ -378,11 +378,12 @@ class Holder:
 
     def _error(self, src: int, lane: int, request_id: int, seq: int, message: str) -> None:
         self.stats.errors += 1
-        self._reply(src, lane, wire.pack_error(message, request_id=request_id, seq=seq), seq)
+        err = wire.pack_error(message, request_id=request_id, seq=seq, array=True)
+        self._reply(src, lane, err, seq)
 
     def _receive(self, slot: int, routes: list[RouteJob]) -> int:
         src, lane = self._src_lane[slot]
-        signal, buf = self.transport.read_message(slot)
+        signal, buf = self.transport.read_message_host(slot)
         last = self._last_seq[slot]
         if signal <= last:
             return 0  # nothing new on this slot
@@ -420,7 +421,7 @@ class Holder:
             self.stats.probes += 1
             if stamps.ON:
                 stamps.stamp("hold.computed")
-            ack = wire.pack_probe(request_id=h.request_id, seq=h.seq, ack=True)
+            ack = wire.pack_probe(request_id=h.request_id, seq=h.seq, ack=True, array=True)
             if stamps.ON:
                 stamps.stamp("hold.packed")
             self._reply(src, lane, ack, h.seq)

@@ -220,7 +220,7 @@ class Requester:
             stamps.stamp("req.start")
         self.transport.check_peer(peer)
         rec = CostRecord("probe", peer, None, None, 0, 0, 0)
-        make = lambda rid, seq: wire.pack_probe(request_id=rid, seq=seq)  # noqa: E731
+        make = lambda rid, seq: wire.pack_probe(request_id=rid, seq=seq, array=True)  # noqa: E731
         p, _, _, t_recv = self._call(peer, wire.Kind.PROBE_ACK, make, rec)
         rec.bytes_recv = wire.HEADER_BYTES
         rec.probe_us = rec.total_us = (t_recv - p.t0) * 1e6
@@ -393,7 +393,7 @@ class Requester:
 
         def make(rid, seq):
             return wire.pack_fetch(
-                request_id=rid, seq=seq, chunk_id=chunk_id, geometry=self.geometry
+                request_id=rid, seq=seq, chunk_id=chunk_id, geometry=self.geometry, array=True
             )
 
         p, h, buf, t_recv = self._call(peer, wire.Kind.CHUNK, make, rec)
@@ -504,4 +504,6 @@ class Requester:
 
     def shutdown(self, peer: int) -> None:
         """Ask holder ``peer`` to stop serving (no answer is awaited)."""
-        self.client.post(peer, lambda rid, seq: wire.pack_shutdown(request_id=rid, seq=seq))
+        self.client.post(
+            peer, lambda rid, seq: wire.pack_shutdown(request_id=rid, seq=seq, array=True)
+        )

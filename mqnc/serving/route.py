@@ -126,6 +126,7 @@ def route_request(
             indices=idx,
             geometry=geometry,
             crc=crc,
+            array=True,  # put as it is: no torch call on the way to the engine (issue 14)
         )
 
     return q.shape[0] * q.shape[1], make
@@ -152,7 +153,8 @@ def route_reply(
         )
     if dtype is not None and h.dtype != dtype:
         raise RemoteError(f"holder {p.peer}: PARTIAL in {h.dtype} for a {dtype} request")
-    o, m, l = wire.partial_arrays(buf, h) if buf.is_cpu else wire.partial_views(buf, h)
+    host = type(buf) is np.ndarray or buf.is_cpu
+    o, m, l = wire.partial_arrays(buf, h) if host else wire.partial_views(buf, h)
     rec: CostRecord = p.record
     rec.bytes_recv = h.nbytes
     rec.compute_us = h.holder_ns / 1e3

@@ -32,9 +32,10 @@ import struct
 import threading
 import time
 
+import numpy as np
 import torch
 
-from mqnc.transport.protocol import PeerLost, TransportTimeout
+from mqnc.transport.protocol import PeerLost, TransportTimeout, host_bytes
 from mqnc.transport.signals import SignalBoard
 
 __all__ = ["PeerState", "Inbox", "Outbox", "FRAME", "PUT", "GET", "GET_REPLY", "BARRIER", "CLOSE"]
@@ -136,16 +137,17 @@ class Outbox:
         self._locks = [threading.Lock() for _ in range(world_size)]
         self._reapers: list[_Reaper | None] = [None] * world_size
 
-    def send(self, peer: int, op: int, slot: int, seq: int, data: torch.Tensor | None,
+    def send(self, peer: int, op: int, slot: int, seq: int, data: torch.Tensor | np.ndarray | None,
              count: int = 0) -> None:  # fmt: skip
         """Frame ``[op, slot, seq, n]`` and the ``n`` bytes of ``data`` (``n = count`` for a
         get, which carries none) as one gloo message to ``peer``."""
-        n = count if data is None else int(data.numel())
-        msg = torch.empty(FRAME + (0 if data is None else n), dtype=torch.uint8)
-        a = msg.numpy()
+        src = None if data is None else host_bytes(data)
+        n = count if src is None else src.shape[0]
+        a = np.empty(FRAME + (0 if src is None else n), dtype=np.uint8)
         _FRAME.pack_into(a, 0, op, slot, seq, n, 0)
-        if data is not None and n:
-            a[FRAME:] = data.numpy()
+        if src is not None and n:
+            a[FRAME:] = src
+        msg = torch.from_numpy(a)
         self.peers.alive_or_raise(peer)
         try:
             with self._locks[peer]:
@@ -228,10 +230,11 @@ class Inbox:
         for t in self.threads:
             t.start()
 
-    def deliver(self, slot: int, data: torch.Tensor, seq: int) -> None:
+    def deliver(self, slot: int, data: torch.Tensor | np.ndarray, seq: int) -> None:
         """A put to this rank itself: copy the bytes, then raise the signal."""
+        src = host_bytes(data)
         with self.board.lock:
-            self.views[slot][: data.numel()] = data.numpy()
+            self.views[slot][: src.shape[0]] = src
             self.board.raise_locked(slot, seq)
 
     def _serve_peer(self, peer: int) -> None:

@@ -9,13 +9,16 @@ timeout) are those of the real engines without any network. The bytes never leav
 :class:`~mqnc.transport.protocol.PeerLost`), for fault tests.
 
 Slots are a ``[num_slots, slot_bytes]`` uint8 tensor per rank, copied in and out through its
-numpy view (one ``memcpy``, no torch dispatch per message).
+numpy view (one ``memcpy``, no torch dispatch per message); a put takes the host numpy array
+the wire packs (``array=True``) as it is and :meth:`LoopbackTransport.read_message_host` gives
+one back, so a message crosses no torch call between the packer and the parser.
 """
 
 from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 from mqnc.transport import wire
@@ -24,6 +27,7 @@ from mqnc.transport.protocol import (
     SlotLayout,
     Transport,
     TransportTimeout,
+    host_bytes,
 )
 from mqnc.transport.signals import SignalBoard
 
@@ -85,7 +89,7 @@ class LoopbackTransport(Transport):
         if dead:
             self._alive_or_raise(self.rank)
             self._alive_or_raise(peer)
-        src = (data if data.is_cpu else data.cpu()).numpy()
+        src = data if type(data) is np.ndarray else host_bytes(data)
         board = self._fabric._boards[peer]
         with board.lock:
             self._fabric._views[peer][slot, : src.shape[0]] = src
@@ -107,7 +111,7 @@ class LoopbackTransport(Transport):
         if self._fabric._dead:
             self._alive_or_raise(self.rank)
             self._alive_or_raise(peer)
-        src = (data if data.is_cpu else data.cpu()).numpy()
+        src = data if type(data) is np.ndarray else host_bytes(data)
         board, view = self._fabric._boards[peer], self._fabric._views[peer]
 
         def put() -> None:
@@ -143,13 +147,18 @@ class LoopbackTransport(Transport):
             return torch.from_numpy(self._view[slot, :n].copy())
 
     def read_message(self, slot: int) -> tuple[int, torch.Tensor]:
-        self._check_slot(slot)
+        signal, a = self.read_message_host(slot)
+        return signal, torch.from_numpy(a)
+
+    def read_message_host(self, slot: int) -> tuple[int, np.ndarray]:
+        if not (type(slot) is int and 0 <= slot < self.layout.num_slots):
+            self._check_slot(slot)
         row = self._view[slot]
         with self._board.lock:
             n = wire.peek_length(row[: wire.HEADER_BYTES])
             if n is None or n > self.slot_bytes:
                 n = self.slot_bytes
-            return self._board.values[slot], torch.from_numpy(row[:n].copy())
+            return self._board.values[slot], row[:n].copy()
 
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
         self.check_peer(peer)

@@ -63,7 +63,13 @@ from triton.language import core as tlcore
 
 from mqnc.base.checks import check_int
 from mqnc.base.env import nvshmem_lib_dir
-from mqnc.transport.protocol import SlotLayout, Transport, TransportError, TransportTimeout
+from mqnc.transport.protocol import (
+    SlotLayout,
+    Transport,
+    TransportError,
+    TransportTimeout,
+    as_tensor,
+)
 
 __all__ = [
     "NvshmemTransport",
@@ -563,7 +569,8 @@ class NvshmemTransport(Transport):
 
     def put_signal(self, peer: int, slot: int, data: torch.Tensor, seq: int) -> None:
         """As the protocol's; this engine's signals are int64 words, so ``seq < 2**63``."""
-        data = self._check_put(peer, slot, data, seq)  # a slot of this rank's, a u64 seq
+        # a slot of this rank's, a u64 seq; a host array (the wire's array=True) as a tensor
+        data = as_tensor(self._check_put(peer, slot, data, seq))
         if seq >= SIGNAL_LIMIT:
             raise ValueError(f"seq: expected an int in [0, 2**63) on this engine, got {seq}")
         self._open()

@@ -42,6 +42,7 @@ import dataclasses
 import math
 import time
 
+import numpy as np
 import torch
 
 from mqnc.base.checks import check_int, check_number
@@ -56,6 +57,8 @@ __all__ = [
     "SlotLayout",
     "Transport",
     "check_message",
+    "host_bytes",
+    "as_tensor",
 ]
 
 INBOX = 0
@@ -109,10 +112,31 @@ class SlotLayout:
         return slot % self.lanes
 
 
-def check_message(data: object, slot_bytes: int) -> torch.Tensor:
-    """A put's payload: a contiguous 1-D uint8 tensor of at most ``slot_bytes`` bytes."""
+def check_message(data: object, slot_bytes: int) -> torch.Tensor | np.ndarray:
+    """A put's payload: a contiguous 1-D uint8 tensor, or host numpy array, of at most
+    ``slot_bytes`` bytes.
+
+    A numpy array is what the holder and the requester put on the host (the wire's packers with
+    ``array=True``): every engine takes one, and the host engines copy it without a torch call
+    (issue 14: on this 2-core VM each torch call a thread makes right after a hand-off cost
+    tens of microseconds, and a loopback round trip made about eight per side)."""
+    if type(data) is np.ndarray:
+        if data.dtype != np.uint8 or data.ndim != 1:
+            raise TypeError(
+                f"data: expected a 1-D uint8 array, got dtype {data.dtype} shape {data.shape}"
+            )
+        if not data.flags.c_contiguous:
+            raise ValueError("data: expected a contiguous array (puts move contiguous bytes)")
+        if data.shape[0] > slot_bytes:
+            raise ValueError(
+                f"data: message of {data.shape[0]} B does not fit a slot of {slot_bytes} B "
+                "(size the transport with mqnc.transport.slot_bytes_for)"
+            )
+        return data
     if not isinstance(data, torch.Tensor):
-        raise TypeError(f"data: expected a torch.Tensor of uint8, got {type(data).__name__}")
+        raise TypeError(
+            f"data: expected a torch.Tensor or numpy array of uint8, got {type(data).__name__}"
+        )
     if data.dtype != torch.uint8 or data.dim() != 1:
         raise TypeError(
             f"data: expected a 1-D uint8 tensor, got dtype {str(data.dtype)[6:]} shape "
@@ -126,6 +150,19 @@ def check_message(data: object, slot_bytes: int) -> torch.Tensor:
             "(size the transport with mqnc.transport.slot_bytes_for)"
         )
     return data
+
+
+def host_bytes(data: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A checked message's bytes on the host as a uint8 array (the array itself, or a host
+    tensor's numpy view, or a device tensor's copy)."""
+    if type(data) is np.ndarray:
+        return data
+    return (data if data.is_cpu else data.cpu()).numpy()
+
+
+def as_tensor(data: torch.Tensor | np.ndarray) -> torch.Tensor:
+    """A checked message as a torch tensor (a host array wrapped without a copy)."""
+    return torch.from_numpy(data) if type(data) is np.ndarray else data
 
 
 class Transport(abc.ABC):
@@ -196,9 +233,9 @@ class Transport(abc.ABC):
     # ---- the protocol -------------------------------------------------------------------------
     @abc.abstractmethod
     def put_signal(self, peer: int, slot: int, data: torch.Tensor, seq: int) -> None:
-        """Write ``data`` (``[n]`` uint8, ``n <= slot_bytes``) into ``peer``'s ``slot``, then
-        raise ``peer``'s signal of ``slot`` to ``seq``. May return before delivery; ``quiet``
-        completes it."""
+        """Write ``data`` (``[n]`` uint8 tensor or host numpy array, ``n <= slot_bytes``) into
+        ``peer``'s ``slot``, then raise ``peer``'s signal of ``slot`` to ``seq``. May return
+        before delivery; ``quiet`` completes it."""
 
     @abc.abstractmethod
     def signal(self, slot: int) -> int:
@@ -261,6 +298,13 @@ class Transport(abc.ABC):
             if self.signal(slot) == before:
                 return before, buf
         return self.signal(slot), buf
+
+    def read_message_host(self, slot: int) -> tuple[int, torch.Tensor | np.ndarray]:
+        """:meth:`read_message` as a host uint8 numpy array where the engine keeps its slots
+        on the host (loopback, torchdist: no torch call on the reader's path, issue 14); this
+        generic form returns :meth:`read_message`'s tensor as it is (every function of
+        :mod:`mqnc.transport.wire` that reads a message takes either)."""
+        return self.read_message(slot)
 
     @abc.abstractmethod
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:

@@ -48,6 +48,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -59,6 +60,7 @@ from mqnc.transport.protocol import (
     Transport,
     TransportError,
     TransportTimeout,
+    host_bytes,
 )
 from mqnc.transport.signals import SignalBoard
 
@@ -191,9 +193,7 @@ class TorchDistTransport(Transport):
         self._outbox.quiet(deadline, timeout, peers)
 
     def put_signal(self, peer: int, slot: int, data: torch.Tensor, seq: int) -> None:
-        data = self._check_put(peer, slot, data, seq)
-        if not data.is_cpu:
-            data = data.cpu()
+        data = host_bytes(self._check_put(peer, slot, data, seq))
         if peer == self.rank:
             self._inbox.deliver(slot, data, seq)
             return
@@ -229,13 +229,18 @@ class TorchDistTransport(Transport):
             return torch.from_numpy(self._inbox.views[slot][:n].copy())
 
     def read_message(self, slot: int) -> tuple[int, torch.Tensor]:
-        self._check_slot(slot)
+        signal, a = self.read_message_host(slot)
+        return signal, torch.from_numpy(a)
+
+    def read_message_host(self, slot: int) -> tuple[int, np.ndarray]:
+        if not (type(slot) is int and 0 <= slot < self.layout.num_slots):
+            self._check_slot(slot)
         with self._board.lock:
             row = self._inbox.views[slot]
             n = wire.peek_length(row[: wire.HEADER_BYTES])
             if n is None or n > self.slot_bytes:
                 n = self.slot_bytes
-            return self._board.values[slot], torch.from_numpy(row[:n].copy())
+            return self._board.values[slot], row[:n].copy()
 
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
         self.check_peer(peer)

@@ -248,7 +248,9 @@ def _expected_payload(h: Header) -> int | None:
 
 def _check_buffer(buf: object) -> torch.Tensor:
     if not isinstance(buf, torch.Tensor):
-        raise TypeError(f"buf: expected a torch.Tensor of uint8, got {type(buf).__name__}")
+        raise TypeError(
+            f"buf: expected a torch.Tensor or numpy array of uint8, got {type(buf).__name__}"
+        )
     if buf.dtype != torch.uint8:
         raise TypeError(f"buf: invalid dtype, expected uint8, got {str(buf.dtype)[6:]}")
     if buf.dim() != 1 or not buf.is_contiguous():
@@ -299,9 +301,10 @@ def _assemble(h: Header, parts, device, out: torch.Tensor | None, crc: bool | No
     return _seal(buf, h, crc, a)
 
 
-def _host_message(h: Header, parts, crc: bool | None) -> torch.Tensor:
+def _host_message(h: Header, parts, crc: bool | None, array: bool = False):
     """A new host message of header ``h`` whose payload is ``parts``' bytes (host tensors or
-    arrays), sealed: the fast path of every packer (numpy copies, one torch wrapper)."""
+    arrays), sealed: the fast path of every packer (numpy copies, one torch wrapper, none with
+    ``array``: the uint8 array itself)."""
     a = np.empty(HEADER_BYTES + h.payload_bytes, dtype=np.uint8)
     off = HEADER_BYTES
     for t in parts:
@@ -312,7 +315,7 @@ def _host_message(h: Header, parts, crc: bool | None) -> torch.Tensor:
     if crc is not False and h.payload_bytes:
         h = h._replace(flags=h.flags | FLAG_PAYLOAD_CRC, payload_crc=_crc32(a[HEADER_BYTES:]))
     _write_header(a, h)
-    return torch.from_numpy(a)
+    return a if array else torch.from_numpy(a)
 
 
 def _seal(buf: torch.Tensor, h: Header, crc: bool | None, a: np.ndarray | None = None):
@@ -334,13 +337,21 @@ def _seal(buf: torch.Tensor, h: Header, crc: bool | None, a: np.ndarray | None =
     return buf
 
 
-def _header_only(h: Header, device) -> torch.Tensor:
-    """A message that is its header alone (probe, ack, fetch, shutdown)."""
+def _header_only(h: Header, device, array: bool = False):
+    """A message that is its header alone (probe, ack, fetch, shutdown); with ``array`` the
+    host uint8 array itself."""
     if device is None or str(device) == "cpu":
         a = np.empty(HEADER_BYTES, dtype=np.uint8)
         _write_header(a, h)
-        return torch.from_numpy(a)
+        return a if array else torch.from_numpy(a)
+    _check_array_host(array, device)
     return _seal(_new_message(HEADER_BYTES, device), h, False)
+
+
+def _check_array_host(array: bool, device) -> None:
+    """``array=True`` asks for a host numpy array: refused for a device message."""
+    if array:
+        raise ValueError(f"array: a numpy array is a host message, got device={device!r}")
 
 
 def _template(kind: Kind) -> np.ndarray:
@@ -358,8 +369,12 @@ _IDS_OFFSET = struct.calcsize("<4sHHHH")
 _PROBE_TEMPLATE = (_template(Kind.PROBE), _template(Kind.PROBE_ACK))
 
 
-def _payload_view(buf: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape):
+def _payload_view(buf, offset: int, nbytes: int, dtype: torch.dtype, shape):
     start = HEADER_BYTES + offset
+    if type(buf) is np.ndarray:  # a host array message: numpy slices, one torch wrapper
+        a = buf[start : start + nbytes].view(_NP_VIEW[dtype])
+        t = torch.from_numpy((a if a.flags.aligned else a.copy()).reshape(shape))
+        return t.view(dtype) if dtype is torch.bfloat16 else t
     aligned = (buf.storage_offset() + start) % _VIEW_ALIGN[dtype] == 0
     if aligned and buf.is_cpu:  # host: numpy slices, one torch wrapper (issue 14: ~1 us less)
         a = buf.numpy()[start : start + nbytes].view(_NP_VIEW[dtype]).reshape(shape)
@@ -385,8 +400,16 @@ def _host_header(buf: torch.Tensor) -> np.ndarray:
 
 
 def _host_array(buf: object) -> np.ndarray | None:
-    """A host uint8 tensor's bytes as a numpy view, or None when ``buf`` is anything else (a
-    device tensor, another dtype, not 1-D contiguous: :func:`_check_buffer` says why)."""
+    """A host uint8 array message as it is, a host uint8 tensor's bytes as a numpy view, or
+    None when ``buf`` is anything else (a device tensor, another dtype, not 1-D contiguous:
+    :func:`_check_buffer` says why)."""
+    if type(buf) is np.ndarray:
+        if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous:
+            raise TypeError(
+                f"buf: expected a contiguous 1-D uint8 array, got dtype {buf.dtype} shape "
+                f"{buf.shape}"
+            )
+        return buf
     if type(buf) is not torch.Tensor or buf.dtype != torch.uint8 or not buf.is_cpu:
         return None
     a = buf.numpy()
@@ -406,9 +429,10 @@ def parse_header(
 
     Parameters
     ----------
-    buf : torch.Tensor
+    buf : torch.Tensor or numpy.ndarray
         ``[n]`` uint8, contiguous: a message, or a transport slot holding one (``n`` may exceed
-        the message's length).
+        the message's length); a host numpy array as the packers' ``array=True`` and
+        :meth:`mqnc.transport.Transport.read_message_host` give one.
     geometry : MLAGeometry or None
         When given, the ``width`` and layer range must fit it (``d_qk`` for ROUTE and CHUNK,
         ``d_v`` for PARTIAL, layers within ``[0, geometry.layers]``).
@@ -433,11 +457,13 @@ def parse_header(
         fields, a missing or wrong payload CRC, or fields that do not fit ``geometry``.
     """
     a = _host_array(buf)
-    if a is None:
+    if a is not None:
+        n = a.shape[0]
+    else:
         buf = _check_buffer(buf)
-        if buf.numel() >= HEADER_BYTES:
+        n = buf.numel()
+        if n >= HEADER_BYTES:
             a = _host_header(buf)
-    n = buf.numel() if a is None or not buf.is_cpu else a.shape[0]
     if n < HEADER_BYTES:
         raise WireError(
             f"buf: truncated message, expected at least {HEADER_BYTES} header bytes, got {n}"
@@ -671,23 +697,30 @@ def _check_error_reply(h: Header, buf: torch.Tensor, what: str) -> None:
 # ---- probe ---------------------------------------------------------------------------------------
 
 
-def pack_probe(*, request_id: int, seq: int, ack: bool = False, device=None) -> torch.Tensor:
-    """A ``PROBE`` (or ``PROBE_ACK``) message: the header alone, ``[96]`` uint8."""
+def pack_probe(
+    *, request_id: int, seq: int, ack: bool = False, device=None, array: bool = False
+) -> torch.Tensor | np.ndarray:
+    """A ``PROBE`` (or ``PROBE_ACK``) message: the header alone, ``[96]`` uint8; with
+    ``array`` a host numpy array (what the holder and the requester put: no torch call,
+    issue 14; every engine's put and every reader here take either)."""
     if not (type(request_id) is int and type(seq) is int and 0 <= request_id < _U64 > seq >= 0):
         _check_ids(request_id=request_id, seq=seq)
     if device is None:  # the per-call path (issue 14): the header in a template's copy
         a = _PROBE_TEMPLATE[1 if ack else 0].copy()
         _IDS.pack_into(a, _IDS_OFFSET, request_id, seq)
         _CRC.pack_into(a, _CRC_OFFSET, _crc32(a))
-        return torch.from_numpy(a)
+        return a if array else torch.from_numpy(a)
     h = Header(Kind.PROBE_ACK if ack else Kind.PROBE, request_id=request_id, seq=seq)
-    return _header_only(h, device)
+    return _header_only(h, device, array)
 
 
-def pack_shutdown(*, request_id: int = 0, seq: int = 0, device=None) -> torch.Tensor:
-    """A ``SHUTDOWN`` message (asks a holder's service loop to stop)."""
+def pack_shutdown(
+    *, request_id: int = 0, seq: int = 0, device=None, array: bool = False
+) -> torch.Tensor | np.ndarray:
+    """A ``SHUTDOWN`` message (asks a holder's service loop to stop); ``array`` as in
+    :func:`pack_probe`."""
     _check_ids(request_id=request_id, seq=seq)
-    return _header_only(Header(Kind.SHUTDOWN, request_id=request_id, seq=seq), device)
+    return _header_only(Header(Kind.SHUTDOWN, request_id=request_id, seq=seq), device, array)
 
 
 # ---- route: query rows ---------------------------------------------------------------------------
@@ -703,7 +736,8 @@ def pack_query(
     indices: torch.Tensor | None = None,
     geometry: MLAGeometry | None = None,
     crc: bool | None = None,
-) -> torch.Tensor:
+    array: bool = False,
+) -> torch.Tensor | np.ndarray:
     """Pack ``M_q = B * H`` absorbed query rows (and a selection) into one ``ROUTE`` message.
 
     Parameters
@@ -723,10 +757,13 @@ def pack_query(
     crc : bool or None
         Payload CRC: None (default) for host buffers, False to skip it (bytes that never leave
         the process).
+    array : bool
+        Return a host numpy array instead of a tensor (``q`` on the host; what the requester
+        puts: no torch call between the packer and the engine, issue 14).
 
     Returns
     -------
-    torch.Tensor
+    torch.Tensor or numpy.ndarray
         ``[96 + B * H * q_row_bytes + B * topk * 4]`` uint8 on ``q``'s device.
     """
     g = _geometry(geometry)
@@ -740,7 +777,12 @@ def pack_query(
     topk = 0 if indices is None else _check_indices(indices, q)
     nbytes = query_payload_bytes(B, H, D, topk, q.dtype)
     h = Header(Kind.ROUTE, q.dtype, 0, request_id, seq, chunk_id, B, H, D, lo, hi, topk, nbytes)
-    return _assemble(h, (q, indices) if topk else (q,), q.device, None, crc)
+    parts = (q, indices) if topk else (q,)
+    if array:
+        if not q.is_cpu:
+            _check_array_host(array, q.device)
+        return _host_message(h, parts, crc, array=True)
+    return _assemble(h, parts, q.device, None, crc)
 
 
 def unpack_query(
@@ -873,7 +915,7 @@ def partial_arrays(buf: torch.Tensor, h: Header):
     no = h.rows * h.width * _itemsize(h.dtype)
     o = _payload_view(buf, 0, no, h.dtype, (h.batch, h.heads, h.width))
     start = HEADER_BYTES + no
-    ml = buf.numpy()[start : start + 8 * h.rows]
+    ml = (buf if type(buf) is np.ndarray else buf.numpy())[start : start + 8 * h.rows]
     ml = (ml if start % 4 == 0 else ml.copy()).view(np.float32)
     return o, ml[: h.rows].reshape(h.batch, h.heads), ml[h.rows :].reshape(h.batch, h.heads)
 
@@ -902,11 +944,12 @@ def pack_partial_arrays(
     layer: int,
     holder_ns: int,
     crc: bool | None,
-) -> torch.Tensor:
+    array: bool = False,
+) -> torch.Tensor | np.ndarray:
     """The holder's fast path of :func:`pack_partial`: ``o`` as the uint8 bytes of
     ``[B, H, width]`` values in ``dtype`` (shape ``[B, H * width * itemsize]``), ``m`` and
     ``l`` float32 ``[B, H]`` numpy arrays, all on the host (no argument checks beyond the
-    sizes: the holder made them)."""
+    sizes: the holder made them); ``array`` as in :func:`pack_probe`."""
     B, H = m.shape
     nbytes = partial_payload_bytes(B, H, width, dtype)
     if o.size + m.nbytes + l.nbytes != nbytes or l.shape != (B, H):
@@ -915,7 +958,7 @@ def pack_partial_arrays(
         Kind.PARTIAL, dtype, 0, request_id, seq, chunk_id, B, H, width, layer, layer + 1, 0,
         nbytes, 0, holder_ns,
     )  # fmt: skip
-    return _host_message(h, (o, m.view(np.uint8), l.view(np.uint8)), crc)
+    return _host_message(h, (o, m.view(np.uint8), l.view(np.uint8)), crc, array)
 
 
 # ---- fetch ---------------------------------------------------------------------------------------
@@ -929,15 +972,17 @@ def pack_fetch(
     layers: tuple[int, int] | None = None,
     geometry: MLAGeometry | None = None,
     device=None,
-) -> torch.Tensor:
-    """A ``FETCH`` request for layers ``[lo, hi)`` of a chunk (default: all ``L``, §2.2)."""
+    array: bool = False,
+) -> torch.Tensor | np.ndarray:
+    """A ``FETCH`` request for layers ``[lo, hi)`` of a chunk (default: all ``L``, §2.2);
+    ``array`` as in :func:`pack_probe`."""
     g = _geometry(geometry)
     _check_ids(request_id=request_id, seq=seq, chunk_id=chunk_id)
     lo, hi = _check_layers((0, g.layers) if layers is None else layers, g)
     h = Header(
         Kind.FETCH, request_id=request_id, seq=seq, chunk_id=chunk_id, layer_lo=lo, layer_hi=hi
     )
-    return _header_only(h, device)
+    return _header_only(h, device, array)
 
 
 def pack_chunk(
@@ -988,18 +1033,23 @@ def unpack_chunk(
 # ---- errors --------------------------------------------------------------------------------------
 
 
-def pack_error(message: str, *, request_id: int, seq: int, chunk_id: int = 0) -> torch.Tensor:
-    """An ``ERROR`` message answering request ``request_id`` (UTF-8 text, at most 4 KiB)."""
+def pack_error(
+    message: str, *, request_id: int, seq: int, chunk_id: int = 0, array: bool = False
+) -> torch.Tensor | np.ndarray:
+    """An ``ERROR`` message answering request ``request_id`` (UTF-8 text, at most 4 KiB);
+    ``array`` as in :func:`pack_probe`."""
     _check_ids(request_id=request_id, seq=seq, chunk_id=chunk_id)
     data = str(message).encode("utf-8", errors="replace")[:4096]
     h = Header(
         Kind.ERROR, request_id=request_id, seq=seq, chunk_id=chunk_id, payload_bytes=len(data)
     )
-    return _assemble(h, (np.frombuffer(data, dtype=np.uint8),), None, None, None)
+    return _host_message(h, (np.frombuffer(data, dtype=np.uint8),), None, array)
 
 
 def unpack_error(buf: torch.Tensor) -> tuple[Header, str]:
     """Check and unpack an ``ERROR`` message: ``(header, text)``."""
     h = parse_header(buf, expect=Kind.ERROR)
-    text = bytes(buf[HEADER_BYTES : h.nbytes].cpu().numpy()).decode("utf-8", errors="replace")
+    raw = buf[HEADER_BYTES : h.nbytes]
+    raw = raw if type(raw) is np.ndarray else raw.cpu().numpy()
+    text = bytes(raw).decode("utf-8", errors="replace")
     return h, text
