@@ -155,7 +155,7 @@ class LoopbackTransport(Transport):
             self._check_slot(slot)
         row = self._view[slot]
         with self._board.lock:
-            n = wire.peek_length(row[: wire.HEADER_BYTES])
+            n = wire.peek_length(row)  # reads the header's bytes only
             if n is None or n > self.slot_bytes:
                 n = self.slot_bytes
             return self._board.values[slot], row[:n].copy()

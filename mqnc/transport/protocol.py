@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import math
 import time
 
@@ -89,8 +90,8 @@ class SlotLayout:
         for name in ("world_size", "lanes"):
             check_int(name, getattr(self, name), minimum=1)
 
-    @property
-    def num_slots(self) -> int:
+    @functools.cached_property
+    def num_slots(self) -> int:  # cached: every put and wait checks against it
         return 2 * self.world_size * self.lanes
 
     def slot(self, channel: int, source: int, lane: int = 0) -> int:
