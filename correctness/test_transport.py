@@ -293,14 +293,19 @@ def test_nvshmem_engine_host_side_keeps_the_protocol(monkeypatch):
         t.put_signal(1, mine, data, 2**63)
     t.put_signal(2, mine, data, 7)
     assert calls[-1] == ("put_signal", 100, 100, 7, 2)
-    t.put_signal(1, mine, torch.empty(0, dtype=torch.uint8), 8)
-    assert calls[-1] == ("signal_op", 8, 1)  # no byte of the peer's slot moved
+    off = mine * 128
+    t._stage.zero_()
+    t.put_signal(2, mine, np.arange(50, dtype=np.uint8)[::-1].copy(), 8)  # a host array message
+    assert calls[-1] == ("put_signal", 50, 50, 8, 2)
+    assert t._stage[off : off + 50].tolist() == list(range(49, -1, -1))  # staged, then put
+    t.put_signal(1, mine, torch.empty(0, dtype=torch.uint8), 9)
+    assert calls[-1] == ("signal_op", 9, 1)  # no byte of the peer's slot moved
     with pytest.raises(ValueError, match="seq"):
         t.wait_any({mine: 2**63}, timeout=1.0)
     with pytest.raises(ValueError, match="slot"):
         t.wait_any({n: 1}, timeout=1.0)
     t._closed = True
     with pytest.raises(TransportError, match="closed"):
-        t.put_signal(1, mine, data, 9)
+        t.put_signal(1, mine, data, 10)
     with pytest.raises(TransportError, match="closed"):
         t.signal(mine)
