@@ -146,7 +146,7 @@ def register(subparsers) -> None:
         type=int,
         default=None,
         help="run each decode this many times, each from an empty pool, and score every call "
-        "by its median over them; each single decode's MAPE is printed beside (default 3; 1 "
+        "by its median over them; each single decode's MAPE is printed beside (default 5; 1 "
         "in the fault drill)",
     )
     p.add_argument(

@@ -25,7 +25,7 @@ the model. ``--force`` runs every (chunk, agent) through one primitive. Then (un
 ``--no-compare``, ``--force`` or the fault drill) the same decode runs once more from an empty
 pool with every (chunk, agent) through the other of route and fetch, so that the model is
 measured on both primitives whatever the predicate picked, and the predicate's picks are timed
-against the alternative. Each decode runs ``--repeats`` times (3; 1 in the fault drill), each
+against the alternative. Each decode runs ``--repeats`` times (5; 1 in the fault drill), each
 from an empty pool, the two interleaved; every call is scored by its median over the repeats
 (:func:`mqnc.demo.report.median_calls`) and each single decode's MAPE is printed beside it.
 

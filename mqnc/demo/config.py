@@ -50,7 +50,7 @@ class DemoConfig:
     ``repeats``: how many times each decode runs, each from an empty pool; every call is then
     scored by its median over the repeats (the table, MAPE, the picture), each single decode's
     MAPE printed beside it (issue 16: one decode's calls on a loaded 2-core machine spread by
-    about as much as the goal allows). None: 3, or 1 under the fault drill (more with the
+    about as much as the goal allows). None: 5, or 1 under the fault drill (more with the
     drill is an error: a killed holder stays dead).
     """
 
@@ -134,7 +134,7 @@ class DemoConfig:
     def decode_repeats(self) -> int:
         """How many times each decode runs (:attr:`repeats`, resolved)."""
         if self.repeats is None:
-            return 1 if self.kill_holder is not None else 3
+            return 1 if self.kill_holder is not None else 5
         return self.repeats
 
     @property
