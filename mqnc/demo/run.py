@@ -57,25 +57,8 @@ def run(prep: Prepared, progress: Progress) -> dict:
         verifier = Verifier(model, corpus)
         decisions = Decisions(cfg, model, corpus, cal)
         kill = cluster.kill if cfg.kill_holder is not None else None
-        passes = [("predicate", decisions)]
-        if cfg.comparing:
-            # the same decode again, each (chunk, agent) through the other primitive
-            passes.append(("other", decisions.other()))
+        runs = _decode(cfg, model, corpus, req, decisions, verifier, kill, progress)
         repeats = cfg.decode_repeats
-        total = cfg.steps * model.geometry.layers * cfg.agents * len(passes) * repeats
-        runs: dict[str, list[tuple[Decoder, list]]] = {key: [] for key, _ in passes}
-        what = "decode (agent x layer x step)" + (", then the other primitive" * cfg.comparing)
-        with progress.bar(total, what + (f", {repeats} times" if repeats > 1 else "")) as bar:
-            for r in range(repeats):  # the passes interleaved: a slow spell hits both alike
-                for key, picks in passes:
-                    req.clear_local()  # from an empty pool: nothing fetched before is reused
-                    dec = Decoder(
-                        cfg, model, corpus, req, make_agents(cfg, corpus), picks, verifier,
-                        kill if r == 0 and key == "predicate" else None,
-                    )  # fmt: skip
-                    n = len(req.costs)
-                    dec.run(bar)
-                    runs[key].append((dec, req.costs[n:]))
         decoder = runs["predicate"][0][0]
         decoders = [rs[0][0] for rs in runs.values()]
         waves = {k: v for rs in runs.values() for d, _ in rs for k, v in d.waves.items()}
@@ -122,6 +105,41 @@ def run(prep: Prepared, progress: Progress) -> dict:
     )
     _write(cfg, result, verifier.errors, decisions.table, cal)
     return result
+
+
+def _decode(
+    cfg: DemoConfig,
+    model: MLAModel,
+    corpus: Corpus,
+    req: Requester,
+    decisions: Decisions,
+    verifier: Verifier,
+    kill,
+    progress: Progress,
+) -> dict[str, list[tuple[Decoder, list]]]:
+    """The predicate's decode and (``cfg.comparing``) the comparison decode, each
+    ``cfg.decode_repeats`` times from an empty pool, the two interleaved (a slow spell of the
+    machine then touches both alike); the fault drill's ``kill`` in the first decode only.
+    Returns, per decode (``"predicate"``, ``"other"``), each repeat's decoder and its cost
+    records."""
+    passes = [("predicate", decisions)]
+    if cfg.comparing:  # each (chunk, agent) through the other primitive
+        passes.append(("other", decisions.other()))
+    repeats = cfg.decode_repeats
+    total = cfg.steps * model.geometry.layers * cfg.agents * len(passes) * repeats
+    runs: dict[str, list[tuple[Decoder, list]]] = {key: [] for key, _ in passes}
+    what = "decode (agent x layer x step)" + (", then the other primitive" * cfg.comparing)
+    with progress.bar(total, what + (f", {repeats} times" if repeats > 1 else "")) as bar:
+        for r in range(repeats):
+            for key, picks in passes:
+                req.clear_local()  # nothing fetched before is reused
+                drill = kill if r == 0 and key == "predicate" else None
+                agents = make_agents(cfg, corpus)
+                dec = Decoder(cfg, model, corpus, req, agents, picks, verifier, drill)
+                n = len(req.costs)
+                dec.run(bar)
+                runs[key].append((dec, req.costs[n:]))
+    return runs
 
 
 def _compare(report: Report, medians: dict, runs: dict, decoders: list[Decoder]) -> dict:
