@@ -113,7 +113,7 @@ def test_demo_gloo_processes_torch_path_and_progress(tmp_path, capsys):
         for call in row["per_call"]:
             ms = call["measured_repeats"]
             assert len(ms) == 3 and ms == sorted(ms) and call["measured"] == ms[1], call
-    assert "each call is its median over 3 decodes; one decode's MAPE: route " in printed.out
+    assert "each call is its median over 3 decodes; one decode's MAPE:\n  route " in printed.out
     cmp = r["compare"]
     assert cmp["states_agree"]
     picked = {d["primitive"] for d in r["decisions"]}
@@ -184,6 +184,25 @@ def _record(prim="route", chunk=0, layer=0, total=1.0, ok=True):
     return CostRecord(
         prim, 1, chunk, layer, 16, 100, 200, compute_us=total / 2, total_us=total, ok=ok
     )
+
+
+def test_table_fits_its_width_at_many_repeats(capsys):
+    """Every printed line fits in ``WIDTH`` columns with three primitives at the default five
+    repeats and at twenty (each primitive's single-decode MAPEs on a line of its own)."""
+    from mqnc.demo.report import WIDTH, print_table
+
+    for repeats in (DemoConfig().decode_repeats, 20):
+        terms = dict(transport=1e6, compute=2e6, splice=3e5, prefill=4e6, total=7.3e6)
+        row = dict(
+            count=200, wire_bytes=7.16e6, measured_us=terms, predicted_us=terms, mape=1.234,
+            max_abs_error=7.8e-3, repeats=repeats, mape_single=[1.234] * repeats,
+        )  # fmt: skip
+        rows = {p: dict(row) for p in ("route", "fetch", "local")}
+        rows["route"]["spread_mape"] = 0.99
+        print_table(rows, {"merged": [5e-3]}, {}, [], {"fabric": {"t_probe_us": 400.0}})
+        lines = _printed_lines(capsys.readouterr().out)
+        assert max(len(line) for line in lines) <= WIDTH, max(lines, key=len)
+        assert sum(line.startswith(("  route ", "  fetch ", "  local ")) for line in lines) == 3
 
 
 def test_median_calls_picks_each_calls_median_record_over_the_repeats():

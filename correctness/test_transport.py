@@ -82,7 +82,13 @@ def test_a_host_array_is_a_message_too():
         a.put_signal(1, slot, np.zeros(20, np.uint8)[::2], 5)
     with pytest.raises(TypeError, match="data: expected a torch.Tensor or numpy array"):
         a.put_signal(1, slot, b"bytes", 5)
-    assert b.signal(slot) == 4  # nothing refused was written
+
+    class Sub(np.ndarray):
+        pass
+
+    a.put_signal(1, slot, np.arange(7, dtype=np.uint8).view(Sub), 6)  # a subclass is an array
+    assert b.read_message_host(slot)[1][:7].tolist() == list(range(7))
+    assert b.signal(slot) == 6  # nothing refused was written, the subclass was
 
 
 def test_wait_times_out_within_the_bound():

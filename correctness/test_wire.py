@@ -200,6 +200,20 @@ def test_array_messages_are_the_same_bytes_and_read_alike():
     odd[:] = c.numpy()
     assert not odd[wire.HEADER_BYTES :].view(np.int16).flags.aligned
     assert _bits_equal(wire.unpack_chunk(odd, geometry=G)[1], kv)
+
+    # a numpy subclass is an array, and a read-only array is read without torch's warning
+    class Sub(np.ndarray):
+        pass
+
+    sub = c.numpy().copy().view(Sub)
+    assert _bits_equal(wire.unpack_chunk(sub, geometry=G)[1], kv)
+    frozen = np.frombuffer(bytes(c.numpy()), np.uint8)
+    assert not frozen.flags.writeable
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _bits_equal(wire.unpack_chunk(frozen, geometry=G)[1], kv)
     # an array is a host message: asked for with a device, refused by name
     with pytest.raises(ValueError, match="array: a numpy array is a host message"):
         wire.pack_probe(**ids, device="meta", array=True)
@@ -262,8 +276,12 @@ def test_rejections_name_what_is_wrong():
         wire.parse_header(bad)
     # a host uint8 array is a message too (the packers' array=True); any other is refused
     assert wire.parse_header(route.numpy(), geometry=G) == wire.parse_header(route, geometry=G)
-    with pytest.raises(TypeError, match="buf: expected a contiguous 1-D uint8 array"):
+    with pytest.raises(TypeError, match="buf: expected a 1-D uint8 array, got dtype int16"):
         wire.parse_header(route.numpy().view(np.int16))
+    with pytest.raises(ValueError, match=r"buf: expected a contiguous .* strides \(2,\)"):
+        wire.parse_header(np.repeat(route.numpy(), 2)[::2])
+    with pytest.raises(TypeError, match="buf: expected a 1-D uint8 array"):
+        wire.peek_length(route.numpy().reshape(1, -1))
     with pytest.raises(TypeError, match="buf: expected a torch.Tensor or numpy array"):
         wire.parse_header(list(route.numpy()))
     with pytest.raises(TypeError, match="uint8"):

@@ -179,9 +179,10 @@ class Report:
 
     def _route(self, rec: CostRecord) -> dict[str, float]:
         wave, i = self.waves.get(id(rec)) or (None, 0)
-        if wave is None:  # not noted (a wave cut short by a failure): on its own
-            tokens = self.corpus.lengths[rec.chunk_id]
-            wave = [WaveCall(rec.peer, rec.m_q, rec.m_q * tokens)]
+        if wave is None:  # not noted (a wave cut short by a failure): on its own, uncached
+            tokens = self.corpus.lengths[rec.chunk_id]  # (a cache keyed by a temporary's id
+            wave = [WaveCall(rec.peer, rec.m_q, rec.m_q * tokens)]  # would hit a reused id)
+            return predict_wave(wave, self.geometry, self.cal.fabric, self.cal.route, self.cores)[0]
         key = id(wave)
         if key not in self._predicted:
             self._predicted[key] = predict_wave(
@@ -408,14 +409,12 @@ def print_table(
             f"{r['mape'] * 100:>5.0f}% {r['max_abs_error']:>9.2e}"
         )
     repeats = max((r.get("repeats", 1) for r in rows.values()), default=1)
-    if repeats > 1:
-        print(
-            f"each call is its median over {repeats} decodes; one decode's MAPE: "
-            + "; ".join(
-                f"{prim} " + ", ".join(f"{m * 100:.0f}" for m in r["mape_single"]) + "%"
-                for prim, r in rows.items()
-            )
-        )
+    if repeats > 1:  # a line per primitive, wrapped within WIDTH
+        print(f"each call is its median over {repeats} decodes; one decode's MAPE:")
+        for prim, r in rows.items():
+            singles = ", ".join(f"{m * 100:.0f}" for m in r["mape_single"]) + "%"
+            line = f"  {prim:<7} {singles}"
+            print("\n".join(textwrap.wrap(line, WIDTH, subsequent_indent=" " * 10)))
     spread = rows.get("route", {}).get("spread_mape")
     if spread is not None:
         print(

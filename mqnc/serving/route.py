@@ -153,7 +153,7 @@ def route_reply(
         )
     if dtype is not None and h.dtype != dtype:
         raise RemoteError(f"holder {p.peer}: PARTIAL in {h.dtype} for a {dtype} request")
-    host = type(buf) is np.ndarray or buf.is_cpu
+    host = isinstance(buf, np.ndarray) or buf.is_cpu
     o, m, l = wire.partial_arrays(buf, h) if host else wire.partial_views(buf, h)
     rec: CostRecord = p.record
     rec.bytes_recv = h.nbytes

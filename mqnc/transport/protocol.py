@@ -121,7 +121,7 @@ def check_message(data: object, slot_bytes: int) -> torch.Tensor | np.ndarray:
     ``array=True``): every engine takes one, and the host engines copy it without a torch call
     (issue 14: on this 2-core VM each torch call a thread makes right after a hand-off cost
     tens of microseconds, and a loopback round trip made about eight per side)."""
-    if type(data) is np.ndarray:
+    if isinstance(data, np.ndarray):
         if data.dtype != np.uint8 or data.ndim != 1:
             raise TypeError(
                 f"data: expected a 1-D uint8 array, got dtype {data.dtype} shape {data.shape}"
@@ -156,14 +156,14 @@ def check_message(data: object, slot_bytes: int) -> torch.Tensor | np.ndarray:
 def host_bytes(data: torch.Tensor | np.ndarray) -> np.ndarray:
     """A checked message's bytes on the host as a uint8 array (the array itself, or a host
     tensor's numpy view, or a device tensor's copy)."""
-    if type(data) is np.ndarray:
+    if isinstance(data, np.ndarray):
         return data
     return (data if data.is_cpu else data.cpu()).numpy()
 
 
 def as_tensor(data: torch.Tensor | np.ndarray) -> torch.Tensor:
     """A checked message as a torch tensor (a host array wrapped without a copy)."""
-    return torch.from_numpy(data) if type(data) is np.ndarray else data
+    return torch.from_numpy(data) if isinstance(data, np.ndarray) else data
 
 
 class Transport(abc.ABC):

@@ -371,9 +371,11 @@ _PROBE_TEMPLATE = (_template(Kind.PROBE), _template(Kind.PROBE_ACK))
 
 def _payload_view(buf, offset: int, nbytes: int, dtype: torch.dtype, shape):
     start = HEADER_BYTES + offset
-    if type(buf) is np.ndarray:  # a host array message: numpy slices, one torch wrapper
+    if isinstance(buf, np.ndarray):  # a host array message: numpy slices, one torch wrapper
         a = buf[start : start + nbytes].view(_NP_VIEW[dtype])
-        t = torch.from_numpy((a if a.flags.aligned else a.copy()).reshape(shape))
+        if not (a.flags.aligned and a.flags.writeable):  # as the tensor path clones: a copy
+            a = a.copy()
+        t = torch.from_numpy(a.reshape(shape))
         return t.view(dtype) if dtype is torch.bfloat16 else t
     aligned = (buf.storage_offset() + start) % _VIEW_ALIGN[dtype] == 0
     if aligned and buf.is_cpu:  # host: numpy slices, one torch wrapper (issue 14: ~1 us less)
@@ -403,11 +405,15 @@ def _host_array(buf: object) -> np.ndarray | None:
     """A host uint8 array message as it is, a host uint8 tensor's bytes as a numpy view, or
     None when ``buf`` is anything else (a device tensor, another dtype, not 1-D contiguous:
     :func:`_check_buffer` says why)."""
-    if type(buf) is np.ndarray:
-        if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous:
+    if isinstance(buf, np.ndarray):
+        if buf.dtype != np.uint8 or buf.ndim != 1:
             raise TypeError(
-                f"buf: expected a contiguous 1-D uint8 array, got dtype {buf.dtype} shape "
-                f"{buf.shape}"
+                f"buf: expected a 1-D uint8 array, got dtype {buf.dtype} shape {buf.shape}"
+            )
+        if not buf.flags.c_contiguous:
+            raise ValueError(
+                f"buf: expected a contiguous 1-D byte buffer, got an array with strides "
+                f"{buf.strides}"
             )
         return buf
     if type(buf) is not torch.Tensor or buf.dtype != torch.uint8 or not buf.is_cpu:
@@ -565,6 +571,8 @@ def peek_length(head) -> int | None:
     numpy array / ``bytes``, of >= 96 bytes), or None when it is not a header (magic or
     version wrong): read that much (at most a slot), then :func:`parse_header` checks
     everything, the header CRC first."""
+    if isinstance(head, np.ndarray):
+        return _peek(_host_array(head))
     if not isinstance(head, torch.Tensor):
         return _peek(head)
     head = _check_buffer(head)
@@ -915,7 +923,7 @@ def partial_arrays(buf: torch.Tensor, h: Header):
     no = h.rows * h.width * _itemsize(h.dtype)
     o = _payload_view(buf, 0, no, h.dtype, (h.batch, h.heads, h.width))
     start = HEADER_BYTES + no
-    ml = (buf if type(buf) is np.ndarray else buf.numpy())[start : start + 8 * h.rows]
+    ml = (buf if isinstance(buf, np.ndarray) else buf.numpy())[start : start + 8 * h.rows]
     ml = (ml if start % 4 == 0 else ml.copy()).view(np.float32)
     return o, ml[: h.rows].reshape(h.batch, h.heads), ml[h.rows :].reshape(h.batch, h.heads)
 
@@ -1050,6 +1058,6 @@ def unpack_error(buf: torch.Tensor) -> tuple[Header, str]:
     """Check and unpack an ``ERROR`` message: ``(header, text)``."""
     h = parse_header(buf, expect=Kind.ERROR)
     raw = buf[HEADER_BYTES : h.nbytes]
-    raw = raw if type(raw) is np.ndarray else raw.cpu().numpy()
+    raw = raw if isinstance(raw, np.ndarray) else raw.cpu().numpy()
     text = bytes(raw).decode("utf-8", errors="replace")
     return h, text
