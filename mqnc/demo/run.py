@@ -214,5 +214,5 @@ def _write(cfg: DemoConfig, result: dict, errors, decisions, cal) -> None:
     print(
         f"\n{result['wall_s']:.0f} s on {result['device']}, {cfg.transport}, kernels "
         f"{result['kernels']}\nwrote demo.json, demo_profile.json (--profile loads it) and "
-        f"measured_vs_predicted.png into {out}"
+        f"measured_vs_predicted.png\ninto {out}"
     )
