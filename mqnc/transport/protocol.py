@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from mqnc.base.checks import check_int, check_number
+from mqnc.transport.wire import check_host_array
 
 __all__ = [
     "SEQ_LIMIT",
@@ -122,12 +123,7 @@ def check_message(data: object, slot_bytes: int) -> torch.Tensor | np.ndarray:
     (issue 14: on this 2-core VM each torch call a thread makes right after a hand-off cost
     tens of microseconds, and a loopback round trip made about eight per side)."""
     if isinstance(data, np.ndarray):
-        if data.dtype != np.uint8 or data.ndim != 1:
-            raise TypeError(
-                f"data: expected a 1-D uint8 array, got dtype {data.dtype} shape {data.shape}"
-            )
-        if not data.flags.c_contiguous:
-            raise ValueError("data: expected a contiguous array (puts move contiguous bytes)")
+        check_host_array("data", data)
         if data.shape[0] > slot_bytes:
             raise ValueError(
                 f"data: message of {data.shape[0]} B does not fit a slot of {slot_bytes} B "

@@ -237,10 +237,7 @@ class TorchDistTransport(Transport):
             self._check_slot(slot)
         with self._board.lock:
             row = self._inbox.views[slot]
-            n = wire.peek_length(row)  # reads the header's bytes only
-            if n is None or n > self.slot_bytes:
-                n = self.slot_bytes
-            return self._board.values[slot], row[:n].copy()
+            return self._board.values[slot], wire.copy_message(row, self.slot_bytes)
 
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
         self.check_peer(peer)

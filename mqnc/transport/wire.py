@@ -92,6 +92,8 @@ __all__ = [
     "unpack_error",
     "pack_shutdown",
     "peek_length",
+    "check_host_array",
+    "copy_message",
     "read_message",
     "query_payload_bytes",
     "partial_payload_bytes",
@@ -344,14 +346,14 @@ def _header_only(h: Header, device, array: bool = False):
         a = np.empty(HEADER_BYTES, dtype=np.uint8)
         _write_header(a, h)
         return a if array else torch.from_numpy(a)
-    _check_array_host(array, device)
+    if array:
+        _refuse_device_array(device)
     return _seal(_new_message(HEADER_BYTES, device), h, False)
 
 
-def _check_array_host(array: bool, device) -> None:
+def _refuse_device_array(device) -> None:
     """``array=True`` asks for a host numpy array: refused for a device message."""
-    if array:
-        raise ValueError(f"array: a numpy array is a host message, got device={device!r}")
+    raise ValueError(f"array: a numpy array is a host message, got device={device!r}")
 
 
 def _template(kind: Kind) -> np.ndarray:
@@ -401,21 +403,36 @@ def _host_header(buf: torch.Tensor) -> np.ndarray:
     return buf[:HEADER_BYTES].cpu().numpy()
 
 
+def check_host_array(name: str, a: np.ndarray) -> np.ndarray:
+    """``a`` if it is a contiguous 1-D uint8 array (a host message), else a ``TypeError``
+    (dtype, dims) or ``ValueError`` (strides) naming ``name``: the one check of an array
+    message, for the readers here and every engine's put."""
+    if a.dtype != np.uint8 or a.ndim != 1:
+        raise TypeError(f"{name}: expected a 1-D uint8 array, got dtype {a.dtype} shape {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(
+            f"{name}: expected a contiguous array (messages are contiguous bytes), got strides "
+            f"{a.strides}"
+        )
+    return a
+
+
+def copy_message(row: np.ndarray, slot_bytes: int) -> np.ndarray:
+    """A copy of the message at the start of a host slot ``row``: its header's length, or the
+    whole slot (at most ``slot_bytes``) when that is not a valid one, so that the reader's
+    check says why (the host engines' ``read_message_host``, under their slot lock)."""
+    n = peek_length(row)  # reads the header's bytes only
+    if n is None or n > slot_bytes:
+        n = slot_bytes
+    return row[:n].copy()
+
+
 def _host_array(buf: object) -> np.ndarray | None:
     """A host uint8 array message as it is, a host uint8 tensor's bytes as a numpy view, or
     None when ``buf`` is anything else (a device tensor, another dtype, not 1-D contiguous:
     :func:`_check_buffer` says why)."""
     if isinstance(buf, np.ndarray):
-        if buf.dtype != np.uint8 or buf.ndim != 1:
-            raise TypeError(
-                f"buf: expected a 1-D uint8 array, got dtype {buf.dtype} shape {buf.shape}"
-            )
-        if not buf.flags.c_contiguous:
-            raise ValueError(
-                f"buf: expected a contiguous 1-D byte buffer, got an array with strides "
-                f"{buf.strides}"
-            )
-        return buf
+        return check_host_array("buf", buf)
     if type(buf) is not torch.Tensor or buf.dtype != torch.uint8 or not buf.is_cpu:
         return None
     a = buf.numpy()
@@ -788,7 +805,7 @@ def pack_query(
     parts = (q, indices) if topk else (q,)
     if array:
         if not q.is_cpu:
-            _check_array_host(array, q.device)
+            _refuse_device_array(q.device)
         return _host_message(h, parts, crc, array=True)
     return _assemble(h, parts, q.device, None, crc)
 
