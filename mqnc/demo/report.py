@@ -154,10 +154,9 @@ class Report:
     (:func:`mqnc.demo.cluster.cpu_plan`; None: each its own); ``repeats`` maps ``id(record)``
     to the totals of its call over the decode's repeats (:func:`median_calls`: the record is
     their median; each call of :meth:`rows` then carries them as ``measured_repeats``). A
-    route is predicted by
-    :func:`predict_wave` over its wave, a fetch as its request's fixed part, the pull at the
-    bulk rate and the splice (when the chunk moved; else the pool write alone), a local as the
-    re-prefill.
+    route is predicted by :func:`predict_wave` over its wave, a fetch as its request's fixed
+    part, the pull at the bulk rate and the splice (when the chunk moved; else the pool write
+    alone), a local as the re-prefill.
     """
 
     def __init__(

@@ -59,8 +59,8 @@ def run(prep: Prepared, progress: Progress) -> dict:
         kill = cluster.kill if cfg.kill_holder is not None else None
         runs = _decode(cfg, model, corpus, req, decisions, verifier, kill, progress)
         repeats = cfg.decode_repeats
-        decoder = runs["predicate"][0][0]
-        decoders = [rs[0][0] for rs in runs.values()]
+        decoders = [rs[0][0] for rs in runs.values()]  # each decode's first repeat
+        decoder = decoders[0]  # the predicate's (the fault drill's, the final states)
         waves = {k: v for rs in runs.values() for d, _ in rs for k, v in d.waves.items()}
         deltas = {k: v for rs in runs.values() for d, _ in rs for k, v in d.deltas.items()}
         medians = {key: median_calls([recs for _, recs in rs]) for key, rs in runs.items()}
@@ -71,13 +71,14 @@ def run(prep: Prepared, progress: Progress) -> dict:
         wave_list = report.wave_list()  # every wave the rows name (demo.json's "waves")
         if "route" in rows:
             rows["route"]["spread_mape"] = spread_mape(rows["route"]["per_call"], wave_list)[0]
-        for prim, row in rows.items():  # each single decode's MAPE, beside the medians'
-            singles = [
-                report.rows([rec for rs in runs.values() for rec in rs[i][1]], {}).get(prim)
-                for i in range(repeats)
-            ]
+        # each single decode's MAPE, beside the medians'
+        singles = [
+            report.rows([rec for rs in runs.values() for rec in rs[i][1]], {})
+            for i in range(repeats)
+        ]
+        for prim, row in rows.items():
             row["repeats"] = repeats
-            row["mape_single"] = [s["mape"] for s in singles if s is not None]
+            row["mape_single"] = [s[prim]["mape"] for s in singles if prim in s]
         compare = None
         if cfg.comparing:
             compare = _compare(report, chosen, runs, decoders)
