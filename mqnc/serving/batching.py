@@ -168,7 +168,7 @@ class RouteBatcher:
     def _split_replies(self, group: list[RouteJob], o, lse, ns: int, keyed: np.ndarray) -> None:
         m, l = wire_stat(lse, keyed)
         dtype, width = o.dtype, o.shape[2]
-        o = o.detach() if o.is_cpu else o.detach().cpu()
+        o = _host(o)
         ob = (o if o.is_contiguous() else o.contiguous()).view(torch.uint8).numpy()
         b0 = 0
         for r in group:
@@ -266,6 +266,15 @@ class RouteBatcher:
         return out, keyed
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host without autograd history: the tensor itself in the usual case (a
+    kernel's output on the CPU), so that no no-op torch call is made (issue 14: each costs a
+    woken thread several microseconds)."""
+    if t.requires_grad:
+        t = t.detach()
+    return t if t.is_cpu else t.cpu()
+
+
 _ONES: dict[tuple[int, ...], np.ndarray] = {}
 
 
@@ -286,7 +295,7 @@ def wire_stat(lse: torch.Tensor, keyed: np.ndarray) -> tuple[np.ndarray, np.ndar
     ``(lse, 1)`` for a row with keys and a finite ``lse``, ``(0, 0)`` for a row without keys
     (``keyed[b]`` False), ``(NaN, 1)`` for a row with keys whose ``lse`` is not finite (never
     an empty partial)."""
-    x = (lse if lse.is_cpu else lse.cpu()).detach().numpy()
+    x = _host(lse).numpy()
     if wire.all_finite(x) and wire.all_equal(keyed, True):  # usual: all rows have keys
         return x, _ones(x.shape)
     with_keys = keyed[:, None]

@@ -234,7 +234,9 @@ class Requester:
     def _prepare_route(self, chunk_id, q, layer, offset, indices, peer):
         """The checked route of ``q``: ``(peer, make, record, (B, H))``."""
         info = self.lookup(chunk_id)
-        q = check_query(q, self.geometry, self.dtype).to(self.device)  # rotated on this device
+        q = check_query(q, self.geometry, self.dtype)
+        if not (q.is_cpu and self.device.type == "cpu"):  # a no-op .to is still a torch call
+            q = q.to(self.device)  # rotated on this device
         peer = info.holders[0] if peer is None else self.transport.check_peer(peer)
         m_q, make = route_request(
             info, q, layer, offset, indices, geometry=self.geometry, rope=self.rope,

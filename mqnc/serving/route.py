@@ -114,11 +114,12 @@ def route_request(
     idx = None if indices is None else check_selection(indices, q.shape[0], info.tokens)
     # The holder attends at canonical positions: rotate q by -(new - old) (§3.2).
     qr = ops.rope_rotate(q, -(offset - info.position), rope) if moved else q
-    qr = qr.contiguous()
+    if not (qr.is_cpu and qr.is_contiguous()):  # (each no-op torch call costs, issue 14)
+        qr = qr.contiguous()
 
     def make(rid: int, seq: int) -> torch.Tensor:
         return wire.pack_query(
-            qr.cpu(),
+            qr if qr.is_cpu else qr.cpu(),
             request_id=rid,
             seq=seq,
             chunk_id=info.chunk_id,
