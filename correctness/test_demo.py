@@ -135,10 +135,26 @@ def test_demo_gloo_processes_torch_path_and_progress(tmp_path, capsys):
         "holders",
         "calibrate",
         "decode",
-        "then the other primitive, 3 times",
+        "then the other primitive, repeats 1-2 of 3",
+        "calibrate",
+        "then the other primitive, repeat 3",
+        "calibrate",
     ]
-    where = [err.find(p) for p in phases]
-    assert all(w >= 0 for w in where) and where == sorted(where), (where, err[:2000])
+    where, at = [], 0
+    for p in phases:  # in this order (a phase named twice is found after the one before)
+        at = err.find(p, at)
+        where.append(at)
+    assert all(w >= 0 for w in where), (where, err[:3000])
+    # calibrated before, between and after the repeats; the report predicts with the median
+    rounds = r["calibration_rounds"]
+    assert [c["when"] for c in rounds] == ["before the decodes", "between", "after"]
+    (used,) = [c for c in rounds if c["used"]]
+    assert used["t_probe_us"] == r["calibration"]["fabric"]["t_probe_us"]
+    ranked = sorted(c["predicted_ms"] for c in rounds)
+    assert used["predicted_ms"] == ranked[1]
+    table_ms = sum(row["predicted_us"]["total"] for row in r["primitives"].values()) / 1e3
+    assert used["predicted_ms"] == pytest.approx(table_ms)
+    assert "calibrated 3 times; the table predicts with the median round:" in printed.out
     lines = [line for line in _printed_lines(printed.out) if str(tmp_path) not in line]
     assert max(len(line) for line in lines) <= 100, max(lines, key=len)
     assert "the other primitive" in printed.out

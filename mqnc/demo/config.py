@@ -138,6 +138,13 @@ class DemoConfig:
         return self.repeats
 
     @property
+    def calibration_rounds(self) -> int:
+        """How many times the constants the profile lacks are measured: 3 when the decodes
+        repeat (before the first repeat, after the middle one and after the last; the report
+        predicts with the median of the three, issue 16), else 1."""
+        return 3 if self.decode_repeats > 1 else 1
+
+    @property
     def comparing(self) -> bool:
         """Whether the run decodes a second time through the other primitive."""
         if self.compare is None:

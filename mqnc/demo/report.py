@@ -382,12 +382,22 @@ def print_table(
     cal: dict,
     killed: dict | None = None,
     compare: dict | None = None,
+    rounds: list | None = None,
 ) -> None:
-    """The constants (value and source), the decisions, the fallbacks, one line per primitive
-    (calls, wire bytes, measured and predicted total, MAPE, largest error) and the terms
-    (measured and predicted, summed over the calls); every line fits in 100 columns."""
+    """The constants (value and source) and, when they were measured more than once, each
+    round's (``rounds``), the decisions, the fallbacks, one line per primitive (calls, wire
+    bytes, measured and predicted total, MAPE, largest error) and the terms (measured and
+    predicted, summed over the calls); every line fits in 100 columns."""
     print()
     print("\n".join(_constants(cal)))
+    if rounds and len(rounds) > 1:
+        print(f"calibrated {len(rounds)} times; the table predicts with the median round:")
+        for r in rounds:
+            host = "" if r["host_us"] is None else f", holder host work {r['host_us']:.0f} us"
+            print(
+                f"  {r['when']:<18} T_probe {r['t_probe_us']:.0f} us{host}, predicts "
+                f"{r['predicted_ms']:.0f} ms" + ("  (used)" if r["used"] else "")
+            )
     chosen = Counter(d["primitive"] for d in decisions.values())
     print(
         "\ndecisions per (chunk, agent): "

@@ -53,11 +53,16 @@ def run(prep: Prepared, progress: Progress) -> dict:
         progress.phase("waiting for the holders to serve their chunks")
         cluster.wait_ready()
         req = _requester(cfg, cluster, model, corpus)
-        cal = calibrate(cfg, req, model.geometry, prep.profile, progress, cluster.cpus)
+
+        def measure() -> None:
+            cals.append(calibrate(cfg, req, model.geometry, prep.profile, progress, cluster.cpus))
+
+        cals: list = []
+        measure()
         verifier = Verifier(model, corpus)
-        decisions = Decisions(cfg, model, corpus, cal)
+        decisions = Decisions(cfg, model, corpus, cals[0])  # decided before any decode
         kill = cluster.kill if cfg.kill_holder is not None else None
-        runs = _decode(cfg, model, corpus, req, decisions, verifier, kill, progress)
+        runs = _decode(cfg, model, corpus, req, decisions, verifier, kill, progress, measure)
         repeats = cfg.decode_repeats
         decoders = [rs[0][0] for rs in runs.values()]  # each decode's first repeat
         decoder = decoders[0]  # the predicate's (the fault drill's, the final states)
@@ -66,7 +71,12 @@ def run(prep: Prepared, progress: Progress) -> dict:
         medians = {key: median_calls([recs for _, recs in rs]) for key, rs in runs.items()}
         chosen = {key: [rec for rec, _ in calls] for key, calls in medians.items()}
         totals = {id(rec): ts for calls in medians.values() for rec, ts in calls}
-        report = Report(cfg, model.geometry, corpus, cal, waves, deltas, cluster.cpus, totals)
+
+        def report_with(c):
+            return Report(cfg, model.geometry, corpus, c, waves, deltas, cluster.cpus, totals)
+
+        cal, rounds = _median_calibration(cals, report_with, chosen)
+        report = report_with(cal)
         rows = report.rows([rec for recs in chosen.values() for rec in recs], verifier.errors)
         wave_list = report.wave_list()  # every wave the rows name (demo.json's "waves")
         if "route" in rows:
@@ -90,6 +100,7 @@ def run(prep: Prepared, progress: Progress) -> dict:
         transport=cfg.transport,
         kernels=_kernels(cfg),
         calibration=cal.to_dict(),
+        calibration_rounds=rounds,
         decisions=list(decisions.table.values()),
         fallbacks=[f for d, _ in runs["predicate"] for f in d.fallbacks],
         killed=decoder.killed,
@@ -117,30 +128,69 @@ def _decode(
     verifier: Verifier,
     kill,
     progress: Progress,
+    calibrate_again,
 ) -> dict[str, list[tuple[Decoder, list]]]:
     """The predicate's decode and (``cfg.comparing``) the comparison decode, each
     ``cfg.decode_repeats`` times from an empty pool, the two interleaved (a slow spell of the
-    machine then touches both alike); the fault drill's ``kill`` in the first decode only.
-    Returns, per decode (``"predicate"``, ``"other"``), each repeat's decoder and its cost
-    records."""
+    machine then touches both alike); the fault drill's ``kill`` in the first decode only;
+    ``calibrate_again()`` after the middle repeat and after the last one when
+    ``cfg.calibration_rounds`` asks for three. Returns, per decode (``"predicate"``,
+    ``"other"``), each repeat's decoder and its cost records."""
     passes = [("predicate", decisions)]
     if cfg.comparing:  # each (chunk, agent) through the other primitive
         passes.append(("other", decisions.other()))
     repeats = cfg.decode_repeats
-    total = cfg.steps * model.geometry.layers * cfg.agents * len(passes) * repeats
+    per_repeat = cfg.steps * model.geometry.layers * cfg.agents * len(passes)
     runs: dict[str, list[tuple[Decoder, list]]] = {key: [] for key, _ in passes}
     what = "decode (agent x layer x step)" + (", then the other primitive" * cfg.comparing)
-    with progress.bar(total, what + (f", {repeats} times" if repeats > 1 else "")) as bar:
-        for r in range(repeats):
-            for key, picks in passes:
-                req.clear_local()  # nothing fetched before is reused
-                drill = kill if r == 0 and key == "predicate" else None
-                agents = make_agents(cfg, corpus)
-                dec = Decoder(cfg, model, corpus, req, agents, picks, verifier, drill)
-                n = len(req.costs)
-                dec.run(bar)
-                runs[key].append((dec, req.costs[n:]))
+    ends = [repeats] if cfg.calibration_rounds == 1 else [(repeats + 1) // 2, repeats]
+    lo = 0
+    for hi in ends:
+        label = f", {repeats} times" if repeats > 1 else ""
+        if len(ends) > 1:
+            label = f", repeats {lo + 1}-{hi} of {repeats}" if hi > lo + 1 else f", repeat {hi}"
+        with progress.bar(per_repeat * (hi - lo), what + label) as bar:
+            for r in range(lo, hi):
+                for key, picks in passes:
+                    req.clear_local()  # nothing fetched before is reused
+                    drill = kill if r == 0 and key == "predicate" else None
+                    agents = make_agents(cfg, corpus)
+                    dec = Decoder(cfg, model, corpus, req, agents, picks, verifier, drill)
+                    n = len(req.costs)
+                    dec.run(bar)
+                    runs[key].append((dec, req.costs[n:]))
+        if len(ends) > 1:
+            calibrate_again()
+        lo = hi
     return runs
+
+
+def _median_calibration(cals: list, report_with, chosen: dict) -> tuple:
+    """The calibration the report predicts with, and what each round gave: the only one, or
+    of three (before, between and after the repeats) the one whose predicted total over the
+    scored calls is the median (issue 16: a calibration taken in a slow spell of the machine
+    predicted a whole run 30-50% off, while the decodes around it were not slow). Each
+    round's constants are whole (one round's own measurements; a term-by-term median would mix
+    rounds whose terms were fitted together)."""
+    recs = [rec for recs in chosen.values() for rec in recs]
+    predicted = [
+        sum(r["predicted_us"]["total"] for r in report_with(c).rows(recs, {}).values())
+        for c in cals
+    ]
+    used = sorted(range(len(cals)), key=predicted.__getitem__)[len(cals) // 2]
+    rounds = [
+        dict(
+            when=when,
+            t_probe_us=c.fabric.t_probe_us,
+            host_us=c.terms.get("host_us"),
+            predicted_ms=p / 1e3,
+            used=i == used,
+        )
+        for i, (c, p, when) in enumerate(
+            zip(cals, predicted, ("before the decodes", "between", "after"), strict=False)
+        )
+    ]
+    return cals[used], rounds
 
 
 def _compare(report: Report, medians: dict, runs: dict, decoders: list[Decoder]) -> dict:
@@ -211,6 +261,7 @@ def _write(cfg: DemoConfig, result: dict, errors, decisions, cal) -> None:
         result["calibration"],
         result["killed"],
         result["compare"],
+        result["calibration_rounds"],
     )
     print(
         f"\n{result['wall_s']:.0f} s on {result['device']}, {cfg.transport}, kernels "
