@@ -110,6 +110,7 @@ class RouteBatcher:
         self._name = name
         self._tables: dict[tuple, tuple] = {}
         self._layers = list(pool.kv.unbind(0))  # one view per layer, taken once
+        self._cuda = pool.device.type == "cuda"
         self._slots: dict[int, np.ndarray] = {}
 
     @property
@@ -149,7 +150,7 @@ class RouteBatcher:
                     (o, lse), keyed = self._sparse(group, layer)
                 else:
                     (o, lse), keyed = self._dense(group, layer)
-                if self.pool.device.type == "cuda":
+                if self._cuda:
                     torch.cuda.synchronize(self.pool.device)
                 ns = time.perf_counter_ns() - t0
                 if stamps.ON:
@@ -201,8 +202,12 @@ class RouteBatcher:
             b0 = b1
 
     def _dense(self, group: list[RouteJob], layer: int):
-        q = group[0].q if len(group) == 1 else torch.cat([r.q for r in group])
-        key = tuple((r.chunk.chunk_id, r.header.batch) for r in group)
+        if len(group) == 1:
+            r = group[0]
+            q, key = r.q, ((r.chunk.chunk_id, r.header.batch),)
+        else:
+            q = torch.cat([r.q for r in group])
+            key = tuple((r.chunk.chunk_id, r.header.batch) for r in group)
         tables = self._tables.get(key)
         if tables is None:
             tables = self._dense_tables(group)

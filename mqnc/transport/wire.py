@@ -106,6 +106,8 @@ HEADER_FORMAT = "<4sHHHHQQQIIIHHIQqQII"
 _STRUCT = struct.Struct(HEADER_FORMAT)
 _CRC = struct.Struct("<I")
 HEADER_BYTES = 96
+# the writer's struct: the header's fields, then its zero padding (one pack writes all 96 bytes)
+_STRUCT_PADDED = struct.Struct(f"{HEADER_FORMAT}{HEADER_BYTES - _STRUCT.size}x")
 _CRC_OFFSET = _STRUCT.size - 4  # header CRC is the last field
 _PAYLOAD_OFFSET = 14  # index of payload_bytes in the unpacked struct
 _ZERO4 = bytes(4)
@@ -194,12 +196,8 @@ def _header_crc(raw) -> int:
 
 def _write_header(a: np.ndarray, h: Header) -> None:
     """Pack ``h`` into the first 96 bytes of the host uint8 array ``a`` (CRC last)."""
-    _STRUCT.pack_into(
-        a, 0, MAGIC, VERSION, h.kind, _DTYPE_CODES[h.dtype], h.flags, h.request_id, h.seq,
-        h.chunk_id, h.batch, h.heads, h.width, h.layer_lo, h.layer_hi, h.topk, h.payload_bytes,
-        h.position, h.holder_ns, h.payload_crc, 0,
-    )  # fmt: skip
-    a[_STRUCT.size : HEADER_BYTES] = 0
+    # Header's fields after kind and dtype are the struct's, in its order (CRC 0, then padding)
+    _STRUCT_PADDED.pack_into(a, 0, MAGIC, VERSION, h[0], _DTYPE_CODES[h[1]], *h[2:], 0)
     # The CRC field is zero here: one CRC over the whole header is the chained one (issue 14).
     _CRC.pack_into(a, _CRC_OFFSET, _crc32(a[:HEADER_BYTES]))
 
@@ -977,13 +975,25 @@ def pack_partial_arrays(
     sizes: the holder made them); ``array`` as in :func:`pack_probe`."""
     B, H = m.shape
     nbytes = partial_payload_bytes(B, H, width, dtype)
-    if o.size + m.nbytes + l.nbytes != nbytes or l.shape != (B, H):
-        raise ValueError(f"o, m, l: {o.size + m.nbytes + l.nbytes} B, expected {nbytes} B")
+    rows, no = B * H, o.size
+    if no + m.nbytes + l.nbytes != nbytes or l.shape != (B, H):
+        raise ValueError(f"o, m, l: {no + m.nbytes + l.nbytes} B, expected {nbytes} B")
+    # the three copies straight into the message (no generic loop over parts: issue 14)
+    a = np.empty(HEADER_BYTES + nbytes, dtype=np.uint8)
+    end = HEADER_BYTES + no
+    a[HEADER_BYTES:end] = o.reshape(-1)
+    ml = a[end:].view(np.float32)
+    ml[:rows] = m.reshape(-1)
+    ml[rows:] = l.reshape(-1)
+    flags = pcrc = 0
+    if crc is not False and nbytes:
+        flags, pcrc = FLAG_PAYLOAD_CRC, _crc32(a[HEADER_BYTES:])
     h = Header(
-        Kind.PARTIAL, dtype, 0, request_id, seq, chunk_id, B, H, width, layer, layer + 1, 0,
-        nbytes, 0, holder_ns,
+        Kind.PARTIAL, dtype, flags, request_id, seq, chunk_id, B, H, width, layer, layer + 1, 0,
+        nbytes, 0, holder_ns, pcrc,
     )  # fmt: skip
-    return _host_message(h, (o, m.view(np.uint8), l.view(np.uint8)), crc, array)
+    _write_header(a, h)
+    return a if array else torch.from_numpy(a)
 
 
 # ---- fetch ---------------------------------------------------------------------------------------
