@@ -148,13 +148,15 @@ def test_demo_gloo_processes_torch_path_and_progress(tmp_path, capsys):
     # calibrated before, between and after the repeats; the report predicts with the median
     rounds = r["calibration_rounds"]
     assert [c["when"] for c in rounds] == ["before the decodes", "between", "after"]
-    (used,) = [c for c in rounds if c["used"]]
-    assert used["t_probe_us"] == r["calibration"]["fabric"]["t_probe_us"]
-    ranked = sorted(c["predicted_ms"] for c in rounds)
-    assert used["predicted_ms"] == ranked[1]
-    table_ms = sum(row["predicted_us"]["total"] for row in r["primitives"].values()) / 1e3
-    assert used["predicted_ms"] == pytest.approx(table_ms)
-    assert "calibrated 3 times; the table predicts with the median round:" in printed.out
+    for prim, row in r["primitives"].items():  # each predicted with its median round
+        (used,) = [c for c in rounds if prim in c["used"]]
+        assert used["predicted_ms"][prim] == sorted(c["predicted_ms"][prim] for c in rounds)[1]
+        assert used["predicted_ms"][prim] == pytest.approx(row["predicted_us"]["total"] / 1e3)
+    (route_round,) = [c for c in rounds if "route" in c["used"]]
+    assert route_round["t_probe_us"] == r["calibration"]["fabric"]["t_probe_us"]
+    assert "calibrated 3 times; each primitive predicted with the round of its median" in (
+        printed.out
+    )
     lines = [line for line in _printed_lines(printed.out) if str(tmp_path) not in line]
     assert max(len(line) for line in lines) <= 100, max(lines, key=len)
     assert "the other primitive" in printed.out
@@ -215,10 +217,53 @@ def test_table_fits_its_width_at_many_repeats(capsys):
         )  # fmt: skip
         rows = {p: dict(row) for p in ("route", "fetch", "local")}
         rows["route"]["spread_mape"] = 0.99
-        print_table(rows, {"merged": [5e-3]}, {}, [], {"fabric": {"t_probe_us": 400.0}})
+        rounds = [  # three calibration rounds, each naming three primitives' predictions
+            dict(when=w, t_probe_us=12345.6, host_us=98765.4, used=used,
+                 predicted_ms=dict(route=123456.7, fetch=12345.6, local=123456.7))
+            for w, used in (("before the decodes", ["route"]), ("between", ["fetch", "local"]),
+                            ("after", []))
+        ]  # fmt: skip
+        cal = {"fabric": {"t_probe_us": 400.0}}
+        print_table(rows, {"merged": [5e-3]}, {}, [], cal, rounds=rounds)
         lines = _printed_lines(capsys.readouterr().out)
+        assert sum("ms*" in line for line in lines) == 3, lines  # route, fetch, local
         assert max(len(line) for line in lines) <= WIDTH, max(lines, key=len)
         assert sum(line.startswith(("  route ", "  fetch ", "  local ")) for line in lines) == 3
+
+
+def test_median_rounds_take_each_primitives_terms_whole_from_its_median_round():
+    """Three calibration rounds: the route's constants come from the round whose route
+    prediction is the median, the fetch's own terms (bulk rate, fixed part, splice, pool write)
+    from the round of the median fetch prediction; nothing else of that round is taken."""
+    from mqnc.cost import FabricProfile
+    from mqnc.demo.calibration import OWN_TERMS, Calibration, median_rounds
+
+    def round_(i):
+        fabric = FabricProfile(
+            f"r{i}", t_probe_us=100.0 + i, bw_gbps=1.0 + i, bulk_bw_gbps=10.0 + i
+        )
+        terms = dict(host_us=500.0 + i, fetch_fixed_us=1000.0 + i, splice_us_per_token=10.0 + i,
+                     scatter_us_per_token=2.0 + i, c_us=200.0 + i)  # fmt: skip
+        return Calibration(fabric, terms, dict.fromkeys(terms, f"round {i}"))
+
+    rounds = [round_(i) for i in range(3)]
+    # route: round 2 is the median (5 < 6 < 9); fetch: round 0 (1 < 3 < 4); local: round 1
+    predicted = [
+        dict(route=9.0, fetch=3.0, local=7.0),
+        dict(route=5.0, fetch=4.0, local=8.0),
+        dict(route=6.0, fetch=1.0, local=9.0),
+    ]
+    cal, choice = median_rounds(rounds, predicted)
+    assert choice == dict(route=2, fetch=0, local=1)
+    assert (cal.fabric.t_probe_us, cal.fabric.bw_gbps, cal.terms["host_us"]) == (102, 3, 502)
+    assert cal.fabric.bulk_bw_gbps == 10.0 and "bulk_bw_gbps" in OWN_TERMS["fetch"]
+    assert (cal.terms["fetch_fixed_us"], cal.terms["splice_us_per_token"]) == (1000, 10)
+    assert cal.terms["scatter_us_per_token"] == 2 and cal.terms["c_us"] == 201
+    assert cal.sources["fetch_fixed_us"] == "round 0" and cal.sources["host_us"] == "round 2"
+    assert rounds[2].terms["fetch_fixed_us"] == 1002  # the rounds themselves are unchanged
+    # one round: itself
+    one, choice = median_rounds(rounds[:1], predicted[:1])
+    assert one.terms == rounds[0].terms and choice == dict(route=0, fetch=0, local=0)
 
 
 def test_median_calls_picks_each_calls_median_record_over_the_repeats():

@@ -53,10 +53,17 @@ from mqnc.model import MLAGeometry
 from mqnc.serving import ChunkInfo, Requester
 from mqnc.serving.compute import kernel_ops
 
-__all__ = ["Calibration", "calibrate", "FABRIC_TERMS"]
+__all__ = ["Calibration", "calibrate", "median_rounds", "FABRIC_TERMS", "OWN_TERMS"]
 
 FABRIC_TERMS = ("t_probe_us", "bw_gbps", "turnaround_us", "bulk_bw_gbps")
 """The fabric's terms the demo uses (a profile's, or measured)."""
+
+OWN_TERMS = {
+    "fetch": ("bulk_bw_gbps", "fetch_fixed_us", "splice_us_per_token", "scatter_us_per_token"),
+    "local": ("c_us",),
+}
+"""The terms only one primitive's prediction reads (a route's reads the rest): measured in
+rounds, each primitive takes its own terms whole from one round (:func:`median_rounds`)."""
 
 PROBES = 21
 """Probes timed for ``T_probe`` (their median), after 10 warm-up probes."""
@@ -193,6 +200,42 @@ def calibrate(
     )
     path = None if profile is None else profile.path
     return Calibration(fabric, terms, sources, m.probes, m.fit, m.fit_error, m.samples, path)
+
+
+def median_rounds(rounds: list[Calibration], predicted: list[dict[str, float]]):
+    """The constants to predict with from calibration ``rounds`` (issue 16: one round taken in
+    a slow spell of the machine priced a whole run 30-50% off, while the decodes around it were
+    not slow), and per primitive the round it takes.
+
+    ``predicted[i][primitive]``: what round ``i`` predicts for the run's calls of that primitive
+    (us, summed). Each primitive takes the round whose prediction is the median (the lower
+    middle of an even count); the route's round gives everything but the other primitives' own
+    terms (:data:`OWN_TERMS`), which come whole from theirs. Terms fitted together stay
+    together: a term-by-term median would mix rounds.
+
+    Returns
+    -------
+    (Calibration, dict of str to int)
+    """
+    prims = {p for pr in predicted for p in pr}
+    choice = {
+        p: sorted(range(len(rounds)), key=lambda i: predicted[i].get(p, 0.0))[
+            (len(rounds) - 1) // 2
+        ]
+        for p in sorted(prims)
+    }
+    base = rounds[choice.get("route", 0)]
+    fab, terms, sources = dataclasses.asdict(base.fabric), dict(base.terms), dict(base.sources)
+    for prim, i in choice.items():
+        own = OWN_TERMS.get(prim, ())
+        for k in own if rounds[i] is not base else ():
+            if k in FABRIC_TERMS:
+                fab[k] = getattr(rounds[i].fabric, k)
+            elif k in rounds[i].terms:
+                terms[k] = rounds[i].terms[k]
+            sources[k] = rounds[i].sources.get(k, "calibrated")
+    cal = dataclasses.replace(base, fabric=FabricProfile(**fab), terms=terms, sources=sources)
+    return cal, choice
 
 
 def _host_fields(base: FabricProfile | None) -> dict:

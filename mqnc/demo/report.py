@@ -391,13 +391,17 @@ def print_table(
     print()
     print("\n".join(_constants(cal)))
     if rounds and len(rounds) > 1:
-        print(f"calibrated {len(rounds)} times; the table predicts with the median round:")
+        print(
+            f"calibrated {len(rounds)} times; each primitive predicted with the round of its "
+            "median prediction (*):"
+        )
         for r in rounds:
-            host = "" if r["host_us"] is None else f", holder host work {r['host_us']:.0f} us"
-            print(
-                f"  {r['when']:<18} T_probe {r['t_probe_us']:.0f} us{host}, predicts "
-                f"{r['predicted_ms']:.0f} ms" + ("  (used)" if r["used"] else "")
+            host = "" if r["host_us"] is None else f", host work {r['host_us']:.0f} us"
+            said = ", ".join(
+                f"{p} {ms:.0f} ms" + "*" * (p in r["used"]) for p, ms in r["predicted_ms"].items()
             )
+            line = f"  {r['when']:<18} T_probe {r['t_probe_us']:.0f} us{host}; {said}"
+            print("\n".join(textwrap.wrap(line, WIDTH, subsequent_indent=" " * 21)))
     chosen = Counter(d["primitive"] for d in decisions.values())
     print(
         "\ndecisions per (chunk, agent): "

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from mqnc.base.runtime import device_name, kernel_mode
-from mqnc.demo.calibration import calibrate
+from mqnc.demo.calibration import calibrate, median_rounds
 from mqnc.demo.checks import Prepared
 from mqnc.demo.cluster import Cluster
 from mqnc.demo.config import DemoConfig
@@ -166,31 +166,27 @@ def _decode(
 
 
 def _median_calibration(cals: list, report_with, chosen: dict) -> tuple:
-    """The calibration the report predicts with, and what each round gave: the only one, or
-    of three (before, between and after the repeats) the one whose predicted total over the
-    scored calls is the median (issue 16: a calibration taken in a slow spell of the machine
-    predicted a whole run 30-50% off, while the decodes around it were not slow). Each
-    round's constants are whole (one round's own measurements; a term-by-term median would mix
-    rounds whose terms were fitted together)."""
+    """The calibration the report predicts with (:func:`mqnc.demo.calibration.median_rounds`
+    over the rounds ``cals``, each round's prediction of the scored calls ``chosen``) and what
+    each round gave (``demo.json``'s ``calibration_rounds``)."""
     recs = [rec for recs in chosen.values() for rec in recs]
     predicted = [
-        sum(r["predicted_us"]["total"] for r in report_with(c).rows(recs, {}).values())
+        {p: r["predicted_us"]["total"] for p, r in report_with(c).rows(recs, {}).items()}
         for c in cals
     ]
-    used = sorted(range(len(cals)), key=predicted.__getitem__)[len(cals) // 2]
+    cal, choice = median_rounds(cals, predicted)
+    whens = ("before the decodes", "between", "after")[: len(cals)]
     rounds = [
         dict(
             when=when,
             t_probe_us=c.fabric.t_probe_us,
             host_us=c.terms.get("host_us"),
-            predicted_ms=p / 1e3,
-            used=i == used,
+            predicted_ms={p: us / 1e3 for p, us in pr.items()},
+            used=sorted(p for p, i in choice.items() if i == n),
         )
-        for i, (c, p, when) in enumerate(
-            zip(cals, predicted, ("before the decodes", "between", "after"), strict=False)
-        )
+        for n, (c, pr, when) in enumerate(zip(cals, predicted, whens, strict=True))
     ]
-    return cals[used], rounds
+    return cal, rounds
 
 
 def _compare(report: Report, medians: dict, runs: dict, decoders: list[Decoder]) -> dict:
