@@ -154,11 +154,16 @@ def test_bench_host_loopback(tmp_path, capsys):
     assert {r["variant"] for r in cases} == {
         "cond",
         "cond_payload",
+        "pack",
+        "pack_twice",
+        "wake_only",
+        "wake_pack",
         *(f"loopback.{k}" for k in ("echo_probe", "echo_route1", "echo_route256", "probe")),
         *(f"loopback.{k}" for k in ("route1", "route256", "holder4")),
     }
     ratios = {r["variant"]: r for r in recs if r["bench"] == "host_ratio"}
-    assert len(ratios) == 7 and all(r["transport"] is None for r in ratios.values())
+    assert len(ratios) == 8 and all(r["transport"] is None for r in ratios.values())
+    assert ratios["host work after a 150 us idle wait / the same warm"]["unit"] == "ratio"
     assert all(r["p20"] == r["p50"] == r["p80"] for r in ratios.values())
     assert ratios["loopback: Requester.probe / cond"]["unit"] == "ratio"
     assert ratios["loopback: holder, 4 requesters: routes/s"]["unit"] == "routes/s"

@@ -25,6 +25,11 @@ the package, per transport (:mod:`mqnc.measure.echo`, :mod:`mqnc.measure.holders
     ``route16_kernel``: M_q 16 through the real kernel (the Triton interpreter on a CPU) over
     a 64-token chunk; ``holder4``: 4 requesters (threads of this process sharing one rank, one
     lane each) routing 5 x M_q 16 each to one holder (kernel stubbed): routes per second.
+the machine's wake penalty (:func:`_wake_cases`)
+    ``pack``: a route request of M_q 1 checked and packed; ``pack_twice``: two in a row (the
+    second is warm); ``wake_pack``: one after a 150 us idle wait (``wake_only``: the wait
+    alone). The ratio of the pack after the wait to the warm one says how much slower host
+    work runs right after a wake, where every call's host work runs.
 
 The goals (issue 14): loopback probe <= 3x ``cond``; gloo probe <= 2x ``gloo_1B``; route1 <=
 1.5x the probe; route256 <= 2x the probe plus the bytes at the floor's bandwidth
@@ -52,6 +57,42 @@ from perf.targets import TARGETS
 
 ROUTE_BIG = (16, 16)  # B, H: M_q 256
 HOLDER4_CALLS = 5
+IDLE_S = 150e-6  # the wake-penalty cases' idle wait: about a loopback probe's round trip
+
+
+def _wake_cases(g, q) -> dict:
+    """The machine's wake penalty: one piece of the package's host work (a route's request,
+    checked and packed: M_q 1) timed warm (the second of two in a row: ``pack_twice`` less
+    ``pack``) and right after this thread blocked for :data:`IDLE_S` (``wake_pack`` less the
+    wait alone, ``wake_only``). A call's host work always runs right after a wake (the holder's
+    after the request's, the requester's after the reply's); on the 2-core VM a pack ran ~3x
+    slower there than warm (the first run after the wait; the next ones were warm again), a
+    cost no floor pays (a ``Condition`` round trip does no work after its wakes)."""
+    import threading
+
+    from mqnc.serving.compute import kernel_ops
+    from mqnc.serving.records import ChunkInfo
+    from mqnc.serving.route import route_request
+
+    info, ops, idle = ChunkInfo(1, 64, 0, (1,)), kernel_ops("torch"), threading.Event()
+
+    def pack():
+        route_request(info, q, 0, None, None, geometry=g, rope=None, ops=ops, crc=False)[1](1, 1)
+
+    def wake_pack():
+        idle.wait(IDLE_S)
+        pack()
+
+    def pack_twice():
+        pack()
+        pack()
+
+    return {
+        "pack": pack,
+        "pack_twice": pack_twice,
+        "wake_only": lambda: idle.wait(IDLE_S),
+        "wake_pack": wake_pack,
+    }
 
 
 def _route(req, chunk, q):
@@ -77,6 +118,8 @@ def _cases(args, stack: contextlib.ExitStack, g) -> dict:
 
     def q_of(b, h):
         return torch.randn(b, h, g.d_qk, generator=gen).to(torch.bfloat16)
+
+    cases.update(_wake_cases(g, q_of(1, 1)))
 
     for t in args.transports:
         if t == "gloo":
@@ -132,6 +175,8 @@ def _ratios(p50: dict, transports) -> list[tuple[str, float, str]]:
     def add(what, value, goal):
         rows.append((what, value, goal))
 
+    woken = (p50["wake_pack"] - p50["wake_only"]) / (p50["pack_twice"] - p50["pack"])
+    add(f"host work after a {IDLE_S * 1e6:.0f} us idle wait / the same warm", woken, "-")
     for t in transports:
         floor = "gloo_1B" if t == "gloo" else "cond"
         bytes_us = (
