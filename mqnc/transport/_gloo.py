@@ -110,7 +110,7 @@ class _Reaper:
                     ):
                         break
                     cond.wait()
-                work, msg = self.q[0]
+                work, _, nbytes = self.q[0]
             try:
                 work.wait()
             except Exception as exc:
@@ -119,7 +119,7 @@ class _Reaper:
                 continue
             with cond:
                 self.q.popleft()
-                self.bytes -= msg.numel()
+                self.bytes -= nbytes
                 if not self.q:
                     self.flush = False
                 cond.notify_all()
@@ -161,8 +161,8 @@ class Outbox:
         with self.cond:
             if reaper is None:
                 reaper = self._reapers[peer] = _Reaper(self, peer)
-            reaper.q.append((work, msg))
-            reaper.bytes += msg.numel()
+            reaper.q.append((work, msg, a.shape[0]))  # the message kept alive until sent
+            reaper.bytes += a.shape[0]
             if len(reaper.q) >= REAP_BATCH or reaper.bytes >= REAP_BYTES:
                 self.cond.notify_all()
 
@@ -210,11 +210,10 @@ class Inbox:
         self.cond = peers.cond
         self.layout = layout
         self.slot_bytes = slot_bytes
-        # Each slot's storage is a landing buffer: frame + data (swapped in, never copied).
-        self.slots = [
-            torch.zeros(FRAME + slot_bytes, dtype=torch.uint8) for _ in range(layout.num_slots)
-        ]
-        self.views = [s.numpy()[FRAME:] for s in self.slots]
+        # Each slot's storage is a landing buffer: frame + data (swapped in, never copied), as
+        # a (tensor gloo receives into, its numpy view) pair: no torch call per message.
+        self.slots = [_landing(slot_bytes) for _ in range(layout.num_slots)]
+        self.views = [a[FRAME:] for _, a in self.slots]
         self.gets: dict[int, torch.Tensor | None] = {}
         self.barrier_seen = [0] * world_size
         self.threads = [
@@ -244,29 +243,30 @@ class Inbox:
         The applied message hands back the buffer it freed (the slot's old storage for a
         put, its own for anything else): the next spare."""
         pg = self._pg
-        bufs = [torch.empty(FRAME + self.slot_bytes, dtype=torch.uint8) for _ in range(3)]
+        bufs = [_landing(self.slot_bytes) for _ in range(3)]
         spare = bufs.pop()
-        works = [pg.recv([b], peer, TAG) for b in bufs]
+        works = [pg.recv([t], peer, TAG) for t, _ in bufs]
         i = 0
         try:
             while True:
                 works[i].wait()
                 got = bufs[i]
-                op, slot, seq, n, _ = _FRAME.unpack_from(got.numpy(), 0)
+                op, slot, seq, n, _ = _FRAME.unpack_from(got[1], 0)
                 if op == CLOSE:
                     with self.cond:
                         self._peers.closed.add(peer)
                         self.cond.notify_all()
                     self.board.wake_all()
                     return
-                bufs[i], works[i] = spare, pg.recv([spare], peer, TAG)
+                bufs[i], works[i] = spare, pg.recv([spare[0]], peer, TAG)
                 spare = self._on_message(peer, op, slot, seq, n, got)
                 i ^= 1
         except Exception as exc:  # the connection closed (peer died) or the link broke
             self._peers.mark_dead(peer, f"{type(exc).__name__}: {exc}")
 
-    def _on_message(self, peer: int, op: int, slot: int, seq: int, n: int, buf: torch.Tensor):
-        """Apply one message; returns the buffer to post the next receive into."""
+    def _on_message(self, peer: int, op: int, slot: int, seq: int, n: int, buf: tuple):
+        """Apply one message (``buf``: its landing buffer, a (tensor, numpy view) pair);
+        returns the buffer to post the next receive into."""
         if op == PUT:
             return self._on_put(peer, slot, seq, n, buf)
         if op == GET:
@@ -276,7 +276,7 @@ class Inbox:
                     data = torch.from_numpy(self.views[slot][: min(n, self.slot_bytes)].copy())
             self._outbox.send(peer, GET_REPLY, 0, seq, data if data is not None else _EMPTY)
         elif op == GET_REPLY:
-            data = torch.from_numpy(buf.numpy()[FRAME : FRAME + min(n, self.slot_bytes)].copy())
+            data = torch.from_numpy(buf[1][FRAME : FRAME + min(n, self.slot_bytes)].copy())
             with self.cond:
                 if seq in self.gets:
                     self.gets[seq] = data
@@ -289,7 +289,7 @@ class Inbox:
             self._drop(peer, f"unknown frame op {op}")
         return buf
 
-    def _on_put(self, peer: int, slot: int, seq: int, n: int, buf: torch.Tensor):
+    def _on_put(self, peer: int, slot: int, seq: int, n: int, buf: tuple):
         lay = self.layout
         if not 0 <= slot < lay.num_slots or lay.source_of(slot) != peer or n > self.slot_bytes:
             why = (
@@ -302,7 +302,7 @@ class Inbox:
         with self.board.lock:
             old = self.slots[slot]
             self.slots[slot] = buf
-            self.views[slot] = buf.numpy()[FRAME:]
+            self.views[slot] = buf[1][FRAME:]
             self.board.raise_locked(slot, seq)
         return old
 
@@ -312,3 +312,10 @@ class Inbox:
 
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
+def _landing(slot_bytes: int) -> tuple[torch.Tensor, np.ndarray]:
+    """A landing buffer of one frame and ``slot_bytes`` data bytes: the tensor gloo receives
+    into and its numpy view (zeroed: a slot never read before holds no stale bytes)."""
+    t = torch.zeros(FRAME + slot_bytes, dtype=torch.uint8)
+    return t, t.numpy()
