@@ -68,12 +68,19 @@ def _jobs(gen, chunk, requesters, rows, topk=None):
     chunk-local entries per token when given)."""
     jobs = []
     for r in range(requesters):
-        header = wire.Header(wire.Kind.ROUTE, request_id=r, batch=rows, heads=HEADS, topk=topk or 0)
-        q = torch.randn(rows, HEADS, GEOMETRY.d_qk, generator=gen).to(DEVICE, torch.bfloat16)
+        header = wire.Header(
+            wire.Kind.ROUTE, request_id=r, batch=rows, heads=HEADS, width=GEOMETRY.d_qk,
+            topk=topk or 0,
+        )  # fmt: skip
+        q = torch.randn(rows, HEADS, GEOMETRY.d_qk, generator=gen).to(torch.bfloat16)
         idx = None
         if topk:
             idx = torch.randint(-1, chunk.tokens, (rows, topk), generator=gen, dtype=torch.int32)
-        jobs.append(RouteJob(r, 0, header, q, idx, chunk))
+            idx = idx.numpy()
+        # as the holder receives them: the rows' bytes and the selection on the host
+        jobs.append(
+            RouteJob(r, 0, header, q.view(torch.uint8).numpy().reshape(rows, -1), idx, chunk)
+        )
     return jobs
 
 

@@ -69,13 +69,17 @@ class HostedChunk:
 
 @dataclasses.dataclass
 class RouteJob:
-    """One received route request: who asked (rank, lane), its header, rows and selection."""
+    """One received route request: who asked (rank, lane), its header, rows and selection.
+
+    ``q``: the rows' bytes, ``[batch, heads * width * itemsize]`` uint8 on the host (the
+    header says their dtype; :func:`mqnc.transport.wire.query_arrays`); ``indices``: the
+    selection ``[batch, topk]`` int32 on the host, or None."""
 
     src: int
     lane: int
     header: wire.Header
-    q: torch.Tensor
-    indices: torch.Tensor | None
+    q: np.ndarray
+    indices: np.ndarray | None
     chunk: HostedChunk
 
 
@@ -111,6 +115,7 @@ class RouteBatcher:
         self._tables: dict[tuple, tuple] = {}
         self._layers = list(pool.kv.unbind(0))  # one view per layer, taken once
         self._cuda = pool.device.type == "cuda"
+        self._staging: dict[tuple, tuple] = {}
         self._slots: dict[int, np.ndarray] = {}
 
     @property
@@ -202,11 +207,11 @@ class RouteBatcher:
             b0 = b1
 
     def _dense(self, group: list[RouteJob], layer: int):
+        q = self._rows(group)
         if len(group) == 1:
             r = group[0]
-            q, key = r.q, ((r.chunk.chunk_id, r.header.batch),)
+            key = ((r.chunk.chunk_id, r.header.batch),)
         else:
-            q = torch.cat([r.q for r in group])
             key = tuple((r.chunk.chunk_id, r.header.batch) for r in group)
         tables = self._tables.get(key)
         if tables is None:
@@ -226,6 +231,41 @@ class RouteBatcher:
         )
         return out, keyed
 
+    def _rows(self, group: list[RouteJob]) -> torch.Tensor:
+        """The group's query rows as one ``[B, H, width]`` tensor on the pool's device: their
+        bytes copied (numpy) into a staging buffer kept per shape, and on a GPU copied to the
+        device once per batch (issue 14: no torch call per request on the host, where each
+        cost a just-woken holder several microseconds; before, a tensor view per request and a
+        ``torch.cat`` or a copy to the device per request). A buffer is reused by the next batch
+        of its shape only after this batch's call returned (the holder answers one batch at a
+        time, and a GPU call is synchronised before its reply is packed)."""
+        h = group[0].header
+        rows = h.batch if len(group) == 1 else sum(r.header.batch for r in group)
+        key = (rows, h.heads, h.width, h.dtype)
+        staged = self._staging.get(key)
+        if staged is None:
+            if len(self._staging) >= _TABLE_CACHE:
+                self._staging.clear()
+            host = torch.empty(rows, h.heads, h.width, dtype=h.dtype)
+            dev = torch.empty_like(host, device=self.pool.device) if self._cuda else host
+            staged = self._staging[key] = (
+                host.view(torch.uint8).numpy().reshape(rows, -1),
+                host,
+                dev,
+            )
+        view, host, dev = staged
+        if len(group) == 1:
+            view[:] = group[0].q
+        else:
+            b0 = 0
+            for r in group:
+                b1 = b0 + r.header.batch
+                view[b0:b1] = r.q
+                b0 = b1
+        if dev is not host:
+            dev.copy_(host)
+        return dev
+
     def _dense_tables(self, group: list[RouteJob]):
         """One block-table row per query token (the row's chunk's blocks), its length, and
         which rows have keys (``[B]`` bool numpy)."""
@@ -244,7 +284,7 @@ class RouteBatcher:
         return torch.from_numpy(table).to(dev), torch.from_numpy(lens).to(dev), lens > 0
 
     def _sparse(self, group: list[RouteJob], layer: int):
-        q = group[0].q if len(group) == 1 else torch.cat([r.q for r in group])
+        q = self._rows(group)
         topk = max(r.header.topk for r in group)
         rows = sum(r.header.batch for r in group)
         idx = np.full((rows, topk), -1, dtype=np.int32)
@@ -254,7 +294,7 @@ class RouteBatcher:
             slots = self._slots.get(r.chunk.chunk_id)
             if slots is None:
                 slots = self._slots[r.chunk.chunk_id] = r.chunk.slots(self.pool.block_size)
-            local = r.indices.cpu().numpy()
+            local = r.indices
             idx[b0:b1, : local.shape[1]] = np.where(
                 local >= 0, slots[np.maximum(local, 0)] if slots.size else -1, -1
             )

@@ -455,16 +455,14 @@ class Holder:
                 f"request here, got {h.rows} rows and {h.topk}"
             )
         c = self.chunks[h.chunk_id]
-        q, idx = wire.query_views(buf, h)
+        q, idx = wire.query_arrays(buf, h)  # numpy: the batcher stages the rows (issue 14)
         if idx is not None:
             bad = (idx < -1) | (idx >= c.tokens)
-            if bool(bad.any()):
+            if bad.any():
                 raise ValueError(
                     f"indices: expected chunk-local indices in [-1, {c.tokens}) for chunk "
                     f"{c.chunk_id}, got {idx[bad][:5].tolist()}"
                 )
-        if self.device.type != "cpu":
-            q = q.to(self.device)
         return RouteJob(src, lane, h, q, idx, c)
 
     # ---- fetch ------------------------------------------------------------------------------

@@ -840,6 +840,23 @@ def query_views(buf: torch.Tensor, h: Header) -> tuple[torch.Tensor, torch.Tenso
     return q, idx
 
 
+def query_arrays(buf, h: Header) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(q_bytes [B, H * width * itemsize] uint8, indices [B, topk] int32 or None)``: numpy
+    views into a host ROUTE message (array or host tensor) whose header ``h``
+    :func:`parse_header` has checked: the rows' bytes and the selection without a torch call
+    (the holder copies the rows into its staging buffer, issue 14)."""
+    a = _host_array(buf)
+    if a is None:
+        raise ValueError("buf: expected a host message (a uint8 numpy array or host tensor)")
+    nq = h.rows * h.width * _itemsize(h.dtype)
+    q = a[HEADER_BYTES : HEADER_BYTES + nq].reshape(h.batch, -1)
+    idx = None
+    if h.topk:
+        start = HEADER_BYTES + nq
+        idx = a[start : start + h.batch * h.topk * 4].view(np.int32).reshape(h.batch, h.topk)
+    return q, idx
+
+
 # ---- route: the collapsed response ---------------------------------------------------------------
 
 
