@@ -28,6 +28,9 @@ measured on both primitives whatever the predicate picked, and the predicate's p
 against the alternative. Each decode runs ``--repeats`` times (5; 1 in the fault drill), each
 from an empty pool, the two interleaved; every call is scored by its median over the repeats
 (:func:`mqnc.demo.report.median_calls`) and each single decode's MAPE is printed beside it.
+With repeats, the constants are measured three times (before the decodes, after the middle
+repeat, after the last) and each primitive is predicted with its median round
+(:func:`mqnc.demo.calibration.median_rounds`); the predicate decides with the first.
 
 Every partial and every merged answer is compared with a single-instance fp64 reference over
 the same keys (the canonical cache, re-homed to the agent's offsets by an exact fp64

@@ -1,6 +1,7 @@
 """This machine's constants for the demo's predicate (§4.3) and its predictions, each either
 loaded from ``--profile`` or measured at start-up through the demo's own requester against its
-holders, and each labelled with where it came from.
+holders, and each labelled with where it came from. With repeated decodes the measurement runs
+in three rounds (before, between and after the repeats) and :func:`median_rounds` combines them.
 
 What is measured (only what the profile lacks). Each measurement discards warm-ups, takes the
 median of its repetitions and interleaves what it compares (a slow spell of the machine then
