@@ -228,8 +228,9 @@ def median_rounds(rounds: list[Calibration], predicted: list[dict[str, float]]):
     base = rounds[choice.get("route", 0)]
     fab, terms, sources = dataclasses.asdict(base.fabric), dict(base.terms), dict(base.sources)
     for prim, i in choice.items():
-        own = OWN_TERMS.get(prim, ())
-        for k in own if rounds[i] is not base else ():
+        if rounds[i] is base:
+            continue
+        for k in OWN_TERMS.get(prim, ()):
             if k in FABRIC_TERMS:
                 fab[k] = getattr(rounds[i].fabric, k)
             elif k in rounds[i].terms:
