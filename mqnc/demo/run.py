@@ -53,11 +53,11 @@ def run(prep: Prepared, progress: Progress) -> dict:
         progress.phase("waiting for the holders to serve their chunks")
         cluster.wait_ready()
         req = _requester(cfg, cluster, model, corpus)
+        cals: list = []  # the calibration rounds (cfg.calibration_rounds)
 
         def measure() -> None:
             cals.append(calibrate(cfg, req, model.geometry, prep.profile, progress, cluster.cpus))
 
-        cals: list = []
         measure()
         verifier = Verifier(model, corpus)
         decisions = Decisions(cfg, model, corpus, cals[0])  # decided before any decode
