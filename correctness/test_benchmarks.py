@@ -164,7 +164,8 @@ def test_bench_host_loopback(tmp_path, capsys):
     ratios = {r["variant"]: r for r in recs if r["bench"] == "host_ratio"}
     assert len(ratios) == 8 and all(r["transport"] is None for r in ratios.values())
     assert ratios["host work after a 150 us idle wait / the same warm"]["unit"] == "ratio"
-    assert all(r["p20"] == r["p50"] == r["p80"] for r in ratios.values())
+    # (the wake penalty's ratio is NaN when a 3-repetition run cannot resolve its warm pack)
+    assert all(r["p20"] == r["p50"] == r["p80"] or r["p50"] != r["p50"] for r in ratios.values())
     assert ratios["loopback: Requester.probe / cond"]["unit"] == "ratio"
     assert ratios["loopback: holder, 4 requesters: routes/s"]["unit"] == "routes/s"
     assert ratios["loopback: host overhead fit: fixed (us)"]["unit"] == "us"
