@@ -316,9 +316,10 @@ def test_profile_is_loaded_not_recalibrated(forced, tmp_path):
     A fabric profile gives the transport's terms; the demo measures the rest. Each term says
     where it came from."""
     profile = forced[0] / "route" / "demo_profile.json"
-    r = _run(tmp_path, "again", transport="loopback", profile=str(profile))
+    r = _run(tmp_path, "again", transport="loopback", profile=str(profile), repeats=2)
     cal = r["calibration"]
     assert set(cal["sources"].values()) == {"profile"} and cal["profile"] == str(profile)
+    assert len(r["calibration_rounds"]) == 1  # nothing to measure: one round, not three
     assert cal["samples"] == {} and cal["probe_samples_us"] == []
     saved = json.loads(profile.read_text())
     assert cal["send_us"] == saved["terms"]["send_us"]
@@ -331,6 +332,30 @@ def test_profile_is_loaded_not_recalibrated(forced, tmp_path):
     assert src["t_probe_us"] == src["bw_gbps"] == "profile"
     assert src["compute_us_per_row_token"] == src["c_us"] == "calibrated"
     assert r["calibration"]["probe_samples_us"] == []  # the fabric was not probed again
+
+
+def test_a_later_calibration_round_lost_to_a_holder_fault_is_left_out(tmp_path, monkeypatch):
+    """A holder lost after the decodes began fails the round measured then; the run goes on
+    with the rounds it has (before the decodes and after them here), and says so."""
+    import mqnc.demo.run as demo_run
+    from mqnc.transport.protocol import PeerLost
+
+    calls = []
+    real = demo_run.calibrate
+
+    def calibrate(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise PeerLost("rank 1 is gone (test)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(demo_run, "calibrate", calibrate)
+    r = _run(tmp_path, "lost", transport="loopback", repeats=2)
+    assert len(calls) == 3
+    assert [c["when"] for c in r["calibration_rounds"]] == ["before the decodes", "after"]
+    for prim, row in r["primitives"].items():  # the lower middle of two: still one round each
+        (used,) = [c for c in r["calibration_rounds"] if prim in c["used"]]
+        assert used["predicted_ms"][prim] == pytest.approx(row["predicted_us"]["total"] / 1e3)
 
 
 def test_killed_holder_every_request_answered_through_fallback(tmp_path, capsys):

@@ -447,3 +447,42 @@ def test_merge_refuses_no_partials_and_partials_of_other_shapes():
         Requester.merge([])
     with pytest.raises(ValueError, match="parts: expected partials of one shape"):
         Requester.merge([a, b])
+
+
+def test_batcher_stages_rows_of_one_dtype_per_kernel_call():
+    """The batcher stages the rows' bytes (issue 14), so a bf16 and an fp16 request of the same
+    shape in one dispatch must not share a kernel call (the holder admits one dtype, but the
+    batcher is its own piece): each is answered over its own rows, as the fp64 reference says."""
+    from mqnc.reference import mla_decode_reference
+    from mqnc.serving.batching import HostedChunk, RouteBatcher, RouteJob
+    from mqnc.serving.holder import HolderStats
+    from mqnc.serving.pool import PagedPool
+
+    pool = PagedPool(1, 2, 64, GEOM.d_qk, dtype=torch.float32, device="cpu", kernels="torch")
+    kv = _chunk(3, 64, torch.float32)[:1]
+    blocks = pool.alloc(64)
+    pool.write(blocks, kv)
+    chunk = HostedChunk(7, 64, 0, torch.tensor(blocks, dtype=torch.int32))
+    replies = {}
+
+    def reply(src, lane, buf, seq):
+        replies[src] = buf
+
+    b = RouteBatcher(pool, GEOM, SCALE, HolderStats(), reply, None, "holder test")
+    jobs, qs = [], {}
+    for src, dtype in ((1, torch.bfloat16), (2, torch.float16)):
+        q = _q(src, 1, dtype)
+        qs[src] = q
+        h = wire.Header(wire.Kind.ROUTE, dtype, batch=1, heads=GEOM.heads, width=GEOM.d_qk,
+                        chunk_id=7, layer_hi=1, seq=src)  # fmt: skip
+        jobs.append(RouteJob(src, 0, h, q.view(torch.uint8).numpy().reshape(1, -1), None, chunk))
+    b.answer(jobs)
+    assert sorted(replies) == [1, 2] and b.stats.kernel_calls == 2
+    table, lens = torch.tensor([blocks], dtype=torch.int32), torch.tensor([64], dtype=torch.int32)
+    for src, q in qs.items():
+        h, o, m, l = wire.unpack_partial(replies[src], geometry=GEOM)
+        assert h.dtype == q.dtype
+        o64, lse64 = mla_decode_reference(q, pool.kv[0], table, lens, SCALE, GEOM.d_v)
+        name = str(q.dtype)[6:]
+        assert_close(o[0], o64[0], TOLERANCES[("mla", name)], name=f"o {name}")
+        assert_close(m + torch.log(l), lse64, TOLERANCES[("mla_lse", "float32")], name="lse")

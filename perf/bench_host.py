@@ -175,9 +175,10 @@ def _ratios(p50: dict, transports) -> list[tuple[str, float, str]]:
     def add(what, value, goal):
         rows.append((what, value, goal))
 
-    warm = p50["pack_twice"] - p50["pack"]  # NaN when noise swamps it (a short --quick run)
-    woken = (p50["wake_pack"] - p50["wake_only"]) / warm if warm > 0 else float("nan")
-    add(f"host work after a {IDLE_S * 1e6:.0f} us idle wait / the same warm", woken, "-")
+    # left out when noise swamps either difference (a short --quick run): never a NaN record
+    warm, woken = p50["pack_twice"] - p50["pack"], p50["wake_pack"] - p50["wake_only"]
+    if warm > 0 and woken > 0:
+        add(f"host work after a {IDLE_S * 1e6:.0f} us idle wait / the same warm", woken / warm, "-")
     for t in transports:
         floor = "gloo_1B" if t == "gloo" else "cond"
         bytes_us = (

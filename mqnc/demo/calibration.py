@@ -54,7 +54,7 @@ from mqnc.model import MLAGeometry
 from mqnc.serving import ChunkInfo, Requester
 from mqnc.serving.compute import kernel_ops
 
-__all__ = ["Calibration", "calibrate", "median_rounds", "FABRIC_TERMS", "OWN_TERMS"]
+__all__ = ["Calibration", "calibrate", "lacking", "median_rounds", "FABRIC_TERMS", "OWN_TERMS"]
 
 FABRIC_TERMS = ("t_probe_us", "bw_gbps", "turnaround_us", "bulk_bw_gbps")
 """The fabric's terms the demo uses (a profile's, or measured)."""
@@ -180,7 +180,7 @@ def calibrate(
     pool (the calibration's calls are not the workload)."""
     fab, terms, sources = _loaded(cfg, profile)
     m = _Measure(cfg, req, geometry, cores)
-    missing = [k for k in (*FABRIC_TERMS, *DEMO_TERMS) if k not in fab and k not in terms]
+    missing = _missing(fab, terms)
     with progress.bar(len(missing), "calibrate what the profile lacks (terms)") as bar:
         got = m.run(missing, fab, bar)
     for k, v in got.items():
@@ -201,6 +201,15 @@ def calibrate(
     )
     path = None if profile is None else profile.path
     return Calibration(fabric, terms, sources, m.probes, m.fit, m.fit_error, m.samples, path)
+
+
+def _missing(fab: dict, terms: dict) -> list[str]:
+    return [k for k in (*FABRIC_TERMS, *DEMO_TERMS) if k not in fab and k not in terms]
+
+
+def lacking(cfg: DemoConfig, profile: LoadedProfile | None) -> list[str]:
+    """The terms a run measures: every one ``profile`` (None: no profile) does not give it."""
+    return _missing(*_loaded(cfg, profile)[:2])
 
 
 def median_rounds(rounds: list[Calibration], predicted: list[dict[str, float]]):

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from mqnc.base.runtime import device_name, kernel_mode
-from mqnc.demo.calibration import calibrate, median_rounds
+from mqnc.demo.calibration import Calibration, calibrate, lacking, median_rounds
 from mqnc.demo.checks import Prepared
 from mqnc.demo.cluster import Cluster
 from mqnc.demo.config import DemoConfig
@@ -24,6 +24,7 @@ from mqnc.demo.verify import Verifier
 from mqnc.demo.workload import Corpus, build_model, make_agents
 from mqnc.model import MLAModel
 from mqnc.serving import ChunkInfo, Requester
+from mqnc.transport.protocol import TransportError
 
 __all__ = ["run"]
 
@@ -53,16 +54,28 @@ def run(prep: Prepared, progress: Progress) -> dict:
         progress.phase("waiting for the holders to serve their chunks")
         cluster.wait_ready()
         req = _requester(cfg, cluster, model, corpus)
-        cals: list = []  # the calibration rounds (cfg.calibration_rounds)
+        # the calibration rounds, (when, constants): one when the profile gives every term
+        rounds = cfg.calibration_rounds if lacking(cfg, prep.profile) else 1
+        cals: list[tuple[str, Calibration]] = []
 
-        def measure() -> None:
-            cals.append(calibrate(cfg, req, model.geometry, prep.profile, progress, cluster.cpus))
+        def measure(when: str) -> None:
+            try:
+                c = calibrate(cfg, req, model.geometry, prep.profile, progress, cluster.cpus)
+            except TransportError as exc:  # a holder lost after the decodes began
+                if not cals:
+                    raise
+                why = f"{type(exc).__name__}: {exc}"
+                progress.phase(f"calibration {when} failed, left out ({why})")
+                return
+            cals.append((when, c))
 
-        measure()
+        measure("before the decodes")
         verifier = Verifier(model, corpus)
-        decisions = Decisions(cfg, model, corpus, cals[0])  # decided before any decode
+        decisions = Decisions(cfg, model, corpus, cals[0][1])  # decided before any decode
         kill = cluster.kill if cfg.kill_holder is not None else None
-        runs = _decode(cfg, model, corpus, req, decisions, verifier, kill, progress, measure)
+        runs = _decode(
+            cfg, model, corpus, req, decisions, verifier, kill, progress, measure, rounds
+        )
         repeats = cfg.decode_repeats
         decoders = [rs[0][0] for rs in runs.values()]  # each decode's first repeat
         decoder = decoders[0]  # the predicate's (the fault drill's, the final states)
@@ -129,12 +142,13 @@ def _decode(
     kill,
     progress: Progress,
     calibrate_again,
+    rounds: int,
 ) -> dict[str, list[tuple[Decoder, list]]]:
     """The predicate's decode and (``cfg.comparing``) the comparison decode, each
     ``cfg.decode_repeats`` times from an empty pool, the two interleaved (a slow spell of the
     machine then touches both alike); the fault drill's ``kill`` in the first decode only;
-    ``calibrate_again()`` after the middle repeat and after the last one when
-    ``cfg.calibration_rounds`` asks for three. Returns, per decode (``"predicate"``,
+    ``calibrate_again("between")`` after the middle repeat and ``calibrate_again("after")``
+    after the last one when ``rounds`` is three. Returns, per decode (``"predicate"``,
     ``"other"``), each repeat's decoder and its cost records."""
     passes = [("predicate", decisions)]
     if cfg.comparing:  # each (chunk, agent) through the other primitive
@@ -143,7 +157,7 @@ def _decode(
     per_repeat = cfg.steps * model.geometry.layers * cfg.agents * len(passes)
     runs: dict[str, list[tuple[Decoder, list]]] = {key: [] for key, _ in passes}
     what = "decode (agent x layer x step)" + (", then the other primitive" * cfg.comparing)
-    ends = [repeats] if cfg.calibration_rounds == 1 else [(repeats + 1) // 2, repeats]
+    ends = [repeats] if rounds == 1 else [(repeats + 1) // 2, repeats]
     lo = 0
     for hi in ends:
         label = f", {repeats} times" if repeats > 1 else ""
@@ -160,22 +174,22 @@ def _decode(
                     dec.run(bar)
                     runs[key].append((dec, req.costs[n:]))
         if len(ends) > 1:
-            calibrate_again()
+            calibrate_again("between" if hi < repeats else "after")
         lo = hi
     return runs
 
 
 def _median_calibration(cals: list, report_with, chosen: dict) -> tuple:
     """The calibration the report predicts with (:func:`mqnc.demo.calibration.median_rounds`
-    over the rounds ``cals``, each round's prediction of the scored calls ``chosen``) and what
-    each round gave (``demo.json``'s ``calibration_rounds``)."""
+    over the rounds ``cals``, ``(when, Calibration)`` pairs, each round's prediction of the
+    scored calls ``chosen``) and what each round gave (``demo.json``'s
+    ``calibration_rounds``)."""
     recs = [rec for recs in chosen.values() for rec in recs]
     predicted = [
         {p: r["predicted_us"]["total"] for p, r in report_with(c).rows(recs, {}).items()}
-        for c in cals
+        for _, c in cals
     ]
-    cal, choice = median_rounds(cals, predicted)
-    whens = ("before the decodes", "between", "after")[: len(cals)]
+    cal, choice = median_rounds([c for _, c in cals], predicted)
     rounds = [
         dict(
             when=when,
@@ -184,7 +198,7 @@ def _median_calibration(cals: list, report_with, chosen: dict) -> tuple:
             predicted_ms={p: us / 1e3 for p, us in pr.items()},
             used=sorted(p for p, i in choice.items() if i == n),
         )
-        for n, (c, pr, when) in enumerate(zip(cals, predicted, whens, strict=True))
+        for n, ((when, c), pr) in enumerate(zip(cals, predicted, strict=True))
     ]
     return cal, rounds
 

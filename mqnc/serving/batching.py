@@ -142,13 +142,12 @@ class RouteBatcher:
     def answer(self, routes: list[RouteJob]) -> None:
         """One kernel call per group of ``routes``; a failed call fails its group only."""
         if len(routes) == 1:
-            r = routes[0]
-            groups = {(r.header.layer_lo, r.header.heads, r.indices is not None): routes}
+            groups = {_group_of(routes[0]): routes}
         else:
             groups = defaultdict(list)
             for r in routes:
-                groups[(r.header.layer_lo, r.header.heads, r.indices is not None)].append(r)
-        for (layer, _heads, sparse), group in groups.items():
+                groups[_group_of(r)].append(r)
+        for (layer, _heads, sparse, _dtype, _width), group in groups.items():
             try:
                 t0 = time.perf_counter_ns()
                 if sparse:
@@ -233,12 +232,13 @@ class RouteBatcher:
 
     def _rows(self, group: list[RouteJob]) -> torch.Tensor:
         """The group's query rows as one ``[B, H, width]`` tensor on the pool's device: their
-        bytes copied (numpy) into a staging buffer kept per shape, and on a GPU copied to the
-        device once per batch (issue 14: no torch call per request on the host, where each
-        cost a just-woken holder several microseconds; before, a tensor view per request and a
-        ``torch.cat`` or a copy to the device per request). A buffer is reused by the next batch
-        of its shape only after this batch's call returned (the holder answers one batch at a
-        time, and a GPU call is synchronised before its reply is packed)."""
+        bytes copied (numpy) into a staging buffer kept per shape, and on a GPU (any device but
+        the CPU) copied to the device once per batch (issue 14: no torch call per request on
+        the host, where each cost a just-woken holder several microseconds; before, a tensor
+        view per request and a ``torch.cat`` or a copy to the device per request). A buffer is
+        reused by the next batch of its shape only after this batch's call returned (the holder
+        answers one batch at a time, and a GPU call is synchronised before its reply is
+        packed); the group shares one dtype and width (:func:`_group_of`)."""
         h = group[0].header
         rows = h.batch if len(group) == 1 else sum(r.header.batch for r in group)
         key = (rows, h.heads, h.width, h.dtype)
@@ -247,7 +247,8 @@ class RouteBatcher:
             if len(self._staging) >= _TABLE_CACHE:
                 self._staging.clear()
             host = torch.empty(rows, h.heads, h.width, dtype=h.dtype)
-            dev = torch.empty_like(host, device=self.pool.device) if self._cuda else host
+            on_host = self.pool.device.type == "cpu"
+            dev = host if on_host else torch.empty_like(host, device=self.pool.device)
             staged = self._staging[key] = (
                 host.view(torch.uint8).numpy().reshape(rows, -1),
                 host,
@@ -309,6 +310,13 @@ class RouteBatcher:
             check_indices=False,
         )
         return out, keyed
+
+
+def _group_of(r: RouteJob) -> tuple:
+    """What one kernel call needs alike: layer, heads, dense or selection, and the rows' dtype
+    and width (their bytes are staged together, :meth:`RouteBatcher._rows`)."""
+    h = r.header
+    return h.layer_lo, h.heads, r.indices is not None, h.dtype, h.width
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
