@@ -312,24 +312,26 @@ def _host_message(h: Header, parts, crc: bool | None, array: bool = False):
         n = src.size
         a[off : off + n] = src.reshape(-1) if src.ndim != 1 else src
         off += n
-    if crc is not False and h.payload_bytes:
-        h = h._replace(flags=h.flags | FLAG_PAYLOAD_CRC, payload_crc=_crc32(a[HEADER_BYTES:]))
-    _write_header(a, h)
+    _seal_host(a, h, crc)
     return a if array else torch.from_numpy(a)
+
+
+def _seal_host(a: np.ndarray, h: Header, crc: bool | None) -> None:
+    """Write ``h`` into the host message ``a`` whose payload is in place: with the payload CRC
+    (flag bit 0) unless ``crc`` is False or there is no payload (every host packer's seal)."""
+    if crc is not False and h.payload_bytes:
+        h = h._replace(
+            flags=h.flags | FLAG_PAYLOAD_CRC,
+            payload_crc=_crc32(a[HEADER_BYTES : HEADER_BYTES + h.payload_bytes]),
+        )
+    _write_header(a, h)
 
 
 def _seal(buf: torch.Tensor, h: Header, crc: bool | None, a: np.ndarray | None = None):
     """Write the header into ``buf``: with the payload CRC (flag bit 0) for host buffers unless
     ``crc`` is False; never for device buffers (whose bytes would have to come to the host)."""
     if buf.is_cpu:
-        if a is None:
-            a = buf.numpy()
-        if crc is not False and h.payload_bytes:
-            h = h._replace(
-                flags=h.flags | FLAG_PAYLOAD_CRC,
-                payload_crc=_crc32(a[HEADER_BYTES : HEADER_BYTES + h.payload_bytes]),
-            )
-        _write_header(a, h)
+        _seal_host(buf.numpy() if a is None else a, h, crc)
         return buf
     raw = np.empty(HEADER_BYTES, dtype=np.uint8)
     _write_header(raw, h)
@@ -1002,14 +1004,11 @@ def pack_partial_arrays(
     ml = a[end:].view(np.float32)
     ml[:rows] = m.reshape(-1)
     ml[rows:] = l.reshape(-1)
-    flags = pcrc = 0
-    if crc is not False and nbytes:
-        flags, pcrc = FLAG_PAYLOAD_CRC, _crc32(a[HEADER_BYTES:])
     h = Header(
-        Kind.PARTIAL, dtype, flags, request_id, seq, chunk_id, B, H, width, layer, layer + 1, 0,
-        nbytes, 0, holder_ns, pcrc,
+        Kind.PARTIAL, dtype, 0, request_id, seq, chunk_id, B, H, width, layer, layer + 1, 0,
+        nbytes, 0, holder_ns,
     )  # fmt: skip
-    _write_header(a, h)
+    _seal_host(a, h, crc)
     return a if array else torch.from_numpy(a)
 
 
