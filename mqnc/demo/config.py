@@ -141,8 +141,8 @@ class DemoConfig:
     def calibration_rounds(self) -> int:
         """How many times the constants the profile lacks are measured: 3 when the decodes
         repeat (before the first repeat, after the middle one and after the last; the report
-        predicts with the median of the three, issue 16), else 1 (and 1 when the profile gives
-        every term: nothing is measured)."""
+        predicts with the median of the three, issue 16), else 1. The run measures once
+        whatever this says when its profile gives every term (nothing to measure)."""
         return 3 if self.decode_repeats > 1 else 1
 
     @property

@@ -55,7 +55,7 @@ def run(prep: Prepared, progress: Progress) -> dict:
         cluster.wait_ready()
         req = _requester(cfg, cluster, model, corpus)
         # the calibration rounds, (when, constants): one when the profile gives every term
-        rounds = cfg.calibration_rounds if lacking(cfg, prep.profile) else 1
+        n_rounds = cfg.calibration_rounds if lacking(cfg, prep.profile) else 1
         cals: list[tuple[str, Calibration]] = []
 
         def measure(when: str) -> None:
@@ -74,7 +74,7 @@ def run(prep: Prepared, progress: Progress) -> dict:
         decisions = Decisions(cfg, model, corpus, cals[0][1])  # decided before any decode
         kill = cluster.kill if cfg.kill_holder is not None else None
         runs = _decode(
-            cfg, model, corpus, req, decisions, verifier, kill, progress, measure, rounds
+            cfg, model, corpus, req, decisions, verifier, kill, progress, measure, n_rounds
         )
         repeats = cfg.decode_repeats
         decoders = [rs[0][0] for rs in runs.values()]  # each decode's first repeat
