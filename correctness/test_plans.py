@@ -96,6 +96,41 @@ def test_dense_plan_runs_new_steps_like_the_call(no_checks):
         same(o2, o_ref, "o (out=)")
 
 
+def test_out_is_written_in_full_like_the_call():
+    """``out=`` of the three entry points and of the fp64 reference ops (the holder's output
+    buffers, reused per batch shape, issue 14): NaN-poisoned buffers come back written in full,
+    bit-equal to the call without ``out``; a buffer unlike the outputs is refused by name."""
+    from mqnc.serving.compute import ReferenceOps
+
+    gen = torch.Generator().manual_seed(8)
+    q, pool, table = _inputs(gen)
+    lens = torch.tensor([70, 0, 40], dtype=torch.int32, device=DEVICE)  # an empty row too
+    n = pool.shape[0] * pool.shape[1]
+    idx = torch.randint(-1, n, (3, 20), generator=gen, dtype=torch.int32).to(DEVICE)
+    indptr = torch.tensor([0, 5, 5, 8], dtype=torch.int32, device=DEVICE)
+    pages = torch.cat([table[0], table[2, :3]])
+    kw = dict(softmax_scale=SCALE)
+    calls = {
+        "decode": lambda **o: mla_decode_partial(q, pool, table, lens, **kw, **o),
+        "csr": lambda **o: mla_decode_partial_csr(q, pool, indptr, pages, lens, **kw, **o),
+        "sparse": lambda **o: mla_sparse_partial(q, pool, idx, **kw, **o),
+        "decode (reference)": lambda **o: ReferenceOps.mla_decode_partial(
+            q, pool, table, lens, **kw, **o
+        ),
+        "sparse (reference)": lambda **o: ReferenceOps.mla_sparse_partial(q, pool, idx, **kw, **o),
+    }
+    for name, call in calls.items():
+        o_ref, lse_ref = call()
+        out = (torch.full_like(o_ref, math.nan), torch.full_like(lse_ref, math.nan))
+        o, lse = call(out=out)
+        assert o is out[0] and lse is out[1], name
+        assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref), name
+        with pytest.raises((TypeError, ValueError), match=r"out"):
+            call(out=(o_ref[:2].clone(), lse_ref[:2].clone()))
+        with pytest.raises((TypeError, ValueError), match=r"out"):
+            call(out=(o_ref.double(), lse_ref))
+
+
 def test_split_cache_and_csr_plans(no_checks):
     gen = torch.Generator().manual_seed(2)
     q, pool, table = _inputs(gen)

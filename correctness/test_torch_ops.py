@@ -123,7 +123,9 @@ def _step(q, pool, table, lens, idx, acc, lacc, chunk, caches, slots):
     """A holder's step and a requester's fold, as user code writes them."""
     kw = dict(softmax_scale=SCALE, d_v=D_V)
     o1, l1 = mla_decode_partial(q, pool, table, lens, check_inputs=False, **kw)
-    o2, l2 = mla_sparse_partial(q, pool, idx, check_indices=False, **kw)
+    B, H = q.shape[0], q.shape[1]
+    out = (q.new_empty(B, H, D_V), q.new_empty(B, H))  # written in place (a holder's buffers)
+    o2, l2 = mla_sparse_partial(q, pool, idx, check_indices=False, out=out, **kw)
     indptr = torch.tensor([0, 2, 3], dtype=torch.int32, device=q.device)
     o3, _ = mla_decode_partial_csr(
         q, pool, indptr, table.flatten()[:3], lens, check_inputs=False, max_kv_len=32, **kw

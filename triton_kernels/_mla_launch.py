@@ -41,6 +41,7 @@ __all__ = [
     "plan_mla",
     "meta_output",
     "AttentionPlan",
+    "written_into",
 ]
 
 
@@ -482,3 +483,14 @@ class AttentionPlan:
                     f"strides {got[1]}, {got[2]} on {got[3]}"
                 )
         return out[0], out[1]
+
+
+def written_into(out, result: tuple[torch.Tensor, torch.Tensor]):
+    """``result`` (``(o, lse)``), copied into ``out`` and ``out`` returned when one is given:
+    the ``out=`` of an entry point traced by ``torch.compile``, whose custom op returns new
+    tensors."""
+    if out is None:
+        return result
+    out[0].copy_(result[0])
+    out[1].copy_(result[1])
+    return out

@@ -65,6 +65,7 @@ from mqnc.triton_kernels._mla_launch import (
     split_strides,
     tile_config,
     variant_name,
+    written_into,
 )
 from mqnc.triton_kernels._mla_tile import (
     LOG2E,
@@ -400,6 +401,7 @@ def mla_decode_partial(
     check_inputs: bool = True,
     q_pe: torch.Tensor | None = None,
     kpe_pool: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention of absorbed MLA query rows over a paged cache (the holder's compute, §3.3).
 
@@ -445,6 +447,10 @@ def mla_decode_partial(
     kpe_pool : torch.Tensor or None
         The rope part of the cache, ``[num_blocks, block_size, d_qk - d_v]``, read in place
         (FlashInfer's ``kpe_cache``); then ``kv_pool`` is the latent part.
+    out : tuple of torch.Tensor or None
+        ``(o, lse)`` written instead of new tensors and returned (FlashInfer's ``out`` /
+        ``lse``): contiguous, of the shapes and dtypes under Returns, on ``q``'s device (a
+        holder reuses one pair per batch shape: no allocation per call).
 
     Returns
     -------
@@ -467,18 +473,10 @@ def mla_decode_partial(
     (torch.Size([2, 16, 512]), torch.Size([2, 16]), -inf)
     """
     if torch.compiler.is_compiling():
-        return torch.ops.mqnc.mla_decode_partial(
-            q,
-            kv_pool,
-            block_table,
-            cache_seqlens,
-            softmax_scale,
-            d_v,
-            num_splits,
-            check_inputs,
-            q_pe,
-            kpe_pool,
-        )
+        return written_into(out, torch.ops.mqnc.mla_decode_partial(
+            q, kv_pool, block_table, cache_seqlens, softmax_scale, d_v, num_splits, check_inputs,
+            q_pe, kpe_pool,
+        ))  # fmt: skip
     plan = plan_mla_decode(
         q,
         kv_pool,
@@ -491,7 +489,7 @@ def mla_decode_partial(
         q_pe=q_pe,
         kpe_pool=kpe_pool,
     )
-    return plan.run(q, kv_pool, block_table, cache_seqlens, q_pe=q_pe, kpe_pool=kpe_pool)
+    return plan.run(q, kv_pool, block_table, cache_seqlens, q_pe=q_pe, kpe_pool=kpe_pool, out=out)
 
 
 def plan_mla_decode(
@@ -558,6 +556,7 @@ def mla_decode_partial_csr(
     max_kv_len: int | None = None,
     q_pe: torch.Tensor | None = None,
     kpe_pool: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`mla_decode_partial` over a CSR page table (FlashInfer's and SGLang's layout).
 
@@ -569,7 +568,7 @@ def mla_decode_partial_csr(
 
     Parameters
     ----------
-    q, kv_pool, softmax_scale, d_v, num_splits, q_pe, kpe_pool
+    q, kv_pool, softmax_scale, d_v, num_splits, q_pe, kpe_pool, out
         As in :func:`mla_decode_partial` (``q [B, H, d_qk]``; ``kv_pool [num_pages, block_size,
         d_qk]``, any power-of-two ``block_size``).
     kv_indptr : torch.Tensor
@@ -596,10 +595,10 @@ def mla_decode_partial_csr(
         ``[B, H]`` float32, natural log (``lse_to_base2`` gives FlashInfer's base 2).
     """
     if torch.compiler.is_compiling():
-        return torch.ops.mqnc.mla_decode_partial_csr(
+        return written_into(out, torch.ops.mqnc.mla_decode_partial_csr(
             q, kv_pool, kv_indptr, kv_indices, kv_lens, softmax_scale, d_v, num_splits,
             check_inputs, max_kv_len, q_pe, kpe_pool,
-        )  # fmt: skip
+        ))  # fmt: skip
     plan = plan_mla_decode_csr(
         q,
         kv_pool,
@@ -614,7 +613,9 @@ def mla_decode_partial_csr(
         q_pe=q_pe,
         kpe_pool=kpe_pool,
     )
-    return plan.run(q, kv_pool, kv_indptr, kv_indices, kv_lens, q_pe=q_pe, kpe_pool=kpe_pool)
+    return plan.run(
+        q, kv_pool, kv_indptr, kv_indices, kv_lens, q_pe=q_pe, kpe_pool=kpe_pool, out=out
+    )
 
 
 def plan_mla_decode_csr(

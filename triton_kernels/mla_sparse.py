@@ -43,6 +43,7 @@ from mqnc.triton_kernels._mla_launch import (
     split_strides,
     tile_config,
     variant_name,
+    written_into,
 )
 from mqnc.triton_kernels._mla_tile import (
     LOG2E,
@@ -165,6 +166,7 @@ def mla_sparse_partial(
     check_indices: bool = True,
     q_pe: torch.Tensor | None = None,
     kpe_pool: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention of absorbed MLA query rows over a selected (top-k) set of cache entries.
 
@@ -206,6 +208,10 @@ def mla_sparse_partial(
         ``[num_blocks, block_size, d_qk - d_v]``, read in place (FlashInfer's split layout); then
         ``q`` / ``kv_pool`` hold the latent part only, as in
         :func:`mqnc.triton_kernels.mla_decode.mla_decode_partial`.
+    out : tuple of torch.Tensor or None
+        ``(o, lse)`` written instead of new tensors and returned (FlashInfer's ``out`` /
+        ``lse``): contiguous, of the shapes and dtypes under Returns, on ``q``'s device (a
+        holder reuses one pair per batch shape: no allocation per call).
 
     Returns
     -------
@@ -227,9 +233,9 @@ def mla_sparse_partial(
     (torch.Size([1, 16, 512]), torch.Size([1, 16]))
     """
     if torch.compiler.is_compiling():
-        return torch.ops.mqnc.mla_sparse_partial(
+        return written_into(out, torch.ops.mqnc.mla_sparse_partial(
             q, kv_pool, indices, softmax_scale, d_v, num_splits, check_indices, q_pe, kpe_pool
-        )
+        ))  # fmt: skip
     plan = plan_mla_sparse(
         q,
         kv_pool,
@@ -241,7 +247,7 @@ def mla_sparse_partial(
         q_pe=q_pe,
         kpe_pool=kpe_pool,
     )
-    return plan.run(q, kv_pool, indices, q_pe=q_pe, kpe_pool=kpe_pool)
+    return plan.run(q, kv_pool, indices, q_pe=q_pe, kpe_pool=kpe_pool, out=out)
 
 
 def plan_mla_sparse(

@@ -61,17 +61,19 @@ class ReferenceOps:
         softmax_scale: float,
         d_v: int = 512,
         check_inputs: bool = True,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense paged partial attention: ``q [B, H, d_qk]`` over ``kv_pool [nb, bs, d_qk]``
         (``block_table [B, max_blocks]`` int32, ``cache_seqlens [B]`` int32); returns
-        ``o [B, H, d_v]`` in q's dtype and natural-log ``lse [B, H]`` float32."""
+        ``o [B, H, d_v]`` in q's dtype and natural-log ``lse [B, H]`` float32 (written into
+        ``out`` when given)."""
         o, lse = _by_rows(
             lambda r: mla_decode_reference(
                 q[r], kv_pool, block_table[r], cache_seqlens[r], softmax_scale, d_v
             ),
             q.shape[0],
         )
-        return o.to(q.dtype), lse.to(torch.float32)
+        return _rounded(o, lse, q.dtype, out)
 
     @staticmethod
     def mla_sparse_partial(
@@ -82,14 +84,16 @@ class ReferenceOps:
         softmax_scale: float,
         d_v: int = 512,
         check_indices: bool = True,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sparse top-k partial attention over the flattened pool entries ``indices [B, topk]``
-        (``-1`` unused); returns ``o [B, H, d_v]`` in q's dtype, ``lse [B, H]`` float32."""
+        (``-1`` unused); returns ``o [B, H, d_v]`` in q's dtype, ``lse [B, H]`` float32
+        (written into ``out`` when given)."""
         o, lse = _by_rows(
             lambda r: mla_sparse_reference(q[r], kv_pool, indices[r], softmax_scale, d_v),
             q.shape[0],
         )
-        return o.to(q.dtype), lse.to(torch.float32)
+        return _rounded(o, lse, q.dtype, out)
 
     @staticmethod
     def merge_partials(
@@ -124,6 +128,26 @@ row's keys at once (``rows x tokens x d_qk`` float64), which for a holder's batc
 ~450 tokens is ~16 MB, out of cache: a call then costs ~2.5x per row x token what a single row
 does. Slices of 2 rows keep the cost linear in the rows (the values are the same: each row's
 attention is its own)."""
+
+
+def _rounded(o, lse, dtype, out) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's fp64 ``(o, lse)`` rounded once to ``dtype`` and float32, written into
+    ``out`` (the kernels' ``out=``, same shapes and dtypes) when given."""
+    if out is None:
+        return o.to(dtype), lse.to(torch.float32)
+    if tuple(out[0].shape) != tuple(o.shape) or tuple(out[1].shape) != tuple(lse.shape):
+        raise ValueError(
+            f"out: expected (o, lse) of shapes {tuple(o.shape)} and {tuple(lse.shape)}, got "
+            f"{tuple(out[0].shape)} and {tuple(out[1].shape)}"
+        )
+    if out[0].dtype != dtype or out[1].dtype != torch.float32:
+        raise TypeError(
+            f"out: expected (o, lse) in {dtype} and torch.float32, got {out[0].dtype} and "
+            f"{out[1].dtype}"
+        )
+    out[0].copy_(o)
+    out[1].copy_(lse)
+    return out[0], out[1]
 
 
 def _by_rows(call, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
