@@ -160,15 +160,17 @@ def test_bench_host_loopback(tmp_path, capsys):
         "wake_pack",
         *(f"loopback.{k}" for k in ("echo_probe", "echo_route1", "echo_route256", "probe")),
         *(f"loopback.{k}" for k in ("route1", "route256", "holder4")),
+        *(f"loopback.{k}" for k in ("route1_ready", "route256_ready")),
     }
     ratios = {r["variant"]: r for r in recs if r["bench"] == "host_ratio"}
     # the wake penalty's ratio is left out when 3 repetitions cannot resolve its two differences
     wake = "host work after a 150 us idle wait / the same warm"
-    assert len(ratios) == 7 + (wake in ratios)
+    assert len(ratios) == 9 + (wake in ratios)
     assert all(r["transport"] is None for r in ratios.values())
     assert wake not in ratios or ratios[wake]["unit"] == "ratio"
     assert all(r["p20"] == r["p50"] == r["p80"] for r in ratios.values())
     assert ratios["loopback: Requester.probe / cond"]["unit"] == "ratio"
+    assert ratios["loopback: route M_q 1, ready holder / probe"]["extra"]["goal"] == "- (floor)"
     assert ratios["loopback: holder, 4 requesters: routes/s"]["unit"] == "routes/s"
     assert ratios["loopback: host overhead fit: fixed (us)"]["unit"] == "us"
     rc = bench_host.main(["--quick", "--transport", "loopback", "--reps", "2", "--warmup", "0",
@@ -492,3 +494,25 @@ def test_goal_targets_match_the_goal_shapes(tmp_path, capsys):
         s.label for s in GOALS if s.op == "merge"
     }
     assert "goal: 8-way merge of 256 rows <= 8 us: not measured" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("transport", ["loopback", "gloo"])
+def test_ready_holder_answers_routes_and_probes(transport):
+    """``bench_host``'s floor of any holder (:class:`mqnc.measure.holders.ReadyHolder`): a
+    checked reply to every probe and route, one per shape packed once and restamped under each
+    request's ids (the requester checks ids, shape and dtype): ``o = 0``, ``lse = 0`` exactly,
+    over the in-process engine and a holder process on gloo (``--ready``)."""
+    from mqnc.measure.holders import HolderFabric
+
+    g = get_preset("deepseek-v2-lite")
+    with HolderFabric(transport, max_rows=16, ready=True, model=g, lanes=1) as fab:
+        req = fab.requester
+        assert req.probe(1) > 0
+        for B, H in ((1, 1), (2, 3), (1, 1), (2, 3)):
+            q = torch.randn(B, H, g.d_qk).to(torch.bfloat16)
+            part = req.route(1, q, 0)
+            assert part.o.shape == (B, H, g.d_v) and part.o.dtype == torch.bfloat16
+            assert bool((part.o == 0).all()) and bool((part.lse == 0).all())
+        assert [r.ok for r in req.costs] == [True] * 5
+        if transport == "loopback":
+            assert fab._holders[0].served == 5 and fab._holders[0].failure is None

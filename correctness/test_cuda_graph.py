@@ -92,7 +92,8 @@ def recorded_holder_calls(monkeypatch, gen):
     def recorder(fn):
         def wrapped(*args, **kwargs):
             out = fn(*args, **kwargs)
-            calls.append((fn, args, kwargs, out))
+            # recorded without the batcher's reused output buffers (out=): the plans make theirs
+            calls.append((fn, args, {k: v for k, v in kwargs.items() if k != "out"}, out))
             return out
 
         return wrapped
@@ -107,10 +108,10 @@ def recorded_holder_calls(monkeypatch, gen):
         assert pool.ops.mla_decode_partial is mla_decode_partial
         monkeypatch.setattr(pool, "ops", recording)
         batcher = RouteBatcher(pool, GEOMETRY, SCALE, None, None, None, f"holder-{tokens}")
-        if sparse:
-            batcher._sparse(_jobs(gen, chunk, 2, 2, topk=64), 0)
-        else:
-            batcher._dense(_jobs(gen, chunk, 3, 2), 0)
+        jobs = _jobs(gen, chunk, 2, 2, topk=64) if sparse else _jobs(gen, chunk, 3, 2)
+        rows = sum(j.header.batch for j in jobs)
+        out = batcher._outputs(rows, HEADS, torch.bfloat16)[:2]  # as RouteBatcher.answer
+        (batcher._sparse if sparse else batcher._dense)(jobs, 0, rows, out)
     return calls
 
 

@@ -3,6 +3,7 @@ references, dispatcher batching, the query rotation, bad requests and cost recor
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -486,3 +487,55 @@ def test_batcher_stages_rows_of_one_dtype_per_kernel_call():
         name = str(q.dtype)[6:]
         assert_close(o[0], o64[0], TOLERANCES[("mla", name)], name=f"o {name}")
         assert_close(m + torch.log(l), lse64, TOLERANCES[("mla_lse", "float32")], name="lse")
+
+
+def test_batcher_reuses_output_buffers_each_written_in_full():
+    """The kernels write into output buffers the batcher keeps per batch shape (``out=``, issue
+    14). Poisoned with NaN between two batches of the same shape (dense, then a selection), the
+    buffers come back written in full: each reply is its own rows' fp64 attention."""
+    from mqnc.reference import mla_decode_reference, mla_sparse_reference
+    from mqnc.serving.batching import HostedChunk, RouteBatcher, RouteJob
+    from mqnc.serving.holder import HolderStats
+    from mqnc.serving.pool import PagedPool
+
+    pool = PagedPool(1, 2, 64, GEOM.d_qk, dtype=torch.float32, device="cpu", kernels="torch")
+    blocks = pool.alloc(64)
+    pool.write(blocks, _chunk(5, 64, torch.float32)[:1])
+    chunk = HostedChunk(7, 64, 0, torch.tensor(blocks, dtype=torch.int32))
+    replies = []
+    b = RouteBatcher(
+        pool, GEOM, SCALE, HolderStats(), lambda *a: replies.append(a[2]), None, "holder test"
+    )
+    table, lens = torch.tensor([blocks], dtype=torch.int32), torch.tensor([64], dtype=torch.int32)
+    idx = torch.tensor([[3, -1, 60, 3, 17]], dtype=torch.int32)
+    for step, sparse in enumerate((False, False, True, True)):
+        q = _q(10 + step, 1, torch.float32)
+        topk = idx.shape[1] if sparse else 0
+        h = wire.Header(
+            wire.Kind.ROUTE, torch.float32, batch=1, heads=GEOM.heads, width=GEOM.d_qk,
+            chunk_id=7, layer_hi=1, seq=step + 1, topk=topk,
+        )  # fmt: skip
+        rows = q.view(torch.uint8).numpy().reshape(1, -1)
+        b.answer([RouteJob(1, 0, h, rows, idx.numpy() if sparse else None, chunk)])
+        _, o, m, l = wire.unpack_partial(replies[-1], geometry=GEOM)
+        if sparse:
+            o64, lse64 = mla_sparse_reference(q, pool.kv[0], idx, SCALE, GEOM.d_v)
+        else:
+            o64, lse64 = mla_decode_reference(q, pool.kv[0], table, lens, SCALE, GEOM.d_v)
+        assert_close(o, o64, TOLERANCES[("mla", "float32")], name=f"o, step {step}")
+        assert_close(m + torch.log(l), lse64, TOLERANCES[("mla_lse", "float32")], name="lse")
+        assert len(b._outs) == 1  # one shape: one pair of buffers, reused
+        for o_buf, lse_buf, _, _ in b._outs.values():
+            o_buf.fill_(math.nan)
+            lse_buf.fill_(math.nan)
+    # a kernel set by hand that ignores out= (returns its own tensors) is copied in
+    b.dense_kernel = lambda q, *_a, d_v, **_k: (
+        torch.full((1, GEOM.heads, d_v), 0.25),
+        torch.full((1, GEOM.heads), -2.0),
+    )
+    h = wire.Header(wire.Kind.ROUTE, torch.float32, batch=1, heads=GEOM.heads, width=GEOM.d_qk,
+                    chunk_id=7, layer_hi=1, seq=9)  # fmt: skip
+    rows = _q(20, 1, torch.float32).view(torch.uint8).numpy().reshape(1, -1)
+    b.answer([RouteJob(1, 0, h, rows, None, chunk)])
+    _, o, m, l = wire.unpack_partial(replies[-1], geometry=GEOM)
+    assert bool((o == 0.25).all()) and bool((m == -2.0).all()) and bool((l == 1).all())

@@ -150,6 +150,67 @@ def test_probe_fetch_error_shutdown():
     assert wire.parse_header(wire.pack_shutdown()).kind == wire.Kind.SHUTDOWN
 
 
+@given(
+    B=st.integers(1, 4),
+    H=st.integers(1, 5),
+    topk=st.integers(0, 6),
+    dtype=st.sampled_from(DTYPES),
+    ids=st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
+    layer=st.integers(0, G.layers - 1),
+    crc=st.sampled_from([None, False]),
+    seed=st.integers(0, 2**16),
+)
+def test_query_arrays_pack_the_same_bytes(B, H, topk, dtype, ids, layer, crc, seed):
+    """The requester's fast packer (the rows' bytes and the selection as numpy, issue 14) writes
+    exactly :func:`pack_query`'s message, with and without the payload CRC."""
+    q = _rand((B, H, G.d_qk), dtype, seed)
+    idx = None
+    if topk:
+        idx = torch.randint(
+            -1, 1000, (B, topk), generator=torch.Generator().manual_seed(seed), dtype=torch.int32
+        )
+    rid, seq, cid = ids
+    kw = dict(request_id=rid, seq=seq, chunk_id=cid, layer=layer, crc=crc)
+    want = wire.pack_query(q, indices=idx, geometry=G, **kw)
+    qb = q.view(torch.uint8).numpy().reshape(B, -1)
+    got = wire.pack_query_arrays(
+        qb, None if idx is None else idx.numpy(), dtype=dtype, heads=H, width=G.d_qk,
+        array=True, **kw,
+    )  # fmt: skip
+    assert type(got) is np.ndarray and bytes(got) == bytes(want.numpy())
+
+
+def test_query_arrays_refuse_bad_ids_and_sizes():
+    q = np.zeros((2, 3 * G.q_row_bytes), np.uint8)
+    kw = dict(dtype=torch.bfloat16, heads=3, width=G.d_qk, request_id=1, seq=1, layer=0, crc=None)
+    with pytest.raises(ValueError, match=r"chunk_id: expected an int in \[0, "):
+        wire.pack_query_arrays(q, None, chunk_id=-1, **kw)
+    with pytest.raises(TypeError, match="chunk_id: expected an int, got float"):
+        wire.pack_query_arrays(q, None, chunk_id=1.0, **kw)
+    with pytest.raises(ValueError, match="q, indices: 6912 B, expected 4608 B"):
+        wire.pack_query_arrays(q, None, chunk_id=1, **{**kw, "heads": 2})
+    with pytest.raises(ValueError, match="q, indices: "):
+        wire.pack_query_arrays(q, np.zeros((1, 4), np.int32), chunk_id=1, **kw)
+
+
+def test_restamp_gives_new_ids_and_keeps_the_payload():
+    """A sealed message under new ids (a header template's copy, a ready holder's reply): the
+    header parses with them, the payload and its CRC unchanged, the original untouched."""
+    o = _rand((2, 3, G.d_v), torch.bfloat16, 4)
+    m, l = np.zeros((2, 3), np.float32), np.ones((2, 3), np.float32)
+    ob = o.view(torch.uint8).numpy().reshape(2, -1)
+    kw = dict(dtype=torch.bfloat16, width=G.d_v, chunk_id=2, layer=1, holder_ns=7, array=True)
+    sealed = wire.pack_partial_arrays(ob, m, l, request_id=1, seq=2, crc=None, **kw)
+    before = sealed.copy()
+    got = wire.restamp(sealed, request_id=2**64 - 1, seq=99)
+    h = wire.parse_header(got, geometry=G, require_payload_crc=True)
+    assert (h.request_id, h.seq, h.chunk_id, h.batch, h.heads) == (2**64 - 1, 99, 2, 2, 3)
+    assert np.array_equal(sealed, before)
+    assert bytes(got) == bytes(wire.pack_partial_arrays(
+        ob, m, l, request_id=2**64 - 1, seq=99, crc=None, **kw
+    ))  # fmt: skip
+
+
 def test_array_messages_are_the_same_bytes_and_read_alike():
     """``array=True`` (what the holder and the requester put, issue 14) packs the same bytes as
     the tensor form into a host numpy array, and every reader takes it: the same header, the

@@ -116,6 +116,7 @@ class RouteBatcher:
         self._layers = list(pool.kv.unbind(0))  # one view per layer, taken once
         self._cuda = pool.device.type == "cuda"
         self._staging: dict[tuple, tuple] = {}
+        self._outs: dict[tuple, tuple] = {}
         self._slots: dict[int, np.ndarray] = {}
 
     @property
@@ -147,16 +148,21 @@ class RouteBatcher:
             groups = defaultdict(list)
             for r in routes:
                 groups[_group_of(r)].append(r)
-        for (layer, _heads, sparse, _dtype, _width), group in groups.items():
+        for (layer, heads, sparse, dtype, _width), group in groups.items():
             try:
                 t0 = time.perf_counter_ns()
+                rows = group[0].header.batch if len(group) == 1 else _rows_of(group)
+                o, lse, host, views = self._outputs(rows, heads, dtype)
                 if sparse:
-                    (o, lse), keyed = self._sparse(group, layer)
+                    keyed = self._sparse(group, layer, rows, (o, lse))
                 else:
-                    (o, lse), keyed = self._dense(group, layer)
+                    keyed = self._dense(group, layer, rows, (o, lse))
                 if self._cuda:
                     torch.cuda.synchronize(self.pool.device)
                 ns = time.perf_counter_ns() - t0
+                if host[0] is not o:  # outputs on a device: one copy each to the host
+                    host[0].copy_(o)
+                    host[1].copy_(lse)
                 if stamps.ON:
                     stamps.stamp("hold.computed")
             except Exception as exc:  # a kernel failure fails this batch's requests, not us
@@ -166,15 +172,35 @@ class RouteBatcher:
                     self._error(r.src, r.lane, h.request_id, h.seq, why)
                 continue
             self.stats.kernel_calls += 1
-            self.stats.batch_rows.append(int(o.shape[0] * o.shape[1]))
+            self.stats.batch_rows.append(rows * heads)
             self.stats.batch_requests.append(len(group))
-            self._split_replies(group, o, lse, ns, keyed)
+            self._split_replies(group, views, dtype, ns, keyed)
 
-    def _split_replies(self, group: list[RouteJob], o, lse, ns: int, keyed: np.ndarray) -> None:
-        m, l = wire_stat(lse, keyed)
-        dtype, width = o.dtype, o.shape[2]
-        o = _host(o)
-        ob = (o if o.is_contiguous() else o.contiguous()).view(torch.uint8).numpy()
+    def _outputs(self, rows: int, heads: int, dtype: torch.dtype) -> tuple:
+        """The kernel's outputs for a batch of ``rows`` tokens x ``heads`` in ``dtype``, kept per
+        shape and reused (the kernels' ``out=``: no allocation per call, issue 14): ``(o [rows,
+        heads, d_v], lse [rows, heads] float32)`` on the pool's device, their host copies (the
+        same tensors on the CPU) and those as numpy views (``o``'s bytes ``[rows, heads * d_v *
+        itemsize]`` uint8, ``lse``), from which the replies are packed with no torch call. A
+        batch's replies are packed before the next batch runs (the holder answers one batch at
+        a time)."""
+        key = (rows, heads, dtype)
+        got = self._outs.get(key)
+        if got is None:
+            if len(self._outs) >= _TABLE_CACHE:
+                self._outs.clear()
+            dev = self.pool.device
+            o = torch.empty(rows, heads, self.geometry.d_v, dtype=dtype, device=dev)
+            lse = torch.empty(rows, heads, dtype=torch.float32, device=dev)
+            host = (o, lse) if dev.type == "cpu" else (o.cpu(), lse.cpu())
+            views = (host[0].view(torch.uint8).numpy().reshape(rows, -1), host[1].numpy())
+            got = self._outs[key] = (o, lse, host, views)
+        return got
+
+    def _split_replies(self, group: list[RouteJob], views, dtype, ns: int, keyed) -> None:
+        ob, x = views
+        m, l = wire_stat(x, keyed)
+        width = self.geometry.d_v
         b0 = 0
         for r in group:
             h = r.header
@@ -205,8 +231,10 @@ class RouteBatcher:
                 self._error(r.src, r.lane, h.request_id, h.seq, f"{self._name}: {exc}")
             b0 = b1
 
-    def _dense(self, group: list[RouteJob], layer: int):
-        q = self._rows(group)
+    def _dense(self, group: list[RouteJob], layer: int, rows: int, out) -> np.ndarray | None:
+        """The dense kernel's call on ``group`` into ``out``; returns which rows have keys
+        (``[rows]`` bool) or None when all do."""
+        q = self._rows(group, rows)
         if len(group) == 1:
             r = group[0]
             key = ((r.chunk.chunk_id, r.header.batch),)
@@ -214,12 +242,12 @@ class RouteBatcher:
             key = tuple((r.chunk.chunk_id, r.header.batch) for r in group)
         tables = self._tables.get(key)
         if tables is None:
-            tables = self._dense_tables(group)
+            tables = self._dense_tables(group, rows)
             if len(self._tables) >= _TABLE_CACHE:
                 self._tables.clear()
             self._tables[key] = tables
         block_table, seqlens, keyed = tables
-        out = self.dense_kernel(
+        got = self.dense_kernel(
             q,
             self._layers[layer],
             block_table,
@@ -227,20 +255,22 @@ class RouteBatcher:
             softmax_scale=self.softmax_scale,
             d_v=self.geometry.d_v,
             check_inputs=False,
+            out=out,
         )
-        return out, keyed
+        _written(got, out)
+        return keyed
 
-    def _rows(self, group: list[RouteJob]) -> torch.Tensor:
-        """The group's query rows as one ``[B, H, width]`` tensor on the pool's device: their
-        bytes copied (numpy) into a staging buffer kept per shape, and on a GPU (any device but
-        the CPU) copied to the device once per batch (issue 14: no torch call per request on
-        the host, where each cost a just-woken holder several microseconds; before, a tensor
-        view per request and a ``torch.cat`` or a copy to the device per request). A buffer is
+    def _rows(self, group: list[RouteJob], rows: int) -> torch.Tensor:
+        """The group's query rows (``rows`` tokens) as one ``[rows, H, width]`` tensor on the
+        pool's device: their bytes copied (numpy) into a staging buffer kept per shape, and on
+        a GPU (any device but the CPU) copied to the device once per batch (issue 14: no torch
+        call per request on the host, where each cost a just-woken holder several
+        microseconds; before, a tensor view per request and a ``torch.cat`` or a copy to the
+        device per request). A buffer is
         reused by the next batch of its shape only after this batch's call returned (the holder
         answers one batch at a time, and a GPU call is synchronised before its reply is
         packed); the group shares one dtype and width (:func:`_group_of`)."""
         h = group[0].header
-        rows = h.batch if len(group) == 1 else sum(r.header.batch for r in group)
         key = (rows, h.heads, h.width, h.dtype)
         staged = self._staging.get(key)
         if staged is None:
@@ -267,10 +297,9 @@ class RouteBatcher:
             dev.copy_(host)
         return dev
 
-    def _dense_tables(self, group: list[RouteJob]):
+    def _dense_tables(self, group: list[RouteJob], rows: int):
         """One block-table row per query token (the row's chunk's blocks), its length, and
-        which rows have keys (``[B]`` bool numpy)."""
-        rows = sum(r.header.batch for r in group)
+        which rows have keys (``[rows]`` bool numpy, None when all do)."""
         width = max(max(int(r.chunk.blocks.numel()) for r in group), 1)
         table = np.zeros((rows, width), dtype=np.int32)
         lens = np.zeros(rows, dtype=np.int32)
@@ -282,12 +311,18 @@ class RouteBatcher:
             lens[b0:b1] = r.chunk.tokens
             b0 = b1
         dev = self.pool.device
-        return torch.from_numpy(table).to(dev), torch.from_numpy(lens).to(dev), lens > 0
+        keyed = lens > 0
+        return (
+            torch.from_numpy(table).to(dev),
+            torch.from_numpy(lens).to(dev),
+            None if keyed.all() else keyed,
+        )
 
-    def _sparse(self, group: list[RouteJob], layer: int):
-        q = self._rows(group)
+    def _sparse(self, group: list[RouteJob], layer: int, rows: int, out) -> np.ndarray | None:
+        """The selection kernel's call on ``group`` into ``out``; returns which rows have keys
+        (``[rows]`` bool) or None when all do."""
+        q = self._rows(group, rows)
         topk = max(r.header.topk for r in group)
-        rows = sum(r.header.batch for r in group)
         idx = np.full((rows, topk), -1, dtype=np.int32)
         b0 = 0
         for r in group:
@@ -301,15 +336,17 @@ class RouteBatcher:
             )
             b0 = b1
         keyed = (idx >= 0).any(axis=1)
-        out = self.sparse_kernel(
+        got = self.sparse_kernel(
             q,
             self._layers[layer],
             torch.from_numpy(idx).to(self.pool.device),
             softmax_scale=self.softmax_scale,
             d_v=self.geometry.d_v,
             check_indices=False,
+            out=out,
         )
-        return out, keyed
+        _written(got, out)
+        return None if keyed.all() else keyed
 
 
 def _group_of(r: RouteJob) -> tuple:
@@ -319,13 +356,17 @@ def _group_of(r: RouteJob) -> tuple:
     return h.layer_lo, h.heads, r.indices is not None, h.dtype, h.width
 
 
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the host without autograd history: the tensor itself in the usual case (a
-    kernel's output on the CPU), so that no no-op torch call is made (issue 14: each costs a
-    woken thread several microseconds)."""
-    if t.requires_grad:
-        t = t.detach()
-    return t if t.is_cpu else t.cpu()
+def _rows_of(group: list[RouteJob]) -> int:
+    """Query tokens of a group (its requests' batches)."""
+    return sum(r.header.batch for r in group)
+
+
+def _written(got, out) -> None:
+    """Make sure a kernel's outputs are in ``out``: a kernel set by hand (a benchmark's
+    stand-in) that returned its own tensors instead has them copied in."""
+    if got[0] is not out[0] or got[1] is not out[1]:
+        out[0].copy_(got[0])
+        out[1].copy_(got[1])
 
 
 _ONES: dict[tuple[int, ...], np.ndarray] = {}
@@ -343,14 +384,16 @@ def _ones(shape: tuple[int, ...]) -> np.ndarray:
     return a
 
 
-def wire_stat(lse: torch.Tensor, keyed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The wire statistic ``(m, l)`` ``[B, H]`` float32 of a partial's natural-log ``lse``:
-    ``(lse, 1)`` for a row with keys and a finite ``lse``, ``(0, 0)`` for a row without keys
-    (``keyed[b]`` False), ``(NaN, 1)`` for a row with keys whose ``lse`` is not finite (never
-    an empty partial)."""
-    x = _host(lse).numpy()
-    if wire.all_finite(x) and wire.all_equal(keyed, True):  # usual: all rows have keys
-        return x, _ones(x.shape)
+def wire_stat(x: np.ndarray, keyed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """The wire statistic ``(m, l)`` ``[B, H]`` float32 of a partial's natural-log ``lse``
+    (``x``, ``[B, H]`` float32 on the host): ``(lse, 1)`` for a row with keys and a finite
+    ``lse``, ``(0, 0)`` for a row without keys (``keyed[b]`` False; ``keyed`` None: every row
+    has keys), ``(NaN, 1)`` for a row with keys whose ``lse`` is not finite (never an empty
+    partial). The usual case returns ``x`` itself as ``m``."""
+    if keyed is None:
+        if wire.all_finite(x):  # usual: every row has keys and a finite lse
+            return x, _ones(x.shape)
+        keyed = np.ones(x.shape[0], dtype=bool)
     with_keys = keyed[:, None]
     m = np.where(with_keys, np.where(np.isfinite(x), x, np.nan), 0.0).astype(np.float32)
     l = np.where(with_keys, 1.0, 0.0).astype(np.float32) * np.ones_like(m)

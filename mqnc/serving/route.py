@@ -96,8 +96,8 @@ def route_request(
     and return ``(M_q, make)``: ``make(request_id, seq)`` packs the ``ROUTE`` message (the
     copy to the host included, so that it counts as transfer time; a payload CRC unless
     ``crc`` is False). ``ops`` runs the rotation (:func:`mqnc.serving.compute.kernel_ops`)."""
-    if not 0 <= layer < geometry.layers:
-        raise ValueError(f"layer: expected 0 <= layer < {geometry.layers}, got {layer}")
+    if not (type(layer) is int and 0 <= layer < geometry.layers):  # else: an int-like, or why
+        layer = check_int("layer", layer, minimum=0, below=geometry.layers)
     if offset is not None:  # an int: a float would be rotated by its truncation
         offset = check_int("offset", offset, minimum=0)
     moved = offset is not None and offset != info.position
@@ -116,21 +116,27 @@ def route_request(
     qr = ops.rope_rotate(q, -(offset - info.position), rope) if moved else q
     if not (qr.is_cpu and qr.is_contiguous()):  # (each no-op torch call costs, issue 14)
         qr = qr.contiguous()
+    B, H = q.shape[0], q.shape[1]
+    # the bytes of the rows and of the selection, checked above, packed unchecked (issue 14)
+    host = qr.is_cpu
+    qb = _row_bytes(qr) if host else None
+    idxb = None if idx is None else idx.numpy()
+    dtype, chunk_id = q.dtype, info.chunk_id
 
-    def make(rid: int, seq: int) -> torch.Tensor:
-        return wire.pack_query(
-            qr if qr.is_cpu else qr.cpu(),
-            request_id=rid,
-            seq=seq,
-            chunk_id=info.chunk_id,
-            layer=layer,
-            indices=idx,
-            geometry=geometry,
-            crc=crc,
+    def make(rid: int, seq: int) -> np.ndarray:
+        return wire.pack_query_arrays(
+            qb if host else _row_bytes(qr.cpu()),  # (a copy to the host is transfer time)
+            idxb, dtype=dtype, heads=H, width=geometry.d_qk, request_id=rid, seq=seq,
+            chunk_id=chunk_id, layer=layer, crc=crc,
             array=True,  # put as it is: no torch call on the way to the engine (issue 14)
-        )
+        )  # fmt: skip
 
-    return q.shape[0] * q.shape[1], make
+    return B * H, make
+
+
+def _row_bytes(q: torch.Tensor) -> np.ndarray:
+    """The bytes of contiguous host rows ``[B, H, D]``: ``[B, H * D * itemsize]`` uint8."""
+    return q.view(torch.uint8).numpy().reshape(q.shape[0], -1)
 
 
 def route_reply(

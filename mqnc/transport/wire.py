@@ -82,6 +82,7 @@ __all__ = [
     "message_bytes",
     "pack_probe",
     "pack_query",
+    "pack_query_arrays",
     "unpack_query",
     "pack_partial",
     "unpack_partial",
@@ -91,6 +92,7 @@ __all__ = [
     "pack_error",
     "unpack_error",
     "pack_shutdown",
+    "restamp",
     "peek_length",
     "check_host_array",
     "copy_message",
@@ -357,12 +359,10 @@ def _refuse_device_array(device) -> None:
 
 
 def _template(kind: Kind) -> np.ndarray:
-    """A header-only message of ``kind`` with request id and seq 0 and its CRC field zeroed:
-    :func:`pack_probe` copies it, packs the ids (:data:`_IDS` at :data:`_IDS_OFFSET`) and the
-    CRC over all 96 bytes."""
+    """A header-only message of ``kind`` with request id and seq 0, sealed: :func:`pack_probe`
+    gives a copy under the call's ids (:func:`restamp`)."""
     a = np.zeros(HEADER_BYTES, dtype=np.uint8)
     _write_header(a, Header(kind))
-    a[_CRC_OFFSET : _CRC_OFFSET + 4] = 0
     return a
 
 
@@ -731,12 +731,23 @@ def pack_probe(
     if not (type(request_id) is int and type(seq) is int and 0 <= request_id < _U64 > seq >= 0):
         _check_ids(request_id=request_id, seq=seq)
     if device is None:  # the per-call path (issue 14): the header in a template's copy
-        a = _PROBE_TEMPLATE[1 if ack else 0].copy()
-        _IDS.pack_into(a, _IDS_OFFSET, request_id, seq)
-        _CRC.pack_into(a, _CRC_OFFSET, _crc32(a))
+        a = restamp(_PROBE_TEMPLATE[1 if ack else 0], request_id=request_id, seq=seq)
         return a if array else torch.from_numpy(a)
     h = Header(Kind.PROBE_ACK if ack else Kind.PROBE, request_id=request_id, seq=seq)
     return _header_only(h, device, array)
+
+
+def restamp(a: np.ndarray, *, request_id: int, seq: int) -> np.ndarray:
+    """A copy of the host message ``a`` (a uint8 array, sealed or a template) under new ids:
+    request id and sequence number packed in, the header CRC resealed, the payload and its CRC
+    as they were (the ids are not checked: the caller's own). How :func:`pack_probe` packs a
+    header from its template, and how a benchmark's ready holder answers every route with one
+    reply per shape (:class:`mqnc.measure.holders.ReadyHolder`)."""
+    out = a.copy()
+    _IDS.pack_into(out, _IDS_OFFSET, request_id, seq)
+    _CRC.pack_into(out, _CRC_OFFSET, 0)
+    _CRC.pack_into(out, _CRC_OFFSET, _crc32(out[:HEADER_BYTES]))
+    return out
 
 
 def pack_shutdown(
@@ -808,6 +819,46 @@ def pack_query(
             _refuse_device_array(q.device)
         return _host_message(h, parts, crc, array=True)
     return _assemble(h, parts, q.device, None, crc)
+
+
+def pack_query_arrays(
+    q: np.ndarray,
+    indices: np.ndarray | None,
+    *,
+    dtype: torch.dtype,
+    heads: int,
+    width: int,
+    request_id: int,
+    seq: int,
+    chunk_id: int,
+    layer: int,
+    crc: bool | None,
+    array: bool = False,
+) -> torch.Tensor | np.ndarray:
+    """The requester's fast path of :func:`pack_query` (as :func:`pack_partial_arrays` is the
+    holder's): ``q`` as the uint8 bytes of ``[B, heads, width]`` rows in ``dtype`` (shape
+    ``[B, heads * width * itemsize]``), ``indices`` ``[B, topk]`` int32 or None, on the host.
+    The rows, the selection and the layer were checked by the caller
+    (:func:`mqnc.serving.route.route_request`); the ids and the sizes are checked here;
+    ``array`` as in :func:`pack_probe`."""
+    if not (_plain_ids(request_id, seq, chunk_id) and type(layer) is int and layer < 2**16 - 1):
+        _check_ids(request_id=request_id, seq=seq, chunk_id=chunk_id, layer=layer)
+    B, nq = q.shape[0], q.size
+    topk = 0 if indices is None else indices.shape[1]
+    nbytes = query_payload_bytes(B, heads, width, topk, dtype)
+    if nq + B * topk * 4 != nbytes or (topk and indices.shape[0] != B):
+        raise ValueError(f"q, indices: {nq + B * topk * 4} B, expected {nbytes} B")
+    a = np.empty(HEADER_BYTES + nbytes, dtype=np.uint8)
+    end = HEADER_BYTES + nq
+    a[HEADER_BYTES:end] = q.reshape(-1)
+    if topk:
+        a[end:].view(np.int32)[:] = indices.reshape(-1)
+    h = Header(
+        Kind.ROUTE, dtype, 0, request_id, seq, chunk_id, B, heads, width, layer, layer + 1, topk,
+        nbytes,
+    )  # fmt: skip
+    _seal_host(a, h, crc)
+    return a if array else torch.from_numpy(a)
 
 
 def unpack_query(
