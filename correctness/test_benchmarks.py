@@ -160,7 +160,7 @@ def test_bench_host_loopback(tmp_path, capsys):
         "wake_pack",
         *(f"loopback.{k}" for k in ("echo_probe", "echo_route1", "echo_route256", "probe")),
         *(f"loopback.{k}" for k in ("route1", "route256", "holder4")),
-        *(f"loopback.{k}" for k in ("route1_ready", "route256_ready")),
+        *(f"loopback.{k}" for k in ("probe_ready", "route1_ready", "route256_ready")),
     }
     ratios = {r["variant"]: r for r in recs if r["bench"] == "host_ratio"}
     # the wake penalty's ratio is left out when 3 repetitions cannot resolve its two differences
@@ -170,7 +170,7 @@ def test_bench_host_loopback(tmp_path, capsys):
     assert wake not in ratios or ratios[wake]["unit"] == "ratio"
     assert all(r["p20"] == r["p50"] == r["p80"] for r in ratios.values())
     assert ratios["loopback: Requester.probe / cond"]["unit"] == "ratio"
-    assert ratios["loopback: route M_q 1, ready holder / probe"]["extra"]["goal"] == "- (floor)"
+    assert ratios["loopback: ready holder: route M_q 1 / probe"]["extra"]["goal"] == "- (floor)"
     assert ratios["loopback: holder, 4 requesters: routes/s"]["unit"] == "routes/s"
     assert ratios["loopback: host overhead fit: fixed (us)"]["unit"] == "us"
     rc = bench_host.main(["--quick", "--transport", "loopback", "--reps", "2", "--warmup", "0",
