@@ -35,12 +35,13 @@ def check_query(q: object, geometry: MLAGeometry, dtype: torch.dtype) -> torch.T
     error."""
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
-    if q.dim() != 3 or q.shape[2] != geometry.d_qk:
-        raise ValueError(f"q: expected shape (B, H, {geometry.d_qk}), got {tuple(q.shape)}")
+    shape = q.shape  # read once (each torch attribute costs a just-woken thread, issue 14)
+    if len(shape) != 3 or shape[2] != geometry.d_qk:
+        raise ValueError(f"q: expected shape (B, H, {geometry.d_qk}), got {tuple(shape)}")
     if q.dtype != dtype:
         raise TypeError(f"q: invalid dtype, expected {dtype}, got {q.dtype}")
-    if q.shape[0] * q.shape[1] == 0:
-        raise ValueError(f"q: expected at least one row, got shape {tuple(q.shape)}")
+    if shape[0] * shape[1] == 0:
+        raise ValueError(f"q: expected at least one row, got shape {tuple(shape)}")
     return q
 
 
@@ -111,21 +112,21 @@ def route_request(
             f"offset: chunk {info.chunk_id} is seen at offset {offset} but cached at "
             f"{info.position}; rotating the query needs rope= (a RopeSpec)"
         )
-    idx = None if indices is None else check_selection(indices, q.shape[0], info.tokens)
+    B, H, _ = q.shape
+    idx = None if indices is None else check_selection(indices, B, info.tokens)
     # The holder attends at canonical positions: rotate q by -(new - old) (§3.2).
     qr = ops.rope_rotate(q, -(offset - info.position), rope) if moved else q
-    if not (qr.is_cpu and qr.is_contiguous()):  # (each no-op torch call costs, issue 14)
-        qr = qr.contiguous()
-    B, H = q.shape[0], q.shape[1]
-    # the bytes of the rows and of the selection, checked above, packed unchecked (issue 14)
     host = qr.is_cpu
-    qb = _row_bytes(qr) if host else None
+    if not (host and qr.is_contiguous()):  # (each no-op torch call costs, issue 14)
+        qr = qr.contiguous()
+    # the bytes of the rows and of the selection, checked above, packed unchecked (issue 14)
+    qb = _row_bytes(qr, B) if host else None
     idxb = None if idx is None else idx.numpy()
     dtype, chunk_id = q.dtype, info.chunk_id
 
     def make(rid: int, seq: int) -> np.ndarray:
         return wire.pack_query_arrays(
-            qb if host else _row_bytes(qr.cpu()),  # (a copy to the host is transfer time)
+            qb if host else _row_bytes(qr.cpu(), B),  # (a copy to the host is transfer time)
             idxb, dtype=dtype, heads=H, width=geometry.d_qk, request_id=rid, seq=seq,
             chunk_id=chunk_id, layer=layer, crc=crc,
             array=True,  # put as it is: no torch call on the way to the engine (issue 14)
@@ -134,9 +135,10 @@ def route_request(
     return B * H, make
 
 
-def _row_bytes(q: torch.Tensor) -> np.ndarray:
-    """The bytes of contiguous host rows ``[B, H, D]``: ``[B, H * D * itemsize]`` uint8."""
-    return q.view(torch.uint8).numpy().reshape(q.shape[0], -1)
+def _row_bytes(q: torch.Tensor, batch: int) -> np.ndarray:
+    """The bytes of contiguous host rows ``[batch, H, D]``: ``[batch, H * D * itemsize]``
+    uint8."""
+    return q.view(torch.uint8).numpy().reshape(batch, -1)
 
 
 def route_reply(

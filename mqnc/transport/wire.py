@@ -359,10 +359,12 @@ def _refuse_device_array(device) -> None:
 
 
 def _template(kind: Kind) -> np.ndarray:
-    """A header-only message of ``kind`` with request id and seq 0, sealed: :func:`pack_probe`
-    gives a copy under the call's ids (:func:`restamp`)."""
+    """A header-only message of ``kind`` with request id and seq 0 and its CRC field zeroed:
+    :func:`pack_probe` copies it, packs the ids (:data:`_IDS` at :data:`_IDS_OFFSET`) and the
+    CRC over all 96 bytes."""
     a = np.zeros(HEADER_BYTES, dtype=np.uint8)
     _write_header(a, Header(kind))
+    a[_CRC_OFFSET : _CRC_OFFSET + 4] = 0
     return a
 
 
@@ -731,18 +733,21 @@ def pack_probe(
     if not (type(request_id) is int and type(seq) is int and 0 <= request_id < _U64 > seq >= 0):
         _check_ids(request_id=request_id, seq=seq)
     if device is None:  # the per-call path (issue 14): the header in a template's copy
-        a = restamp(_PROBE_TEMPLATE[1 if ack else 0], request_id=request_id, seq=seq)
+        # (restamp's steps for a template whose CRC field is zero, inline: a probe's hot path)
+        a = _PROBE_TEMPLATE[1 if ack else 0].copy()
+        _IDS.pack_into(a, _IDS_OFFSET, request_id, seq)
+        _CRC.pack_into(a, _CRC_OFFSET, _crc32(a))
         return a if array else torch.from_numpy(a)
     h = Header(Kind.PROBE_ACK if ack else Kind.PROBE, request_id=request_id, seq=seq)
     return _header_only(h, device, array)
 
 
 def restamp(a: np.ndarray, *, request_id: int, seq: int) -> np.ndarray:
-    """A copy of the host message ``a`` (a uint8 array, sealed or a template) under new ids:
+    """A copy of the sealed host message ``a`` (a uint8 array) under new ids: the
     request id and sequence number packed in, the header CRC resealed, the payload and its CRC
-    as they were (the ids are not checked: the caller's own). How :func:`pack_probe` packs a
-    header from its template, and how a benchmark's ready holder answers every route with one
-    reply per shape (:class:`mqnc.measure.holders.ReadyHolder`)."""
+    as they were (the ids are not checked: the caller's own): how a benchmark's ready holder
+    answers every route with one reply per shape (:class:`mqnc.measure.holders.ReadyHolder`).
+    :func:`pack_probe` does the same to its template inline."""
     out = a.copy()
     _IDS.pack_into(out, _IDS_OFFSET, request_id, seq)
     _CRC.pack_into(out, _CRC_OFFSET, 0)
