@@ -503,6 +503,7 @@ def test_ready_holder_answers_routes_and_probes(transport):
     request's ids (the requester checks ids, shape and dtype): ``o = 0``, ``lse = 0`` exactly,
     over the in-process engine and a holder process on gloo (``--ready``)."""
     from mqnc.measure.holders import HolderFabric
+    from mqnc.serving.client import RemoteError
 
     g = get_preset("deepseek-v2-lite")
     with HolderFabric(transport, max_rows=16, ready=True, model=g, lanes=1) as fab:
@@ -514,5 +515,8 @@ def test_ready_holder_answers_routes_and_probes(transport):
             assert part.o.shape == (B, H, g.d_v) and part.o.dtype == torch.bfloat16
             assert bool((part.o == 0).all()) and bool((part.lse == 0).all())
         assert [r.ok for r in req.costs] == [True] * 5
+        with pytest.raises(RemoteError, match="answers probes and routes only, got kind 5"):
+            req.fetch(1)  # answered with an ERROR; the holder keeps serving
+        assert req.probe(1) > 0
         if transport == "loopback":
-            assert fab._holders[0].served == 5 and fab._holders[0].failure is None
+            assert fab._holders[0].served == 7 and fab._holders[0].failure is None

@@ -129,6 +129,13 @@ def test_out_is_written_in_full_like_the_call():
             call(out=(o_ref[:2].clone(), lse_ref[:2].clone()))
         with pytest.raises((TypeError, ValueError), match=r"out"):
             call(out=(o_ref.double(), lse_ref))
+    # what torch.compile's path does with out= (the op's results copied in): checked alike
+    from mqnc.triton_kernels._mla_launch import written_into
+
+    o_ref, lse_ref = calls["decode"]()
+    for bad in ((o_ref[:1].clone(), lse_ref), (o_ref, lse_ref.double()), (o_ref,)):
+        with pytest.raises((TypeError, ValueError), match=r"out"):
+            written_into(bad, (o_ref, lse_ref))
 
 
 def test_split_cache_and_csr_plans(no_checks):

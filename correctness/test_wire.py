@@ -191,6 +191,13 @@ def test_query_arrays_refuse_bad_ids_and_sizes():
         wire.pack_query_arrays(q, None, chunk_id=1, **{**kw, "heads": 2})
     with pytest.raises(ValueError, match="q, indices: "):
         wire.pack_query_arrays(q, np.zeros((1, 4), np.int32), chunk_id=1, **kw)
+    for layer in (-1, 2**16 - 1):  # the header's [layer, layer + 1) is u16
+        with pytest.raises(ValueError, match="layer: expected an int in "):
+            wire.pack_query_arrays(q, None, chunk_id=1, **{**kw, "layer": layer})
+    with pytest.raises(TypeError, match="q: expected the rows' bytes"):
+        wire.pack_query_arrays(q.view(np.int16), None, chunk_id=1, **kw)
+    with pytest.raises(TypeError, match=r"indices: expected \[B, topk\] int32"):
+        wire.pack_query_arrays(q, np.zeros((2, 4), np.int64), chunk_id=1, **kw)
 
 
 def test_restamp_gives_new_ids_and_keeps_the_payload():

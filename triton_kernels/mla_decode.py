@@ -450,7 +450,7 @@ def mla_decode_partial(
     out : tuple of torch.Tensor or None
         ``(o, lse)`` written instead of new tensors and returned (FlashInfer's ``out`` /
         ``lse``): contiguous, of the shapes and dtypes under Returns, on ``q``'s device (a
-        holder reuses one pair per batch shape: no allocation per call).
+        holder reuses one pair per batch shape: no output allocation per call).
 
     Returns
     -------

@@ -33,7 +33,7 @@ from mqnc.measure.ranks import connect_rank, exit_process, rank_parser, start_gl
 from mqnc.model.geometry import MLAGeometry, load_geometry
 from mqnc.serving import ChunkInfo, Holder, Requester
 from mqnc.transport import LoopbackFabric, slot_bytes_for, wire
-from mqnc.transport.protocol import INBOX, REPLY, PeerLost, TransportTimeout
+from mqnc.transport.protocol import INBOX, REPLY, PeerLost, TransportError, TransportTimeout
 
 __all__ = ["HolderFabric", "ReadyHolder", "stub_attention", "SCALE"]
 
@@ -46,7 +46,8 @@ def stub_attention(q: torch.Tensor, *_args, d_v: int = 512, out=None, **_kw):
     ``lse = 0 [B, H]`` float32 (a valid partial: one key of score 0, value 0). Given ``out``
     (the holder's output buffers, reused per batch shape: the kernels' ``out=``) it writes its
     zeros into a pair once and returns it: a stand-in that costs nothing per call, so that what
-    is timed is the software around the kernel."""
+    is timed is the software around the kernel (the pair must be written by nothing else:
+    :func:`stub_holder` stubs both kernels)."""
     if out is None:
         B, H = q.shape[0], q.shape[1]
         return q.new_zeros(B, H, d_v), torch.zeros(B, H, dtype=torch.float32, device=q.device)
@@ -95,6 +96,8 @@ class ReadyHolder:
     with the next wait), so :meth:`Requester.route <mqnc.serving.Requester.route>` against it
     times what is left of a route whatever its holder does: the requester's own path and the
     engine's round trip with the route's bytes (``perf/bench_host``'s ``route*_ready`` cases).
+    A benchmark's stand-in, not a server: a message it cannot answer (a fetch) gets an
+    ``ERROR``, a requester gone misses its reply, and it stops once every requester is gone.
 
     Parameters
     ----------
@@ -158,25 +161,35 @@ class ReadyHolder:
     def serve_forever(self) -> None:
         """Serve until :meth:`stop` or a ``SHUTDOWN`` (in the calling thread)."""
         tr, targets, deferred = self.transport, self._targets, None
-        while not self._stop.is_set():
-            try:
-                if deferred is None:
-                    ready = tr.wait_any(targets, self.poll_s)
-                else:
-                    put, deferred = deferred, None
-                    ready = tr.put_signal_wait(*put, targets, self.poll_s)
-            except TransportTimeout:
-                continue
-            except PeerLost:
-                return
-            for slot in ready:
-                if deferred is not None:
-                    tr.put_signal(*deferred)
-                signal, buf = tr.read_message_host(slot)
-                targets[slot] = signal + 1
-                deferred = self._answer(slot, buf)
-        if deferred is not None:
-            tr.put_signal(*deferred)
+        try:
+            while not self._stop.is_set():
+                put, deferred = deferred, None
+                try:
+                    if put is None:
+                        ready = tr.wait_any(targets, self.poll_s)
+                    else:
+                        ready = tr.put_signal_wait(*put, targets, self.poll_s)
+                except TransportTimeout:
+                    continue
+                except PeerLost:
+                    if put is not None and not tr.peer_alive(put[0]):
+                        continue  # only the requester of that reply is gone (as Holder._wait)
+                    return  # every requester is gone
+                for slot in ready:
+                    if deferred is not None:
+                        self._put(deferred)
+                    signal, buf = tr.read_message_host(slot)
+                    targets[slot] = signal + 1
+                    deferred = self._answer(slot, buf)
+        finally:
+            if deferred is not None:
+                self._put(deferred)
+
+    def _put(self, reply: tuple) -> None:
+        try:
+            self.transport.put_signal(*reply)
+        except TransportError:
+            pass  # the requester is gone (as Holder._put)
 
     def _answer(self, slot: int, buf: np.ndarray) -> tuple | None:
         """``(peer, reply slot, reply, seq)`` for the request in ``buf`` (None: a shutdown)."""
@@ -195,7 +208,8 @@ class ReadyHolder:
         if kind == wire.Kind.SHUTDOWN:
             self._stop.set()
             return None
-        raise ValueError(f"ready holder {self.transport.rank}: cannot answer message kind {kind}")
+        why = f"ready holder {self.transport.rank}: answers probes and routes only, got kind {kind}"
+        return peer, reply_slot, wire.pack_error(why, request_id=rid, seq=seq, array=True), seq
 
     def _partial(self, batch: int, heads: int) -> np.ndarray:
         """The sealed ``PARTIAL`` of a ``[batch, heads]`` route (ids 0): ``o = 0``, ``(m, l) =

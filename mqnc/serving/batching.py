@@ -178,12 +178,12 @@ class RouteBatcher:
 
     def _outputs(self, rows: int, heads: int, dtype: torch.dtype) -> tuple:
         """The kernel's outputs for a batch of ``rows`` tokens x ``heads`` in ``dtype``, kept per
-        shape and reused (the kernels' ``out=``: no allocation per call, issue 14): ``(o [rows,
-        heads, d_v], lse [rows, heads] float32)`` on the pool's device, their host copies (the
-        same tensors on the CPU) and those as numpy views (``o``'s bytes ``[rows, heads * d_v *
-        itemsize]`` uint8, ``lse``), from which the replies are packed with no torch call. A
-        batch's replies are packed before the next batch runs (the holder answers one batch at
-        a time)."""
+        shape and reused (the kernels' ``out=``: no output allocation per call, issue 14):
+        ``(o [rows, heads, d_v], lse [rows, heads] float32)`` on the pool's device, their host
+        copies (the same tensors on the CPU) and those as numpy views (``o``'s bytes ``[rows,
+        heads * d_v * itemsize]`` uint8, ``lse``), from which the replies are packed with no
+        torch call. A batch's replies are packed before the next batch runs (the holder answers
+        one batch at a time)."""
         key = (rows, heads, dtype)
         got = self._outs.get(key)
         if got is None:

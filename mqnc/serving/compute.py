@@ -140,6 +140,10 @@ def _rounded(o, lse, dtype, out) -> tuple[torch.Tensor, torch.Tensor]:
             f"out: expected (o, lse) of shapes {tuple(o.shape)} and {tuple(lse.shape)}, got "
             f"{tuple(out[0].shape)} and {tuple(out[1].shape)}"
         )
+    if out[0].device != o.device or out[1].device != o.device:
+        raise ValueError(
+            f"out: expected (o, lse) on {o.device}, got {out[0].device} and {out[1].device}"
+        )
     if out[0].dtype != dtype or out[1].dtype != torch.float32:
         raise TypeError(
             f"out: expected (o, lse) in {dtype} and torch.float32, got {out[0].dtype} and "

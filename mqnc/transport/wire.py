@@ -843,11 +843,19 @@ def pack_query_arrays(
     """The requester's fast path of :func:`pack_query` (as :func:`pack_partial_arrays` is the
     holder's): ``q`` as the uint8 bytes of ``[B, heads, width]`` rows in ``dtype`` (shape
     ``[B, heads * width * itemsize]``), ``indices`` ``[B, topk]`` int32 or None, on the host.
-    The rows, the selection and the layer were checked by the caller
-    (:func:`mqnc.serving.route.route_request`); the ids and the sizes are checked here;
-    ``array`` as in :func:`pack_probe`."""
+    The values of the rows and of the selection were checked by the caller
+    (:func:`mqnc.serving.route.route_request`); their arrays' dtypes and sizes, the ids and the
+    layer are checked here; ``array`` as in :func:`pack_probe`."""
     if not (_plain_ids(request_id, seq, chunk_id) and type(layer) is int and layer < 2**16 - 1):
         _check_ids(request_id=request_id, seq=seq, chunk_id=chunk_id, layer=layer)
+    if not 0 <= layer < 2**16 - 1:  # the header's range is [layer, layer + 1), u16
+        raise ValueError(f"layer: expected an int in [0, {2**16 - 2}], got {layer}")
+    if q.dtype != np.uint8 or q.ndim != 2:
+        raise TypeError(f"q: expected the rows' bytes [B, n] uint8, got {q.dtype} {q.shape}")
+    if indices is not None and (indices.dtype != np.int32 or indices.ndim != 2):
+        raise TypeError(
+            f"indices: expected [B, topk] int32, got {indices.dtype} of shape {indices.shape}"
+        )
     B, nq = q.shape[0], q.size
     topk = 0 if indices is None else indices.shape[1]
     nbytes = query_payload_bytes(B, heads, width, topk, dtype)
