@@ -266,10 +266,10 @@ class RouteBatcher:
         a GPU (any device but the CPU) copied to the device once per batch (issue 14: no torch
         call per request on the host, where each cost a just-woken holder several
         microseconds; before, a tensor view per request and a ``torch.cat`` or a copy to the
-        device per request). A buffer is
-        reused by the next batch of its shape only after this batch's call returned (the holder
-        answers one batch at a time, and a GPU call is synchronised before its reply is
-        packed); the group shares one dtype and width (:func:`_group_of`)."""
+        device per request). A buffer is reused by the next batch of its shape only after this
+        batch's call returned (the holder answers one batch at a time, and a GPU call is
+        synchronised before its reply is packed); the group shares one dtype and width
+        (:func:`_group_of`)."""
         h = group[0].header
         key = (rows, h.heads, h.width, h.dtype)
         staged = self._staging.get(key)
@@ -365,8 +365,9 @@ def _written(got, out) -> None:
     """Make sure a kernel's outputs are in ``out``: a kernel set by hand (a benchmark's
     stand-in) that returned its own tensors instead has them copied in."""
     if got[0] is not out[0] or got[1] is not out[1]:
-        out[0].copy_(got[0])
-        out[1].copy_(got[1])
+        with torch.no_grad():  # (the buffers never join an autograd graph)
+            out[0].copy_(got[0])
+            out[1].copy_(got[1])
 
 
 _ONES: dict[tuple[int, ...], np.ndarray] = {}
