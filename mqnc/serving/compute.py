@@ -31,6 +31,7 @@ from mqnc.reference import (
     mla_sparse_reference,
     rope_rotate_reference,
 )
+from mqnc.triton_kernels._mla_launch import written_into
 
 __all__ = ["KERNELS", "ReferenceOps", "check_kernels", "kernel_ops"]
 
@@ -132,26 +133,9 @@ attention is its own)."""
 
 def _rounded(o, lse, dtype, out) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's fp64 ``(o, lse)`` rounded once to ``dtype`` and float32, written into
-    ``out`` (the kernels' ``out=``, same shapes and dtypes) when given."""
-    if out is None:
-        return o.to(dtype), lse.to(torch.float32)
-    if tuple(out[0].shape) != tuple(o.shape) or tuple(out[1].shape) != tuple(lse.shape):
-        raise ValueError(
-            f"out: expected (o, lse) of shapes {tuple(o.shape)} and {tuple(lse.shape)}, got "
-            f"{tuple(out[0].shape)} and {tuple(out[1].shape)}"
-        )
-    if out[0].device != o.device or out[1].device != o.device:
-        raise ValueError(
-            f"out: expected (o, lse) on {o.device}, got {out[0].device} and {out[1].device}"
-        )
-    if out[0].dtype != dtype or out[1].dtype != torch.float32:
-        raise TypeError(
-            f"out: expected (o, lse) in {dtype} and torch.float32, got {out[0].dtype} and "
-            f"{out[1].dtype}"
-        )
-    out[0].copy_(o)
-    out[1].copy_(lse)
-    return out[0], out[1]
+    ``out`` when given (checked as the kernels' ``out=`` under ``torch.compile``: same shapes,
+    dtypes and device)."""
+    return written_into(out, (o.to(dtype), lse.to(torch.float32)))
 
 
 def _by_rows(call, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
