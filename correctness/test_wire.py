@@ -54,9 +54,12 @@ def test_sizes_come_from_the_geometry():
     dtype=st.sampled_from(DTYPES),
     ids=st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
     layer=st.integers(0, G.layers - 1),
+    crc=st.sampled_from([None, False]),
     seed=st.integers(0, 2**16),
 )
-def test_query_round_trip(B, H, topk, dtype, ids, layer, seed):
+def test_query_round_trip(B, H, topk, dtype, ids, layer, crc, seed):
+    """A ROUTE packed and unpacked, with and without the payload CRC; the requester's fast
+    packer (the rows' bytes and the selection as numpy, issue 14) writes the same bytes."""
     q = _rand((B, H, G.d_qk), dtype, seed)
     idx = None
     if topk:
@@ -64,7 +67,8 @@ def test_query_round_trip(B, H, topk, dtype, ids, layer, seed):
             -1, 1000, (B, topk), generator=torch.Generator().manual_seed(seed), dtype=torch.int32
         )
     rid, seq, cid = ids
-    buf = wire.pack_query(q, request_id=rid, seq=seq, chunk_id=cid, layer=layer, indices=idx)
+    kw = dict(request_id=rid, seq=seq, chunk_id=cid, layer=layer, crc=crc)
+    buf = wire.pack_query(q, indices=idx, **kw)
     h, q2, idx2 = wire.unpack_query(buf, geometry=G)
     assert (h.kind, h.request_id, h.seq, h.chunk_id) == (wire.Kind.ROUTE, rid, seq, cid)
     assert (h.batch, h.heads, h.rows, h.layer_lo, h.layer_hi, h.topk) == (
@@ -81,6 +85,12 @@ def test_query_round_trip(B, H, topk, dtype, ids, layer, seed):
     else:
         assert idx2 is None
     assert buf.numel() == wire.HEADER_BYTES + wire.query_payload_bytes(B, H, G.d_qk, topk, dtype)
+    qb = q.view(torch.uint8).numpy().reshape(B, -1)
+    got = wire.pack_query_arrays(
+        qb, None if idx is None else idx.numpy(), dtype=dtype, heads=H, width=G.d_qk,
+        array=True, **kw,
+    )  # fmt: skip
+    assert type(got) is np.ndarray and bytes(got) == bytes(buf.numpy())
 
 
 @given(
@@ -148,36 +158,6 @@ def test_probe_fetch_error_shutdown():
     h, text = wire.unpack_error(wire.pack_error("chunk 4 unknown", request_id=2, seq=3))
     assert text == "chunk 4 unknown" and h.request_id == 2
     assert wire.parse_header(wire.pack_shutdown()).kind == wire.Kind.SHUTDOWN
-
-
-@given(
-    B=st.integers(1, 4),
-    H=st.integers(1, 5),
-    topk=st.integers(0, 6),
-    dtype=st.sampled_from(DTYPES),
-    ids=st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
-    layer=st.integers(0, G.layers - 1),
-    crc=st.sampled_from([None, False]),
-    seed=st.integers(0, 2**16),
-)
-def test_query_arrays_pack_the_same_bytes(B, H, topk, dtype, ids, layer, crc, seed):
-    """The requester's fast packer (the rows' bytes and the selection as numpy, issue 14) writes
-    exactly :func:`pack_query`'s message, with and without the payload CRC."""
-    q = _rand((B, H, G.d_qk), dtype, seed)
-    idx = None
-    if topk:
-        idx = torch.randint(
-            -1, 1000, (B, topk), generator=torch.Generator().manual_seed(seed), dtype=torch.int32
-        )
-    rid, seq, cid = ids
-    kw = dict(request_id=rid, seq=seq, chunk_id=cid, layer=layer, crc=crc)
-    want = wire.pack_query(q, indices=idx, geometry=G, **kw)
-    qb = q.view(torch.uint8).numpy().reshape(B, -1)
-    got = wire.pack_query_arrays(
-        qb, None if idx is None else idx.numpy(), dtype=dtype, heads=H, width=G.d_qk,
-        array=True, **kw,
-    )  # fmt: skip
-    assert type(got) is np.ndarray and bytes(got) == bytes(want.numpy())
 
 
 def test_query_arrays_refuse_bad_ids_and_sizes():
