@@ -89,6 +89,7 @@ def test_dry_run_records_say_how_they_were_timed_and_the_commit(dry_run):
 def test_dry_run_report_and_tier(dry_run):
     report = (dry_run / "kernel_report.txt").read_text()
     assert "| merge M=8 rows=256 | <= 8 us |" in report
+    assert "| mla_decode H=16 B=1 ct=2048 | holder partial <= 15 us |" in report  # every op
     collected = [ln for ln in _log(dry_run, "tests").splitlines() if "::" in ln]
     for entry in GPU_TIER:
         assert any(ln.split("correctness/", 1)[-1].startswith(entry) for ln in collected), entry
@@ -129,6 +130,40 @@ def test_caps_over_the_budget_are_refused_before_anything_runs(tmp_path):
     )
     assert r.returncode == 3 and "caps sum to" in r.stderr
     assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_a_stale_commit_file_is_refused_before_anything_runs(tmp_path):
+    """The records' commit comes from ``.mqnc-commit`` before git (the device copy's ``.git`` is
+    what has landed, older than the tree it runs); the dry run, where git is right, refuses a
+    file that is not HEAD's commit, and lets HEAD's own through (here to the budget check)."""
+    repo = tmp_path / "repo"
+    (repo / "perf").mkdir(parents=True)
+    (repo / "perf" / "gpu_check.sh").write_text(SCRIPT.read_text())
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    for cmd in (["init", "-q"], ["add", "perf"], ["commit", "-qm", "x"]):
+        subprocess.run([*git, *cmd], check=True, capture_output=True)
+    head = subprocess.run(
+        [*git, "rev-parse", "--short=12", "HEAD"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    env = _env(OUT=str(tmp_path / "out"), BUDGET="100")
+    env.pop("MQNC_COMMIT", None)
+
+    def dry(commit_file: str):
+        (repo / ".mqnc-commit").write_text(commit_file)
+        return subprocess.run(
+            ["bash", "perf/gpu_check.sh", "--dry-run"],
+            cwd=repo,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    r = dry("c1acbb2dab5e\n")
+    assert r.returncode == 3
+    assert f".mqnc-commit: expected HEAD's commit {head}, got c1acbb2dab5e" in r.stderr
+    r = dry(head + "\n")
+    assert r.returncode == 3 and "caps sum to" in r.stderr and ".mqnc-commit" not in r.stderr
 
 
 def test_commit_without_git(monkeypatch):

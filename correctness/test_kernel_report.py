@@ -74,3 +74,48 @@ def test_an_unknown_op_is_one_line_before_anything_compiles(tmp_path):
         assert r.returncode == 2, r.stderr[-2000:]
         assert "--ops: expected names out of merge,mla_decode,mla_sparse" in r.stderr
         assert "Traceback" not in r.stderr and not out.exists()
+
+
+def test_mla_shapes_count_their_bytes_and_join_the_measured_p50(tmp_path):
+    """The MLA rows of the report (the GPU check's ``report`` step failed on them once: a launch
+    argument read by position after the launch's arguments had moved). A shape's bytes are the
+    op's own (cache, page or index table, queries, outputs) plus, when split, each split's fp32
+    partials written once and read once by the combine; ``--measured`` joins a record's p50."""
+    measured = tmp_path / "results.jsonl"
+    label = "mla_decode H=16 B=1 ct=2048"
+    rec = {"bench": "mla_decode", "backend": "triton", "p50": 12.5, "extra": {"shape": label}}
+    measured.write_text(json.dumps(rec) + "\n")
+    out = tmp_path / "mla.jsonl"
+    r = _report(
+        "perf.kernel_report",
+        "--ops",
+        "mla_decode,mla_sparse",
+        "--measured",
+        str(measured),
+        "--out",
+        str(out),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    shape_row = f"| {label} | holder partial <= 15 us | 2 |"
+    assert [x for x in r.stdout.splitlines() if x.startswith(shape_row)][0].endswith("| 12.5 |")
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    shapes = {x["shape"]: x for x in rows if x["kind"] == "shape"}
+    launches = [x for x in rows if x["kind"] == "launch"]
+    assert {s["op"] for s in shapes.values()} == {"mla_decode", "mla_sparse"}
+    D_QK, D_V = 576, 512
+    split_seen = False
+    for name, s in shapes.items():
+        words = dict(w.split("=") for w in name.split()[1:])
+        H, B = int(words["H"]), int(words["B"])
+        n = int(words.get("ct") or words["topk"])
+        rows_ = B * H
+        table = B * (n // 64 if s["op"] == "mla_decode" else n) * 4
+        own = B * n * D_QK * 2 + table + rows_ * D_QK * 2 + rows_ * (D_V * 2 + 4)
+        mine = [x for x in launches if x["shape"] == name]
+        splits = mine[0]["grid"][1]
+        assert len(mine) == (2 if splits > 1 else 1), name
+        partials = 2 * splits * rows_ * (D_V * 4 + 4) if splits > 1 else 0
+        split_seen |= splits > 1
+        assert s["bytes"] == own + partials, name
+        assert sum(x["bytes"] for x in mine) == own + partials, name
+    assert split_seen

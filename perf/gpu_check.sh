@@ -29,7 +29,7 @@
 # flag set of mqnc.measure.options), and $MQNC_RESULTS names the same file for anything that
 # records without a flag, so nothing lands in the copy's perf/results/. Commit the records with
 # the device name by appending them to perf/results/results.jsonl (what --record writes). Every
-# record carries the commit ($MQNC_COMMIT: given, else git, else the .mqnc-commit file that travels
+# record carries the commit ($MQNC_COMMIT: given, else the .mqnc-commit file that travels
 # with the copy); per-step logs are packed into $OUT/logs.tgz (the device tool returns at most 8
 # files); printed last: the kernel report, the tests' last lines and $OUT/summary.txt.
 set -uo pipefail
@@ -61,7 +61,7 @@ if ((DRY)); then
   COPY_ARGS=(--gib 0.01)
   WARMUP_ARGS=(--jobs 2 --ops merge)
   BENCH_ARGS=(--goals --tiny)
-  REPORT_ARGS=(--ops merge)
+  REPORT_ARGS=()
   TEST_ARGS=(--collect-only)
   HOLDER_ARGS=(--tiny)
   NVSHMEM_ARGS=(--transport gloo --tiny --timeout 50)
@@ -90,9 +90,25 @@ RESULTS="$OUT/results.jsonl" # where every record of this run goes: --out "$RESU
 export PYTHONUNBUFFERED=1 MQNC_RESULTS="$RESULTS" TRITON_DEFAULT_FP_FUSION=1
 export GLOO_SOCKET_IFNAME=lo
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# The commit: $MQNC_COMMIT, else .mqnc-commit (written here just before the device call), else
+# git, else "unknown". The file comes before git: the device tool's copy carries the working tree
+# with the .git of what has LANDED, so there git names an older commit than the tree it runs
+# (seen: a tree at bb7e891 recorded as c1acbb2). The dry run, where git is right, refuses a
+# .mqnc-commit that is not HEAD's, so a stale file never reaches the device.
+GIT_HEAD=$(git rev-parse --short=12 HEAD 2>/dev/null || echo none)
 if [ -z "${MQNC_COMMIT:-}" ]; then
-  MQNC_COMMIT=$(git rev-parse --short=12 HEAD 2>/dev/null || cat .mqnc-commit 2>/dev/null ||
-    echo unknown)
+  if [ -s .mqnc-commit ]; then
+    MQNC_COMMIT=$(tr -d '[:space:]' <.mqnc-commit)
+    if ((DRY)) && [ "$GIT_HEAD" != none ] && [ "$MQNC_COMMIT" != "$GIT_HEAD" ]; then
+      echo ".mqnc-commit: expected HEAD's commit ${GIT_HEAD}, got ${MQNC_COMMIT};" \
+        "run: git rev-parse --short=12 HEAD > .mqnc-commit" >&2
+      exit 3
+    fi
+  elif [ "$GIT_HEAD" != none ]; then
+    MQNC_COMMIT=$GIT_HEAD
+  else
+    MQNC_COMMIT=unknown
+  fi
 fi
 export MQNC_COMMIT
 T0=$SECONDS
@@ -106,7 +122,7 @@ if ((total > BUDGET - RESERVE)); then
   exit 3
 fi
 echo "budget: ${#STEPS[@]} steps, caps ${total} s + reserve ${RESERVE} s <= ${BUDGET} s;" \
-  "commit ${MQNC_COMMIT}; $([ "$DRY" = 1 ] && echo 'DRY RUN (interpreter, tiny sizes)' ||
+  "commit ${MQNC_COMMIT} (git HEAD here: ${GIT_HEAD}); $([ "$DRY" = 1 ] && echo 'DRY RUN (interpreter, tiny sizes)' ||
     echo 'GPU run')" | tee -a "$OUT/summary.txt"
 
 step() { # step NAME CMD...: run CMD under NAME's cap (clamped to the budget left)

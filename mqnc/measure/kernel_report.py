@@ -53,11 +53,11 @@ def launch_bytes(shape, index: int, launch) -> int:
     elt = 2  # bf16
     if shape.op in ("mla_decode", "mla_sparse"):
         B, H, n = shape.B, shape.H, shape.ct
-        splits = launch.args[7] if index == 0 else None
+        splits = launch.grid[1] if index == 0 else None  # grid (row blocks, splits)
         rows = B * H
         part = rows * (D_V * 4 + 4)  # one split's fp32 partials
         if index == 1:  # the combine: read every split's partials, write the outputs
-            m = launch.args[4]
+            m = launch.args[0].shape[0]  # the merge's o [M, B, H, D]
             return m * part + rows * (D_V * elt + 4)
         index_bytes = B * (n // PAGE if shape.op == "mla_decode" else n) * 4
         out = rows * (D_V * elt + 4) if splits == 1 else splits * part
@@ -149,7 +149,7 @@ def report(ops=None, ceiling_tbps: float = 4.3, arch: int = 90):
                 probe_split = [ln for ln in probe if "fp32-split" in ln.name]
                 occ = occupancy_of(probe_split[0])[1] if probe_split else occ
         plan = shape_launches(shape, occ) if occ is not None else first
-        total_us, total_mb = 0.0, 0.0
+        total_us, total_bytes = 0.0, 0
         for i, launch in enumerate(plan):
             res, o = occupancy_of(launch)
             per_sm = o.ctas_per_sm(SM90)
@@ -182,7 +182,7 @@ def report(ops=None, ceiling_tbps: float = 4.3, arch: int = 90):
             }
             launches_out.append(row)
             total_us += pred + (LAUNCH_US if i else 0.0)
-            total_mb += nbytes / 1e6
+            total_bytes += nbytes
         shapes_out.append(
             {
                 "kind": "shape",
@@ -190,7 +190,7 @@ def report(ops=None, ceiling_tbps: float = 4.3, arch: int = 90):
                 "op": shape.op,
                 "goal": shape.goal,
                 "launches": len(plan),
-                "bytes": int(total_mb * 1e6),
+                "bytes": total_bytes,
                 "pred_us": round(total_us, 2),
                 "essential_bytes": essential_bytes(shape),
                 "pct_of_ceiling": round(
