@@ -19,6 +19,14 @@ record per shape with ``extra.shape`` set to the shape's label, which
 ``--tiny`` (``perf/gpu_check.sh --dry-run``) takes the first goal shape of each op cut to
 B <= 2 and 128 entries and runs the Triton kernels even without a GPU (interpreted).
 
+Tile sweeps (kernel tuning): ``--tiles 32x32w8s5,64x16w16s5`` times every goal shape once per
+tile (``HxNwWsS``: heads x entries per tile, warps, stages; ``_mla_launch.forced_tile``), the
+variant named ``H=..,B=..@<tile>`` and ``extra.tile`` set; each tile's output on the first input
+set is first compared with the default tile's (``extra.vs_default``: max |o - o_default| over
+max |o_default|, max |lse - lse_default|; a tile off by more than 2^-6 or 1e-3, or not finite,
+is printed MISMATCH and recorded ``ok: false``). ``--shapes "H=128 B=8,H=128 B=64 ct=8192"``
+keeps the goal shapes whose label contains one of the comma-separated parts.
+
 Timing (``mqnc.measure.time_kernel``, recorded as ``extra.timing``): on a GPU the kernel calls,
 checks off (``check_inputs=False``), over enough input sets (pool, table, queries) that one pass
 moves twice the 60 MB L2, captured in one CUDA graph and replayed between CUDA events; the
@@ -139,6 +147,21 @@ def _nbytes(distinct_entries, rows, elt):
     return distinct_entries * D_QK * elt + rows * D_QK * elt + rows * (D_V * elt + 4)
 
 
+TILE_O_TOL, TILE_LSE_TOL = 2.0**-6, 1e-3  # --tiles: a tile against the default tile
+
+
+def _vs_default(got, ref) -> dict:
+    """How far a tile's ``(o, lse)`` is from the default tile's on the same inputs."""
+    import torch
+
+    (o, lse), (o_ref, lse_ref) = got, ref
+    finite = bool(torch.isfinite(o).all() and torch.isfinite(lse).all())
+    o_err = float((o.float() - o_ref.float()).abs().max() / o_ref.float().abs().max())
+    lse_err = float((lse.float() - lse_ref.float()).abs().max())
+    ok = finite and o_err <= TILE_O_TOL and lse_err <= TILE_LSE_TOL
+    return {"o_rel_max": o_err, "lse_max_abs": lse_err, "finite": finite, "ok": ok}
+
+
 def _goals(run, too_big, only, shapes, dev, dtype, elt, kernel, gen) -> None:
     """One record per goal shape of the dense and sparse ops (``_variants.GOALS``)."""
     for shape in shapes:
@@ -166,6 +189,21 @@ def _goals(run, too_big, only, shapes, dev, dtype, elt, kernel, gen) -> None:
 SWEEPS = ("dense", "sparse", "fanin")
 
 
+def _tile_list(text: str) -> list:
+    """``--tiles``: comma-separated ``HxNwWsS`` tiles (``TileConfig.parse``)."""
+    import argparse
+
+    from mqnc.triton_kernels._mla_launch import TileConfig
+
+    try:
+        tiles = [TileConfig.parse(t, "--tiles") for t in text.split(",") if t.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not tiles:
+        raise argparse.ArgumentTypeError(f"expected at least one tile, got {text!r}")
+    return tiles
+
+
 # Over 60 lines: the options, the shared timing + record step, then the three sweeps in order.
 def main(argv=None) -> int:
     ap = bench_parser(
@@ -181,7 +219,21 @@ def main(argv=None) -> int:
         help="comma list of sweeps out of dense, sparse, fanin",
     )
     ap.add_argument("--goals", action="store_true", help="issue 13's goal shapes instead")
+    ap.add_argument(
+        "--tiles",
+        type=_tile_list,
+        default=None,
+        help="comma list of tiles HxNwWsS (e.g. 32x32w8s5,64x16w16s5): each goal shape per tile",
+    )
+    ap.add_argument(
+        "--shapes",
+        type=lambda t: [x.strip() for x in t.split(",") if x.strip()],
+        default=None,
+        help='goal shapes whose label contains one of these comma-separated parts ("H=128 B=8")',
+    )
     args = parse_bench_args(ap, argv)
+    if (args.tiles or args.shapes) and not (args.goals or args.tiny):
+        ap.error("--tiles and --shapes: expected with --goals or --tiny")
     use_interpreter_without_cuda()
     import torch
 
@@ -204,6 +256,20 @@ def main(argv=None) -> int:
 
     def run(bench, variant, x, x_name, make, nbytes, extra):
         calls = [make() for _ in range(input_sets(nbytes, l2))]
+        if not args.tiles:
+            return timed(bench, variant, x, x_name, calls, nbytes, extra)
+        from mqnc.triton_kernels._mla_launch import forced_tile
+
+        ref = calls[0]()  # the default tile's (the calls plan their tile at each call)
+        for tile in args.tiles:
+            with forced_tile(tile, sparse=bench == "mla_sparse"):
+                vs = _vs_default(calls[0](), ref)
+                more = {**extra, "tile": tile.label, "vs_default": vs, "ok": vs["ok"]}
+                timed(bench, f"{variant}@{tile.label}", x, x_name, calls, nbytes, more)
+            if not vs["ok"]:
+                print(f"MISMATCH {bench} {variant}@{tile.label}: {vs}")
+
+    def timed(bench, variant, x, x_name, calls, nbytes, extra):
         t = time_kernel(
             calls, working_set_bytes=nbytes, warmup=warmup, reps=reps, cuda=cuda,
             checks="off" if kernel else "n/a",
@@ -228,6 +294,10 @@ def main(argv=None) -> int:
         from mqnc.triton_kernels._variants import GOALS
 
         shapes = tiny_goals(("mla_decode", "mla_sparse")) if args.tiny else GOALS
+        if args.shapes:
+            shapes = [s for s in shapes if any(part in s.label for part in args.shapes)]
+            if not shapes:
+                ap.error(f"--shapes: expected parts of goal shape labels, got {args.shapes}")
         _goals(run, too_big, only, shapes, dev, dtype, elt, kernel, gen)
         return finish(args, TARGETS)
 

@@ -10,7 +10,9 @@ The device side they share is :mod:`mqnc.triton_kernels._mla_tile`; the public o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import re
 
 import torch
 import triton
@@ -29,6 +31,7 @@ from mqnc.triton_kernels.merge import merge_launch
 __all__ = [
     "TileConfig",
     "tile_config",
+    "forced_tile",
     "MlaOperands",
     "mla_operands",
     "check_block_size",
@@ -43,6 +46,10 @@ __all__ = [
     "AttentionPlan",
     "written_into",
 ]
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +71,34 @@ class TileConfig:
     def min_tiles(self) -> int:
         """Tiles per split so that a split holds at least ``MIN_TOKENS_PER_SPLIT`` entries."""
         return max(1, MIN_TOKENS_PER_SPLIT // self.block_n)
+
+    @property
+    def label(self) -> str:
+        """``"32x32w8s5"``: heads x entries, warps, stages (what :meth:`parse` reads)."""
+        return f"{self.block_h}x{self.block_n}w{self.num_warps}s{self.num_stages}"
+
+    @classmethod
+    def parse(cls, text: str, name: str = "tile") -> TileConfig:
+        """``"HxNwWsS"`` (e.g. ``"16x64w8s5"``): ``H`` heads x ``N`` entries per tile, both powers
+        of two >= 16 (the MMA's smallest M and K), ``W`` warps (1..16, a power of two), ``S``
+        pipeline stages (>= 1); ``name`` names the argument in the ``ValueError``."""
+        if not isinstance(text, str):
+            raise TypeError(
+                f"{name}: expected a str such as '16x64w8s5', got {type(text).__name__}"
+            )
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text.strip())
+        if m is None:
+            raise ValueError(f"{name}: expected 'HxNwWsS' such as '16x64w8s5', got {text!r}")
+        h, n, w, st = (int(g) for g in m.groups())
+        if not (h >= 16 and n >= 16 and _pow2(h) and _pow2(n)):
+            raise ValueError(
+                f"{name}: expected heads and entries per tile powers of two >= 16, got {text!r}"
+            )
+        if not (1 <= w <= 16 and _pow2(w)) or st < 1:
+            raise ValueError(
+                f"{name}: expected 1..16 warps (a power of two) and >= 1 stage, got {text!r}"
+            )
+        return cls(h, n, w, st)
 
 
 # num_stages = 5 is what makes Triton double-buffer the KV tile behind one level of indirection
@@ -106,8 +141,36 @@ def tile_config(
     """
     if dtype.itemsize == 4:
         return _FP32
+    forced = _FORCED.get("sparse" if sparse else "dense")
+    if forced is not None:
+        return forced
     table = _SPARSE if sparse else _DENSE
     return table[16] if heads <= 16 else table[32]
+
+
+_FORCED: dict[str, TileConfig] = {}
+
+
+@contextlib.contextmanager
+def forced_tile(tile: TileConfig | str, *, sparse: bool = False):
+    """A tuning hook: inside the ``with`` block every 16-bit launch of the dense (``sparse``:
+    the sparse) kernel plans with ``tile`` (a :class:`TileConfig` or its ``"HxNwWsS"`` label)
+    for every head count, instead of :func:`tile_config`'s choice. Process-wide and not
+    thread-safe: for benchmarks (``perf.bench_mla --tiles``), not for serving. Plans made
+    inside keep the tile after the block ends; fp32 caches keep theirs."""
+    cfg = TileConfig.parse(tile) if isinstance(tile, str) else tile
+    if not isinstance(cfg, TileConfig):
+        raise TypeError(f"tile: expected a TileConfig or its label, got {type(tile).__name__}")
+    kind = "sparse" if sparse else "dense"
+    before = _FORCED.get(kind)
+    _FORCED[kind] = cfg
+    try:
+        yield cfg
+    finally:
+        if before is None:
+            _FORCED.pop(kind, None)
+        else:
+            _FORCED[kind] = before
 
 
 @dataclasses.dataclass(frozen=True)
