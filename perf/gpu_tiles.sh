@@ -40,7 +40,7 @@ if [ -z "${MQNC_COMMIT:-}" ]; then
   MQNC_COMMIT=$( (tr -d '[:space:]' <.mqnc-commit) 2>/dev/null || git rev-parse --short=12 HEAD)
 fi
 export MQNC_COMMIT MQNC_RESULTS="$OUT/results.jsonl" PYTHONUNBUFFERED=1
-if ! ((DRY)) && ! "$PY" -c "import mqnc" 2>/dev/null; then # as gpu_check.sh's install step
+if ! ((DRY)) && ! "$PY" -c "import mqnc.triton_kernels" 2>/dev/null; then # as gpu_check.sh's install step
   "$PY" -m pip install --no-index --no-deps --no-build-isolation -q -e . >/dev/null 2>&1 || {
     mkdir -p "$SITE/mqnc" && for f in mqnc/*; do ln -sfn "$ROOT/$f" "$SITE/mqnc/"; done &&
       ln -sfn "$ROOT/triton_kernels" "$SITE/mqnc/triton_kernels"

@@ -48,6 +48,9 @@ __all__ = [
 ]
 
 
+REGISTERS_PER_SM = 65536  # sm_90 (and every NVIDIA architecture since Kepler's GK110)
+
+
 def _pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
@@ -64,8 +67,18 @@ class TileConfig:
     # ptxas's own register target is not stable across versions: left to itself, the 3.9.0
     # toolchain caps the dense 16 x 64 kernel at 128 registers and spills 8 bytes of stack,
     # while 3.6.0 takes 200 without spilling. The KV ring needs more shared memory than two
-    # CTAs per SM can have anyway, so every variant may take up to 255 (no spill under both).
-    maxnreg: int = 255
+    # CTAs per SM can have anyway, so a variant may take all the registers one CTA can have:
+    # 65,536 per SM over its 32 * num_warps threads, at most 255 (``reg_cap``; None: that).
+    # A 16-warp CTA above 128 cannot launch at all (triton: "out of resource: threads,
+    # Required: 512, Hardware limit: 384", seen on an H200).
+    maxnreg: int | None = None
+
+    @property
+    def reg_cap(self) -> int:
+        """Registers per thread the launch allows (``maxnreg``, or what one CTA can have)."""
+        if self.maxnreg is not None:
+            return self.maxnreg
+        return min(255, REGISTERS_PER_SM // (32 * self.num_warps))
 
     @property
     def min_tiles(self) -> int:
@@ -110,11 +123,12 @@ _DENSE = {16: TileConfig(16, 64, 8, 5), 32: TileConfig(32, 32, 8, 5)}
 _SPARSE = {16: TileConfig(16, 32, 8, 5), 32: TileConfig(32, 16, 8, 5)}
 # fp32 caches: the 2-deep KV ring holds twice the bytes and the fp32 query and accumulator twice
 # the registers. At the 16-bit tiles the dense 16 x 64 kernel needs 336,960 B of shared memory
-# (sm_90 gives a CTA at most 232,448: it cannot launch) and the 32-head tiles spill; 16 x 32 on
-# 8 warps fits under triton 3.9.0 but spills under 3.6.0 (144 B of stack dense, 88 B sparse),
-# as do 16 x 32 and 16 x 16 on 4 or 8 warps. 16 heads x 16 entries on 16 warps, 5 stages (still
-# double-buffered) spills under neither: 111,936 B shared, 183 / 187 registers dense (3.9.0 /
-# 3.6.0), 112,064 B and 125 / 197 sparse (launch-exact compiles, ECOSYSTEM's fp32 shapes).
+# (sm_90 gives a CTA at most 232,448: it cannot launch) and the 32-head tiles spill. 16 heads x
+# 16 entries on 16 warps, 5 stages (still double-buffered), 111,936 B shared: at 16 warps a CTA
+# may have 128 registers a thread (``reg_cap``); unbounded, it took 183-197 and could not launch
+# at all. At 128 it spills nothing under triton 3.9.0 and 24 B (dense) / 16 B (sparse) of stack
+# under 3.6.0, the least of every fp32 tile tried (16 x 16 and 16 x 32 on 4, 8 or 16 warps, 3
+# to 5 stages: 8 to 200 B under 3.6.0).
 _FP32 = TileConfig(16, 16, 16, 5)
 
 

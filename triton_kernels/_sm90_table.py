@@ -174,7 +174,7 @@ SM90_VARIANTS: dict[str, dict] = {
         "local": 0,
     },
     "mla_decode[float32,16x16,w16,s5,out=fp32-split]": {
-        "registers": 183,
+        "registers": 128,
         "num_warps": 16,
         "shared": 111936,
         "stack": 0,
@@ -195,7 +195,7 @@ SM90_VARIANTS: dict[str, dict] = {
         "local": 0,
     },
     "mla_sparse[float32,16x16,w16,s5,out=fp32-split]": {
-        "registers": 125,
+        "registers": 128,
         "num_warps": 16,
         "shared": 112064,
         "stack": 0,

@@ -784,6 +784,6 @@ def decode_launch(
             BF16_RNE=bf16_rne_in_software(o_part.dtype),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
-            maxnreg=cfg.maxnreg,
+            maxnreg=cfg.reg_cap,
         ),
     )

@@ -389,6 +389,6 @@ def sparse_launch(
             BF16_RNE=bf16_rne_in_software(o_part.dtype),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
-            maxnreg=cfg.maxnreg,
+            maxnreg=cfg.reg_cap,
         ),
     )
