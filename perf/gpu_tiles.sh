@@ -55,6 +55,31 @@ status=0
 "$PY" -m perf.bench_mla "${SIZE[@]}" --only sparse --shapes "$SPARSE_SHAPES" \
   --tiles "$SPARSE_TILES" --out "$OUT/results.jsonl" || status=1
 "$PY" -m perf.bench_copy --gib "$GIB" --out "$OUT/results.jsonl" || status=1
+# fp32 caches launch (16 x 16 on 16 warps at 128 registers) and match fp64, dense and sparse
+"$PY" - <<'PY' || status=1
+import torch
+from mqnc.base.runtime import use_interpreter_without_cuda
+use_interpreter_without_cuda()
+from mqnc.reference.attention import mla_decode_reference, mla_sparse_reference
+from mqnc.testing import assert_close, default_device, tolerance
+from mqnc.triton_kernels import mla_decode_partial, mla_sparse_partial
+dev, g = default_device(), torch.Generator().manual_seed(0)
+B, H, ct = 2, 128, 256
+q = torch.randn(B, H, 576, generator=g).to(dev)
+pool = torch.randn(B * ct // 64, 64, 576, generator=g).to(dev)
+table = torch.arange(B * ct // 64, dtype=torch.int32).view(B, -1).to(dev)
+lens = torch.full((B,), ct, dtype=torch.int32, device=dev)
+idx = torch.randperm(B * ct, generator=g)[: B * 64].view(B, 64).to(torch.int32).to(dev)
+for name, got, ref in (
+    ("dense", mla_decode_partial(q, pool, table, lens, softmax_scale=0.1),
+     mla_decode_reference(q.double(), pool.double(), table, lens, 0.1)),
+    ("sparse", mla_sparse_partial(q, pool, idx, softmax_scale=0.1),
+     mla_sparse_reference(q.double(), pool.double(), idx, 0.1)),
+):
+    s = assert_close(got[0], ref[0], tolerance("mla", "float32"), name=f"fp32 {name} o")
+    assert_close(got[1], ref[1], tolerance("mla_lse", "float32"), name=f"fp32 {name} lse")
+    print(f"fp32 cache {name} H {H} vs fp64: {s}")
+PY
 grep -c . "$OUT/results.jsonl" | sed 's/$/ records/'
 grep -q '"ok": false' "$OUT/results.jsonl" && { echo "a tile MISMATCHED its default" && status=1; }
 exit $status
