@@ -83,24 +83,38 @@ def test_compiles_for_sm90_without_spills(compiled, name):
 
 @pytest.mark.parametrize("name", [n for n in VARIANTS if n.startswith("mla_")])
 def test_mla_tile_loop_is_double_buffered(compiled, name):
-    """The KV tile behind the page-table (or index) indirection is double-buffered: TTGIR
-    allocates a 2-deep ring of ``BLOCK_N x 512`` tiles, copies into it asynchronously
-    (``cp.async``: LDGSTS in the SASS) and waits with groups still in flight (``num > 0``);
-    the single-buffered loop had ``1x64x512xbf16`` and ``async_wait {num = 0}`` only. 16-bit
-    operands run on the tensor cores (HMMA); fp32 ones in full fp32 (``ieee``, never tf32)."""
+    """The KV tile behind the page-table (or index) indirection is (at least) double-buffered:
+    TTGIR allocates a 2-deep (or deeper) ring of ``BLOCK_N x 512`` tiles, copies into it
+    asynchronously (``cp.async``: LDGSTS in the SASS) and waits with groups still in flight
+    (``num > 0``); the single-buffered loop had ``1x64x512xbf16`` and ``async_wait {num = 0}``
+    only. 16-bit operands run on the tensor cores (HMMA; a 64-head tile HGMMA, a warpgroup's
+    64 rows); fp32 ones in full fp32 (``ieee``, never tf32).
+
+    The one exception is chosen, not fallen into: the dense 64-head tile at 3 stages under
+    triton 3.6 (``_mla_launch._WIDE``), measured the fastest at 128 heads on an H200 (bound by
+    its MMAs, not its loads), allocates a 2-deep ring but waits for every copy group (``num =
+    0``); checked to be exactly that."""
     res = compiled[name]
-    dtype, tile = name.split("[")[1].split(",")[:2]
+    dtype, tile, _warps, stages = name.split("[")[1].split(",")[:4]
     block_n = tile.split("x")[1]
     elem = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[dtype]
     ttgir = res["ttgir"]
     print(f"{name}: buffers {ttgir['local_alloc']}, async_wait nums {ttgir['async_waits']}")
-    assert f"2x{block_n}x512x{elem}" in ttgir["local_alloc"]
-    assert ttgir["async_copies"] > 0 and max(ttgir["async_waits"]) > 0
-    assert res["sass"].get("LDGSTS.128", 0) > 0, res["sass"]
-    if elem != "f32":
-        assert res["sass"].get("HMMA", 0) > 0, res["sass"]  # 16-bit operands on tensor cores
+    ring = [
+        int(b.split("x")[0]) for b in ttgir["local_alloc"] if b.endswith(f"x{block_n}x512x{elem}")
+    ]
+    assert ring and max(ring) >= 2 and ttgir["async_copies"] > 0, ttgir["local_alloc"]
+    if stages == "s3":
+        assert tile == "64x32" and name.startswith("mla_decode"), name
+        assert max(ttgir["async_waits"]) == 0
     else:
-        assert not res["sass"].get("HMMA", 0), res["sass"]  # no tf32 rounding of fp32
+        assert max(ttgir["async_waits"]) > 0
+    sass = res["sass"]
+    assert sass.get("LDGSTS.128", 0) > 0, sass
+    if elem != "f32":  # 16-bit operands on tensor cores
+        assert sass.get("HGMMA" if tile.startswith("64x") else "HMMA", 0) > 0, sass
+    else:  # no tf32 rounding of fp32
+        assert not sass.get("HMMA", 0) and not sass.get("HGMMA", 0), sass
 
 
 @pytest.mark.parametrize("name", [n for n in VARIANTS if n.startswith("merge")])
@@ -113,9 +127,9 @@ def test_occupancy_table_matches_a_fresh_compile(compiled):
     """The checked-in table (``_sm90_table``, what the split policy reads off a GPU) is what
     this compile gives, under the triton that wrote it (regenerate with
     ``python -m mqnc.triton_kernels._compile --write-table``)."""
-    assert sorted(SM90_VARIANTS) == sorted(VARIANTS)
-    if triton.__version__ != TRITON:
+    if triton.__version__ != TRITON:  # (the tiles above 32 heads differ by version too)
         pytest.skip(f"table written by triton {TRITON}, this is {triton.__version__}")
+    assert sorted(SM90_VARIANTS) == sorted(VARIANTS)
     for name, row in SM90_VARIANTS.items():
         got = {k: compiled[name][k] for k in row}
         assert got == row, f"{name}: table {row}, compiled {got}"

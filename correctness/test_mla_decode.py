@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from mqnc.reference import mla_decode_reference
 from mqnc.testing import assert_close, default_device, tolerance
 from mqnc.triton_kernels import merge_partials, mla_decode_partial
+from mqnc.triton_kernels._mla_launch import _WIDE, _WIDE_ELSE, TileConfig, forced_tile
 from mqnc.triton_kernels.mla_decode import plan_decode
 
 D_QK, D_V = 576, 512
@@ -81,6 +82,31 @@ def test_decode_production_geometry_default_splits():
     plan = plan_decode(q, pool, table, lens, SCALE, D_V, None)
     assert plan.num_splits == 16 and len(plan.launches) == 2
     o, lse = mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE)
+    o_ref, lse_ref = mla_decode_reference(q, pool, table, lens, SCALE)
+    assert_close(o, o_ref, tolerance("mla", torch.bfloat16), name="o")
+    assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name="lse")
+
+
+# Every tile chosen above 32 heads, under any triton (``_mla_launch._WIDE``): the 64-head tiles
+# compile to HGMMA on the GPU; here the interpreter runs the same code at those block shapes.
+WIDE_DENSE = sorted({t[0].label for t in [*_WIDE.values(), _WIDE_ELSE]})
+TILE_KWARGS = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages")
+
+
+@pytest.mark.parametrize("tile", WIDE_DENSE)
+@pytest.mark.parametrize("heads,lengths,num_splits", [(40, [70, 0, 129], None), (128, [96], 3)])
+def test_decode_wide_tiles_match_fp64(tile, heads, lengths, num_splits):
+    """More than 32 heads at each tile the launcher may choose for them (a partial head block
+    at 40 heads; a row with no entries; split and unsplit), in bf16 against fp64."""
+    gen = torch.Generator().manual_seed(heads)
+    pool, table, lens = paged_cache(lengths, 64, torch.bfloat16, gen)
+    q = torch.randn(len(lengths), heads, D_QK, generator=gen).to(DEVICE, torch.bfloat16)
+    with forced_tile(tile):
+        kw = plan_decode(q, pool, table, lens, SCALE, D_V, num_splits).launches[0].kwargs
+        assert TileConfig(*(kw[k] for k in TILE_KWARGS)).label == tile
+        o, lse = mla_decode_partial(
+            q, pool, table, lens, softmax_scale=SCALE, num_splits=num_splits
+        )
     o_ref, lse_ref = mla_decode_reference(q, pool, table, lens, SCALE)
     assert_close(o, o_ref, tolerance("mla", torch.bfloat16), name="o")
     assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name="lse")

@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from mqnc.reference import mla_sparse_reference
 from mqnc.testing import assert_close, default_device, tolerance
 from mqnc.triton_kernels import merge_partials, mla_sparse_partial
+from mqnc.triton_kernels._mla_launch import _WIDE, _WIDE_ELSE, TileConfig, forced_tile
+from mqnc.triton_kernels.mla_sparse import plan_sparse
 
 D_QK = 576
 SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite with YaRN
@@ -67,6 +69,33 @@ def test_sparse_matches_fp64_reference(
     o, lse = mla_sparse_partial(q, pool, indices, softmax_scale=SCALE, num_splits=num_splits)
     o_ref, lse_ref = mla_sparse_reference(q, pool, indices, SCALE)
     assert_close(o, o_ref, tolerance("mla", dtype), name="o")
+    assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name="lse")
+
+
+# Every sparse tile chosen above 32 heads, under any triton (``_mla_launch._WIDE``).
+WIDE_SPARSE = sorted({t[1].label for t in [*_WIDE.values(), _WIDE_ELSE]})
+
+
+@pytest.mark.parametrize("tile", WIDE_SPARSE)
+@pytest.mark.parametrize("heads,B,topk,num_splits", [(40, 2, 70, None), (128, 1, 100, 3)])
+def test_sparse_wide_tiles_match_fp64(tile, heads, B, topk, num_splits):
+    """More than 32 heads at each tile the launcher may choose for them (a partial head block
+    at 40 heads; masked indices; split and unsplit), in bf16 against fp64."""
+    gen = torch.Generator().manual_seed(heads)
+    num_blocks = math.ceil(topk / 64) + 3
+    indices = selection(gen, B, topk, num_blocks * 64, 0.3)
+    pool = pool_with(indices, num_blocks, 64, torch.bfloat16, gen)
+    q = torch.randn(B, heads, D_QK, generator=gen).to(DEVICE, torch.bfloat16)
+    indices = indices.to(DEVICE)
+    with forced_tile(tile, sparse=True):
+        kw = plan_sparse(q, pool, indices, SCALE, 512, num_splits).launches[0].kwargs
+        assert (
+            TileConfig(*(kw[k] for k in ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages"))).label
+            == tile
+        )
+        o, lse = mla_sparse_partial(q, pool, indices, softmax_scale=SCALE, num_splits=num_splits)
+    o_ref, lse_ref = mla_sparse_reference(q, pool, indices, SCALE)
+    assert_close(o, o_ref, tolerance("mla", torch.bfloat16), name="o")
     assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name="lse")
 
 

@@ -8,8 +8,9 @@
 # Times the H 128 goal shapes (dense and sparse) once per candidate tile (perf.bench_mla --tiles:
 # each tile's output first compared with the default tile's, which the GPU tier checks against
 # fp64), between two copy-ceiling measurements (the GPU cold, then warm). The candidates are the
-# tiles that compile without spills for sm_90 under both triton 3.6.0 and 3.9.0; the 64-head
-# ones are the only ones whose SASS has HGMMA (wgmma). Records: $OUT/results.jsonl, each with
+# tiles that compile without spills for sm_90 under triton 3.6.0 (the GPU's; 64x32w8s3 and sparse
+# 64x16w8s5 spill under 3.9.0); the 64-head ones are the only ones whose SASS has HGMMA (wgmma).
+# The first sweep (0054671) chose the tiles above 32 heads (``_mla_launch._WIDE``). Records: $OUT/results.jsonl, each with
 # the commit ($MQNC_COMMIT, else .mqnc-commit, else git). Override the lists with $DENSE_TILES,
 # $SPARSE_TILES, $DENSE_SHAPES.
 set -uo pipefail

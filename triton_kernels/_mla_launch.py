@@ -121,6 +121,32 @@ class TileConfig:
 # and waits with `num = 4` groups in flight (triton 3.6.0 and 3.9.0; test_compile_sm90 checks).
 _DENSE = {16: TileConfig(16, 64, 8, 5), 32: TileConfig(32, 32, 8, 5)}
 _SPARSE = {16: TileConfig(16, 32, 8, 5), 32: TileConfig(32, 16, 8, 5)}
+# More than 32 heads (FlashMLA's 64 and 128), from a tile sweep on an H200 under triton 3.6.0
+# (``perf/gpu_tiles.sh`` at 0054671; every tile's output checked against the default tile's;
+# records in perf/results/results.jsonl, ``extra.tile``), p50 us:
+#   dense, B 1 c_t 8192 / B 8 c_t 32768 / B 64 c_t 8192:
+#     32x32w8s5 37.7 / 852.5 / 1695;  16x64w8s5 38.6 / 910 / 1814;  64x16w8s5 39.5 / 626 / 1218;
+#     64x32w8s3 30.9 / 446 / 864;  64x16w16s5, 64x32w16s5 slower than 32x32w8s5
+#   sparse top-2048, B 1 / B 8:
+#     32x16w8s5 32.5 / 103.3;  16x32w8s5 20.8 / 90.2;  64x16w8s5 23.8 / 55.7;
+#     64x16w16s5 33.3 / 84.4
+# Only the 64-head tiles compile to HGMMA (wgmma: a warpgroup's M is 64), and at 128 heads the
+# dense kernel is bound by its MMAs, not its loads (~370 GB/s of cache, 86-89 TFLOP/s at 32 x 32):
+# 64x32w8s3 (3 stages: a 2-deep ring, but every wait is for all copy groups) is still the
+# fastest. Under triton 3.9.0, where no GPU has run, the two fastest spill (104 B of stack dense,
+# 24 B sparse), so there the dense tile stays 32 x 32 and the sparse one is 16 x 32, the fastest
+# spill-free tiles measured. Every one of these tiles is checked against fp64 in the interpreter
+# (test_mla_decode / test_mla_sparse, ``forced_tile``) and compiled in test_compile_sm90.
+_WIDE = {(3, 6): (TileConfig(64, 32, 8, 3), TileConfig(64, 16, 8, 5))}  # (dense, sparse)
+_WIDE_ELSE = (_DENSE[32], _SPARSE[16])
+
+
+def _triton_minor() -> tuple[int, int]:
+    """(major, minor) of the triton in use."""
+    major, minor = re.findall(r"\d+", triton.__version__)[:2]
+    return int(major), int(minor)
+
+
 # fp32 caches: the 2-deep KV ring holds twice the bytes and the fp32 query and accumulator twice
 # the registers. At the 16-bit tiles the dense 16 x 64 kernel needs 336,960 B of shared memory
 # (sm_90 gives a CTA at most 232,448: it cannot launch) and the 32-head tiles spill. 16 heads x
@@ -141,13 +167,15 @@ def tile_config(
     spills read with cuobjdump under triton 3.6.0 and 3.9.0; the figures of the launched
     variants are in ``_sm90_table`` and README "Kernels"):
 
-    - dense: 16 heads x 64-entry tiles on 8 warps; above 16 heads, 32 heads x 32-entry tiles;
-    - sparse (the per-entry index arithmetic costs registers): 16 x 32 and 32 x 16.
+    - dense: 16 heads x 64-entry tiles on 8 warps; 17..32 heads, 32 heads x 32-entry tiles;
+    - sparse (the per-entry index arithmetic costs registers): 16 x 32 and 32 x 16;
+    - more than 32 heads, from a tile sweep on an H200 (the table above ``_WIDE``): under
+      triton 3.6 dense 64 x 32 on 8 warps at 3 stages (1.2x the 32 x 32 tile at B 1, c_t 8192,
+      1.9-2.0x at B 8 and 64) and sparse 64 x 16 (1.4 / 1.9x the 32 x 16 tile at B 1 / 8); under
+      any other triton, where those tiles spill, dense 32 x 32 and sparse 16 x 32 (1.6 / 1.1x).
 
-    64 packed heads (FlashMLA's shape) spill in every Triton configuration tried (8 or 16 warps,
-    16..64-entry tiles), its fp32 accumulator alone being 64 x 512; so H > 16 runs in programs
-    of 32 heads, the head blocks of one token scheduled together (grid axis 0) so that each of
-    the token's tiles is read from DRAM once and from L2 by the others.
+    The head blocks of one token are scheduled together (grid axis 0) so that each of the
+    token's tiles is read from DRAM once and from L2 by the others.
 
     An fp32 cache (``dtype``: the cache's; 4-byte elements) runs 16 heads x 16 entries on 16
     warps for every head count, dense and sparse: the 16-bit tiles exceed sm_90's shared memory
@@ -158,6 +186,8 @@ def tile_config(
     forced = _FORCED.get("sparse" if sparse else "dense")
     if forced is not None:
         return forced
+    if heads > 32:
+        return _WIDE.get(_triton_minor(), _WIDE_ELSE)[1 if sparse else 0]
     table = _SPARSE if sparse else _DENSE
     return table[16] if heads <= 16 else table[32]
 

@@ -75,13 +75,6 @@ SM90_VARIANTS: dict[str, dict] = {
         "stack": 0,
         "local": 0,
     },
-    "mla_sparse[bfloat16,32x16,w8,s5,out=fp32-split]": {
-        "registers": 146,
-        "num_warps": 8,
-        "shared": 75136,
-        "stack": 0,
-        "local": 0,
-    },
     "merge[bfloat16->bfloat16,M<=8,D=512,w1]": {
         "registers": 72,
         "num_warps": 1,
@@ -166,10 +159,10 @@ SM90_VARIANTS: dict[str, dict] = {
         "stack": 0,
         "local": 0,
     },
-    "mla_sparse[bfloat16,32x16,w8,s5,out=fp32-split,split-kv]": {
-        "registers": 151,
+    "mla_sparse[bfloat16,16x32,w8,s5,out=fp32-split,split-kv]": {
+        "registers": 117,
         "num_warps": 8,
-        "shared": 75136,
+        "shared": 93952,
         "stack": 0,
         "local": 0,
     },
