@@ -132,6 +132,31 @@ def test_caps_over_the_budget_are_refused_before_anything_runs(tmp_path):
     assert not (tmp_path / "results.jsonl").exists()
 
 
+def test_only_runs_the_named_steps(tmp_path):
+    """``ONLY=`` (a second call that measures one change): an unknown step name is refused
+    before anything runs; the named steps run and every other one is logged as skipped."""
+
+    def dry(only: str, out: Path):
+        return subprocess.run(
+            ["bash", str(SCRIPT), "--dry-run"],
+            cwd=ROOT,
+            env=_env(OUT=str(out), ONLY=only, MQNC_COMMIT="dryrun0commit", SITE=str(out / "s")),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    r = dry("env,bench_nope", tmp_path / "bad")
+    assert r.returncode == 3 and "ONLY: expected step names out of install" in r.stderr
+    assert "got 'bench_nope'" in r.stderr and not (tmp_path / "bad" / "env.json").exists()
+    r = dry("env", tmp_path / "ok")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = (tmp_path / "ok" / "summary.txt").read_text().splitlines()[1:]
+    steps = {line.split()[0]: line for line in lines if line.strip()}
+    assert "ok" in steps.pop("env") and "torch" in (tmp_path / "ok" / "env.json").read_text()
+    assert steps and all("skipped (not in ONLY)" in line for line in steps.values()), steps
+
+
 def test_a_stale_commit_file_is_refused_before_anything_runs(tmp_path):
     """The records' commit comes from ``.mqnc-commit`` before git (the device copy's ``.git`` is
     what has landed, older than the tree it runs); the dry run, where git is right, refuses a

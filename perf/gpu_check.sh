@@ -5,6 +5,7 @@
 #   bash perf/gpu_check.sh             on the GPU machine, from the repository root, $OUT set
 #   bash perf/gpu_check.sh --dry-run   on a CPU machine: every step's real command, with the
 #                                      interpreter and tiny sizes (correctness/test_gpu_check.py)
+#   ONLY="install warmup bench_mla report tests" bash perf/gpu_check.sh    a subset of the steps
 #
 # Steps, in priority order, each with a cap (seconds; the caps sum to at most BUDGET - RESERVE,
 # checked before anything runs; a step is clamped to what is left and skipped under 10 s; a
@@ -115,6 +116,17 @@ T0=$SECONDS
 status=0
 : >"$OUT/summary.txt"
 
+# ONLY="install warmup bench_mla" (names of STEPS, space- or comma-separated): run just those,
+# e.g. a second call after the full check to measure a kernel change; every other step is
+# logged as skipped. The caps still sum as for the full check.
+ONLY=${ONLY:-}
+ONLY=${ONLY//,/ }
+for s in $ONLY; do
+  if [ -z "${CAP[$s]:-}" ]; then
+    echo "ONLY: expected step names out of ${STEPS[*]}, got '$s'" >&2
+    exit 3
+  fi
+done
 total=0
 for s in "${STEPS[@]}"; do total=$((total + CAP[$s])); done
 if ((total > BUDGET - RESERVE)); then
@@ -128,6 +140,10 @@ echo "budget: ${#STEPS[@]} steps, caps ${total} s + reserve ${RESERVE} s <= ${BU
 step() { # step NAME CMD...: run CMD under NAME's cap (clamped to the budget left)
   local name=$1 secs=${CAP[$1]}
   shift
+  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then
+    printf '%-13s skipped (not in ONLY)\n' "$name" | tee -a "$OUT/summary.txt"
+    return
+  fi
   local left=$((BUDGET - RESERVE - (SECONDS - T0)))
   ((secs > left)) && secs=$left
   if ((secs < 10)); then
