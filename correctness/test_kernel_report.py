@@ -80,11 +80,28 @@ def test_mla_shapes_count_their_bytes_and_join_the_measured_p50(tmp_path):
     """The MLA rows of the report (the GPU check's ``report`` step failed on them once: a launch
     argument read by position after the launch's arguments had moved). A shape's bytes are the
     op's own (cache, page or index table, queries, outputs) plus, when split, each split's fp32
-    partials written once and read once by the combine; ``--measured`` joins a record's p50."""
+    partials written once and read once by the combine; ``--measured`` joins a record's p50:
+    the last GPU-timed one of the last GPU's, at the launcher's own tile, and predicts at that
+    GPU's median copy record."""
     measured = tmp_path / "results.jsonl"
     label = "mla_decode H=16 B=1 ct=2048"
-    rec = {"bench": "mla_decode", "backend": "triton", "p50": 12.5, "extra": {"shape": label}}
-    measured.write_text(json.dumps(rec) + "\n")
+
+    def rec(p50, device="NVIDIA H200", method="cuda-graph", bench="mla_decode", **extra):
+        timing = {"timing": {"method": method}}
+        return {
+            **{"bench": bench, "backend": "triton", "p50": p50, "device": device},
+            **{"gbps": extra.pop("gbps", None), "extra": {"shape": label, **extra, **timing}},
+        }
+
+    recs = [
+        rec(2.0, device="NVIDIA H100"),  # another GPU, before the H200's run
+        rec(99.0),  # an older run of the same GPU: the last record wins
+        rec(12.5),
+        rec(1.0, tile="64x32w8s3"),  # a forced tile of a sweep: not the launcher's
+        *(rec(1.0, bench="copy", gbps=g, shape=None) for g in (2700.0, 2710.0, 9000.0)),
+        rec(3.0, method="host-clock", device="CPU"),  # interpreted on a CPU, last
+    ]
+    measured.write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = tmp_path / "mla.jsonl"
     r = _report(
         "perf.kernel_report",
@@ -98,6 +115,7 @@ def test_mla_shapes_count_their_bytes_and_join_the_measured_p50(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     shape_row = f"| {label} | holder partial <= 15 us | 2 |"
     assert [x for x in r.stdout.splitlines() if x.startswith(shape_row)][0].endswith("| 12.5 |")
+    assert "2.71 TB/s: NVIDIA H200's copy records" in r.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     shapes = {x["shape"]: x for x in rows if x["kind"] == "shape"}
     launches = [x for x in rows if x["kind"] == "launch"]

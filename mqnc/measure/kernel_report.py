@@ -17,18 +17,23 @@ and options as the real launch; no GPU needed) and reports:
   programs share are counted once: its head blocks run side by side and share them through L2);
 - the load and MMA mix from the SASS: ``LDGSTS`` (cp.async, all widths), ``LDG128`` (16-byte
   loads), ``LDG<128`` (narrower ones), ``TMA`` (UTMALDG), ``HMMA``, ``HGMMA``;
-- ``pred_us = MB / ceiling / fill``: the time at the copy ceiling (4.3 TB/s, the H200's measured
-  device copy, issue 13) when the SMs in use stream at their share of it (``fill``: the used
-  fraction of the waves' CTA slots, or, for a grid of less than one wave, of the 132 SMs, since
-  the CTAs spread one per SM first); a shape's total adds ``LAUNCH_US`` (2 us) per dependent
-  launch after the first, and ``pct_of_ceiling`` is the op's essential bytes (cache, queries,
-  outputs: what the benchmarks' GB/s count, not the split partials) at the ceiling over it.
+- ``pred_us = MB / ceiling / fill``: the time at the copy ceiling (``--ceiling-tbps``; else the
+  median ``copy`` record of the measured device in ``--measured``, 2.71 TB/s on the H200 that
+  ran it; else issue 13's 4.3 TB/s) when the SMs in use stream at their share of it (``fill``:
+  the used fraction of the waves' CTA slots, or, for a grid of less than one wave, of the 132
+  SMs, since the CTAs spread one per SM first); a shape's total adds ``LAUNCH_US`` (2 us) per
+  dependent launch after the first, and ``pct_of_ceiling`` is the op's essential bytes (cache,
+  queries, outputs: what the benchmarks' GB/s count, not the split partials) at the ceiling
+  over it.
 
 Records are JSON lines (one per launch, ``"kind": "launch"``, and one per shape, ``"shape"``)
 appended to ``--out`` (default ``out/kernel_report.jsonl`` under the working directory,
 untracked in the repository; never the benchmarks' ``perf/results/results.jsonl``).
 ``--measured FILE`` joins the p50 of benchmark records whose ``extra.shape`` is a goal shape's
-label (what ``--goals`` sweeps record) into the table.
+label (what ``--goals`` sweeps record) into the table: GPU-timed records only
+(``extra.timing.method`` not ``host-clock``), of one device (the last such record's), at the
+launcher's own tile (a tile sweep's forced tiles, ``extra.tile``, are left out); of several
+records of a shape, the last.
 Runs in compiled mode, ``TRITON_INTERPRET=0``, which it sets itself when the variable is unset (it
 compiles; it never launches; on a CPU-only torch importing the kernels would otherwise choose the
 interpreter); ``TRITON_INTERPRET=1`` is refused.
@@ -110,7 +115,10 @@ def _ops_arg(text: str) -> set[str]:
     return {t.strip() for t in text.split(",") if t.strip()}
 
 
-def report(ops=None, ceiling_tbps: float = 4.3, arch: int = 90):
+DEFAULT_CEILING_TBPS = 4.3  # issue 13's copy ceiling, where no measured one is given
+
+
+def report(ops=None, ceiling_tbps: float = DEFAULT_CEILING_TBPS, arch: int = 90):
     """Compile and predict every goal shape; returns (launch rows, shape rows)."""
     from mqnc.triton_kernels._compile import compile_launch, resources
     from mqnc.triton_kernels._grid import LAUNCH_US, SM90, Occupancy, waves
@@ -203,17 +211,29 @@ def report(ops=None, ceiling_tbps: float = 4.3, arch: int = 90):
     return launches_out, shapes_out
 
 
-def _measured(path: str) -> dict[str, float]:
-    out = {}
+def _measured(path: str) -> tuple[dict[str, float], float | None, str | None]:
+    """``(p50 by goal label, copy ceiling TB/s or None, device or None)`` from a results file
+    (see the module docstring: one device's GPU-timed records at the launcher's own tiles)."""
+    recs = []
     with open(path) as f:
         for line in f:
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            label = (rec.get("extra") or {}).get("shape")
-            if label and rec.get("backend") == "triton":
-                out[label] = rec["p50"]
-    return out
+            if line.strip():
+                rec = json.loads(line)
+                extra = rec.get("extra") or {}
+                if (extra.get("timing") or {}).get("method", "host-clock") != "host-clock":
+                    recs.append(rec)
+    if not recs:
+        return {}, None, None
+    device = recs[-1].get("device")
+    recs = [r for r in recs if r.get("device") == device]
+    out = {}
+    for rec in recs:
+        extra = rec["extra"]
+        if extra.get("shape") and rec.get("backend") == "triton" and "tile" not in extra:
+            out[extra["shape"]] = rec["p50"]
+    copies = sorted(r["gbps"] / 1e3 for r in recs if r.get("bench") == "copy" and r.get("gbps"))
+    ceiling = copies[len(copies) // 2] if copies else None
+    return out, ceiling, device
 
 
 def format_table(launches: list[dict], shapes: list[dict], measured: dict | None = None) -> str:
@@ -276,7 +296,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--ops", type=_ops_arg, default=None, help="comma list: mla_decode,mla_sparse,merge,..."
     )
-    ap.add_argument("--ceiling-tbps", type=float, default=4.3, help="copy ceiling, TB/s")
+    ap.add_argument(
+        "--ceiling-tbps",
+        type=float,
+        default=None,
+        help="copy ceiling, TB/s (default: the --measured device's copy records, else 4.3)",
+    )
     ap.add_argument("--measured", default=None, help="benchmark results.jsonl to join")
     ap.add_argument("--arch", type=int, default=90)
 
@@ -297,14 +322,24 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kernel-report: error: --ops: {exc}", file=sys.stderr)
         return 2
-    launches, shapes = report(args.ops, args.ceiling_tbps, args.arch)
+    measured, copy_tbps, device = _measured(args.measured) if args.measured else ({}, None, None)
+    ceiling = args.ceiling_tbps or copy_tbps or DEFAULT_CEILING_TBPS
+    launches, shapes = report(args.ops, ceiling, args.arch)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as f:
         for row in launches + shapes:
             f.write(json.dumps(row) + "\n")
-    measured = _measured(args.measured) if args.measured else None
-    print(f"PREDICTIONS (sm_90, triton {launches[0]['triton']}, {args.ceiling_tbps} TB/s):")
+    source = (
+        "--ceiling-tbps"
+        if args.ceiling_tbps
+        else f"{device}'s copy records"
+        if copy_tbps
+        else "issue 13's figure"
+    )
+    print(f"PREDICTIONS (sm_90, triton {launches[0]['triton']}, {ceiling:.3g} TB/s: {source}):")
+    if args.measured:
+        print(f"measured p50: {len(measured)} goal shapes of {device or 'no GPU-timed record'}")
     print(format_table(launches, shapes, measured))
     if any(s["op"] == "mla_decode" for s in shapes):
         print("\nDense decode, predicted us (% of the ceiling):")
