@@ -86,11 +86,14 @@ def test_mla_shapes_count_their_bytes_and_join_the_measured_p50(tmp_path):
     measured = tmp_path / "results.jsonl"
     label = "mla_decode H=16 B=1 ct=2048"
 
+    sparse = "mla_sparse H=128 B=1 topk=2048"
+
     def rec(p50, device="NVIDIA H200", method="cuda-graph", bench="mla_decode", **extra):
         timing = {"timing": {"method": method}}
+        extra = {"shape": label, **extra, **timing}
         return {
             **{"bench": bench, "backend": "triton", "p50": p50, "device": device},
-            **{"gbps": extra.pop("gbps", None), "extra": {"shape": label, **extra, **timing}},
+            **{"gbps": extra.pop("gbps", None), "extra": extra},
         }
 
     recs = [
@@ -98,6 +101,7 @@ def test_mla_shapes_count_their_bytes_and_join_the_measured_p50(tmp_path):
         rec(99.0),  # an older run of the same GPU: the last record wins
         rec(12.5),
         rec(1.0, tile="64x32w8s3"),  # a forced tile of a sweep: not the launcher's
+        rec(32.8, bench="mla_sparse", shape=sparse, launcher_tile="1024x16w8s5"),  # another tile
         *(rec(1.0, bench="copy", gbps=g, shape=None) for g in (2700.0, 2710.0, 9000.0)),
         rec(3.0, method="host-clock", device="CPU"),  # interpreted on a CPU, last
     ]
@@ -116,6 +120,8 @@ def test_mla_shapes_count_their_bytes_and_join_the_measured_p50(tmp_path):
     shape_row = f"| {label} | holder partial <= 15 us | 2 |"
     assert [x for x in r.stdout.splitlines() if x.startswith(shape_row)][0].endswith("| 12.5 |")
     assert "2.71 TB/s: NVIDIA H200's copy records" in r.stdout
+    sparse_row = [x for x in r.stdout.splitlines() if x.startswith(f"| {sparse} | <= 30 us |")][0]
+    assert sparse_row.endswith("| 32.8 (at 1024x16w8s5) |"), sparse_row
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     shapes = {x["shape"]: x for x in rows if x["kind"] == "shape"}
     launches = [x for x in rows if x["kind"] == "launch"]

@@ -164,9 +164,14 @@ def _vs_default(got, ref) -> dict:
 
 def _goals(run, too_big, only, shapes, dev, dtype, elt, kernel, gen) -> None:
     """One record per goal shape of the dense and sparse ops (``_variants.GOALS``)."""
+    from mqnc.triton_kernels._mla_launch import tile_config
+
     for shape in shapes:
         B, H, n = shape.B, shape.H, shape.ct
         extra = {"B": B, "H": H, "page": 64, "shape": shape.label, "goal": shape.goal}
+        if kernel:  # the tile the launcher chose here (it depends on the triton version)
+            sparse = shape.op == "mla_sparse"
+            extra["launcher_tile"] = tile_config(H, sparse=sparse, dtype=dtype).label
         if shape.op == "mla_decode" and "dense" in only:
             if too_big(B * n):
                 print(f"{shape.label}: skipped on CPU (gather too big)")

@@ -33,7 +33,8 @@ untracked in the repository; never the benchmarks' ``perf/results/results.jsonl`
 label (what ``--goals`` sweeps record) into the table: GPU-timed records only
 (``extra.timing.method`` not ``host-clock``), of one device (the last such record's), at the
 launcher's own tile (a tile sweep's forced tiles, ``extra.tile``, are left out); of several
-records of a shape, the last.
+records of a shape, the last; a record whose ``extra.launcher_tile`` is not the tile predicted
+(the choice depends on the triton version) shows it beside its p50.
 Runs in compiled mode, ``TRITON_INTERPRET=0``, which it sets itself when the variable is unset (it
 compiles; it never launches; on a CPU-only torch importing the kernels would otherwise choose the
 interpreter); ``TRITON_INTERPRET=1`` is refused.
@@ -198,6 +199,7 @@ def report(ops=None, ceiling_tbps: float = DEFAULT_CEILING_TBPS, arch: int = 90)
                 "op": shape.op,
                 "goal": shape.goal,
                 "launches": len(plan),
+                "tile": _tile_of(plan[0].name) if shape.op.startswith("mla") else None,
                 "bytes": total_bytes,
                 "pred_us": round(total_us, 2),
                 "essential_bytes": essential_bytes(shape),
@@ -211,9 +213,15 @@ def report(ops=None, ceiling_tbps: float = DEFAULT_CEILING_TBPS, arch: int = 90)
     return launches_out, shapes_out
 
 
-def _measured(path: str) -> tuple[dict[str, float], float | None, str | None]:
-    """``(p50 by goal label, copy ceiling TB/s or None, device or None)`` from a results file
-    (see the module docstring: one device's GPU-timed records at the launcher's own tiles)."""
+def _tile_of(variant: str) -> str:
+    """``"mla_decode[bfloat16,32x32,w8,s5,...]"`` -> ``"32x32w8s5"`` (``TileConfig.label``)."""
+    return "".join(variant.split("[")[1].split(",")[1:4])
+
+
+def _measured(path: str) -> tuple[dict[str, tuple], float | None, str | None]:
+    """``({goal label: (p50, the launcher's tile or None)}, copy ceiling TB/s or None, device or
+    None)`` from a results file (see the module docstring: one device's GPU-timed records at
+    the launcher's own tiles)."""
     recs = []
     with open(path) as f:
         for line in f:
@@ -230,7 +238,7 @@ def _measured(path: str) -> tuple[dict[str, float], float | None, str | None]:
     for rec in recs:
         extra = rec["extra"]
         if extra.get("shape") and rec.get("backend") == "triton" and "tile" not in extra:
-            out[extra["shape"]] = rec["p50"]
+            out[extra["shape"]] = (rec["p50"], extra.get("launcher_tile"))
     copies = sorted(r["gbps"] / 1e3 for r in recs if r.get("bench") == "copy" and r.get("gbps"))
     ceiling = copies[len(copies) // 2] if copies else None
     return out, ceiling, device
@@ -266,9 +274,14 @@ def format_table(launches: list[dict], shapes: list[dict], measured: dict | None
     lines.append("|---|---|---|---|---|---|---|")
     for s in shapes:
         got = (measured or {}).get(s["shape"])
+        cell = "-"
+        if got is not None:  # a record of another tile than the one predicted says so
+            p50, tile = got
+            other = tile and s.get("tile") and tile != s["tile"]
+            cell = f"{p50:.1f}" + (f" (at {tile})" if other else "")
         lines.append(
             f"| {s['shape']} | {s['goal']} | {s['launches']} | {s['bytes'] / 1e6:.2f} | "
-            f"{s['pred_us']} | {s['pct_of_ceiling']} | {'-' if got is None else f'{got:.1f}'} |"
+            f"{s['pred_us']} | {s['pct_of_ceiling']} | {cell} |"
         )
     return "\n".join(lines)
 
