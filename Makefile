@@ -48,7 +48,8 @@ format: $(STAMP)
 # The launch-exact sm_90 compile tests (every production variant; the NVSHMEM device kernels at
 # PE 1 / sequence 1) under the GPU machine's triton (3.6.0), in a side venv (torch 2.13.0 CPU,
 # triton from PyPI, NVSHMEM's bitcode, this package editable, no other extras): registers and
-# spills differ between triton versions, and the GPU runs 3.6.0.
+# spills differ between triton versions, and the GPU runs 3.6.0; and the tile choice and split
+# policy, which above 32 heads depend on the triton version (test_tiles, test_grid).
 COMPAT        ?= .venv-compat
 COMPAT_TRITON ?= 3.6.0
 
@@ -58,7 +59,8 @@ compat:
 		numpy einops tqdm pytest hypothesis nvidia-nvshmem-cu13==3.4.5
 	$(COMPAT)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(COMPAT)/bin/python -m pytest correctness/test_compile_sm90.py \
-		correctness/test_nvshmem_kernels.py -q -rs -s $(PYTEST_ARGS)
+		correctness/test_nvshmem_kernels.py correctness/test_grid.py correctness/test_tiles.py \
+		-q -rs -s $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(COMPAT) .pytest_cache .hypothesis

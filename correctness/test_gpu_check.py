@@ -149,7 +149,9 @@ def test_only_runs_the_named_steps(tmp_path):
     r = dry("env,bench_nope", tmp_path / "bad")
     assert r.returncode == 3 and "ONLY: expected step names out of install" in r.stderr
     assert "got 'bench_nope'" in r.stderr and not (tmp_path / "bad" / "env.json").exists()
-    r = dry("env", tmp_path / "ok")
+    r = dry(" ,\t", tmp_path / "none")
+    assert r.returncode == 3 and r.stderr.rstrip().endswith("got none"), r.stderr
+    r = dry(" env,\n", tmp_path / "ok")  # commas, spaces, tabs and newlines separate names
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     lines = (tmp_path / "ok" / "summary.txt").read_text().splitlines()[1:]
     steps = {line.split()[0]: line for line in lines if line.strip()}

@@ -23,7 +23,7 @@ from mqnc.triton_kernels._grid import (
     choose_num_splits,
     split_cost,
 )
-from mqnc.triton_kernels._mla_launch import split_bytes, tile_config
+from mqnc.triton_kernels._mla_launch import _DENSE, _WIDE, TileConfig, split_bytes, tile_config
 from mqnc.triton_kernels._variants import GOALS, shape_launches
 
 
@@ -44,8 +44,13 @@ def test_ctas_per_sm_from_registers_threads_and_shared_memory(regs, threads, sha
     assert Occupancy(regs, threads, shared).ctas_per_sm(SM90) == ctas
 
 
-def _bytes(H):
-    return split_bytes(tile_config(H), 576, 512, 2, H)
+# The worked examples are for explicit tiles (the launcher's choice above 32 heads depends on the
+# triton version, ``_mla_launch._WIDE``): 16 heads x 64 entries, 32 x 32, and triton 3.6's 64 x 32.
+TILE_16, TILE_32, TILE_64 = _DENSE[16], _DENSE[32], _WIDE[(3, 6)][0]
+
+
+def _bytes(H, cfg: TileConfig | None = None):
+    return split_bytes(cfg or tile_config(H), 576, 512, 2, H)
 
 
 @given(
@@ -67,11 +72,11 @@ def test_choice_is_the_cheapest_allowed_split(programs, tiles, heads, slots):
         assert tiles // s * tile_config(heads).block_n >= MIN_TOKENS_PER_SPLIT
 
 
-def _dense(H, B, ct, slots=132):
-    cfg = tile_config(H)
+def _dense(H, B, ct, slots=132, cfg: TileConfig | None = None):
+    cfg = cfg or (TILE_16 if H <= 16 else TILE_32)
     programs = B * math.ceil(H / cfg.block_h)
     tiles = math.ceil(ct / cfg.block_n)
-    b = _bytes(H)
+    b = _bytes(H, cfg)
     s = choose_num_splits(programs, tiles, slots=slots, **b)
     b.pop("min_tiles")
     return split_cost(s, programs=programs, tiles=tiles, slots=slots, **b)
@@ -107,18 +112,36 @@ def test_issue_examples():
     assert _dense(16, 1, 65536, slots=264).ctas == 256
 
 
+@pytest.mark.parametrize("B", [1, 2, 4, 8, 16, 32, 64, 128])
+@pytest.mark.parametrize("ct", [2048, 8192, 32768, 65536])
+def test_goal_shapes_at_64_head_tiles(B, ct):
+    """H 128 at triton 3.6's 64 x 32 tile (2 head blocks a token): every wave at least 96% full
+    from B x c_t = 16k entries up; below, the fp32 partials each split adds (64 KB a token) cost
+    more than the SMs they would fill, yet a third of the SMs or more still work (44, 64 and
+    104 CTAs)."""
+    c = _dense(128, B, ct, cfg=TILE_64)
+    print(f"B={B} ct={ct}: S={c.num_splits} {c.ctas} CTAs, {c.waves} waves, {c.fill:.2f}")
+    if B * ct < 16384:
+        assert c.ctas >= 44 and c.waves == 1
+    else:
+        assert c.fill >= 0.96
+
+
 def test_split_kv_merge_traffic_stays_small_at_long_contexts():
     """B 1, c_t 65536: the partials the combine reads back are a small fraction of the cache
-    read (H 16: 128 splits, 5.6%; H 128: 33 splits of 4 head blocks, 11.5%)."""
-    for H, frac in ((16, 0.06), (128, 0.12)):
-        c = _dense(H, 1, 65536)
+    read (H 16: 128 splits, 5.6%; H 128: 33 splits of 4 head blocks, 11.5%; at 64-head tiles,
+    64 splits of 2 head blocks, 22%: the split count doubles for the same CTAs and the 64 KB
+    of fp32 partial per split and token stays)."""
+    for H, frac, cfg in ((16, 0.06, TILE_16), (128, 0.12, TILE_32), (128, 0.23, TILE_64)):
+        c = _dense(H, 1, 65536, cfg=cfg)
         assert c.merge_bytes < frac * c.kv_bytes
 
 
 def test_head_blocks_of_one_token_are_scheduled_together():
-    """H 128: the grid is (tokens x head blocks, splits): the four head blocks of a token are
-    consecutive programs on axis 0 (which varies fastest), so they run in the same wave and
-    read the token's tiles from DRAM once; the rows on axis 0, not on axis 2 (65,535 at most)."""
+    """H 128: the grid is (tokens x head blocks, splits): the head blocks of a token (four of 32
+    heads, or two of 64) are consecutive programs on axis 0 (which varies fastest), so they run
+    in the same wave and read the token's tiles from DRAM once; the rows on axis 0, not on axis
+    2 (65,535 at most)."""
     shape = next(s for s in GOALS if s.op == "mla_decode" and (s.H, s.B) == (128, 64))
     attend = shape_launches(shape)[0]
     assert len(attend.grid) == 2 and attend.grid[0] == 64 * (128 // tile_config(128).block_h)

@@ -69,11 +69,18 @@ def test_mqnc_kernel_report_subcommand(tmp_path):
 
 def test_an_unknown_op_is_one_line_before_anything_compiles(tmp_path):
     out = tmp_path / "typo.jsonl"
+    missing = tmp_path / "nope.jsonl"
     for module in ("perf.kernel_report", "mqnc kernel-report"):
-        r = _report(module, "--ops", "mla_decod", "--out", str(out), cwd=ROOT)
-        assert r.returncode == 2, r.stderr[-2000:]
-        assert "--ops: expected names out of merge,mla_decode,mla_sparse" in r.stderr
-        assert "Traceback" not in r.stderr and not out.exists()
+        for args, message in (
+            (("--ops", "mla_decod"), "--ops: expected names out of merge,mla_decode,mla_sparse"),
+            (("--ceiling-tbps", "0"), "--ceiling-tbps: expected a positive number of TB/s, got"),
+            (("--ceiling-tbps", "-1"), "expected a positive number of TB/s, got '-1'"),
+            (("--measured", str(missing)), f"--measured: no such file: {missing}"),
+        ):
+            r = _report(module, *args, "--out", str(out), cwd=ROOT)
+            assert r.returncode == 2, r.stderr[-2000:]
+            assert message in r.stderr, r.stderr[-2000:]
+            assert "Traceback" not in r.stderr and not out.exists()
 
 
 def test_mla_shapes_count_their_bytes_and_join_the_measured_p50(tmp_path):
@@ -86,7 +93,7 @@ def test_mla_shapes_count_their_bytes_and_join_the_measured_p50(tmp_path):
     measured = tmp_path / "results.jsonl"
     label = "mla_decode H=16 B=1 ct=2048"
 
-    sparse = "mla_sparse H=128 B=1 topk=2048"
+    sparse, older = "mla_sparse H=128 B=1 topk=2048", "mla_decode H=16 B=2 ct=2048"
 
     def rec(p50, device="NVIDIA H200", method="cuda-graph", bench="mla_decode", **extra):
         timing = {"timing": {"method": method}}
@@ -99,7 +106,8 @@ def test_mla_shapes_count_their_bytes_and_join_the_measured_p50(tmp_path):
     recs = [
         rec(2.0, device="NVIDIA H100"),  # another GPU, before the H200's run
         rec(99.0),  # an older run of the same GPU: the last record wins
-        rec(12.5),
+        rec(12.5, launcher_tile="16x64w8s5"),  # the tile the report predicts: no mark
+        rec(12.9, shape=older),  # a record from before launcher_tile: its tile unknown
         rec(1.0, tile="64x32w8s3"),  # a forced tile of a sweep: not the launcher's
         rec(32.8, bench="mla_sparse", shape=sparse, launcher_tile="1024x16w8s5"),  # another tile
         *(rec(1.0, bench="copy", gbps=g, shape=None) for g in (2700.0, 2710.0, 9000.0)),
@@ -122,6 +130,9 @@ def test_mla_shapes_count_their_bytes_and_join_the_measured_p50(tmp_path):
     assert "2.71 TB/s: NVIDIA H200's copy records" in r.stdout
     sparse_row = [x for x in r.stdout.splitlines() if x.startswith(f"| {sparse} | <= 30 us |")][0]
     assert sparse_row.endswith("| 32.8 (at 1024x16w8s5) |"), sparse_row
+    assert [x for x in r.stdout.splitlines() if x.startswith(f"| {older} | >= 80%")][0].endswith(
+        "| 12.9 (at ?) |"
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     shapes = {x["shape"]: x for x in rows if x["kind"] == "shape"}
     launches = [x for x in rows if x["kind"] == "launch"]

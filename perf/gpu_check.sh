@@ -5,7 +5,7 @@
 #   bash perf/gpu_check.sh             on the GPU machine, from the repository root, $OUT set
 #   bash perf/gpu_check.sh --dry-run   on a CPU machine: every step's real command, with the
 #                                      interpreter and tiny sizes (correctness/test_gpu_check.py)
-#   ONLY="install warmup bench_mla report tests" bash perf/gpu_check.sh    a subset of the steps
+#   ONLY="install copy warmup bench_mla report tests" bash perf/gpu_check.sh    a subset of the steps
 #
 # Steps, in priority order, each with a cap (seconds; the caps sum to at most BUDGET - RESERVE,
 # checked before anything runs; a step is clamped to what is left and skipped under 10 s; a
@@ -119,14 +119,23 @@ status=0
 # ONLY="install warmup bench_mla" (names of STEPS, space- or comma-separated): run just those,
 # e.g. a second call after the full check to measure a kernel change; every other step is
 # logged as skipped. The caps still sum as for the full check.
+if [ -n "${ONLY+set}" ]; then # commas, spaces, tabs, newlines: one space between names
+  ONLY=$(printf '%s' "$ONLY" | tr -s ', \t\n' '    ')
+  ONLY=${ONLY# } && ONLY=${ONLY% }
+  if [ -z "$ONLY" ]; then
+    echo "ONLY: expected step names out of ${STEPS[*]}, got none" >&2
+    exit 3
+  fi
+fi
 ONLY=${ONLY:-}
-ONLY=${ONLY//,/ }
+set -f # a name is a word, never a file pattern
 for s in $ONLY; do
   if [ -z "${CAP[$s]:-}" ]; then
     echo "ONLY: expected step names out of ${STEPS[*]}, got '$s'" >&2
     exit 3
   fi
 done
+set +f
 total=0
 for s in "${STEPS[@]}"; do total=$((total + CAP[$s])); done
 if ((total > BUDGET - RESERVE)); then

@@ -131,12 +131,13 @@ _SPARSE = {16: TileConfig(16, 32, 8, 5), 32: TileConfig(32, 16, 8, 5)}
 #     32x16w8s5 32.5 / 103.3;  16x32w8s5 20.8 / 90.2;  64x16w8s5 23.8 / 55.7;
 #     64x16w16s5 33.3 / 84.4
 # Only the 64-head tiles compile to HGMMA (wgmma: a warpgroup's M is 64), and at 128 heads the
-# dense kernel is bound by its MMAs, not its loads (~370 GB/s of cache, 86-89 TFLOP/s at 32 x 32):
+# dense kernel is bound by its MMAs, not its loads (300-400 GB/s, 86-89 TFLOP/s at 32 x 32):
 # 64x32w8s3 (3 stages: a 2-deep ring, but every wait is for all copy groups) is still the
 # fastest. Under triton 3.9.0, where no GPU has run, the two fastest spill (104 B of stack dense,
 # 24 B sparse), so there the dense tile stays 32 x 32 and the sparse one is 16 x 32, the fastest
 # spill-free tiles measured. Every one of these tiles is checked against fp64 in the interpreter
-# (test_mla_decode / test_mla_sparse, ``forced_tile``) and compiled in test_compile_sm90.
+# (test_mla_decode / test_mla_sparse, ``forced_tile``); test_compile_sm90 compiles each under the
+# triton that chooses it (the 3.6 tiles in ``make compat``).
 _WIDE = {(3, 6): (TileConfig(64, 32, 8, 3), TileConfig(64, 16, 8, 5))}  # (dense, sparse)
 _WIDE_ELSE = (_DENSE[32], _SPARSE[16])
 

@@ -8,18 +8,20 @@ all heads, returning the partial ``(o [B, H, 512], lse [B, H])`` the requester m
 Kernel design (decisions written down here, where the issue was silent):
 
 - **Heads packed**: one program handles ``BLOCK_H`` heads of one query token (16 for H <= 16,
-  else 32; FlashMLA's 64 spills registers in Triton, see ``_mla_launch.tile_config``) and
-  streams that token's cache tiles once for all of them; the value is the first ``d_v`` dims of
+  32 for 17..32, and above 32 heads FlashMLA's 64 under triton 3.6, where it compiles to HGMMA
+  without spilling, else 32; see ``_mla_launch.tile_config``) and streams that token's cache
+  tiles once for all of them; the value is the first ``d_v`` dims of
   the same tile (no second read of the latent).
 - **Grid order**: ``(B * ceil(H / BLOCK_H), S)``, a token's head blocks adjacent on axis 0, so
   the head blocks of one token (and split) run side by side and read each tile once from DRAM,
   then from L2; the rows are on axis 0 (up to 2**31 - 1 programs), not on axis 2, whose 65,535
   would refuse a launch of more query rows (a long sparse prefill, ``B * s_q`` rows).
-- **Paged, pipelined**: the ``BLOCK_N`` (64, or 32 at 32 heads) entries of a tile are looked
+- **Paged, pipelined**: the ``BLOCK_N`` (64 at 16 heads, else 32) entries of a tile are looked
   up in the page table (any power-of-two page size, 1 for SGLang's token pools, smaller or
   larger than the tile); with 5 pipeline stages Triton double-buffers the KV tile behind that
   indirection (the next tile's page ids and entries are in flight while this one is attended: TTGIR
-  ``2x64x512xbf16`` buffers, ``async_wait {num = 4}``, checked by ``test_compile_sm90``).
+  ``2x64x512xbf16`` buffers, ``async_wait {num = 4}``, checked by ``test_compile_sm90``); the
+  64-head tile runs 3 stages, measured faster (its MMAs, not its loads, bound it).
 - **Split-KV**: with ``num_splits = S > 1`` each row's tiles are divided into S contiguous
   ranges of at least 64 entries; each split writes an fp32 partial into a workspace
   ``[S, B, H, d_v]`` and the S partials are combined by the package's merge kernel

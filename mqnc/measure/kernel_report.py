@@ -34,7 +34,8 @@ label (what ``--goals`` sweeps record) into the table: GPU-timed records only
 (``extra.timing.method`` not ``host-clock``), of one device (the last such record's), at the
 launcher's own tile (a tile sweep's forced tiles, ``extra.tile``, are left out); of several
 records of a shape, the last; a record whose ``extra.launcher_tile`` is not the tile predicted
-(the choice depends on the triton version) shows it beside its p50.
+(the choice depends on the triton version) shows it beside its p50, ``(at ?)`` where the record
+does not say (records older than that field).
 Runs in compiled mode, ``TRITON_INTERPRET=0``, which it sets itself when the variable is unset (it
 compiles; it never launches; on a CPU-only torch importing the kernels would otherwise choose the
 interpreter); ``TRITON_INTERPRET=1`` is refused.
@@ -108,6 +109,17 @@ def _check_ops(ops) -> None:
     known = sorted({s.op for s in GOALS})
     if ops is not None and (not ops or set(ops) - set(known)):
         raise ValueError(f"expected names out of {','.join(known)}, got {sorted(ops)}")
+
+
+def _positive_tbps(text: str) -> float:
+    """``--ceiling-tbps``: a positive number of TB/s."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of TB/s, got {text!r}")
+    return value
 
 
 def _ops_arg(text: str) -> set[str]:
@@ -277,8 +289,10 @@ def format_table(launches: list[dict], shapes: list[dict], measured: dict | None
         cell = "-"
         if got is not None:  # a record of another tile than the one predicted says so
             p50, tile = got
-            other = tile and s.get("tile") and tile != s["tile"]
-            cell = f"{p50:.1f}" + (f" (at {tile})" if other else "")
+            if s.get("tile") and tile != s["tile"]:  # (records before launcher_tile: "?")
+                cell = f"{p50:.1f} (at {tile or '?'})"
+            else:
+                cell = f"{p50:.1f}"
         lines.append(
             f"| {s['shape']} | {s['goal']} | {s['launches']} | {s['bytes'] / 1e6:.2f} | "
             f"{s['pred_us']} | {s['pct_of_ceiling']} | {cell} |"
@@ -311,7 +325,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--ceiling-tbps",
-        type=float,
+        type=_positive_tbps,
         default=None,
         help="copy ceiling, TB/s (default: the --measured device's copy records, else 4.3)",
     )
@@ -334,6 +348,9 @@ def run(args: argparse.Namespace) -> int:
         _check_ops(args.ops)  # before anything compiles or the output file is opened
     except ValueError as exc:
         print(f"kernel-report: error: --ops: {exc}", file=sys.stderr)
+        return 2
+    if args.measured and not Path(args.measured).is_file():
+        print(f"kernel-report: error: --measured: no such file: {args.measured}", file=sys.stderr)
         return 2
     measured, copy_tbps, device = _measured(args.measured) if args.measured else ({}, None, None)
     ceiling = args.ceiling_tbps or copy_tbps or DEFAULT_CEILING_TBPS
