@@ -80,10 +80,15 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
     # Partial absorbed-MLA attention (mla_decode_partial, mla_sparse_partial), inputs ~N(0, 1),
     # 576-wide rows, the DeepSeek scale (~0.115): |o| <= max |kv| < ~6, |lse| < ~40.
     ("mla", "float32"): Tolerance(
-        1e-5,
+        3e-5,
         2e-6,
-        "fp32 scores (576-term dot, ieee on GPU) and an fp32 online softmax over <= a few "
-        "thousand entries: relative error ~1e-6 in each weight, |o| < ~6 gives < 1e-5 max-abs.",
+        "fp32 scores and an fp32 online softmax over <= a few thousand entries. On a GPU each "
+        "576-term score is one sequential fp32 FMA chain (ieee, no tensor cores): ~sqrt(576) u "
+        "|q.k terms| ~ 3e-5 on the dot, ~3e-6 on a score scaled by ~0.1, so ~3e-6 relative in "
+        "each weight and, with |v - o| up to ~4 over 64k outputs, ~1e-5 max-abs (an H200 "
+        "measured 1.05e-5 at H 128, top-64; the same inputs with their scores summed in that "
+        "order in numpy give 1.0e-5, test_mla_sparse); 3x that. (numpy's own pairwise sum, "
+        "what the interpreter runs, gives 3.6e-6.)",
     ),
     ("mla", "float16"): Tolerance(
         4e-3,
