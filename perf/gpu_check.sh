@@ -65,7 +65,7 @@ if ((DRY)); then
   REPORT_ARGS=()
   TEST_ARGS=(--collect-only)
   HOLDER_ARGS=(--tiny)
-  NVSHMEM_ARGS=(--transport gloo --tiny --timeout 50)
+  NVSHMEM_ARGS=(--transport gloo --tiny --timeout 50 --poll-spins 4096,64) # gloo: one run
   ROUTE_ARGS=(--transport gloo --quick --m-q 1,64 --reps 3 --warmup 1)
   FETCH_ARGS=(--transport gloo --quick --c-t 16 --max-holders 1 --topk 64 --m-q 32
     --pool-rows 256 --reps 3 --warmup 1)
@@ -79,7 +79,9 @@ else
   REPORT_ARGS=()
   TEST_ARGS=()
   HOLDER_ARGS=()
-  NVSHMEM_ARGS=(--quick --timeout 22) # two put paths (each 22 s + 2 s of joins) in the cap
+  # two put paths at 4096 and at 64 rounds per device-side poll (each run ~7 s on the H200;
+  # 12 s + 2 s of joins) in the cap; the default rounds first
+  NVSHMEM_ARGS=(--quick --timeout 12 --poll-spins 4096,64)
   ROUTE_ARGS=(--transport gloo --quick)
   FETCH_ARGS=(--transport gloo --quick)
 fi

@@ -30,7 +30,12 @@ how it was timed (``extra.timing``: the host clock around each whole round trip)
 
 Both PEs share one GPU: two processes, two CUDA contexts, which the GPU **time-slices** (no
 MPS), so a round trip includes context switches and is an upper bound, not the fabric's
-latency; puts go over the local transport, IBGDA (NICs, two nodes) is not exercised here.
+latency; puts go over the local transport, IBGDA (NICs, two nodes) is not exercised here. The
+first run on an H200 gave ~4 ms probes at 4096 rounds per device-side poll, flat in M_q:
+``--poll-spins 4096,64`` runs every put path again at 64 rounds (records ``...-spins64``), which
+tells the two readings apart: if a probe is two polls' worth of spinning (each round a volatile
+load and a reduction: 4096 of them take milliseconds) it falls with the rounds; if it is two
+time slices of the other context, it does not.
 ``--transport gloo`` runs the very same two-PE check over the gloo engine (the CPU dry run:
 argument parsing, the workers, the records). Exit status: 0 when every check passed, 1 when
 one failed, 2 when there is no GPU or no nvshmem4py (nothing ran).
@@ -62,7 +67,7 @@ def _chunk(g, tokens, seed=0):
     return (0.5 * torch.randn(g.layers, tokens, g.d_qk, generator=gen)).to(torch.bfloat16)
 
 
-def _transport(kind: str, rank: int, port: int, slot_bytes: int, device_put: bool):
+def _transport(kind: str, rank: int, port: int, slot_bytes: int, device_put: bool, spins: int):
     if kind == "gloo":
         from mqnc.transport.torchdist import TorchDistTransport
 
@@ -73,8 +78,31 @@ def _transport(kind: str, rank: int, port: int, slot_bytes: int, device_put: boo
 
     store = TCPStore("127.0.0.1", port, 2, is_master=False)
     return NvshmemTransport(
-        rank, 2, store, slot_bytes=slot_bytes, lanes=1, device=0, device_put=device_put
-    )
+        rank, 2, store, slot_bytes=slot_bytes, lanes=1, device=0, device_put=device_put,
+        poll_spins=spins,
+    )  # fmt: skip
+
+
+DEFAULT_SPINS = 1 << 12  # NvshmemTransport's poll_spins default
+
+
+def _variant(transport: str, path: str, spins: int) -> str:
+    """A record's variant: ``nvshmem-host-1gpu-2pe``, ``-spins64`` added off the default."""
+    tail = "" if spins == DEFAULT_SPINS or transport != "nvshmem" else f"-spins{spins}"
+    return f"{transport}-{path}-1gpu-2pe{tail}"
+
+
+def _spins_list(text: str) -> list[int]:
+    """``--poll-spins``: comma-separated positive ints."""
+    import argparse
+
+    try:
+        spins = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        spins = []
+    if not spins or min(spins) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive ints such as 4096,64, got {text!r}")
+    return spins
 
 
 def _exactness(req, g, scale, tokens, B, gen, dev) -> dict:
@@ -132,7 +160,7 @@ def _worker(rank: int, port: int, cfg: dict, q) -> None:
         dev = kernel_device()
         scale = RopeSpec.from_preset("deepseek-v2-lite").softmax_scale
         sb = slot_bytes_for(g, max_rows=max(batches + [cfg["exact_b"]]) * g.heads)
-        t = _transport(cfg["transport"], rank, port, sb, cfg["device_put"])
+        t = _transport(cfg["transport"], rank, port, sb, cfg["device_put"], cfg["spins"])
         out["signal_constants"] = getattr(t, "consts", None)
         out["poll_spins"] = getattr(t, "poll_spins", None)  # each device-side poll's bound
         if rank == 1:
@@ -203,10 +231,11 @@ def _run(cfg: dict, timeout_s: float) -> list[dict]:
     return results
 
 
-def _record(path: str, req: dict, holder: dict, cfg: dict, out) -> None:
+def _record(req: dict, holder: dict, cfg: dict, out) -> None:
     from mqnc.measure import record
 
-    variant = f"{cfg['transport']}-{path}-1gpu-2pe"
+    put = "device" if cfg["device_put"] else "host"
+    variant = _variant(cfg["transport"], put, cfg["spins"])
     extra = dict(
         chunk_tokens=cfg["tokens"],
         wait_path={"requester": req.get("wait_paths"), "holder": holder.get("wait_paths")},
@@ -244,7 +273,7 @@ def _report(path: str, res: list[dict], wall: float, cfg: dict, out) -> bool:
         print(f"  exactness: {req.get('exact')}")
         print(f"  wait paths: requester {req.get('wait_paths')}, holder {holder.get('wait_paths')}")
         try:
-            _record(path, req, holder, cfg, out)
+            _record(req, holder, cfg, out)
         except Exception as exc:  # noqa: BLE001 - recording must not hide the check's verdict
             print(f"  (results not recorded: {exc})")
     return bool(good)
@@ -261,6 +290,12 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", default="host,device", help="put paths: host, device")
     ap.add_argument("--transport", default="nvshmem", choices=("nvshmem", "gloo"))
     ap.add_argument("--summary", default=None, help="JSON summary (default $OUT/...)")
+    ap.add_argument(
+        "--poll-spins",
+        type=_spins_list,
+        default=[DEFAULT_SPINS],
+        help="rounds per device-side poll, a comma list: every put path at each (nvshmem)",
+    )
     args = parse_bench_args(ap, argv)
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if not paths or set(paths) - {"host", "device"}:
@@ -273,6 +308,9 @@ def main(argv=None) -> int:
             return 2
     else:
         paths = ["host"]  # the gloo engine has one put path
+        if len(args.poll_spins) > 1:
+            print("gloo: no device-side polls; one run (--poll-spins applies to nvshmem)")
+        args.poll_spins = args.poll_spins[:1]
     cfg = dict(
         transport=args.transport,
         tokens=128 if args.tiny else L_CHUNK,
@@ -291,11 +329,13 @@ def main(argv=None) -> int:
         else None
     )
     ok = True
-    for path in paths:
+    for spins, path in ((n, p) for n in args.poll_spins for p in paths):  # the default first
         t0 = time.monotonic()
-        res = _run({**cfg, "device_put": path == "device"}, args.timeout)
-        summary["paths"][path] = dict(results=res, wall_s=time.monotonic() - t0)
-        ok &= _report(path, res, time.monotonic() - t0, cfg, args.out)
+        run = {**cfg, "device_put": path == "device", "spins": spins}
+        res = _run(run, args.timeout)
+        key = path if spins == DEFAULT_SPINS else f"{path}-spins{spins}"
+        summary["paths"][key] = dict(results=res, wall_s=time.monotonic() - t0)
+        ok &= _report(key, res, time.monotonic() - t0, run, args.out)
         if where:  # after each path: a step killed at its cap keeps what it found
             os.makedirs(os.path.dirname(where) or ".", exist_ok=True)
             with open(where, "w") as f:
