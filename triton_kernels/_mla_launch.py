@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 
 import torch
@@ -143,8 +144,13 @@ _WIDE_ELSE = (_DENSE[32], _SPARSE[16])
 
 
 def _triton_minor() -> tuple[int, int]:
-    """(major, minor) of the triton in use."""
-    major, minor = re.findall(r"\d+", triton.__version__)[:2]
+    """(major, minor) of the triton in use (parsed once per version string: plans call it)."""
+    return _major_minor(triton.__version__)
+
+
+@functools.lru_cache(maxsize=4)
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = re.findall(r"\d+", version)[:2]
     return int(major), int(minor)
 
 
