@@ -193,20 +193,21 @@ def test_a_stale_commit_file_is_refused_before_anything_runs(tmp_path):
     assert r.returncode == 3 and "caps sum to" in r.stderr and ".mqnc-commit" not in r.stderr
 
 
-def test_nvshmem_check_names_its_poll_rounds():
+def test_nvshmem_check_names_its_poll_rounds(capsys):
     """``gpu_check_nvshmem --poll-spins 4096,64``: each put path at each bound of the device-side
     poll, the records told apart by variant (the default bound keeps the first run's name)."""
-    import argparse
+    from perf.gpu_check_nvshmem import DEFAULT_SPINS, _variant, main
 
-    from perf.gpu_check_nvshmem import DEFAULT_SPINS, _spins_list, _variant
-
-    assert DEFAULT_SPINS == 4096 and _spins_list("4096, 64") == [4096, 64]
+    assert DEFAULT_SPINS == 4096
     assert _variant("nvshmem", "host", 4096) == "nvshmem-host-1gpu-2pe"
     assert _variant("nvshmem", "device", 64) == "nvshmem-device-1gpu-2pe-spins64"
     assert _variant("gloo", "host", 64) == "gloo-host-1gpu-2pe"  # gloo has no device polls
     for bad in ("0", "64,-1", "x", ","):
-        with pytest.raises(argparse.ArgumentTypeError, match="expected positive ints"):
-            _spins_list(bad)
+        with pytest.raises(SystemExit) as exc:
+            main(["--transport", "gloo", "--poll-spins", bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument --poll-spins: expected comma-separated ints >= 1, got {bad!r}" in err
 
 
 def test_commit_without_git(monkeypatch):

@@ -73,8 +73,9 @@ def test_an_unknown_op_is_one_line_before_anything_compiles(tmp_path):
     cases = [  # both front ends share the options and their checks: one of them past --ops
         ("mqnc kernel-report", ("--ops", "mla_decod"), "--ops: expected names out of merge,"),
         ("perf.kernel_report", ("--ops", "mla_decod"), "--ops: expected names out of merge,"),
-        ("perf.kernel_report", ("--ceiling-tbps", "0"), "--ceiling-tbps: expected a positive"),
-        ("perf.kernel_report", ("--ceiling-tbps", "-1"), "TB/s, got '-1'"),
+        ("perf.kernel_report", ("--ceiling-tbps", "0"), "--ceiling-tbps: expected a number > 0"),
+        ("perf.kernel_report", ("--ceiling-tbps", "-1"), "expected a number > 0, got '-1'"),
+        ("perf.kernel_report", ("--ceiling-tbps", "inf"), "expected a finite number, got 'inf'"),
         ("perf.kernel_report", ("--measured", str(missing)), f"no such file: {missing}"),
     ]
     for module, args, message in cases:

@@ -49,7 +49,7 @@ import sys
 import time
 import traceback
 
-from mqnc.measure.options import bench_parser, finish, parse_bench_args, positive_float
+from mqnc.measure.options import bench_parser, finish, int_list, parse_bench_args, positive_float
 
 L_CHUNK = 2048
 
@@ -90,19 +90,6 @@ def _variant(transport: str, path: str, spins: int) -> str:
     """A record's variant: ``nvshmem-host-1gpu-2pe``, ``-spins64`` added off the default."""
     tail = "" if spins == DEFAULT_SPINS or transport != "nvshmem" else f"-spins{spins}"
     return f"{transport}-{path}-1gpu-2pe{tail}"
-
-
-def _spins_list(text: str) -> list[int]:
-    """``--poll-spins``: comma-separated positive ints."""
-    import argparse
-
-    try:
-        spins = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        spins = []
-    if not spins or min(spins) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive ints such as 4096,64, got {text!r}")
-    return spins
 
 
 def _exactness(req, g, scale, tokens, B, gen, dev) -> dict:
@@ -292,7 +279,7 @@ def main(argv=None) -> int:
     ap.add_argument("--summary", default=None, help="JSON summary (default $OUT/...)")
     ap.add_argument(
         "--poll-spins",
-        type=_spins_list,
+        type=int_list,
         default=[DEFAULT_SPINS],
         help="rounds per device-side poll, a comma list: every put path at each (nvshmem)",
     )

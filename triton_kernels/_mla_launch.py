@@ -86,6 +86,12 @@ class TileConfig:
         """Tiles per split so that a split holds at least ``MIN_TOKENS_PER_SPLIT`` entries."""
         return max(1, MIN_TOKENS_PER_SPLIT // self.block_n)
 
+    @classmethod
+    def of_launch(cls, launch) -> TileConfig:
+        """The tile an MLA attention launch (a ``_launch.Launch``) was planned with."""
+        kw = launch.kwargs
+        return cls(kw["BLOCK_H"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])
+
     @property
     def label(self) -> str:
         """``"32x32w8s5"``: heads x entries, warps, stages (what :meth:`parse` reads)."""

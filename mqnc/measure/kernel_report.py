@@ -50,6 +50,7 @@ import sys
 from pathlib import Path
 
 from mqnc.base.runtime import use_compiled_kernels
+from mqnc.measure.options import positive_float
 
 DEFAULT_OUT = Path("out") / "kernel_report.jsonl"
 D_QK, D_V, PAGE = 576, 512, 64
@@ -111,17 +112,6 @@ def _check_ops(ops) -> None:
         raise ValueError(f"expected names out of {','.join(known)}, got {sorted(ops)}")
 
 
-def _positive_tbps(text: str) -> float:
-    """``--ceiling-tbps``: a positive number of TB/s."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number of TB/s, got {text!r}")
-    return value
-
-
 def _ops_arg(text: str) -> set[str]:
     """``--ops``: the comma list as a set (checked by :func:`run` once the kernel mode is
     chosen: the names come from the kernels' module, whose import would choose it)."""
@@ -135,6 +125,7 @@ def report(ops=None, ceiling_tbps: float = DEFAULT_CEILING_TBPS, arch: int = 90)
     """Compile and predict every goal shape; returns (launch rows, shape rows)."""
     from mqnc.triton_kernels._compile import compile_launch, resources
     from mqnc.triton_kernels._grid import LAUNCH_US, SM90, Occupancy, waves
+    from mqnc.triton_kernels._mla_launch import TileConfig
     from mqnc.triton_kernels._variants import GOALS, shape_launches
 
     try:
@@ -211,7 +202,7 @@ def report(ops=None, ceiling_tbps: float = DEFAULT_CEILING_TBPS, arch: int = 90)
                 "op": shape.op,
                 "goal": shape.goal,
                 "launches": len(plan),
-                "tile": _tile_of(plan[0].name) if shape.op.startswith("mla") else None,
+                "tile": TileConfig.of_launch(plan[0]).label if shape.op.startswith("mla") else None,
                 "bytes": total_bytes,
                 "pred_us": round(total_us, 2),
                 "essential_bytes": essential_bytes(shape),
@@ -223,11 +214,6 @@ def report(ops=None, ceiling_tbps: float = DEFAULT_CEILING_TBPS, arch: int = 90)
             }
         )
     return launches_out, shapes_out
-
-
-def _tile_of(variant: str) -> str:
-    """``"mla_decode[bfloat16,32x32,w8,s5,...]"`` -> ``"32x32w8s5"`` (``TileConfig.label``)."""
-    return "".join(variant.split("[")[1].split(",")[1:4])
 
 
 def _measured(path: str) -> tuple[dict[str, tuple], float | None, str | None]:
@@ -325,7 +311,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--ceiling-tbps",
-        type=_positive_tbps,
+        type=positive_float,
         default=None,
         help="copy ceiling, TB/s (default: the --measured device's copy records, else 4.3)",
     )
