@@ -112,6 +112,64 @@ class _StagingPool:
         return torch.cuda.stream(s)
 
 
+class _Outbox:
+    """A holder's replies: put at once, or deferred and fused with the next wait.
+
+    In :meth:`Holder.serve_forever` each step's last reply goes out with the next step's wait
+    (``Transport.put_signal_wait``): the requester it wakes runs at once. A reply that cannot be
+    delivered is dropped (the requester is gone; its request times out there).
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        layout = transport.layout
+        self._slots = [layout.slot(REPLY, transport.rank, lane) for lane in range(layout.lanes)]
+        self._deferred: tuple | None = None
+        self.defer = False
+
+    def reply(self, src: int, lane: int, buf: torch.Tensor, seq: int) -> None:
+        """Answer on ``src``'s reply slot of ``lane``: when deferring, the previous answer goes
+        out now and this one with the next wait."""
+        check_message(buf, self.transport.slot_bytes)  # a reply too big is an ERROR now
+        reply = (src, self._slots[lane], buf, seq)
+        if not self.defer:
+            self._put(*reply)
+            return
+        self.flush()
+        self._deferred = reply
+
+    def wait(self, targets: dict[int, int], timeout: float) -> list[int]:
+        """Wait for requests on ``targets``; a deferred reply is put first, fused with the wait."""
+        tr, deferred = self.transport, self._deferred
+        if deferred is None:
+            return tr.wait_any(targets, timeout)
+        self._deferred = None
+        try:
+            return tr.put_signal_wait(*deferred, targets, timeout)
+        except PeerLost:
+            if tr.peer_alive(deferred[0]):
+                raise  # every requester is gone
+            return tr.wait_any(targets, timeout)  # only the one that asked
+
+    def flush(self) -> None:
+        """Put the deferred reply, if any."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            self._put(*deferred)
+
+    def _put(self, src: int, slot: int, buf: torch.Tensor, seq: int) -> None:
+        try:
+            # Non-blocking on the gloo engine (a stalled requester must not stall the holder).
+            self.transport.put_signal(src, slot, buf, seq)
+        except TransportError:
+            pass  # the requester is gone; its request cannot be answered (it times out there)
+
+
+def _limit(name: str, value: int | None, default: int) -> int:
+    """A request limit: ``default`` for None; an explicit 0 is an error, not "the default"."""
+    return default if value is None else check_int(name, value, minimum=1)
+
+
 class Holder:
     """Serve route / fetch / probe for the chunks in a paged pool.
 
@@ -207,30 +265,16 @@ class Holder:
         self._src_lane = {s: (layout.source_of(s), layout.lane_of(s)) for s in self._inboxes}
         self._last_seq = {s: 0 for s in self._inboxes}
         self._targets = {s: 1 for s in self._inboxes}
-        self._deferred: tuple | None = None
-        self._defer = False
-        self._reply_slots = [
-            layout.slot(REPLY, transport.rank, lane) for lane in range(layout.lanes)
-        ]
+        self._outbox = _Outbox(transport)
         self._crc = not transport.in_process
-        slot_rows = max(transport.slot_bytes - wire.HEADER_BYTES, 0)
-        # None: as many as a slot holds; an explicit 0 is an error, not "the default"
-        self.max_rows = (
-            max(slot_rows // geometry.q_row_bytes, 1)
-            if max_rows is None
-            else check_int("max_rows", max_rows, minimum=1)
-        )
-        self.max_topk = (
-            max(slot_rows // 4, 1)
-            if max_topk is None
-            else check_int("max_topk", max_topk, minimum=1)
-        )
+        slot_rows = max(transport.slot_bytes - wire.HEADER_BYTES, 0)  # None: what a slot holds
+        self.max_rows = _limit("max_rows", max_rows, max(slot_rows // geometry.q_row_bytes, 1))
+        self.max_topk = _limit("max_topk", max_topk, max(slot_rows // 4, 1))
         self.shutdown_from = None if shutdown_from is None else frozenset(shutdown_from)
         self.stats = HolderStats()
-        name = f"holder {transport.rank}"
         self._batcher = RouteBatcher(
-            self.pages, geometry, self.softmax_scale, self.stats, self._reply, self._error, name,
-            crc=self._crc,
+            self.pages, geometry, self.softmax_scale, self.stats, self._outbox.reply, self._error,
+            self._me, crc=self._crc,
         )  # fmt: skip
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -288,13 +332,13 @@ class Holder:
 
         Each step's last reply goes out with the next step's wait
         (``Transport.put_signal_wait``): the requester it wakes runs at once (issue 14)."""
-        self._defer = True
+        self._outbox.defer = True
         try:
             while not self._stop.is_set():
                 self._step(self.poll_s)
         finally:
-            self._defer = False
-            self._flush()
+            self._outbox.defer = False
+            self._outbox.flush()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the service loop and join its thread."""
@@ -313,31 +357,13 @@ class Holder:
         """One dispatcher step: wait up to ``timeout`` s for requests, then answer all that
         are waiting (routes batched). Returns the number of messages handled."""
         handled = self._step(timeout)
-        self._flush()
+        self._outbox.flush()
         return handled
-
-    def _wait(self, timeout: float) -> list[int]:
-        """Wait for requests; a deferred reply is put first, fused with the wait."""
-        tr, deferred = self.transport, self._deferred
-        if deferred is None:
-            return tr.wait_any(self._targets, timeout)
-        self._deferred = None
-        try:
-            return tr.put_signal_wait(*deferred, self._targets, timeout)
-        except PeerLost:
-            if tr.peer_alive(deferred[0]):
-                raise  # every requester is gone
-            return tr.wait_any(self._targets, timeout)  # only the one that asked
-
-    def _flush(self) -> None:
-        deferred, self._deferred = self._deferred, None
-        if deferred is not None:
-            self._put(*deferred)
 
     def _step(self, timeout: float) -> int:
         tr = self.transport
         try:
-            ready = self._wait(timeout)
+            ready = self._outbox.wait(self._targets, timeout)
         except PeerLost:
             # Every requester is gone: nothing can arrive any more.
             self._stop.set()
@@ -358,28 +384,10 @@ class Holder:
         return handled
 
     # ---- receiving --------------------------------------------------------------------------
-    def _reply(self, src: int, lane: int, buf: torch.Tensor, seq: int) -> None:
-        """Answer on ``src``'s reply slot of ``lane``: in :meth:`serve_forever` the previous
-        answer goes out now and this one with the next wait."""
-        check_message(buf, self.transport.slot_bytes)  # a reply too big is an ERROR now
-        reply = (src, self._reply_slots[lane], buf, seq)
-        if not self._defer:
-            self._put(*reply)
-            return
-        self._flush()
-        self._deferred = reply
-
-    def _put(self, src: int, slot: int, buf: torch.Tensor, seq: int) -> None:
-        try:
-            # Non-blocking on the gloo engine (a stalled requester must not stall the holder).
-            self.transport.put_signal(src, slot, buf, seq)
-        except TransportError:
-            pass  # the requester is gone; its request cannot be answered (it times out there)
-
     def _error(self, src: int, lane: int, request_id: int, seq: int, message: str) -> None:
         self.stats.errors += 1
         err = wire.pack_error(message, request_id=request_id, seq=seq, array=True)
-        self._reply(src, lane, err, seq)
+        self._outbox.reply(src, lane, err, seq)
 
     def _receive(self, slot: int, routes: list[RouteJob]) -> int:
         src, lane = self._src_lane[slot]
@@ -424,7 +432,7 @@ class Holder:
             ack = wire.pack_probe(request_id=h.request_id, seq=h.seq, ack=True, array=True)
             if stamps.ON:
                 stamps.stamp("hold.packed")
-            self._reply(src, lane, ack, h.seq)
+            self._outbox.reply(src, lane, ack, h.seq)
             if stamps.ON:
                 stamps.stamp("hold.put")
         elif kind == wire.Kind.FETCH:
@@ -494,4 +502,4 @@ class Holder:
         )
         self.stats.fetches += 1
         self.stats.answered[h.request_id] += 1
-        self._reply(src, lane, buf, h.seq)
+        self._outbox.reply(src, lane, buf, h.seq)
