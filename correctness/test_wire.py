@@ -114,6 +114,84 @@ def test_partial_round_trip(B, H, dtype, holder_ns, seed, empty_row):
     assert _bits_equal(o2, o) and _bits_equal(m2, m) and _bits_equal(l2, l)
 
 
+@given(
+    B=st.integers(1, 4),
+    H=st.integers(1, 5),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+    keyed_rows=st.one_of(st.none(), st.lists(st.booleans(), min_size=4, max_size=4)),
+    bad=st.sampled_from([None, math.nan, math.inf, -math.inf]),
+)
+def test_partial_lse_round_trip(B, H, dtype, seed, keyed_rows, bad):
+    """The wire takes a natural-log lse and gives one back: bit for bit where it is finite and
+    the row had keys, -inf for a row without keys (an empty partial, ``(m, l) = (0, 0)`` on
+    the wire), NaN for a row with keys but no finite lse (never read as empty); the message
+    carries ``(lse, 1)`` for the usual row, as :func:`wire.stat_of_lse` says."""
+    o = _rand((B, H, G.d_v), dtype, seed)
+    lse = (_rand((B, H), torch.float32, seed + 1) * 10).numpy()
+    if bad is not None:
+        lse[-1, -1] = bad
+    keyed = None if keyed_rows is None else np.array(keyed_rows[:B], dtype=bool)
+    ob = o.view(torch.uint8).numpy().reshape(B, -1)
+    kw = dict(dtype=dtype, width=G.d_v, request_id=5, seq=9, chunk_id=2, layer=3, holder_ns=7)
+    a = wire.pack_partial_lse(ob, lse, keyed=keyed, crc=None, array=True, **kw)
+    t = wire.pack_partial_lse(ob, lse, keyed=keyed, crc=None, **kw)
+    assert type(a) is np.ndarray and bytes(a) == bytes(t.numpy())
+    has_keys = np.ones(B, bool) if keyed is None else keyed
+    want = np.where(has_keys[:, None], np.where(np.isfinite(lse), lse, np.nan), -np.inf)
+    for buf in (a, t):
+        h = wire.parse_header(buf, geometry=G, require_payload_crc=True)
+        o2, lse2 = wire.partial_lse(buf, h)
+        assert _bits_equal(o2, o) and lse2.dtype == torch.float32
+        np.testing.assert_array_equal(lse2.numpy(), want.astype(np.float32))
+        kept = has_keys[:, None] & np.isfinite(lse)
+        assert lse2.numpy()[kept].tobytes() == lse[kept].tobytes()  # bit for bit
+        _, _, m, l = wire.unpack_partial(buf, geometry=G)
+        want_l = np.where(has_keys[:, None], 1.0, 0.0) * np.ones((B, H))
+        np.testing.assert_array_equal(l.numpy(), want_l.astype(np.float32))
+        np.testing.assert_array_equal(m.numpy(), np.where(has_keys[:, None], want, 0.0))
+
+
+def test_lse_of_stat_reads_any_pair_a_peer_may_send():
+    """A forged or corrupt ``(m, l)`` is never a silent "empty": ``l = 0`` is empty (-inf),
+    a finite ``m`` with a finite positive ``l`` is ``m + log(l)``, anything else NaN."""
+    m = np.array([[0.5, 3.0, 1.0, math.inf, math.nan, 1.0, 7.0]], np.float32)
+    l = np.array([[1.0, 2.0, 0.0, 1.0, 1.0, -1.0, math.inf]], np.float32)
+    got = wire.lse_of_stat(m, l)
+    want = np.array([[0.5, 3.0 + np.log(np.float32(2.0)), -np.inf] + [np.nan] * 4], np.float32)
+    np.testing.assert_array_equal(got.numpy(), want)
+    assert torch.equal(wire.lse_of_stat(torch.from_numpy(m[:, :2]), torch.from_numpy(l[:, :2])),
+                       torch.from_numpy(want[:, :2]))  # fmt: skip
+    # the usual (lse, 1) comes back as m itself; stat_of_lse is its inverse there
+    lse = np.array([[1.25, -3.5]], np.float32)
+    m2, l2 = wire.stat_of_lse(lse)
+    assert m2 is lse and np.array_equal(l2, np.ones_like(lse))
+    assert wire.lse_of_stat(m2, l2).numpy().tobytes() == lse.tobytes()
+
+
+def test_pack_partial_lse_refuses_bad_statistics():
+    ob = np.zeros((2, 3 * G.d_v * 2), np.uint8)
+    kw = dict(dtype=torch.bfloat16, width=G.d_v, request_id=1, seq=1, chunk_id=0, layer=0,
+              holder_ns=0, crc=None)  # fmt: skip
+    with pytest.raises(TypeError, match=r"lse: expected a \[B, H\] float32 numpy array"):
+        wire.pack_partial_lse(ob, np.zeros((2, 3), np.float64), **kw)
+    with pytest.raises(TypeError, match="lse: expected .* got Tensor"):
+        wire.pack_partial_lse(ob, torch.zeros(2, 3), **kw)
+    with pytest.raises(ValueError, match=r"keyed: expected \[2\] bool"):
+        wire.pack_partial_lse(ob, np.zeros((2, 3), np.float32), keyed=np.ones(3, bool), **kw)
+    with pytest.raises(ValueError, match="o, m, l: "):
+        wire.pack_partial_lse(ob[:1], np.zeros((2, 3), np.float32), **kw)
+
+
+def test_route_lse_of_ml_is_a_deprecated_alias():
+    from mqnc.serving import route
+
+    m, l = np.array([[1.0, 0.0]], np.float32), np.array([[2.0, 0.0]], np.float32)
+    with pytest.warns(DeprecationWarning, match="lse_of_stat"):
+        got = route.lse_of_ml(m, l)
+    assert torch.equal(got, wire.lse_of_stat(m, l))
+
+
 def test_partial_into_staging_buffer():
     o, m, l = _rand((2, 3, G.d_v), torch.bfloat16, 0), torch.zeros(2, 3), torch.ones(2, 3)
     staging = torch.full((100_000,), 7, dtype=torch.uint8)

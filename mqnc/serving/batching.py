@@ -198,18 +198,17 @@ class RouteBatcher:
         return got
 
     def _split_replies(self, group: list[RouteJob], views, dtype, ns: int, keyed) -> None:
-        ob, x = views
-        m, l = wire_stat(x, keyed)
+        ob, lse = views
         width = self.geometry.d_v
         b0 = 0
         for r in group:
             h = r.header
             b1 = b0 + h.batch
             try:
-                buf = wire.pack_partial_arrays(
+                buf = wire.pack_partial_lse(
                     ob[b0:b1],
-                    m[b0:b1],
-                    l[b0:b1],
+                    lse[b0:b1],
+                    keyed=None if keyed is None else keyed[b0:b1],
                     dtype=dtype,
                     width=width,
                     request_id=h.request_id,
@@ -368,34 +367,3 @@ def _written(got, out) -> None:
         with torch.no_grad():  # (the buffers never join an autograd graph)
             out[0].copy_(got[0])
             out[1].copy_(got[1])
-
-
-_ONES: dict[tuple[int, ...], np.ndarray] = {}
-
-
-def _ones(shape: tuple[int, ...]) -> np.ndarray:
-    """A read-only float32 array of ones of ``shape`` (cached: ``np.ones`` is a Python-level
-    function, ~3 us a reply)."""
-    a = _ONES.get(shape)
-    if a is None:
-        if len(_ONES) >= _TABLE_CACHE:
-            _ONES.clear()
-        a = _ONES[shape] = np.ones(shape, dtype=np.float32)
-        a.flags.writeable = False
-    return a
-
-
-def wire_stat(x: np.ndarray, keyed: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """The wire statistic ``(m, l)`` ``[B, H]`` float32 of a partial's natural-log ``lse``
-    (``x``, ``[B, H]`` float32 on the host): ``(lse, 1)`` for a row with keys and a finite
-    ``lse``, ``(0, 0)`` for a row without keys (``keyed[b]`` False; ``keyed`` None: every row
-    has keys), ``(NaN, 1)`` for a row with keys whose ``lse`` is not finite (never an empty
-    partial). The usual case returns ``x`` itself as ``m``."""
-    if keyed is None:
-        if wire.all_finite(x):  # usual: every row has keys and a finite lse
-            return x, _ones(x.shape)
-        keyed = np.ones(x.shape[0], dtype=bool)
-    with_keys = keyed[:, None]
-    m = np.where(with_keys, np.where(np.isfinite(x), x, np.nan), 0.0).astype(np.float32)
-    l = np.where(with_keys, 1.0, 0.0).astype(np.float32) * np.ones_like(m)
-    return m, l

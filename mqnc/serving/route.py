@@ -16,6 +16,7 @@ CPU.)
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -67,18 +68,15 @@ def check_selection(indices: object, batch: int, tokens: int) -> torch.Tensor:
 
 
 def lse_of_ml(m, l) -> torch.Tensor:
-    """Natural-log ``lse [B, H]`` float32 of a wire statistic ``(m, l)`` (host tensors or
-    float32 arrays): ``-inf`` where ``l = 0`` (empty), ``m + log(l)`` where ``m`` is finite and
-    ``l`` finite and positive, NaN anywhere else (never a silent "empty")."""
-    mn = m if isinstance(m, np.ndarray) else m.numpy()
-    ln = l if isinstance(l, np.ndarray) else l.numpy()
-    if wire.all_finite(mn) and wire.all_equal(ln, 1):  # a holder's usual (lse, 1)
-        return torch.from_numpy(mn)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lse = mn + np.log(ln)
-        lse = np.where(np.isfinite(lse) & np.isfinite(mn) & np.isfinite(ln), lse, np.nan)
-    lse = np.where(ln == 0, -np.inf, lse).astype(np.float32, copy=False)
-    return torch.from_numpy(lse)
+    """Deprecated: the wire's own :func:`mqnc.transport.wire.lse_of_stat` (a reply's ``lse``
+    comes from :func:`mqnc.transport.wire.partial_lse`)."""
+    warnings.warn(
+        "mqnc.serving.route.lse_of_ml is deprecated: use mqnc.transport.wire.lse_of_stat "
+        "(or wire.partial_lse for a reply)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return wire.lse_of_stat(m, l)
 
 
 def route_request(
@@ -162,14 +160,12 @@ def route_reply(
         )
     if dtype is not None and h.dtype != dtype:
         raise RemoteError(f"holder {p.peer}: PARTIAL in {h.dtype} for a {dtype} request")
-    host = isinstance(buf, np.ndarray) or buf.is_cpu
-    o, m, l = wire.partial_arrays(buf, h) if host else wire.partial_views(buf, h)
+    o, lse = wire.partial_lse(buf, h)
     rec: CostRecord = p.record
     rec.bytes_recv = h.nbytes
     rec.compute_us = h.holder_ns / 1e3
     rec.return_us = max((t_recv - p.t_sent) * 1e6 - rec.compute_us, 0.0)
     rec.total_us = (t_recv - p.t0) * 1e6
-    lse = lse_of_ml(m, l)
     if device.type != "cpu":
         o, lse = o.to(device), lse.to(device)
     return Partial(o, lse, "route", p.peer, rec)

@@ -25,6 +25,15 @@ kind          payload
 ``SHUTDOWN``  none
 ============  ==========================================================================
 
+The partial's statistic is the wire's own business: the kernels write a natural-log ``lse`` and
+the requester merges one, while the message carries ``(m, l)`` with ``lse = m + log(l)``. The
+holder hands :func:`pack_partial_lse` its ``lse`` (and which rows had keys) and the requester
+gets an ``lse`` back from :func:`partial_lse`; the two conversions, :func:`stat_of_lse` and
+:func:`lse_of_stat`, live here and nowhere else. :func:`pack_partial`,
+:func:`pack_partial_arrays`, :func:`unpack_partial`, :func:`partial_views` and
+:func:`partial_arrays` are the format's own level (any ``(m, l)`` a peer may send: what a test
+forges, what a reader checks).
+
 Header fields (struct format :data:`HEADER_FORMAT`, padded to 96 bytes so that every payload
 starts 16-byte aligned): magic ``b"MQNC"``, version, kind, dtype code, flags, request id
 (u64), sequence (u64, the transport slot's monotonically increasing number), chunk id (u64),
@@ -86,6 +95,10 @@ __all__ = [
     "unpack_query",
     "pack_partial",
     "unpack_partial",
+    "pack_partial_lse",
+    "partial_lse",
+    "stat_of_lse",
+    "lse_of_stat",
     "pack_fetch",
     "pack_chunk",
     "unpack_chunk",
@@ -949,7 +962,8 @@ def pack_partial(
         ``[B, H, d_v]`` partial output (512 wide), bf16 / fp16 / fp32.
     m, l : torch.Tensor
         ``[B, H]`` float32 running max and softmax denominator (``lse = m + log(l)``, natural
-        log; ``l = 0`` for an empty partial). ``mqnc.triton_kernels.ml_from_lse`` converts.
+        log; ``l = 0`` for an empty partial). :func:`stat_of_lse` converts; a holder packs
+        its ``lse`` with :func:`pack_partial_lse`.
     request_id, seq, chunk_id, layer : int
         Echoed from the ``ROUTE`` this answers.
     holder_ns : int
@@ -1074,6 +1088,114 @@ def pack_partial_arrays(
     )  # fmt: skip
     _seal_host(a, h, crc)
     return a if array else torch.from_numpy(a)
+
+
+# ---- route: the partial's statistic (a natural-log lse in, a natural-log lse out) ----------------
+
+_ONES_CACHE = 256  # cached arrays of ones (one per reply shape) before the cache is cleared
+_ONES: dict[tuple[int, ...], np.ndarray] = {}
+
+
+def _ones(shape: tuple[int, ...]) -> np.ndarray:
+    """A read-only float32 array of ones of ``shape`` (cached: ``np.ones`` is a Python-level
+    function, ~3 us a reply)."""
+    a = _ONES.get(shape)
+    if a is None:
+        if len(_ONES) >= _ONES_CACHE:
+            _ONES.clear()
+        a = _ONES[shape] = np.ones(shape, dtype=np.float32)
+        a.flags.writeable = False
+    return a
+
+
+def stat_of_lse(lse: np.ndarray, keyed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The wire statistic ``(m, l)`` ``[B, H]`` float32 of a partial's natural-log ``lse``
+    (``[B, H]`` float32 on the host): what :func:`pack_partial_lse` writes.
+
+    ``(lse, 1)`` for a row with keys and a finite ``lse``; ``(0, 0)`` (an empty partial) for a
+    row without keys (``keyed[b]`` False; ``keyed`` None: every row has keys); ``(NaN, 1)`` for
+    a row with keys whose ``lse`` is not finite (an overflow or a NaN input is reported, never
+    read as an empty partial). The usual case returns ``lse`` itself as ``m``.
+    """
+    if keyed is None:
+        if all_finite(lse):  # usual: every row has keys and a finite lse
+            return lse, _ones(lse.shape)
+        keyed = np.ones(lse.shape[0], dtype=bool)
+    with_keys = keyed[:, None]
+    m = np.where(with_keys, np.where(np.isfinite(lse), lse, np.nan), 0.0).astype(np.float32)
+    l = np.where(with_keys, 1.0, 0.0).astype(np.float32) * np.ones_like(m)
+    return m, l
+
+
+def lse_of_stat(m, l) -> torch.Tensor:
+    """Natural-log ``lse [B, H]`` float32 (a host tensor) of a wire statistic ``(m, l)`` (host
+    tensors or float32 arrays, as a peer sent them): what :func:`partial_lse` returns.
+
+    ``-inf`` where ``l = 0`` (empty), ``m + log(l)`` where ``m`` is finite and ``l`` finite and
+    positive, NaN anywhere else (a forged or corrupt pair is never a silent "empty"). A
+    holder's usual ``(lse, 1)`` gives ``m`` itself.
+    """
+    mn = m if isinstance(m, np.ndarray) else m.numpy()
+    ln = l if isinstance(l, np.ndarray) else l.numpy()
+    if all_finite(mn) and all_equal(ln, 1):  # a holder's usual (lse, 1)
+        return torch.from_numpy(mn)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = mn + np.log(ln)
+        lse = np.where(np.isfinite(lse) & np.isfinite(mn) & np.isfinite(ln), lse, np.nan)
+    lse = np.where(ln == 0, -np.inf, lse).astype(np.float32, copy=False)
+    return torch.from_numpy(lse)
+
+
+def pack_partial_lse(
+    o: np.ndarray,
+    lse: np.ndarray,
+    *,
+    keyed: np.ndarray | None = None,
+    dtype: torch.dtype,
+    width: int,
+    request_id: int,
+    seq: int,
+    chunk_id: int,
+    layer: int,
+    holder_ns: int,
+    crc: bool | None,
+    array: bool = False,
+) -> torch.Tensor | np.ndarray:
+    """The holder's reply: :func:`pack_partial_arrays` of a kernel's natural-log ``lse``.
+
+    ``o`` as in :func:`pack_partial_arrays` (the uint8 bytes of ``[B, H, width]`` values in
+    ``dtype``); ``lse`` ``[B, H]`` float32 on the host; ``keyed`` ``[B]`` bool (which rows
+    attended at least one entry) or None (every row did). The statistic written is
+    :func:`stat_of_lse`'s; :func:`partial_lse` reads it back as the same ``lse`` (bit for bit
+    where it is finite, ``-inf`` for a row without keys, NaN for a row with keys but no finite
+    ``lse``).
+    """
+    if not isinstance(lse, np.ndarray) or lse.dtype != np.float32 or lse.ndim != 2:
+        arr = isinstance(lse, np.ndarray)
+        got = f"{lse.dtype} of shape {lse.shape}" if arr else type(lse).__name__
+        raise TypeError(f"lse: expected a [B, H] float32 numpy array, got {got}")
+    if keyed is not None and (keyed.dtype != np.bool_ or keyed.shape != lse.shape[:1]):
+        raise ValueError(
+            f"keyed: expected [{lse.shape[0]}] bool, got {keyed.dtype} of shape {keyed.shape}"
+        )
+    m, l = stat_of_lse(lse, keyed)
+    return pack_partial_arrays(
+        o, m, l, dtype=dtype, width=width, request_id=request_id, seq=seq, chunk_id=chunk_id,
+        layer=layer, holder_ns=holder_ns, crc=crc, array=array,
+    )  # fmt: skip
+
+
+def partial_lse(buf, h: Header) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o [B, H, width], lse [B, H])`` of a PARTIAL message whose header ``h``
+    :func:`parse_header` has checked: ``o`` in the wire dtype (a view into ``buf``, on its
+    device), ``lse`` natural-log float32 on the host (:func:`lse_of_stat` of the message's
+    ``(m, l)``, read with numpy: no torch op per statistic for a host message)."""
+    if isinstance(buf, np.ndarray) or buf.is_cpu:
+        o, m, l = partial_arrays(buf, h)
+    else:  # a device message: its 8 bytes a row of statistic come to the host
+        o, m, l = partial_views(buf, h)
+        m, l = m.cpu().numpy(), l.cpu().numpy()
+    return o, lse_of_stat(m, l)
 
 
 # ---- fetch ---------------------------------------------------------------------------------------
