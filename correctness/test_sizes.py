@@ -38,7 +38,6 @@ ALLOWED: dict[tuple[str, str], int] = {
     ("mqnc/demo/run.py", "run"): 91,
     ("mqnc/integrations/hf_session.py", "HFSession"): 330,
     ("mqnc/measure/kernel_report.py", "report"): 86,
-    ("mqnc/serving/requester.py", "Requester"): 305,
     ("triton_kernels/_variants.py", "shape_launches"): 86,
     ("perf/bench_holder.py", "main"): 97,
     ("perf/bench_mla.py", "main"): 129,

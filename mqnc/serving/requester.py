@@ -59,12 +59,61 @@ from mqnc.transport.protocol import Transport
 __all__ = ["Requester"]
 
 
-# Over the ~250 lines a class aims for (~370), on purpose: this is the public facade of the
-# primitives (probe, route / route_many, fetch, local, attend), each method one primitive's own
-# sequence (record, send, wait, unpack) with its numpy-style docstring (~110 lines in all). The
-# parts with a job of their own are their own modules: lanes, request ids and waits (client),
-# the route's request and reply (route), the pool (pool), the fallback policy (policy) and the
-# records (records).
+class _Calls:
+    """The requester's calls through its client, each with its cost record.
+
+    A failure is recorded before it propagates: the record is marked failed and kept in
+    ``costs``, and its holder is suspected (skipped by :meth:`Requester.attend` for a while).
+    """
+
+    def __init__(self, client: RequestClient, costs: list, suspects: policy.Suspects) -> None:
+        self.client = client
+        self.costs = costs
+        self.suspects = suspects
+
+    def send(self, peer, kind, make, record: CostRecord, shape=None) -> Pending:
+        """Send a request; its reply is awaited later (``client.wait``)."""
+        try:
+            return self.client.send(peer, kind, make, record, shape)
+        except BaseException as exc:
+            self.fail(record, exc)
+            raise
+
+    def call(self, peer, kind, make, record: CostRecord, shape=None):
+        """Send and wait for the reply: ``(pending, header, buf, t_recv)``."""
+        try:
+            p, h, buf = self.client.call(peer, kind, make, record, shape)
+        except BaseException as exc:
+            self.fail(record, exc)
+            raise
+        return p, h, buf, time.perf_counter()
+
+    def fail(self, record: CostRecord, exc: BaseException) -> None:
+        """Record a failed call and suspect its holder."""
+        record.fail(exc)
+        self.costs.append(record)
+        if record.peer is not None:
+            self.suspects.mark(record.peer)
+
+
+def _check_chunk(geometry: MLAGeometry, peer: int, info: ChunkInfo, h: wire.Header) -> None:
+    """A CHUNK reply must be the chunk asked for: all layers, the directory's length and
+    canonical position (a one-layer reply is not broadcast into every layer)."""
+    got = (h.chunk_id, h.layer_lo, h.layer_hi, h.batch, h.position)
+    want = (info.chunk_id, 0, geometry.layers, info.tokens, info.position)
+    if got != want:
+        raise RemoteError(
+            f"holder {peer}: chunk {h.chunk_id} with layers [{h.layer_lo}, {h.layer_hi}), "
+            f"{h.batch} tokens at position {h.position}; asked for chunk {info.chunk_id}, "
+            f"layers [0, {geometry.layers}), {info.tokens} tokens at {info.position}"
+        )
+
+
+# The public facade of the primitives (probe, route / route_many, fetch, local, attend), each
+# method one primitive's own sequence (record, send, wait, unpack) with its numpy-style
+# docstring. The parts with a job of their own are elsewhere: the recorded calls (_Calls);
+# lanes, request ids and waits (client); the route's request and reply (route); the pool
+# (pool); the fallback policy (policy) and the records (records).
 class Requester:
     """Probe, route, fetch and local over a transport, merging partials as they come back.
 
@@ -138,6 +187,7 @@ class Requester:
         self.directory: dict[int, ChunkInfo] = {}
         self.costs: list[CostRecord] = BoundedList(max_records)
         self.last_probe_us: dict[int, float] = {}
+        self._calls = _Calls(self.client, self.costs, self.suspects)
         self.kept = LocalChunks(
             PagedPool(
                 geometry.layers,
@@ -189,30 +239,7 @@ class Requester:
                 f"{sorted(self.directory)})"
             ) from None
 
-    # ---- calls and their records -------------------------------------------------------------
-    def _send(self, peer, kind, make, record: CostRecord, shape=None) -> Pending:
-        try:
-            return self.client.send(peer, kind, make, record, shape)
-        except BaseException as exc:
-            self._fail(record, exc)
-            raise
-
-    def _fail(self, record: CostRecord, exc: BaseException) -> None:
-        record.fail(exc)
-        self.costs.append(record)
-        if record.peer is not None:
-            self.suspects.mark(record.peer)
-
-    def _call(self, peer, kind, make, record: CostRecord, shape=None):
-        """Send and wait for the reply: ``(pending, header, buf, t_recv)``; a failure is
-        recorded (and the holder suspected) before it propagates."""
-        try:
-            p, h, buf = self.client.call(peer, kind, make, record, shape)
-        except BaseException as exc:
-            self._fail(record, exc)
-            raise
-        return p, h, buf, time.perf_counter()
-
+    # ---- probe -------------------------------------------------------------------------------
     def probe(self, peer: int) -> float:
         """Payload-free round trip to ``peer`` (a header-only put + signal each way); returns
         microseconds and records it (``T_probe``)."""
@@ -221,7 +248,7 @@ class Requester:
         self.transport.check_peer(peer)
         rec = CostRecord("probe", peer, None, None, 0, 0, 0)
         make = lambda rid, seq: wire.pack_probe(request_id=rid, seq=seq, array=True)  # noqa: E731
-        p, _, _, t_recv = self._call(peer, wire.Kind.PROBE_ACK, make, rec)
+        p, _, _, t_recv = self._calls.call(peer, wire.Kind.PROBE_ACK, make, rec)
         rec.bytes_recv = wire.HEADER_BYTES
         rec.probe_us = rec.total_us = (t_recv - p.t0) * 1e6
         self.last_probe_us[peer] = rec.total_us
@@ -248,7 +275,7 @@ class Requester:
 
     def _start_route(self, chunk_id, q, layer, offset, indices, peer) -> Pending:
         peer, make, rec, shape = self._prepare_route(chunk_id, q, layer, offset, indices, peer)
-        return self._send(peer, wire.Kind.PARTIAL, make, rec, shape)
+        return self._calls.send(peer, wire.Kind.PARTIAL, make, rec, shape)
 
     def _finish_route(self, p: Pending, deadline: float, reply=None) -> Partial:
         h, buf = self.client.wait(p, deadline) if reply is None else reply
@@ -297,11 +324,11 @@ class Requester:
         if stamps.ON:
             stamps.stamp("req.start")
         peer, make, rec, shape = self._prepare_route(chunk_id, q, layer, offset, indices, peer)
-        p, h, buf, _ = self._call(peer, wire.Kind.PARTIAL, make, rec, shape)
+        p, h, buf, _ = self._calls.call(peer, wire.Kind.PARTIAL, make, rec, shape)
         try:
             part = self._finish_route(p, 0.0, (h, buf))
         except BaseException as exc:
-            self._fail(p.record, exc)
+            self._calls.fail(p.record, exc)
             raise
         if stamps.ON:
             stamps.stamp("req.done")
@@ -336,7 +363,7 @@ class Requester:
             try:
                 parts.append(self._finish_route(p, deadline))
             except BaseException as exc:
-                self._fail(p.record, exc)
+                self._calls.fail(p.record, exc)
                 errors.append(exc)
         if errors:
             raise errors[0]
@@ -398,12 +425,12 @@ class Requester:
                 request_id=rid, seq=seq, chunk_id=chunk_id, geometry=self.geometry, array=True
             )
 
-        p, h, buf, t_recv = self._call(peer, wire.Kind.CHUNK, make, rec)
+        p, h, buf, t_recv = self._calls.call(peer, wire.Kind.CHUNK, make, rec)
         try:
             _, kv = wire.unpack_chunk(
                 buf, geometry=self.geometry, require_payload_crc=self.client.crc
             )
-            self._check_chunk(peer, info, h)
+            _check_chunk(self.geometry, peer, info, h)
             rec.bytes_recv = h.nbytes
             rec.return_us = (t_recv - p.t_sent) * 1e6
             t0 = time.perf_counter()
@@ -413,23 +440,10 @@ class Requester:
             rec.splice_us = us_since(t0)
             rec.total_us = us_since(p.t0)
         except BaseException as exc:
-            self._fail(rec, exc)
+            self._calls.fail(rec, exc)
             raise
         self.costs.append(rec)
         return lc
-
-    def _check_chunk(self, peer: int, info: ChunkInfo, h: wire.Header) -> None:
-        """A CHUNK reply must be the chunk asked for: all layers, the directory's length and
-        canonical position (a one-layer reply is not broadcast into every layer)."""
-        g = self.geometry
-        got = (h.chunk_id, h.layer_lo, h.layer_hi, h.batch, h.position)
-        want = (info.chunk_id, 0, g.layers, info.tokens, info.position)
-        if got != want:
-            raise RemoteError(
-                f"holder {peer}: chunk {h.chunk_id} with layers [{h.layer_lo}, {h.layer_hi}), "
-                f"{h.batch} tokens at position {h.position}; asked for chunk {info.chunk_id}, "
-                f"layers [0, {g.layers}), {info.tokens} tokens at {info.position}"
-            )
 
     def local(self, chunk_id: int, *, offset: int | None = None) -> LocalChunk:
         """Re-prefill a chunk through ``model`` at ``offset`` and write it into the pool."""
