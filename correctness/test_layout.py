@@ -81,11 +81,12 @@ def _imports(name: str, path: Path) -> list[tuple[str, int]]:
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module or ""
-            found.append((module, node.lineno))
-            # ``from pkg import submodule`` imports the submodule
-            for a in node.names:
-                if f"{module}.{a.name}" in MODULES:
-                    found.append((f"{module}.{a.name}", node.lineno))
+            # ``from pkg import submodule`` imports the submodule; ``pkg`` itself is named only
+            # for a name its ``__init__`` defines (or ``*``)
+            subs = [f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in MODULES]
+            if len(subs) < len(node.names):
+                found.append((module, node.lineno))
+            found.extend((sub, node.lineno) for sub in subs)
         for child in ast.iter_child_nodes(node):
             visit(child)
 
@@ -121,6 +122,98 @@ def test_no_import_runs_uphill_or_sideways():
                 continue
             bad.append(f"{path.relative_to(ROOT)}:{line}: {name} ({mine}) imports {module}")
     assert not bad, "imports that do not point down the layers:\n" + "\n".join(bad)
+
+
+def _packages_above(module: str) -> list[str]:
+    """The packages of mqnc that contain ``module`` (``mqnc.cost.terms``: ``mqnc.cost``,
+    ``mqnc``): importing a module runs their ``__init__`` first."""
+    parts = module.split(".")
+    return [p for p in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)) if p in MODULES]
+
+
+def _import_graph() -> dict[str, dict[str, int]]:
+    """``{module: {module it imports: line}}`` over every module of mqnc and the kernels.
+
+    An import statement reaches the module it names (:func:`_imports`: ``from pkg import sub``
+    is ``pkg.sub``; ``pkg``'s ``__init__`` only for a name the ``__init__`` defines) and the
+    packages above that, except the packages that hold the importer itself: those are already
+    being imported when it runs, so that a package's ``__init__`` importing its own submodules
+    is no cycle. Function-local imports count as module-level ones do.
+    """
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in MODULES.items():
+        own = set(_packages_above(name)) | {name}
+        edges: dict[str, int] = {}
+        for module, line in _imports(name, path):
+            if module not in MODULES:
+                continue
+            for target in (module, *_packages_above(module)):
+                if target != name and (target == module or target not in own):
+                    edges.setdefault(target, line)
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Import cycles of ``graph``, each a path ``[a, b, ..., a]``: for every module on a cycle,
+    the shortest one through it (breadth-first), each cycle reported once."""
+    found: dict[tuple[str, ...], list[str]] = {}
+    for start in sorted(graph):
+        parent: dict[str, str] = {}
+        frontier, closed = [start], False
+        while frontier and not closed:
+            nxt = []
+            for node in frontier:
+                for target in sorted(graph.get(node, {})):
+                    if target == start:
+                        parent[start], closed = node, True
+                        break
+                    if target not in parent:
+                        parent[target] = node
+                        nxt.append(target)
+                if closed:
+                    break
+            frontier = nxt
+        if not closed:
+            continue
+        path, node = [start], parent[start]
+        while node != start:
+            path.append(node)
+            node = parent[node]
+        path.reverse()  # start, ..., the module that imports start
+        i = path.index(min(path))
+        key = tuple(path[i:] + path[:i])
+        found.setdefault(key, [*key, key[0]])
+    return list(found.values())
+
+
+def test_no_two_modules_import_each_other():
+    """No import cycle among the modules of mqnc and the kernels, direct or through others
+    (module-level and function-local imports alike)."""
+    graph = _import_graph()
+    lines = []
+    for cycle in _cycles(graph):
+        steps = [
+            f"{MODULES[a].relative_to(ROOT)}:{graph[a][b]}: {a} imports {b}"
+            for a, b in zip(cycle[:-1], cycle[1:], strict=True)
+        ]
+        lines.append(" -> ".join(cycle) + "\n    " + "\n    ".join(steps))
+    assert not lines, "import cycles:\n" + "\n".join(lines)
+
+
+def test_the_cycle_search_finds_cycles_and_only_real_ones(tmp_path):
+    """The search itself: a cycle through three modules, a direct one and none in a chain; and
+    ``from pkg import submodule`` inside ``pkg`` is an edge to the submodule, while a name that
+    ``pkg``'s ``__init__`` defines is an edge to the ``__init__``."""
+    graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {"e": 5}, "e": {"d": 6},
+             "f": {"a": 7}}  # fmt: skip
+    assert sorted(_cycles(graph)) == [["a", "b", "c", "a"], ["d", "e", "d"]]
+    assert _cycles({"a": {"b": 1}, "b": {}}) == []
+    src = tmp_path / "requester.py"
+    src.write_text("from mqnc.serving import policy\nfrom mqnc.serving import Requester, pool\n")
+    got = _imports("mqnc.serving.requester", src)
+    assert got == [("mqnc.serving.policy", 1), ("mqnc.serving", 2), ("mqnc.serving.pool", 2)]
+    assert _packages_above("mqnc.cost.terms") == ["mqnc.cost", "mqnc"]
 
 
 def test_kernels_import_nothing_of_mqnc_above_the_kernel_layer():

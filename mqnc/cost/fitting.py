@@ -1,4 +1,4 @@
-"""Fitting the cost model's constants to measurements (§4.3, §6.3), and reading the records.
+"""Fitting the cost model's constants to measurements (§4.3, §6.3).
 
 - :func:`fit` / :func:`fit_groups`: a fabric's ``(T_probe, BW, turnaround)`` from measured
   round trips against ``M_q (q + p)`` (affine least squares, MAPE as the paper reports it,
@@ -9,8 +9,8 @@
 - :func:`fit_host`: the host software's ``fixed + per_row * M_q`` (§5.3) from calls through
   the package beside the transport alone at the same ``M_q``;
 - :func:`mape`: the error statistic;
-- :func:`read_jsonl`: the records of a results file (the long format that
-  :mod:`mqnc.measure.results` writes).
+- :func:`read_jsonl` / :func:`check_record`: the records of a results file, defined in
+  :mod:`mqnc.cost.records` and re-exported here.
 
 numpy only (no torch): the ``mqnc fit`` command and the notebooks run it anywhere.
 """
@@ -18,7 +18,6 @@ numpy only (no torch): the ``mqnc fit`` command and the notebooks run it anywher
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -26,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from mqnc.base.checks import check_int, is_number
 from mqnc.cost.fabric import FabricProfile, bytes_to_us
+from mqnc.cost.records import check_record, read_jsonl  # (also re-exported from here)
 
 __all__ = [
     "FitResult",
@@ -410,65 +409,6 @@ def fit_host(samples: Iterable[Sequence[float]]):
     if intercept < 0:  # refit through the origin's floor: all of it per row
         slope, intercept = float(np.sum(m * extra) / np.sum(m * m)), 0.0
     return HostOverhead(max(float(intercept), 0.0), max(float(slope), 0.0))
-
-
-RECORD_NUMBERS = ("x", "p50")
-"""The fields every results record carries as a finite number (:mod:`mqnc.measure.results`
-writes them; ``mqnc fit`` and ``SpliceProfile.from_results`` read them)."""
-
-
-def check_record(record: object, where: str, *, required: Sequence[str] = RECORD_NUMBERS) -> dict:
-    """``record`` if it is a results record, else a ``ValueError`` naming ``where`` (the file
-    and line, or the list and index) and the key.
-
-    A record is a JSON object whose ``x`` and ``p50`` are finite numbers (not bools; both
-    required, or those in ``required``: a probe needs no ``x``), whose ``extra`` is an object
-    (or absent / null) and whose ``extra["qp_row_bytes"]``, when given, is a positive int.
-    """
-    if not isinstance(record, dict):
-        raise ValueError(
-            f"results: {where}: expected a JSON object (a record), got {type(record).__name__}"
-        )
-    for key in RECORD_NUMBERS:
-        if key not in record and key not in required:
-            continue
-        if key not in record:
-            raise ValueError(f"results: {where}: key {key!r} missing; expected a finite number")
-        value = record[key]
-        if not (is_number(value) and math.isfinite(value)):
-            raise ValueError(
-                f"results: {where}: key {key!r}: expected a finite number, got {value!r}"
-            )
-    extra = record.get("extra")
-    if extra is not None and not isinstance(extra, dict):
-        raise ValueError(
-            f"results: {where}: key 'extra': expected a JSON object, got {type(extra).__name__}"
-        )
-    if extra and "qp_row_bytes" in extra:
-        try:
-            check_int("'extra.qp_row_bytes'", extra["qp_row_bytes"], minimum=1)
-        except ValueError as exc:
-            raise ValueError(f"results: {where}: key {exc}") from None
-    return record
-
-
-def read_jsonl(path: str | os.PathLike, *, required: Sequence[str] = RECORD_NUMBERS) -> list[dict]:
-    """Every record of a JSON-lines results file (:mod:`mqnc.measure.results`' format); a
-    missing file is a ``FileNotFoundError``, a line that is not JSON or not a record
-    (:func:`check_record`: an object whose ``x`` and ``p50`` are finite numbers; those not in
-    ``required`` may be absent) a ``ValueError`` naming the file, the line and the key."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"results: no such file {os.fspath(path)!r}")
-    out = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"results: {path} line {i} is not JSON ({exc})") from None
-                out.append(check_record(rec, f"{path} line {i}", required=required))
-    return out
 
 
 def knee_fit(x, y) -> tuple[float, float, float]:
