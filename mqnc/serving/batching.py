@@ -8,17 +8,20 @@ chunk-local indices mapped to pool slots; both are the pool's kernel ops
 group's partial is cut back into its requests and answered as one collapsed ``(o, m, l)`` reply
 each (§5.3).
 
-Host work per call (issue 14): a group's block table and lengths are built once with numpy and
-cached by the group's (chunk, batch) make-up (a decode loop asks for the same tables every
-step); the kernels are called with ``check_inputs=False`` / ``check_indices=False`` (the holder
-built the tables and range-checked the selections on receipt); ``(o, lse) -> (o, m, l)`` is
-numpy on the host. The kernels are attributes (:attr:`RouteBatcher.dense_kernel`,
+Host work per call (the software around the kernel is part of every route's cost, §5.3): a
+group's block table and lengths are built once with numpy and cached by the group's (chunk,
+batch) make-up (a decode loop asks for the same tables every step); the kernels are called with
+``check_inputs=False`` / ``check_indices=False`` (the holder built the tables and range-checked
+the selections on receipt); each reply is packed from the kernel's ``lse`` with numpy on the
+host (:func:`mqnc.transport.wire.pack_partial_lse`, which writes the wire's ``(m, l)``). The
+kernels are attributes (:attr:`RouteBatcher.dense_kernel`,
 :attr:`RouteBatcher.sparse_kernel`: the pool's ops unless set) so that a benchmark can stub
 them and time the software alone.
 
-Numbers are never dropped (issue 15): a row that attended at least one entry but whose ``lse``
-is not finite (an overflow, a NaN input) is answered with a NaN ``lse`` (``m = NaN``, ``l =
-1``), never as an empty partial, whatever the kernel wrote.
+Numbers are never dropped: a row that attended at least one entry but whose ``lse`` is not
+finite (an overflow, a NaN input) is answered with a NaN ``lse``, never as an empty partial,
+whatever the kernel wrote (the batcher tells the wire which rows had keys), so that a bad number
+reaches the requester's merge, which rejects it.
 """
 
 from __future__ import annotations
@@ -178,7 +181,7 @@ class RouteBatcher:
 
     def _outputs(self, rows: int, heads: int, dtype: torch.dtype) -> tuple:
         """The kernel's outputs for a batch of ``rows`` tokens x ``heads`` in ``dtype``, kept per
-        shape and reused (the kernels' ``out=``: no output allocation per call, issue 14):
+        shape and reused (the kernels' ``out=``: no output allocation per call):
         ``(o [rows, heads, d_v], lse [rows, heads] float32)`` on the pool's device, their host
         copies (the same tensors on the CPU) and those as numpy views (``o``'s bytes ``[rows,
         heads * d_v * itemsize]`` uint8, ``lse``), from which the replies are packed with no
@@ -262,13 +265,12 @@ class RouteBatcher:
     def _rows(self, group: list[RouteJob], rows: int) -> torch.Tensor:
         """The group's query rows (``rows`` tokens) as one ``[rows, H, width]`` tensor on the
         pool's device: their bytes copied (numpy) into a staging buffer kept per shape, and on
-        a GPU (any device but the CPU) copied to the device once per batch (issue 14: no torch
-        call per request on the host, where each cost a just-woken holder several
-        microseconds; before, a tensor view per request and a ``torch.cat`` or a copy to the
-        device per request). A buffer is reused by the next batch of its shape only after this
-        batch's call returned (the holder answers one batch at a time, and a GPU call is
-        synchronised before its reply is packed); the group shares one dtype and width
-        (:func:`_group_of`)."""
+        a GPU (any device but the CPU) copied to the device once per batch (no torch call per
+        request on the host, where each cost a just-woken holder several microseconds; before,
+        a tensor view per request and a ``torch.cat`` or a copy to the device per request). A
+        buffer is reused by the next batch of its shape only after this batch's call returned
+        (the holder answers one batch at a time, and a GPU call is synchronised before its
+        reply is packed); the group shares one dtype and width (:func:`_group_of`)."""
         h = group[0].header
         key = (rows, h.heads, h.width, h.dtype)
         staged = self._staging.get(key)

@@ -51,11 +51,12 @@ skip it. Whether a payload must carry one is the receiver's decision, never the 
 every engine whose bytes cross a process) rejects a host payload without it, so clearing the
 flag bit and resealing the header does not switch the check off.
 
-Speed (issue 14): every CRC-32 is ISA-L's (``isal``, the ``fast`` extra: zlib's polynomial and
-values, ~20x faster on a route's payload) when it is installed, zlib's otherwise; headers are
-packed and parsed in place with one precompiled :class:`struct.Struct` over a numpy view of the
-buffer (no intermediate ``bytes``), the header CRC is chained over the buffer without a copy,
-header-only messages are packed from a template, and :class:`Header` is a ``NamedTuple``.
+Speed (a route's software overhead is part of its cost, §5.3): every CRC-32 is ISA-L's
+(``isal``, the ``fast`` extra: zlib's polynomial and values, ~20x faster on a route's payload)
+when it is installed, zlib's otherwise; headers are packed and parsed in place with one
+precompiled :class:`struct.Struct` over a numpy view of the buffer (no intermediate ``bytes``),
+the header CRC is chained over the buffer without a copy, header-only messages are packed from a
+template, and :class:`Header` is a ``NamedTuple``.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-try:  # ISA-L's CRC-32: zlib's polynomial and values, ~20x faster on a route's payload (issue 14)
+try:  # ISA-L's CRC-32: zlib's polynomial and values, ~20x faster on a route's payload
     from isal.isal_zlib import crc32 as _crc32
 except ImportError:  # zlib's (the `fast` extra installs isal)
     _crc32 = zlib.crc32
@@ -213,7 +214,8 @@ def _write_header(a: np.ndarray, h: Header) -> None:
     """Pack ``h`` into the first 96 bytes of the host uint8 array ``a`` (CRC last)."""
     # Header's fields after kind and dtype are the struct's, in its order (CRC 0, then padding)
     _STRUCT_PADDED.pack_into(a, 0, MAGIC, VERSION, h[0], _DTYPE_CODES[h[1]], *h[2:], 0)
-    # The CRC field is zero here: one CRC over the whole header is the chained one (issue 14).
+    # The CRC field is zero here: one CRC over the whole header equals the chained one of
+    # _header_crc (which zeroes the field on the fly), with one call instead of three.
     _CRC.pack_into(a, _CRC_OFFSET, _crc32(a[:HEADER_BYTES]))
 
 
@@ -395,7 +397,7 @@ def _payload_view(buf, offset: int, nbytes: int, dtype: torch.dtype, shape):
         t = torch.from_numpy(a.reshape(shape))
         return t.view(dtype) if dtype is torch.bfloat16 else t
     aligned = (buf.storage_offset() + start) % _VIEW_ALIGN[dtype] == 0
-    if aligned and buf.is_cpu:  # host: numpy slices, one torch wrapper (issue 14: ~1 us less)
+    if aligned and buf.is_cpu:  # host: numpy slices, one torch wrapper (~1 us less per call)
         a = buf.numpy()[start : start + nbytes].view(_NP_VIEW[dtype]).reshape(shape)
         t = torch.from_numpy(a)
         return t.view(dtype) if dtype is torch.bfloat16 else t
@@ -741,11 +743,11 @@ def pack_probe(
     *, request_id: int, seq: int, ack: bool = False, device=None, array: bool = False
 ) -> torch.Tensor | np.ndarray:
     """A ``PROBE`` (or ``PROBE_ACK``) message: the header alone, ``[96]`` uint8; with
-    ``array`` a host numpy array (what the holder and the requester put: no torch call,
-    issue 14; every engine's put and every reader here take either)."""
+    ``array`` a host numpy array (what the holder and the requester put: no torch call on the
+    per-call path; every engine's put and every reader here take either)."""
     if not (type(request_id) is int and type(seq) is int and 0 <= request_id < _U64 > seq >= 0):
         _check_ids(request_id=request_id, seq=seq)
-    if device is None:  # the per-call path (issue 14): the header in a template's copy
+    if device is None:  # the per-call path: the header in a template's copy
         # (restamp's steps for a template whose CRC field is zero, inline: a probe's hot path)
         a = _PROBE_TEMPLATE[1 if ack else 0].copy()
         _IDS.pack_into(a, _IDS_OFFSET, request_id, seq)
@@ -813,7 +815,7 @@ def pack_query(
         the process).
     array : bool
         Return a host numpy array instead of a tensor (``q`` on the host; what the requester
-        puts: no torch call between the packer and the engine, issue 14).
+        puts: no torch call between the packer and the engine).
 
     Returns
     -------
@@ -923,7 +925,7 @@ def query_arrays(buf, h: Header) -> tuple[np.ndarray, np.ndarray | None]:
     """``(q_bytes [B, H * width * itemsize] uint8, indices [B, topk] int32 or None)``: numpy
     views into a host ROUTE message (array or host tensor) whose header ``h``
     :func:`parse_header` has checked: the rows' bytes and the selection without a torch call
-    (the holder copies the rows into its staging buffer, issue 14)."""
+    (the holder copies the rows into its staging buffer)."""
     a = _host_array(buf)
     if a is None:
         raise ValueError("buf: expected a host message (a uint8 numpy array or host tensor)")
@@ -1075,7 +1077,8 @@ def pack_partial_arrays(
     rows, no = B * H, o.size
     if no + m.nbytes + l.nbytes != nbytes or l.shape != (B, H):
         raise ValueError(f"o, m, l: {no + m.nbytes + l.nbytes} B, expected {nbytes} B")
-    # the three copies straight into the message (no generic loop over parts: issue 14)
+    # the three copies straight into the message (no generic loop over parts: fewer Python
+    # steps on the holder's per-reply path)
     a = np.empty(HEADER_BYTES + nbytes, dtype=np.uint8)
     end = HEADER_BYTES + no
     a[HEADER_BYTES:end] = o.reshape(-1)
