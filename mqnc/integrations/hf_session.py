@@ -24,7 +24,7 @@ from mqnc.integrations.hf_model import (
     rope_spec_of,
 )
 from mqnc.integrations.hf_predicate import as_fabric, decide_chunk, measure_constants
-from mqnc.model import MLAWeights, absorb_query, latent_to_heads
+from mqnc.model import MLAGeometry, MLAWeights, absorb_query, latent_to_heads
 from mqnc.reference import merge_reference, partial_attention_reference, rope_rotate_reference
 from mqnc.serving import Corpus, Requester, kernel_ops
 from mqnc.testing import compare
@@ -46,7 +46,9 @@ def _mqnc_attention(module, query, key, value, attention_mask, scaling, dropout=
             f"mqnc attention: layer {getattr(module, 'layer_idx', '?')} is not attached to an "
             "mqnc session (use mqnc.integrations.hf.attach)"
         )
-    if session._bypass:  # a nested re-prefill (the local primitive): the model's own attention
+    if (
+        session._reprefills.running
+    ):  # a nested re-prefill (the local primitive): the model's own attention
         eager = sys.modules[type(module).__module__].eager_attention_forward
         return eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     return session._attend(module, query, key, value, attention_mask, scaling, kwargs)
@@ -115,32 +117,7 @@ class HFSession:
         verify: bool = False,
         on_step: Callable[[int], None] | None = None,
     ) -> None:
-        check_model(model)
-        if not isinstance(corpus, Corpus):
-            raise TypeError(f"corpus: expected an mqnc.serving.Corpus, got {type(corpus).__name__}")
-        if not isinstance(requester, Requester):
-            raise TypeError(f"requester: expected a Requester, got {type(requester).__name__}")
-        if force not in (None, "route", "fetch", "local"):
-            raise ValueError(f"force: expected None, 'route', 'fetch' or 'local', got {force!r}")
-        if model.dtype != corpus.dtype or requester.dtype != corpus.dtype:
-            raise TypeError(
-                f"model: expected the corpus dtype {corpus.dtype} for the model and the requester, "
-                f"got {model.dtype} and {requester.dtype}"
-            )
-        g = geometry_of(model)
-        cg = corpus.geometry
-        if (g.layers, g.d_c, g.d_r, g.heads) != (cg.layers, cg.d_c, cg.d_r, cg.heads):
-            raise ValueError(
-                f"corpus: written by a model with (layers, d_c, d_r, heads) = "
-                f"{(cg.layers, cg.d_c, cg.d_r, cg.heads)}, this model has "
-                f"{(g.layers, g.d_c, g.d_r, g.heads)}"
-            )
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
-        if not isinstance(verify, bool):
-            raise TypeError(f"verify: expected True or False, got {verify!r}")
-        if on_step is not None and not callable(on_step):
-            raise TypeError(f"on_step: expected None or a callable on_step(step), got {on_step!r}")
+        g = _check_arguments(model, corpus, requester, force, steps, verify, on_step)
         self.model = model
         self.corpus = corpus
         self.requester = requester
@@ -155,8 +132,7 @@ class HFSession:
         self.rope = rope_spec_of(model)
         self.weights = [MLAWeights.from_hf_attention(m) for m in attention_modules(model)]
         self.token_ids = corpus.meta.get("token_ids")
-        self._reprefilled: dict[int, torch.Tensor] = {}
-        self._bypass = False
+        self._reprefills = _Reprefills(model, corpus)
         self._request: _Request | None = None
         self.step = 0
         self.fabric = None if fabric is None else as_fabric(fabric)
@@ -165,18 +141,7 @@ class HFSession:
         self.fallbacks: list[dict] = []
         self.requests: list[_Request] = []
         self.batch_work: dict[int, int] = {}
-        for info in corpus.directory():
-            known = requester.directory.get(info.chunk_id)
-            if known is None:
-                requester.register(info)
-            elif not known.same_chunk(info):
-                raise ValueError(
-                    f"corpus: chunk {info.chunk_id} is {info}, the requester has {known} "
-                    "registered (its holders serve another corpus); attach through a requester "
-                    "of this corpus' holders (corpus.make_requester, LocalHolders(corpus))"
-                )
-        if requester.rope is None:
-            requester.rope = corpus.rope
+        _register_corpus(corpus, requester)
         self._first_record = len(requester.costs)
         self._saved_impl = None
         self._saved_model = None
@@ -309,20 +274,8 @@ class HFSession:
         by the model's own forward over the context's tokens up to the end of this chunk and of
         every chunk the request re-prefills (a long enough prefix already computed at the same
         context offset is reused)."""
-        c = self.corpus.chunks[chunk_id]
-        start = int(offset) - (c.position - self.corpus.position)
-        # through this chunk and every chunk this request re-prefills (one forward for all)
-        local = [self.corpus.chunks[k] for k, d in self._decisions().items() if d == "local"]
-        end = max([c.start + c.tokens] + [k.start + k.tokens for k in local])
-        have = self._reprefilled.get(start)
-        if have is None or have.shape[1] < end:
-            ids = torch.tensor(self.token_ids[:end], dtype=torch.long)
-            self._bypass = True
-            try:
-                self._reprefilled[start] = prefill_entries(self.model, ids, start).cpu()
-            finally:
-                self._bypass = False
-        return self._reprefilled[start][:, c.start : c.start + c.tokens]
+        local = [k for k, d in self._decisions().items() if d == "local"]
+        return self._reprefills.entries(chunk_id, offset, local)
 
     # ---- one layer of one forward pass ----------------------------------------------------------
     def _max_route_tokens(self) -> int:
@@ -490,6 +443,87 @@ class HFSession:
             torch.stack([*refs_o, local[0].double()]), torch.stack([*refs_lse, local[1].double()])
         )
         self.errors.setdefault("merged", []).append(compare(o_merged, o_ref).max_abs)
+
+
+def _check_arguments(model, corpus, requester, force, steps, verify, on_step) -> MLAGeometry:
+    """:class:`HFSession`'s arguments checked; returns the model's geometry."""
+    check_model(model)
+    if not isinstance(corpus, Corpus):
+        raise TypeError(f"corpus: expected an mqnc.serving.Corpus, got {type(corpus).__name__}")
+    if not isinstance(requester, Requester):
+        raise TypeError(f"requester: expected a Requester, got {type(requester).__name__}")
+    if force not in (None, "route", "fetch", "local"):
+        raise ValueError(f"force: expected None, 'route', 'fetch' or 'local', got {force!r}")
+    if model.dtype != corpus.dtype or requester.dtype != corpus.dtype:
+        raise TypeError(
+            f"model: expected the corpus dtype {corpus.dtype} for the model and the requester, "
+            f"got {model.dtype} and {requester.dtype}"
+        )
+    g = geometry_of(model)
+    cg = corpus.geometry
+    if (g.layers, g.d_c, g.d_r, g.heads) != (cg.layers, cg.d_c, cg.d_r, cg.heads):
+        raise ValueError(
+            f"corpus: written by a model with (layers, d_c, d_r, heads) = "
+            f"{(cg.layers, cg.d_c, cg.d_r, cg.heads)}, this model has "
+            f"{(g.layers, g.d_c, g.d_r, g.heads)}"
+        )
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify: expected True or False, got {verify!r}")
+    if on_step is not None and not callable(on_step):
+        raise TypeError(f"on_step: expected None or a callable on_step(step), got {on_step!r}")
+    return g
+
+
+def _register_corpus(corpus: Corpus, requester) -> None:
+    """Register the corpus' chunks on the requester (a chunk it knows must be the same chunk)
+    and give it the corpus' rope when it has none."""
+    for info in corpus.directory():
+        known = requester.directory.get(info.chunk_id)
+        if known is None:
+            requester.register(info)
+        elif not known.same_chunk(info):
+            raise ValueError(
+                f"corpus: chunk {info.chunk_id} is {info}, the requester has {known} "
+                "registered (its holders serve another corpus); attach through a requester "
+                "of this corpus' holders (corpus.make_requester, LocalHolders(corpus))"
+            )
+    if requester.rope is None:
+        requester.rope = corpus.rope
+
+
+class _Reprefills:
+    """The local primitive's cache: the context's entries ``[L, n, d_qk]`` re-prefilled by the
+    model's own forward over the context's tokens, by the context offset they were computed at.
+
+    A cached prefix long enough for the chunks asked for is reused, else one forward computes
+    through the last of them. While it runs, ``running`` is True: the attention hook then gives
+    the model its own attention.
+    """
+
+    def __init__(self, model, corpus: Corpus) -> None:
+        self.model = model
+        self.corpus = corpus
+        self._by_start: dict[int, torch.Tensor] = {}
+        self.running = False
+
+    def entries(self, chunk_id: int, offset: int, also: list[int]) -> torch.Tensor:
+        """``chunk_id``'s entries ``[L, c_t, d_qk]`` re-prefilled at ``offset``, computed (if
+        not cached) through the end of this chunk and of every chunk in ``also``."""
+        chunks = self.corpus.chunks
+        c = chunks[chunk_id]
+        start = int(offset) - (c.position - self.corpus.position)
+        end = max(chunks[k].start + chunks[k].tokens for k in (chunk_id, *also))
+        have = self._by_start.get(start)
+        if have is None or have.shape[1] < end:
+            ids = torch.tensor(self.corpus.meta["token_ids"][:end], dtype=torch.long)
+            self.running = True
+            try:
+                self._by_start[start] = prefill_entries(self.model, ids, start).cpu()
+            finally:
+                self.running = False
+        return self._by_start[start][:, c.start : c.start + c.tokens]
 
 
 def _concat(parts: list):
