@@ -7,6 +7,7 @@ argmin over the three costs) or against an independently written formula.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -211,3 +212,170 @@ def test_decision_to_dict_is_json_ready():
     assert out["primitive"] == d.primitive
     assert out["route"]["total"] == pytest.approx(d.route.total)
     assert out["inputs"]["congestion"]["bw_factor"] == 0.5
+
+
+# ---- the predicate's two inputs: the machine profile and the request --------------------------
+
+
+def _full_profile() -> cm.MachineProfile:
+    """A profile with every field set to a value of its own."""
+    return cm.MachineProfile(
+        IBGDA.replace(host_fixed_us=100.0, host_per_row_us=0.5),
+        splice=cm.SpliceProfile((16, 4096), (300.0, 900.0), "measured"),
+        scatter=cm.SpliceProfile.flat(50.0),
+        gather=cm.GatherProfile(400.0, 3.0, "g"),
+        host=cm.HostOverhead(10.0, 0.25),
+        t_compute_us=20.0,
+        t_merge_us=5.0,
+        **{k: 1.0 + i for i, k in enumerate(cm.MEASURED_TERMS)},
+        measured_with=dict(device="cpu", kernels="torch"),
+        sources=dict(c_us="calibrated"),
+    )
+
+
+def test_machine_profile_json_round_trip(tmp_path):
+    p = _full_profile()
+    path = tmp_path / "p.json"
+    p.save(path)
+    data = json.loads(path.read_text())
+    assert (data["schema"], data["version"]) == (cm.PROFILE_SCHEMA, cm.PROFILE_VERSION)
+    assert cm.MachineProfile.load(path) == p == cm.MachineProfile.from_dict(p.to_dict())
+    assert cm.load_profile(str(path)) == p
+    assert cm.FabricProfile.load(path) == p.fabric  # a fabric reader takes its fabric
+    assert cm.load_profile("h100-ibgda") == cm.MachineProfile(IBGDA)
+
+
+def test_version0_files_load(tmp_path):
+    """A fabric profile saved before the schema (FabricProfile.save, mqnc calibrate, mqnc fit
+    --save) and a demo profile (``kind``) load as version 0."""
+    fabric = tmp_path / "fabric.json"
+    IBGDA.save(fabric)
+    assert cm.MachineProfile.load(fabric) == cm.MachineProfile(IBGDA)
+    demo = tmp_path / "demo_profile.json"
+    terms = {k: 2.0 for k in cm.MEASURED_TERMS}
+    demo.write_text(
+        json.dumps(
+            dict(
+                kind=cm.DEMO_PROFILE_KIND,
+                fabric=IBGDA.to_dict(),
+                terms=dict(terms, unknown_term=1.0),
+                measured_with=dict(device="cpu"),
+                sources=dict(c_us="calibrated"),
+            )
+        )
+    )
+    p = cm.MachineProfile.load(demo)
+    assert p.fabric == IBGDA and p.terms() == terms and p.measured_with == dict(device="cpu")
+    assert p.sources == dict(c_us="calibrated") and p.c_us == 2.0
+
+
+def test_machine_profile_errors_name_the_version_and_the_field(tmp_path):
+    data = _full_profile().to_dict()
+    with pytest.raises(ValueError, match="version 2 is not supported"):
+        cm.MachineProfile.from_dict(dict(data, version=2))
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps(dict(data, version=2)))
+    for load in (cm.MachineProfile.load, cm.FabricProfile.load):
+        with pytest.raises(ValueError, match="version 2 .*not supported"):
+            load(path)
+    with pytest.raises(ValueError, match=r"unknown keys \['splice_ms'\]"):
+        cm.MachineProfile.from_dict(dict(data, splice_ms=3.0))
+    with pytest.raises(ValueError, match="MachineProfile.c_us: expected a finite number > 0"):
+        cm.MachineProfile.from_dict(dict(data, c_us=-1.0))
+    with pytest.raises(TypeError, match="MachineProfile.merge_us: expected a number, got str"):
+        cm.MachineProfile.from_dict(dict(data, merge_us="1"))
+    with pytest.raises(TypeError, match="profile.gather: .*unexpected keyword"):
+        cm.MachineProfile.from_dict(dict(data, gather=dict(speed=1.0)))
+    with pytest.raises(TypeError, match="MachineProfile.fabric: expected a FabricProfile"):
+        cm.MachineProfile("h100-ibgda")
+    with pytest.raises(ValueError, match="kind 'other' is not a profile"):
+        cm.MachineProfile.from_dict(dict(kind="other"))
+    with pytest.raises(FileNotFoundError, match="no/such.json"):
+        cm.MachineProfile.load("no/such.json")
+
+
+def test_decide_on_a_profile_and_a_request_is_the_convenience_form():
+    """``decide(geometry, profile, request)`` prices what the convenience form's options ask
+    (every profile and request field the predicate reads)."""
+    p = _full_profile()
+    cong = cm.Congestion(0.5, 7.0)
+    for moved in (True, False):
+        for topk in (None, 512):
+            r = cm.Request(300, 1500, topk=topk, holders=3 if topk else 1, moved=moved,
+                           tp=2, round_trips=4, shared_uplink=True, congestion=cong)  # fmt: skip
+            d = pr.decide(V2, p, r)
+            splice = p.splice if moved else p.scatter
+            kw = dict(topk=r.topk, holders=r.holders, congestion=cong, tp=2, round_trips=4,
+                      shared_uplink=True, host=p.host, gather=p.gather)  # fmt: skip
+            want = {
+                "route": cm.t_route(
+                    V2,
+                    p.fabric,
+                    300,
+                    t_compute_us=20.0,
+                    t_merge_us=5.0,
+                    **{
+                        k: kw[k]
+                        for k in (
+                            "congestion",
+                            "tp",
+                            "round_trips",
+                            "shared_uplink",
+                            "host",
+                            "holders",
+                        )
+                    },
+                ).total,  # fmt: skip
+                "fetch": cm.t_fetch(
+                    V2,
+                    p.fabric,
+                    1500,
+                    splice=splice,
+                    topk=topk,
+                    holders=r.holders,
+                    gather=p.gather,
+                    congestion=cong,
+                ).total,  # fmt: skip
+                "local": cm.t_local(V2, 1500, p.c_us),
+            }
+            assert d.costs == want
+            old = pr.decide(V2, p.fabric, 300, 1500, moved=moved, splice=p.splice,
+                            scatter=p.scatter, c_us=p.c_us, t_compute_us=20.0, t_merge_us=5.0,
+                            **kw)  # fmt: skip
+            assert old.costs == d.costs and old.inputs == d.inputs
+
+
+def test_request_attention_and_measured_splice():
+    """``attention=False`` leaves the holder's partial and the merge out of route; a profile's
+    measured splice per token prices a moved chunk at ``k c_t`` (exactly), the pool write per
+    token an unmoved one, and a grid agrees with the scalar decisions."""
+    p = cm.MachineProfile(IBGDA, splice_us_per_token=0.75, scatter_us_per_token=0.125, c_us=0.6)
+    r = cm.Request(256, 1000, attention=False)
+    d = pr.decide(V2, p, r)
+    assert (d.route.compute, d.route.merge) == (0.0, 0.0)
+    assert d.fetch.splice == 0.75 * 1000 and d.inputs["splice"] == "measured"
+    assert pr.decide(V2, p, r.replace(moved=False)).fetch.splice == 0.125 * 1000
+    assert pr.decide(V2, cm.MachineProfile(IBGDA), r.replace(moved=False)).fetch.splice == 0.0
+    c = np.array([16.0, 300.0, 5000.0])
+    for moved in (True, False):
+        grid = pr.decide_grid(V2, p, 256.0, c, request=r.replace(moved=moved))
+        for j, ct in enumerate(c):
+            one = pr.decide(V2, p, r.replace(c_t=float(ct), moved=moved))
+            assert grid.fetch_us[j] == pytest.approx(one.fetch.total, rel=1e-12)
+            assert grid.route_us[j] == pytest.approx(one.route.total, rel=1e-12)
+            assert grid.primitive[j] == one.primitive
+
+
+def test_request_and_decide_errors_name_the_argument():
+    with pytest.raises(TypeError, match=r"options: unexpected \['c_u'\]"):
+        pr.decide(V2, IBGDA, 256, 2048, c_u=1.0)
+    with pytest.raises(TypeError, match="expected no c_t and no options"):
+        pr.decide(V2, cm.MachineProfile(IBGDA), cm.Request(1, 2), topk=4)
+    with pytest.raises(TypeError, match="profile: expected a MachineProfile with a Request"):
+        pr.decide(V2, IBGDA, cm.Request(1, 2))
+    with pytest.raises(ValueError, match="holders: expected an int >= 1, got 0"):
+        cm.Request(1, 2, holders=0)
+    with pytest.raises(TypeError, match="moved: expected a bool"):
+        cm.Request(1, 2, moved=1)
+    with pytest.raises(TypeError, match="congestion: expected a Congestion"):
+        cm.Request(1, 2, congestion=0.5)

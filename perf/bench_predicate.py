@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from mqnc.cost import crossover_map, decide, get_fabric
+from mqnc.cost import MachineProfile, Request, crossover_map, decide, get_fabric
 from mqnc.measure import bench_parser, finish, parse_bench_args, positive_int, record
 from mqnc.model import get_preset
 from perf.targets import TARGETS
@@ -63,16 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.pin and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     g, f = get_preset("deepseek-v2-lite"), get_fabric("h100-ibgda")
+    profile, request = MachineProfile(f), Request(256, 2048)
     m_axis = np.geomspace(1, 8192, args.grid)
     c_axis = np.geomspace(16, 8192, args.grid)
 
     scalar = _time(
-        lambda: decide(g, f, 256, 2048),
+        lambda: decide(g, profile, request),
         reps=args.reps or (2000 if args.quick else 20000),
         warmup=200 if args.warmup is None else args.warmup,
     )
     grid = _time(
-        lambda: crossover_map(g, f, m_axis, c_axis),
+        lambda: crossover_map(g, profile, m_axis, c_axis),
         reps=args.reps or (5 if args.quick else 20),
         warmup=1 if args.warmup is None else args.warmup,
     )

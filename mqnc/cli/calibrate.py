@@ -1,7 +1,8 @@
 """``mqnc calibrate``: measure this machine's fabric and write its profile (§4.3, Table 2).
 
 Runs a short probe + route sweep on one transport, fits ``(T_probe, BW, turnaround)`` and
-writes a fabric profile JSON that ``mqnc predict --fabric FILE``, the predicate and the demo
+writes a machine profile JSON (:class:`mqnc.cost.MachineProfile`: the fabric, with what it was
+measured with) that ``mqnc predict --fabric FILE``, the predicate and the demo
 (``--profile FILE``) load; unless ``--no-bulk`` it also times one all-layer chunk pull
 (fetch's ``T_pull``). The measuring and fitting are :mod:`mqnc.measure.calibrate`.
 """
@@ -66,7 +67,7 @@ def _run(args) -> int:
         results=args.results,
         progress=not args.json,
     )
-    profile.save(out)
+    _machine_profile(profile, args.transport).save(out)
     if args.json:
         print(json.dumps({"profile": profile.to_dict(), "fit": res.to_dict(), "path": out}))
         return 0
@@ -74,6 +75,21 @@ def _run(args) -> int:
     if args.transport == "gloo":
         exit_process(0)  # see mqnc.measure.ranks.exit_process: gloo teardown at interpreter exit
     return 0
+
+
+def _machine_profile(fabric, transport: str):
+    """The fabric as a machine profile (the versioned schema every calibration writes): what
+    it was measured with and where its terms came from."""
+    from mqnc.base.runtime import device_name
+    from mqnc.cost import MachineProfile
+
+    terms = ("t_probe_us", "bw_gbps", "turnaround_us", "bulk_bw_gbps", "host_fixed_us")
+    measured = [k for k in (*terms, "host_per_row_us") if getattr(fabric, k) is not None]
+    return MachineProfile(
+        fabric,
+        measured_with=dict(transport=transport, device_name=device_name()),
+        sources=dict.fromkeys(measured, f"mqnc calibrate --transport {transport}"),
+    )
 
 
 def _print_fit(profile, res, raw: dict, out: str) -> None:

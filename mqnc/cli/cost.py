@@ -25,13 +25,13 @@ from mqnc.cost import (
     FABRICS,
     HOST_PAPER,
     PRIMITIVES,
-    SPLICE_PAPER,
     Congestion,
+    Request,
     SpliceProfile,
     bw_sweep,
     crossover_map,
     decide,
-    load_fabric,
+    load_profile,
     t_local_range,
     wire_break_even_rows,
     wire_byte_saving,
@@ -51,9 +51,10 @@ log = logging.getLogger(__name__)
 
 
 def _fabric_arg(text: str):
-    """``--fabric``: a preset name or a profile JSON."""
+    """``--fabric``: a preset name or a profile JSON (any version :func:`load_profile` reads),
+    as a :class:`~mqnc.cost.MachineProfile`."""
     try:
-        return load_fabric(text)
+        return load_profile(text)
     except (ValueError, TypeError, FileNotFoundError) as exc:
         why = str(exc)
         raise argparse.ArgumentTypeError(why if text in why else f"{text}: {why}") from None
@@ -148,10 +149,48 @@ def _route_options(p: argparse.ArgumentParser) -> None:
 
 
 def _resolve(args):
-    geometry, fabric = args.model, args.fabric
+    """``(geometry, profile, request)`` from the options: the profile is ``--fabric``'s with
+    the compute options applied (splice, c, compute, merge, host), the request ``--m-q`` /
+    ``--c-t`` with the rest."""
+    geometry, profile = args.model, args.fabric
     log.info(
-        "model %s (q+p %d B per row), fabric %s", geometry.name, geometry.qp_row_bytes, fabric.name
+        "model %s (q+p %d B per row), fabric %s", geometry.name, geometry.qp_row_bytes, profile.name
     )
+    _check_flags(args)
+    own = {}
+    if args.splice_ms is not None:
+        own["splice"] = SpliceProfile.flat(args.splice_ms * 1e3)
+    elif args.splice_from is not None:
+        own["splice"] = SpliceProfile.from_results(args.splice_from, variant=args.splice_variant)
+    if args.host_overhead:
+        own["host"] = HOST_PAPER
+    for name in ("c_us", "t_compute_us", "t_merge_us"):
+        if getattr(args, name) is not None:
+            own[name] = getattr(args, name)
+    congestion = None
+    if args.congestion_bw is not None or args.congestion_probe_us is not None:
+        congestion = Congestion(
+            bw_factor=1.0 if args.congestion_bw is None else args.congestion_bw,
+            probe_add_us=args.congestion_probe_us or 0.0,
+            on_fetch=not args.congestion_route_only,
+        )
+    request = Request(
+        args.m_q,
+        args.c_t,
+        topk=args.topk,
+        holders=args.holders,
+        moved=not args.no_splice,
+        tp=args.tp,
+        round_trips=args.round_trips,
+        congestion=congestion,
+        allow=tuple(getattr(args, "allow", PRIMITIVES)),
+    )
+    return geometry, profile.replace(**own) if own else profile, request
+
+
+def _check_flags(args) -> None:
+    """At most one splice option; a flag that only qualifies another is an error without it,
+    not silently ignored."""
     if (
         sum(
             x is not None and x is not False
@@ -160,7 +199,6 @@ def _resolve(args):
         > 1
     ):
         raise ValueError("splice: expected at most one of --splice-ms, --splice-from, --no-splice")
-    # a flag that only qualifies another is an error without it, not silently ignored
     for flag, given, needs, present in (
         ("--splice-variant", args.splice_variant, "--splice-from", args.splice_from),
         ("--holders", args.holders != 1, "--topk (it is the selection's fan-out)", args.topk),
@@ -173,42 +211,14 @@ def _resolve(args):
     ):
         if given and not present:
             raise ValueError(f"{flag}: only means something with {needs}")
-    if args.no_splice:
-        splice = SpliceProfile.none()
-    elif args.splice_ms is not None:
-        splice = SpliceProfile.flat(args.splice_ms * 1e3)
-    elif args.splice_from is not None:
-        splice = SpliceProfile.from_results(args.splice_from, variant=args.splice_variant)
-    else:
-        splice = SPLICE_PAPER
-    congestion = None
-    if args.congestion_bw is not None or args.congestion_probe_us is not None:
-        congestion = Congestion(
-            bw_factor=1.0 if args.congestion_bw is None else args.congestion_bw,
-            probe_add_us=args.congestion_probe_us or 0.0,
-            on_fetch=not args.congestion_route_only,
-        )
-    kw = dict(
-        splice=splice,
-        congestion=congestion,
-        tp=args.tp,
-        round_trips=args.round_trips,
-        holders=args.holders,
-        topk=args.topk,
-        host=HOST_PAPER if args.host_overhead else None,
-    )
-    for name in ("c_us", "t_compute_us", "t_merge_us"):
-        if getattr(args, name) is not None:
-            kw[name] = getattr(args, name)
-    return geometry, fabric, kw
 
 
 # ---- predict -----------------------------------------------------------------------------------
 
 
 def _predict(args) -> int:
-    geometry, fabric, kw = _resolve(args)
-    d = decide(geometry, fabric, args.m_q, args.c_t, allow=tuple(args.allow), **kw)
+    geometry, profile, request = _resolve(args)
+    d = decide(geometry, profile, request)
     if args.json:
         out = d.to_dict()
         out["wire"] = dict(
@@ -219,14 +229,14 @@ def _predict(args) -> int:
         )
         print(json.dumps(out, indent=2))
         return 0
-    _print_decision(args, d, geometry, fabric, kw["splice"])
+    _print_decision(args, d, geometry, profile)
     return 0
 
 
-def _print_decision(args, d, geometry, fabric, splice) -> None:
+def _print_decision(args, d, geometry, profile) -> None:
     r, f = d.route, d.fetch
     print(
-        f"model {geometry.name}  fabric {fabric.name}  M_q {args.m_q:g}  c_t {args.c_t:g}"
+        f"model {geometry.name}  fabric {profile.name}  M_q {args.m_q:g}  c_t {args.c_t:g}"
         + (f"  top-k {args.topk} over {args.holders} holder(s)" if args.topk else "")
     )
     rows = [
@@ -243,7 +253,7 @@ def _print_decision(args, d, geometry, fabric, splice) -> None:
             (
                 f"gather {f.pull:.1f} (no splice, §5.4)"
                 if f.selection
-                else f"pull {f.pull:.1f} + splice {f.splice:.1f} ({splice.name})"
+                else f"pull {f.pull:.1f} + splice {f.splice:.1f} ({d.inputs['splice']})"
             ),
         ),
         (
@@ -291,20 +301,20 @@ def _write_csv(path: str, header: list[str], rows) -> None:
 
 
 def _crossover(args) -> int:
-    geometry, fabric, kw = _resolve(args)
+    geometry, profile, request = _resolve(args)
     m_axis = _logspace(args.m_q_min, args.m_q_max, args.points, "--m-q-min/--m-q-max")
     c_axis = _logspace(args.c_t_min, args.c_t_max, args.points, "--c-t-min/--c-t-max")
     bw_axis = _logspace(args.bw_min, args.bw_max, args.points, "--bw-min/--bw-max")
     os.makedirs(args.out, exist_ok=True)
-    grid = crossover_map(geometry, fabric, m_axis, c_axis, **kw)
-    sweep = bw_sweep(geometry, fabric, bw_axis, m_q=args.m_q, c_t=args.c_t, **kw)
+    grid = crossover_map(geometry, profile, m_axis, c_axis, request=request)
+    sweep = bw_sweep(geometry, profile, bw_axis, m_q=args.m_q, c_t=args.c_t, request=request)
     written = [
         _wire_csv(args.out, geometry, m_axis, c_axis),
         _cost_csv(args.out, grid, m_axis, c_axis),
         _sweep_csv(args.out, sweep, bw_axis, t_local_range(geometry, args.c_t)),
     ]
     if not args.no_png:
-        written += _plots(args, geometry, fabric, m_axis, c_axis, bw_axis, kw)
+        written += _plots(args, geometry, profile, m_axis, c_axis, bw_axis, request)
     for p in written:
         print(p)
     return 0
@@ -367,7 +377,7 @@ def _sweep_csv(out: str, sweep, bw_axis, local_band) -> str:
     return path
 
 
-def _plots(args, geometry, fabric, m_axis, c_axis, bw_axis, kw) -> list[str]:
+def _plots(args, geometry, profile, m_axis, c_axis, bw_axis, request) -> list[str]:
     """The two PNGs, drawn by the same :mod:`mqnc.plots` functions the notebooks use."""
     import matplotlib  # here: an optional dependency (the notebooks extra), only for PNGs
 
@@ -376,13 +386,15 @@ def _plots(args, geometry, fabric, m_axis, c_axis, bw_axis, kw) -> list[str]:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
     plots.wire_saving_map(axes[0], geometry, m_q_axis=m_axis, c_t_axis=c_axis)
-    plots.decision_map(axes[1], geometry, fabric, m_axis, c_axis, **kw)
+    plots.decision_map(axes[1], geometry, profile, m_axis, c_axis, request=request)
     crossover = os.path.join(args.out, "fig3b_crossover.png")
     fig.savefig(crossover, dpi=120)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4.2), constrained_layout=True)
-    plots.bw_sweep_plot(ax, geometry, fabric, bw_axis=bw_axis, m_q=args.m_q, c_t=args.c_t, **kw)
+    plots.bw_sweep_plot(
+        ax, geometry, profile, bw_axis=bw_axis, m_q=args.m_q, c_t=args.c_t, request=request
+    )
     sweep = os.path.join(args.out, "fig6a_bw_sweep.png")
     fig.savefig(sweep, dpi=120)
     plt.close(fig)

@@ -5,8 +5,9 @@ benchmark run appends). One fit over all of them describes none, so the records 
 device, transport (the record's variant), row size ``q + p`` and commit
 (:func:`mqnc.cost.fit_groups`), and each group is fitted and printed on its own row.
 
-``--save FILE`` writes one sweep's fabric profile, which ``mqnc predict --fabric FILE`` and
-``mqnc demo --profile FILE`` read: the sweep named by ``--group LABEL``, else, among the sweeps
+``--save FILE`` writes one sweep's fabric as a machine profile (:class:`mqnc.cost.MachineProfile`,
+the versioned schema), which ``mqnc predict --fabric FILE`` and ``mqnc demo --profile FILE``
+read: the sweep named by ``--group LABEL``, else, among the sweeps
 left by ``--transport`` / ``--device`` / ``--commit``, the newest one at the model's row size
 (:func:`mqnc.cost.newest_group`). A negative fitted turnaround is reported (it is not a time:
 see :class:`mqnc.cost.FitResult`) and saved as 0.
@@ -17,12 +18,15 @@ from __future__ import annotations
 import json
 import logging
 
-from mqnc.cost import fit_groups, newest_group
+from mqnc.cost import MachineProfile, fit_groups, newest_group
 from mqnc.measure.options import hidden_alias, model_arg, positive_float, positive_int
 
 __all__ = ["register"]
 
 log = logging.getLogger(__name__)
+
+_FITTED = ("t_probe_us", "bw_gbps", "turnaround_us")
+"""The fabric terms a fit gives (what a saved profile's ``sources`` name)."""
 
 
 def _select(groups: list, args) -> list:
@@ -82,12 +86,15 @@ def _run(args) -> int:
                 "probe (perf.bench_route does) or choose another with --group"
             )
         extra = {} if args.link_peak_gbps is None else {"link_peak_gbps": args.link_peak_gbps}
-        saved.fit.to_fabric(
+        fabric = saved.fit.to_fabric(
             args.name or saved.label,
             description=f"fit of {args.results}: {saved.label}, {saved.device}, "
             f"commit {saved.commit}, {saved.date}",
             **extra,
-        ).save(args.save)
+        )
+        MachineProfile(fabric, sources=dict.fromkeys(_FITTED, f"mqnc fit: {saved.label}")).save(
+            args.save
+        )
     if args.json:
         out = {g.label: dict(g.to_dict(), saved=g is saved) for g in shown}
         print(json.dumps(out, indent=2))

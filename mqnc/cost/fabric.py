@@ -125,9 +125,15 @@ class FabricProfile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FabricProfile:
-        """Build from a dict (e.g. parsed JSON); unknown keys are an error naming them."""
+        """Build from a dict (e.g. parsed JSON); unknown keys are an error naming them.
+
+        A machine profile's dict (:class:`mqnc.cost.MachineProfile`, ``"schema"``; or a
+        version-0 demo profile, ``"kind"``) gives its fabric.
+        """
         if not isinstance(data, dict):
             raise TypeError(f"data: expected a dict, got {type(data).__name__}")
+        if "schema" in data or "kind" in data:
+            data = _fabric_of(data)
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - fields)
         if unknown:
@@ -147,9 +153,33 @@ class FabricProfile:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> FabricProfile:
-        """Read a profile written by :meth:`save` (or by ``mqnc fit --save``)."""
+        """Read a profile written by :meth:`save`, or the fabric of a machine profile
+        (``mqnc calibrate``, ``mqnc fit --save``, a demo profile)."""
         with open(path) as f:
             return cls.from_dict(json.load(f))
+
+
+PROFILE_SCHEMA = "mqnc-profile"
+"""The ``schema`` of a machine profile file (:class:`mqnc.cost.MachineProfile`)."""
+PROFILE_VERSION = 1
+"""The version this package writes and reads (files without a schema are version 0)."""
+DEMO_PROFILE_KIND = "mqnc-demo-profile"
+"""The ``kind`` of a version-0 demo profile (``demo_profile.json`` before the schema)."""
+
+
+def _fabric_of(data: dict) -> Any:
+    """The fabric of a machine profile's dict (any version :class:`mqnc.cost.MachineProfile`
+    reads; checked in full there), or an error naming the schema and version."""
+    versioned = data.get("schema") == PROFILE_SCHEMA and data.get("version") == PROFILE_VERSION
+    if not (versioned or ("schema" not in data and data.get("kind") == DEMO_PROFILE_KIND)):
+        raise ValueError(
+            f"fabric profile: schema {data.get('schema')!r} version {data.get('version')!r} "
+            f"(kind {data.get('kind')!r}) is not supported; this mqnc reads {PROFILE_SCHEMA!r} "
+            f"version {PROFILE_VERSION} and version-0 fabric and demo profiles"
+        )
+    if "fabric" not in data:
+        raise ValueError("fabric profile: a machine profile without 'fabric'")
+    return data["fabric"]
 
 
 # Table 2 (T_probe, BW, MAPE amortised / full); link peaks from §8 and Fig. 6(a); the IBGDA

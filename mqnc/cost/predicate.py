@@ -33,25 +33,28 @@ Where the paper's prose and its arithmetic part (each checked in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from mqnc.base.checks import check_number
 from mqnc.cost.fabric import FabricProfile, bytes_to_us
+from mqnc.cost.profile import (
+    PRIMITIVES,
+    PROFILE_FIELDS,
+    REQUEST_FIELDS,
+    MachineProfile,
+    Request,
+    check_positive,
+)
 from mqnc.cost.terms import (
-    GATHER_PAPER,
     LOCAL_C_RANGE_US,
     LOCAL_C_US,
     SPLICE_PAPER,
-    T_COMPUTE_US,
-    T_MERGE_US,
     Congestion,
     FetchCost,
-    GatherProfile,
-    HostOverhead,
     RouteCost,
     SpliceProfile,
     host_of,
@@ -82,9 +85,6 @@ __all__ = [
     "local_band_tokens",
     "congestion_reprices",
 ]
-
-PRIMITIVES = ("route", "fetch", "local")
-"""The three primitives, in the order of :attr:`DecisionGrid.choice` codes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,186 +142,155 @@ class Decision:
         )
 
 
-def _check_inputs(geometry, fabric, allow) -> tuple[str, ...]:
+def _check_geometry(geometry) -> None:
     if not isinstance(geometry, MLAGeometry):
         raise TypeError(f"geometry: expected an MLAGeometry, got {type(geometry).__name__}")
-    if not isinstance(fabric, FabricProfile):
-        raise TypeError(f"fabric: expected a FabricProfile, got {type(fabric).__name__}")
-    allow = tuple(allow)
-    bad = [a for a in allow if a not in PRIMITIVES]
-    if bad or not allow or len(set(allow)) != len(allow):
-        raise ValueError(
-            f"allow: expected a non-empty subset of {list(PRIMITIVES)}, each once, got {allow}"
+
+
+_CONVENIENCE = (PROFILE_FIELDS | REQUEST_FIELDS) - {"fabric", "m_q", "c_t"}
+
+
+@functools.lru_cache(maxsize=64)
+def _plain_profile(fabric: FabricProfile) -> MachineProfile:
+    """A fabric's profile with the paper's compute terms (the convenience form's default)."""
+    return MachineProfile(fabric)
+
+
+def _inputs(
+    fabric, m_q, c_t, options: dict[str, Any], template: Request | None = None
+) -> tuple[MachineProfile, Request]:
+    """The convenience form's ``(fabric or profile, m_q, c_t, **options)`` as the predicate's
+    two inputs: each option names a :class:`MachineProfile` field (``c_us``, ``splice``,
+    ``host``, ...) or a :class:`Request` field (``topk``, ``congestion``, ``allow``, ...)."""
+    if not isinstance(fabric, (FabricProfile, MachineProfile)):
+        raise TypeError(
+            f"fabric: expected a FabricProfile or a MachineProfile, got {type(fabric).__name__}"
         )
-    return allow
-
-
-def _check_positive(name: str, value: Any) -> None:
-    if type(value) in (int, float) and value > 0 and value != math.inf:
-        return
-    if is_scalar(value):
-        check_number(name, value, positive=True)
+    unknown = sorted(set(options) - _CONVENIENCE)
+    if unknown:
+        raise TypeError(
+            f"options: unexpected {unknown}; expected MachineProfile fields "
+            f"{sorted(PROFILE_FIELDS - {'fabric'})} or Request fields "
+            f"{sorted(REQUEST_FIELDS - {'m_q', 'c_t'})}"
+        )
+    own = {k: v for k, v in options.items() if k in PROFILE_FIELDS}
+    asked = {k: v for k, v in options.items() if k not in own}
+    if isinstance(fabric, MachineProfile):
+        profile = fabric.replace(**own) if own else fabric
     else:
-        arr = np.asarray(value)
-        if not np.issubdtype(arr.dtype, np.number):
-            raise TypeError(f"{name}: expected a numeric array, got dtype {arr.dtype}")
-        if not (np.isfinite(arr).all() and (arr > 0).all()):
-            raise ValueError(f"{name}: expected finite values > 0")
-
-
-# The options decide and decide_grid pass on to every term (their own keyword arguments).
-_OPTIONS = (
-    "topk",
-    "holders",
-    "congestion",
-    "t_compute_us",
-    "t_merge_us",
-    "splice",
-    "gather",
-    "host",
-    "tp",
-    "round_trips",
-    "shared_uplink",
-)
+        profile = MachineProfile(fabric, **own) if own else _plain_profile(fabric)
+    if template is None:
+        return profile, Request(m_q, c_t, **asked)
+    return profile, template.replace(m_q=m_q, c_t=c_t, **asked)
 
 
 def _terms(
-    geometry,
-    fabric,
-    m_q,
-    c_t,
-    c_us,
+    geometry: MLAGeometry,
+    profile: MachineProfile,
+    request: Request,
     *,
-    topk,
-    holders,
-    congestion,
-    t_compute_us,
-    t_merge_us,
-    splice,
-    gather,
-    host,
-    tp,
-    round_trips,
-    shared_uplink,
     bw_gbps=None,
-) -> tuple[RouteCost, FetchCost, Any]:
-    """Every primitive's cost for :func:`decide` and :func:`decide_grid` (scalars or arrays)."""
+    c_us=None,
+) -> tuple[RouteCost, FetchCost, Any, SpliceProfile]:
+    """Every primitive's cost for :func:`decide` and :func:`decide_grid` (scalars or arrays),
+    and the splice profile fetch was priced with."""
+    fabric, r = profile.fabric, request
     route = t_route(
         geometry,
         fabric,
-        m_q,
-        t_compute_us=t_compute_us,
-        t_merge_us=t_merge_us,
-        congestion=congestion,
-        tp=tp,
-        holders=holders,
-        shared_uplink=shared_uplink,
-        host=host,
-        round_trips=round_trips,
+        r.m_q,
+        t_compute_us=profile.t_compute_us if r.attention else 0.0,
+        t_merge_us=profile.t_merge_us if r.attention else 0.0,
+        congestion=r.congestion,
+        tp=r.tp,
+        holders=r.holders,
+        shared_uplink=r.shared_uplink,
+        host=profile.host,
+        round_trips=r.round_trips,
         bw_gbps=bw_gbps,
     )
+    splice = profile.splice_for(r.c_t, r.moved)
     fetch = t_fetch(
         geometry,
         fabric,
-        c_t,
+        r.c_t,
         splice=splice,
-        topk=topk,
-        holders=holders,
-        gather=gather,
-        congestion=congestion,
+        topk=r.topk,
+        holders=r.holders,
+        gather=profile.gather,
+        congestion=r.congestion,
         bw_gbps=bw_gbps,
     )
-    return route, fetch, t_local(geometry, c_t, c_us)
+    local = t_local(geometry, r.c_t, profile.local_c_us if c_us is None else c_us)
+    return route, fetch, local, splice
 
 
-# Over 60 lines by its 17 documented options (signature 20, docstring 36 lines); the body (50)
-# is checks, one call of _terms, the ranking and the record of the inputs.
 def decide(
     geometry: MLAGeometry,
-    fabric: FabricProfile,
-    m_q: float,
-    c_t: float,
-    *,
-    topk: int | None = None,
-    holders: int = 1,
-    congestion: Congestion | None = None,
-    c_us: float = LOCAL_C_US,
-    t_compute_us: float = T_COMPUTE_US,
-    t_merge_us: float = T_MERGE_US,
-    splice: SpliceProfile = SPLICE_PAPER,
-    gather: GatherProfile = GATHER_PAPER,
-    host: HostOverhead | None = None,
-    tp: int = 1,
-    round_trips: int = 1,
-    shared_uplink: bool = False,
-    allow: Sequence[str] = PRIMITIVES,
+    profile: MachineProfile | FabricProfile,
+    request: Request | float,
+    c_t: float | None = None,
+    **options: Any,
 ) -> Decision:
     """Choose route, fetch or local for one (chunk, request) (§5.1).
+
+    ``decide(geometry, profile, request)`` prices ``request`` with ``profile``'s constants.
+    The convenience form ``decide(geometry, fabric, m_q, c_t, **options)`` (the README's)
+    builds the two: ``fabric`` is a :class:`~mqnc.cost.FabricProfile` (the paper's compute
+    terms) or a :class:`MachineProfile`, and each option names a field of either
+    (``c_us=0.5``, ``splice=...``, ``host=HOST_PAPER``; ``topk=2048``, ``holders=7``,
+    ``congestion=...``, ``allow=("fetch", "local")``); an unknown name is a ``TypeError``.
 
     Parameters
     ----------
     geometry : MLAGeometry
         The model (``mqnc.model.get_preset``).
-    fabric : FabricProfile
-        The fabric between requester and holder (``mqnc.cost.get_fabric`` or a fit).
-    m_q : float
-        Routed query rows (tokens x heads) attending the chunk.
-    c_t : float
-        Chunk tokens (what fetch pulls and local re-prefills).
-    topk : int or None
-        Selection budget (§5.4): fetch becomes a splice-free gather of ``topk`` entries over
-        ``holders`` holders.
-    congestion : Congestion or None
-        Bandwidth degradation and probe inflation (§8).
-    c_us : float
-        Re-prefill cost per token-layer (us) for ``T_local``; the band over [0.5, 1.5] is
-        reported as well.
-    t_compute_us, t_merge_us : float
-        Holder partial attention and merge (§6.3, §4.2).
-    splice, gather : SpliceProfile, GatherProfile
-        Fetch's move-the-cache costs (paper presets by default; replace with measured ones).
-    host : HostOverhead or None
-        A client's host software on route (§5.3). None (the default): the fabric's own, which
-        a profile from ``mqnc calibrate`` carries (this package's holder and requester,
-        ``host_fixed_us`` / ``host_per_row_us``) and the paper's fabrics do not (0 for them);
-        ``HostOverhead(0, 0)`` leaves it out, :data:`mqnc.cost.HOST_PAPER` prices the paper's
-        prototype client.
-    tp, round_trips, shared_uplink
-        See :func:`mqnc.cost.t_route`.
-    allow : sequence of str
-        Primitives available (e.g. ``("fetch", "local")`` when the holder is a model-agnostic
-        byte store that cannot run the partial, §6.3).
+    profile : MachineProfile or FabricProfile
+        The machine's constants (:func:`mqnc.cost.load_profile`, a calibration), or, in the
+        convenience form, a fabric (``mqnc.cost.get_fabric`` or a fit).
+    request : Request or float
+        What is decided (:class:`Request`: ``m_q``, ``c_t``, selection, routing, congestion,
+        the primitives allowed); in the convenience form the routed rows ``m_q``.
+    c_t : float or None
+        The convenience form's chunk tokens (None with a :class:`Request`).
+    **options
+        The convenience form's profile and request fields.
 
     Returns
     -------
     Decision
+        The route term includes a host overhead: the profile's ``host``, else the fabric's
+        own (a calibrated fabric carries this package's; the paper's fabrics none).
     """
-    allow = _check_inputs(geometry, fabric, allow)
-    _check_positive("m_q", m_q)
-    _check_positive("c_t", c_t)
-    _check_positive("c_us", c_us)
-    if not (is_scalar(m_q) and is_scalar(c_t)):
+    _check_geometry(geometry)
+    if isinstance(request, Request):
+        if c_t is not None or options:
+            raise TypeError("decide: with a Request, expected no c_t and no options")
+        if not isinstance(profile, MachineProfile):
+            raise TypeError(
+                f"profile: expected a MachineProfile with a Request, got {type(profile).__name__}"
+            )
+    else:
+        profile, request = _inputs(profile, request, c_t, options)
+    if not request.scalar:
         raise ValueError("m_q, c_t: expected scalars; use decide_grid for arrays")
-    if topk is not None:
-        _check_positive("topk", topk)
-    arguments = locals()
-    options = {name: arguments[name] for name in _OPTIONS}
-    route, fetch, local = _terms(geometry, fabric, m_q, c_t, c_us, **options)
+    route, fetch, local, splice = _terms(geometry, profile, request)
     costs = {"route": route.total, "fetch": fetch.total, "local": local}
-    best, runner, margin, ratio = _rank(costs, allow)
-    priced = host_of(fabric) if host is None else host  # what t_route added
+    best, runner, margin, ratio = _rank(costs, request.allow)
+    host = host_of(profile.fabric) if profile.host is None else profile.host  # what was added
+    congestion = request.congestion
     inputs = dict(
         model=geometry.name,
-        fabric=fabric.name,
-        m_q=m_q,
-        c_t=c_t,
-        topk=topk,
-        holders=holders,
-        c_us=c_us,
-        tp=tp,
-        round_trips=round_trips,
+        fabric=profile.fabric.name,
+        m_q=request.m_q,
+        c_t=request.c_t,
+        topk=request.topk,
+        holders=request.holders,
+        c_us=profile.local_c_us,
+        tp=request.tp,
+        round_trips=request.round_trips,
         congestion=dataclasses.asdict(congestion) if congestion else None,
-        host=dataclasses.asdict(priced) if priced else None,
+        host=dataclasses.asdict(host) if host else None,
         splice=splice.name,
     )
     return Decision(
@@ -332,8 +301,8 @@ def decide(
         route,
         fetch,
         local,
-        t_local_range(geometry, c_t),
-        allow,
+        t_local_range(geometry, request.c_t),
+        request.allow,
         inputs,
     )
 
@@ -375,50 +344,42 @@ class DecisionGrid:
 
 def decide_grid(
     geometry: MLAGeometry,
-    fabric: FabricProfile,
+    profile: MachineProfile | FabricProfile,
     m_q,
     c_t,
     *,
     bw_gbps=None,
-    topk=None,
-    holders: int = 1,
-    congestion: Congestion | None = None,
-    c_us=LOCAL_C_US,
-    t_compute_us: float = T_COMPUTE_US,
-    t_merge_us: float = T_MERGE_US,
-    splice: SpliceProfile = SPLICE_PAPER,
-    gather: GatherProfile = GATHER_PAPER,
-    host: HostOverhead | None = None,
-    tp: int = 1,
-    round_trips: int = 1,
-    shared_uplink: bool = False,
-    allow: Sequence[str] = PRIMITIVES,
+    request: Request | None = None,
+    **options: Any,
 ) -> DecisionGrid:
     """:func:`decide` over numpy arrays that broadcast together (``m_q[:, None]``, ...).
 
     ``bw_gbps`` (an array or a float), when given, replaces both the route bandwidth and the
     bulk-pull bandwidth (the single "effective per-GPU-pair bandwidth" axis of Fig. 6(a)).
-    Other arguments as in :func:`decide`; ``c_us`` may be an array too.
+    ``request``, when given, is the template of every grid point (its ``m_q`` and ``c_t``
+    replaced); ``options`` as in :func:`decide`'s convenience form (``c_us`` may be an array).
     """
-    allow = _check_inputs(geometry, fabric, allow)
-    for name, value in (("m_q", m_q), ("c_t", c_t), ("c_us", c_us)):
-        _check_positive(name, value)
+    _check_geometry(geometry)
+    c_us = options.get("c_us")
+    if c_us is not None and not is_scalar(c_us):  # an axis of the grid, not a profile term
+        del options["c_us"]
+        check_positive("c_us", c_us)
+    else:
+        c_us = None
     if bw_gbps is not None:
-        _check_positive("bw_gbps", bw_gbps)
-    if topk is not None:
-        _check_positive("topk", topk)
-    m_q = np.asarray(m_q, dtype=np.float64)
-    c_t = np.asarray(c_t, dtype=np.float64)
-    arguments = locals()
-    options = {name: arguments[name] for name in _OPTIONS}
-    route, fetch, local = _terms(geometry, fabric, m_q, c_t, c_us, bw_gbps=bw_gbps, **options)
+        check_positive("bw_gbps", bw_gbps)
+    profile, req = _inputs(profile, m_q, c_t, options, request)
+    req = req.replace(
+        m_q=np.asarray(req.m_q, dtype=np.float64), c_t=np.asarray(req.c_t, dtype=np.float64)
+    )
+    route, fetch, local, _ = _terms(geometry, profile, req, bw_gbps=bw_gbps, c_us=c_us)
     route, fetch, local = np.broadcast_arrays(route.total, fetch.total, local)
     stack = np.stack([route, fetch, local]).astype(np.float64, copy=True)
     for i, name in enumerate(PRIMITIVES):
-        if name not in allow:
+        if name not in req.allow:
             stack[i] = np.inf
     choice = np.argmin(stack, axis=0).astype(np.int8)
-    if len(allow) > 1:
+    if len(req.allow) > 1:
         part = np.partition(stack, 1, axis=0)
         margin = part[1] - part[0]
     else:

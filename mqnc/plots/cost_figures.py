@@ -208,7 +208,10 @@ def wire_saving_map(
 def decision_map(ax, geometry, fabric, m_q_axis, c_t_axis, **kwargs: Any):
     """The argmin of total cost over ``(M_q, c_t)`` (§5.1; Fig. 3(b) on cost, not bytes).
 
-    ``kwargs`` go to :func:`mqnc.cost.crossover_map` (splice, congestion, topk, ...).
+    ``fabric`` is a :class:`~mqnc.cost.FabricProfile` or a :class:`~mqnc.cost.MachineProfile`;
+    ``kwargs`` go to :func:`mqnc.cost.crossover_map` (``request=`` a
+    :class:`~mqnc.cost.Request` template, or its fields and the profile's: splice, congestion,
+    topk, ...).
     """
     from matplotlib.colors import ListedColormap  # here: optional, see the package docstring
     from matplotlib.patches import Patch
@@ -257,8 +260,8 @@ def bw_sweep_plot(
     ----------
     ax : matplotlib.axes.Axes
     geometry : MLAGeometry
-    fabric : FabricProfile
-        Probe and turnaround of the route.
+    fabric : FabricProfile or MachineProfile
+        Probe and turnaround of the route (a profile: with its compute terms).
     bw_axis : array-like or None
         GB/s (default 0.2 .. 1000, log-spaced).
     m_q, c_t : float
@@ -266,7 +269,8 @@ def bw_sweep_plot(
     fabrics : iterable of FabricProfile or None
         For the band and ticks (default :data:`mqnc.cost.FABRICS`).
     kwargs
-        Passed to :func:`mqnc.cost.bw_sweep`.
+        Passed to :func:`mqnc.cost.bw_sweep` (``request=`` a :class:`~mqnc.cost.Request`
+        template, or its fields and the profile's).
     """
     bw = np.geomspace(0.2, 1000, 200) if bw_axis is None else np.asarray(bw_axis, float)
     sweep = bw_sweep(geometry, fabric, bw, m_q=m_q, c_t=c_t, **kwargs)
