@@ -30,16 +30,14 @@ MAX_FUNCTION = 80
 # (path, qualified name) -> its code lines today. Each sits in a file another contributor is
 # rewriting at the moment; the entry goes when that work lands and the node is within the limit.
 ALLOWED: dict[tuple[str, str], int] = {
-    # triton_kernels/mla_decode.py: its owner is moving the launch planning out of it.
+    # triton_kernels/mla_decode.py: another contributor's file (the kernel body).
     ("triton_kernels/mla_decode.py", "_mla_decode_kernel"): 87,
-    ("triton_kernels/mla_decode.py", "checked_plan"): 102,
     # Being split by responsibility now; each entry goes with its split.
     ("mqnc/demo/hf.py", "run"): 84,
     ("mqnc/demo/run.py", "run"): 91,
     ("mqnc/measure/kernel_report.py", "report"): 86,
     ("triton_kernels/_variants.py", "shape_launches"): 86,
     ("perf/bench_holder.py", "main"): 97,
-    ("perf/bench_mla.py", "main"): 129,
 }
 
 _NOT_CODE = {

@@ -12,7 +12,7 @@ benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
 - ``mla_fanin`` (§6.3): N routed requesters (N in 1..256, one query token each) batched into one
   call over the same ct = 2048 chunk the holder holds, H in {16, 128}.
 
-``--goals`` sweeps instead issue 13's goal shapes (``mqnc.triton_kernels._variants.GOALS``:
+``--goals`` sweeps instead the production goal shapes (``mqnc.triton_kernels._variants.GOALS``:
 dense H 16 / 128 x B 1..128 x c_t 2048..65536, sparse top-2048 at H 16 / 128, B 1 / 8), one
 record per shape with ``extra.shape`` set to the shape's label, which
 ``perf/kernel_report.py --measured`` joins to its predictions (one GPU run answers each goal).
@@ -162,35 +162,6 @@ def _vs_default(got, ref) -> dict:
     return {"o_rel_max": o_err, "lse_max_abs": lse_err, "finite": finite, "ok": ok}
 
 
-def _goals(run, too_big, only, shapes, dev, dtype, elt, kernel, gen) -> None:
-    """One record per goal shape of the dense and sparse ops (``_variants.GOALS``)."""
-    from mqnc.triton_kernels._mla_launch import tile_config
-
-    for shape in shapes:
-        B, H, n = shape.B, shape.H, shape.ct
-        extra = {"B": B, "H": H, "page": 64, "shape": shape.label, "goal": shape.goal}
-        if kernel:  # the tile the launcher chose here (it depends on the triton version)
-            sparse = shape.op == "mla_sparse"
-            extra["launcher_tile"] = tile_config(H, sparse=sparse, dtype=dtype).label
-        if shape.op == "mla_decode" and "dense" in only:
-            if too_big(B * n):
-                print(f"{shape.label}: skipped on CPU (gather too big)")
-                continue
-
-            def make(B=B, H=H, n=n):
-                return _dense_fn(*_dense_case(B, H, n, dev, dtype, False, gen), kernel)
-
-            run("mla_decode", f"H={H},B={B}", n, "ct", make, _nbytes(B * n, B * H, elt), extra)
-        elif shape.op == "mla_sparse" and "sparse" in only:
-            corpus = max(32768 if kernel and dev != "cpu" else 4 * n, n)
-
-            def make(B=B, H=H, n=n, corpus=corpus):
-                return _sparse_fn(*_sparse_case(B, H, n, corpus, dev, dtype, gen), kernel)
-
-            extra["corpus"] = corpus
-            run("mla_sparse", f"H={H},B={B}", n, "topk", make, _nbytes(B * n, B * H, elt), extra)
-
-
 SWEEPS = ("dense", "sparse", "fanin")
 
 
@@ -209,8 +180,8 @@ def _tile_list(text: str) -> list:
     return tiles
 
 
-# Over 60 lines: the options, the shared timing + record step, then the three sweeps in order.
-def main(argv=None) -> int:
+def _parser():
+    """The command line: every benchmark's flags, then the sweeps, goals, tiles and shapes."""
     ap = bench_parser(
         __doc__,
         reps="20 on a GPU, 5 on a CPU, 2 with --tiny",
@@ -223,7 +194,7 @@ def main(argv=None) -> int:
         default="dense,sparse,fanin",
         help="comma list of sweeps out of dense, sparse, fanin",
     )
-    ap.add_argument("--goals", action="store_true", help="issue 13's goal shapes instead")
+    ap.add_argument("--goals", action="store_true", help="the production goal shapes instead")
     ap.add_argument(
         "--tiles",
         type=_tile_list,
@@ -236,48 +207,62 @@ def main(argv=None) -> int:
         default=None,
         help='goal shapes whose label contains one of these comma-separated parts ("H=128 B=8")',
     )
-    args = parse_bench_args(ap, argv)
-    if (args.tiles or args.shapes) and not (args.goals or args.tiny):
-        ap.error("--tiles and --shapes: expected with --goals or --tiny")
-    use_interpreter_without_cuda()
-    import torch
+    return ap
 
-    from mqnc.measure import input_sets, l2_bytes, record, time_kernel
 
-    cuda = torch.cuda.is_available()
-    kernel = cuda or args.tiny  # the Triton kernels: compiled on a GPU, interpreted otherwise
-    dev = "cuda" if cuda else "cpu"
-    dtype = torch.bfloat16 if kernel else torch.float32
-    elt = torch.empty((), dtype=dtype).element_size()
-    backend = "triton" if cuda else ("interpreter" if kernel else "torch-reference")
-    reps = args.reps or (20 if cuda else (2 if args.tiny else 5))
-    warmup = args.warmup
-    if warmup is None:
-        warmup = 0 if args.tiny else (3 if cuda else 1)
-    gen = torch.Generator().manual_seed(0)
-    only = set(args.only)
-    heads = [16, 128] if not args.quick else [16]
-    l2 = l2_bytes(dev)
+class _Runner:
+    """What every shape shares: the device, dtype and backend, the timing settings, and the
+    measuring and recording step (with ``--tiles``: once per tile, after checking the tile's
+    output against the default tile's). Built after the interpreter choice (imports torch)."""
 
-    def run(bench, variant, x, x_name, make, nbytes, extra):
-        calls = [make() for _ in range(input_sets(nbytes, l2))]
-        if not args.tiles:
-            return timed(bench, variant, x, x_name, calls, nbytes, extra)
+    def __init__(self, args) -> None:
+        import torch
+
+        from mqnc.measure import l2_bytes
+
+        self.args = args
+        self.cuda = cuda = torch.cuda.is_available()
+        self.kernel = cuda or args.tiny  # the Triton kernels: compiled on a GPU, else interpreted
+        self.dev = "cuda" if cuda else "cpu"
+        self.dtype = torch.bfloat16 if self.kernel else torch.float32
+        self.elt = torch.empty((), dtype=self.dtype).element_size()
+        self.backend = "triton" if cuda else ("interpreter" if self.kernel else "torch-reference")
+        self.reps = args.reps or (20 if cuda else (2 if args.tiny else 5))
+        self.warmup = args.warmup
+        if self.warmup is None:
+            self.warmup = 0 if args.tiny else (3 if cuda else 1)
+        self.gen = torch.Generator().manual_seed(0)
+        self.l2 = l2_bytes(self.dev)
+
+    def too_big(self, entries) -> bool:
+        """Whether the CPU path's gathered cache of ``entries`` would exceed its cap."""
+        return not self.cuda and entries * D_QK * 4 > CPU_MAX_GATHER
+
+    def run(self, bench, variant, x, x_name, make, nbytes, extra) -> None:
+        """Time one shape over enough input sets (``make()`` each) and record it."""
+        from mqnc.measure import input_sets
+
+        calls = [make() for _ in range(input_sets(nbytes, self.l2))]
+        if not self.args.tiles:
+            return self.timed(bench, variant, x, x_name, calls, nbytes, extra)
         from mqnc.triton_kernels._mla_launch import forced_tile
 
         ref = calls[0]()  # the default tile's (the calls plan their tile at each call)
-        for tile in args.tiles:
+        for tile in self.args.tiles:
             with forced_tile(tile, sparse=bench == "mla_sparse"):
                 vs = _vs_default(calls[0](), ref)
                 more = {**extra, "tile": tile.label, "vs_default": vs, "ok": vs["ok"]}
-                timed(bench, f"{variant}@{tile.label}", x, x_name, calls, nbytes, more)
+                self.timed(bench, f"{variant}@{tile.label}", x, x_name, calls, nbytes, more)
             if not vs["ok"]:
                 print(f"MISMATCH {bench} {variant}@{tile.label}: {vs}")
 
-    def timed(bench, variant, x, x_name, calls, nbytes, extra):
+    def timed(self, bench, variant, x, x_name, calls, nbytes, extra) -> None:
+        """Time ``calls`` and append the record to ``--out``."""
+        from mqnc.measure import record, time_kernel
+
         t = time_kernel(
-            calls, working_set_bytes=nbytes, warmup=warmup, reps=reps, cuda=cuda,
-            checks="off" if kernel else "n/a",
+            calls, working_set_bytes=nbytes, warmup=self.warmup, reps=self.reps, cuda=self.cuda,
+            checks="off" if self.kernel else "n/a",
         )  # fmt: skip
         rec = record(
             bench,
@@ -286,75 +271,129 @@ def main(argv=None) -> int:
             t.percentiles,
             x_name=x_name,
             nbytes=nbytes,
-            backend=backend,
-            path=args.out,
-            extra={**extra, "dtype": str(dtype)[6:], "timing": t.how},
+            backend=self.backend,
+            path=self.args.out,
+            extra={**extra, "dtype": str(self.dtype)[6:], "timing": t.how},
         )
         print(f"{bench} {variant} {x_name}={x}: p50 {t.p50:.1f} us ({rec['gbps']:.1f} GB/s)")
 
-    def too_big(entries):
-        return not cuda and entries * D_QK * 4 > CPU_MAX_GATHER
 
-    if args.goals or args.tiny:
-        from mqnc.triton_kernels._variants import GOALS
+def _goals(r: _Runner, only, shapes) -> None:
+    """One record per goal shape of the dense and sparse ops (``_variants.GOALS``)."""
+    from mqnc.triton_kernels._mla_launch import tile_config
 
-        shapes = tiny_goals(("mla_decode", "mla_sparse")) if args.tiny else GOALS
-        if args.shapes:
-            shapes = [s for s in shapes if any(part in s.label for part in args.shapes)]
-            if not shapes:
-                ap.error(f"--shapes: expected parts of goal shape labels, got {args.shapes}")
-        _goals(run, too_big, only, shapes, dev, dtype, elt, kernel, gen)
-        return finish(args, TARGETS)
+    dev, dtype, elt, kernel, gen = r.dev, r.dtype, r.elt, r.kernel, r.gen
+    for shape in shapes:
+        B, H, n = shape.B, shape.H, shape.ct
+        extra = {"B": B, "H": H, "page": 64, "shape": shape.label, "goal": shape.goal}
+        if kernel:  # the tile the launcher chose here (it depends on the triton version)
+            sparse = shape.op == "mla_sparse"
+            extra["launcher_tile"] = tile_config(H, sparse=sparse, dtype=dtype).label
+        if shape.op == "mla_decode" and "dense" in only:
+            if r.too_big(B * n):
+                print(f"{shape.label}: skipped on CPU (gather too big)")
+                continue
 
-    if "dense" in only:
-        Bs = [1, 8, 64] if not args.quick else [1, 8]
-        cts = [2048, 8192, 32768] if not args.quick else [2048]
-        for H in heads:
-            for B in Bs:
-                for ct in cts:
-                    if too_big(B * ct):
-                        print(f"mla_decode H={H} B={B} ct={ct}: skipped on CPU (gather too big)")
-                        continue
+            def make(B=B, H=H, n=n):
+                return _dense_fn(*_dense_case(B, H, n, dev, dtype, False, gen), kernel)
 
-                    def make(B=B, H=H, ct=ct):
-                        return _dense_fn(*_dense_case(B, H, ct, dev, dtype, False, gen), kernel)
+            r.run("mla_decode", f"H={H},B={B}", n, "ct", make, _nbytes(B * n, B * H, elt), extra)
+        elif shape.op == "mla_sparse" and "sparse" in only:
+            corpus = max(32768 if kernel and dev != "cpu" else 4 * n, n)
 
-                    extra = {"B": B, "H": H, "page": 64}
-                    nbytes = _nbytes(B * ct, B * H, elt)
-                    run("mla_decode", f"H={H},B={B}", ct, "ct", make, nbytes, extra)
+            def make(B=B, H=H, n=n, corpus=corpus):
+                return _sparse_fn(*_sparse_case(B, H, n, corpus, dev, dtype, gen), kernel)
 
-    if "sparse" in only:
-        topks = [512, 1024, 2048] if not args.quick else [512, 2048]
-        corpora = [2048, 8192, 32768] if not args.quick else [8192]
-        for H in heads:
-            for corpus in corpora:
-                for topk in topks:
-                    if topk > corpus:
-                        continue
+            extra["corpus"] = corpus
+            r.run("mla_sparse", f"H={H},B={B}", n, "topk", make, _nbytes(B * n, B * H, elt), extra)
 
-                    def make(H=H, topk=topk, corpus=corpus):
-                        return _sparse_fn(
-                            *_sparse_case(1, H, topk, corpus, dev, dtype, gen), kernel
-                        )
 
-                    extra = {"H": H, "corpus": corpus, "B": 1}
-                    nbytes = _nbytes(topk, H, elt)
-                    run("mla_sparse", f"H={H},corpus={corpus}", topk, "topk", make, nbytes, extra)
+def _goal_shapes(ap, args) -> list:
+    """The goal shapes to time: ``GOALS`` (``--tiny``: cut), kept by ``--shapes``."""
+    from mqnc.triton_kernels._variants import GOALS
 
-    if "fanin" in only:
-        Ns = [1, 2, 4, 8, 16, 32, 64, 128, 256] if not args.quick else [1, 8, 64]
-        ct = 2048
-        for H in heads:
-            for N in Ns:
-                if too_big(N * ct):
-                    print(f"mla_fanin H={H} N={N}: skipped on CPU (gather too big)")
+    shapes = tiny_goals(("mla_decode", "mla_sparse")) if args.tiny else GOALS
+    if args.shapes:
+        shapes = [s for s in shapes if any(part in s.label for part in args.shapes)]
+        if not shapes:
+            ap.error(f"--shapes: expected parts of goal shape labels, got {args.shapes}")
+    return shapes
+
+
+def _dense_sweep(r: _Runner, heads, quick: bool) -> None:
+    """``mla_decode``: B tokens x H heads, each over its own ct-entry cache."""
+    Bs = [1, 8, 64] if not quick else [1, 8]
+    cts = [2048, 8192, 32768] if not quick else [2048]
+    for H in heads:
+        for B in Bs:
+            for ct in cts:
+                if r.too_big(B * ct):
+                    print(f"mla_decode H={H} B={B} ct={ct}: skipped on CPU (gather too big)")
                     continue
 
-                def make(N=N, H=H):
-                    return _dense_fn(*_dense_case(N, H, ct, dev, dtype, True, gen), kernel)
+                def make(B=B, H=H, ct=ct):
+                    return _dense_fn(*_dense_case(B, H, ct, r.dev, r.dtype, False, r.gen), r.kernel)
 
-                extra = {"H": H, "ct": ct, "page": 64}
-                run("mla_fanin", f"H={H},ct={ct}", N, "N", make, _nbytes(ct, N * H, elt), extra)
+                extra = {"B": B, "H": H, "page": 64}
+                nbytes = _nbytes(B * ct, B * H, r.elt)
+                r.run("mla_decode", f"H={H},B={B}", ct, "ct", make, nbytes, extra)
+
+
+def _sparse_sweep(r: _Runner, heads, quick: bool) -> None:
+    """``mla_sparse``: one token's top-k entries drawn from a corpus."""
+    topks = [512, 1024, 2048] if not quick else [512, 2048]
+    corpora = [2048, 8192, 32768] if not quick else [8192]
+    for H in heads:
+        for corpus in corpora:
+            for topk in topks:
+                if topk > corpus:
+                    continue
+
+                def make(H=H, topk=topk, corpus=corpus):
+                    return _sparse_fn(
+                        *_sparse_case(1, H, topk, corpus, r.dev, r.dtype, r.gen), r.kernel
+                    )
+
+                extra = {"H": H, "corpus": corpus, "B": 1}
+                nbytes = _nbytes(topk, H, r.elt)
+                r.run("mla_sparse", f"H={H},corpus={corpus}", topk, "topk", make, nbytes, extra)
+
+
+def _fanin_sweep(r: _Runner, heads, quick: bool) -> None:
+    """``mla_fanin`` (§6.3): N routed requesters batched into one call over one chunk."""
+    Ns = [1, 2, 4, 8, 16, 32, 64, 128, 256] if not quick else [1, 8, 64]
+    ct = 2048
+    for H in heads:
+        for N in Ns:
+            if r.too_big(N * ct):
+                print(f"mla_fanin H={H} N={N}: skipped on CPU (gather too big)")
+                continue
+
+            def make(N=N, H=H):
+                return _dense_fn(*_dense_case(N, H, ct, r.dev, r.dtype, True, r.gen), r.kernel)
+
+            extra = {"H": H, "ct": ct, "page": 64}
+            r.run("mla_fanin", f"H={H},ct={ct}", N, "N", make, _nbytes(ct, N * H, r.elt), extra)
+
+
+def main(argv=None) -> int:
+    ap = _parser()
+    args = parse_bench_args(ap, argv)
+    if (args.tiles or args.shapes) and not (args.goals or args.tiny):
+        ap.error("--tiles and --shapes: expected with --goals or --tiny")
+    use_interpreter_without_cuda()
+    r = _Runner(args)
+    only = set(args.only)
+    if args.goals or args.tiny:
+        _goals(r, only, _goal_shapes(ap, args))
+        return finish(args, TARGETS)
+    heads = [16, 128] if not args.quick else [16]
+    if "dense" in only:
+        _dense_sweep(r, heads, args.quick)
+    if "sparse" in only:
+        _sparse_sweep(r, heads, args.quick)
+    if "fanin" in only:
+        _fanin_sweep(r, heads, args.quick)
     return finish(args, TARGETS)
 
 
