@@ -1,4 +1,4 @@
-"""The ecosystem adapters against the package's own call on the same data (issue 16).
+"""The ecosystem adapters against the package's own call on the same data.
 
 Each layout is an adapter over the same kernels, so each is compared bit for bit
 (``same_kernel``: atol 0) with the plain call that the layout stands for, at the same split

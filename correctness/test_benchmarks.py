@@ -137,7 +137,7 @@ def test_bench_route_gloo_subprocess(tmp_path):
 
 
 def test_bench_host_loopback(tmp_path, capsys):
-    """The host path against its floors (issue 14), loopback only: every case recorded in us,
+    """The host path against its floors, loopback only: every case recorded in us,
     every ratio recorded with its unit, and ``--check`` judging the ratios against the goals
     (which way it goes is the machine's business, not this test's)."""
     from perf import bench_host
@@ -177,7 +177,7 @@ def test_bench_host_loopback(tmp_path, capsys):
                           "--out", str(tmp_path / "c.jsonl"), "--check"])  # fmt: skip
     text = capsys.readouterr().out
     assert rc in (0, 1) and ("TARGETS MISSED" in text) == (rc == 1)
-    assert text.count("target issue 14: gloo") == 3 and "not measured" in text
+    assert text.count("target host path: gloo") == 3 and "not measured" in text
 
 
 def test_bench_host_wake_penalty_is_left_out_when_noise_swamps_it():

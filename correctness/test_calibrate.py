@@ -1,4 +1,4 @@
-"""``mqnc calibrate`` (issue 8, item 2): a short probe + route sweep on this machine, fitted and
+"""``mqnc calibrate``: a short probe + route sweep on this machine, fitted and
 written as a fabric profile that ``mqnc predict --fabric FILE`` loads. Nothing here depends on
 timing (a loaded 2-core CI can time anything): the measurement's records are checked to be the
 numbers it fits (the fit of the records equals the fit of the returned numbers, or both refuse),
@@ -90,7 +90,7 @@ def test_calibrate_loopback_profile_is_the_fit_of_its_measurements(tmp_path, cap
     nbytes, pull_us = seen["bulk"]
     assert prof.bulk_bw_gbps == pytest.approx(nbytes / (pull_us * 1e-6) / 1e9, rel=1e-12)
     # The package's own path was measured: its host term is in the profile, and the cost
-    # model adds it to a route (issue 14: a profile priced the bare transport only).
+    # model adds it to a route (without it, a profile priced the bare transport only).
     host = fit_host(seen["host"])
     assert (prof.host_fixed_us, prof.host_per_row_us) == (host.fixed_us, host.per_row_us)
     assert "Holder/Requester" in prof.source

@@ -1,7 +1,7 @@
-"""The ``mqnc`` command's surface (issue 16): ``--version``, a description and plain help for
-every subcommand, one spelling per option (old spellings accepted, not listed), ``--model`` as
-a preset or a Hugging Face ``config.json``, errors that name the flag, and ``-v`` for the
-traceback and the log."""
+"""The ``mqnc`` command's surface (what a new user meets first): ``--version``, a description and
+plain help for every subcommand, one spelling per option (old spellings accepted, not listed),
+``--model`` as a preset or a Hugging Face ``config.json``, errors that name the flag, and ``-v`` for
+the traceback and the log."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The routed holder step in a CUDA graph (issue 16): plans replace the per-call checks, so the
-device work of a step can be captured once and replayed.
+"""The routed holder step in a CUDA graph (no per-call host work on a GPU): plans replace the
+per-call checks, so the device work of a step can be captured once and replayed.
 
 The step is the holder's: ``RouteBatcher`` (``mqnc.serving.batching``) batches every waiting
 route row of every requester into one ``mla_decode_partial`` call per layer (and one

@@ -1,4 +1,4 @@
-"""The demo end to end (issue: main job; issue 16: its command line): small configurations on
+"""The demo end to end (the package's main job, and its command line): small configurations on
 loopback and gloo, the three ``--force`` paths agreeing, a holder killed mid-run with every
 request still answered correctly through the fallback (and the report saying which holder died
 when), a holder that fails or dies at start-up ending the run at once, a profile loaded instead

@@ -1,4 +1,4 @@
-"""Where tensors live (issue 12 items 4 and 9): the public launchers refuse a CPU tensor when the
+"""Where tensors live: the public launchers refuse a CPU tensor when the
 kernels are compiled (one clear line, saying how to move the data or run interpreted), the
 holder and requester put pools and queries on the device that runs the kernels, the
 requester's merge time is the merge's, and fetch staging orders its side stream after the

@@ -1,4 +1,4 @@
-"""Faults (issue 6, item 5): stalled and dead holders, late and duplicated replies, fallback.
+"""Faults: stalled and dead holders, late and duplicated replies, fallback.
 
 A holder that stalls makes ``route`` raise a clear timeout within the configured bound; a
 holder that dies is seen at once (its connection closes); the requester's policy falls back to

@@ -1,4 +1,4 @@
-"""Every op at issue 13's goal shapes (DeepSeek-V2-Lite: bf16, 576 = 512 + 64, pages of 64)
+"""Every op at the production goal shapes (DeepSeek-V2-Lite: bf16, 576 = 512 + 64, pages of 64)
 against the fp64 references: the kernel part of the GPU tier (``correctness/conftest.py``,
 ``GPU_TIER``), which a GPU run executes on the variants ``perf/warmup.py`` compiled.
 

@@ -1,4 +1,4 @@
-"""The one-call GPU check runs right the first time (issue 12): ``bash perf/gpu_check.sh
+"""The one-call GPU check runs right the first time (GPU time is scarce): ``bash perf/gpu_check.sh
 --dry-run`` runs every step's real command on this CPU machine, with the interpreter and tiny
 sizes (the same argument parsing, imports, ``-m`` module paths, record writing and budget
 arithmetic as on the GPU), and every step must pass; a GPU run then differs only in sizes and

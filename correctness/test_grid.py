@@ -86,7 +86,7 @@ def _dense(H, B, ct, slots=132, cfg: TileConfig | None = None):
 @pytest.mark.parametrize("B", [1, 2, 4, 8, 16, 32, 64, 128])
 @pytest.mark.parametrize("ct", [2048, 8192, 32768, 65536])
 def test_goal_shapes_fill_whole_waves(H, B, ct):
-    """Issue 13's dense goal shapes at one CTA per SM (every production variant under 3.6.0):
+    """The dense goal shapes at one CTA per SM (every production variant under 3.6.0):
     every wave at least 96% full, except at c_t 2048 with B < 4, where 64-entry splits cannot
     fill one at H 16 (32 and 64 CTAs), and at H 128 the 64 KB fp32 partial each extra split
     writes and the combine reads back costs more than the SMs it would add (64 and 104 CTAs)."""

@@ -1,6 +1,6 @@
 """A real model, run by code nobody here wrote: transformers' DeepSeek-V2 / V3 ``generate`` with
 its shared context on holders produces the tokens of its own ``generate`` on the whole prompt
-(issue 17; §2.1, §3.3).
+(§2.1, §3.3).
 
 Models: small random-weight ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM``
 (:func:`mqnc.integrations.hf.random_model`): DeepSeek-V2-Lite's attention dims (16 heads,

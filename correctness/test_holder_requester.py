@@ -451,7 +451,8 @@ def test_merge_refuses_no_partials_and_partials_of_other_shapes():
 
 
 def test_batcher_stages_rows_of_one_dtype_per_kernel_call():
-    """The batcher stages the rows' bytes (issue 14), so a bf16 and an fp16 request of the same
+    """The batcher stages the rows' bytes (one copy per batch, not a torch call per request),
+    so a bf16 and an fp16 request of the same
     shape in one dispatch must not share a kernel call (the holder admits one dtype, but the
     batcher is its own piece): each is answered over its own rows, as the fp64 reference says."""
     from mqnc.reference import mla_decode_reference
@@ -490,9 +491,10 @@ def test_batcher_stages_rows_of_one_dtype_per_kernel_call():
 
 
 def test_batcher_reuses_output_buffers_each_written_in_full():
-    """The kernels write into output buffers the batcher keeps per batch shape (``out=``, issue
-    14). Poisoned with NaN between two batches of the same shape (dense, then a selection), the
-    buffers come back written in full: each reply is its own rows' fp64 attention."""
+    """The kernels write into output buffers the batcher keeps per batch shape (``out=``: no
+    allocation per call). Poisoned with NaN between two batches of the same shape (dense, then a
+    selection), the buffers come back written in full: each reply is its own rows' fp64
+    attention."""
     from mqnc.reference import mla_decode_reference, mla_sparse_reference
     from mqnc.serving.batching import HostedChunk, RouteBatcher, RouteJob
     from mqnc.serving.holder import HolderStats

@@ -1,4 +1,4 @@
-"""Hostile peers and bad numbers (issue 15): every attack found against the holder, the
+"""Hostile peers and bad numbers: every attack found against the holder, the
 requester and the engines, kept as a regression test.
 
 Loopback tests put hand-made messages through a rank's own endpoint (a rank may write only

@@ -1,4 +1,4 @@
-"""Kernels on a machine without CUDA, called as a new user calls them (issue 16).
+"""Kernels on a machine without CUDA, called as a new user calls them.
 
 In a fresh interpreter with ``TRITON_INTERPRET`` unset: on a CPU-only torch, importing
 ``mqnc.triton_kernels`` chooses Triton's interpreter itself, so the kernels' docstring examples

@@ -1,4 +1,4 @@
-"""Exactness across processes (issue 6, item 4): a corpus partitioned over holder processes
+"""Exactness across processes: a corpus partitioned over holder processes
 (gloo), queries routed to every holder and merged, equal the single-instance result.
 
 The pytest process is the requester (rank 0); holders are subprocesses running this file as a

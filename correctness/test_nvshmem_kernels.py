@@ -1,7 +1,6 @@
-"""The NVSHMEM engine without a GPU: its device kernels compile for sm_90 exactly as their
-launches compile (issue 12 items 2 and 8), its device bitcode is found in every layout the
-wheels ship (item 6), and its bounded device-side wait finds the awaited slots (interpreted).
-
+"""The NVSHMEM engine without a GPU: its device kernels compile for sm_90 exactly as their launches
+compile, its device bitcode is found in every layout the wheels ship, and its bounded device-side
+wait finds the awaited slots (interpreted).
 The compile runs in a subprocess with ``TRITON_INTERPRET=0`` (compiled mode, even on a CPU-only
 torch; the suite interprets kernels without a GPU) at the edge values of a real launch: PE 1
 and sequence 1, the first put from PE 0 to PE 1, where Triton would turn an int equal to 1 into

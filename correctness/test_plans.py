@@ -98,7 +98,7 @@ def test_dense_plan_runs_new_steps_like_the_call(no_checks):
 
 def test_out_is_written_in_full_like_the_call():
     """``out=`` of the three entry points and of the fp64 reference ops (the holder's output
-    buffers, reused per batch shape, issue 14): NaN-poisoned buffers come back written in full,
+    buffers, reused per batch shape): NaN-poisoned buffers come back written in full,
     bit-equal to the call without ``out``; a buffer unlike the outputs is refused by name."""
     from mqnc.serving.compute import ReferenceOps
 

@@ -1,4 +1,4 @@
-"""Holders as a service launched by torchrun (issue 17, item 3): one machine plays two "nodes".
+"""Holders as a service launched by torchrun: one machine plays two "nodes".
 
 A random-weight DeepSeek-V2 model is saved with ``save_pretrained`` (what a user's model folder
 is), ``mqnc corpus`` prefills the shared context once from that folder and writes the corpus file

@@ -1,6 +1,7 @@
-"""How kernels are timed (issue 12 item 7): input sets rotated past the L2, every set called,
-the method recorded, and the hot paths that are timed (the holder's batched call, the
-benchmarks) calling the kernels with their host-side checks off.
+"""How kernels are timed (so that a GPU run measures the kernel, not a warm L2 or the host checks):
+input sets rotated past the L2, every set called, the method recorded, and the hot paths that are
+timed (the holder's batched call, the benchmarks) calling the kernels with their host-side checks
+off.
 
 The CUDA-graph path itself needs a GPU (the GPU check runs it); here its arithmetic, the
 host-clock path and the arguments the timed calls pass.

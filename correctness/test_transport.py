@@ -114,7 +114,7 @@ def test_put_argument_errors():
         a.put_signal(2, 0, torch.zeros(2, dtype=torch.uint8), 1)
     with pytest.raises(ValueError, match="slot"):
         a.put_signal(1, a.num_slots, torch.zeros(2, dtype=torch.uint8), 1)
-    # Rank 0 may write only the slots it feeds (issue 15: no rank writes another's lanes).
+    # Rank 0 may write only the slots it feeds (no rank writes another's lanes).
     with pytest.raises(ValueError, match="fed by rank 1"):
         a.put_signal(1, fab.layout.slot(REPLY, 1), torch.zeros(2, dtype=torch.uint8), 1)
     with pytest.raises(ValueError, match="seq"):

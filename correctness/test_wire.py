@@ -59,7 +59,7 @@ def test_sizes_come_from_the_geometry():
 )
 def test_query_round_trip(B, H, topk, dtype, ids, layer, crc, seed):
     """A ROUTE packed and unpacked, with and without the payload CRC; the requester's fast
-    packer (the rows' bytes and the selection as numpy, issue 14) writes the same bytes."""
+    packer (the rows' bytes and the selection as numpy) writes the same bytes."""
     q = _rand((B, H, G.d_qk), dtype, seed)
     idx = None
     if topk:
@@ -277,7 +277,7 @@ def test_restamp_gives_new_ids_and_keeps_the_payload():
 
 
 def test_array_messages_are_the_same_bytes_and_read_alike():
-    """``array=True`` (what the holder and the requester put, issue 14) packs the same bytes as
+    """``array=True`` (what the holder and the requester put) packs the same bytes as
     the tensor form into a host numpy array, and every reader takes it: the same header, the
     same query, selection, partial, chunk and error text, bit for bit."""
     q = _rand((2, 3, G.d_qk), torch.bfloat16, 0)
@@ -468,7 +468,7 @@ def test_pack_argument_errors():
         )
 
 
-# ---- the fuzz (issue 15): any bytes, any sealed header: typed errors only, no big buffers -----
+# ---- the fuzz (a hostile peer): any bytes, any sealed header: typed errors only, no big buffers
 
 _UNPACKERS = (wire.parse_header, wire.unpack_query, wire.unpack_partial, wire.unpack_chunk,
               wire.unpack_error, wire.peek_length)  # fmt: skip

@@ -1,4 +1,5 @@
-"""The host path against the machine's floors, in one interleaved run (issue 14, §5.3).
+"""The host path against the machine's floors, in one interleaved run (§5.3: the software
+around a route is part of its cost).
 
 ``python -m perf.bench_host [--transport loopback,gloo] [--no-kernel] [--breakdown]`` plus the
 flags every benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
@@ -35,7 +36,7 @@ the machine's wake penalty (:func:`_wake_cases`)
     alone). The ratio of the pack after the wait to the warm one says how much slower host
     work runs right after a wake, where every call's host work runs.
 
-The goals (issue 14): loopback probe <= 3x ``cond``; gloo probe <= 2x ``gloo_1B``; route1 <=
+The goals (perf/targets.py): loopback probe <= 3x ``cond``; gloo probe <= 2x ``gloo_1B``; route1 <=
 1.5x the probe; route256 <= 2x the probe plus the bytes at the floor's bandwidth
 (``cond_payload - cond`` or ``gloo_payload - gloo_1B``). The routes less the echo round trips
 of the same size give the cost model's host term (§5.3, :func:`mqnc.cost.fit_host`). Medians,

@@ -8,7 +8,7 @@ production Dv = 512. Bytes moved once: M*B*H*(Dv*elt + 4) read + B*H*(Dv*elt + 4
 GPU it times the Triton kernel; on the CPU the torch fp32 reference path
 (``backend=torch-reference``): interpreter timings say nothing about the kernel.
 
-``--goals`` times issue 13's goal shapes instead (``_variants.GOALS``: M 8 over 256 rows,
+``--goals`` times the production goal shapes instead (``_variants.GOALS``: M 8 over 256 rows,
 <= 8 us, and the two-way fold, bf16 ``[M, 16, 16, 512]``), recording ``extra.shape`` for
 ``perf/kernel_report.py --measured``; ``--tiny`` (the dry run of ``perf/gpu_check.sh``) times
 the goal shapes cut to 2 of their 16 tokens with the Triton kernel even without a GPU
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
         warmup="3, 0 with --tiny",
         tiny=True,
     )
-    ap.add_argument("--goals", action="store_true", help="issue 13's goal shapes instead")
+    ap.add_argument("--goals", action="store_true", help="the production goal shapes instead")
     args = parse_bench_args(ap, argv)
     use_interpreter_without_cuda()
     import torch

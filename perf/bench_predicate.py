@@ -1,5 +1,5 @@
-"""Speed of the closed-form predicate (issue 5 targets: a scalar decision in <= 20 us, a
-1000 x 1000 ``M_q x c_t`` crossover grid in <= 0.2 s, on one CPU core).
+"""Speed of the closed-form predicate (its targets, perf/targets.py: a scalar decision in <= 20 us,
+a 1000 x 1000 ``M_q x c_t`` crossover grid in <= 0.2 s, on one CPU core).
 
 Pure CPU work, so it is timed with ``time.perf_counter_ns`` whatever the machine (CUDA events
 would time an idle stream); ``--pin`` restricts the process to one core first. Records

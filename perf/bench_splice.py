@@ -19,7 +19,7 @@ Usage: ``python -m perf.bench_splice [--goals | --tiny] [--c-t 55,2048] [--layer
 flags every benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
 :mod:`mqnc.measure.options`).
 
-``--goals`` times issue 13's goal shapes (``_variants.GOALS``: 27 layers x 2048 tokens, one
+``--goals`` times the production goal shapes (``_variants.GOALS``: 27 layers x 2048 tokens, one
 int delta for the chunk as the requester's fetch does, and one delta per token), recording
 ``extra.shape`` for ``perf/kernel_report.py --measured``; ``--tiny`` (the dry run of
 ``perf/gpu_check.sh``) cuts them to 2 layers x 55 tokens, where the Triton variants run
@@ -256,7 +256,7 @@ def main(argv=None) -> int:
     p.add_argument("--c-t", type=int_list, default=[55, 1024, 2048, 4096], help="chunk tokens")
     hidden_alias(p, "--ct", "c_t", type=int_list)
     p.add_argument("--layers", type=positive_int, default=27)
-    p.add_argument("--goals", action="store_true", help="issue 13's goal shapes instead")
+    p.add_argument("--goals", action="store_true", help="the production goal shapes instead")
     args = parse_bench_args(p, argv)
     timing = dict(path=args.out, reps=args.reps, warmup=args.warmup)
     use_interpreter_without_cuda()  # before the goal shapes import triton

@@ -18,7 +18,7 @@
 #   copy         the device copy-bandwidth ceiling, first (kernel GB/s are read against it)
 #   warmup       every production kernel variant and the NVSHMEM kernels compiled into the
 #                Triton cache by 16 processes, then every goal shape planned on the GPU
-#   bench_merge, bench_mla, bench_splice   the kernel benchmarks over issue 13's goal shapes
+#   bench_merge, bench_mla, bench_splice   the kernel benchmarks over the production goal shapes
 #                (CUDA-graph replays over L2-rotated inputs; extra.timing says how)
 #   report       perf/kernel_report.py: predictions and the measured p50 in one table
 #   tests        the GPU test tier (pytest -m gpu: correctness/conftest.py's GPU_TIER list)

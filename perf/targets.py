@@ -11,7 +11,8 @@ from __future__ import annotations
 from mqnc.measure.targets import Target
 
 TARGETS = [
-    # issue 5: the closed-form predicate on one CPU core
+    # the closed-form predicate on one CPU core (a decision per (chunk, request) must cost far
+    # less than any primitive it chooses between)
     Target("predicate", 20.0, "scalar decide <= 20 us", variant="scalar"),
     Target("predicate", 0.2e6, "1000 x 1000 crossover grid <= 0.2 s", variant="grid", x=1_000_000),
     # issue targets for the holder's partial attention on an H200 (§6.3)
@@ -49,7 +50,7 @@ TARGETS = [
         backend="triton",
         extra={"layers": 27, "delta": "per-token"},
     ),
-    # Issue 13's goal shapes, as the benchmarks' --goals sweeps record them (extra.shape is the
+    # The production goal shapes, as the benchmarks' --goals sweeps record them (extra.shape is the
     # shape's label in mqnc.triton_kernels._variants.GOALS, where the kernels branch keeps them).
     Target(
         "mla_decode",
@@ -81,12 +82,11 @@ TARGETS = [
         extra={"shape": "splice L=27 ct=2048 delta=int"},
     ),
 ]
-
-# Issue 14: the host path against the machine's floors, as same-run ratios (perf/bench_host.py,
-# bench="host_ratio", unit "ratio"; its variant names the ratio). On a GPU the same records give
-# absolute microseconds beside them (bench="host").
+# The host path (the package's software around a route) against the machine's floors, as
+# same-run ratios (perf/bench_host.py, bench="host_ratio", unit "ratio"; its variant names the
+# ratio). On a GPU the same records give absolute microseconds beside them (bench="host").
 TARGETS += [
-    Target("host_ratio", limit, f"issue 14: {what} <= {limit:g}", variant=variant)
+    Target("host_ratio", limit, f"host path: {what} <= {limit:g}", variant=variant)
     for variant, what, limit in (
         ("loopback: Requester.probe / cond", "loopback probe / Condition round trip", 3.0),
         ("gloo: Requester.probe / gloo_1B", "gloo probe / bare gloo round trip", 2.0),

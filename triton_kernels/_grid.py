@@ -1,5 +1,5 @@
 """The split / grid policy: how many programs a launch gets, counted in whole waves of the CTAs
-that really fit on the device (issue 13).
+that really fit on the device (a partial wave leaves SMs idle for a whole wave's time).
 
 Occupancy comes from the compiled kernel, not a constant: :class:`Occupancy` (registers per
 thread, threads and shared memory per CTA) gives :meth:`Occupancy.ctas_per_sm` under Hopper's
@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 MIN_TOKENS_PER_SPLIT = 64
-# The H200's measured device copy ceiling (issue 13: ~4.3 TB/s), bytes per microsecond: the unit
+# The H200 device copy ceiling the goal shapes were set against (~4.3 TB/s), bytes per us: the unit
 # in which the policy and perf/kernel_report.py predict (predictions, never measurements).
 CEILING_BYTES_PER_US = 4.3e6
 LAUNCH_US = 2.0  # a second, dependent kernel launch on the same stream (prediction)

@@ -1,5 +1,5 @@
-"""The production shapes (issue 13's goals on an H200, and the layouts the ecosystem adapters
-launch) and the launches the kernels make there.
+"""The production shapes (the goal shapes the kernels are held to on an H200, and the layouts
+the ecosystem adapters launch) and the launches the kernels make there.
 
 One list of goal shapes serves the sm_90 compile test, the checked-in occupancy table
 (``_sm90_table``), ``perf/kernel_report.py`` and the benchmarks' ``--goals`` sweeps, so that

@@ -148,7 +148,8 @@ def _merge_partials_kernel(
             acc += e * o.to(tl.float32)
 
     # l = 0: every partial empty (o = 0, lse = -inf); a NaN l (from a NaN lse)
-    # is "non-empty": it propagates as NaN, never reads as "no keys" (issue 15)
+    # is "non-empty": it propagates as NaN, never reads as "no keys" (a bad number must
+    # reach the caller, not vanish as an empty partial)
     nonempty = l != 0.0
     inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l, 1.0), 0.0)
     y = O_out + b.to(tl.int64) * stride_yb + h * stride_yh + offs_d * stride_yd

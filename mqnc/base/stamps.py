@@ -1,4 +1,5 @@
-"""Per-stage timestamps of a call, for ``perf/bench_host --breakdown`` (issue 14).
+"""Per-stage timestamps of a call, for ``perf/bench_host --breakdown`` (where a routed call's
+host time goes, stage by stage).
 
 Off unless :func:`enable` is called (a benchmark's holder process does it when asked): a stamp
 site costs one module-attribute test then. When on, :func:`stamp` appends

@@ -1,4 +1,4 @@
-"""``mqnc kernel-report``: the kernels' static performance report at issue 13's goal shapes
+"""``mqnc kernel-report``: the kernels' static performance report at the production goal shapes
 (compiled launch-exact for sm_90 without a GPU; every time a PREDICTION), see
 :mod:`mqnc.measure.kernel_report`."""
 

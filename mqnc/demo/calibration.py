@@ -213,8 +213,8 @@ def lacking(cfg: DemoConfig, profile: LoadedProfile | None) -> list[str]:
 
 
 def median_rounds(rounds: list[Calibration], predicted: list[dict[str, float]]):
-    """The constants to predict with from calibration ``rounds`` (issue 16: one round taken in
-    a slow spell of the machine priced a whole run 30-50% off, while the decodes around it were
+    """The constants to predict with from calibration ``rounds`` (one round taken in a slow
+    spell of the machine priced a whole run 30-50% off, while the decodes around it were
     not slow), and per primitive the round it takes.
 
     ``predicted[i][primitive]``: what round ``i`` predicts for the run's calls of that primitive

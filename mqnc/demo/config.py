@@ -49,8 +49,8 @@ class DemoConfig:
     on unless ``force`` or the fault drill is given (True with either is an error).
     ``repeats``: how many times each decode runs, each from an empty pool; every call is then
     scored by its median over the repeats (the table, MAPE, the picture), each single decode's
-    MAPE printed beside it (issue 16: one decode's calls on a loaded 2-core machine spread by
-    about as much as the goal allows). None: 5, or 1 under the fault drill (more with the
+    MAPE printed beside it (one decode's calls on a loaded 2-core machine spread by about as
+    much as the goal allows). None: 5, or 1 under the fault drill (more with the
     drill is an error: a killed holder stays dead).
     """
 
@@ -141,8 +141,9 @@ class DemoConfig:
     def calibration_rounds(self) -> int:
         """How many times the constants the profile lacks are measured: 3 when the decodes
         repeat (before the first repeat, after the middle one and after the last; the report
-        predicts with the median of the three, issue 16), else 1. The run measures once
-        whatever this says when its profile gives every term (nothing to measure)."""
+        predicts with the median of the three, robust to one slow spell), else 1. The run
+        measures once whatever this says when its profile gives every term (nothing to
+        measure)."""
         return 3 if self.decode_repeats > 1 else 1
 
     @property

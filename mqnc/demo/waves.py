@@ -24,9 +24,9 @@ the same moment (processor sharing), not one after the other. A call that overla
 holder's work therefore takes longer on the wall clock (its ``compute`` term is that wall time,
 which is what the holder measures and reports), and the requests of both holders are answered
 near the end of their common busy period rather than one holder's early and the other's late.
-Measured on this 2-core machine after the transport's speed-up (issue 14): with the two holders'
-calls modelled one after the other (FIFO per core) the model predicted half the holder compute
-the holders reported (962 vs 1910 ms over 200 routes), the kernel's own CPU time per call
+Measured on this 2-core machine after the transport's host path was sped up: with the two
+holders' calls modelled one after the other (FIFO per core) the model predicted half the holder
+compute the holders reported (962 vs 1910 ms over 200 routes), the kernel's own CPU time per call
 agreeing with the calibration; the holders' host work per call (0.7-1.5 ms of CPU, traced) was
 not in the model at all. A send in a wave is priced at its mean in a wave (the median over
 calibration waves shaped like the run's, to every holder at once): the engine's threads carry

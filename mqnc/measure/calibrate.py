@@ -10,13 +10,14 @@ slope; turnaround = intercept - probe), and a :class:`~mqnc.cost.FabricProfile` 
 ``bulk_tokens`` is None, one contiguous all-layer chunk pull is timed too and its rate stored as
 ``bulk_bw_gbps`` (fetch's ``T_pull``), so that the profile prices fetch on the same machine.
 
-Then the package's own path (issue 14): a real :class:`~mqnc.serving.Requester` routes to a
-real :class:`~mqnc.serving.Holder` (its kernel stubbed: the compute is priced apart) on the same
-transport, interleaved with echo round trips of the same ``M_q`` (:mod:`mqnc.measure.holders`);
-the difference, fitted as ``fixed + per_row * M_q`` (:func:`mqnc.cost.fit_host`), is the host
-term of §5.3 for this package's software. The profile carries it (``host_fixed_us``,
-``host_per_row_us``) and :func:`mqnc.cost.t_route` adds it, so that a profile from here prices
-what a call through the holder and requester costs, not the bare transport alone.
+Then the package's own path (its host software is part of a route's cost): a real
+:class:`~mqnc.serving.Requester` routes to a real :class:`~mqnc.serving.Holder` (its kernel stubbed:
+the compute is priced apart) on the same transport, interleaved with echo round trips of the same
+``M_q`` (:mod:`mqnc.measure.holders`); the difference, fitted as ``fixed + per_row * M_q``
+(:func:`mqnc.cost.fit_host`), is the host term of §5.3 for this package's software. The profile
+carries it (``host_fixed_us``, ``host_per_row_us``) and :func:`mqnc.cost.t_route` adds it, so that a
+profile from here prices what a call through the holder and requester costs, not the bare transport
+alone.
 The default sweep takes a few seconds on loopback and about 10-20 s on gloo (process start
 included) on a 2-core CPU.
 """

@@ -1,4 +1,4 @@
-"""The floors a host-side call is measured against (issue 14, ``perf/bench_host``): what the
+"""The floors a host-side call is measured against (``perf/bench_host``): what the
 machine's own primitives cost with no package software around them.
 
 - :class:`ConditionPingPong`: one ``threading.Condition`` round trip between two threads (two

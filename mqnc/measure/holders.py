@@ -88,9 +88,10 @@ def stub_holder(holder: Holder) -> None:
 
 
 class ReadyHolder:
-    """The floor of any holder (issue 14): each ``PROBE`` answered by its ack and each ``ROUTE``
-    by a ``PARTIAL`` packed once per ``(batch, heads)`` (``o = 0``, ``lse = 0``), the request's
-    ids stamped in (:func:`mqnc.transport.wire.restamp`). It reads each request's header fields
+    """The floor of any holder (what no holder's software can beat): each ``PROBE`` answered by its
+    ack and each ``ROUTE`` by a ``PARTIAL`` packed once per ``(batch, heads)`` (``o = 0``,
+    ``lse = 0``), the request's ids stamped in (:func:`mqnc.transport.wire.restamp`). It reads
+    each request's header fields
     and nothing else: no checks, no batch, no kernel, no pack per call, no statistics. Its loop
     is the :class:`~mqnc.serving.Holder`'s (one thread waiting on every inbox, the last reply put
     with the next wait), so :meth:`Requester.route <mqnc.serving.Requester.route>` against it

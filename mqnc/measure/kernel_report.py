@@ -1,5 +1,5 @@
 """Static performance report of the kernels at the goal shapes, compiled for sm_90 exactly as
-launched (issue 13). Every time in it is a PREDICTION, not a measurement.
+launched. Every time in it is a PREDICTION, not a measurement.
 
 ``mqnc kernel-report [--out FILE] [--ops mla_decode,merge] [--measured RESULTS]`` (or
 ``python -m perf.kernel_report ...``, the same).
@@ -18,10 +18,11 @@ and options as the real launch; no GPU needed) and reports:
 - the load and MMA mix from the SASS: ``LDGSTS`` (cp.async, all widths), ``LDG128`` (16-byte
   loads), ``LDG<128`` (narrower ones), ``TMA`` (UTMALDG), ``HMMA``, ``HGMMA``;
 - ``pred_us = MB / ceiling / fill``: the time at the copy ceiling (``--ceiling-tbps``; else the
-  median ``copy`` record of the measured device in ``--measured``, 2.71 TB/s on the H200 that
-  ran it; else issue 13's 4.3 TB/s) when the SMs in use stream at their share of it (``fill``:
-  the used fraction of the waves' CTA slots, or, for a grid of less than one wave, of the 132
-  SMs, since the CTAs spread one per SM first); a shape's total adds ``LAUNCH_US`` (2 us) per
+  median ``copy`` record of the measured device in ``--measured``, 2.71 TB/s on the H200 that ran
+  it; else 4.3 TB/s, the H200 copy ceiling the goal shapes were set against) when the SMs in use
+  stream at their share of it (``fill``: the used fraction of the waves' CTA slots, or, for a grid
+  of less than one wave, of the 132 SMs, since the CTAs spread one per SM first); a shape's total
+  adds ``LAUNCH_US`` (2 us) per
   dependent launch after the first, and ``pct_of_ceiling`` is the op's essential bytes (cache,
   queries, outputs: what the benchmarks' GB/s count, not the split partials) at the ceiling
   over it.
@@ -118,7 +119,7 @@ def _ops_arg(text: str) -> set[str]:
     return {t.strip() for t in text.split(",") if t.strip()}
 
 
-DEFAULT_CEILING_TBPS = 4.3  # issue 13's copy ceiling, where no measured one is given
+DEFAULT_CEILING_TBPS = 4.3  # the goals' H200 copy ceiling, where no measured one is given
 
 
 def report(ops=None, ceiling_tbps: float = DEFAULT_CEILING_TBPS, arch: int = 90):
@@ -351,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
         if args.ceiling_tbps
         else f"{device}'s copy records"
         if copy_tbps
-        else "issue 13's figure"
+        else "the goals' H200 copy ceiling"
     )
     print(f"PREDICTIONS (sm_90, triton {launches[0]['triton']}, {ceiling:.3g} TB/s: {source}):")
     if args.measured:

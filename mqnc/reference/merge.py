@@ -40,7 +40,8 @@ def merge_reference(
     # An empty partial's o is never read: zero it so NaN/garbage there cannot leak through 0 * NaN.
     o = torch.where((w > 0)[..., None], o, torch.zeros_like(o))
     out = (w[..., None] * o).sum(dim=0) / torch.where(l > 0, l, torch.ones_like(l))[..., None]
-    # l = 0: every partial empty; a NaN l (a NaN lse) stays NaN, never "empty" (issue 15)
+    # l = 0: every partial empty; a NaN l (a NaN lse) stays NaN, never "empty": a bad number
+    # must reach the caller, not vanish as a partial without keys
     lse_out = torch.where(l == 0, torch.full_like(l, float("-inf")), m_safe + torch.log(l))
     return out, lse_out
 

@@ -5,9 +5,9 @@ Every request to a holder takes one of the ``lanes`` slots the transport keeps p
 request id drawn at random (64 bits from the OS: unpredictable, so a stray or forged reply
 cannot guess it). The lanes and sequence numbers belong to the **endpoint**, not to one
 requester: every :class:`RequestClient` on the same transport object shares them (two
-requesters on one endpoint never reuse a lane's sequence number, issue 15). A lane's next
-sequence number also moves past its reply slot's signal, so a signal pushed ahead (by a
-misbehaving holder) costs at most one timeout, never a lane.
+requesters on one endpoint never reuse a lane's sequence number, which would let one take the
+other's reply). A lane's next sequence number also moves past its reply slot's signal, so a
+signal pushed ahead (by a misbehaving holder) costs at most one timeout, never a lane.
 
 :meth:`RequestClient.send` puts the packed message into the holder's inbox slot (the engine
 sends it without waiting for delivery); :meth:`RequestClient.wait` waits, with a timeout, for

@@ -18,7 +18,8 @@ A holder keeps the canonical ``c_KV`` of its chunks at their canonical positions
 
 The batching itself is :mod:`mqnc.serving.batching`, the paged pool :mod:`mqnc.serving.pool`.
 
-Robustness (issue 15): every message's header is checked before its payload is used
+Robustness (a peer may be broken or hostile; no request of one may stop the service for the
+others): every message's header is checked before its payload is used
 (:func:`mqnc.transport.wire.parse_header`; the payload CRC is required whenever the bytes
 crossed a process); a malformed message, a bad request (unknown chunk, index out of range, a
 head count of 0 or above the model's, more rows or a wider selection than the holder's limits
@@ -331,7 +332,7 @@ class Holder:
         """Serve until :meth:`stop` or a ``SHUTDOWN`` message (in the calling thread).
 
         Each step's last reply goes out with the next step's wait
-        (``Transport.put_signal_wait``): the requester it wakes runs at once (issue 14)."""
+        (``Transport.put_signal_wait``): the requester it wakes runs at once."""
         self._outbox.defer = True
         try:
             while not self._stop.is_set():
@@ -417,7 +418,7 @@ class Holder:
             self._dispatch(src, lane, h, buf, routes)
         except (wire.WireError, ValueError, TypeError, KeyError) as exc:
             self._error(src, lane, h.request_id, h.seq, f"{me}: {exc}")
-        except Exception as exc:  # noqa: BLE001 - no request may stop the service (issue 15)
+        except Exception as exc:  # noqa: BLE001 - no request may stop the service
             self._error(src, lane, h.request_id, h.seq, f"{me}: {type(exc).__name__}: {exc}")
         return 1
 
@@ -463,7 +464,7 @@ class Holder:
                 f"request here, got {h.rows} rows and {h.topk}"
             )
         c = self.chunks[h.chunk_id]
-        q, idx = wire.query_arrays(buf, h)  # numpy: the batcher stages the rows (issue 14)
+        q, idx = wire.query_arrays(buf, h)  # numpy: the batcher stages the rows, no torch call
         if idx is not None:
             bad = (idx < -1) | (idx >= c.tokens)
             if bad.any():

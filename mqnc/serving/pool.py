@@ -165,7 +165,7 @@ class PagedPool:
 def flag_dropped(lse: torch.Tensor, keyed: torch.Tensor) -> torch.Tensor:
     """``lse [B, H]`` with NaN where a row attended at least one entry (``keyed [B]``) but its
     ``lse`` is not finite: an overflow or a NaN input is reported, never read as an empty
-    partial (issue 15)."""
+    partial (which the merge would silently leave out)."""
     bad = ~torch.isfinite(lse) & keyed[:, None]
     return torch.where(bad, torch.full_like(lse, float("nan")), lse)
 

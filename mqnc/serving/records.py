@@ -114,10 +114,10 @@ def cost_samples(costs: list[CostRecord], primitive: str = "route") -> list[tupl
 
 
 class BoundedList(list):
-    """A list that keeps its last ``cap`` items (issue 15: a long-running requester's cost
-    records, a holder's batch sizes): appending past ``2 * cap`` drops the oldest, so an
-    append stays O(1) amortised and the list never holds more than ``2 * cap`` items. Every
-    other list operation is a list's."""
+    """A list that keeps its last ``cap`` items (a long-running requester's cost records, a
+    holder's batch sizes: memory that must not grow for as long as the service runs):
+    appending past ``2 * cap`` drops the oldest, so an append stays O(1) amortised and the list
+    never holds more than ``2 * cap`` items. Every other list operation is a list's."""
 
     def __init__(self, cap: int, items=()) -> None:
         super().__init__(items)

@@ -4,14 +4,14 @@ what it sends, per peer.
 Every message between two ranks is ONE gloo message: a 32-byte frame header
 ``[op u32, slot u32, seq u64, nbytes u64, 0 u64]`` (:data:`FRAME`) followed by the ``nbytes``
 data bytes. One message per put (not a control word then the data, which gloo delivers only
-once the receiver posts the second receive: half a round trip more, issue 14).
+once the receiver posts the second receive: half a round trip more).
 
 :class:`Inbox` is the receiving half: one service thread per peer keeps two receives posted
 (double-buffered, so a sender never waits for the thread to repost) into landing buffers of
 ``32 + slot_bytes`` bytes, and reposts into a third, spare one before it applies a message. A
 put that lands is made visible by swapping the landing buffer with the slot's storage under the
 signal board's lock (no copy), then raising the signal. A put is accepted only into a slot
-whose source is the peer it came from (issue 15: no rank writes another's lanes); anything else
+whose source is the peer it came from (no rank writes another's lanes); anything else
 is dropped and recorded in :attr:`PeerState.errors`.
 
 :class:`Outbox` is the sending half: ``send`` frames the message and hands it to gloo from the
@@ -239,7 +239,7 @@ class Inbox:
     def _serve_peer(self, peer: int) -> None:
         """Two receives always posted, and a spare landing buffer: when one completes, the
         next receive is posted into the spare first and the message applied after, so that
-        the thread its signal wakes does not wait (for the GIL) through the repost (issue 14).
+        the thread its signal wakes does not wait (for the GIL) through the repost.
         The applied message hands back the buffer it freed (the slot's old storage for a
         put, its own for anything else): the next spare."""
         pg = self._pg

@@ -29,8 +29,9 @@ let a requester discard any reply that is not the one it waits for.
 Writers. Rank ``r`` may write only the slots whose source is ``r`` (``layout.source_of(slot)
 == r``): a put to any other slot is a ``ValueError`` at the sender, and the torchdist engine
 also drops (and records) such a put at the receiver, so no rank can write into the lanes of
-another (issue 15). :meth:`Transport.read_message` reads a slot's message together with the
-signal it was written under, so that a reader can tie the message's sequence number to it.
+another (a misbehaving or hostile peer cannot answer for someone else).
+:meth:`Transport.read_message` reads a slot's message together with the signal it was written
+under, so that a reader can tie the message's sequence number to it.
 
 Sequence numbers are u64 (``0 <= seq < 2**64``), as in the wire header.
 """
@@ -120,8 +121,9 @@ def check_message(data: object, slot_bytes: int) -> torch.Tensor | np.ndarray:
 
     A numpy array is what the holder and the requester put on the host (the wire's packers with
     ``array=True``): every engine takes one, and the host engines copy it without a torch call
-    (issue 14: on this 2-core VM each torch call a thread makes right after a hand-off cost
-    tens of microseconds, and a loopback round trip made about eight per side)."""
+    (the host path's speed: on this 2-core VM each torch call a thread makes right after a
+    hand-off cost tens of microseconds, and a loopback round trip made about eight per
+    side)."""
     if isinstance(data, np.ndarray):
         check_host_array("data", data)
         if data.shape[0] > slot_bytes:
@@ -255,7 +257,7 @@ class Transport(abc.ABC):
     ) -> list[int]:
         """``put_signal(peer, slot, data, seq)``, then ``wait_any(targets, timeout)``: a
         request and the wait for its answer as one call. The loopback engine registers the wait
-        before the put lands, so that the thread the put wakes runs at once (issue 14); this
+        before the put lands, so that the thread the put wakes runs at once; this
         generic form (every other engine) is the two calls in order."""
         self.put_signal(peer, slot, data, seq)
         return self.wait_any(targets, timeout)
@@ -298,7 +300,7 @@ class Transport(abc.ABC):
 
     def read_message_host(self, slot: int) -> tuple[int, torch.Tensor | np.ndarray]:
         """:meth:`read_message` as a host uint8 numpy array where the engine keeps its slots
-        on the host (loopback, torchdist: no torch call on the reader's path, issue 14); this
+        on the host (loopback, torchdist: no torch call on the reader's path); this
         generic form returns :meth:`read_message`'s tensor as it is (every function of
         :mod:`mqnc.transport.wire` that reads a message takes either)."""
         return self.read_message(slot)
