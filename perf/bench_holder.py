@@ -159,8 +159,8 @@ def _staging(args, geometry, out) -> None:
         )
 
 
-# Over 60 lines: the options (35 lines), then the two sweeps of Fig. 4(b) and 5(b) in order.
-def main(argv=None) -> int:
+def _parser():
+    """The command line: every benchmark's flags, then the two sweeps' and the model's."""
     from mqnc import measure as H
 
     ap = H.bench_parser(
@@ -192,26 +192,13 @@ def main(argv=None) -> int:
         metavar="NAME|CONFIG",
         help="model preset or Hugging Face config.json (deepseek-v2-lite)",
     )
-    args = H.parse_bench_args(ap, argv)
-    if args.tiny:  # the dry run: N 1, 2 at c_t 128, the kernel
-        args.n, args.heads, args.c_t = args.n or [1, 2], args.heads or [16], 128
-    from mqnc.base.runtime import use_interpreter_without_cuda
+    return ap
 
-    use_interpreter_without_cuda()
-    import torch
-    from tqdm import tqdm
 
-    from mqnc.measure import input_sets, l2_bytes, record, time_kernel
-
-    g = args.model
-    cuda = torch.cuda.is_available()
-    ns = args.n or (N_QUICK if args.quick else N_FULL)
-    heads = args.heads or ([16, 128] if cuda else [16])
-    args.reps = args.reps or (50 if cuda else (2 if args.tiny else (3 if args.quick else 5)))
-    if args.warmup is None:
-        args.warmup = 0 if args.tiny else (3 if cuda else 1)
+def _batched_call(g, cuda: bool, kernel: bool):
+    """The holder's batched partial ``call(q, pool, bt, lens)`` and its backend name: the
+    Triton kernel (compiled on a GPU, interpreted otherwise), else the torch fp32 one."""
     scale = softmax_scale_of(g)
-    kernel = cuda or args.tiny  # the Triton kernel: compiled on a GPU, interpreted otherwise
     if kernel:
         from mqnc.triton_kernels.mla_decode import mla_decode_partial
 
@@ -220,13 +207,25 @@ def main(argv=None) -> int:
                 q, pool, bt, lens, softmax_scale=scale, d_v=g.d_v, check_inputs=False
             )
 
-        backend = "triton" if cuda else "interpreter"
-    else:
+        return call, "triton" if cuda else "interpreter"
 
-        def call(q, pool, bt, lens):
-            return batched_partial_torch(q, pool, bt, lens, scale, g.d_v)
+    def call(q, pool, bt, lens):
+        return batched_partial_torch(q, pool, bt, lens, scale, g.d_v)
 
-        backend = "torch-reference"
+    return call, "torch-reference"
+
+
+def _requesters(args, g, cuda: bool) -> None:
+    """Fig. 4(b): one record per (heads, N) of the holder's batched call over N requesters."""
+    import torch
+    from tqdm import tqdm
+
+    from mqnc.measure import input_sets, l2_bytes, record, time_kernel
+
+    ns = args.n or (N_QUICK if args.quick else N_FULL)
+    heads = args.heads or ([16, 128] if cuda else [16])
+    kernel = cuda or args.tiny
+    call, backend = _batched_call(g, cuda, kernel)
     dev = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if kernel else torch.float32
     l2 = l2_bytes(dev)
@@ -263,7 +262,25 @@ def main(argv=None) -> int:
                 path=args.out,
             )
             print(f"holder h_q={h} N={n}: p50 {t.p50:.0f} us [{backend}]")
-    _staging(args, g, args.out)
+
+
+def main(argv=None) -> int:
+    from mqnc import measure as H
+
+    args = H.parse_bench_args(_parser(), argv)
+    if args.tiny:  # the dry run: N 1, 2 at c_t 128, the kernel
+        args.n, args.heads, args.c_t = args.n or [1, 2], args.heads or [16], 128
+    from mqnc.base.runtime import use_interpreter_without_cuda
+
+    use_interpreter_without_cuda()
+    import torch
+
+    cuda = torch.cuda.is_available()
+    args.reps = args.reps or (50 if cuda else (2 if args.tiny else (3 if args.quick else 5)))
+    if args.warmup is None:
+        args.warmup = 0 if args.tiny else (3 if cuda else 1)
+    _requesters(args, args.model, cuda)
+    _staging(args, args.model, args.out)
     return H.finish(args, TARGETS)
 
 
