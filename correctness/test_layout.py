@@ -4,13 +4,15 @@ An AST walk of every module in ``mqnc/`` and ``triton_kernels/`` (function-local
 included; imports under ``if TYPE_CHECKING:`` never run and are skipped) checks that a module
 imports only its own subpackage and the layers below it; that the kernels import nothing of mqnc
 above the kernel layer; that the cost model imports no torch (also checked at run time, in a
-fresh interpreter); that nothing imports the CLI; that nothing edits ``sys.path``; and that
-``pyproject.toml`` installs every subpackage.
+fresh interpreter); that nothing imports the CLI; that nothing edits ``sys.path``; that
+``pyproject.toml`` installs every subpackage; that no two modules import each other, directly or
+through others; and that no code, test or doc cites an issue number.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -214,6 +216,61 @@ def test_the_cycle_search_finds_cycles_and_only_real_ones(tmp_path):
     got = _imports("mqnc.serving.requester", src)
     assert got == [("mqnc.serving.policy", 1), ("mqnc.serving", 2), ("mqnc.serving.pool", 2)]
     assert _packages_above("mqnc.cost.terms") == ["mqnc.cost", "mqnc"]
+
+
+# An issue cited by number ("issue", "issues", "Issue #", "issue-" then digits, even across a
+# line break or a comment's "#"; or "(#" digits ")"): a pointer nobody reading the tree can follow.
+_ISSUE_REF = re.compile(r"\bissues?[\s#-]*\d+|\(#\d+\)", re.IGNORECASE)
+_TEXT_ROOTS = ("mqnc", "triton_kernels", "perf", "correctness", "notebooks", "docs", ".ci")
+_TEXT_FILES = ("README.md", "Makefile", "pyproject.toml")
+
+
+def _text_files() -> list[Path]:
+    """Every text file of the code, tests, benchmarks, notebooks and docs (binary files, such as
+    the docs' figures, and caches left out)."""
+    out = [ROOT / name for name in _TEXT_FILES]
+    for folder in _TEXT_ROOTS:
+        for path in sorted((ROOT / folder).rglob("*")):
+            if not path.is_file() or "__pycache__" in path.parts or path.suffix == ".pyc":
+                continue
+            try:
+                path.read_text()
+            except UnicodeDecodeError:
+                continue
+            out.append(path)
+    return [p for p in out if p.exists()]
+
+
+def _issue_refs(text: str) -> list[tuple[int, str]]:
+    """``(line, match)`` for every issue number cited in ``text``."""
+    return [(text.count("\n", 0, m.start()) + 1, m.group(0)) for m in _ISSUE_REF.finditer(text)]
+
+
+def test_nothing_cites_an_issue_number():
+    """Code, tests, benchmarks, notebooks and docs say what a thing does and why, never "see
+    issue N": the tracker is not part of the tree, so such a pointer means nothing to a reader."""
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}: {found!r}"
+        for path in _text_files()
+        for line, found in _issue_refs(path.read_text())
+    ]
+    why = "issue numbers cited (say what the code does and why instead):\n"
+    assert not bad, why + "\n".join(bad)
+
+
+def test_the_issue_search_finds_every_spelling():
+    """The spellings the tree used, built here so that this file cites none: a number after
+    "issue" / "issues" / "Issue #" / "issue-", across a line break and a comment's "#", and "(#"
+    digits ")"; words that only look alike are not references."""
+    word = "iss" + "ue"
+    cited = [f"({word} 14)", f"{word}s 14 and 15", f"{word.title()} #7", f"{word}-3",
+             f"(``out=``, {word}\n    14)", f"# {word}\n    # 16", "fixed (#" + "14)"]  # fmt: skip
+    for text in cited:
+        assert len(_issue_refs(text)) == 1, text
+    assert _issue_refs(f"x\n{word} 5")[0][0] == 2
+    for text in (f"{word} puts from a kernel", f"the {word}'s bound", "(#x)", "tissue 4"):
+        assert not _issue_refs(text), text
+    assert ROOT / "README.md" in _text_files() and Path(__file__) in _text_files()
 
 
 def test_kernels_import_nothing_of_mqnc_above_the_kernel_layer():
