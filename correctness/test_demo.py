@@ -322,7 +322,8 @@ def test_profile_is_loaded_not_recalibrated(forced, tmp_path):
     assert len(r["calibration_rounds"]) == 1  # nothing to measure: one round, not three
     assert cal["samples"] == {} and cal["probe_samples_us"] == []
     saved = json.loads(profile.read_text())
-    assert cal["send_us"] == saved["terms"]["send_us"]
+    assert saved["schema"] == "mqnc-profile" and saved["version"] == 1
+    assert cal["send_us"] == saved["send_us"]
     assert cal["fabric"]["t_probe_us"] == saved["fabric"]["t_probe_us"]
 
     fabric = tmp_path / "fabric.json"

@@ -38,7 +38,6 @@ The counts are the module's constants (:data:`PROBES` ...); the raw samples go t
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
 from collections import defaultdict
@@ -46,9 +45,9 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from mqnc.cost import FabricProfile, SpliceProfile, fit
+from mqnc.cost import MEASURED_TERMS, FabricProfile, MachineProfile, SpliceProfile, fit
 from mqnc.demo.config import LANES, DemoConfig
-from mqnc.demo.profile import COMPUTE_TERMS, DEMO_PROFILE, DEMO_TERMS, LoadedProfile
+from mqnc.demo.profile import COMPUTE_TERMS, DEMO_TERMS, LoadedProfile
 from mqnc.demo.waves import RouteConstants, WaveCall, predict_wave
 from mqnc.model import MLAGeometry
 from mqnc.serving import ChunkInfo, Requester
@@ -125,23 +124,28 @@ class Calibration:
             profile=self.profile,
         )
 
-    def save_profile(self, path, cfg: DemoConfig, device_name: str) -> None:
-        """Write everything as a demo profile (``--profile`` loads it, nothing recalibrated)."""
-        data = dict(
-            kind=DEMO_PROFILE,
-            fabric=self.fabric.to_dict(),
-            terms=dict(self.terms),
-            measured_with=dict(
-                device=cfg.device,
-                kernels=cfg.kernels,
-                transport=cfg.transport,
-                device_name=device_name,
-            ),
+    def machine_profile(self, cfg: DemoConfig, device_name: str = "") -> MachineProfile:
+        """The constants as the predicate reads them: the fabric, every demo term, and the
+        splice and pool write as lines over the corpus' chunk sizes
+        (:meth:`splice_profile`)."""
+        measured_with = dict(device=cfg.device, kernels=cfg.kernels, transport=cfg.transport)
+        if device_name:
+            measured_with["device_name"] = device_name
+        return MachineProfile(
+            self.fabric,
+            splice=self.splice_profile(cfg, True),
+            scatter=self.splice_profile(cfg, False),
+            measured_with=measured_with,
             sources=dict(self.sources),
+            **{k: float(v) for k, v in self.terms.items() if k in MEASURED_TERMS},
         )
-        with open(path, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
+
+    def save_profile(self, path, cfg: DemoConfig, device_name: str) -> None:
+        """Write everything as a profile (:class:`mqnc.cost.MachineProfile`'s schema;
+        ``--profile`` loads it, nothing recalibrated). The splice and pool write are stored
+        per token (the lines over this corpus' chunk sizes are not)."""
+        profile = self.machine_profile(cfg, device_name)
+        profile.replace(splice=None, scatter=None).save(path)
 
 
 def _loaded(cfg: DemoConfig, profile: LoadedProfile | None):

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import torch
 
-from mqnc.cost import decide
+from mqnc.cost import Request, decide
 from mqnc.demo.calibration import Calibration
 from mqnc.demo.config import LANES, DemoConfig
 from mqnc.demo.verify import Verifier
@@ -65,22 +65,19 @@ class Decisions:
     def _decide(self, agent: Agent, chunk: int) -> dict:
         g, cfg = self.geometry, self.cfg
         moved = agent.delta(self.corpus, chunk) != 0
-        d = decide(
-            g,
-            self.cal.fabric,
+        request = Request(
             g.heads,
             self.corpus.lengths[chunk],
-            c_us=self.cal.terms["c_us"],
+            # a selection agent attends at canonical positions: its fetch pulls the chunks that
+            # hold the selected entries and only writes them into its pool (no rotation)
+            moved=moved,
             # the partial attention and the merge are paid by every primitive (route: attention
             # on the holder; fetch / local: on the requester afterwards; the agent merges its
             # partials either way): they do not enter the comparison
-            t_compute_us=0.0,
-            t_merge_us=0.0,
-            # a selection agent attends at canonical positions: its fetch pulls the chunks that
-            # hold the selected entries and only writes them into its pool (no rotation)
-            splice=self.cal.splice_profile(cfg, moved),
+            attention=False,
             round_trips=cfg.steps * g.layers,
         )
+        d = decide(g, self.cal.machine_profile(cfg), request)
         return dict(
             agent=agent.name,
             chunk=chunk,

@@ -11,9 +11,9 @@ import torch
 
 from mqnc.cost import (
     LOCAL_C_US,
-    SPLICE_PAPER,
     FabricProfile,
-    SpliceProfile,
+    MachineProfile,
+    Request,
     decide,
     fit,
     load_fabric,
@@ -21,7 +21,7 @@ from mqnc.cost import (
 )
 from mqnc.serving.compute import kernel_ops
 
-__all__ = ["as_fabric", "prefill_c_us", "measure_constants", "decide_chunk"]
+__all__ = ["as_fabric", "prefill_c_us", "measure_constants", "session_profile", "decide_chunk"]
 
 
 def as_fabric(fabric):
@@ -113,6 +113,21 @@ def measure_constants(
     return fabric, cal
 
 
+def session_profile(fabric: FabricProfile, cal: dict, corpus, geometry) -> MachineProfile:
+    """The session's constants as the predicate reads them: ``fabric`` and the measured
+    compute terms of ``cal`` (:func:`measure_constants`: the splice per token; the re-prefill
+    rate, else the context prefill's own, else the paper's)."""
+    terms = {k: cal[k] for k in ("splice_us_per_token", "merge_us") if cal.get(k) is not None}
+    if cal.get("compute_us_per_row_token") is not None:
+        terms["compute_us_per_row_token"] = cal["compute_us_per_row_token"]
+    return MachineProfile(
+        as_fabric(fabric),
+        c_us=cal.get("c_us") or prefill_c_us(corpus, geometry),
+        sources=dict.fromkeys(terms, "mqnc hf calibration"),
+        **terms,
+    )
+
+
 def decide_chunk(
     corpus,
     geometry,
@@ -128,28 +143,20 @@ def decide_chunk(
     """The predicate's choice for one chunk of one request (``batch * H`` rows per step,
     ``steps * L`` round trips) and every primitive's total (us). The partial attention and the
     merge are paid by every primitive (on the holder for route, in the requester's pool for
-    fetch and local), so they stay out of the comparison; fetch splices only when ``delta``;
-    an exact local re-prefill runs the context up to the chunk's end (a causal prefix)."""
+    fetch and local), so they stay out of the comparison; fetch splices only when ``delta``
+    (the measured splice per token, else the paper's profile); an exact local re-prefill runs
+    the context up to the chunk's end (a causal prefix)."""
     c, g = corpus.chunks[chunk_id], geometry
-    if not delta:
-        splice = SpliceProfile.none()
-    elif "splice_us_per_token" in cal:
-        splice = SpliceProfile.flat(cal["splice_us_per_token"] * c.tokens, "measured")
-    else:
-        splice = SPLICE_PAPER
-    c_us = cal.get("c_us") or prefill_c_us(corpus, g)
-    d = decide(
-        g,
-        fabric,
+    profile = session_profile(fabric, cal, corpus, g)
+    request = Request(
         batch * g.heads,
         c.tokens,
-        c_us=c_us,
-        t_compute_us=0.0,
-        t_merge_us=0.0,
-        splice=splice,
+        moved=bool(delta),
+        attention=False,
         round_trips=steps * g.layers,
     )
-    costs = dict(d.costs, local=t_local(g, c.start + c.tokens, c_us))
+    d = decide(g, profile, request)
+    costs = dict(d.costs, local=t_local(g, c.start + c.tokens, profile.local_c_us))
     allowed = [p for p in costs if p != "local" or allow_local]
     chosen = min(allowed, key=costs.__getitem__)
     return dict(chunk=chunk_id, primitive=chosen, predicate=chosen, costs_us=costs, delta=delta)
