@@ -108,9 +108,9 @@ def cluster():
 
 
 def test_no_single_request_stops_the_holder(cluster):
-    """Item 1 (an empty FETCH layer range raised RuntimeError in the service thread) and
-    item 8 (a 96-byte ROUTE of 0 heads x 16M tokens allocated 786 MB): each gets an ERROR for
-    itself, and the holder serves the next request."""
+    """An empty FETCH layer range (it raised RuntimeError in the service thread) and a 96-byte
+    ROUTE of 0 heads x 16M tokens (it allocated 786 MB): each gets an ERROR for itself, and the
+    holder serves the next request."""
     c = cluster
     kinds = [
         (wire.Header(wire.Kind.FETCH, chunk_id=1, layer_lo=1, layer_hi=1), "empty layer range"),
@@ -168,8 +168,8 @@ def test_row_and_selection_limits():
 
 
 def test_sequence_numbers_past_2_63_and_tied_to_the_slot_signal(cluster):
-    """Item 2: a u64 sequence number >= 2**63 is answered (it killed the gloo holder). Item 4:
-    a header cannot claim another number than the one its slot was signalled with; the lane
+    """A u64 sequence number >= 2**63 is answered (it killed the gloo holder), and a header
+    cannot claim another number than the one its slot was signalled with; the lane
     is not poisoned."""
     c = cluster
     big = 2**63 + 5
@@ -189,7 +189,7 @@ def test_sequence_numbers_past_2_63_and_tied_to_the_slot_signal(cluster):
 
 @NONFINITE
 def test_non_finite_inputs_are_never_dropped(cluster):
-    """Item 3: NaN / inf in q, a finite row of 3e38 and an overflowing scale used to come back
+    """NaN / inf in q, a finite row of 3e38 and an overflowing scale used to come back
     as "no keys" (lse = -inf), which the merge skips. Now such rows carry a NaN lse, the
     merge rejects it, and a non-finite cache entry is refused at load."""
     c = cluster
@@ -211,7 +211,7 @@ def test_non_finite_inputs_are_never_dropped(cluster):
 
 @NONFINITE
 def test_overflowing_scale_is_flagged():
-    """Item 3: a softmax scale of 1e38 passes the finite-positive check and overflows every
+    """A softmax scale of 1e38 passes the finite-positive check and overflows every
     score; the partial says so (NaN), it does not claim to be empty."""
     fab = LoopbackFabric(2, SLOT, lanes=1)
     h = Holder(fab.endpoint(0), GEOM, softmax_scale=1e38, num_blocks=2, poll_s=0.05).start()
@@ -261,7 +261,7 @@ def test_kernels_and_references_propagate_nan():
 
 
 def test_selection_edge_cases(cluster):
-    """Item 5: an empty selection is an empty partial (it was dense attention over the whole
+    """An empty selection is an empty partial (it was dense attention over the whole
     chunk); an int64 index 2**32 + 5 is refused (it was answered as 5); ``attend_local``
     refuses -5 as the holder does."""
     c = cluster
@@ -283,7 +283,7 @@ def test_selection_edge_cases(cluster):
 
 
 def test_two_requesters_share_one_endpoint(cluster):
-    """Item 6: the second requester on an endpoint restarted request ids and sequence numbers
+    """The second requester on an endpoint restarted request ids and sequence numbers
     at 1 (its first call timed out as a duplicate). Lanes belong to the endpoint now."""
     c = cluster
     other = Requester(c.fabric.endpoint(1), GEOM, softmax_scale=SCALE, timeout_s=WAIT)
@@ -331,7 +331,7 @@ def _fake_holder(fab, answer):
 
 
 def test_replies_of_the_wrong_shape_are_refused():
-    """Item 7: a PARTIAL of shape (3, 7) for a (1, 4) request was returned; a one-layer CHUNK
+    """A PARTIAL of shape (3, 7) for a (1, 4) request was returned; a one-layer CHUNK
     was broadcast into every layer of a two-layer pool."""
     fab = LoopbackFabric(2, SLOT, lanes=1)
 
@@ -362,7 +362,7 @@ def test_replies_of_the_wrong_shape_are_refused():
 
 
 def test_shutdown_only_from_allowed_ranks():
-    """Item 10: any rank's SHUTDOWN stopped a holder for everyone. Now rank 0 by default."""
+    """Any rank's SHUTDOWN stopped a holder for everyone. Now rank 0 by default."""
     fab = LoopbackFabric(3, SLOT, lanes=2)  # the probe takes the other lane than the SHUTDOWN
     h = Holder(fab.endpoint(1), GEOM, softmax_scale=SCALE, num_blocks=2, poll_s=0.05).start()
     try:
@@ -383,7 +383,7 @@ def test_shutdown_only_from_allowed_ranks():
 
 
 def test_payload_crc_cannot_be_switched_off_by_the_sender():
-    """Item 11: clearing the CRC flag and resealing the header switched the payload check
+    """Clearing the CRC flag and resealing the header switched the payload check
     off. A receiver whose bytes crossed a process requires the CRC."""
     msg = wire.pack_query(_q(1), request_id=1, seq=1, chunk_id=1, layer=0, geometry=GEOM)
     h = wire.parse_header(msg)
@@ -398,7 +398,7 @@ def test_payload_crc_cannot_be_switched_off_by_the_sender():
 
 
 def test_records_are_bounded():
-    """Item 11: ``Requester.costs`` and ``Holder.stats.answered`` grew without bound."""
+    """``Requester.costs`` and ``Holder.stats.answered`` grew without bound."""
     from mqnc.serving.records import BoundedList, RecentCounts
 
     b = BoundedList(10)
@@ -420,7 +420,7 @@ def test_records_are_bounded():
 
 
 def test_a_signal_pushed_ahead_costs_one_timeout_not_a_core():
-    """Item 11: a reply slot whose signal a holder pushed far ahead made every later wait spin
+    """A reply slot whose signal a holder pushed far ahead made every later wait spin
     a core until its timeout. Now that wait backs off (it re-reads the slot at most as often
     as its backoff schedule allows, however fast or loaded the machine) and times out, and the
     lane's next request moves past the pushed signal."""
@@ -463,7 +463,7 @@ def test_a_signal_pushed_ahead_costs_one_timeout_not_a_core():
 
 
 def test_unpack_without_geometry_raises_only_typed_errors():
-    """Item 11: ``unpack_query`` / ``unpack_partial`` without ``geometry`` raised an untyped
+    """``unpack_query`` / ``unpack_partial`` without ``geometry`` raised an untyped
     RuntimeError for widths whose fields do not align (a view at an odd offset)."""
     h = wire.Header(wire.Kind.ROUTE, batch=1, heads=1, width=575, topk=1, layer_lo=0,
                     layer_hi=1, payload_bytes=575 * 2 + 4)  # fmt: skip
@@ -512,7 +512,7 @@ def _listening_addresses(port: int) -> set[str]:
 
 
 def test_store_listens_only_where_asked():
-    """Item 10: ``free_port_store`` passed 127.0.0.1 but the store listened on every
+    """``free_port_store`` passed 127.0.0.1 but the store listened on every
     interface."""
     from mqnc.transport import free_port_store
 
@@ -538,10 +538,9 @@ def _spawn(role: str, port: int, *extra: str) -> subprocess.Popen:
 def test_hostile_gloo_peer():
     """A holder process (rank 1), this process as the requester (rank 0) and a hostile process
     (rank 2) that writes raw frames: a forged PARTIAL into rank 0's reply slot of the holder
-    (item 4: dropped, source check), a sequence number past 2**63 (item 2), a ROUTE without a
-    payload CRC (item 11), an empty FETCH (item 1), a huge header (item 8), a SHUTDOWN (item
-    10), an oversized frame; then it stalls itself (SIGSTOP, item 9). The requester's routes
-    stay exact throughout."""
+    (dropped: the source check), a sequence number past 2**63, a ROUTE without a payload CRC, an
+    empty FETCH, a huge header, a SHUTDOWN, an oversized frame; then it stalls itself
+    (SIGSTOP). The requester's routes stay exact throughout."""
     from mqnc.transport.torchdist import TorchDistTransport, free_port_store
 
     store = free_port_store(3)
@@ -612,7 +611,7 @@ def _evil_main(port: int) -> None:
     lay = t.layout
     raw_put = t._outbox.send  # past the engine's own checks: raw frames on the wire
     report = {}
-    # item 4: a forged PARTIAL into rank 0's reply slot of holder 1 (a slot rank 2 does not feed)
+    # a forged PARTIAL into rank 0's reply slot of holder 1 (a slot rank 2 does not feed)
     forged = wire.pack_partial(torch.full((2, GEOM.heads, GEOM.d_v), 7.0, dtype=torch.bfloat16),
                                torch.zeros(2, GEOM.heads), torch.ones(2, GEOM.heads),
                                request_id=1, seq=2, geometry=GEOM)  # fmt: skip
@@ -644,7 +643,7 @@ def _evil_main(port: int) -> None:
     # An oversized frame: claims more bytes than a slot holds (dropped by the holder's engine).
     t._outbox.send(1, PUT, lay.slot(INBOX, 2, 0), n + 4, None, count=SLOT + 1)
     print(json.dumps(report), flush=True)
-    os.kill(os.getpid(), signal.SIGSTOP)  # item 9: a stalled peer must not block the others
+    os.kill(os.getpid(), signal.SIGSTOP)  # a stalled peer must not block the others
     time.sleep(600)
 
 
