@@ -1,7 +1,7 @@
 """The split / grid policy (``_grid``) at given occupancy numbers: no GPU, no kernel.
 
 Occupancy (CTAs per SM from registers, threads and shared memory), the cost search (the chosen
-split count is the cheapest of every allowed one), the issue's worked examples at the goal
+split count is the cheapest of every allowed one), the worked examples at the goal
 shapes (whole waves, >= 64 tokens per split, short contexts spread over the SMs), and the grid
 order that schedules the head blocks of one token together.
 """
@@ -101,7 +101,7 @@ def test_goal_shapes_fill_whole_waves(H, B, ct):
 
 
 def test_issue_examples():
-    """The issue's tail-wave cases (H 16, B 8 / 16 / 32 / 64 gave 136 / 144 / 160 / 192 CTAs)
+    """The tail-wave cases (H 16, B 8 / 16 / 32 / 64 gave 136 / 144 / 160 / 192 CTAs)
     are one full wave now; B 1 at c_t 2048 uses 32 SMs (64 entries per split), not 8."""
     for B in (8, 16, 32, 64):
         c = _dense(16, B, 8192)

@@ -142,7 +142,7 @@ def test_routed_dense_equals_one_call(dtype, ct, cuts, block_size, seed):
     gen = torch.Generator().manual_seed(seed)
     B, H = 2, 16
     # Entries ~ N(0, 0.15^2), q ~ N(0, 1.25^2): scores as with q ~ N(0, 0.19^2) over unit entries
-    # (std ~0.7, attention spread over the chunk) and |o| < 0.25, the premise of the issue's
+    # (std ~0.7, attention spread over the chunk) and |o| < 0.25, the premise of the project's
     # 2e-3 bf16 bound (one bf16 ulp of |o|; see the tolerance's reason), checked below.
     q = (1.25 * torch.randn(B, H, D_QK, generator=gen)).to(device=DEVICE, dtype=dtype)
     entries = 0.15 * torch.randn(B, ct, D_QK, generator=gen)

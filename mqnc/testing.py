@@ -44,7 +44,7 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
         1e-6,
         1e-6,
         "fp32 accumulation of M <= 8 convex-weighted terms with |o| <= ~4: a few ulp of fp32; "
-        "the paper measures <= 4e-7 max-abs (§3.3), the issue bounds it at 1e-6.",
+        "the paper measures <= 4e-7 max-abs (§3.3), the project's goal bounds it at 1e-6.",
     ),
     ("merge", "float16"): Tolerance(
         1e-3,
@@ -63,7 +63,7 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
         1e-6,
         1e-6,
         "partials cross the wire in fp32 (one rounding of o and lse each) and merge in fp32: "
-        "a few fp32 ulp at |o| < 4, the issue's 1e-6 bound (paper §3.3: <= 4e-7).",
+        "a few fp32 ulp at |o| < 4, the project's 1e-6 bound (paper §3.3: <= 4e-7).",
     ),
     ("merge_wire", "bfloat16"): Tolerance(
         1.6e-2,
@@ -129,7 +129,7 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
         2e-3,
         6e-3,
         "routed (per-holder partials rounded to bf16, merged, rounded again) vs one call over the "
-        "union (rounded once): about one bf16 ulp of |o|, so the issue's 2e-3 max-abs (paper: "
+        "union (rounded once): about one bf16 ulp of |o|, so the project's 2e-3 max-abs (paper: "
         "0.0012-0.0014 on FlashMLA, §3.3) holds where |o| < 0.25, as for attention spread over "
         "hundreds of entries; the tests assert that premise on their inputs. RMS: three "
         "independent bf16 roundings (partial, merged, union), each ~2^-9 / sqrt(3) relative.",
@@ -143,7 +143,7 @@ TOLERANCES: dict[tuple[str, str], Tolerance] = {
         3.9e-3,
         "routed-and-merged vs one call over the union: three independent bf16 roundings (partial, "
         "merged, single), each <= half an ulp (max-abs: one ulp of |o| < 0.25 is 9.8e-4, so 2e-3 "
-        "is the issue's bound) and each ulp(x)/sqrt(12) <= 2^-7/sqrt(12) RMS relative, so "
+        "is the project's bound) and each ulp(x)/sqrt(12) <= 2^-7/sqrt(12) RMS relative, so "
         "sqrt(3) * 2^-7 / sqrt(12) = 2^-8 = 3.9e-3 RMS (mla_routed's 1e-3 is below that floor).",
     ),
     # The ecosystem adapters (FlashMLA / FlashInfer layouts, CSR and page-1 tables, split caches,

@@ -34,7 +34,7 @@ host cost of a call is recorded beside it (``extra.timing.host_us``).
 
 Bytes read once (for GB/s): the distinct cache entries (``x 576 x elt``; the fan-in's N rows
 share one chunk), the query rows and the written partials (``o`` + fp32 ``lse``). On a GPU it
-times the Triton kernels in bf16 (the issue's targets: >= 80% of the copy ceiling for
+times the Triton kernels in bf16 (the goals, perf/targets.py: >= 80% of the copy ceiling for
 memory-bound dense shapes, the fan-in partial at N <= 16 in <= 15 us (H 16) / <= 30 us (H 128),
 the sparse top-2048 H 128 partial in <= 30 us). On the CPU it times a torch fp32 implementation
 of the same math (``backend=torch-reference``; interpreter timings say nothing about the

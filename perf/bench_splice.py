@@ -13,7 +13,7 @@ frequencies, per-token delta, scattered slots):
 On a GPU the Triton variants run compiled; on a CPU they run under the interpreter at the
 smallest size only (c_t = 55), and the torch variants at every size. ``bytes`` is what the
 splice must move: each entry read once and written once, ``2 * L * c_t * 576 * 2`` bytes. The
-issue's goal on an H200: 27 layers x 2048 tokens in <= 60 us (>= 50x under ~3 ms).
+goal on an H200: 27 layers x 2048 tokens in <= 60 us (>= 50x under ~3 ms).
 
 Usage: ``python -m perf.bench_splice [--goals | --tiny] [--c-t 55,2048] [--layers 27]`` with the
 flags every benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,

@@ -15,7 +15,7 @@ TARGETS = [
     # less than any primitive it chooses between)
     Target("predicate", 20.0, "scalar decide <= 20 us", variant="scalar"),
     Target("predicate", 0.2e6, "1000 x 1000 crossover grid <= 0.2 s", variant="grid", x=1_000_000),
-    # issue targets for the holder's partial attention on an H200 (§6.3)
+    # the goals for the holder's partial attention on an H200 (§6.3)
     Target(
         "mla_fanin",
         15.0,

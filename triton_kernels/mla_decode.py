@@ -5,7 +5,7 @@ A holder receives absorbed query rows ``q [B, H, 576]`` and attends them over th
 holds, a paged pool of 576-wide entries (512 latent ``c_KV`` + 64 rotated ``k_pe``) shared by
 all heads, returning the partial ``(o [B, H, 512], lse [B, H])`` the requester merges.
 
-Kernel design (decisions written down here, where the issue was silent):
+Kernel design (decisions written down here, where the goals left them open):
 
 - **Heads packed**: one program handles ``BLOCK_H`` heads of one query token (16 for H <= 16,
   32 for 17..32, and above 32 heads FlashMLA's 64 under triton 3.6, where it compiles to HGMMA
