@@ -76,50 +76,23 @@ def run(prep: Prepared, progress: Progress) -> dict:
         runs = _decode(
             cfg, model, corpus, req, decisions, verifier, kill, progress, measure, n_rounds
         )
-        repeats = cfg.decode_repeats
-        decoders = [rs[0][0] for rs in runs.values()]  # each decode's first repeat
-        decoder = decoders[0]  # the predicate's (the fault drill's, the final states)
-        waves = {k: v for rs in runs.values() for d, _ in rs for k, v in d.waves.items()}
-        deltas = {k: v for rs in runs.values() for d, _ in rs for k, v in d.deltas.items()}
-        medians = {key: median_calls([recs for _, recs in rs]) for key, rs in runs.items()}
-        chosen = {key: [rec for rec, _ in calls] for key, calls in medians.items()}
-        totals = {id(rec): ts for calls in medians.values() for rec, ts in calls}
-
-        def report_with(c):
-            return Report(cfg, model.geometry, corpus, c, waves, deltas, cluster.cpus, totals)
-
-        cal, rounds = _median_calibration(cals, report_with, chosen)
-        report = report_with(cal)
-        rows = report.rows([rec for recs in chosen.values() for rec in recs], verifier.errors)
-        wave_list = report.wave_list()  # every wave the rows name (demo.json's "waves")
-        if "route" in rows:
-            rows["route"]["spread_mape"] = spread_mape(rows["route"]["per_call"], wave_list)[0]
-        # each single decode's MAPE, beside the medians'
-        singles = [
-            report.rows([rec for rs in runs.values() for rec in rs[i][1]], {})
-            for i in range(repeats)
-        ]
-        for prim, row in rows.items():
-            row["repeats"] = repeats
-            row["mape_single"] = [s[prim]["mape"] for s in singles if prim in s]
-        compare = None
-        if cfg.comparing:
-            compare = _compare(report, chosen, runs, decoders)
+        scored = _score(cfg, model, corpus, cluster.cpus, runs, cals, verifier.errors)
     finally:
         cluster.close(req)
+    decoder = runs["predicate"][0][0]  # its first repeat: the fault drill's, the final states
     result = dict(
         config=dataclasses.asdict(cfg),
         device=device_name(),
         transport=cfg.transport,
         kernels=_kernels(cfg),
-        calibration=cal.to_dict(),
-        calibration_rounds=rounds,
+        calibration=scored.cal.to_dict(),
+        calibration_rounds=scored.rounds,
         decisions=list(decisions.table.values()),
         fallbacks=[f for d, _ in runs["predicate"] for f in d.fallbacks],
         killed=decoder.killed,
-        compare=compare,
-        primitives=rows,
-        waves=wave_list,
+        compare=scored.compare,
+        primitives=scored.rows,
+        waves=scored.waves,
         geometry=dataclasses.asdict(model.geometry),
         cores=cluster.cpus,
         max_abs_error={k: max(v) for k, v in verifier.errors.items()},
@@ -128,7 +101,7 @@ def run(prep: Prepared, progress: Progress) -> dict:
         final_hidden={a.name: a.hidden.flatten().tolist() for a in decoder.agents},
         wall_s=progress.elapsed_s,
     )
-    _write(cfg, result, verifier.errors, decisions.table, cal)
+    _write(cfg, result, verifier.errors, decisions.table, scored.cal)
     return result
 
 
@@ -177,6 +150,50 @@ def _decode(
             calibrate_again("between" if hi < repeats else "after")
         lo = hi
     return runs
+
+
+@dataclasses.dataclass
+class _Scored:
+    """What the report makes of the decodes (``demo.json``'s numbers)."""
+
+    cal: Calibration  # the calibration the table predicts with
+    rounds: list  # what each calibration round gave
+    rows: dict  # the table's rows, per primitive
+    waves: list  # every wave the rows name
+    compare: dict | None  # the two decodes side by side (``cfg.comparing``)
+
+
+def _score(cfg: DemoConfig, model: MLAModel, corpus: Corpus, cpus, runs, cals, errors) -> _Scored:
+    """Score the decodes ``runs`` (:func:`_decode`): each call's median over the repeats,
+    predicted with the calibration round :func:`_median_calibration` picks out of ``cals``;
+    beside it each single decode's MAPE, the routes' spread MAPE and (``cfg.comparing``) the
+    comparison of the two decodes. ``errors``: the verifier's, per primitive."""
+    repeats = cfg.decode_repeats
+    decoders = [rs[0][0] for rs in runs.values()]  # each decode's first repeat
+    waves = {k: v for rs in runs.values() for d, _ in rs for k, v in d.waves.items()}
+    deltas = {k: v for rs in runs.values() for d, _ in rs for k, v in d.deltas.items()}
+    medians = {key: median_calls([recs for _, recs in rs]) for key, rs in runs.items()}
+    chosen = {key: [rec for rec, _ in calls] for key, calls in medians.items()}
+    totals = {id(rec): ts for calls in medians.values() for rec, ts in calls}
+
+    def report_with(c):
+        return Report(cfg, model.geometry, corpus, c, waves, deltas, cpus, totals)
+
+    cal, rounds = _median_calibration(cals, report_with, chosen)
+    report = report_with(cal)
+    rows = report.rows([rec for recs in chosen.values() for rec in recs], errors)
+    wave_list = report.wave_list()  # every wave the rows name (demo.json's "waves")
+    if "route" in rows:
+        rows["route"]["spread_mape"] = spread_mape(rows["route"]["per_call"], wave_list)[0]
+    # each single decode's MAPE, beside the medians'
+    singles = [
+        report.rows([rec for rs in runs.values() for rec in rs[i][1]], {}) for i in range(repeats)
+    ]
+    for prim, row in rows.items():
+        row["repeats"] = repeats
+        row["mape_single"] = [s[prim]["mape"] for s in singles if prim in s]
+    compare = _compare(report, chosen, runs, decoders) if cfg.comparing else None
+    return _Scored(cal, rounds, rows, wave_list, compare)
 
 
 def _median_calibration(cals: list, report_with, chosen: dict) -> tuple:
