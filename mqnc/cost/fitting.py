@@ -26,12 +26,11 @@ from typing import Any
 import numpy as np
 
 from mqnc.cost.fabric import FabricProfile, bytes_to_us
-from mqnc.cost.records import check_record, read_jsonl  # (also re-exported from here)
+from mqnc.cost.records import check_record, read_jsonl  # noqa: F401 - mqnc.cost.fitting.read_jsonl
 
 __all__ = [
     "FitResult",
     "RouteGroup",
-    "check_record",
     "fit",
     "fit_groups",
     "fit_results",
@@ -39,7 +38,6 @@ __all__ = [
     "knee_fit",
     "mape",
     "newest_group",
-    "read_jsonl",
 ]
 
 
