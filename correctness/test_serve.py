@@ -163,11 +163,14 @@ def test_corpus_file_round_trip_and_bad_manifests(tmp_path):
 
 
 def test_serve_command_surface():
-    """``mqnc serve``'s transports are the service's; a requester job is --run or --generate."""
+    """``mqnc serve``'s transports are the service's: the registry's engines across processes
+    and the ``auto`` policy; a requester job is --run or --generate."""
     from mqnc.cli import serve as cli_serve
     from mqnc.serving import service
+    from mqnc.transport import names
 
-    assert cli_serve.TRANSPORTS == service.TRANSPORTS
+    assert cli_serve.TRANSPORTS == service.TRANSPORTS == ("auto", *names(in_process=False))
+    assert "loopback" not in service.TRANSPORTS  # every rank in one process: not a service
     assert mqnc_main(["serve", "--corpus", "x.json", "--run", "a:b", "--generate"]) == 2
 
 

@@ -315,3 +315,109 @@ def test_nvshmem_engine_host_side_keeps_the_protocol(monkeypatch):
         t.put_signal(1, mine, data, 10)
     with pytest.raises(TransportError, match="closed"):
         t.signal(mine)
+
+
+# ---- the registry (mqnc.transport.registry): names, contexts, the factory, the auto policy ----
+
+
+def test_the_registry_names_every_engine_and_where_it_runs():
+    """Names in registry order, the views by context, and a name that is not an engine (the
+    service's policy ``auto`` included) refused naming the argument, expected and received."""
+    from mqnc.transport import AUTO, ENGINES, engine, names
+
+    assert names() == tuple(ENGINES) == ("loopback", "gloo", "nvshmem")
+    assert names(in_process=True) == ("loopback",)
+    assert names(in_process=False) == ("gloo", "nvshmem")
+    assert names(needs_gpu=False) == ("loopback", "gloo")
+    assert names(in_process=False, auto=True) == (AUTO, "gloo", "nvshmem")
+    assert [e.name for e in ENGINES.values() if e.exit_directly] == ["gloo"]
+    assert all(e.summary and "\n" not in e.summary for e in ENGINES.values())
+    for bad in ("auto", "ucx", 3, None):
+        with pytest.raises(ValueError, match=r"transport: expected one of \('loopback', 'gloo', "):
+            engine(bad)
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        engine("x", argument="kind")
+
+
+def test_the_registry_and_the_front_ends_load_no_torch():
+    """The registry, the option parsers, the demo's configuration and every ``--transport``
+    flag read the names without torch (``mqnc --help``); the engines load on first use."""
+    code = (
+        "import sys; import mqnc.transport as t; import mqnc.measure.options, mqnc.demo.config; "
+        "from mqnc.cli import build_parser; build_parser(); "
+        "bad = [m for m in ('torch', 'triton') if m in sys.modules]; assert not bad, bad; "
+        "assert t.names() == ('loopback', 'gloo', 'nvshmem'); "
+        "assert t.LoopbackFabric.__module__ == 'mqnc.transport.loopback'; "
+        "assert 'torch' in sys.modules and 'mqnc.transport.nvshmem' not in sys.modules"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
+def test_every_front_end_reads_the_registry():
+    """Every ``--transport`` choice, option parser, demo configuration and the service are the
+    registry's names, by the context each runs in."""
+    import argparse
+
+    from mqnc.cli import build_parser
+    from mqnc.cli import serve as cli_serve
+    from mqnc.demo import config
+    from mqnc.measure import TRANSPORTS, echo, options
+    from mqnc.serving import local, service
+    from mqnc.transport import names
+
+    assert TRANSPORTS == options.TRANSPORTS == echo.TRANSPORTS == names()
+    assert config.TRANSPORTS == tuple(sorted(names()))
+    assert config.HF_TRANSPORTS == tuple(sorted(names(needs_gpu=False)))
+    assert local.LOCAL_TRANSPORTS == names(needs_gpu=False)
+    assert service.TRANSPORTS == cli_serve.TRANSPORTS == names(in_process=False, auto=True)
+    assert options.transport_list("gloo,loopback") == ["gloo", "loopback"]
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {  # every --transport that picks an engine (mqnc fit's filters record variants)
+        cmd: a
+        for cmd, p in sub.choices.items()
+        for a in p._actions
+        if "--transport" in a.option_strings and a.choices is not None
+    }
+    assert set(flags) == {"calibrate", "demo", "serve"}
+    assert tuple(flags["calibrate"].choices) == names()
+    assert tuple(flags["demo"].choices) == config.TRANSPORTS
+    assert tuple(flags["serve"].choices) == service.TRANSPORTS
+    for cmd in ("demo", "serve"):  # --help describes each choice from the registry
+        assert all(f"{c}: " in flags[cmd].help for c in flags[cmd].choices), cmd
+
+
+def test_the_factory_builds_each_kind_and_refuses_the_other():
+    """``open_fabric`` builds every rank of an in-process engine, ``connect`` one rank of a
+    cross-process engine; each refuses the other kind, saying which to use."""
+    from mqnc.transport import LoopbackTransport, connect, open_fabric
+
+    fab = open_fabric("loopback", 3, slot_bytes=256, lanes=2)
+    assert [type(e) for e in fab.endpoints] == [LoopbackTransport] * 3
+    assert fab.endpoint(2).rank == 2 and fab.layout.num_slots == 12 and fab.endpoints[0].in_process
+    with pytest.raises(ValueError, match="runs every rank in this process.*open_fabric"):
+        connect("loopback", 0, 2, None, slot_bytes=256)
+    with pytest.raises(ValueError, match="runs one rank per process.*connect"):
+        open_fabric("gloo", 2, slot_bytes=256)
+    with pytest.raises(ValueError, match="transport: expected one of"):
+        open_fabric("infiniband", 2, slot_bytes=256)
+
+
+def test_auto_is_the_services_policy_not_an_engine(monkeypatch):
+    """``auto`` resolves to the GPU engine across processes when it runs here, else the CPU
+    one; an engine's name is itself; with no engine that runs, the error names every reason."""
+    from mqnc.transport import ENGINES, registry, select, unavailable
+
+    assert select("gloo") == "gloo" and select("loopback") == "loopback"
+    assert select("auto") == ("nvshmem" if unavailable("nvshmem") is None else "gloo")
+    if not torch.cuda.is_available():
+        assert "needs a CUDA device" in unavailable("nvshmem")
+    assert unavailable("loopback") is None and unavailable("gloo") is None
+    with pytest.raises(ValueError, match="transport: expected one of"):
+        select("ucx")
+    monkeypatch.setattr(registry.Engine, "unavailable", lambda self: f"no {self.name} here")
+    with pytest.raises(RuntimeError, match="transport: 'auto' found no engine") as exc:
+        select("auto")
+    assert "(no nvshmem here; no gloo here)" in str(exc.value)  # GPU engines first
+    monkeypatch.undo()
+    assert ENGINES["nvshmem"].needs_gpu and not ENGINES["nvshmem"].detects_peer_loss

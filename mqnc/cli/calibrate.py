@@ -13,12 +13,12 @@ import json
 import logging
 
 from mqnc.measure.options import (
-    TRANSPORTS,
     int_list,
     model_arg,
     nonnegative_int,
     positive_int,
 )
+from mqnc.transport import ENGINES, names
 
 __all__ = ["register"]
 
@@ -72,7 +72,7 @@ def _run(args) -> int:
         print(json.dumps({"profile": profile.to_dict(), "fit": res.to_dict(), "path": out}))
         return 0
     _print_fit(profile, res, raw, out)
-    if args.transport == "gloo":
+    if ENGINES[args.transport].exit_directly:
         exit_process(0)  # see mqnc.measure.ranks.exit_process: gloo teardown at interpreter exit
     return 0
 
@@ -122,7 +122,7 @@ def register(subparsers) -> None:
     p.add_argument(
         "--transport",
         default="loopback",
-        choices=list(TRANSPORTS),
+        choices=names(),
         help="engine to measure (default loopback; nvshmem: see perf/gpu_check_nvshmem.py)",
     )
     p.add_argument(

@@ -8,7 +8,8 @@ import dataclasses
 import sys
 
 from mqnc.demo import DemoConfig, HFDemoConfig, HolderStartupError, run_demo, run_hf_demo
-from mqnc.demo.config import KERNELS, TRANSPORTS
+from mqnc.demo.config import HF_TRANSPORTS, KERNELS, TRANSPORTS
+from mqnc.transport import describe
 
 __all__ = ["register"]
 
@@ -97,7 +98,7 @@ def register(subparsers) -> None:
         "--transport",
         choices=TRANSPORTS,
         default=d.transport,
-        help="holder processes over gloo (default), threads over loopback, or NVSHMEM PEs (GPU)",
+        help=f"{describe(TRANSPORTS)} (default {d.transport})",
     )
     p.add_argument(
         "--device",
@@ -157,7 +158,7 @@ def register(subparsers) -> None:
         default=None,
         help="instead: a Hugging Face DeepSeek model (deepseek_v2 when no class is named) "
         "generating with its context on the holders, checked against its own generate; takes "
-        "--transport (gloo or loopback), --kernels, --force, --profile, --out, --holders, "
-        "--replicas, --seed, --steps (new tokens) and the fault drill",
+        f"--transport ({' or '.join(HF_TRANSPORTS)}), --kernels, --force, --profile, --out, "
+        "--holders, --replicas, --seed, --steps (new tokens) and the fault drill",
     )
     p.set_defaults(func=_run)

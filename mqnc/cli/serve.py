@@ -17,10 +17,11 @@ import os
 import sys
 
 from mqnc.measure.options import positive_float, positive_int
+from mqnc.transport import AUTO, ENGINES, describe, names
 
 __all__ = ["register"]
 
-TRANSPORTS = ("auto", "gloo", "nvshmem")  # mqnc.serving.service.TRANSPORTS (torch-free here)
+TRANSPORTS = names(in_process=False, auto=True)  # mqnc.serving.service.TRANSPORTS
 DESCRIPTION = (
     "One rank of a holder / requester job under torchrun (env:// rendezvous). Ranks that hold "
     "chunks of the corpus file load them and serve route / fetch / probe until every requester "
@@ -93,9 +94,9 @@ def _run(args) -> int:
     else:
         text = json.dumps(done["result"], default=str)
         print(f"mqnc serve: requester {done['rank']} done: {text[:200]}", flush=True)
-    if done["transport"] != "nvshmem":
-        # the gloo engine keeps closed groups alive until exit (a service thread may sit in a
-        # blocked recv); their destructors at interpreter shutdown can abort: exit directly
+    if ENGINES[done["engine"]].exit_directly:
+        # gloo keeps closed groups alive until exit (a service thread may sit in a blocked
+        # recv); their destructors at interpreter shutdown can abort: exit directly
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -112,8 +113,8 @@ def register(subparsers) -> None:
     p.add_argument(
         "--transport",
         choices=TRANSPORTS,
-        default="auto",
-        help="gloo (CPU, any machine) or nvshmem (GPU); auto (default): nvshmem when available",
+        default=AUTO,
+        help=f"{describe(TRANSPORTS)} (default {AUTO})",
     )
     p.add_argument(
         "--kernels",

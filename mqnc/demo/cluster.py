@@ -29,14 +29,7 @@ from mqnc.demo.config import LANES, REQUESTER, DemoConfig, HolderStartupError
 from mqnc.demo.workload import Corpus, build_model
 from mqnc.model import MLAGeometry, MLAModel
 from mqnc.serving import Holder, Requester
-from mqnc.transport import (
-    LoopbackFabric,
-    NvshmemTransport,
-    TorchDistTransport,
-    Transport,
-    free_port_store,
-    slot_bytes_for,
-)
+from mqnc.transport import ENGINES, Transport, connect, free_port_store, open_fabric, slot_bytes_for
 
 __all__ = ["Cluster", "HolderStartupError", "cpu_plan"]
 
@@ -56,12 +49,10 @@ def _slot_bytes(cfg: DemoConfig, geometry: MLAGeometry) -> int:
 
 
 def _process_transport(cfg: DemoConfig, rank: int, world: int, store, geometry) -> Transport:
-    """This rank's engine for a multi-process run: gloo, or NVSHMEM (GPU only; several PEs
-    may share one GPU in NVSHMEM's limited multi-process mode)."""
+    """This rank's engine for a multi-process run: gloo, or NVSHMEM (GPU only, device 0:
+    several PEs may share one GPU in NVSHMEM's limited multi-process mode)."""
     slot_bytes = _slot_bytes(cfg, geometry)
-    if cfg.transport == "nvshmem":
-        return NvshmemTransport(rank, world, store, slot_bytes=slot_bytes, lanes=LANES, device=0)
-    return TorchDistTransport(rank, world, store, slot_bytes=slot_bytes, lanes=LANES)
+    return connect(cfg.transport, rank, world, store, slot_bytes=slot_bytes, lanes=LANES, device=0)
 
 
 def _make_holder(cfg: DemoConfig, transport: Transport, model: MLAModel, chunks: dict) -> Holder:
@@ -87,7 +78,8 @@ def cpu_plan(cfg: DemoConfig) -> dict[int, int] | None:
     others round robin (each holder's kernel calls then run on a core of known speed, never
     behind the requester's own work). None when nothing is pinned: holders on a GPU, threads
     (loopback), fewer than two cores, or no ``os.sched_setaffinity``."""
-    if cfg.device != "cpu" or cfg.transport == "loopback" or not hasattr(os, "sched_getaffinity"):
+    threads = ENGINES[cfg.transport].in_process
+    if cfg.device != "cpu" or threads or not hasattr(os, "sched_getaffinity"):
         return None
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
@@ -150,7 +142,7 @@ class Cluster:
         self._threads = torch.get_num_threads()
         self.cpus = cpu_plan(cfg)
         self._affinity = os.sched_getaffinity(0) if self.cpus else None
-        if cfg.transport != "loopback":
+        if not ENGINES[cfg.transport].in_process:
             self._start_processes()
 
     def _start_processes(self) -> None:
@@ -183,9 +175,10 @@ class Cluster:
     def publish(self) -> None:
         """Hand every holder its chunks of the (prefilled) corpus: threads get the tensors,
         processes one file each in a temporary folder (removed by :meth:`close`)."""
-        if self.cfg.transport == "loopback":
-            self._fabric = LoopbackFabric(
-                self.world, _slot_bytes(self.cfg, self.model.geometry), lanes=LANES
+        if ENGINES[self.cfg.transport].in_process:
+            slot_bytes = _slot_bytes(self.cfg, self.model.geometry)
+            self._fabric = open_fabric(
+                self.cfg.transport, self.world, slot_bytes=slot_bytes, lanes=LANES
             )
             for r in range(1, self.world):
                 holder = _make_holder(

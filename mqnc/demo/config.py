@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from mqnc.base.checks import check_int, check_number
+from mqnc.transport import ENGINES, names
 
 __all__ = [
     "DemoConfig",
@@ -18,9 +19,11 @@ __all__ = [
     "LANES",
 ]
 
-TRANSPORTS = ("gloo", "loopback", "nvshmem")
+TRANSPORTS = tuple(sorted(names()))
+"""The demo's engines: every engine of the registry (:mod:`mqnc.transport.registry`)."""
 KERNELS = ("triton", "torch")
-HF_TRANSPORTS = ("gloo", "loopback")
+HF_TRANSPORTS = tuple(sorted(names(needs_gpu=False)))
+"""The Hugging Face demo's engines: those that run on any machine."""
 REQUESTER = 0
 """The requester's rank; holders are ranks ``1..holders``."""
 LANES = 8
@@ -110,8 +113,10 @@ class DemoConfig:
             kernels=(None, *KERNELS),
             force=(None, "route", "fetch", "local"),
         )
-        if self.transport == "nvshmem" and self.device == "cpu":
-            raise ValueError("transport: 'nvshmem' runs on a CUDA device, got device='cpu'")
+        if ENGINES[self.transport].needs_gpu and self.device == "cpu":
+            raise ValueError(
+                f"transport: {self.transport!r} runs on a CUDA device, got device='cpu'"
+            )
         _check_run(self, steps=self.steps)
 
         if self.compare not in (None, True, False):

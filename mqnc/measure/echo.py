@@ -45,7 +45,7 @@ from mqnc.base.checks import check_int
 from mqnc.measure.options import TRANSPORTS
 from mqnc.measure.ranks import connect_rank, rank_parser, start_gloo_ranks
 from mqnc.model.geometry import MLAGeometry
-from mqnc.transport import LoopbackFabric
+from mqnc.transport import ENGINES, open_fabric
 from mqnc.transport.protocol import INBOX, REPLY, PeerLost, Transport, TransportTimeout
 
 __all__ = [
@@ -241,14 +241,14 @@ class EchoFabric:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
         check_int("holders", holders, minimum=1)
-        if transport == "nvshmem":
+        if ENGINES[transport].needs_gpu:
             why = (
                 "no CUDA device on this machine"
                 if not torch.cuda.is_available()
                 else "the NVSHMEM route benchmark is perf/gpu_check_nvshmem.py (two PEs, "
                 "device-side waits); this host harness drives loopback and gloo only"
             )
-            raise Unavailable(f"transport nvshmem: {why}")
+            raise Unavailable(f"transport {transport}: {why}")
         self.name = transport
         self.world = 1 + holders
         self.holders = list(range(1, self.world))
@@ -264,8 +264,8 @@ class EchoFabric:
         self._procs: list[subprocess.Popen] = []
         self._closed = False
         kw = dict(pool_rows=pool_rows, chunk_bytes=chunk_bytes)
-        if transport == "loopback":
-            fab = LoopbackFabric(self.world, self.slot_bytes, lanes=lanes)
+        if ENGINES[transport].in_process:
+            fab = open_fabric(transport, self.world, slot_bytes=self.slot_bytes, lanes=lanes)
             self.transport: Transport = fab.endpoint(0)
             self._holder_objs = [EchoHolder(fab.endpoint(r), **kw).start() for r in self.holders]
         else:

@@ -30,6 +30,7 @@ from mqnc.base.env import results_file
 from mqnc.measure.results import output_path, read_new
 from mqnc.measure.targets import Target, check_targets
 from mqnc.model.geometry import MLAGeometry, load_geometry
+from mqnc.transport import names
 
 __all__ = [
     "TRANSPORTS",
@@ -48,8 +49,9 @@ __all__ = [
     "finish",
 ]
 
-TRANSPORTS = ("loopback", "gloo", "nvshmem")
-"""Transport engines by name (the echo fabric runs loopback and gloo; nvshmem on a GPU)."""
+TRANSPORTS = names()
+"""Transport engines by name, from the registry (:mod:`mqnc.transport.registry`; the echo
+fabric runs the host engines, loopback and gloo; nvshmem on a GPU)."""
 
 
 # ---- option types: argparse prefixes each message with "argument --flag:" ------------------

@@ -1,7 +1,8 @@
 """One holder process of :class:`mqnc.serving.LocalHolders` over gloo:
 ``python -m mqnc.serving.holder_process SPEC``, ``SPEC`` a JSON object of
 :func:`mqnc.serving.service.run_rank`'s arguments (``corpus`` path, ``rank``, ``world``,
-``master``, ``kernels``, ``max_rows``, ``timeout_s``, ``device``).
+``master``, ``kernels``, ``max_rows``, ``timeout_s``, ``device``; ``transport``, default
+``"gloo"``).
 
 The kernel mode comes with the environment the parent chose (``TRITON_INTERPRET``). The process
 ends through ``os._exit`` once its output is flushed: the gloo engine keeps closed groups alive
@@ -28,7 +29,7 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)  # torch's spinning intra-op workers starve gloo's receive threads
     rc = 0
     try:
-        run_rank(spec.pop("corpus"), None, transport="gloo", **spec)
+        run_rank(spec.pop("corpus"), None, transport=spec.pop("transport", "gloo"), **spec)
     except BaseException:  # noqa: BLE001 - reported, then the exit status says it
         import traceback
 

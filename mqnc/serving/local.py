@@ -19,24 +19,28 @@ from mqnc.serving.corpus import Corpus
 from mqnc.serving.holder import Holder
 from mqnc.serving.requester import Requester
 from mqnc.serving.service import KEY, lanes_for
-from mqnc.transport import LoopbackFabric, TorchDistTransport, free_port_store
+from mqnc.transport import ENGINES, connect, free_port_store, names, open_fabric
 
-__all__ = ["LocalHolders"]
+__all__ = ["LocalHolders", "LOCAL_TRANSPORTS"]
+
+LOCAL_TRANSPORTS = names(needs_gpu=False)
+"""What ``LocalHolders(transport=...)`` takes: the engines that run on any machine."""
 
 
 class LocalHolders:
     """The holders of a corpus on this machine; rank 0 is the caller's requester.
 
-    ``transport="loopback"``: holder threads over the in-process loopback. ``"gloo"``: holder
-    processes (``python -m mqnc.serving.holder_process``, one rank of the same service loop
-    ``mqnc serve`` runs under torchrun) over torch.distributed gloo on 127.0.0.1; the corpus is
-    saved to a temporary folder first unless it was loaded from (or saved to) a file. Holder
-    ranks must be ``1 .. M``.
+    ``transport="loopback"`` (an in-process engine): holder threads. ``"gloo"`` (an engine
+    across processes): holder processes (``python -m mqnc.serving.holder_process``, one rank of
+    the same service loop ``mqnc serve`` runs under torchrun) on 127.0.0.1; the corpus is saved
+    to a temporary folder first unless it was loaded from (or saved to) a file. Holder ranks
+    must be ``1 .. M``.
 
     Parameters
     ----------
     corpus : Corpus
-    transport : {"loopback", "gloo"}
+    transport : str
+        One of :data:`LOCAL_TRANSPORTS` (``"loopback"``, ``"gloo"``).
     kernels : {"triton", "torch"}
         The holders' partial attention (:mod:`mqnc.serving.compute`), and the default of
         :meth:`requester`'s.
@@ -60,8 +64,8 @@ class LocalHolders:
     ) -> None:
         if not isinstance(corpus, Corpus):
             raise TypeError(f"corpus: expected a Corpus, got {type(corpus).__name__}")
-        if transport not in ("loopback", "gloo"):
-            raise ValueError(f"transport: expected 'loopback' or 'gloo', got {transport!r}")
+        if transport not in LOCAL_TRANSPORTS:
+            raise ValueError(f"transport: expected one of {LOCAL_TRANSPORTS}, got {transport!r}")
         ranks = corpus.holder_ranks
         if ranks != list(range(1, len(ranks) + 1)):
             raise ValueError(f"corpus: expected holder ranks 1..M for local holders, got {ranks}")
@@ -74,8 +78,8 @@ class LocalHolders:
         self.procs: dict[int, subprocess.Popen] = {}
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._requester: Requester | None = None
-        if transport == "loopback":
-            self.fabric = LoopbackFabric(self.world, slot, lanes=lanes)
+        if ENGINES[transport].in_process:
+            self.fabric = open_fabric(transport, self.world, slot_bytes=slot, lanes=lanes)
             for r in ranks:
                 h = corpus.make_holder(self.fabric.endpoint(r), kernels=kernels, device=device)
                 self.holders[r] = h.start()
@@ -94,6 +98,7 @@ class LocalHolders:
         for r in self.corpus.holder_ranks:
             spec = dict(
                 corpus=str(path),
+                transport=self.kind,
                 rank=r,
                 world=self.world,
                 master=f"127.0.0.1:{self.store.port}",
@@ -104,7 +109,7 @@ class LocalHolders:
             )
             cmd = [sys.executable, "-m", "mqnc.serving.holder_process", json.dumps(spec)]
             self.procs[r] = subprocess.Popen(cmd, env=env)
-        self.transport = TorchDistTransport(0, self.world, self.store, slot_bytes=slot, lanes=lanes)
+        self.transport = connect(self.kind, 0, self.world, self.store, slot_bytes=slot, lanes=lanes)
         # one intra-op thread while the holders run: on small CPU machines torch's workers spin
         # after each op and starve gloo's receive threads; restored on close
         self._threads = torch.get_num_threads()

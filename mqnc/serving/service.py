@@ -48,7 +48,7 @@ import torch.distributed as dist
 from mqnc.serving.corpus import Corpus
 from mqnc.serving.holder import Holder
 from mqnc.serving.requester import Requester
-from mqnc.transport import TorchDistTransport, Transport
+from mqnc.transport import Transport, connect, names, select
 
 __all__ = [
     "TRANSPORTS",
@@ -61,7 +61,9 @@ __all__ = [
 ]
 
 KEY = "mqnc-serve"  # the store keys' prefix: KEY/ready/<holder rank>, KEY/done/<requester rank>
-TRANSPORTS = ("auto", "gloo", "nvshmem")
+TRANSPORTS = names(in_process=False, auto=True)
+"""What ``transport=`` takes: the engines across processes (:mod:`mqnc.transport.registry`)
+and ``"auto"``, the selection policy (:func:`mqnc.transport.select`)."""
 
 
 def lanes_for(corpus: Corpus) -> int:
@@ -143,21 +145,16 @@ def make_transport(
     max_rows: int,
     device: torch.device | str = "cpu",
 ) -> Transport:
-    """This rank's engine (``kind`` one of :data:`TRANSPORTS`), slots sized for routes of up to
-    ``max_rows`` rows and fetches of any chunk of ``corpus``."""
+    """This rank's engine (``kind`` one of :data:`TRANSPORTS`; ``"auto"`` resolved by
+    :func:`mqnc.transport.select`), slots sized for routes of up to ``max_rows`` rows and
+    fetches of any chunk of ``corpus``. An engine that needs a GPU takes this node's device
+    ``LOCAL_RANK`` (modulo the devices it sees)."""
     if kind not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {kind!r}")
-    if kind == "auto":
-        from mqnc.transport import nvshmem_available
-
-        kind = "nvshmem" if nvshmem_available() else "gloo"
+    kind = select(kind)
     slot, lanes = corpus.slot_bytes(max_rows), lanes_for(corpus)
-    if kind == "nvshmem":
-        from mqnc.transport import NvshmemTransport
-
-        local = int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)
-        return NvshmemTransport(rank, world, store, slot_bytes=slot, lanes=lanes, device=local)
-    return TorchDistTransport(rank, world, store, slot_bytes=slot, lanes=lanes)
+    local = int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)
+    return connect(kind, rank, world, store, slot_bytes=slot, lanes=lanes, device=local)
 
 
 def rendezvous(
@@ -205,11 +202,13 @@ def run_rank(
     """One rank of a serve job (see the module docstring): a holder serves until the requesters
     are done; a requester runs ``job(ServeContext)`` and publishes ``done``.
 
-    Returns ``{"role": "holder", "rank", "stats": HolderStats, "transport"}`` or
-    ``{"role": "requester", "rank", "result": job's return value, "transport"}``; the transport
-    is closed. A process that ran the gloo engine should then end through ``os._exit`` once its
-    output is flushed (the engine keeps closed groups alive until exit, and their destructors at
-    interpreter shutdown can abort), as ``mqnc serve`` does.
+    Returns ``{"role": "holder", "rank", "stats": HolderStats, "transport", "engine"}`` or
+    ``{"role": "requester", "rank", "result": job's return value, "transport", "engine"}``
+    (``transport``: the endpoint's ``name``; ``engine``: the registry name ``transport=``
+    resolved to); the transport is closed. A process whose engine's entry says
+    ``exit_directly`` (gloo) should then end through ``os._exit`` once its output is flushed
+    (the engine keeps closed groups alive until exit, and their destructors at interpreter
+    shutdown can abort), as ``mqnc serve`` does.
     """
     if not isinstance(corpus, Corpus):
         corpus = Corpus.load(corpus)
@@ -218,11 +217,13 @@ def run_rank(
     if max(holders) >= world:
         raise ValueError(f"corpus: holder ranks {holders} do not exist in a world of {world} ranks")
     requesters = [r for r in range(world) if r not in holders]
-    engine = make_transport(transport, rank, world, store, corpus, max_rows=max_rows, device=device)
+    kind = select(transport) if transport in TRANSPORTS else transport  # else: the error below
+    engine = make_transport(kind, rank, world, store, corpus, max_rows=max_rows, device=device)
+    ids = dict(transport=engine.name, engine=kind)
     try:
         if rank in holders:
             h = serve_holder(corpus, engine, store, requesters, kernels=kernels, device=device)
-            return dict(role="holder", rank=rank, stats=h.stats, transport=engine.name)
+            return dict(role="holder", rank=rank, stats=h.stats, **ids)
         if job is None:
             raise ValueError(f"job: rank {rank} is a requester and needs a job")
         store.wait([f"{KEY}/ready/{h}" for h in holders], datetime.timedelta(seconds=timeout_s))
@@ -231,6 +232,6 @@ def run_rank(
             result = job(ServeContext(rank, world, corpus, req, store, options))
         finally:  # the holders stop once every requester is done, failed or not
             store.set(f"{KEY}/done/{rank}", "1")
-        return dict(role="requester", rank=rank, result=result, transport=engine.name)
+        return dict(role="requester", rank=rank, result=result, **ids)
     finally:
         engine.close()

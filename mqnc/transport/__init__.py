@@ -11,30 +11,56 @@ that move them behind one protocol.
   its per-peer receiving and sending halves are :mod:`mqnc.transport._gloo`.
 - :mod:`mqnc.transport.nvshmem`: GPU only, nvshmem4py; imported lazily (``import
   mqnc.transport.nvshmem`` never imports ``nvshmem.core``; creating an engine does).
+- :mod:`mqnc.transport.registry`: the engines by name (every ``--transport``, option parser,
+  demo and the service read them) and the factory that builds one (:func:`open_fabric` for
+  in-process engines, :func:`connect` for one rank of a cross-process engine), importing the
+  engine's module only then. Torch-free, as is this package's import: the protocol, the engines
+  and the wire above are re-exported on first use.
 """
 
 from __future__ import annotations
 
+import importlib
+
 from mqnc.base.lazy import lazy_exports
 from mqnc.model.geometry import MLAGeometry
-from mqnc.transport import wire
-from mqnc.transport.loopback import LoopbackFabric, LoopbackTransport
-from mqnc.transport.protocol import (
-    INBOX,
-    REPLY,
-    PeerLost,
-    SlotLayout,
-    Transport,
-    TransportError,
-    TransportTimeout,
-    check_message,
+from mqnc.transport.registry import (
+    AUTO,
+    ENGINES,
+    Engine,
+    connect,
+    describe,
+    engine,
+    names,
+    open_fabric,
+    select,
+    unavailable,
 )
-from mqnc.transport.torchdist import TorchDistTransport, free_port_store
 
-# The NVSHMEM engine's module imports triton (its device kernels): re-exported lazily.
-__getattr__ = lazy_exports(
-    __name__, {"NvshmemTransport": ".nvshmem", "nvshmem_available": ".nvshmem"}
-)
+# Everything that imports torch (the protocol, the engines, the wire) is re-exported lazily, so
+# that the registry above is read without torch (``mqnc --help``, the option parsers).
+_LAZY = {
+    **dict.fromkeys(
+        ("INBOX", "REPLY", "PeerLost", "SlotLayout", "Transport", "TransportError",
+         "TransportTimeout", "check_message"),
+        ".protocol",
+    ),
+    "LoopbackFabric": ".loopback",
+    "LoopbackTransport": ".loopback",
+    "TorchDistTransport": ".torchdist",
+    "free_port_store": ".torchdist",
+    "NvshmemTransport": ".nvshmem",  # imports triton (its device kernels)
+    "nvshmem_available": ".nvshmem",
+}  # fmt: skip
+_SUBMODULES = ("wire", "protocol", "signals", "loopback", "torchdist", "nvshmem")
+_names = lazy_exports(__name__, _LAZY)
+
+
+def __getattr__(name: str) -> object:
+    if name in _SUBMODULES:  # ``mqnc.transport.wire`` after a bare ``import mqnc.transport``
+        return importlib.import_module(f"{__name__}.{name}")
+    return _names(name)
+
 
 __all__ = [
     "INBOX",
@@ -53,6 +79,16 @@ __all__ = [
     "NvshmemTransport",
     "nvshmem_available",
     "slot_bytes_for",
+    "AUTO",
+    "ENGINES",
+    "Engine",
+    "connect",
+    "describe",
+    "engine",
+    "names",
+    "open_fabric",
+    "select",
+    "unavailable",
 ]
 
 
@@ -80,6 +116,8 @@ def slot_bytes_for(
     fetch_layers : int or None
         Layers per fetch (default all ``L``).
     """
+    from mqnc.transport import wire
+
     b = max_rows if max_batch is None else max_batch
     route = max_rows * geometry.q_row_bytes + b * max_topk * 4
     partial = max_rows * geometry.p_row_bytes

@@ -64,11 +64,16 @@ from mqnc.transport.protocol import (
 )
 from mqnc.transport.signals import SignalBoard
 
-__all__ = ["TorchDistTransport", "free_port_store"]
+__all__ = ["TorchDistTransport", "free_port_store", "gloo_available"]
 
 # Process groups whose service threads may still be blocked in recv at close(): kept alive
 # until the process exits, so that no destructor runs under a blocked C++ receive.
 _RETIRED: list = []
+
+
+def gloo_available() -> bool:
+    """True when this torch build has ``torch.distributed`` with the gloo backend."""
+    return dist.is_available() and hasattr(dist, "ProcessGroupGloo")
 
 
 def free_port_store(world_size: int, timeout_s: float = 60.0, host: str = "127.0.0.1"):
@@ -137,7 +142,7 @@ class TorchDistTransport(Transport):
         host: str | None = None,
     ) -> None:
         super().__init__(rank, SlotLayout(world_size, lanes), slot_bytes)
-        if not dist.is_available() or not hasattr(dist, "ProcessGroupGloo"):
+        if not gloo_available():
             raise RuntimeError("torchdist: this torch build has no gloo backend")
         timeout = datetime.timedelta(seconds=float(idle_timeout_s))
         if host is None:
