@@ -64,12 +64,7 @@ def run(cfg: HFDemoConfig) -> dict:
     # what can fail without the model is checked first, as `mqnc demo` does (checks.prepare)
     fabric = None if cfg.profile is None else load_profile(cfg.profile).fabric
     make_out(cfg.out)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-    lora = dict(q_lora_rank=1536) if cfg.kind == "deepseek_v3" else {}
-    model = random_model(cfg.kind, seed=cfg.seed, dtype=dtype, **lora)
-    g = torch.Generator().manual_seed(cfg.seed + 1)
-    context = torch.randint(0, model.config.vocab_size, (cfg.context_tokens,), generator=g)
-    prompt = torch.randint(0, model.config.vocab_size, (1, cfg.prompt_tokens), generator=g)
+    model, context, prompt = _workload(cfg)
     print(f"transformers' own generate on the whole prompt ({cfg.kind}, {cfg.dtype}) ...")
     ref = HFReference(model, context, prompt, max_new_tokens=cfg.new_tokens)
     corpus = prefill_context(
@@ -85,6 +80,48 @@ def run(cfg: HFDemoConfig) -> dict:
         f"{cfg.holders} holders ({cfg.transport}), x{cfg.replicas}; used at offset "
         f"{cfg.offset if cfg.offset is not None else corpus.position}"
     )
+    session, cal, out = _generate(cfg, model, corpus, prompt, fabric)
+    ex = ref.check(out.sequences, out.logits, offset=cfg.offset)
+    rows = primitive_rows(session.records(), lambda r: _predict(session, r), session.errors)
+    decisions = {d["chunk"]: d for r in session.requests for d in r.decisions.values()}
+    result = dict(
+        config=dataclasses.asdict(cfg),
+        device=device_name(),
+        kernels=kernel_mode() if cfg.kernels == "triton" else "torch references",
+        calibration=cal,
+        decisions=list(decisions.values()),
+        fallbacks=session.fallbacks,
+        primitives=rows,
+        max_abs_error={k: max(v) for k, v in session.errors.items()},
+        checked={k: len(v) for k, v in session.errors.items()},
+        tokens=out.sequences[0, cfg.prompt_tokens :].tolist(),
+        reference_tokens=ref.tokens[0].tolist(),
+        exactness=dataclasses.asdict(ex) | dict(ok=ex.ok),
+        wall_s=time.perf_counter() - t_start,
+    )
+    _write(cfg, result, session, decisions, ex)
+    if not ex.ok:
+        raise AssertionError(ex.line())
+    return result
+
+
+def _workload(cfg: HFDemoConfig):
+    """The random model, the shared context ``[context_tokens]`` and the prompt
+    ``[1, prompt_tokens]`` (token ids drawn from ``cfg.seed + 1``)."""
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+    lora = dict(q_lora_rank=1536) if cfg.kind == "deepseek_v3" else {}
+    model = random_model(cfg.kind, seed=cfg.seed, dtype=dtype, **lora)
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    context = torch.randint(0, model.config.vocab_size, (cfg.context_tokens,), generator=g)
+    prompt = torch.randint(0, model.config.vocab_size, (1, cfg.prompt_tokens), generator=g)
+    return model, context, prompt
+
+
+def _generate(cfg: HFDemoConfig, model, corpus, prompt, fabric):
+    """Start the holders, attach the model, measure the session's constants
+    (:meth:`HFSession.calibrate`; a given ``fabric`` is kept) and generate greedily:
+    ``(session, calibration, generate's output)``. The fault drill kills ``cfg.kill_holder``
+    at step ``cfg.kill_after_step``."""
     with LocalHolders(
         corpus, transport=cfg.transport, kernels=cfg.kernels, timeout_s=cfg.timeout_s
     ) as hs:
@@ -113,36 +150,21 @@ def run(cfg: HFDemoConfig) -> dict:
                 output_logits=True,
                 return_dict_in_generate=True,
             )
-    ex = ref.check(out.sequences, out.logits, offset=cfg.offset)
-    rows = primitive_rows(session.records(), lambda r: _predict(session, r), session.errors)
-    decisions = {d["chunk"]: d for r in session.requests for d in r.decisions.values()}
-    result = dict(
-        config=dataclasses.asdict(cfg),
-        device=device_name(),
-        kernels=kernel_mode() if cfg.kernels == "triton" else "torch references",
-        calibration=cal,
-        decisions=list(decisions.values()),
-        fallbacks=session.fallbacks,
-        primitives=rows,
-        max_abs_error={k: max(v) for k, v in session.errors.items()},
-        checked={k: len(v) for k, v in session.errors.items()},
-        tokens=out.sequences[0, cfg.prompt_tokens :].tolist(),
-        reference_tokens=ref.tokens[0].tolist(),
-        exactness=dataclasses.asdict(ex) | dict(ok=ex.ok),
-        wall_s=time.perf_counter() - t_start,
-    )
+    return session, cal, out
+
+
+def _write(cfg: HFDemoConfig, result: dict, session: HFSession, decisions: dict, ex) -> None:
+    """``hf_demo.json``, the PNG (when a primitive ran), the table and the exactness line."""
+    rows = result["primitives"]
     path = Path(cfg.out)
     path.mkdir(parents=True, exist_ok=True)
     (path / "hf_demo.json").write_text(json.dumps(result, indent=2, default=float))
     if rows:
         subtitle = f"{result['device']}\n{cfg.transport}, kernels {result['kernels']}"
         plot(rows, path / "hf_measured_vs_predicted.png", subtitle=subtitle)
-    print_table(rows, session.errors, decisions, session.fallbacks, cal)
+    print_table(rows, session.errors, decisions, session.fallbacks, result["calibration"])
     print(ex.line())
     print(
         f"\nwrote {path / 'hf_demo.json'} ({result['wall_s']:.0f} s, {result['device']}, "
         f"kernels {result['kernels']})"
     )
-    if not ex.ok:
-        raise AssertionError(ex.line())
-    return result
