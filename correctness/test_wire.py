@@ -177,8 +177,14 @@ def test_pack_partial_lse_refuses_bad_statistics():
         wire.pack_partial_lse(ob, np.zeros((2, 3), np.float64), **kw)
     with pytest.raises(TypeError, match="lse: expected .* got Tensor"):
         wire.pack_partial_lse(ob, torch.zeros(2, 3), **kw)
-    with pytest.raises(ValueError, match=r"keyed: expected \[2\] bool"):
+    with pytest.raises(ValueError, match=r"keyed: expected \[2\] bool, got shape \(3,\)"):
         wire.pack_partial_lse(ob, np.zeros((2, 3), np.float32), keyed=np.ones(3, bool), **kw)
+    for keyed, got in (
+        (np.ones(2, np.int32), "int32"),
+        (torch.ones(2, dtype=torch.bool), "Tensor"),
+    ):
+        with pytest.raises(TypeError, match=f"keyed: expected a \\[B\\] bool numpy array .* {got}"):
+            wire.pack_partial_lse(ob, np.zeros((2, 3), np.float32), keyed=keyed, **kw)
     with pytest.raises(ValueError, match="o, m, l: "):
         wire.pack_partial_lse(ob[:1], np.zeros((2, 3), np.float32), **kw)
 

@@ -1177,10 +1177,12 @@ def pack_partial_lse(
         arr = isinstance(lse, np.ndarray)
         got = f"{lse.dtype} of shape {lse.shape}" if arr else type(lse).__name__
         raise TypeError(f"lse: expected a [B, H] float32 numpy array, got {got}")
-    if keyed is not None and (keyed.dtype != np.bool_ or keyed.shape != lse.shape[:1]):
-        raise ValueError(
-            f"keyed: expected [{lse.shape[0]}] bool, got {keyed.dtype} of shape {keyed.shape}"
-        )
+    if keyed is not None:
+        if not isinstance(keyed, np.ndarray) or keyed.dtype != np.bool_:
+            got = keyed.dtype if isinstance(keyed, np.ndarray) else type(keyed).__name__
+            raise TypeError(f"keyed: expected a [B] bool numpy array or None, got {got}")
+        if keyed.shape != lse.shape[:1]:
+            raise ValueError(f"keyed: expected [{lse.shape[0]}] bool, got shape {keyed.shape}")
     m, l = stat_of_lse(lse, keyed)
     return pack_partial_arrays(
         o, m, l, dtype=dtype, width=width, request_id=request_id, seq=seq, chunk_id=chunk_id,
