@@ -48,6 +48,10 @@ from mqnc.model.geometry import MLAGeometry
 from mqnc.transport import ENGINES, open_fabric
 from mqnc.transport.protocol import INBOX, REPLY, PeerLost, Transport, TransportTimeout
 
+PROCESS_ENGINES = ("gloo",)
+"""The cross-process engines this harness starts holder ranks for
+(:func:`mqnc.measure.ranks.start_gloo_ranks`); an in-process engine needs none."""
+
 __all__ = [
     "TRANSPORTS",
     "Unavailable",
@@ -241,14 +245,18 @@ class EchoFabric:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
         check_int("holders", holders, minimum=1)
-        if ENGINES[transport].needs_gpu:
-            why = (
-                "no CUDA device on this machine"
-                if not torch.cuda.is_available()
-                else "the NVSHMEM route benchmark is perf/gpu_check_nvshmem.py (two PEs, "
-                "device-side waits); this host harness drives loopback and gloo only"
+        spec = ENGINES[transport]
+        if not (spec.in_process or transport in PROCESS_ENGINES):
+            if spec.needs_gpu and not torch.cuda.is_available():
+                why = "no CUDA device on this machine"
+            elif spec.needs_gpu:
+                why = "its route benchmark is perf/gpu_check_nvshmem.py (two PEs, device waits)"
+            else:
+                why = "mqnc.measure.ranks starts no ranks of it"
+            raise Unavailable(
+                f"transport {transport}: {why}; this host harness drives the in-process engines "
+                f"and {', '.join(PROCESS_ENGINES)} only"
             )
-            raise Unavailable(f"transport {transport}: {why}")
         self.name = transport
         self.world = 1 + holders
         self.holders = list(range(1, self.world))
