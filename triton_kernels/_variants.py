@@ -187,87 +187,99 @@ def _operands(q, kv, q_pe, kpe):
     return mla_operands(q, kv, D_V, q_pe=q_pe, kpe_pool=kpe)
 
 
-def shape_launches(shape: Shape, occupancy=None, device="cpu") -> list[Launch]:
-    """The launches the op makes at ``shape``, in order (an MLA call: attention, then the
-    combine when split), planned at ``occupancy`` (default: the launchers' own, see
-    ``_grid.kernel_occupancy``)."""
-    from mqnc.triton_kernels.merge import merge_launch
+def _decode_launches(shape: Shape, occupancy, device) -> list[Launch]:
+    """``mla_decode``: the attention launch, then the combine when split."""
     from mqnc.triton_kernels.mla_decode import PagedLayout, plan_decode
+
+    q, kv, q_pe, kpe = _mla_inputs(shape, device)
+    ops = _operands(q, kv, q_pe, kpe)
+    lens = torch.full((shape.B,), shape.ct, dtype=torch.int32, device=device)
+    pages = math.ceil(shape.ct / shape.page)
+    layout = PagedLayout(csr=shape.csr, s_q=shape.s_q, causal=shape.causal)
+    if shape.csr:
+        table = torch.zeros(shape.B * pages, dtype=torch.int32, device=device)
+        indptr = torch.arange(0, shape.B + 1, dtype=torch.int32, device=device) * pages
+    else:
+        table = torch.zeros(shape.B, pages, dtype=torch.int32, device=device)
+        indptr = None
+    plan = plan_decode(
+        q,
+        kv,
+        table,
+        lens,
+        SCALE,
+        D_V,
+        None,
+        occupancy,
+        ops=ops,
+        indptr=indptr,
+        layout=layout,
+        max_kv_len=shape.ct,
+    )
+    return list(plan.launches)
+
+
+def _sparse_launches(shape: Shape, occupancy, device) -> list[Launch]:
+    """``mla_sparse``: the attention launch over top-``ct`` indices, then the combine when split."""
     from mqnc.triton_kernels.mla_sparse import plan_sparse
+
+    q, kv, q_pe, kpe = _mla_inputs(shape, device)
+    idx = torch.zeros(shape.B, shape.ct, dtype=torch.int32, device=device)
+    ops = _operands(q, kv, q_pe, kpe)
+    return list(plan_sparse(q, kv, idx, SCALE, D_V, None, occupancy, ops=ops).launches)
+
+
+def _merge_launches(shape: Shape, device) -> list[Launch]:
+    """``merge``: one launch folding M partials."""
+    from mqnc.triton_kernels.merge import merge_launch
+
+    o = torch.zeros(shape.M, shape.B, shape.H, D_V, dtype=DTYPE, device=device)
+    lse = torch.zeros(shape.M, shape.B, shape.H, device=device)
+    mask = torch.ones(shape.B, dtype=torch.bool, device=device) if shape.mask else None
+    out = (o[0].clone(), lse[0].clone())
+    return [merge_launch(o, lse, *out, mask=mask, base2=shape.base2)]
+
+
+def _splice_launches(shape: Shape, rope: _Rope, freq, device) -> list[Launch]:
+    """``splice``: one launch into a stacked cache or one cache per layer."""
     from mqnc.triton_kernels.splice import layer_align, splice_launch
 
-    device = torch.device(device)
-    if shape.op == "mla_decode":
-        q, kv, q_pe, kpe = _mla_inputs(shape, device)
-        ops = _operands(q, kv, q_pe, kpe)
-        lens = torch.full((shape.B,), shape.ct, dtype=torch.int32, device=device)
-        pages = math.ceil(shape.ct / shape.page)
-        layout = PagedLayout(csr=shape.csr, s_q=shape.s_q, causal=shape.causal)
-        if shape.csr:
-            table = torch.zeros(shape.B * pages, dtype=torch.int32, device=device)
-            indptr = torch.arange(0, shape.B + 1, dtype=torch.int32, device=device) * pages
-        else:
-            table = torch.zeros(shape.B, pages, dtype=torch.int32, device=device)
-            indptr = None
-        plan = plan_decode(
-            q,
-            kv,
-            table,
-            lens,
-            SCALE,
-            D_V,
-            None,
-            occupancy,
-            ops=ops,
-            indptr=indptr,
-            layout=layout,
-            max_kv_len=shape.ct,
-        )
-        return list(plan.launches)
-    if shape.op == "mla_sparse":
-        q, kv, q_pe, kpe = _mla_inputs(shape, device)
-        idx = torch.zeros(shape.B, shape.ct, dtype=torch.int32, device=device)
-        ops = _operands(q, kv, q_pe, kpe)
-        return list(plan_sparse(q, kv, idx, SCALE, D_V, None, occupancy, ops=ops).launches)
-    if shape.op == "merge":
-        o = torch.zeros(shape.M, shape.B, shape.H, D_V, dtype=DTYPE, device=device)
-        lse = torch.zeros(shape.M, shape.B, shape.H, device=device)
-        mask = torch.ones(shape.B, dtype=torch.bool, device=device) if shape.mask else None
-        out = (o[0].clone(), lse[0].clone())
-        return [merge_launch(o, lse, *out, mask=mask, base2=shape.base2)]
-    rope = _Rope()
-    freq = torch.tensor(rope.inv_freq, dtype=torch.float64, device=device)
-    if shape.op == "splice":
-        T, L = shape.ct, shape.L
-        chunk = torch.zeros(L, T, D_QK, dtype=DTYPE, device=device)
-        nb = 2 * math.ceil(T / PAGE)
-        slots = torch.arange(T, device=device)
-        delta = torch.zeros(T, dtype=torch.int64, device=device) if shape.delta != "int" else 7
-        if shape.layers == "list":
-            caches = [torch.zeros(nb, PAGE, D_QK, dtype=DTYPE, device=device) for _ in range(L)]
-            dst, offsets = caches[0], torch.zeros(L, dtype=torch.int64, device=device)
-            strides_dst = (0, dst.stride(0), dst.stride(1))
-            unit = layer_align(dst, caches)
-        else:
-            dst = torch.zeros(L, nb, PAGE, D_QK, dtype=DTYPE, device=device)
-            offsets, strides_dst = None, (dst.stride(0), dst.stride(1), dst.stride(2))
-            unit = 1
-        launch = splice_launch(
-            chunk,
-            dst,
-            slots,
-            delta,
-            freq,
-            T,
-            L,
-            PAGE,
-            (chunk.stride(0), chunk.stride(1)),
-            strides_dst,
-            rope,
-            layer_offsets=offsets,
-            layer_unit=unit,
-        )
-        return [launch]
+    T, L = shape.ct, shape.L
+    chunk = torch.zeros(L, T, D_QK, dtype=DTYPE, device=device)
+    nb = 2 * math.ceil(T / PAGE)
+    slots = torch.arange(T, device=device)
+    delta = torch.zeros(T, dtype=torch.int64, device=device) if shape.delta != "int" else 7
+    if shape.layers == "list":
+        caches = [torch.zeros(nb, PAGE, D_QK, dtype=DTYPE, device=device) for _ in range(L)]
+        dst, offsets = caches[0], torch.zeros(L, dtype=torch.int64, device=device)
+        strides_dst = (0, dst.stride(0), dst.stride(1))
+        unit = layer_align(dst, caches)
+    else:
+        dst = torch.zeros(L, nb, PAGE, D_QK, dtype=DTYPE, device=device)
+        offsets, strides_dst = None, (dst.stride(0), dst.stride(1), dst.stride(2))
+        unit = 1
+    launch = splice_launch(
+        chunk,
+        dst,
+        slots,
+        delta,
+        freq,
+        T,
+        L,
+        PAGE,
+        (chunk.stride(0), chunk.stride(1)),
+        strides_dst,
+        rope,
+        layer_offsets=offsets,
+        layer_unit=unit,
+    )
+    return [launch]
+
+
+def _rotate_launches(shape: Shape, rope: _Rope, freq, device) -> list[Launch]:
+    """``rotate``: the splice kernel rotating B x H query rows in place of a cache."""
+    from mqnc.triton_kernels.splice import splice_launch
+
     x = torch.zeros(shape.B * shape.H, D_QK, dtype=DTYPE, device=device)
     out = torch.empty_like(x)
     n = x.shape[0]
@@ -277,6 +289,24 @@ def shape_launches(shape: Shape, occupancy=None, device="cpu") -> list[Launch]:
             x, out, None, delta, freq, n, 1, 1, (0, x.stride(0)), (0, out.stride(0), 0), rope
         )
     ]
+
+
+def shape_launches(shape: Shape, occupancy=None, device="cpu") -> list[Launch]:
+    """The launches the op makes at ``shape``, in order (an MLA call: attention, then the
+    combine when split), planned at ``occupancy`` (default: the launchers' own, see
+    ``_grid.kernel_occupancy``)."""
+    device = torch.device(device)
+    if shape.op == "mla_decode":
+        return _decode_launches(shape, occupancy, device)
+    if shape.op == "mla_sparse":
+        return _sparse_launches(shape, occupancy, device)
+    if shape.op == "merge":
+        return _merge_launches(shape, device)
+    rope = _Rope()
+    freq = torch.tensor(rope.inv_freq, dtype=torch.float64, device=device)
+    if shape.op == "splice":
+        return _splice_launches(shape, rope, freq, device)
+    return _rotate_launches(shape, rope, freq, device)
 
 
 @dataclasses.dataclass(frozen=True)
