@@ -3,8 +3,10 @@
 ``torch.library.opcheck`` checks each op's registration against its real run: the schema
 (declared mutations match what the op writes), the fake implementation (shapes, dtypes and
 strides of its outputs equal the real ones) and the functionalised form that ``torch.compile``
-traces. Then ``torch.compile(fullgraph=True)`` of a function that calls the public functions
-(which route to the ops while Dynamo traces) gives the eager bits: one graph, no break. The
+traces; each op with ``out=`` is checked in its ``.out`` overload too. Then
+``torch.compile(fullgraph=True)`` of a function that calls the public functions (which are the
+ops' callers, eager or traced) gives the eager bits: one graph, no break; the same through the
+ops' ``"torch"`` backend (``kernel_ops("torch")``, the fp64 references). The
 ``aot_eager`` backend runs Dynamo, the fakes and AOT functionalisation (what the
 registration is for) without Inductor's C++ build, so the test stays small on a CPU; the GPU
 tier compiles the holder step with Inductor and CUDA graphs (``test_cuda_graph.py``). Tiny
@@ -12,6 +14,9 @@ shapes (32 + 16 wide rows) keep the interpreter fast.
 """
 
 from __future__ import annotations
+
+import inspect
+import types
 
 import pytest
 import torch
@@ -47,6 +52,8 @@ def _mla(gen):
 
 
 def _op_cases():
+    """``name -> (args, kwargs)`` of a real call of each op (``name.out``: its ``out=``
+    overload, the caller's tensors written in place)."""
     gen = torch.Generator().manual_seed(0)
     q, pool, table, lens, idx = _mla(gen)
     indptr = torch.tensor([0, 2, 3], dtype=torch.int32, device=DEVICE)
@@ -56,43 +63,53 @@ def _op_cases():
     chunk = torch.randn(2, 5, D, generator=gen).to(DEVICE)
     freq = list(ROPE.inv_freq)
     mask = torch.tensor([True, False], device=DEVICE)
+    mla = dict(softmax_scale=SCALE, d_v=D_V)
+
+    def outs(rows, width):
+        return [q.new_empty(rows, 3, width), q.new_empty(rows, 3)]
+
     return {
-        "mla_decode_partial": (q, pool, table, lens, SCALE, D_V, 2, True, None, None),
-        "mla_decode_partial_csr": (
-            q,
-            pool,
-            indptr,
-            indices,
-            lens,
-            SCALE,
-            D_V,
-            None,
-            True,
-            None,
-            None,
-            None,
-        ),
-        "mla_sparse_partial": (q, pool, idx, SCALE, D_V, None, True, None, None),
-        "merge_partials": (o, lse, True, "MBHD", False),
-        "merge_partials_into": (o[0].clone(), lse[0].clone(), o[1], lse[1], True, mask, False),
+        "mla_decode_partial": ((q, pool, table, lens), dict(mla, num_splits=2)),
+        "mla_decode_partial_csr": ((q, pool, indptr, indices, lens), mla),
+        "mla_sparse_partial": ((q, pool, idx), mla),
+        "merge_partials": ((o, lse), dict(layout="MBHD")),
+        "merge_partials_into": ((o[0].clone(), lse[0].clone(), o[1], lse[1]), dict(mask=mask)),
         "rope_splice": (
-            chunk,
-            [torch.zeros(8, D, device=DEVICE) for _ in range(2)],
-            False,
-            torch.arange(5, device=DEVICE),
-            torch.arange(5, device=DEVICE),
-            0,
-            freq,
-            D_PE,
-            "half",
-            True,
+            (
+                chunk,
+                [torch.zeros(8, D, device=DEVICE) for _ in range(2)],
+                False,
+                torch.arange(5, device=DEVICE),
+                torch.arange(5, device=DEVICE),
+                0,
+                freq,
+                D_PE,
+                "half",
+            ),
+            dict(validate=True),
         ),
-        "rope_rotate": (q, None, 9, freq, D_PE, "half"),
+        "rope_rotate": ((q, None, 9, freq, D_PE, "half"), {}),
+        "mla_decode_partial.out": ((q, pool, table, lens), dict(mla, out=outs(2, D_V))),
+        "mla_decode_partial_csr.out": (
+            (q, pool, indptr, indices, lens),
+            dict(mla, out=outs(2, D_V)),
+        ),
+        "mla_sparse_partial.out": ((q, pool, idx), dict(mla, out=outs(2, D_V))),
+        "merge_partials.out": (
+            (o, lse),
+            dict(out=[o.new_empty(2, 2, D), lse.new_empty(2, 2)]),
+        ),
     }
 
 
+def _overload(name):
+    op, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.mqnc, op), overload or "default")
+
+
 def test_every_op_is_checked():
-    assert sorted(_op_cases()) == sorted(OPS)
+    with_out = [f"{name}.out" for name in OPS if hasattr(getattr(torch.ops.mqnc, name), "out")]
+    assert sorted(_op_cases()) == sorted([*OPS, *with_out])
 
 
 def test_stacked_splice_through_the_op():
@@ -103,40 +120,69 @@ def test_stacked_splice_through_the_op():
     pool, expected = (torch.zeros(2, 4, 4, D, device=DEVICE) for _ in range(2))
     rope_splice(chunk, expected, slots, -3, ROPE)
     torch.ops.mqnc.rope_splice(
-        chunk, [pool], True, slots, None, -3, list(ROPE.inv_freq), D_PE, "half", True
+        chunk, [pool], True, slots, None, -3, list(ROPE.inv_freq), D_PE, "half", validate=True
     )
     assert_close(pool, expected, tolerance("same_kernel", "float32"), name="pool")
 
 
-@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("name", sorted(_op_cases()))
 def test_op_registration(name):
     """Schema, fake and functionalisation of ``torch.ops.mqnc.<name>`` against its real run."""
-    op = getattr(torch.ops.mqnc, name)
+    args, kwargs = _op_cases()[name]
     torch.library.opcheck(
-        op,
-        _op_cases()[name],
+        _overload(name),
+        args,
+        kwargs,
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
     )
 
 
-def _step(q, pool, table, lens, idx, acc, lacc, chunk, caches, slots):
-    """A holder's step and a requester's fold, as user code writes them."""
+def _step(ops, q, pool, table, lens, idx, acc, lacc, chunk, caches, slots):
+    """A holder's step and a requester's fold, as user code writes them (``ops``: the public
+    functions, or the ops bound to a backend, ``kernel_ops``)."""
     kw = dict(softmax_scale=SCALE, d_v=D_V)
-    o1, l1 = mla_decode_partial(q, pool, table, lens, check_inputs=False, **kw)
+    o1, l1 = ops.mla_decode_partial(q, pool, table, lens, check_inputs=False, **kw)
     B, H = q.shape[0], q.shape[1]
     out = (q.new_empty(B, H, D_V), q.new_empty(B, H))  # written in place (a holder's buffers)
-    o2, l2 = mla_sparse_partial(q, pool, idx, check_indices=False, out=out, **kw)
+    o2, l2 = ops.mla_sparse_partial(q, pool, idx, check_indices=False, out=out, **kw)
     indptr = torch.tensor([0, 2, 3], dtype=torch.int32, device=q.device)
-    o3, _ = mla_decode_partial_csr(
+    o3, _ = ops.mla_decode_partial_csr(
         q, pool, indptr, table.flatten()[:3], lens, check_inputs=False, max_kv_len=32, **kw
     )
-    o, lse = merge_partials(torch.stack([o1, o2]), torch.stack([l1, l2]), check_lse=False)
-    merge_partials_into(acc, lacc, o, lse, check_lse=False)
-    rope_splice(chunk, caches, slots, 5, ROPE, validate=False)
-    return acc * 1.0, lacc, rope_rotate(q, -5, ROPE), o, o3
+    o, lse = ops.merge_partials(torch.stack([o1, o2]), torch.stack([l1, l2]), check_lse=False)
+    ops.merge_partials_into(acc, lacc, o, lse, check_lse=False)
+    ops.rope_splice(chunk, caches, slots, 5, ROPE, validate=False)
+    return acc * 1.0, lacc, ops.rope_rotate(q, -5, ROPE), o, o3
 
 
-def test_compile_fullgraph_equals_eager():
+PUBLIC = types.SimpleNamespace(
+    mla_decode_partial=mla_decode_partial,
+    mla_sparse_partial=mla_sparse_partial,
+    mla_decode_partial_csr=mla_decode_partial_csr,
+    merge_partials=merge_partials,
+    merge_partials_into=merge_partials_into,
+    rope_splice=rope_splice,
+    rope_rotate=rope_rotate,
+)
+
+
+def test_the_torch_backend_is_the_same_ops():
+    """``kernel_ops("torch")``: the same ops on another backend (each function has the public
+    function's signature, docstring and op), ``kernel_ops("triton")`` the public functions."""
+    from mqnc.serving.compute import kernel_ops
+
+    for name in OPS:
+        public, ref = getattr(PUBLIC, name), getattr(kernel_ops("torch"), name)
+        assert getattr(kernel_ops("triton"), name) is public
+        assert inspect.signature(ref) == inspect.signature(public), name
+        assert ref.op is public.op and ref.__doc__ == public.__doc__, name
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_compile_fullgraph_equals_eager(backend):
+    from mqnc.serving.compute import kernel_ops
+
+    ops = PUBLIC if backend == "triton" else kernel_ops(backend)
     gen = torch.Generator().manual_seed(1)
     q, pool, table, lens, idx = _mla(gen)
     chunk = torch.randn(2, 5, D, generator=gen).to(DEVICE)
@@ -148,9 +194,13 @@ def test_compile_fullgraph_equals_eager():
         return acc, lacc, [torch.zeros(4, 4, D, device=DEVICE) for _ in range(2)]
 
     acc, lacc, caches = fresh()
-    eager = _step(q, pool, table, lens, idx, acc, lacc, chunk, caches, slots)
+    eager = _step(ops, q, pool, table, lens, idx, acc, lacc, chunk, caches, slots)
     acc_c, lacc_c, caches_c = fresh()
-    compiled = torch.compile(_step, fullgraph=True, backend="aot_eager")
+
+    def step(*args):
+        return _step(ops, *args)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     got = compiled(q, pool, table, lens, idx, acc_c, lacc_c, chunk, caches_c, slots)
     tol = tolerance("same_kernel", "float32")
     for i, (a, e) in enumerate(zip(got, eager, strict=True)):

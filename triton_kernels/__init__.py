@@ -1,10 +1,14 @@
 """mqnc's Triton kernels, installed as ``mqnc.triton_kernels`` (never as a top-level
 ``triton_kernels``, which would shadow Triton's own package of that name).
 
-One op per module (``merge``, ``mla_decode``, ``mla_sparse``, ``splice``), each with its
-``@triton.jit`` kernel, its input checks and a planning function that returns its launches as
-data (``_launch.Launch``). Private modules, each with one job:
+Every op's public signature is declared once, in ``ops`` (a ``torch.library`` op with its fake,
+through the registry of ``_op``); one op per module (``merge``, ``mla_decode``, ``mla_sparse``,
+``splice``) holds its ``@triton.jit`` kernel, its input checks and a planning function that
+returns its launches as data (``_launch.Launch``), registered as the op's ``"triton"``
+implementation. Private modules, each with one job:
 
+- ``_op``: the op registry (schema, fake, public function and plan function from one
+  declared signature; implementations per backend);
 - ``_checks``: argument validation (every error names the argument, expected and got);
 - ``_runtime``: interpreter mode, the launch lock, NaN-poisoned outputs;
 - ``_numerics``: the store-side round to nearest even;
@@ -27,7 +31,7 @@ use_interpreter_on_cpu_only_torch()  # before anything here imports triton
 
 # ruff: noqa: E402  (the interpreter is chosen above, before triton is imported)
 
-from mqnc.triton_kernels import ops  # noqa: F401  (registers the torch.ops.mqnc.* ops)
+from mqnc.triton_kernels import ops  # noqa: F401  (declares the torch.ops.mqnc.* ops)
 from mqnc.triton_kernels._mla_launch import AttentionPlan
 from mqnc.triton_kernels.merge import (
     lse_from_base2,

@@ -26,6 +26,7 @@ from mqnc.triton_kernels._grid import (
     device_limits,
     kernel_occupancy,
 )
+from mqnc.triton_kernels._op import written_into  # noqa: F401  (re-exported)
 from mqnc.triton_kernels._runtime import launch_lock, new_output
 from mqnc.triton_kernels.merge import merge_launch
 
@@ -603,22 +604,3 @@ class AttentionPlan:
                     f"strides {got[1]}, {got[2]} on {got[3]}"
                 )
         return out[0], out[1]
-
-
-def written_into(out, result: tuple[torch.Tensor, torch.Tensor]):
-    """``result`` (``(o, lse)``), copied into ``out`` and ``out`` returned when one is given:
-    the ``out=`` of an entry point traced by ``torch.compile``, whose custom op returns new
-    tensors. ``out`` must match the results' shapes, dtypes and device (as :meth:`AttentionPlan
-    .run` requires eagerly): nothing is broadcast or cast."""
-    if out is None:
-        return result
-    if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise TypeError(f"out: expected a pair (o, lse) of tensors, got {type(out).__name__}")
-    for name, t, r in zip(("out[0] (o)", "out[1] (lse)"), out, result, strict=True):
-        if t.shape != r.shape or t.dtype != r.dtype or t.device != r.device:
-            raise ValueError(
-                f"{name}: expected shape {tuple(r.shape)}, {r.dtype} on {r.device}, got shape "
-                f"{tuple(t.shape)}, {t.dtype} on {t.device}"
-            )
-        t.copy_(r)
-    return out

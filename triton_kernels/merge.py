@@ -45,6 +45,7 @@ from mqnc.triton_kernels._runtime import (
     interpreting,
     new_output,
 )
+from mqnc.triton_kernels.ops import merge_partials, merge_partials_into
 
 __all__ = [
     "merge_partials",
@@ -287,124 +288,33 @@ def _check_mask(mask: object, B: int, device) -> torch.Tensor | None:
     return mask if mask.is_contiguous() else mask.contiguous()
 
 
-def merge_partials(
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    check_lse: bool = True,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-    layout: str = "MBHD",
-    base2: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge M partials over disjoint key subsets into the partial over their union.
-
-    Parameters
-    ----------
-    o : torch.Tensor
-        Partial outputs, shape ``[M, B, H, Dv]`` (``layout="MBHD"``) or ``[B, M, H, Dv]``
-        (``layout="BMHD"``, FlashInfer's ``[T, M, H, D]``), bf16 / fp16 / fp32, any strides.
-        ``M >= 1``, any ``Dv`` (tiled by powers of two with masks).
-    lse : torch.Tensor
-        Log-sum-exp of each partial's scaled scores, ``o``'s shape without ``Dv``, float32;
-        natural log (base 2 with ``base2``). ``-inf`` and ``+inf`` mark an empty partial.
-    check_lse : bool
-        Raise on NaN ``lse`` (one host sync); pass False on a hot path.
-    out : (torch.Tensor, torch.Tensor) or None
-        Write the result into these ``[B, H, Dv]`` (any float dtype: the fp32 accumulator is
-        rounded once to it) and ``[B, H]`` float32 tensors instead of new ones (how split-KV
-        partials are combined straight into the attention kernels' outputs).
-    layout : str
-        Which axis holds the partials: ``"MBHD"`` (the first; this package's convention) or
-        ``"BMHD"`` (the second; FlashInfer's ``merge_states``). A 4-D tensor cannot say which
-        it is, so the axis is never guessed: pass ``"BMHD"`` for FlashInfer-layout tensors
-        (or call ``mqnc.triton_kernels.flashinfer_api.merge_states``).
-    base2 : bool
-        ``lse`` given, and returned, in base 2 (FlashInfer's convention): merged with ``exp2``
-        / ``log2``, no conversion.
-
-    Returns
-    -------
-    o_merged : torch.Tensor
-        ``[B, H, Dv]`` in ``o``'s dtype, accumulated in fp32.
-    lse_merged : torch.Tensor
-        ``[B, H]`` float32, natural log (base 2 with ``base2``); ``-inf`` where every partial
-        was empty (then o = 0).
-
-    Examples
-    --------
-    >>> import torch
-    >>> from mqnc.triton_kernels.merge import merge_partials
-    >>> o, lse = torch.randn(3, 2, 16, 512), torch.randn(3, 2, 16)
-    >>> om, lm = merge_partials(o, lse)
-    >>> om.shape, lm.shape
-    (torch.Size([2, 16, 512]), torch.Size([2, 16]))
-    >>> om2, _ = merge_partials(o.transpose(0, 1), lse.transpose(0, 1), layout="BMHD")
-    >>> bool((om2 == om).all())
-    True
-    """
-    if torch.compiler.is_compiling():
-        if out is not None:
-            raise ValueError("out: not supported under torch.compile (the op returns new tensors)")
-        return torch.ops.mqnc.merge_partials(o, lse, check_lse, layout, base2)
-    o, lse = _partials_first(o, lse, layout)
+@merge_partials.op.implementation("triton")
+def _merge(call) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_partials` on the merge kernel."""
+    o, lse = _partials_first(call.o, call.lse, call.layout)
     M, B, H, D = o.shape
     if M < 1:
         raise ValueError(f"o: expected at least one partial (M >= 1), got M = {M}")
     device = check_same_device(o=o, lse=lse)
     check_launchable(o, "o")
-    if check_lse:
+    if call.check_lse:
         _check_lse_values("lse", lse)
-    if out is None:
+    if call.out is None:
         o_out = new_output((B, H, D), o.dtype, device)
         lse_out = new_output((B, H), torch.float32, device)
     else:
-        if not isinstance(out, tuple) or len(out) != 2:
-            raise TypeError(f"out: expected a tuple (o_out, lse_out), got {type(out).__name__}")
-        o_out, lse_out = out
+        o_out, lse_out = call.out
         check_tensor("out[0]", o_out, ndim=3, dtypes=FLOAT_DTYPES, shape=(B, H, D))
         check_tensor("out[1]", lse_out, ndim=2, dtypes=(torch.float32,), shape=(B, H))
         check_same_device(o=o, out_o=o_out, out_lse=lse_out)
-    _launch(o, lse, o_out, lse_out, base2=bool(base2))
+    _launch(o, lse, o_out, lse_out, base2=call.base2)
     return o_out, lse_out
 
 
-def merge_partials_into(
-    o_acc: torch.Tensor,
-    lse_acc: torch.Tensor,
-    o_new: torch.Tensor,
-    lse_new: torch.Tensor,
-    *,
-    check_lse: bool = True,
-    mask: torch.Tensor | None = None,
-    base2: bool = False,
-) -> None:
-    """Two-way in-place merge: ``(o_acc, lse_acc) <- merge((o_acc, lse_acc), (o_new, lse_new))``.
-
-    The form a requester uses while partials stream in: start from an empty state
-    (``o_acc = 0``, ``lse_acc = -inf``) and fold each arriving partial in.
-
-    Parameters
-    ----------
-    o_acc : torch.Tensor
-        Running output ``[B, H, Dv]``, bf16 / fp16 / fp32; overwritten.
-    lse_acc : torch.Tensor
-        Running natural-log LSE ``[B, H]`` float32; overwritten.
-    o_new : torch.Tensor
-        Arriving partial ``[B, H, Dv]``, same dtype as ``o_acc``.
-    lse_new : torch.Tensor
-        Its natural-log LSE ``[B, H]`` float32.
-    check_lse : bool
-        Raise on NaN ``lse`` (one host sync); pass False on a hot path.
-    mask : torch.Tensor or None
-        ``[B]`` bool: merge only the token rows where it is true; the others are left untouched
-        (FlashInfer's ``merge_state_in_place`` mask: a CUDA graph captured for a padded batch
-        skips its padding). None merges every row.
-    base2 : bool
-        Both ``lse`` in base 2 (FlashInfer's convention), ``lse_acc`` updated in base 2.
-    """
-    if torch.compiler.is_compiling():
-        torch.ops.mqnc.merge_partials_into(o_acc, lse_acc, o_new, lse_new, check_lse, mask, base2)
-        return
+@merge_partials_into.op.implementation("triton")
+def _merge_into(call) -> None:
+    """:func:`merge_partials_into` on the merge kernel."""
+    o_acc, lse_acc, o_new, lse_new = call.o_acc, call.lse_acc, call.o_new, call.lse_new
     check_tensor("o_acc", o_acc, ndim=3, dtypes=FLOAT_DTYPES)
     B, H, D = o_acc.shape
     if D < 1:  # no column to merge: lse_acc would never be written
@@ -414,8 +324,8 @@ def merge_partials_into(
     check_tensor("lse_new", lse_new, ndim=2, dtypes=(torch.float32,), shape=(B, H))
     device = check_same_device(o_acc=o_acc, lse_acc=lse_acc, o_new=o_new, lse_new=lse_new)
     check_launchable(o_acc, "o_acc")
-    mask = _check_mask(mask, B, device)
-    if check_lse:
+    mask = _check_mask(call.mask, B, device)
+    if call.check_lse:
         _check_lse_values("lse_acc", lse_acc)
         _check_lse_values("lse_new", lse_new)
     # The pair is stacked into an M = 2 input (one copy of each, B*H*Dv elements) so that the
@@ -426,7 +336,7 @@ def merge_partials_into(
         o_acc,
         lse_acc,
         mask=mask,
-        base2=bool(base2),
+        base2=call.base2,
     )
 
 

@@ -67,7 +67,6 @@ from mqnc.triton_kernels._mla_launch import (
     split_strides,
     tile_config,
     variant_name,
-    written_into,
 )
 from mqnc.triton_kernels._mla_tile import (
     LOG2E,
@@ -77,6 +76,7 @@ from mqnc.triton_kernels._mla_tile import (
     _store_partial,
 )
 from mqnc.triton_kernels._runtime import bf16_rne_in_software, check_launchable, dot_in_fp32
+from mqnc.triton_kernels.ops import mla_decode_partial, mla_decode_partial_csr
 
 __all__ = [
     "mla_decode_partial",
@@ -270,34 +270,10 @@ def _check_csr(
     return int(lens.max()) if lens.numel() else 0
 
 
-def checked_plan(
-    q,
-    kv_pool,
-    table,
-    lens,
-    indptr,
-    *,
-    softmax_scale,
-    d_v,
-    num_splits,
-    check_inputs,
-    q_pe,
-    kpe_pool,
-    layout: PagedLayout,
-    max_kv_len=None,
-) -> tuple[AttentionPlan, MlaOperands]:
-    """Every check of a dense call, then its plan: the one checked path of every dense entry
-    point (the public functions, their plans, the FlashMLA / FlashInfer layout adapters).
-
-    ``table``: the padded ``block_table [S, W]`` or, with ``layout.csr``, ``kv_indices [nnz]``
-    (then ``indptr`` is ``kv_indptr [S + 1]``); ``lens``: ``[S]`` entries per sequence (None
-    with CSR: whole pages); ``q`` holds ``S * layout.s_q`` query rows. Returns the plan (its
-    ``run`` takes the positional tensors of :func:`plan_mla_decode`, or with CSR of
-    :func:`plan_mla_decode_csr`, plus ``q_pe`` / ``kpe_pool``) and the checked operands."""
-    ops = mla_operands(q, kv_pool, d_v, q_pe=q_pe, kpe_pool=kpe_pool)
-    R, H = q.shape[:2]
-    num_blocks, block_size, _ = kv_pool.shape
-    check_block_size(block_size)
+def _check_dense(q, kv_pool, table, lens, indptr, layout: PagedLayout, q_pe, kpe_pool) -> int:
+    """The tensors' checks of a dense call (shapes, dtypes, devices, contiguity, launchability);
+    returns ``S``, the sequences (``q`` holds ``S * layout.s_q`` rows)."""
+    R = q.shape[0]
     s_q = check_int("s_q", layout.s_q, minimum=1)
     if R % s_q:
         raise ValueError(f"q: expected rows in whole groups of s_q = {s_q}, got {R} rows")
@@ -326,12 +302,17 @@ def checked_plan(
             tensors[name] = t
     check_same_device(**tensors)
     check_launchable(q, "q")
-    scale = check_softmax_scale(softmax_scale)
-    check_num_splits(num_splits)
+    return S
+
+
+def _checked_capacity(table, lens, indptr, layout, check_inputs, max_kv_len, kv_pool):
+    """The host-side range checks (one sync, when ``check_inputs``) and the longest row the
+    split policy plans for (``max_kv_len`` if given; None: the padded table's capacity)."""
     if max_kv_len is not None and (
         isinstance(max_kv_len, bool) or not isinstance(max_kv_len, int) or max_kv_len < 0
     ):
         raise ValueError(f"max_kv_len: expected None or an int >= 0, got {max_kv_len!r}")
+    num_blocks, block_size, _ = kv_pool.shape
     if layout.csr:
         longest = _check_csr(indptr, table, lens, num_blocks, block_size) if check_inputs else None
         if max_kv_len is None:
@@ -340,21 +321,13 @@ def checked_plan(
             max_kv_len = longest if longest is not None else table.shape[0] * block_size
     elif check_inputs:
         _check_paging(table, lens, num_blocks, block_size)
-    template = plan_decode(
-        q,
-        kv_pool,
-        table,
-        lens,
-        scale,
-        d_v,
-        num_splits,
-        ops=ops,
-        indptr=indptr,
-        layout=layout,
-        max_kv_len=max_kv_len,
-        alloc=meta_output,
-    )
-    page, split = block_size, ops.split
+    return max_kv_len
+
+
+def _binder(layout: PagedLayout, split: bool, d_v: int, page: int):
+    """``bind(*run's arguments) -> the kernel's seven tensors`` of a dense plan's ``run`` (the
+    positional tensors of :func:`plan_mla_decode`, or with CSR of :func:`plan_mla_decode_csr`,
+    plus ``q_pe`` / ``kpe_pool``), and the names its errors give them."""
 
     def rope_parts(q, kv_pool, q_pe, kpe_pool):
         if not split:
@@ -370,143 +343,84 @@ def checked_plan(
                 kv_lens = (kv_indptr[1:] - kv_indptr[:-1]) * page
             return (q, q_pe, kv_pool, kpe_pool, kv_indices, kv_indptr, kv_lens)
 
+        return bind, ("kv_indices", "kv_indptr", "kv_lens")
+
+    def bind(q, kv_pool, block_table, cache_seqlens, *, q_pe=None, kpe_pool=None):
+        q_pe, kpe_pool = rope_parts(q, kv_pool, q_pe, kpe_pool)
+        # (Indptr is not read without CSR: any pointer does)
+        return (q, q_pe, kv_pool, kpe_pool, block_table, cache_seqlens, cache_seqlens)
+
+    return bind, ("block_table", "cache_seqlens", "cache_seqlens")
+
+
+def checked_plan(
+    q,
+    kv_pool,
+    table,
+    lens,
+    indptr,
+    *,
+    softmax_scale,
+    d_v,
+    num_splits,
+    check_inputs,
+    q_pe,
+    kpe_pool,
+    layout: PagedLayout,
+    max_kv_len=None,
+) -> tuple[AttentionPlan, MlaOperands]:
+    """Every check of a dense call, then its plan: the one checked path of every dense entry
+    point (the public functions, their plans, the FlashMLA / FlashInfer layout adapters).
+
+    ``table``: the padded ``block_table [S, W]`` or, with ``layout.csr``, ``kv_indices [nnz]``
+    (then ``indptr`` is ``kv_indptr [S + 1]``); ``lens``: ``[S]`` entries per sequence (None
+    with CSR: whole pages); ``q`` holds ``S * layout.s_q`` query rows. Returns the plan (its
+    ``run`` takes the positional tensors of :func:`plan_mla_decode`, or with CSR of
+    :func:`plan_mla_decode_csr`, plus ``q_pe`` / ``kpe_pool``) and the checked operands."""
+    ops = mla_operands(q, kv_pool, d_v, q_pe=q_pe, kpe_pool=kpe_pool)
+    check_block_size(kv_pool.shape[1])
+    _check_dense(q, kv_pool, table, lens, indptr, layout, q_pe, kpe_pool)
+    scale = check_softmax_scale(softmax_scale)
+    check_num_splits(num_splits)
+    max_kv_len = _checked_capacity(table, lens, indptr, layout, check_inputs, max_kv_len, kv_pool)
+    template = plan_decode(
+        q,
+        kv_pool,
+        table,
+        lens,
+        scale,
+        d_v,
+        num_splits,
+        ops=ops,
+        indptr=indptr,
+        layout=layout,
+        max_kv_len=max_kv_len,
+        alloc=meta_output,
+    )
+    bind, names = _binder(layout, ops.split, d_v, kv_pool.shape[1])
+    if layout.csr:
+        planned = bind(q, kv_pool, indptr, table, lens, q_pe=q_pe, kpe_pool=kpe_pool)
     else:
-
-        def bind(q, kv_pool, block_table, cache_seqlens, *, q_pe=None, kpe_pool=None):
-            q_pe, kpe_pool = rope_parts(q, kv_pool, q_pe, kpe_pool)
-            # (Indptr is not read without CSR: any pointer does)
-            return (q, q_pe, kv_pool, kpe_pool, block_table, cache_seqlens, cache_seqlens)
-
-    planned = (
-        bind(q, kv_pool, indptr, table, lens, q_pe=q_pe, kpe_pool=kpe_pool)
-        if layout.csr
-        else bind(q, kv_pool, table, lens, q_pe=q_pe, kpe_pool=kpe_pool)
-    )
-    names = ("q", "q_pe", "kv_pool", "kpe_pool") + (
-        ("kv_indices", "kv_indptr", "kv_lens")
-        if layout.csr
-        else ("block_table", "cache_seqlens", "cache_seqlens")
-    )
+        planned = bind(q, kv_pool, table, lens, q_pe=q_pe, kpe_pool=kpe_pool)
+    names = ("q", "q_pe", "kv_pool", "kpe_pool") + names
     plan = AttentionPlan(template, bind, n_inputs=7, device=q.device, planned=planned, names=names)
     return plan, ops
 
 
-def mla_decode_partial(
-    q: torch.Tensor,
-    kv_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    *,
-    softmax_scale: float,
-    d_v: int = 512,
-    num_splits: int | None = None,
-    check_inputs: bool = True,
-    q_pe: torch.Tensor | None = None,
-    kpe_pool: torch.Tensor | None = None,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial attention of absorbed MLA query rows over a paged cache (the holder's compute, §3.3).
-
-    For query token ``b`` and head ``h``, with ``kv[t]`` the ``t``-th cache entry of token ``b``
-    (``t < cache_seqlens[b]``) and ``s_t = softmax_scale * <q[b, h], kv[t]>``::
-
-        lse[b, h] = log(sum_t exp(s_t))        o[b, h] = sum_t exp(s_t - lse[b, h]) * kv[t, :d_v]
-
-    Parameters
-    ----------
-    q : torch.Tensor
-        Absorbed query rows, shape ``[B, H, d_qk]`` (``d_qk = 576``: ``q_nope @ W_UK`` then the
-        rotated ``q_pe``), bf16 / fp16 / fp32, unit stride on the last dim. With ``q_pe`` given:
-        the latent part only, ``[B, H, d_v]``.
-    kv_pool : torch.Tensor
-        Paged cache, shape ``[num_blocks, block_size, d_qk]``, same dtype as ``q``, unit stride on
-        the last dim; ``block_size`` a power of two (64 in production, 1 for a token pool). Each
-        entry is ``[c_KV (d_v), k_pe (d_qk - d_v)]``, shared by all heads. With ``kpe_pool``
-        given: the latent part only, ``[num_blocks, block_size, d_v]`` (FlashInfer's
-        ``ckv_cache``).
-    block_table : torch.Tensor
-        ``[B, max_blocks]`` int32: token ``t`` of row ``b`` lives at
-        ``kv_pool[block_table[b, t // block_size], t % block_size]``. Entries past a row's
-        length are never read.
-    cache_seqlens : torch.Tensor
-        ``[B]`` int32, entries attended per row, ``0 <= cache_seqlens[b] <= max_blocks *
-        block_size``; 0 gives ``o = 0, lse = -inf``.
-    softmax_scale : float
-        The model's scale, required (DeepSeek with YaRN: ``192**-0.5 * mscale**2``, not
-        ``576**-0.5``).
-    d_v : int
-        Value width, the first ``d_v`` dims of each entry (512). ``d_v`` and ``d_qk - d_v`` must
-        be powers of two >= 16.
-    num_splits : int or None
-        Splits of each row's key axis (split-KV), combined by the merge kernel; None chooses
-        (see the module docstring). 1 writes the output directly.
-    check_inputs : bool
-        Check on the host (one sync) that lengths fit the table and the blocks in use exist;
-        pass False on a hot path (or plan once: :func:`plan_mla_decode`).
-    q_pe : torch.Tensor or None
-        The rope part of the query rows, ``[B, H, d_qk - d_v]``, read in place (FlashInfer's
-        ``q_pe``); then ``q`` is the latent part.
-    kpe_pool : torch.Tensor or None
-        The rope part of the cache, ``[num_blocks, block_size, d_qk - d_v]``, read in place
-        (FlashInfer's ``kpe_cache``); then ``kv_pool`` is the latent part.
-    out : tuple of torch.Tensor or None
-        ``(o, lse)`` written instead of new tensors and returned (FlashInfer's ``out`` /
-        ``lse``): contiguous, of the shapes and dtypes under Returns, on ``q``'s device (a
-        holder reuses one pair per batch shape: no output allocation per call).
-
-    Returns
-    -------
-    o : torch.Tensor
-        ``[B, H, d_v]`` in ``q``'s dtype (accumulated in fp32).
-    lse : torch.Tensor
-        ``[B, H]`` float32, **natural-log** log-sum-exp of the scaled scores; ``-inf`` for an
-        empty row. ``lse_to_base2`` converts to FlashInfer's convention.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from mqnc.triton_kernels import mla_decode_partial
-    >>> q = torch.randn(2, 16, 576)
-    >>> pool = torch.randn(4, 64, 576)
-    >>> table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    >>> lens = torch.tensor([100, 0], dtype=torch.int32)
-    >>> o, lse = mla_decode_partial(q, pool, table, lens, softmax_scale=192**-0.5)
-    >>> o.shape, lse.shape, float(lse[1, 0])
-    (torch.Size([2, 16, 512]), torch.Size([2, 16]), -inf)
-    """
-    if torch.compiler.is_compiling():
-        return written_into(out, torch.ops.mqnc.mla_decode_partial(
-            q, kv_pool, block_table, cache_seqlens, softmax_scale, d_v, num_splits, check_inputs,
-            q_pe, kpe_pool,
-        ))  # fmt: skip
-    plan = plan_mla_decode(
-        q,
-        kv_pool,
-        block_table,
-        cache_seqlens,
-        softmax_scale=softmax_scale,
-        d_v=d_v,
-        num_splits=num_splits,
-        check_inputs=check_inputs,
-        q_pe=q_pe,
-        kpe_pool=kpe_pool,
+def _dense_options(call) -> dict:
+    """The options of a dense op's call, as :func:`checked_plan` takes them."""
+    return dict(
+        softmax_scale=call.softmax_scale,
+        d_v=call.d_v,
+        num_splits=call.num_splits,
+        check_inputs=call.check_inputs,
+        q_pe=call.q_pe,
+        kpe_pool=call.kpe_pool,
     )
-    return plan.run(q, kv_pool, block_table, cache_seqlens, q_pe=q_pe, kpe_pool=kpe_pool, out=out)
 
 
-def plan_mla_decode(
-    q: torch.Tensor,
-    kv_pool: torch.Tensor,
-    block_table: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    *,
-    softmax_scale: float,
-    d_v: int = 512,
-    num_splits: int | None = None,
-    check_inputs: bool = True,
-    q_pe: torch.Tensor | None = None,
-    kpe_pool: torch.Tensor | None = None,
-) -> AttentionPlan:
+@mla_decode_partial.op.planner
+def plan_mla_decode(call) -> AttentionPlan:
     """Plan :func:`mla_decode_partial` once for a batch shape (FlashMLA's ``get_mla_metadata``,
     FlashInfer's ``plan()``): every check and the split choice, on these tensors.
 
@@ -528,132 +442,27 @@ def plan_mla_decode(
     >>> o.shape
     torch.Size([2, 16, 512])
     """
-    return checked_plan(
-        q,
-        kv_pool,
-        block_table,
-        cache_seqlens,
-        None,
-        softmax_scale=softmax_scale,
-        d_v=d_v,
-        num_splits=num_splits,
-        check_inputs=check_inputs,
-        q_pe=q_pe,
-        kpe_pool=kpe_pool,
-        layout=PagedLayout(),
-    )[0]
+    table, lens = call.block_table, call.cache_seqlens
+    options = _dense_options(call)
+    return checked_plan(call.q, call.kv_pool, table, lens, None, **options, layout=PagedLayout())[0]
 
 
-def mla_decode_partial_csr(
-    q: torch.Tensor,
-    kv_pool: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    kv_lens: torch.Tensor | None = None,
-    *,
-    softmax_scale: float,
-    d_v: int = 512,
-    num_splits: int | None = None,
-    check_inputs: bool = True,
-    max_kv_len: int | None = None,
-    q_pe: torch.Tensor | None = None,
-    kpe_pool: torch.Tensor | None = None,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`mla_decode_partial` over a CSR page table (FlashInfer's and SGLang's layout).
-
-    Row ``b``'s pages are ``kv_indices[kv_indptr[b] : kv_indptr[b + 1]]``, in token order;
-    token ``t`` of row ``b`` lives at ``kv_pool[page(t // block_size), t % block_size]``. With
-    ``block_size = 1`` (SGLang's token pool) ``kv_indices`` lists the row's token slots. The
-    kernel reads the table in place (no conversion to a padded table, which would need the
-    longest row on the host).
-
-    Parameters
-    ----------
-    q, kv_pool, softmax_scale, d_v, num_splits, q_pe, kpe_pool, out
-        As in :func:`mla_decode_partial` (``q [B, H, d_qk]``; ``kv_pool [num_pages, block_size,
-        d_qk]``, any power-of-two ``block_size``).
-    kv_indptr : torch.Tensor
-        ``[B + 1]`` int32, contiguous, non-decreasing offsets into ``kv_indices``.
-    kv_indices : torch.Tensor
-        ``[nnz]`` int32 page ids (any stride).
-    kv_lens : torch.Tensor or None
-        ``[B]`` int32 entries attended per row (FlashInfer's ``kv_len_arr``), at most the row's
-        pages times ``block_size``; None: every entry of the row's pages (exact for
-        ``block_size = 1``, or when each row's last page is full).
-    check_inputs : bool
-        Check on the host (one sync) the offsets, lengths and page ids in use.
-    max_kv_len : int or None
-        The longest row, for the split choice (a host int). None: read from ``kv_lens`` when
-        ``check_inputs`` (which syncs anyway), else every page of ``kv_indices`` (an upper bound
-        that may over-split: pass it on a hot path, or plan once with
-        :func:`plan_mla_decode_csr`).
-
-    Returns
-    -------
-    o : torch.Tensor
-        ``[B, H, d_v]`` in ``q``'s dtype.
-    lse : torch.Tensor
-        ``[B, H]`` float32, natural log (``lse_to_base2`` gives FlashInfer's base 2).
-    """
-    if torch.compiler.is_compiling():
-        return written_into(out, torch.ops.mqnc.mla_decode_partial_csr(
-            q, kv_pool, kv_indptr, kv_indices, kv_lens, softmax_scale, d_v, num_splits,
-            check_inputs, max_kv_len, q_pe, kpe_pool,
-        ))  # fmt: skip
-    plan = plan_mla_decode_csr(
-        q,
-        kv_pool,
-        kv_indptr,
-        kv_indices,
-        kv_lens,
-        softmax_scale=softmax_scale,
-        d_v=d_v,
-        num_splits=num_splits,
-        check_inputs=check_inputs,
-        max_kv_len=max_kv_len,
-        q_pe=q_pe,
-        kpe_pool=kpe_pool,
-    )
-    return plan.run(
-        q, kv_pool, kv_indptr, kv_indices, kv_lens, q_pe=q_pe, kpe_pool=kpe_pool, out=out
-    )
-
-
-def plan_mla_decode_csr(
-    q: torch.Tensor,
-    kv_pool: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    kv_lens: torch.Tensor | None = None,
-    *,
-    softmax_scale: float,
-    d_v: int = 512,
-    num_splits: int | None = None,
-    check_inputs: bool = True,
-    max_kv_len: int | None = None,
-    q_pe: torch.Tensor | None = None,
-    kpe_pool: torch.Tensor | None = None,
-) -> AttentionPlan:
+@mla_decode_partial_csr.op.planner
+def plan_mla_decode_csr(call) -> AttentionPlan:
     """Plan :func:`mla_decode_partial_csr` once for a batch shape; ``plan.run(q, kv_pool,
     kv_indptr, kv_indices, kv_lens=None, q_pe=None, kpe_pool=None)`` then launches on tensors of
     the same shapes (``kv_indices`` may hold other pages; the same count), unchecked and
     without a host sync. Pass ``max_kv_len`` (the longest row the plan will see) or keep
     ``check_inputs``: the split choice is made here, once."""
     return checked_plan(
-        q,
-        kv_pool,
-        kv_indices,
-        kv_lens,
-        kv_indptr,
-        softmax_scale=softmax_scale,
-        d_v=d_v,
-        num_splits=num_splits,
-        check_inputs=check_inputs,
-        q_pe=q_pe,
-        kpe_pool=kpe_pool,
+        call.q,
+        call.kv_pool,
+        call.kv_indices,
+        call.kv_lens,
+        call.kv_indptr,
+        **_dense_options(call),
         layout=PagedLayout(csr=True),
-        max_kv_len=max_kv_len,
+        max_kv_len=call.max_kv_len,
     )[0]
 
 

@@ -43,7 +43,6 @@ from mqnc.triton_kernels._mla_launch import (
     split_strides,
     tile_config,
     variant_name,
-    written_into,
 )
 from mqnc.triton_kernels._mla_tile import (
     LOG2E,
@@ -53,6 +52,7 @@ from mqnc.triton_kernels._mla_tile import (
     _store_partial,
 )
 from mqnc.triton_kernels._runtime import bf16_rne_in_software, check_launchable, dot_in_fp32
+from mqnc.triton_kernels.ops import mla_sparse_partial
 
 __all__ = ["mla_sparse_partial", "plan_mla_sparse", "plan_sparse", "sparse_launch"]
 
@@ -155,117 +155,20 @@ def check_index_range(indices: torch.Tensor, pool_tokens: int) -> None:
         )
 
 
-def mla_sparse_partial(
-    q: torch.Tensor,
-    kv_pool: torch.Tensor,
-    indices: torch.Tensor,
-    *,
-    softmax_scale: float,
-    d_v: int = 512,
-    num_splits: int | None = None,
-    check_indices: bool = True,
-    q_pe: torch.Tensor | None = None,
-    kpe_pool: torch.Tensor | None = None,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Partial attention of absorbed MLA query rows over a selected (top-k) set of cache entries.
-
-    For query token ``b`` and head ``h``, over the entries ``j = indices[b, k] >= 0`` of the
-    flattened pool ``kv = kv_pool.reshape(-1, d_qk)``, with ``s_j = softmax_scale *
-    <q[b, h], kv[j]>``::
-
-        lse[b, h] = log(sum_j exp(s_j))        o[b, h] = sum_j exp(s_j - lse[b, h]) * kv[j, :d_v]
-
-    A repeated index is attended as many times as it appears (as the reference does).
-
-    Parameters
-    ----------
-    q : torch.Tensor
-        Absorbed query rows ``[B, H, d_qk]`` (576 for DeepSeek), bf16 / fp16 / fp32, unit
-        stride on the last dim. Any ``H``.
-    kv_pool : torch.Tensor
-        Cache pool ``[num_blocks, block_size, d_qk]``, same dtype as ``q``, unit stride on the
-        last dim, ``block_size`` a power of two (1: a token pool); entry ``j`` of the flattened
-        token axis is ``kv_pool[j // block_size, j % block_size]``. Entries ``[c_KV (d_v),
-        k_pe]``, attended at their canonical positions (no rotation).
-    indices : torch.Tensor
-        ``[B, topk]`` int32 into the flattened token axis; ``-1`` marks an unused slot. A row
-        with no valid index gives ``o = 0, lse = -inf``.
-    softmax_scale : float
-        The model's scale, required (DeepSeek with YaRN: ``192**-0.5 * mscale**2``).
-    d_v : int
-        Value width (512); ``d_v`` and ``d_qk - d_v`` powers of two >= 16.
-    num_splits : int or None
-        Splits of each row's index list (split-KV), combined by the merge kernel; None lets the
-        split / grid policy choose (``_grid.choose_num_splits``: whole waves, at least 64
-        slots per split).
-    check_indices : bool
-        Raise ``ValueError`` on the host (one sync) for an index ``< -1`` or ``>= num_blocks *
-        block_size``; pass False on a hot path (an index past the pool then reads out of bounds,
-        a negative one is read as unused), or plan once (:func:`plan_mla_sparse`).
-    q_pe, kpe_pool : torch.Tensor or None
-        The rope parts of the query rows ``[B, H, d_qk - d_v]`` and of the cache
-        ``[num_blocks, block_size, d_qk - d_v]``, read in place (FlashInfer's split layout); then
-        ``q`` / ``kv_pool`` hold the latent part only, as in
-        :func:`mqnc.triton_kernels.mla_decode.mla_decode_partial`.
-    out : tuple of torch.Tensor or None
-        ``(o, lse)`` written instead of new tensors and returned (FlashInfer's ``out`` /
-        ``lse``): contiguous, of the shapes and dtypes under Returns, on ``q``'s device (a
-        holder reuses one pair per batch shape: no output allocation per call).
-
-    Returns
-    -------
-    o : torch.Tensor
-        ``[B, H, d_v]`` in ``q``'s dtype (accumulated in fp32).
-    lse : torch.Tensor
-        ``[B, H]`` float32, **natural-log** log-sum-exp of the scaled scores; ``-inf`` for a row
-        with no valid index.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from mqnc.triton_kernels import mla_sparse_partial
-    >>> q = torch.randn(1, 16, 576)
-    >>> pool = torch.randn(8, 64, 576)
-    >>> idx = torch.tensor([[5, 300, 77, -1]], dtype=torch.int32)
-    >>> o, lse = mla_sparse_partial(q, pool, idx, softmax_scale=192**-0.5)
-    >>> o.shape, lse.shape
-    (torch.Size([1, 16, 512]), torch.Size([1, 16]))
-    """
-    if torch.compiler.is_compiling():
-        return written_into(out, torch.ops.mqnc.mla_sparse_partial(
-            q, kv_pool, indices, softmax_scale, d_v, num_splits, check_indices, q_pe, kpe_pool
-        ))  # fmt: skip
-    plan = plan_mla_sparse(
-        q,
-        kv_pool,
-        indices,
-        softmax_scale=softmax_scale,
-        d_v=d_v,
-        num_splits=num_splits,
-        check_indices=check_indices,
-        q_pe=q_pe,
-        kpe_pool=kpe_pool,
-    )
-    return plan.run(q, kv_pool, indices, q_pe=q_pe, kpe_pool=kpe_pool, out=out)
-
-
-def plan_mla_sparse(
-    q: torch.Tensor,
-    kv_pool: torch.Tensor,
-    indices: torch.Tensor,
-    *,
-    softmax_scale: float,
-    d_v: int = 512,
-    num_splits: int | None = None,
-    check_indices: bool = True,
-    q_pe: torch.Tensor | None = None,
-    kpe_pool: torch.Tensor | None = None,
-) -> AttentionPlan:
+@mla_sparse_partial.op.planner
+def plan_mla_sparse(call) -> AttentionPlan:
     """Plan :func:`mla_sparse_partial` once for a batch shape: every check and the split choice
     here; ``plan.run(q, kv_pool, indices, q_pe=None, kpe_pool=None)`` then launches on tensors
     of the same shapes, dtypes, strides and device, unchecked and without a host sync (new
     indices each step: the range check ran on the planning call's only)."""
+    q, kv_pool, indices, q_pe, kpe_pool = (
+        call.q,
+        call.kv_pool,
+        call.indices,
+        call.q_pe,
+        call.kpe_pool,
+    )
+    d_v = call.d_v
     ops = mla_operands(q, kv_pool, d_v, q_pe=q_pe, kpe_pool=kpe_pool)
     B = q.shape[0]
     num_blocks, block_size, _ = kv_pool.shape
@@ -277,11 +180,13 @@ def plan_mla_sparse(
             tensors[name] = t
     check_same_device(**tensors)
     check_launchable(q, "q")
-    scale = check_softmax_scale(softmax_scale)
-    check_num_splits(num_splits)
-    if check_indices:
+    scale = check_softmax_scale(call.softmax_scale)
+    check_num_splits(call.num_splits)
+    if call.check_indices:
         check_index_range(indices, num_blocks * block_size)
-    template = plan_sparse(q, kv_pool, indices, scale, d_v, num_splits, ops=ops, alloc=meta_output)
+    template = plan_sparse(
+        q, kv_pool, indices, scale, d_v, call.num_splits, ops=ops, alloc=meta_output
+    )
     split = ops.split
 
     def bind(q, kv_pool, indices, *, q_pe=None, kpe_pool=None):

@@ -1,8 +1,8 @@
-"""The kernels as ``torch.library`` custom ops (namespace ``mqnc``), each with a fake (meta)
-implementation, so that ``torch.compile(fullgraph=True)`` traces a function that calls them.
+"""Every kernel's public signature, written once: each is a ``torch.library`` op (namespace
+``mqnc``), declared here with its docstring and its fake, through the registry of ``_op``.
 
 ==============================  =========================================================
-``torch.ops.mqnc.``             the public function it runs
+``torch.ops.mqnc.``             the public function (declared here; its module runs it)
 ==============================  =========================================================
 ``mla_decode_partial``          :func:`~mqnc.triton_kernels.mla_decode.mla_decode_partial`
 ``mla_decode_partial_csr``      :func:`~mqnc.triton_kernels.mla_decode.mla_decode_partial_csr`
@@ -10,17 +10,22 @@ implementation, so that ``torch.compile(fullgraph=True)`` traces a function that
 ``merge_partials``              :func:`~mqnc.triton_kernels.merge.merge_partials`
 ``merge_partials_into``         :func:`~mqnc.triton_kernels.merge.merge_partials_into` (mutates)
 ``rope_splice``                 :func:`~mqnc.triton_kernels.splice.rope_splice` (mutates its
-                                pools: ``[pool]`` with ``stacked``, or one cache per layer)
+                                pools: ``[pool]`` with ``pool_stacked``, or one per layer)
 ``rope_rotate``                 :func:`~mqnc.triton_kernels.splice.rope_rotate`
 ==============================  =========================================================
 
-The public functions themselves call their op while ``torch.compile`` traces them
-(``torch.compiler.is_compiling()``), so user code calls them as usual; eagerly they run
-directly (no dispatcher round trip). Arguments are the public functions', flattened to what an
-op schema carries: a RoPE spec is ``inv_freq`` (floats), ``rope_dim`` and ``layout``; a splice
-``delta`` is a tensor or, when that is None, an int. The host-syncing checks are the functions'
-own switches (``check_inputs``, ``check_indices``, ``check_lse``, ``validate``): turn them off
-for a graph that is captured (``mode="reduce-overhead"``) or must not sync.
+The public function *is* the op's caller: eager calls and ``torch.compile`` (which traces the
+op through its fake) take one path, and the plans (``plan_mla_decode``, ...) take the same
+signature without ``out``. An op with ``out=`` has a second overload ``.out`` that writes the
+caller's tensors (``out: Tensor[]``) and returns nothing. Arguments that no op schema carries
+are flattened by the registry's codecs: a RoPE spec is ``rope_inv_freq`` (floats),
+``rope_dim`` and ``rope_layout``; a splice or rotation ``delta`` is ``delta_t`` (a tensor or
+None) and ``delta_i`` (the int when ``delta_t`` is None); the splice's ``pool`` is ``pools`` and
+``pool_stacked``. Every op takes a keyword ``backend``: ``"triton"`` (the kernels, the default)
+or ``"torch"`` (the fp64 references of ``mqnc.reference``, registered by
+``mqnc.serving.compute``; ``kernel_ops("torch")`` calls them). The host-syncing checks are the
+functions' own switches (``check_inputs``, ``check_indices``, ``check_lse``, ``validate``): turn
+them off for a graph that is captured (``mode="reduce-overhead"``) or must not sync.
 
 The fakes give outputs their shapes and dtypes without running anything (their strides are
 the contiguous ones the launchers allocate). Registered when ``mqnc.triton_kernels`` is
@@ -29,208 +34,20 @@ imported; registering touches no GPU.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
 import torch
 
-from mqnc.triton_kernels.merge import merge_partials, merge_partials_into
-from mqnc.triton_kernels.mla_decode import mla_decode_partial, mla_decode_partial_csr
-from mqnc.triton_kernels.mla_sparse import mla_sparse_partial
-from mqnc.triton_kernels.splice import PlainRope, rope_rotate, rope_splice
+from mqnc.triton_kernels._op import Codec, OpSet, kernel_op, kernel_op_named, op_set, registered_ops
 
-__all__ = ["OPS"]
-
-_NS = "mqnc"
-Tensor = torch.Tensor
-
-
-def _partial_like(q: Tensor, d_v: int) -> tuple[Tensor, Tensor]:
-    """Fake ``(o [R, H, d_v] in q's dtype, lse [R, H] fp32)``."""
-    R, H = q.shape[:2]
-    return q.new_empty((R, H, d_v)), q.new_empty((R, H), dtype=torch.float32)
-
-
-@torch.library.custom_op(f"{_NS}::mla_decode_partial", mutates_args=())
-def _mla_decode(
-    q: Tensor,
-    kv_pool: Tensor,
-    block_table: Tensor,
-    cache_seqlens: Tensor,
-    softmax_scale: float,
-    d_v: int,
-    num_splits: int | None,
-    check_inputs: bool,
-    q_pe: Tensor | None,
-    kpe_pool: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    return mla_decode_partial(
-        q,
-        kv_pool,
-        block_table,
-        cache_seqlens,
-        softmax_scale=softmax_scale,
-        d_v=d_v,
-        num_splits=num_splits,
-        check_inputs=check_inputs,
-        q_pe=q_pe,
-        kpe_pool=kpe_pool,
-    )
-
-
-@_mla_decode.register_fake
-def _(q, kv_pool, block_table, cache_seqlens, softmax_scale, d_v, num_splits, check, q_pe, kpe):
-    return _partial_like(q, d_v)
-
-
-@torch.library.custom_op(f"{_NS}::mla_decode_partial_csr", mutates_args=())
-def _mla_decode_csr(
-    q: Tensor,
-    kv_pool: Tensor,
-    kv_indptr: Tensor,
-    kv_indices: Tensor,
-    kv_lens: Tensor | None,
-    softmax_scale: float,
-    d_v: int,
-    num_splits: int | None,
-    check_inputs: bool,
-    max_kv_len: int | None,
-    q_pe: Tensor | None,
-    kpe_pool: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    return mla_decode_partial_csr(
-        q,
-        kv_pool,
-        kv_indptr,
-        kv_indices,
-        kv_lens,
-        softmax_scale=softmax_scale,
-        d_v=d_v,
-        num_splits=num_splits,
-        check_inputs=check_inputs,
-        max_kv_len=max_kv_len,
-        q_pe=q_pe,
-        kpe_pool=kpe_pool,
-    )
-
-
-@_mla_decode_csr.register_fake
-def _(q, kv_pool, indptr, indices, lens, scale, d_v, splits, check, max_len, q_pe, kpe):
-    return _partial_like(q, d_v)
-
-
-@torch.library.custom_op(f"{_NS}::mla_sparse_partial", mutates_args=())
-def _mla_sparse(
-    q: Tensor,
-    kv_pool: Tensor,
-    indices: Tensor,
-    softmax_scale: float,
-    d_v: int,
-    num_splits: int | None,
-    check_indices: bool,
-    q_pe: Tensor | None,
-    kpe_pool: Tensor | None,
-) -> tuple[Tensor, Tensor]:
-    return mla_sparse_partial(
-        q,
-        kv_pool,
-        indices,
-        softmax_scale=softmax_scale,
-        d_v=d_v,
-        num_splits=num_splits,
-        check_indices=check_indices,
-        q_pe=q_pe,
-        kpe_pool=kpe_pool,
-    )
-
-
-@_mla_sparse.register_fake
-def _(q, kv_pool, indices, softmax_scale, d_v, num_splits, check_indices, q_pe, kpe_pool):
-    return _partial_like(q, d_v)
-
-
-@torch.library.custom_op(f"{_NS}::merge_partials", mutates_args=())
-def _merge(
-    o: Tensor, lse: Tensor, check_lse: bool, layout: str, base2: bool
-) -> tuple[Tensor, Tensor]:
-    return merge_partials(o, lse, check_lse=check_lse, layout=layout, base2=base2)
-
-
-@_merge.register_fake
-def _(o, lse, check_lse, layout, base2):
-    B, H, D = (
-        (o.shape[1], o.shape[2], o.shape[3])
-        if layout == "MBHD"
-        else (
-            o.shape[0],
-            o.shape[2],
-            o.shape[3],
-        )
-    )
-    return o.new_empty((B, H, D)), lse.new_empty((B, H))
-
-
-@torch.library.custom_op(f"{_NS}::merge_partials_into", mutates_args=("o_acc", "lse_acc"))
-def _merge_into(
-    o_acc: Tensor,
-    lse_acc: Tensor,
-    o_new: Tensor,
-    lse_new: Tensor,
-    check_lse: bool,
-    mask: Tensor | None,
-    base2: bool,
-) -> None:
-    merge_partials_into(o_acc, lse_acc, o_new, lse_new, check_lse=check_lse, mask=mask, base2=base2)
-
-
-@_merge_into.register_fake
-def _(o_acc, lse_acc, o_new, lse_new, check_lse, mask, base2):
-    return None
-
-
-def _delta(delta_t: Tensor | None, delta_i: int):
-    return delta_t if delta_t is not None else delta_i
-
-
-@torch.library.custom_op(f"{_NS}::rope_splice", mutates_args=("pools",))
-def _splice(
-    chunk: Tensor,
-    pools: list[Tensor],
-    stacked: bool,
-    slot_mapping: Tensor,
-    delta_t: Tensor | None,
-    delta_i: int,
-    inv_freq: list[float],
-    rope_dim: int,
-    layout: str,
-    validate: bool,
-) -> None:
-    rope = PlainRope(tuple(inv_freq), rope_dim, layout)
-    pool = pools[0] if stacked else pools
-    rope_splice(chunk, pool, slot_mapping, _delta(delta_t, delta_i), rope, validate=validate)
-
-
-@_splice.register_fake
-def _(chunk, pools, stacked, slot_mapping, delta_t, delta_i, inv_freq, rope_dim, layout, validate):
-    return None
-
-
-@torch.library.custom_op(f"{_NS}::rope_rotate", mutates_args=())
-def _rotate(
-    x: Tensor,
-    delta_t: Tensor | None,
-    delta_i: int,
-    inv_freq: list[float],
-    rope_dim: int,
-    layout: str,
-) -> Tensor:
-    rope = PlainRope(tuple(inv_freq), rope_dim, layout)
-    return rope_rotate(x, _delta(delta_t, delta_i), rope)
-
-
-@_rotate.register_fake
-def _(x, delta_t, delta_i, inv_freq, rope_dim, layout):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-OPS = (
+__all__ = [
+    "OPS",
+    "backend_ops",
+    "register_backend",
+    "RopeFrequencies",
+    "PlainRope",
     "mla_decode_partial",
     "mla_decode_partial_csr",
     "mla_sparse_partial",
@@ -238,4 +55,555 @@ OPS = (
     "merge_partials_into",
     "rope_splice",
     "rope_rotate",
+]
+
+Tensor = torch.Tensor
+Outputs = tuple[Tensor, Tensor]
+
+
+@runtime_checkable
+class RopeFrequencies(Protocol):
+    """What the splice needs of a RoPE specification (``mqnc``'s ``RopeSpec`` has it).
+
+    ``inv_freq``: the ``rope_dim // 2`` frequencies (the model's float32 values) of the pairs;
+    ``rope_dim``: the rotated dims at the end of each entry (64 for DeepSeek), ``2 * a power
+    of two``; ``layout``: ``"interleaved"`` (pairs ``(x0, x1), (x2, x3), ...``, DeepSeek's
+    reference) or ``"half"`` (pairs ``(x_i, x_{i + rope_dim/2})``, Hugging Face's port).
+    """
+
+    inv_freq: Sequence[float]
+    rope_dim: int
+    layout: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainRope:
+    """A :class:`RopeFrequencies` from plain values (what the ops rebuild from their schema)."""
+
+    inv_freq: tuple[float, ...]
+    rope_dim: int
+    layout: str
+
+    def pair_indices(self) -> tuple[list[int], list[int]]:
+        """``(first, second)`` positions of each pair's members (what the references read)."""
+        half = self.rope_dim // 2
+        if self.layout == "interleaved":
+            return [2 * i for i in range(half)], [2 * i + 1 for i in range(half)]
+        return list(range(half)), [i + half for i in range(half)]
+
+
+def _encode_rope(name: str, rope: object) -> tuple:
+    if not isinstance(rope, RopeFrequencies):
+        raise TypeError(
+            f"{name}: expected a RoPE spec with inv_freq, rope_dim and layout (e.g. "
+            f"mqnc's RopeSpec), got {type(rope).__name__}"
+        )
+    dim, layout = rope.rope_dim, rope.layout
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ValueError(f"{name}.rope_dim: expected an even int >= 2, got {dim!r}")
+    if not isinstance(layout, str):
+        raise ValueError(f"{name}.layout: expected 'interleaved' or 'half', got {layout!r}")
+    return [float(f) for f in rope.inv_freq], dim, layout
+
+
+ROPE = Codec(
+    (("_inv_freq", "float[]"), ("_dim", "int"), ("_layout", "str")),
+    _encode_rope,
+    lambda inv_freq, dim, layout: PlainRope(tuple(inv_freq), dim, layout),
 )
+"""A RoPE spec (:class:`RopeFrequencies`) as its frequencies, rope dim and pair layout."""
+
+_INT64 = 2**63
+
+
+def _encode_delta(name: str, delta: object) -> tuple:
+    if isinstance(delta, torch.Tensor):
+        return delta, 0
+    if isinstance(delta, bool) or not isinstance(delta, int):
+        raise TypeError(
+            f"{name}: expected an int or an int64 torch.Tensor, got {type(delta).__name__}"
+        )
+    if not -_INT64 < delta < _INT64:
+        raise ValueError(f"{name}: expected |{name}| <= 2**31 - 1, got {delta}")
+    return None, delta
+
+
+DELTA = Codec(
+    (("_t", "Tensor?"), ("_i", "int")),
+    _encode_delta,
+    lambda t, i: t if t is not None else i,
+)
+"""``int | Tensor`` as a tensor-or-None and an int (read when the tensor is None)."""
+
+
+def _encode_pools(name: str, pool: object) -> tuple:
+    if isinstance(pool, torch.Tensor):
+        return [pool], True
+    if not isinstance(pool, (list, tuple)):
+        raise TypeError(
+            f"{name}: expected a torch.Tensor (or a sequence of one per layer), got "
+            f"{type(pool).__name__}"
+        )
+    for i, p in enumerate(pool):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{name}[{i}]: expected a torch.Tensor, got {type(p).__name__}")
+    return list(pool), False
+
+
+POOLS = Codec(
+    (("s", "Tensor[]"), ("_stacked", "bool")),
+    _encode_pools,
+    lambda pools, stacked: pools[0] if stacked else list(pools),
+)
+"""One stacked tensor or a sequence of tensors (one per layer) as a list and a flag."""
+
+
+def _partial_like(call) -> tuple[Tensor, Tensor]:
+    """Fake ``(o [R, H, d_v] in q's dtype, lse [R, H] fp32)``."""
+    R, H = call.q.shape[:2]
+    return call.q.new_empty((R, H, call.d_v)), call.q.new_empty((R, H), dtype=torch.float32)
+
+
+@kernel_op(fake=_partial_like)
+def mla_decode_partial(
+    q: Tensor,
+    kv_pool: Tensor,
+    block_table: Tensor,
+    cache_seqlens: Tensor,
+    *,
+    softmax_scale: float,
+    d_v: int = 512,
+    num_splits: int | None = None,
+    check_inputs: bool = True,
+    q_pe: Tensor | None = None,
+    kpe_pool: Tensor | None = None,
+    out: Outputs | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Partial attention of absorbed MLA query rows over a paged cache (the holder's compute, §3.3).
+
+    For query token ``b`` and head ``h``, with ``kv[t]`` the ``t``-th cache entry of token ``b``
+    (``t < cache_seqlens[b]``) and ``s_t = softmax_scale * <q[b, h], kv[t]>``::
+
+        lse[b, h] = log(sum_t exp(s_t))        o[b, h] = sum_t exp(s_t - lse[b, h]) * kv[t, :d_v]
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        Absorbed query rows, shape ``[B, H, d_qk]`` (``d_qk = 576``: ``q_nope @ W_UK`` then the
+        rotated ``q_pe``), bf16 / fp16 / fp32, unit stride on the last dim. With ``q_pe`` given:
+        the latent part only, ``[B, H, d_v]``.
+    kv_pool : torch.Tensor
+        Paged cache, shape ``[num_blocks, block_size, d_qk]``, same dtype as ``q``, unit stride on
+        the last dim; ``block_size`` a power of two (64 in production, 1 for a token pool). Each
+        entry is ``[c_KV (d_v), k_pe (d_qk - d_v)]``, shared by all heads. With ``kpe_pool``
+        given: the latent part only, ``[num_blocks, block_size, d_v]`` (FlashInfer's
+        ``ckv_cache``).
+    block_table : torch.Tensor
+        ``[B, max_blocks]`` int32: token ``t`` of row ``b`` lives at
+        ``kv_pool[block_table[b, t // block_size], t % block_size]``. Entries past a row's
+        length are never read.
+    cache_seqlens : torch.Tensor
+        ``[B]`` int32, entries attended per row, ``0 <= cache_seqlens[b] <= max_blocks *
+        block_size``; 0 gives ``o = 0, lse = -inf``.
+    softmax_scale : float
+        The model's scale, required (DeepSeek with YaRN: ``192**-0.5 * mscale**2``, not
+        ``576**-0.5``).
+    d_v : int
+        Value width, the first ``d_v`` dims of each entry (512). ``d_v`` and ``d_qk - d_v`` must
+        be powers of two >= 16.
+    num_splits : int or None
+        Splits of each row's key axis (split-KV), combined by the merge kernel; None chooses
+        (see the module docstring). 1 writes the output directly.
+    check_inputs : bool
+        Check on the host (one sync) that lengths fit the table and the blocks in use exist;
+        pass False on a hot path (or plan once: :func:`plan_mla_decode`).
+    q_pe : torch.Tensor or None
+        The rope part of the query rows, ``[B, H, d_qk - d_v]``, read in place (FlashInfer's
+        ``q_pe``); then ``q`` is the latent part.
+    kpe_pool : torch.Tensor or None
+        The rope part of the cache, ``[num_blocks, block_size, d_qk - d_v]``, read in place
+        (FlashInfer's ``kpe_cache``); then ``kv_pool`` is the latent part.
+    out : tuple of torch.Tensor or None
+        ``(o, lse)`` written instead of new tensors and returned (FlashInfer's ``out`` /
+        ``lse``): contiguous, of the shapes and dtypes under Returns, on ``q``'s device (a
+        holder reuses one pair per batch shape: no output allocation per call).
+
+    Returns
+    -------
+    o : torch.Tensor
+        ``[B, H, d_v]`` in ``q``'s dtype (accumulated in fp32).
+    lse : torch.Tensor
+        ``[B, H]`` float32, **natural-log** log-sum-exp of the scaled scores; ``-inf`` for an
+        empty row. ``lse_to_base2`` converts to FlashInfer's convention.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mqnc.triton_kernels import mla_decode_partial
+    >>> q = torch.randn(2, 16, 576)
+    >>> pool = torch.randn(4, 64, 576)
+    >>> table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    >>> lens = torch.tensor([100, 0], dtype=torch.int32)
+    >>> o, lse = mla_decode_partial(q, pool, table, lens, softmax_scale=192**-0.5)
+    >>> o.shape, lse.shape, float(lse[1, 0])
+    (torch.Size([2, 16, 512]), torch.Size([2, 16]), -inf)
+    """
+
+
+@kernel_op(fake=_partial_like)
+def mla_decode_partial_csr(
+    q: Tensor,
+    kv_pool: Tensor,
+    kv_indptr: Tensor,
+    kv_indices: Tensor,
+    kv_lens: Tensor | None = None,
+    *,
+    softmax_scale: float,
+    d_v: int = 512,
+    num_splits: int | None = None,
+    check_inputs: bool = True,
+    max_kv_len: int | None = None,
+    q_pe: Tensor | None = None,
+    kpe_pool: Tensor | None = None,
+    out: Outputs | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`mla_decode_partial` over a CSR page table (FlashInfer's and SGLang's layout).
+
+    Row ``b``'s pages are ``kv_indices[kv_indptr[b] : kv_indptr[b + 1]]``, in token order;
+    token ``t`` of row ``b`` lives at ``kv_pool[page(t // block_size), t % block_size]``. With
+    ``block_size = 1`` (SGLang's token pool) ``kv_indices`` lists the row's token slots. The
+    kernel reads the table in place (no conversion to a padded table, which would need the
+    longest row on the host).
+
+    Parameters
+    ----------
+    q, kv_pool, softmax_scale, d_v, num_splits, q_pe, kpe_pool, out
+        As in :func:`mla_decode_partial` (``q [B, H, d_qk]``; ``kv_pool [num_pages, block_size,
+        d_qk]``, any power-of-two ``block_size``).
+    kv_indptr : torch.Tensor
+        ``[B + 1]`` int32, contiguous, non-decreasing offsets into ``kv_indices``.
+    kv_indices : torch.Tensor
+        ``[nnz]`` int32 page ids (any stride).
+    kv_lens : torch.Tensor or None
+        ``[B]`` int32 entries attended per row (FlashInfer's ``kv_len_arr``), at most the row's
+        pages times ``block_size``; None: every entry of the row's pages (exact for
+        ``block_size = 1``, or when each row's last page is full).
+    check_inputs : bool
+        Check on the host (one sync) the offsets, lengths and page ids in use.
+    max_kv_len : int or None
+        The longest row, for the split choice (a host int). None: read from ``kv_lens`` when
+        ``check_inputs`` (which syncs anyway), else every page of ``kv_indices`` (an upper bound
+        that may over-split: pass it on a hot path, or plan once with
+        :func:`plan_mla_decode_csr`).
+
+    Returns
+    -------
+    o : torch.Tensor
+        ``[B, H, d_v]`` in ``q``'s dtype.
+    lse : torch.Tensor
+        ``[B, H]`` float32, natural log (``lse_to_base2`` gives FlashInfer's base 2).
+    """
+
+
+@kernel_op(fake=_partial_like)
+def mla_sparse_partial(
+    q: Tensor,
+    kv_pool: Tensor,
+    indices: Tensor,
+    *,
+    softmax_scale: float,
+    d_v: int = 512,
+    num_splits: int | None = None,
+    check_indices: bool = True,
+    q_pe: Tensor | None = None,
+    kpe_pool: Tensor | None = None,
+    out: Outputs | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Partial attention of absorbed MLA query rows over a selected (top-k) set of cache entries.
+
+    For query token ``b`` and head ``h``, over the entries ``j = indices[b, k] >= 0`` of the
+    flattened pool ``kv = kv_pool.reshape(-1, d_qk)``, with ``s_j = softmax_scale *
+    <q[b, h], kv[j]>``::
+
+        lse[b, h] = log(sum_j exp(s_j))        o[b, h] = sum_j exp(s_j - lse[b, h]) * kv[j, :d_v]
+
+    A repeated index is attended as many times as it appears (as the reference does).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        Absorbed query rows ``[B, H, d_qk]`` (576 for DeepSeek), bf16 / fp16 / fp32, unit
+        stride on the last dim. Any ``H``.
+    kv_pool : torch.Tensor
+        Cache pool ``[num_blocks, block_size, d_qk]``, same dtype as ``q``, unit stride on the
+        last dim, ``block_size`` a power of two (1: a token pool); entry ``j`` of the flattened
+        token axis is ``kv_pool[j // block_size, j % block_size]``. Entries ``[c_KV (d_v),
+        k_pe]``, attended at their canonical positions (no rotation).
+    indices : torch.Tensor
+        ``[B, topk]`` int32 into the flattened token axis; ``-1`` marks an unused slot. A row
+        with no valid index gives ``o = 0, lse = -inf``.
+    softmax_scale : float
+        The model's scale, required (DeepSeek with YaRN: ``192**-0.5 * mscale**2``).
+    d_v : int
+        Value width (512); ``d_v`` and ``d_qk - d_v`` powers of two >= 16.
+    num_splits : int or None
+        Splits of each row's index list (split-KV), combined by the merge kernel; None lets the
+        split / grid policy choose (``_grid.choose_num_splits``: whole waves, at least 64
+        slots per split).
+    check_indices : bool
+        Raise ``ValueError`` on the host (one sync) for an index ``< -1`` or ``>= num_blocks *
+        block_size``; pass False on a hot path (an index past the pool then reads out of bounds,
+        a negative one is read as unused), or plan once (:func:`plan_mla_sparse`).
+    q_pe, kpe_pool : torch.Tensor or None
+        The rope parts of the query rows ``[B, H, d_qk - d_v]`` and of the cache
+        ``[num_blocks, block_size, d_qk - d_v]``, read in place (FlashInfer's split layout); then
+        ``q`` / ``kv_pool`` hold the latent part only, as in
+        :func:`mqnc.triton_kernels.mla_decode.mla_decode_partial`.
+    out : tuple of torch.Tensor or None
+        ``(o, lse)`` written instead of new tensors and returned (FlashInfer's ``out`` /
+        ``lse``): contiguous, of the shapes and dtypes under Returns, on ``q``'s device (a
+        holder reuses one pair per batch shape: no output allocation per call).
+
+    Returns
+    -------
+    o : torch.Tensor
+        ``[B, H, d_v]`` in ``q``'s dtype (accumulated in fp32).
+    lse : torch.Tensor
+        ``[B, H]`` float32, **natural-log** log-sum-exp of the scaled scores; ``-inf`` for a row
+        with no valid index.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mqnc.triton_kernels import mla_sparse_partial
+    >>> q = torch.randn(1, 16, 576)
+    >>> pool = torch.randn(8, 64, 576)
+    >>> idx = torch.tensor([[5, 300, 77, -1]], dtype=torch.int32)
+    >>> o, lse = mla_sparse_partial(q, pool, idx, softmax_scale=192**-0.5)
+    >>> o.shape, lse.shape
+    (torch.Size([1, 16, 512]), torch.Size([1, 16]))
+    """
+
+
+def _merged(call) -> tuple[Tensor, Tensor]:
+    """Fake ``(o [B, H, D], lse [B, H])`` of the partials' axis ``layout`` merged away."""
+    o = call.o
+    B = o.shape[1] if call.layout == "MBHD" else o.shape[0]
+    return o.new_empty((B, o.shape[2], o.shape[3])), call.lse.new_empty((B, o.shape[2]))
+
+
+@kernel_op(fake=_merged)
+def merge_partials(
+    o: Tensor,
+    lse: Tensor,
+    *,
+    check_lse: bool = True,
+    out: Outputs | None = None,
+    layout: str = "MBHD",
+    base2: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """Merge M partials over disjoint key subsets into the partial over their union.
+
+    Parameters
+    ----------
+    o : torch.Tensor
+        Partial outputs, shape ``[M, B, H, Dv]`` (``layout="MBHD"``) or ``[B, M, H, Dv]``
+        (``layout="BMHD"``, FlashInfer's ``[T, M, H, D]``), bf16 / fp16 / fp32, any strides.
+        ``M >= 1``, any ``Dv`` (tiled by powers of two with masks).
+    lse : torch.Tensor
+        Log-sum-exp of each partial's scaled scores, ``o``'s shape without ``Dv``, float32;
+        natural log (base 2 with ``base2``). ``-inf`` and ``+inf`` mark an empty partial.
+    check_lse : bool
+        Raise on NaN ``lse`` (one host sync); pass False on a hot path.
+    out : (torch.Tensor, torch.Tensor) or None
+        Write the result into these ``[B, H, Dv]`` (any float dtype: the fp32 accumulator is
+        rounded once to it) and ``[B, H]`` float32 tensors instead of new ones (how split-KV
+        partials are combined straight into the attention kernels' outputs).
+    layout : str
+        Which axis holds the partials: ``"MBHD"`` (the first; this package's convention) or
+        ``"BMHD"`` (the second; FlashInfer's ``merge_states``). A 4-D tensor cannot say which
+        it is, so the axis is never guessed: pass ``"BMHD"`` for FlashInfer-layout tensors
+        (or call ``mqnc.triton_kernels.flashinfer_api.merge_states``).
+    base2 : bool
+        ``lse`` given, and returned, in base 2 (FlashInfer's convention): merged with ``exp2``
+        / ``log2``, no conversion.
+
+    Returns
+    -------
+    o_merged : torch.Tensor
+        ``[B, H, Dv]`` in ``o``'s dtype, accumulated in fp32.
+    lse_merged : torch.Tensor
+        ``[B, H]`` float32, natural log (base 2 with ``base2``); ``-inf`` where every partial
+        was empty (then o = 0).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mqnc.triton_kernels.merge import merge_partials
+    >>> o, lse = torch.randn(3, 2, 16, 512), torch.randn(3, 2, 16)
+    >>> om, lm = merge_partials(o, lse)
+    >>> om.shape, lm.shape
+    (torch.Size([2, 16, 512]), torch.Size([2, 16]))
+    >>> om2, _ = merge_partials(o.transpose(0, 1), lse.transpose(0, 1), layout="BMHD")
+    >>> bool((om2 == om).all())
+    True
+    """
+
+
+@kernel_op(mutates=("o_acc", "lse_acc"))
+def merge_partials_into(
+    o_acc: Tensor,
+    lse_acc: Tensor,
+    o_new: Tensor,
+    lse_new: Tensor,
+    *,
+    check_lse: bool = True,
+    mask: Tensor | None = None,
+    base2: bool = False,
+) -> None:
+    """Two-way in-place merge: ``(o_acc, lse_acc) <- merge((o_acc, lse_acc), (o_new, lse_new))``.
+
+    The form a requester uses while partials stream in: start from an empty state
+    (``o_acc = 0``, ``lse_acc = -inf``) and fold each arriving partial in.
+
+    Parameters
+    ----------
+    o_acc : torch.Tensor
+        Running output ``[B, H, Dv]``, bf16 / fp16 / fp32; overwritten.
+    lse_acc : torch.Tensor
+        Running natural-log LSE ``[B, H]`` float32; overwritten.
+    o_new : torch.Tensor
+        Arriving partial ``[B, H, Dv]``, same dtype as ``o_acc``.
+    lse_new : torch.Tensor
+        Its natural-log LSE ``[B, H]`` float32.
+    check_lse : bool
+        Raise on NaN ``lse`` (one host sync); pass False on a hot path.
+    mask : torch.Tensor or None
+        ``[B]`` bool: merge only the token rows where it is true; the others are left untouched
+        (FlashInfer's ``merge_state_in_place`` mask: a CUDA graph captured for a padded batch
+        skips its padding). None merges every row.
+    base2 : bool
+        Both ``lse`` in base 2 (FlashInfer's convention), ``lse_acc`` updated in base 2.
+    """
+
+
+@kernel_op(mutates=("pool",), codecs=dict(pool=POOLS, delta=DELTA, rope=ROPE), returns="pool")
+def rope_splice(
+    chunk: Tensor,
+    pool: Tensor | Sequence[Tensor],
+    slot_mapping: Tensor,
+    delta: int | Tensor,
+    rope: RopeFrequencies,
+    *,
+    validate: bool = True,
+) -> Tensor | Sequence[Tensor]:
+    """Splice a chunk of all layers into a paged pool, re-homing it by ``delta`` positions.
+
+    One kernel launch for all ``L`` layers (§2.2): token ``t`` of layer ``l`` goes to flattened
+    slot ``slot_mapping[t]`` of layer ``l``'s pool; its first ``d_c`` dims are copied
+    bit-exactly and its last ``d_r`` rope dims rotated by ``R(delta[t])`` in float32 (angles
+    reduced in float64, see the module docstring) and rounded once to the pool dtype.
+
+    Parameters
+    ----------
+    chunk : torch.Tensor
+        ``[L, ct, d_c + d_r]`` (576 = 512 + 64 for DeepSeek), bf16 / fp16 / fp32, unit stride on
+        the last dim; rope dims encoded at the chunk's old positions in ``rope.layout``.
+    pool : torch.Tensor or sequence of torch.Tensor
+        ``[L, num_blocks, block_size, d_c + d_r]``, same dtype and device as ``chunk``, unit
+        stride on the last dim. Written in place at the given slots; other slots untouched.
+        Or one cache per layer, as vLLM and SGLang keep them (a list of ``L`` tensors
+        ``[num_blocks, block_size, d_c + d_r]``, ``[num_blocks, block_size, 1, d_c + d_r]`` or
+        ``[slots, d_c + d_r]``, one shape and strides for all): still one launch, the kernel
+        reading each layer's address from a small table (cached per list of addresses).
+    slot_mapping : torch.Tensor
+        ``[ct]`` int64: slot of each token in the flattened ``[num_blocks * block_size]`` axis
+        (block ``slot // block_size``, offset ``slot % block_size``), the same for every layer.
+        Must be in range and free of duplicates (checked when ``validate``).
+    delta : int or torch.Tensor
+        New minus old position: one int for the whole chunk (a contiguous re-homing), or
+        ``[ct]`` int64, one per token. ``|delta| <= 2**31 - 1``.
+    rope : RopeFrequencies
+        Frequencies and pair layout: any object with ``inv_freq``, ``rope_dim`` and ``layout``
+        (:class:`RopeFrequencies`), e.g. ``mqnc``'s ``RopeSpec``.
+    validate : bool
+        Check slot range, duplicates and delta range (host syncs); pass False on a hot path
+        once the inputs are known good.
+
+    Returns
+    -------
+    torch.Tensor or sequence of torch.Tensor
+        ``pool`` (modified in place).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mqnc.model import RopeSpec
+    >>> from mqnc.triton_kernels.splice import rope_splice
+    >>> rope = RopeSpec.from_preset("deepseek-v2-lite")
+    >>> chunk = torch.randn(27, 55, 576).to(torch.bfloat16)
+    >>> pool = torch.zeros(27, 4, 64, 576, dtype=torch.bfloat16)
+    >>> _ = rope_splice(chunk, pool, torch.arange(64, 119), 1000, rope)
+    >>> torch.equal(pool.view(27, 256, 576)[:, 64:119, :512], chunk[..., :512])
+    True
+    """
+
+
+def _rotated(call) -> Tensor:
+    return torch.empty_like(call.x, memory_format=torch.contiguous_format)
+
+
+@kernel_op(fake=_rotated, codecs=dict(delta=DELTA, rope=ROPE))
+def rope_rotate(x: Tensor, delta: int | Tensor, rope: RopeFrequencies) -> Tensor:
+    """Rotate the rope dims of query (or key) rows by ``R(delta)``; the rest is copied.
+
+    The requester applies this to its absorbed query with the opposite of the holder's offset
+    before routing, so that the holder attends its cache at canonical positions and stays
+    position-oblivious (§3.2): ``<R(-s) q, k(p)> = <q, R(s) k(p)>`` for a chunk the requester
+    sees at offset ``s`` from where the holder cached it.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[..., d_c + d_r]`` (e.g. a query batch ``[B, H, 576]``), bf16 / fp16 / fp32, pairs in
+        ``rope.layout``.
+    delta : int or torch.Tensor
+        One int, or an int64 tensor whose shape is a prefix of ``x.shape[:-1]`` (``[B]`` for
+        ``[B, H, 576]``: one delta per query token) or equal to it.
+    rope : RopeFrequencies
+        As in :func:`rope_splice`.
+
+    Returns
+    -------
+    torch.Tensor
+        Same shape and dtype as ``x``: first ``d_c`` dims bit-identical, last ``d_r`` rotated
+        in float32 and rounded once.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mqnc.model import RopeSpec
+    >>> from mqnc.triton_kernels.splice import rope_rotate
+    >>> q = torch.randn(2, 16, 576)
+    >>> rope_rotate(q, torch.tensor([-5, 7]), RopeSpec.from_preset("deepseek-v2-lite")).shape
+    torch.Size([2, 16, 576])
+    """
+
+
+OPS = registered_ops()
+"""The ops' names (``torch.ops.mqnc.<name>``), in declaration order."""
+
+
+def register_backend(backend: str, implementations: dict) -> None:
+    """Register ``implementations`` (op name -> ``impl(call)``, each taking the op's call: one
+    attribute per declared parameter) as the ops' ``backend`` (how ``mqnc.serving.compute``
+    registers the fp64 references as ``"torch"``). Registering again replaces them."""
+    for name, impl in implementations.items():
+        kernel_op_named(name).implementation(backend)(impl)
+
+
+def backend_ops(backend: str = "triton") -> OpSet:
+    """The ops bound to ``backend``: attribute ``<name>`` is the public function of op
+    ``<name>`` on it (same signature and docstring; for ``"triton"`` the functions of
+    :mod:`mqnc.triton_kernels` themselves)."""
+    return op_set(backend)

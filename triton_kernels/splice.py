@@ -29,10 +29,7 @@ encoding).
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
 
 import torch
 import triton
@@ -42,6 +39,7 @@ from mqnc.triton_kernels._checks import FLOAT_DTYPES, check_same_device, check_t
 from mqnc.triton_kernels._launch import Launch
 from mqnc.triton_kernels._numerics import round_to
 from mqnc.triton_kernels._runtime import bf16_rne_in_software, check_launchable, new_output
+from mqnc.triton_kernels.ops import PlainRope, RopeFrequencies, rope_rotate, rope_splice
 
 __all__ = ["rope_splice", "rope_rotate", "RopeFrequencies", "PlainRope", "splice_launch"]
 
@@ -80,21 +78,6 @@ def _cos_sin(ang, HALF_PI_HI: tl.constexpr, HALF_PI_LO: tl.constexpr, TWO_OVER_P
     c = tl.where((q == 1) | (q == 2), -c, c)
     s = tl.where(q >= 2, -s, s)
     return c, s
-
-
-@runtime_checkable
-class RopeFrequencies(Protocol):
-    """What the splice needs of a RoPE specification (``mqnc``'s ``RopeSpec`` has it).
-
-    ``inv_freq``: the ``rope_dim // 2`` frequencies (the model's float32 values) of the pairs;
-    ``rope_dim``: the rotated dims at the end of each entry (64 for DeepSeek), ``2 * a power
-    of two``; ``layout``: ``"interleaved"`` (pairs ``(x0, x1), (x2, x3), ...``, DeepSeek's
-    reference) or ``"half"`` (pairs ``(x_i, x_{i + rope_dim/2})``, Hugging Face's port).
-    """
-
-    inv_freq: Sequence[float]
-    rope_dim: int
-    layout: str
 
 
 # The token count and a scalar delta vary from call to call: not specialised (delta = 1 or a
@@ -318,37 +301,6 @@ def _launch(*args, layer_offsets=None, layer_unit=1):
     splice_launch(*args, layer_offsets=layer_offsets, layer_unit=layer_unit)()
 
 
-def _rope_args(rope: RopeFrequencies) -> tuple:
-    """A RoPE spec as plain values (what a ``torch.library`` op's schema can carry)."""
-    return [float(f) for f in rope.inv_freq], int(rope.rope_dim), str(rope.layout)
-
-
-def _delta_args(delta) -> tuple:
-    """``(delta tensor or None, delta int)`` for the ops' schemas."""
-    if isinstance(delta, torch.Tensor):
-        return delta, 0
-    return None, delta
-
-
-def _splice_op(chunk, pool, slot_mapping, delta, rope, validate) -> None:
-    """:func:`rope_splice` through its ``torch.library`` op (what ``torch.compile`` traces)."""
-    d_t, d_i = _delta_args(delta)
-    stacked = not isinstance(pool, (list, tuple))
-    pools = [pool] if stacked else list(pool)
-    torch.ops.mqnc.rope_splice(
-        chunk, pools, stacked, slot_mapping, d_t, d_i, *_rope_args(rope), validate
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class PlainRope:
-    """A :class:`RopeFrequencies` from plain values (how the ``torch.library`` ops rebuild one)."""
-
-    inv_freq: tuple[float, ...]
-    rope_dim: int
-    layout: str
-
-
 _LAYER_TABLES: dict[tuple, torch.Tensor] = {}
 _MAX_LAYER_TABLES = 64
 
@@ -428,68 +380,16 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
 
 
-def rope_splice(
-    chunk: torch.Tensor,
-    pool: torch.Tensor | Sequence[torch.Tensor],
-    slot_mapping: torch.Tensor,
-    delta: int | torch.Tensor,
-    rope: RopeFrequencies,
-    *,
-    validate: bool = True,
-) -> torch.Tensor:
-    """Splice a chunk of all layers into a paged pool, re-homing it by ``delta`` positions.
-
-    One kernel launch for all ``L`` layers (§2.2): token ``t`` of layer ``l`` goes to flattened
-    slot ``slot_mapping[t]`` of layer ``l``'s pool; its first ``d_c`` dims are copied
-    bit-exactly and its last ``d_r`` rope dims rotated by ``R(delta[t])`` in float32 (angles
-    reduced in float64, see the module docstring) and rounded once to the pool dtype.
-
-    Parameters
-    ----------
-    chunk : torch.Tensor
-        ``[L, ct, d_c + d_r]`` (576 = 512 + 64 for DeepSeek), bf16 / fp16 / fp32, unit stride on
-        the last dim; rope dims encoded at the chunk's old positions in ``rope.layout``.
-    pool : torch.Tensor or sequence of torch.Tensor
-        ``[L, num_blocks, block_size, d_c + d_r]``, same dtype and device as ``chunk``, unit
-        stride on the last dim. Written in place at the given slots; other slots untouched.
-        Or one cache per layer, as vLLM and SGLang keep them (a list of ``L`` tensors
-        ``[num_blocks, block_size, d_c + d_r]``, ``[num_blocks, block_size, 1, d_c + d_r]`` or
-        ``[slots, d_c + d_r]``, one shape and strides for all): still one launch, the kernel
-        reading each layer's address from a small table (cached per list of addresses).
-    slot_mapping : torch.Tensor
-        ``[ct]`` int64: slot of each token in the flattened ``[num_blocks * block_size]`` axis
-        (block ``slot // block_size``, offset ``slot % block_size``), the same for every layer.
-        Must be in range and free of duplicates (checked when ``validate``).
-    delta : int or torch.Tensor
-        New minus old position: one int for the whole chunk (a contiguous re-homing), or
-        ``[ct]`` int64, one per token. ``|delta| <= 2**31 - 1``.
-    rope : RopeFrequencies
-        Frequencies and pair layout: any object with ``inv_freq``, ``rope_dim`` and ``layout``
-        (:class:`RopeFrequencies`), e.g. ``mqnc``'s ``RopeSpec``.
-    validate : bool
-        Check slot range, duplicates and delta range (host syncs); pass False on a hot path
-        once the inputs are known good.
-
-    Returns
-    -------
-    torch.Tensor or sequence of torch.Tensor
-        ``pool`` (modified in place).
-
-    Examples
-    --------
-    >>> import torch
-    >>> from mqnc.model import RopeSpec
-    >>> from mqnc.triton_kernels.splice import rope_splice
-    >>> rope = RopeSpec.from_preset("deepseek-v2-lite")
-    >>> chunk = torch.randn(27, 55, 576).to(torch.bfloat16)
-    >>> pool = torch.zeros(27, 4, 64, 576, dtype=torch.bfloat16)
-    >>> _ = rope_splice(chunk, pool, torch.arange(64, 119), 1000, rope)
-    >>> torch.equal(pool.view(27, 256, 576)[:, 64:119, :512], chunk[..., :512])
-    True
-    """
-    if torch.compiler.is_compiling():
-        _splice_op(chunk, pool, slot_mapping, delta, rope, validate)
-        return pool
+@rope_splice.op.implementation("triton")
+def _splice(call) -> None:
+    """:func:`rope_splice` on the splice kernel (one launch for all layers)."""
+    chunk, pool, slot_mapping, delta, rope = (
+        call.chunk,
+        call.pool,
+        call.slot_mapping,
+        call.delta,
+        call.rope,
+    )
     check_tensor("chunk", chunk, ndim=3, dtypes=FLOAT_DTYPES, contiguous_last=True)
     L, ct, D = chunk.shape
     _check_rope(rope, D, "chunk")
@@ -520,7 +420,7 @@ def rope_splice(
     device = check_same_device(**tensors)
     check_launchable(chunk, "chunk")
     unit = layer_align(dst, layers) if layers else 1
-    if validate and ct:
+    if call.validate and ct:
         n_slots = num_blocks * block_size
         lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
         if lo < 0 or hi >= n_slots:
@@ -560,43 +460,10 @@ def rope_splice(
     return pool
 
 
-def rope_rotate(x: torch.Tensor, delta: int | torch.Tensor, rope: RopeFrequencies) -> torch.Tensor:
-    """Rotate the rope dims of query (or key) rows by ``R(delta)``; the rest is copied.
-
-    The requester applies this to its absorbed query with the opposite of the holder's offset
-    before routing, so that the holder attends its cache at canonical positions and stays
-    position-oblivious (§3.2): ``<R(-s) q, k(p)> = <q, R(s) k(p)>`` for a chunk the requester
-    sees at offset ``s`` from where the holder cached it.
-
-    Parameters
-    ----------
-    x : torch.Tensor
-        ``[..., d_c + d_r]`` (e.g. a query batch ``[B, H, 576]``), bf16 / fp16 / fp32, pairs in
-        ``rope.layout``.
-    delta : int or torch.Tensor
-        One int, or an int64 tensor whose shape is a prefix of ``x.shape[:-1]`` (``[B]`` for
-        ``[B, H, 576]``: one delta per query token) or equal to it.
-    rope : RopeFrequencies
-        As in :func:`rope_splice`.
-
-    Returns
-    -------
-    torch.Tensor
-        Same shape and dtype as ``x``: first ``d_c`` dims bit-identical, last ``d_r`` rotated
-        in float32 and rounded once.
-
-    Examples
-    --------
-    >>> import torch
-    >>> from mqnc.model import RopeSpec
-    >>> from mqnc.triton_kernels.splice import rope_rotate
-    >>> q = torch.randn(2, 16, 576)
-    >>> rope_rotate(q, torch.tensor([-5, 7]), RopeSpec.from_preset("deepseek-v2-lite")).shape
-    torch.Size([2, 16, 576])
-    """
-    if torch.compiler.is_compiling():
-        d_t, d_i = _delta_args(delta)
-        return torch.ops.mqnc.rope_rotate(x, d_t, d_i, *_rope_args(rope))
+@rope_rotate.op.implementation("triton")
+def _rotate(call) -> torch.Tensor:
+    """:func:`rope_rotate` on the splice kernel (one layer, rows in order)."""
+    x, delta, rope = call.x, call.delta, call.rope
     check_tensor("x", x, dtypes=FLOAT_DTYPES)
     if x.dim() < 1:
         raise ValueError(f"x: expected at least 1 dim, got shape {tuple(x.shape)}")

@@ -3,6 +3,8 @@
 - :mod:`mqnc.reference.merge`: the M-way online-softmax merge, (o, lse) and (o, m, l) forms.
 - :mod:`mqnc.reference.attention`: partial absorbed-MLA attention, dense paged and sparse top-k.
 - :mod:`mqnc.reference.rope`: RoPE encoding at positions, the delta rotation, the splice.
+- :mod:`mqnc.reference.ops`: the kernel ops' ``"torch"`` backend (one implementation per op,
+  from the op's call), registered by ``mqnc.serving.compute``.
 """
 
 from mqnc.reference.attention import (

@@ -1,0 +1,481 @@
+"""The op registry: each kernel's public signature written once, as a ``torch.library`` op.
+
+An op is declared by a Python function with no body (its signature, annotations and
+docstring; ``ops.py`` holds them all) under :func:`kernel_op`, its fake beside it. From that
+one signature the registry makes:
+
+- the schema of ``torch.ops.mqnc.<name>`` (``.default``), with a hidden keyword ``backend``
+  that picks the implementation, and for an op with an ``out=`` parameter a second overload
+  ``.out`` that writes into the caller's tensors and returns nothing (a custom op cannot return
+  an alias of an input). An argument that no schema type carries travels through a
+  :class:`Codec` (a RoPE spec as its frequencies, dim and layout; ``int | Tensor`` as a
+  tensor-or-None and an int; one tensor or a list of them as a list and a flag);
+- the public function, one per backend (:meth:`KernelOp.function`): the declared signature and
+  docstring; it checks each argument's type (a ``TypeError`` naming it), encodes it and calls
+  the op. Eager calls and ``torch.compile`` take that one path (Dynamo traces the op through its
+  fake): there is no ``is_compiling()`` branch anywhere;
+- for an op that plans (:meth:`KernelOp.planner`), the plan function: the same signature
+  without ``out``, returning a plan whose ``run`` launches with no dispatcher work (the hot
+  path); the op's ``"triton"`` implementation is then the plan and its run.
+
+Implementations are registered per backend: ``"triton"``, the launchers (each kernel's
+module); ``"torch"``, the fp64 references (``mqnc.reference.ops``, registered by
+``mqnc.serving.compute``, a higher layer, when it is imported). Every implementation and fake
+takes one argument, the :class:`Call` (one attribute per declared parameter, decoded), so none
+of them writes the signature again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import types
+import typing
+from collections.abc import Callable
+
+import torch
+
+__all__ = [
+    "Call",
+    "Codec",
+    "KernelOp",
+    "OpSet",
+    "check_out",
+    "kernel_op",
+    "op_set",
+    "registered_ops",
+    "kernel_op_named",
+    "written_into",
+]
+
+NAMESPACE = "mqnc"
+DEFAULT_BACKEND = "triton"
+_LIB = torch.library.Library(NAMESPACE, "DEF")
+_REGISTRY: dict[str, KernelOp] = {}
+
+Call = types.SimpleNamespace
+"""What an implementation receives: one attribute per declared parameter (``out``: the
+caller's tensors as a tuple, or None)."""
+
+_SCALARS = {torch.Tensor: "Tensor", int: "int", float: "float", bool: "bool", str: "str"}
+_NAMES = {
+    torch.Tensor: "a torch.Tensor",
+    int: "an int",
+    float: "a float",
+    bool: "a bool",
+    str: "a str",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """How an argument that no schema type carries travels through an op.
+
+    ``fields``: ``(suffix, schema type)`` of the schema arguments it becomes (named
+    ``<parameter><suffix>``); ``encode(name, value)`` gives their values (and raises the
+    ``TypeError`` naming the argument for a value it cannot carry); ``decode(*values)`` gives
+    back what the implementations receive."""
+
+    fields: tuple[tuple[str, str], ...]
+    encode: Callable[[str, object], tuple]
+    decode: Callable[..., object]
+
+
+def _optional(tp) -> object | None:
+    """``X`` for ``X | None``, else None."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 2:
+        if type(None) in args:
+            return args[0] if args[1] is type(None) else args[1]
+    return None
+
+
+def _schema_type(tp) -> str:
+    inner = _optional(tp)
+    if inner is not None:
+        return _schema_type(inner) + "?"
+    if typing.get_origin(tp) is list:
+        return _schema_type(typing.get_args(tp)[0]) + "[]"
+    if tp in _SCALARS:
+        return _SCALARS[tp]
+    raise TypeError(f"no schema type for {tp!r}: give the parameter a Codec")
+
+
+def _checker(name: str, tp) -> Callable[[object], object]:
+    """The caller's check of one argument against its annotation: the value the schema takes,
+    or a ``TypeError`` naming the argument (bools are coerced: any truthy value is True)."""
+    inner = _optional(tp)
+    base = inner if inner is not None else tp
+    want = ("None or " if inner is not None else "") + _NAMES[base]
+
+    def bad(value):
+        raise TypeError(f"{name}: expected {want}, got {type(value).__name__}")
+
+    if base is bool:
+        return bool
+    if base is float:
+
+        def check(value):
+            if value is None and inner is not None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                bad(value)
+            return float(value)
+
+        return check
+    exact = (int,) if base is int else (base,)
+
+    def check(value):
+        if value is None and inner is not None:
+            return None
+        if not isinstance(value, exact) or (base is int and isinstance(value, bool)):
+            bad(value)
+        return value
+
+    return check
+
+
+@dataclasses.dataclass(frozen=True)
+class _Param:
+    """One declared parameter: its schema arguments and how a value becomes them (``check``
+    for a plain one, ``codec`` for one that no schema type carries)."""
+
+    name: str
+    kwonly: bool
+    default: object
+    fields: tuple[tuple[str, str], ...]  # (schema name, schema type)
+    check: Callable[[object], object] | None
+    codec: Codec | None
+    tensor: bool  # a Tensor or Tensor | None: what a plan's run takes
+
+    def encode(self, value) -> tuple:
+        if self.codec is not None:
+            return self.codec.encode(self.name, value)
+        return (self.check(value),)
+
+
+def _param(p: inspect.Parameter, tp, codec: Codec | None, mutated: bool) -> _Param:
+    if codec is not None:
+        fields, check = tuple((p.name + s, t) for s, t in codec.fields), None
+    else:
+        fields, check = ((p.name, _schema_type(tp)),), _checker(p.name, tp)
+    if mutated:  # (the alias letters are given per schema: see _schema)
+        fields = tuple((n, t.replace("Tensor", "Tensor(!)", 1)) for n, t in fields)
+    tensor = codec is None and (tp is torch.Tensor or _optional(tp) is torch.Tensor)
+    kwonly = p.kind is inspect.Parameter.KEYWORD_ONLY
+    return _Param(p.name, kwonly, p.default, fields, check, codec, tensor)
+
+
+def _schema_default(value: object) -> str:
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)
+
+
+def _schema(params: list[_Param], extra_kwonly: list[str], returns: str) -> str:
+    pos, kw = [], []
+    for p in params:
+        for name, tp in p.fields:
+            text = f"{tp} {name}"
+            if p.default is not inspect.Parameter.empty and p.codec is None:
+                text += f"={_schema_default(p.default)}"
+            (kw if p.kwonly else pos).append(text)
+    kw += extra_kwonly
+    text = "(" + ", ".join(pos + (["*"] + kw if kw else [])) + f") -> {returns}"
+    letters = iter("abcdefghijklmnopqrstuvwxyz")
+    return re.sub(r"\(!\)", lambda _: f"({next(letters)}!)", text)
+
+
+def _returns(tp) -> str:
+    if tp is None or tp is type(None):
+        return "()"
+    if typing.get_origin(tp) is tuple:
+        return "(" + ", ".join(_schema_type(t) for t in typing.get_args(tp)) + ")"
+    return _schema_type(tp)
+
+
+def check_out(out: object) -> tuple[torch.Tensor, ...]:
+    """``out=`` as the ops take it: a tuple (or list) of two tensors, ``(o, lse)``."""
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(
+            f"out: expected a tuple (o, lse) of two tensors (a pair), got {type(out).__name__}"
+        )
+    for i, t in enumerate(out):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"out[{i}]: expected a torch.Tensor, got {type(t).__name__}")
+    return tuple(out)
+
+
+def written_into(out, result: tuple[torch.Tensor, ...]):
+    """``result`` copied into ``out`` and ``out`` returned when one is given (``result`` when
+    not): the ``out=`` of an implementation that returns new tensors (the fp64 references).
+    ``out`` must match the results' shapes, dtypes and device (as a plan's ``run`` requires of
+    its ``out``): nothing is broadcast or cast. A result that is its ``out`` tensor already (a
+    kernel wrote it in place) is not copied."""
+    if out is None:
+        return result
+    out = check_out(out)
+    for name, t, r in zip(("out[0] (o)", "out[1] (lse)"), out, result, strict=True):
+        if t is r:
+            continue
+        if t.shape != r.shape or t.dtype != r.dtype or t.device != r.device:
+            raise ValueError(
+                f"{name}: expected shape {tuple(r.shape)}, {r.dtype} on {r.device}, got shape "
+                f"{tuple(t.shape)}, {t.dtype} on {t.device}"
+            )
+        t.copy_(r)
+    return out
+
+
+def _generated(name: str, signature: inspect.Signature, run, doc: str | None, module: str):
+    """A function ``name`` with exactly ``signature`` (Python binds the arguments: a missing or
+    unknown one is the usual ``TypeError``) that returns ``run(values)`` (or ``run(values,
+    out)``), ``values`` the arguments in declared order without ``out``."""
+    parts, ns, star = [], {"_run": run}, False
+    for p in signature.parameters.values():
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        if p.default is inspect.Parameter.empty:
+            parts.append(p.name)
+        else:
+            ns[f"_d_{p.name}"] = p.default
+            parts.append(f"{p.name}=_d_{p.name}")
+    names = [n for n in signature.parameters if n != "out"]
+    out = ", out" if "out" in signature.parameters else ""
+    source = f"def {name}({', '.join(parts)}):\n    return _run(({', '.join(names)},){out})\n"
+    exec(compile(source, f"<mqnc op {name}>", "exec"), ns)  # noqa: S102  (a signature, no input)
+    fn = ns[name]
+    fn.__doc__, fn.__module__, fn.__qualname__ = doc, module, name
+    fn.__signature__ = signature
+    return fn
+
+
+class KernelOp:
+    """One op: its declared signature, schema, fake and implementations by backend.
+
+    Made by :func:`kernel_op` from the declaration; ``fake(call)`` gives the outputs' shapes
+    and dtypes (None: the op returns nothing); ``mutates``: the parameters it writes in place;
+    ``codecs``: parameter -> :class:`Codec`; ``returns``: the parameter whose argument the
+    function returns (the op itself then returns nothing: ``rope_splice`` returns its pool)."""
+
+    def __init__(self, declaration, *, fake=None, mutates=(), codecs=None, returns=None):
+        self.name = name = declaration.__name__
+        self.declaration = declaration
+        self.signature = inspect.signature(declaration)
+        hints = typing.get_type_hints(declaration)
+        codecs = codecs or {}
+        self.params = tuple(
+            _param(p, hints[p.name], codecs.get(p.name), p.name in mutates)
+            for p in self.signature.parameters.values()
+            if p.name != "out"
+        )
+        self.has_out = "out" in self.signature.parameters
+        self._fake = fake
+        self._returns = returns
+        self._impls: dict[str, Callable[[Call], object]] = {}
+        self._functions: dict[str, Callable] = {}
+        self._defaults = {"backend": DEFAULT_BACKEND, "out": None}
+        for p in self.params:
+            if p.codec is None and p.default is not inspect.Parameter.empty:
+                self._defaults[p.fields[0][0]] = p.default
+        self._names = [n for p in self.params for n, _ in p.fields]
+        self._coded = [p for p in self.params if p.codec is not None]
+        backend = f'str backend="{DEFAULT_BACKEND}"'
+        ret = "()" if returns else _returns(hints.get("return"))
+        _LIB.define(name + _schema(list(self.params), [backend], ret))
+        _LIB.impl(name, self._kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{NAMESPACE}::{name}", self._fake_kernel, lib=_LIB)
+        self.op = getattr(torch.ops.mqnc, name).default
+        self.out_op = None
+        if self.has_out:
+            _LIB.define(
+                f"{name}.out" + _schema(list(self.params), ["Tensor(!)[] out", backend], "()")
+            )
+            _LIB.impl(f"{name}.out", self._out_kernel, "CompositeExplicitAutograd")
+            torch.library.register_fake(f"{NAMESPACE}::{name}.out", _no_outputs, lib=_LIB)
+            self.out_op = getattr(torch.ops.mqnc, name).out
+
+    # -- the dispatcher's side: the schema's arguments back to a Call -----------------------
+
+    def _call(self, args: tuple, kwargs: dict) -> tuple[Call, str]:
+        values = dict(self._defaults)
+        values.update(zip(self._names, args, strict=False))  # (trailing defaults: filled)
+        values.update(kwargs)
+        backend, out = values.pop("backend"), values.pop("out")
+        for p in self._coded:
+            values[p.name] = p.codec.decode(*(values.pop(n) for n, _ in p.fields))
+        if self.has_out:
+            values["out"] = None if out is None else tuple(out)
+        return Call(**values), backend
+
+    def _impl(self, backend: str):
+        impl = self._impls.get(backend)
+        if impl is None:
+            raise ValueError(
+                f"backend: expected one of {tuple(self._impls)} for {self.name} (the torch "
+                f"backend registers when mqnc.serving.compute is imported), got {backend!r}"
+            )
+        return impl
+
+    def _kernel(self, *args, **kwargs):
+        call, backend = self._call(args, kwargs)
+        result = self._impl(backend)(call)
+        return None if self._returns else result
+
+    def _out_kernel(self, *args, **kwargs) -> None:
+        call, backend = self._call(args, kwargs)
+        result = self._impl(backend)(call)
+        if result is not None:  # (an implementation that made new tensors: copied in, checked)
+            written_into(call.out, result)
+
+    def _fake_kernel(self, *args, **kwargs):
+        if self._fake is None:
+            return None
+        return self._fake(self._call(args, kwargs)[0])
+
+    # -- the caller's side: the public function of one backend -----------------------------
+
+    def _encoded(self, values: tuple) -> tuple[list, dict]:
+        """The schema's positional and keyword arguments (keyword-only ones left at their
+        defaults are left out: the dispatcher and :meth:`_call` fill them in)."""
+        args, kwargs = [], {}
+        for p, v in zip(self.params, values, strict=True):
+            if p.codec is not None:
+                encoded = p.codec.encode(p.name, v)
+                if p.kwonly:
+                    kwargs.update(zip((n for n, _ in p.fields), encoded, strict=True))
+                else:
+                    args.extend(encoded)
+            elif not p.kwonly:
+                args.append(p.check(v))
+            elif v is not p.default:
+                kwargs[p.name] = p.check(v)
+        return args, kwargs
+
+    def _caller(self, backend: str):
+        returns = None
+        if self._returns is not None:
+            returns = [p.name for p in self.params].index(self._returns)
+
+        def run(values, out=None):
+            args, kwargs = self._encoded(values)
+            kwargs["backend"] = backend
+            if out is not None:
+                out = check_out(out)
+                self.out_op(*args, out=list(out), **kwargs)
+                return out
+            result = self.op(*args, **kwargs)
+            return result if returns is None else values[returns]
+
+        return run
+
+    def function(self, backend: str = DEFAULT_BACKEND) -> Callable:
+        """The public function that runs this op on ``backend`` (one object per backend)."""
+        fn = self._functions.get(backend)
+        if fn is None:
+            module = self.declaration.__module__
+            doc = self.declaration.__doc__
+            fn = _generated(self.name, self.signature, self._caller(backend), doc, module)
+            fn.op = self
+            self._functions[backend] = fn
+        return fn
+
+    def implementation(self, backend: str):
+        """Decorator: ``impl(call)`` runs this op on ``backend``. The triton implementation's
+        module becomes the public function's ``__module__`` (where it is documented and its
+        docstring examples run)."""
+
+        def register(impl):
+            self._impls[backend] = impl
+            if backend == DEFAULT_BACKEND:
+                self.function().__module__ = impl.__module__
+            return impl
+
+        return register
+
+    def planner(self, build):
+        """Decorator: ``build(call) -> plan`` plans this op (every check, the split choice);
+        returns the plan function (this op's signature without ``out``, ``build``'s name and
+        docstring). The op's triton implementation becomes ``build(call).run(<the tensor
+        arguments, keyword-only ones by keyword>, out=call.out)``."""
+        pos = [p.name for p in self.params if p.tensor and not p.kwonly]
+        kw = [p.name for p in self.params if p.tensor and p.kwonly]
+
+        def plan(values):
+            call = {}
+            for p, v in zip(self.params, values, strict=True):
+                call[p.name] = p.check(v) if p.codec is None else p.codec.decode(*p.encode(v))
+            return build(Call(**call))
+
+        def run(call):
+            tensors = {n: getattr(call, n) for n in kw}
+            return build(call).run(*(getattr(call, n) for n in pos), **tensors, out=call.out)
+
+        self.implementation(DEFAULT_BACKEND)(run)
+        self.function().__module__ = build.__module__
+        params = [p for p in self.signature.parameters.values() if p.name != "out"]
+        sig = self.signature.replace(
+            parameters=params, return_annotation=inspect.signature(build).return_annotation
+        )
+        return _generated(build.__name__, sig, plan, build.__doc__, build.__module__)
+
+
+def _no_outputs(*args, **kwargs) -> None:
+    return None
+
+
+def kernel_op(*, fake=None, mutates=(), codecs=None, returns=None):
+    """Declare an op from a function's signature (see :class:`KernelOp`); returns its public
+    function (the ``"triton"`` backend's), whose ``.op`` is the :class:`KernelOp`."""
+
+    def declare(declaration):
+        kop = KernelOp(declaration, fake=fake, mutates=mutates, codecs=codecs, returns=returns)
+        _REGISTRY[kop.name] = kop
+        return kop.function()
+
+    return declare
+
+
+def kernel_op_named(name: str) -> KernelOp:
+    """The declared op ``name`` (a ``ValueError`` naming the declared ones otherwise)."""
+    kop = _REGISTRY.get(name)
+    if kop is None:
+        raise ValueError(f"op: expected one of {tuple(_REGISTRY)}, got {name!r}")
+    return kop
+
+
+def registered_ops() -> tuple[str, ...]:
+    """The names of the declared ops (``torch.ops.mqnc.<name>``), in declaration order."""
+    return tuple(_REGISTRY)
+
+
+class OpSet:
+    """The ops bound to one backend: attribute ``<name>`` is that op's public function on it
+    (for ``"triton"``, the very functions of :mod:`mqnc.triton_kernels`)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+
+    def __getattr__(self, name: str):
+        kop = _REGISTRY.get(name)
+        if kop is None:
+            raise AttributeError(f"no kernel op {name!r} (ops: {', '.join(_REGISTRY)})")
+        return kop.function(self.backend)
+
+    def __dir__(self):
+        return [*super().__dir__(), *_REGISTRY]
+
+    def __repr__(self) -> str:
+        return f"OpSet({self.backend!r}: {', '.join(_REGISTRY)})"
+
+
+_OP_SETS: dict[str, OpSet] = {}
+
+
+def op_set(backend: str = DEFAULT_BACKEND) -> OpSet:
+    """The :class:`OpSet` of ``backend`` (one object per backend)."""
+    if backend not in _OP_SETS:
+        _OP_SETS[backend] = OpSet(backend)
+    return _OP_SETS[backend]
