@@ -177,3 +177,35 @@ def test_fit_host_recovers_fixed_and_per_row_costs():
     assert fit_host([(1, 10.0, 100.0), (16, 12.0, 100.0)]).fixed_us == 0.0  # clamped, not < 0
     with pytest.raises(ValueError, match="triples"):
         fit_host([(1, 2.0)])
+
+
+def test_fit_route_is_the_fit_or_the_fixed_part_when_it_fails():
+    """The fit every calibration shares (``mqnc calibrate``, the demo's, the HF session's):
+    the affine fit's terms (turnaround clamped at 0); when the fit fails, the smallest round
+    trip less the probe and, when the bulk rate is known, less its rows' bytes at that rate."""
+    from mqnc.cost import fit, fit_route
+
+    q_p = GEOM.qp_row_bytes
+    probes = [10.0, 12.0, 11.0]
+    law = [(m, 11.0 + 4.0 + m * q_p / (2.0 * 1e3)) for m in (64, 512, 2048)]
+    rf = fit_route(law, probes, qp_row_bytes=q_p)
+    res = fit(law, qp_row_bytes=q_p, probe_us=probes)
+    assert rf.fit == res and rf.error is None
+    assert (rf.t_probe_us, rf.bw_gbps, rf.turnaround_us) == (11.0, res.bw_gbps, res.turnaround_us)
+    assert rf.fabric("f") == res.to_fabric("f")
+    below = [(m, t - 20.0) for m, t in law]  # intercept below the probe: turnaround 0
+    assert fit_route(below, probes, qp_row_bytes=q_p).turnaround_us == 0.0
+
+    flat = [(16, 40.0), (64, 39.0), (256, 38.5)]  # no growth: the fit refuses
+    with pytest.raises(ValueError, match="does not grow"):
+        fit_route(flat, probes, qp_row_bytes=q_p, strict=True)
+    rf = fit_route(flat, probes, qp_row_bytes=q_p)
+    assert rf.fit is None and "does not grow" in rf.error
+    assert rf.terms() == dict(t_probe_us=11.0, turnaround_us=38.5 - 11.0)
+    with pytest.raises(ValueError, match="bw_gbps: the route fit failed"):
+        rf.fabric("f")
+    rf = fit_route(flat, probes, qp_row_bytes=q_p, bulk_bw_gbps=50.0)
+    fixed = min(t - m * q_p / 50e3 for m, t in flat)
+    assert rf.terms() == dict(t_probe_us=11.0, turnaround_us=fixed - 11.0, bw_gbps=50.0)
+    fab = rf.fabric("f", source="s")
+    assert (fab.t_probe_us, fab.bw_gbps, fab.turnaround_us) == (11.0, 50.0, fixed - 11.0)

@@ -45,7 +45,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from mqnc.cost import MEASURED_TERMS, FabricProfile, MachineProfile, SpliceProfile, fit
+from mqnc.cost import MEASURED_TERMS, FabricProfile, MachineProfile, SpliceProfile, fit_route
 from mqnc.demo.config import LANES, DemoConfig
 from mqnc.demo.profile import COMPUTE_TERMS, DEMO_TERMS, LoadedProfile
 from mqnc.demo.waves import RouteConstants, WaveCall, predict_wave
@@ -360,19 +360,13 @@ class _Measure:
                     alone.append(rec.transfer_us)
         samples = [(tokens * g.heads, _median(rts[tokens])) for tokens in sizes]
         self.samples["route_rows_us"] = {tokens * g.heads: rts[tokens] for tokens in sizes}
-        probe = _median(self.probes)
-        try:
-            res = fit(samples, qp_row_bytes=g.qp_row_bytes, probe_us=self.probes)
-            self.fit = res.to_dict()
-            return dict(
-                t_probe_us=probe, bw_gbps=res.bw_gbps, turnaround_us=max(res.turnaround_us, 0.0)
-            )
-        except ValueError as exc:
-            # decode-sized rows on a fast local link are all fixed cost (the slope drowns in
-            # noise): the fixed part is the smallest route less the probe, BW the bulk pull's
-            self.fit_error = str(exc)
-            fixed = min(t for _m, t in samples)
-            return dict(t_probe_us=probe, turnaround_us=max(fixed - probe, 0.0))
+        # the fit every calibration shares; when it fails (decode-sized rows on a fast local
+        # link are all fixed cost) the fixed part is the smallest route less the probe, and BW
+        # the bulk pull's (measured below)
+        rf = fit_route(samples, self.probes, qp_row_bytes=g.qp_row_bytes)
+        self.fit = None if rf.fit is None else rf.fit.to_dict()
+        self.fit_error = rf.error
+        return rf.terms()
 
     # -- the routed call's two sides: waves batched as the run batches ---------------------------
     def _wave(self, sparse: bool, holders: list[int]) -> list:

@@ -15,7 +15,7 @@ from mqnc.cost import (
     MachineProfile,
     Request,
     decide,
-    fit,
+    fit_route,
     load_fabric,
     t_local,
 )
@@ -86,18 +86,15 @@ def measure_constants(
     merge_us = (time.perf_counter() - t0) * 1e6
     fit_error = None
     if fabric is None:
-        try:
-            fitted = fit(samples, qp_row_bytes=g.qp_row_bytes, probe_us=probe)
-            fabric = fitted.to_fabric("this-machine (mqnc hf calibration)")
-        except ValueError as exc:  # decode-sized rows on a fast link: all fixed cost
-            fit_error = str(exc)
-            p50 = sorted(probe)[len(probe) // 2]
-            fixed = min(t for m, t in samples if m == g.heads)
-            fabric = FabricProfile(
+        # the fit every calibration shares; decode-sized rows on a fast link are all fixed
+        # cost, and then the rows move at the bulk pull's rate
+        rf = fit_route(samples, probe, qp_row_bytes=g.qp_row_bytes, bulk_bw_gbps=bulk_bw)
+        fit_error = rf.error
+        if rf.fit is not None:
+            fabric = rf.fabric("this-machine (mqnc hf calibration)")
+        else:
+            fabric = rf.fabric(
                 "this-machine (mqnc hf calibration, route BW from the bulk pull)",
-                t_probe_us=p50,
-                bw_gbps=bulk_bw,
-                turnaround_us=max(fixed - p50 - g.heads * g.qp_row_bytes / (bulk_bw * 1e3), 0),
                 source="mqnc hf calibration",
             )
         fabric = dataclasses.replace(fabric, bulk_bw_gbps=bulk_bw)

@@ -4,11 +4,13 @@ runs.
 A short probe + route sweep on one transport (the echo fabric of :mod:`mqnc.measure.echo`:
 rank 0 here, one echo holder; ``sig_rt`` and ``full_rt`` exactly as ``perf/bench_route.py``
 times them, :func:`mqnc.measure.sweep.route_sweep`), a fit of ``(T_probe, BW, turnaround)``
-with :func:`mqnc.cost.fit` (the probe is the measured ``sig_rt``; ``BW`` the large-``M_q``
-slope; turnaround = intercept - probe), and a :class:`~mqnc.cost.FabricProfile` that
-``mqnc predict --fabric FILE``, the predicate and the demo (``--profile FILE``) load. Unless
-``bulk_tokens`` is None, one contiguous all-layer chunk pull is timed too and its rate stored as
-``bulk_bw_gbps`` (fetch's ``T_pull``), so that the profile prices fetch on the same machine.
+with :func:`mqnc.cost.fit_route` (the fit every calibration shares: :func:`mqnc.cost.fit`;
+the probe is the measured ``sig_rt``; ``BW`` the large-``M_q`` slope; turnaround = intercept -
+probe), and a :class:`~mqnc.cost.FabricProfile` that ``mqnc calibrate`` writes as a machine
+profile and ``mqnc predict --fabric FILE``, the predicate and the demo (``--profile FILE``)
+load. Unless ``bulk_tokens`` is None, one contiguous all-layer chunk pull is timed too and its
+rate stored as ``bulk_bw_gbps`` (fetch's ``T_pull``), so that the profile prices fetch on the
+same machine.
 
 Then the package's own path (its host software is part of a route's cost): a real
 :class:`~mqnc.serving.Requester` routes to a real :class:`~mqnc.serving.Holder` (its kernel stubbed:
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from mqnc.base.checks import check_int
 from mqnc.base.runtime import device_name
-from mqnc.cost import FabricProfile, FitResult, fit, fit_host
+from mqnc.cost import FabricProfile, FitResult, fit_host, fit_route
 from mqnc.measure.echo import HDR, OP_CHUNK, EchoFabric, Unavailable
 from mqnc.measure.sweep import route_sweep
 from mqnc.measure.timing import one_intra_op_thread, time_fn, time_interleaved
@@ -96,13 +98,15 @@ def calibrate(
         transport, g, m_qs, reps, warmup, bulk_tokens, results=results, progress=progress,
         host=host,
     )  # fmt: skip
-    res = fit(route, qp_row_bytes=g.qp_row_bytes, probe_us=probe, fit_min_rows=fit_min_rows)
+    rf = fit_route(
+        route, [probe], qp_row_bytes=g.qp_row_bytes, fit_min_rows=fit_min_rows, strict=True
+    )
     dev = device_name()
     extra = {} if bulk is None else {"bulk_bw_gbps": bulk[0] / (bulk[1] * 1e-6) / 1e9}
     if host_pts:
         h = fit_host(host_pts)
         extra.update(host_fixed_us=h.fixed_us, host_per_row_us=h.per_row_us)
-    profile = res.to_fabric(
+    profile = rf.fabric(
         name or f"{transport}@{dev}",
         description=f"{transport} echo fabric on {dev} (host-side put + signal, §3.2 sig_rt / "
         f"full_rt), {g.name} rows q+p = {g.qp_row_bytes} B",
@@ -113,7 +117,7 @@ def calibrate(
         **extra,
     )
     raw = {"probe_us": probe, "route": route, "bulk": bulk, "host": host_pts}
-    return profile, res, raw
+    return profile, rf.fit, raw
 
 
 def _measure(transport, g: MLAGeometry, m_qs, reps, warmup, bulk_tokens, *, results, progress,
