@@ -158,7 +158,7 @@ class Pair:
 def pair(request):
     why = unavailable(request.param)
     if why is not None:
-        pytest.skip(why)
+        pytest.skip(f"transport {why}")
     p = Pair(request.param)
     yield p
     p.close()

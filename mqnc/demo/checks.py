@@ -10,6 +10,7 @@ import os
 
 from mqnc.demo.config import DemoConfig
 from mqnc.demo.profile import LoadedProfile, load_profile
+from mqnc.transport import ENGINES, names
 
 __all__ = ["Prepared", "make_out", "prepare"]
 
@@ -47,14 +48,17 @@ def prepare(cfg: DemoConfig) -> Prepared:
             f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); use --device cpu"
         )
     device = cfg.device or ("cuda" if cuda else "cpu")
-    if cfg.transport == "nvshmem":
+    engine = ENGINES[cfg.transport]
+    if engine.needs_gpu:
         if device != "cuda":
+            host = " or ".join(repr(n) for n in sorted(names(needs_gpu=False)))
             raise ValueError(
-                "transport: 'nvshmem' needs a CUDA device (and nvshmem4py: pip install "
-                f"'mqnc[gpu]'); this machine has device {device!r}: use 'gloo' or 'loopback'"
+                f"transport: {cfg.transport!r} needs {engine.requires}; this machine has device "
+                f"{device!r}: use {host}"
             )
-        if importlib.util.find_spec("nvshmem") is None:
-            raise ValueError("transport: 'nvshmem' needs nvshmem4py: pip install 'mqnc[gpu]'")
+        why = engine.unavailable()
+        if why is not None:
+            raise ValueError(f"transport: {why}")
     kernels = cfg.kernels or ("triton" if device == "cuda" else "torch")
     profile = None if cfg.profile is None else load_profile(cfg.profile)
     make_out(cfg.out)

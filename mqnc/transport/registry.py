@@ -98,7 +98,7 @@ class Engine:
         """Why this engine cannot run on this machine, or None when it can."""
         if self.probe is None or _load(self.probe)():
             return None
-        return f"transport {self.name!r} needs {self.requires or 'what this machine lacks'}"
+        return f"{self.name!r} needs {self.requires or 'what this machine lacks'}"
 
     def open_fabric(self, world: int, *, slot_bytes: int, lanes: int = 1):
         """Every rank of an in-process engine: its fabric (``endpoints``, ``endpoint(rank)``,
