@@ -122,80 +122,107 @@ def _ops_arg(text: str) -> set[str]:
 DEFAULT_CEILING_TBPS = 4.3  # the goals' H200 copy ceiling, where no measured one is given
 
 
+class _Compiled:
+    """Each variant compiled once for ``arch``: ``(resources, occupancy)`` by launch name."""
+
+    def __init__(self, arch: int) -> None:
+        self.arch = arch
+        self._seen: dict[str, tuple] = {}
+
+    def __call__(self, launch) -> tuple:
+        from mqnc.triton_kernels._compile import compile_launch, resources
+        from mqnc.triton_kernels._grid import Occupancy
+
+        if launch.name not in self._seen:
+            k = compile_launch(
+                launch.kernel, launch.args, launch.kwargs, grid=launch.grid, arch=self.arch
+            )
+            res = resources(launch.name, k)
+            occ = Occupancy(res.registers, 32 * res.num_warps, res.shared)
+            self._seen[launch.name] = (res, occ)
+        return self._seen[launch.name]
+
+
+def _plan(shape, compiled: _Compiled) -> list:
+    """The shape's launches planned at the occupancy this triton really compiles (not the
+    checked-in table): first with the default plan to find the split variant, then again at
+    its compiled occupancy."""
+    from mqnc.triton_kernels._grid import Occupancy
+    from mqnc.triton_kernels._variants import shape_launches
+
+    first = shape_launches(shape)
+    occ = compiled(first[0])[1] if shape.op.startswith("mla") else None
+    if occ is not None:
+        split = [ln for ln in first if "fp32-split" in ln.name]
+        if split:
+            occ = compiled(split[0])[1]
+        else:  # the planned split variant, compiled to read its occupancy
+            probe = shape_launches(shape, Occupancy(255, 256, 0))  # 1 CTA/SM: splits
+            probe_split = [ln for ln in probe if "fp32-split" in ln.name]
+            occ = compiled(probe_split[0])[1] if probe_split else occ
+    return shape_launches(shape, occ) if occ is not None else first
+
+
+def _launch_row(shape, i: int, launch, compiled: _Compiled, ceiling_tbps: float) -> tuple:
+    """The prediction of the ``i``-th launch of ``shape``: its waves over sm_90's SMs at its
+    compiled occupancy, and its bytes at the copy ceiling scaled by the share of SMs it fills.
+    Returns ``(row, predicted us unrounded)``."""
+    from mqnc.triton_kernels._grid import SM90, waves
+
+    res, o = compiled(launch)
+    per_sm = o.ctas_per_sm(SM90)
+    slots = SM90.sms * per_sm
+    ctas = launch.programs
+    w = waves(ctas, slots)
+    # Less than a wave spreads one CTA per SM first: the SMs in use set the share.
+    fill = ctas / (w * slots) if ctas >= slots else min(ctas, SM90.sms) / SM90.sms
+    nbytes = launch_bytes(shape, i, launch)
+    pred = nbytes / (ceiling_tbps * 1e6) / fill
+    row = {
+        "kind": "launch",
+        "shape": shape.label,
+        "op": shape.op,
+        "variant": launch.name,
+        "regs": res.registers,
+        "spill": res.stack + res.local,
+        "smem": res.shared,
+        "cta_per_sm": per_sm,
+        "ctas": ctas,
+        "grid": list(launch.grid),
+        "waves": w,
+        "fill": round(fill, 3),
+        "bytes": nbytes,
+        **_mix(res.sass),
+        "pred_us": round(pred, 2),
+        "triton": res.triton,
+        "ceiling_tbps": ceiling_tbps,
+        "prediction": True,
+    }
+    return row, pred
+
+
 def report(ops=None, ceiling_tbps: float = DEFAULT_CEILING_TBPS, arch: int = 90):
     """Compile and predict every goal shape; returns (launch rows, shape rows)."""
-    from mqnc.triton_kernels._compile import compile_launch, resources
-    from mqnc.triton_kernels._grid import LAUNCH_US, SM90, Occupancy, waves
+    from mqnc.triton_kernels._grid import LAUNCH_US
     from mqnc.triton_kernels._mla_launch import TileConfig
-    from mqnc.triton_kernels._variants import GOALS, shape_launches
+    from mqnc.triton_kernels._variants import GOALS
 
     try:
         _check_ops(ops)
     except ValueError as exc:
         raise ValueError(f"ops: {exc}") from None
-    compiled: dict[str, tuple] = {}
-
-    def occupancy_of(launch):
-        if launch.name not in compiled:
-            k = compile_launch(
-                launch.kernel, launch.args, launch.kwargs, grid=launch.grid, arch=arch
-            )
-            res = resources(launch.name, k)
-            occ = Occupancy(res.registers, 32 * res.num_warps, res.shared)
-            compiled[launch.name] = (res, occ)
-        return compiled[launch.name]
-
+    compiled = _Compiled(arch)
     launches_out, shapes_out = [], []
     for shape in GOALS:
         if ops and shape.op not in ops:
             continue
-        # Plan at the occupancy this triton really compiles (not the checked-in table): first
-        # with the default plan to find the split variant, then again at its compiled occupancy.
-        first = shape_launches(shape)
-        occ = occupancy_of(first[0])[1] if shape.op.startswith("mla") else None
-        if occ is not None:
-            split = [ln for ln in first if "fp32-split" in ln.name]
-            if split:
-                occ = occupancy_of(split[0])[1]
-            else:  # the planned split variant, compiled to read its occupancy
-                probe = shape_launches(shape, Occupancy(255, 256, 0))  # 1 CTA/SM: splits
-                probe_split = [ln for ln in probe if "fp32-split" in ln.name]
-                occ = occupancy_of(probe_split[0])[1] if probe_split else occ
-        plan = shape_launches(shape, occ) if occ is not None else first
+        plan = _plan(shape, compiled)
         total_us, total_bytes = 0.0, 0
         for i, launch in enumerate(plan):
-            res, o = occupancy_of(launch)
-            per_sm = o.ctas_per_sm(SM90)
-            slots = SM90.sms * per_sm
-            ctas = launch.programs
-            w = waves(ctas, slots)
-            # Less than a wave spreads one CTA per SM first: the SMs in use set the share.
-            fill = ctas / (w * slots) if ctas >= slots else min(ctas, SM90.sms) / SM90.sms
-            nbytes = launch_bytes(shape, i, launch)
-            pred = nbytes / (ceiling_tbps * 1e6) / fill
-            row = {
-                "kind": "launch",
-                "shape": shape.label,
-                "op": shape.op,
-                "variant": launch.name,
-                "regs": res.registers,
-                "spill": res.stack + res.local,
-                "smem": res.shared,
-                "cta_per_sm": per_sm,
-                "ctas": ctas,
-                "grid": list(launch.grid),
-                "waves": w,
-                "fill": round(fill, 3),
-                "bytes": nbytes,
-                **_mix(res.sass),
-                "pred_us": round(pred, 2),
-                "triton": res.triton,
-                "ceiling_tbps": ceiling_tbps,
-                "prediction": True,
-            }
+            row, pred = _launch_row(shape, i, launch, compiled, ceiling_tbps)
             launches_out.append(row)
-            total_us += pred + (LAUNCH_US if i else 0.0)
-            total_bytes += nbytes
+            total_us += pred + (LAUNCH_US if i else 0.0)  # each launch after the first: its latency
+            total_bytes += row["bytes"]
         shapes_out.append(
             {
                 "kind": "shape",
