@@ -24,6 +24,7 @@ from mqnc.demo.verify import Verifier
 from mqnc.demo.workload import Corpus, build_model, make_agents
 from mqnc.model import MLAModel
 from mqnc.serving import ChunkInfo, Requester
+from mqnc.transport import ENGINES
 from mqnc.transport.protocol import TransportError
 
 __all__ = ["run"]
@@ -32,7 +33,7 @@ __all__ = ["run"]
 def run(prep: Prepared, progress: Progress) -> dict:
     """:func:`mqnc.demo.run_demo` once the arguments are checked and the kernel mode chosen."""
     cfg = prep.cfg
-    where = "threads" if cfg.transport == "loopback" else "processes"
+    where = "threads" if ENGINES[cfg.transport].in_process else "processes"
     progress.phase(
         f"mqnc demo: {cfg.chunks} chunks over {cfg.holders} holder {where} ({cfg.transport}), "
         f"{cfg.agents} agents x {cfg.steps} steps x {cfg.layers} layers; device {cfg.device}, "
