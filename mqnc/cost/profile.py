@@ -93,7 +93,7 @@ _PROFILE_OBJECTS = ("fabric", *_SPLICES, "gather", "host")
 _MAPPINGS = ("measured_with", "sources")
 
 
-# 24 fields, each documented; the methods are the JSON form and its checks.
+# Every field documented; the methods are what the predicate reads and the JSON form.
 @dataclasses.dataclass(frozen=True)
 class MachineProfile:
     """One machine's constants for the cost model (§4): the fabric and the compute terms.

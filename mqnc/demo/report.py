@@ -193,13 +193,13 @@ class Report:
         """The model's terms for one recorded call, with this machine's constants."""
         if rec.primitive == "route":
             return self._route(rec)
-        ct, t = self.corpus.lengths[rec.chunk_id], self.cal.terms
+        ct, profile = self.corpus.lengths[rec.chunk_id], self.cal.machine_profile(self.cfg)
         if rec.primitive == "fetch":
             moved = self.deltas.get(id(rec), 1) != 0
-            splice = t_splice(ct, self.cal.splice_profile(self.cfg, moved))
-            pull = t["fetch_fixed_us"] + t_pull(self.geometry, self.cal.fabric, ct)
+            splice = t_splice(ct, profile.splice_for(ct, moved))
+            pull = profile.fetch_fixed_us + t_pull(self.geometry, profile.fabric, ct)
             return dict(pull=pull, splice=splice, total=pull + splice)
-        prefill = t_local(self.geometry, ct, t["c_us"])
+        prefill = t_local(self.geometry, ct, profile.c_us)
         return dict(prefill=prefill, total=prefill)
 
     def rows(self, costs: list[CostRecord], errors: dict[str, list[float]]) -> dict:
