@@ -377,5 +377,6 @@ def test_request_and_decide_errors_name_the_argument():
         cm.Request(1, 2, holders=0)
     with pytest.raises(TypeError, match="moved: expected a bool"):
         cm.Request(1, 2, moved=1)
+    assert cm.Request(1, 2, moved=np.int64(3) != 0).moved is True  # a numpy bool is a bool
     with pytest.raises(TypeError, match="congestion: expected a Congestion"):
         cm.Request(1, 2, congestion=0.5)

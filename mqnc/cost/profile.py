@@ -422,8 +422,10 @@ class Request:
             if type(value) is not int or value < 1:
                 check_int(name, value, minimum=1)
         for name in ("moved", "shared_uplink", "attention"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"{name}: expected a bool, got {value!r}")
+            object.__setattr__(self, name, bool(value))
         if self.congestion is not None and not isinstance(self.congestion, Congestion):
             raise TypeError(
                 f"congestion: expected a Congestion or None, got {type(self.congestion).__name__}"
