@@ -52,8 +52,8 @@ def _mla(gen):
 
 
 def _op_cases():
-    """``name -> (args, kwargs)`` of a real call of each op (``name.out``: its ``out=``
-    overload, the caller's tensors written in place)."""
+    """``name -> args`` of a real call of each op (``name.out``: its ``out=`` overload, the
+    caller's tensors written in place)."""
     gen = torch.Generator().manual_seed(0)
     q, pool, table, lens, idx = _mla(gen)
     indptr = torch.tensor([0, 2, 3], dtype=torch.int32, device=DEVICE)
@@ -63,42 +63,40 @@ def _op_cases():
     chunk = torch.randn(2, 5, D, generator=gen).to(DEVICE)
     freq = list(ROPE.inv_freq)
     mask = torch.tensor([True, False], device=DEVICE)
-    mla = dict(softmax_scale=SCALE, d_v=D_V)
+    csr = (q, pool, indptr, indices, lens, SCALE, D_V, None, True, None, None, None)
 
-    def outs(rows, width):
-        return [q.new_empty(rows, 3, width), q.new_empty(rows, 3)]
+    def outs(*shapes):
+        return [torch.empty(s, device=DEVICE) for s in shapes]
 
     return {
-        "mla_decode_partial": ((q, pool, table, lens), dict(mla, num_splits=2)),
-        "mla_decode_partial_csr": ((q, pool, indptr, indices, lens), mla),
-        "mla_sparse_partial": ((q, pool, idx), mla),
-        "merge_partials": ((o, lse), dict(layout="MBHD")),
-        "merge_partials_into": ((o[0].clone(), lse[0].clone(), o[1], lse[1]), dict(mask=mask)),
+        "mla_decode_partial": (q, pool, table, lens, SCALE, D_V, 2, True, None, None),
+        "mla_decode_partial_csr": csr,
+        "mla_sparse_partial": (q, pool, idx, SCALE, D_V, None, True, None, None),
+        "merge_partials": (o, lse, True, "MBHD", False),
+        "merge_partials_into": (o[0].clone(), lse[0].clone(), o[1], lse[1], True, mask, False),
         "rope_splice": (
-            (
-                chunk,
-                [torch.zeros(8, D, device=DEVICE) for _ in range(2)],
-                False,
-                torch.arange(5, device=DEVICE),
-                torch.arange(5, device=DEVICE),
-                0,
-                freq,
-                D_PE,
-                "half",
-            ),
-            dict(validate=True),
+            chunk,
+            [torch.zeros(8, D, device=DEVICE) for _ in range(2)],
+            False,
+            torch.arange(5, device=DEVICE),
+            torch.arange(5, device=DEVICE),
+            0,
+            freq,
+            D_PE,
+            "half",
+            True,
         ),
-        "rope_rotate": ((q, None, 9, freq, D_PE, "half"), {}),
-        "mla_decode_partial.out": ((q, pool, table, lens), dict(mla, out=outs(2, D_V))),
-        "mla_decode_partial_csr.out": (
-            (q, pool, indptr, indices, lens),
-            dict(mla, out=outs(2, D_V)),
+        "rope_rotate": (q, None, 9, freq, D_PE, "half"),
+        "mla_decode_partial.out": (
+            *(q, pool, table, lens, SCALE, D_V, 2, True, None, None),
+            outs((2, 3, D_V), (2, 3)),
         ),
-        "mla_sparse_partial.out": ((q, pool, idx), dict(mla, out=outs(2, D_V))),
-        "merge_partials.out": (
-            (o, lse),
-            dict(out=[o.new_empty(2, 2, D), lse.new_empty(2, 2)]),
+        "mla_decode_partial_csr.out": (*csr, outs((2, 3, D_V), (2, 3))),
+        "mla_sparse_partial.out": (
+            *(q, pool, idx, SCALE, D_V, None, True, None, None),
+            outs((2, 3, D_V), (2, 3)),
         ),
+        "merge_partials.out": (o, lse, True, "MBHD", False, outs((2, 2, D), (2, 2))),
     }
 
 
@@ -120,7 +118,7 @@ def test_stacked_splice_through_the_op():
     pool, expected = (torch.zeros(2, 4, 4, D, device=DEVICE) for _ in range(2))
     rope_splice(chunk, expected, slots, -3, ROPE)
     torch.ops.mqnc.rope_splice(
-        chunk, [pool], True, slots, None, -3, list(ROPE.inv_freq), D_PE, "half", validate=True
+        chunk, [pool], True, slots, None, -3, list(ROPE.inv_freq), D_PE, "half", True
     )
     assert_close(pool, expected, tolerance("same_kernel", "float32"), name="pool")
 
@@ -128,11 +126,9 @@ def test_stacked_splice_through_the_op():
 @pytest.mark.parametrize("name", sorted(_op_cases()))
 def test_op_registration(name):
     """Schema, fake and functionalisation of ``torch.ops.mqnc.<name>`` against its real run."""
-    args, kwargs = _op_cases()[name]
     torch.library.opcheck(
         _overload(name),
-        args,
-        kwargs,
+        _op_cases()[name],
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
     )
 
@@ -176,6 +172,24 @@ def test_the_torch_backend_is_the_same_ops():
         assert getattr(kernel_ops("triton"), name) is public
         assert inspect.signature(ref) == inspect.signature(public), name
         assert ref.op is public.op and ref.__doc__ == public.__doc__, name
+
+
+def test_plans_take_their_ops_signature_without_out():
+    """A plan function is made from its op's one declaration: the same parameters, no ``out``;
+    an op refuses a backend nothing registered, by name."""
+    from mqnc.triton_kernels import plan_mla_decode, plan_mla_decode_csr, plan_mla_sparse
+
+    for plan, op in (
+        (plan_mla_decode, mla_decode_partial),
+        (plan_mla_decode_csr, mla_decode_partial_csr),
+        (plan_mla_sparse, mla_sparse_partial),
+    ):
+        params = dict(inspect.signature(op).parameters)
+        assert params.pop("out").default is None
+        assert inspect.signature(plan).parameters == params, plan.__name__
+    o, lse = torch.zeros(2, 1, 1, 4, device=DEVICE), torch.zeros(2, 1, 1, device=DEVICE)
+    with pytest.raises(ValueError, match="backend: expected one of .*'triton'.*got 'cuda'"):
+        torch.ops.mqnc.merge_partials(o, lse, True, "MBHD", False, backend="cuda")
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

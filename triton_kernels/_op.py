@@ -4,10 +4,11 @@ An op is declared by a Python function with no body (its signature, annotations 
 docstring; ``ops.py`` holds them all) under :func:`kernel_op`, its fake beside it. From that
 one signature the registry makes:
 
-- the schema of ``torch.ops.mqnc.<name>`` (``.default``), with a hidden keyword ``backend``
-  that picks the implementation, and for an op with an ``out=`` parameter a second overload
-  ``.out`` that writes into the caller's tensors and returns nothing (a custom op cannot return
-  an alias of an input). An argument that no schema type carries travels through a
+- the schema of ``torch.ops.mqnc.<name>`` (``.default``): the declared parameters
+  positionally, in order, then ``backend`` (default ``"triton"``), which picks the
+  implementation; for an op with an ``out=`` parameter a second overload ``.out`` takes
+  ``out`` before ``backend``, writes into the caller's tensors and returns nothing (a custom op
+  cannot return an alias of an input). An argument that no schema type carries travels through a
   :class:`Codec` (a RoPE spec as its frequencies, dim and layout; ``int | Tensor`` as a
   tensor-or-None and an int; one tensor or a list of them as a list and a flag);
 - the public function, one per backend (:meth:`KernelOp.function`): the declared signature and
@@ -72,8 +73,8 @@ _NAMES = {
 class Codec:
     """How an argument that no schema type carries travels through an op.
 
-    ``fields``: ``(suffix, schema type)`` of the schema arguments it becomes (named
-    ``<parameter><suffix>``); ``encode(name, value)`` gives their values (and raises the
+    ``fields``: ``(name, schema type)`` of the schema arguments it becomes;
+    ``encode(name, value)`` gives their values (and raises the
     ``TypeError`` naming the argument for a value it cannot carry); ``decode(*values)`` gives
     back what the implementations receive."""
 
@@ -157,7 +158,7 @@ class _Param:
 
 def _param(p: inspect.Parameter, tp, codec: Codec | None, mutated: bool) -> _Param:
     if codec is not None:
-        fields, check = tuple((p.name + s, t) for s, t in codec.fields), None
+        fields, check = codec.fields, None
     else:
         fields, check = ((p.name, _schema_type(tp)),), _checker(p.name, tp)
     if mutated:  # (the alias letters are given per schema: see _schema)
@@ -167,22 +168,12 @@ def _param(p: inspect.Parameter, tp, codec: Codec | None, mutated: bool) -> _Par
     return _Param(p.name, kwonly, p.default, fields, check, codec, tensor)
 
 
-def _schema_default(value: object) -> str:
-    if isinstance(value, str):
-        return f'"{value}"'
-    return repr(value)
-
-
-def _schema(params: list[_Param], extra_kwonly: list[str], returns: str) -> str:
-    pos, kw = [], []
-    for p in params:
-        for name, tp in p.fields:
-            text = f"{tp} {name}"
-            if p.default is not inspect.Parameter.empty and p.codec is None:
-                text += f"={_schema_default(p.default)}"
-            (kw if p.kwonly else pos).append(text)
-    kw += extra_kwonly
-    text = "(" + ", ".join(pos + (["*"] + kw if kw else [])) + f") -> {returns}"
+def _schema(params: list[_Param], extra: list[str], returns: str) -> str:
+    """The schema's arguments, all positional in declared order and without defaults (the
+    public function binds keywords and defaults, then passes every argument: a positional
+    schema is the faster call), then ``extra``."""
+    args = [f"{tp} {name}" for p in params for name, tp in p.fields]
+    text = "(" + ", ".join(args + extra) + f") -> {returns}"
     letters = iter("abcdefghijklmnopqrstuvwxyz")
     return re.sub(r"\(!\)", lambda _: f"({next(letters)}!)", text)
 
@@ -277,10 +268,8 @@ class KernelOp:
         self._impls: dict[str, Callable[[Call], object]] = {}
         self._functions: dict[str, Callable] = {}
         self._defaults = {"backend": DEFAULT_BACKEND, "out": None}
-        for p in self.params:
-            if p.codec is None and p.default is not inspect.Parameter.empty:
-                self._defaults[p.fields[0][0]] = p.default
-        self._names = [n for p in self.params for n, _ in p.fields]
+        names = [n for p in self.params for n, _ in p.fields]
+        self._names_default, self._out_names = [*names, "backend"], [*names, "out", "backend"]
         self._coded = [p for p in self.params if p.codec is not None]
         backend = f'str backend="{DEFAULT_BACKEND}"'
         ret = "()" if returns else _returns(hints.get("return"))
@@ -299,9 +288,12 @@ class KernelOp:
 
     # -- the dispatcher's side: the schema's arguments back to a Call -----------------------
 
-    def _call(self, args: tuple, kwargs: dict) -> tuple[Call, str]:
+    def _call(self, args: tuple, kwargs: dict, out: bool = False) -> tuple[Call, str]:
+        """The call the dispatcher passes (``args`` positional, any by keyword), decoded;
+        ``out``: of the ``.out`` overload (its arguments end ``out, backend``)."""
+        names = self._out_names if out else self._names_default
         values = dict(self._defaults)
-        values.update(zip(self._names, args, strict=False))  # (trailing defaults: filled)
+        values.update(zip(names, args, strict=False))  # (trailing defaults: filled in)
         values.update(kwargs)
         backend, out = values.pop("backend"), values.pop("out")
         for p in self._coded:
@@ -325,7 +317,7 @@ class KernelOp:
         return None if self._returns else result
 
     def _out_kernel(self, *args, **kwargs) -> None:
-        call, backend = self._call(args, kwargs)
+        call, backend = self._call(args, kwargs, out=True)
         result = self._impl(backend)(call)
         if result is not None:  # (an implementation that made new tensors: copied in, checked)
             written_into(call.out, result)
@@ -337,22 +329,15 @@ class KernelOp:
 
     # -- the caller's side: the public function of one backend -----------------------------
 
-    def _encoded(self, values: tuple) -> tuple[list, dict]:
-        """The schema's positional and keyword arguments (keyword-only ones left at their
-        defaults are left out: the dispatcher and :meth:`_call` fill them in)."""
-        args, kwargs = [], {}
+    def _encoded(self, values: tuple) -> list:
+        """The schema's arguments (all positional) of the declared parameters' ``values``."""
+        args = []
         for p, v in zip(self.params, values, strict=True):
-            if p.codec is not None:
-                encoded = p.codec.encode(p.name, v)
-                if p.kwonly:
-                    kwargs.update(zip((n for n, _ in p.fields), encoded, strict=True))
-                else:
-                    args.extend(encoded)
-            elif not p.kwonly:
+            if p.codec is None:
                 args.append(p.check(v))
-            elif v is not p.default:
-                kwargs[p.name] = p.check(v)
-        return args, kwargs
+            else:
+                args.extend(p.codec.encode(p.name, v))
+        return args
 
     def _caller(self, backend: str):
         returns = None
@@ -360,13 +345,12 @@ class KernelOp:
             returns = [p.name for p in self.params].index(self._returns)
 
         def run(values, out=None):
-            args, kwargs = self._encoded(values)
-            kwargs["backend"] = backend
+            args = self._encoded(values)
             if out is not None:
                 out = check_out(out)
-                self.out_op(*args, out=list(out), **kwargs)
+                self.out_op(*args, list(out), backend)
                 return out
-            result = self.op(*args, **kwargs)
+            result = self.op(*args, backend)
             return result if returns is None else values[returns]
 
         return run

@@ -21,6 +21,9 @@ it): ``layout="MBHD"`` (this package's ``[M, B, H, D]``, the default) or ``"BMHD
 CUDA graph captured for a padded batch can skip its padding. The wire carries the equivalent
 statistic ``(o, m, l)`` with ``lse = m + log(l)``: convert with
 :func:`lse_from_ml` / :func:`ml_from_lse`.
+
+:func:`merge_partials` and :func:`merge_partials_into` are declared (signature, docstring,
+fake) in ``ops``; this module is their ``"triton"`` implementation.
 """
 
 from __future__ import annotations

@@ -38,6 +38,10 @@ Kernel design (decisions written down here, where the goals left them open):
   MTP / speculative decoding: ``MULTI_Q``), optionally causal (``CAUSAL``, FlashMLA's rule:
   query token ``i`` of ``s_q`` attends the first ``len - s_q + i + 1`` entries, the new tokens
   being the last ``s_q`` entries of the cache).
+
+:func:`mla_decode_partial` and :func:`mla_decode_partial_csr` are declared (signature,
+docstring, fake) in ``ops``; this module plans them (:func:`plan_mla_decode`,
+:func:`plan_mla_decode_csr`: the same signatures without ``out``) and launches them.
 """
 
 from __future__ import annotations

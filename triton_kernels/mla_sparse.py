@@ -15,6 +15,9 @@ sparse kernel takes only 64 or 128, in FP8). Like the dense op, ``num_splits`` d
 row's index list into ranges combined by the merge kernel (one query token at top-2048 is
 otherwise only ``ceil(H / BLOCK_H)`` programs). Like the dense kernel it reads a split cache
 (``kpe_pool``: FlashInfer's ``ckv`` / ``kpe``) and split query rows (``q_pe``) in place.
+
+:func:`mla_sparse_partial` is declared (signature, docstring, fake) in ``ops``; this module
+plans it (:func:`plan_mla_sparse`, the same signature without ``out``) and launches it.
 """
 
 from __future__ import annotations

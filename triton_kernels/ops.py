@@ -10,22 +10,31 @@
 ``merge_partials``              :func:`~mqnc.triton_kernels.merge.merge_partials`
 ``merge_partials_into``         :func:`~mqnc.triton_kernels.merge.merge_partials_into` (mutates)
 ``rope_splice``                 :func:`~mqnc.triton_kernels.splice.rope_splice` (mutates its
-                                pools: ``[pool]`` with ``pool_stacked``, or one per layer)
+                                pools: ``[pool]`` with ``stacked``, or one per layer)
 ``rope_rotate``                 :func:`~mqnc.triton_kernels.splice.rope_rotate`
 ==============================  =========================================================
 
 The public function *is* the op's caller: eager calls and ``torch.compile`` (which traces the
 op through its fake) take one path, and the plans (``plan_mla_decode``, ...) take the same
-signature without ``out``. An op with ``out=`` has a second overload ``.out`` that writes the
-caller's tensors (``out: Tensor[]``) and returns nothing. Arguments that no op schema carries
-are flattened by the registry's codecs: a RoPE spec is ``rope_inv_freq`` (floats),
-``rope_dim`` and ``rope_layout``; a splice or rotation ``delta`` is ``delta_t`` (a tensor or
-None) and ``delta_i`` (the int when ``delta_t`` is None); the splice's ``pool`` is ``pools`` and
-``pool_stacked``. Every op takes a keyword ``backend``: ``"triton"`` (the kernels, the default)
-or ``"torch"`` (the fp64 references of ``mqnc.reference``, registered by
-``mqnc.serving.compute``; ``kernel_ops("torch")`` calls them). The host-syncing checks are the
+signature without ``out``. An op's schema takes the declared parameters positionally, in
+declared order (the public function enforces the keyword-only ones), then ``backend``:
+``"triton"`` (the kernels, the default) or ``"torch"`` (the fp64 references of
+``mqnc.reference``, registered by ``mqnc.serving.compute``; ``kernel_ops("torch")`` calls
+them). An op with ``out=`` has a second overload ``.out`` that writes the caller's tensors
+(``out: Tensor[]``, before ``backend``) and returns nothing. Arguments that no op schema
+carries are flattened by the registry's codecs: a RoPE spec is ``inv_freq`` (floats),
+``rope_dim`` and ``layout``; a splice or rotation ``delta`` is ``delta_t`` (a tensor or None)
+and ``delta_i`` (the int when ``delta_t`` is None); the splice's ``pool`` is ``pools`` and
+``stacked``. The host-syncing checks are the
 functions' own switches (``check_inputs``, ``check_indices``, ``check_lse``, ``validate``): turn
 them off for a graph that is captured (``mode="reduce-overhead"``) or must not sync.
+
+Adding an op (say, an FP8-cache variant of the dense kernel) touches four files: its kernel's
+module (the kernel, and the op's ``"triton"`` implementation or planner, registered on the op),
+this one (the declaration and its fake), ``mqnc/reference/ops.py`` (its ``"torch"``
+implementation) and its test; the schema, the public and plan functions, ``kernel_ops`` and
+``torch.compile`` need nothing more (re-export it from ``mqnc.triton_kernels`` if it is to be
+reached from there too).
 
 The fakes give outputs their shapes and dtypes without running anything (their strides are
 the contiguous ones the launchers allocate). Registered when ``mqnc.triton_kernels`` is
@@ -107,7 +116,7 @@ def _encode_rope(name: str, rope: object) -> tuple:
 
 
 ROPE = Codec(
-    (("_inv_freq", "float[]"), ("_dim", "int"), ("_layout", "str")),
+    (("inv_freq", "float[]"), ("rope_dim", "int"), ("layout", "str")),
     _encode_rope,
     lambda inv_freq, dim, layout: PlainRope(tuple(inv_freq), dim, layout),
 )
@@ -129,7 +138,7 @@ def _encode_delta(name: str, delta: object) -> tuple:
 
 
 DELTA = Codec(
-    (("_t", "Tensor?"), ("_i", "int")),
+    (("delta_t", "Tensor?"), ("delta_i", "int")),
     _encode_delta,
     lambda t, i: t if t is not None else i,
 )
@@ -151,7 +160,7 @@ def _encode_pools(name: str, pool: object) -> tuple:
 
 
 POOLS = Codec(
-    (("s", "Tensor[]"), ("_stacked", "bool")),
+    (("pools", "Tensor[]"), ("stacked", "bool")),
     _encode_pools,
     lambda pools, stacked: pools[0] if stacked else list(pools),
 )

@@ -25,6 +25,9 @@ Frequencies are plain numbers: ``rope`` is any object with the attributes of
 ``RopeSpec`` (DeepSeek's float32 values, YaRN included); the kernel layer imports nothing of
 the model layer. The pure ``R(delta)`` carries no YaRN cos/sin factor (it was applied at
 encoding).
+
+:func:`rope_splice` and :func:`rope_rotate` are declared (signature, docstring, fake) in ``ops``,
+with :class:`RopeFrequencies`; this module is their ``"triton"`` implementation.
 """
 
 from __future__ import annotations
