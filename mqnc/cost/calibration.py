@@ -15,6 +15,12 @@ drowns in noise) the route's fixed part is still known: the smallest round trip 
 (and less its rows' bytes at the bulk pull's rate, when that was measured), and the rows' bytes
 move at the bulk rate.
 
+The calibrations that time calls through a requester (the demo's and the Hugging Face
+session's, :mod:`mqnc.serving.calibration`) fit their other lines here too: :func:`theil_sen`
+and :func:`robust_affine` (the holder's kernel call over its work, fetch's pull over its bytes,
+:func:`fit_pull`), and :func:`bulk_rate_gbps` turns a timed transfer into a rate (``mqnc
+calibrate``'s bulk pull as well).
+
 numpy only (no torch).
 """
 
@@ -29,7 +35,14 @@ import numpy as np
 from mqnc.cost.fabric import FabricProfile, bytes_to_us
 from mqnc.cost.fitting import FitResult, fit
 
-__all__ = ["RouteFit", "fit_route"]
+__all__ = [
+    "RouteFit",
+    "fit_route",
+    "theil_sen",
+    "robust_affine",
+    "fit_pull",
+    "bulk_rate_gbps",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,3 +140,90 @@ def fit_route(
         )
         return RouteFit(probe, max(fixed - probe, 0.0), bulk_bw_gbps, None, str(exc))
     return RouteFit(res.t_probe_us, max(res.turnaround_us, 0.0), res.bw_gbps, res, None)
+
+
+def theil_sen(pairs: Iterable[Sequence[float]]) -> tuple[float, float] | None:
+    """The Theil-Sen line through ``(x, y)`` points.
+
+    The slope is the median of the slopes between every two points at different ``x``, the
+    intercept the median of ``y - slope * x``. A point the OS descheduled moves neither (a
+    median), unlike a least-squares line, whose intercept swings with one slow call at an end
+    of the range.
+
+    Parameters
+    ----------
+    pairs : iterable of (x, y)
+
+    Returns
+    -------
+    (intercept, slope) or None
+        None when no two points have different ``x`` (every point at one ``x``, or fewer than
+        two points).
+    """
+    pts = _points("pairs", pairs)
+    x, y = pts[:, 0], pts[:, 1]
+    i, j = np.triu_indices(x.size, k=1)
+    apart = x[i] != x[j]
+    if not apart.any():
+        return None
+    i, j = i[apart], j[apart]
+    slope = float(np.median((y[j] - y[i]) / (x[j] - x[i])))
+    return float(np.median(y - slope * x)), slope
+
+
+def robust_affine(pairs: Iterable[Sequence[float]]) -> tuple[float, float]:
+    """``(intercept, slope)`` of the Theil-Sen line (:func:`theil_sen`) through ``(x, y)``;
+    proportional through the origin (intercept 0, slope the median of ``y / x``) when no
+    rising line with a non-negative intercept fits.
+
+    Raises
+    ------
+    ValueError
+        No point, or (for the proportional fallback) a point at ``x <= 0``.
+    """
+    pts = _points("pairs", pairs)
+    if not len(pts):
+        raise ValueError("pairs: expected at least one (x, y) point, got none")
+    line = theil_sen(pts)
+    if line is not None and line[1] > 0 and line[0] >= 0:
+        return line
+    if (pts[:, 0] <= 0).any():
+        raise ValueError(
+            f"pairs: the proportional fit needs every x > 0, got x = {pts[:, 0].min():g}"
+        )
+    return 0.0, float(np.median(pts[:, 1] / pts[:, 0]))
+
+
+def fit_pull(points: Iterable[Sequence[float]]) -> dict[str, float]:
+    """Fetch's pull, ``fixed + bytes / bulk rate``, from ``(bytes, us)`` over chunk sizes
+    (:func:`robust_affine`: Theil-Sen; proportional through the origin when the sizes do not
+    say more).
+
+    Returns
+    -------
+    dict
+        ``fetch_fixed_us`` (the request's round trip, us) and ``bulk_bw_gbps`` (GB/s).
+    """
+    fixed, slope = robust_affine(points)
+    if not slope > 0:
+        raise ValueError(f"points: expected a pull that grows with its bytes, got slope {slope}")
+    return dict(fetch_fixed_us=fixed, bulk_bw_gbps=bulk_rate_gbps(1.0, slope))
+
+
+def bulk_rate_gbps(nbytes: float, us: float) -> float:
+    """The rate (GB/s) of ``nbytes`` moved in ``us`` microseconds."""
+    if not (np.isfinite(us) and us > 0):
+        raise ValueError(f"us: expected a finite time > 0, got {us!r}")
+    return float(nbytes) / (float(us) * 1e3)
+
+
+def _points(name: str, pairs) -> np.ndarray:
+    """``pairs`` as an ``[n, 2]`` float64 array (a ValueError naming ``name`` otherwise)."""
+    pts = np.asarray([tuple(p) for p in pairs], dtype=np.float64)
+    if not len(pts):
+        return pts.reshape(0, 2)
+    if pts.ndim != 2 or pts.shape[1] != 2:
+        raise ValueError(f"{name}: expected (x, y) pairs, got an array of shape {pts.shape}")
+    if not np.isfinite(pts).all():
+        raise ValueError(f"{name}: expected finite numbers, got {pts[~np.isfinite(pts)][:3]}")
+    return pts
