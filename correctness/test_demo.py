@@ -618,39 +618,6 @@ def test_calibration_recovers_the_holders_host_work():
     assert _Measure._host_us(SimpleNamespace(waves=[]), known) == 0.0
 
 
-def test_calibration_fits_recover_their_lines():
-    from mqnc.demo.calibration import _pull_fit, _robust_affine, _theil_sen
-
-    pts = [(x, 100.0 + 0.5 * x) for x in (10, 20, 30, 40, 50, 60)] + [(30, 900.0)]
-    assert _robust_affine(pts) == pytest.approx((100.0, 0.5), rel=1e-9)
-    pull = _pull_fit([(1_000_000, 1500.0), (2_000_000, 2500.0), (1_000_000, 1500.0)])
-    assert pull["fetch_fixed_us"] == pytest.approx(500.0)
-    assert pull["bulk_bw_gbps"] == pytest.approx(1.0)  # 1e6 bytes per 1000 us
-    # no rising line with a non-negative intercept: proportional through the origin
-    assert _robust_affine([(10, 50.0), (20, 40.0), (30, 30.0)]) == (0.0, pytest.approx(2.0))
-    assert _theil_sen([(5, 1.0), (5, 2.0)]) is None
-
-
-def test_theil_sen_ignores_descheduled_calls_at_the_ends():
-    """Repeated timings at four sizes on a known line, a fifth of them (at the two ends of the
-    range, where they move a least-squares intercept most) slowed by the OS several-fold: the
-    Theil-Sen line is still the true one, the least-squares line is not."""
-    import numpy as np
-
-    from mqnc.demo.calibration import _theil_sen
-
-    rng = np.random.default_rng(0)
-    xs = np.repeat([1.2e6, 1.5e6, 1.85e6, 2.35e6], 10)
-    ys = 300.0 + 1.4e-3 * xs + rng.normal(0.0, 20.0, xs.size)
-    slow = rng.choice(np.flatnonzero((xs == xs.min()) | (xs == xs.max())), 8, replace=False)
-    ys[slow] *= rng.uniform(2.0, 4.0, slow.size)
-    intercept, slope = _theil_sen(list(zip(xs, ys, strict=True)))
-    assert slope == pytest.approx(1.4e-3, rel=0.05)
-    assert intercept == pytest.approx(300.0, abs=100.0)
-    ls_slope, ls_intercept = np.polyfit(xs, ys, 1)
-    assert abs(ls_intercept - 300.0) > 300.0 or abs(ls_slope / 1.4e-3 - 1) > 0.2
-
-
 def test_host_work_is_fitted_on_the_median_round_of_each_wave_shape():
     """Of each shape's repetitions the round of median summed time is kept (one round the OS
     slowed down does not count), every shape once, in the order first sent."""

@@ -6,9 +6,11 @@ in three rounds (before, between and after the repeats) and :func:`median_rounds
 What is measured (only what the profile lacks). Each measurement discards warm-ups, takes the
 median of its repetitions and interleaves what it compares (a slow spell of the machine then
 touches every size or shape alike, not one end of a line); lines are Theil-Sen fits
-(:func:`_theil_sen`: medians of pairwise slopes), which one descheduled call does not move.
-The counts are the module's constants (:data:`PROBES` ...); the raw samples go to
-``demo.json`` (``calibration.samples``).
+(:func:`mqnc.cost.theil_sen`: medians of pairwise slopes), which one descheduled call does not
+move. The probes, the route sweep, the fetches and the merge are timed as the Hugging Face
+session's are (:mod:`mqnc.serving.calibration`, with this module's counts); the waves and the
+re-prefill are the demo's own. The counts are the module's constants (:data:`PROBES` ...); the
+raw samples go to ``demo.json`` (``calibration.samples``).
 
 - the fabric: ``T_probe`` (median of :data:`PROBES` probes after 10 warm-ups), ``BW`` and the
   turnaround (an affine fit, :func:`mqnc.cost.fit`, of isolated routes of 1, 4 and 16 query
@@ -45,13 +47,21 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from mqnc.cost import MEASURED_TERMS, FabricProfile, MachineProfile, SpliceProfile, fit_route
+from mqnc.cost import (
+    MEASURED_TERMS,
+    FabricProfile,
+    MachineProfile,
+    SpliceProfile,
+    fit_pull,
+    fit_route,
+    robust_affine,
+)
 from mqnc.demo.config import LANES, DemoConfig
 from mqnc.demo.profile import COMPUTE_TERMS, DEMO_TERMS, LoadedProfile
 from mqnc.demo.waves import RouteConstants, WaveCall, predict_wave
 from mqnc.model import MLAGeometry
 from mqnc.serving import ChunkInfo, Requester
-from mqnc.serving.compute import kernel_ops
+from mqnc.serving.calibration import fetch_samples, merge_times, probe_times, route_sweep
 
 __all__ = ["Calibration", "calibrate", "lacking", "median_rounds", "FABRIC_TERMS", "OWN_TERMS"]
 
@@ -66,7 +76,11 @@ OWN_TERMS = {
 rounds, each primitive takes its own terms whole from one round (:func:`median_rounds`)."""
 
 PROBES = 21
-"""Probes timed for ``T_probe`` (their median), after 10 warm-up probes."""
+"""Probes timed for ``T_probe`` (their median), after :data:`PROBE_WARMUP` warm-up probes."""
+PROBE_WARMUP = 10
+"""Untimed probes first (gloo's first transfers run slow)."""
+ROUTE_SIZES = (1, 4, 16)
+"""Query tokens of the isolated route sweep."""
 ROUTE_REPS = 7
 """Rounds of the isolated route sweep (1, 4, 16 query tokens interleaved in each; medians)."""
 ALONE = 16
@@ -80,6 +94,8 @@ FETCH_SIZES = 4
 """Chunk sizes the pull is timed at (spread over the corpus' range; Theil-Sen line)."""
 FETCH_REPS = 8
 """Rounds of fetches (every size once per round, interleaved) after a warm-up round."""
+MERGE_REPS = 5
+"""Merges timed (their median), after a warm-up merge."""
 
 
 @dataclasses.dataclass
@@ -304,17 +320,16 @@ class _Measure:
             bar.update(len(new))
 
         route_terms = {"t_probe_us", "bw_gbps", "turnaround_us"}
-        compute_pairs: list[tuple[int, float]] = []
         alone: list[float] = []  # sends of single-token routes with nothing else in flight
         if route_terms & set(missing):
-            fabric = self._fabric(compute_pairs, alone)
+            fabric = self._fabric(alone)
             if self.fit_error is not None:
                 missing = [k for k in missing if k != "bw_gbps"]  # from the bulk pull, below
             take(fabric)
         if {"send_us", "send_alone_us", "compute_fixed_us", "compute_us_per_row_token"} & set(
             missing
         ):
-            take(self._route_sides(compute_pairs, alone))
+            take(self._route_sides(alone))
         if {"bulk_bw_gbps", "fetch_fixed_us", "splice_us_per_token", "scatter_us_per_token"} & set(
             missing
         ):
@@ -340,26 +355,26 @@ class _Measure:
         q = torch.randn(tokens, g.heads, g.d_qk, generator=self.gen).to(torch.bfloat16)
         return q.to(self.cfg.device)
 
-    def _fabric(self, compute_pairs: list, alone: list) -> dict[str, float]:
+    def _fabric(self, alone: list) -> dict[str, float]:
+        """Probes and the isolated route sweep (:mod:`mqnc.serving.calibration`), fitted by
+        :func:`mqnc.cost.fit_route`; the single-token routes' sends go to ``alone``."""
         req, g, info = self.req, self.g, self.small
-        for _ in range(10):  # warm the link up first (gloo's first transfers run slow)
-            req.probe(self.holder)
-        self.probes = [req.probe(self.holder) for _ in range(PROBES)]
-        offset = info.position + 1  # a new offset: the query is rotated, as the run's are
-        sizes = (1, 4, 16)
-        qs = {tokens: self._q(tokens) for tokens in sizes}
-        for tokens in sizes:  # warm-ups: each size's first call runs slow on both sides
-            req.route(info.chunk_id, qs[tokens], 0, offset=offset)
-        rts: dict[int, list[float]] = defaultdict(list)
-        for _ in range(ROUTE_REPS):  # the sizes interleaved: a slow spell touches each
-            for tokens in sizes:
-                rec = req.route(info.chunk_id, qs[tokens], 0, offset=offset).record
-                rts[tokens].append(rec.total_us - rec.compute_us)
-                compute_pairs.append((rec.m_q * info.tokens, rec.compute_us))
-                if tokens == 1:
-                    alone.append(rec.transfer_us)
-        samples = [(tokens * g.heads, _median(rts[tokens])) for tokens in sizes]
-        self.samples["route_rows_us"] = {tokens * g.heads: rts[tokens] for tokens in sizes}
+        self.probes = probe_times(req, self.holder, reps=PROBES, warmup=PROBE_WARMUP)
+        # at a new offset (the query is rotated, as the run's are), the sizes interleaved (a
+        # slow spell touches each) after one warm-up each (each size's first call runs slow)
+        sweep = route_sweep(
+            req,
+            info.chunk_id,
+            ROUTE_SIZES,
+            reps=ROUTE_REPS,
+            warmup=1,
+            generator=self.gen,
+            offset=info.position + 1,
+        )
+        alone += [s.send_us for s in sweep[1]]
+        rts = {tokens: [s.round_trip_us for s in got] for tokens, got in sweep.items()}
+        samples = [(tokens * g.heads, _median(rts[tokens])) for tokens in ROUTE_SIZES]
+        self.samples["route_rows_us"] = {tokens * g.heads: rts[tokens] for tokens in ROUTE_SIZES}
         # the fit every calibration shares; when it fails (decode-sized rows on a fast local
         # link are all fixed cost) the fixed part is the smallest route less the probe, and BW
         # the bulk pull's (measured below)
@@ -407,7 +422,7 @@ class _Measure:
         self.waves.append((calls, [rec.total_us for rec, _ in work]))
         return work
 
-    def _route_sides(self, compute_pairs: list, alone: list) -> dict[str, float]:
+    def _route_sides(self, alone: list) -> dict[str, float]:
         """The requester's send (alone: single routes, median; in a wave: each wave to every
         holder, the run's shape, gives its mean send, and the median over those waves is
         taken) and the holder's kernel call (a Theil-Sen line over the calls of waves to one
@@ -417,7 +432,8 @@ class _Measure:
         while len(alone) < ALONE:  # single-token routes with nothing else in flight
             rec = self.req.route(info.chunk_id, self._q(1), 0, offset=info.position + 1).record
             alone.append(rec.transfer_us)
-        compute_pairs.clear()  # the kernel calls of batches like the run's, not isolated ones
+        # the kernel calls of batches like the run's, not isolated ones
+        compute_pairs: list[tuple[int, float]] = []
         sends: list[list[float]] = []  # per wave to every holder: its requests' sends
         holders = sorted(self.by_holder)
         for sparse in kinds:  # a warm-up wave of each kind, not kept
@@ -437,7 +453,7 @@ class _Measure:
         self.samples["send_us"] = sends
         self.samples["send_alone_us"] = list(alone)
         self.samples["compute_work_us"] = list(compute_pairs)
-        fixed, per_work = _robust_affine(compute_pairs)
+        fixed, per_work = robust_affine(compute_pairs)
         return dict(
             # a wave's sends add up: their mean per wave; the median over the waves
             send_us=_median([float(np.mean(w)) for w in sends]),
@@ -496,46 +512,38 @@ class _Measure:
         over the corpus' range, the sizes interleaved in each of ``FETCH_REPS`` rounds after a
         warm-up round (a slow spell of the machine then touches every size, not one end of the
         line); the splice per token at a new offset each time; the pool write alone per token
-        (at the canonical position, median)."""
-        req = self.req
+        (at the canonical position, median). From an empty pool, each round's copies evicted
+        after it (:func:`mqnc.serving.calibration.fetch_samples`)."""
+        self.req.clear_local()  # the decodes' copies: the calibration's calls are not the run's
         infos = self.sizes if pull else [self.small]
-        points, splice = [], []
-        for k in range(FETCH_REPS + 1):  # round 0 warms the path up
-            for info in infos:
-                n = len(req.costs)
-                req.fetch(info.chunk_id, offset=info.position + 1 + k)
-                rec = req.costs[n]
-                if k:
-                    points.append((rec.bytes_recv, rec.total_us - rec.splice_us))
-                    splice.append(rec.splice_us / info.tokens)
-            req.clear_local()
-        scatter = []
-        for k in range(FETCH_REPS + 1):  # at the canonical position: the pool write alone
-            n = len(req.costs)
-            req.fetch(self.small.chunk_id)
-            if k:
-                scatter.append(req.costs[n].splice_us / self.small.tokens)
-            req.clear_local()
+        moved = fetch_samples(self.req, [i.chunk_id for i in infos], rounds=FETCH_REPS, warmup=1)
+        at_home = fetch_samples(
+            self.req, [self.small.chunk_id], rounds=FETCH_REPS, warmup=1, moved=False
+        )
+        points = [(s.bytes, s.pull_us) for s in moved]
         self.samples["fetch_bytes_us"] = points
-        out = dict(splice_us_per_token=_median(splice), scatter_us_per_token=_median(scatter))
+        out = dict(
+            splice_us_per_token=_median([s.splice_us_per_token for s in moved]),
+            scatter_us_per_token=_median([s.splice_us_per_token for s in at_home]),
+        )
         if pull:
-            out.update(_pull_fit(points))
+            out.update(fit_pull(points))
         return out
 
     def _merge_us(self) -> float:
-        """One merge of an agent's partials (its chunks and its suffix), median of 5."""
-        g, cfg = self.g, self.cfg
+        """One merge of an agent's partials (its chunks and its suffix), median of
+        :data:`MERGE_REPS` after a warm-up."""
+        cfg = self.cfg
         m = max(cfg.chunks_per_agent if cfg.whole_agents else 0, 1) + 1
-        o = torch.randn(m, 1, g.heads, g.d_v, generator=self.gen).to(torch.bfloat16)
-        lse = torch.randn(m, 1, g.heads, generator=self.gen)
-        o, lse = o.to(cfg.device), lse.to(cfg.device)
-        ops = kernel_ops(cfg.kernels)
-        ops.merge_partials(o, lse)
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            ops.merge_partials(o, lse)
-            times.append((time.perf_counter() - t0) * 1e6)
+        times = merge_times(
+            cfg.kernels,
+            m,
+            self.g,
+            generator=self.gen,
+            dtype=torch.bfloat16,
+            device=cfg.device,
+            reps=MERGE_REPS,
+        )
         return _median(times)
 
     def _prefill_c_us(self) -> float:
@@ -563,38 +571,3 @@ def _median_waves(waves: list[tuple[list, list[float]]]) -> list[tuple[list, lis
         reps = sorted(reps, key=lambda w: sum(w[1]))
         out.append(reps[(len(reps) - 1) // 2])
     return out
-
-
-def _theil_sen(pairs: list[tuple[float, float]]) -> tuple[float, float] | None:
-    """``(intercept, slope)`` of the Theil-Sen line through ``(x, y)``: the slope is the median
-    of the slopes between every two points at different ``x``, the intercept the median of
-    ``y - slope * x``. A point the OS descheduled moves neither (a median), unlike a least-squares
-    line, whose intercept swings with one slow call at an end of the range. None when every
-    point has the same ``x``."""
-    x = np.array([p[0] for p in pairs], dtype=np.float64)
-    y = np.array([p[1] for p in pairs], dtype=np.float64)
-    i, j = np.triu_indices(x.size, k=1)
-    apart = x[i] != x[j]
-    if not apart.any():
-        return None
-    i, j = i[apart], j[apart]
-    slope = float(np.median((y[j] - y[i]) / (x[j] - x[i])))
-    return float(np.median(y - slope * x)), slope
-
-
-def _robust_affine(pairs: list[tuple[float, float]]) -> tuple[float, float]:
-    """``(intercept, slope)`` of the Theil-Sen line (:func:`_theil_sen`) through ``(x, y)``;
-    proportional through the origin (the median of ``y / x``) when no rising line with a
-    non-negative intercept fits."""
-    line = _theil_sen(pairs)
-    if line is not None and line[1] > 0 and line[0] >= 0:
-        return line
-    return 0.0, float(np.median([y / x for x, y in pairs]))
-
-
-def _pull_fit(points: list[tuple[int, float]]) -> dict[str, float]:
-    """Fetch's pull, ``fixed + bytes / bulk rate``, from ``(bytes, us)`` over the chunk sizes
-    (:func:`_robust_affine`: Theil-Sen; proportional through the origin when the sizes do not
-    say more)."""
-    fixed, slope = _robust_affine(points)
-    return dict(fetch_fixed_us=fixed, bulk_bw_gbps=1.0 / (slope * 1e3))

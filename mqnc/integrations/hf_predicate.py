@@ -5,7 +5,6 @@ machine's constants measured against the holders, and route / fetch / local per 
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 
@@ -14,12 +13,13 @@ from mqnc.cost import (
     FabricProfile,
     MachineProfile,
     Request,
+    bulk_rate_gbps,
     decide,
     fit_route,
     load_fabric,
     t_local,
 )
-from mqnc.serving.compute import kernel_ops
+from mqnc.serving.calibration import fetch_samples, merge_times, probe_times, route_sweep
 
 __all__ = ["as_fabric", "prefill_c_us", "measure_constants", "session_profile", "decide_chunk"]
 
@@ -45,45 +45,36 @@ def prefill_c_us(corpus, geometry) -> float:
 def measure_constants(
     requester, corpus, geometry, *, fabric=None, kernels="triton", probes: int = 9, reps: int = 2
 ):
-    """This machine's constants against the corpus' first holder: probe round trips, a route
-    sweep (1, 4, 16 query tokens of ``H`` rows; affine fit, §4.3), one fetch spliced at a new
-    offset (bulk pull rate and splice per token; the copy is evicted again, so the requester's
-    pool is left as it was), one merge; the local re-prefill cost per token-layer is the context
-    prefill's own time. Returns ``(fabric, cal)``: the given ``fabric`` or the fitted one, and
-    the constants (the keys ``mqnc demo``'s table prints)."""
+    """This machine's constants against the corpus' first holder, timed as the demo's are
+    (:mod:`mqnc.serving.calibration`): ``probes`` probe round trips after 5 warm-ups, a route
+    sweep (1, 4, 16 query tokens of ``H`` rows, ``reps`` each in a row; affine fit, §4.3,
+    :func:`mqnc.cost.fit_route`), one fetch spliced at a new offset (bulk pull rate and splice
+    per token; the copy is evicted again, so the requester's pool is left as it was), one
+    merge; the local re-prefill cost per token-layer is the context prefill's own time.
+    Returns ``(fabric, cal)``: the given ``fabric`` or the fitted one, and the constants (the
+    keys ``mqnc demo``'s table prints)."""
     req, g = requester, geometry
     c0 = min(corpus.chunks)
-    info = req.directory[c0]
-    peer = info.holders[0]
-    dev = req.device
-    for _ in range(5):
-        req.probe(peer)
-    probe = [req.probe(peer) for _ in range(probes)]
-    samples, computes = [], []
+    probe = probe_times(req, req.directory[c0].holders[0], reps=probes, warmup=5)
     gen = torch.Generator().manual_seed(0)  # the global RNG is the caller's (sampling)
-    for tokens in (1, 4, 16):
-        q = torch.randn(tokens, g.heads, g.d_qk, generator=gen).to(dev, req.dtype)
-        for _ in range(reps):
-            rec = req.route(c0, q, 0).record
-            samples.append((tokens * g.heads, max(rec.total_us - rec.compute_us, 1e-3)))
-            computes.append(rec.compute_us / (tokens * g.heads * info.tokens))
+    sweep = route_sweep(req, c0, (1, 4, 16), reps=reps, warmup=0, generator=gen, interleave=False)
+    routes = [s for got in sweep.values() for s in got]
+    samples = [(s.rows, max(s.round_trip_us, 1e-3)) for s in routes]
+    computes = [s.compute_us / s.work for s in routes]
     # a real pull and splice at an offset nothing keeps, then evicted: the pool is left as the
     # calibration found it (a kept copy would be attended in place by every later request)
-    off = info.position + 1
-    while (c0, off) in req.local_chunks:
-        off += 1
-    fetch = req.fetch(c0, offset=off)
-    req.evict_local(c0, off)
-    rec = next(r for r in reversed(req.costs) if r.primitive == "fetch")
-    bulk_bw = rec.bytes_recv / (max(rec.return_us, 1e-3) * 1e3)
-    o = torch.randn(len(corpus.chunks) + 1, 1, g.heads, g.v_head_dim, generator=gen)
-    lse = torch.randn(o.shape[:3], generator=gen)
-    o, lse = o.to(dev), lse.to(dev)
-    ops = kernel_ops(kernels)
-    ops.merge_partials(o, lse)
-    t0 = time.perf_counter()
-    ops.merge_partials(o, lse)
-    merge_us = (time.perf_counter() - t0) * 1e6
+    (fetch,) = fetch_samples(req, [c0], rounds=1)
+    bulk_bw = bulk_rate_gbps(fetch.bytes, max(fetch.return_us, 1e-3))
+    (merge_us,) = merge_times(
+        kernels,
+        len(corpus.chunks) + 1,
+        g,
+        generator=gen,
+        dtype=torch.float32,
+        device=req.device,
+        reps=1,
+        width=g.v_head_dim,
+    )
     fit_error = None
     if fabric is None:
         # the fit every calibration shares; decode-sized rows on a fast link are all fixed
@@ -104,7 +95,7 @@ def measure_constants(
         probe_samples_us=probe,
         compute_us_per_row_token=sum(computes) / len(computes),
         merge_us=merge_us,
-        splice_us_per_token=rec.splice_us / fetch.tokens,
+        splice_us_per_token=fetch.splice_us_per_token,
         c_us=prefill_c_us(corpus, g),
     )
     return fabric, cal

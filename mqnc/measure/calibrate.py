@@ -9,8 +9,13 @@ the probe is the measured ``sig_rt``; ``BW`` the large-``M_q`` slope; turnaround
 probe), and a :class:`~mqnc.cost.FabricProfile` that ``mqnc calibrate`` writes as a machine
 profile and ``mqnc predict --fabric FILE``, the predicate and the demo (``--profile FILE``)
 load. Unless ``bulk_tokens`` is None, one contiguous all-layer chunk pull is timed too and its
-rate stored as ``bulk_bw_gbps`` (fetch's ``T_pull``), so that the profile prices fetch on the
-same machine.
+rate stored as ``bulk_bw_gbps`` (fetch's ``T_pull``, :func:`mqnc.cost.bulk_rate_gbps`), so
+that the profile prices fetch on the same machine.
+
+The demo's and the Hugging Face session's calibrations time their probes, routes and fetches
+through a requester (:mod:`mqnc.serving.calibration`); this one times the bare transport against
+an echo holder (the sweep every benchmark of the transport shares,
+:func:`mqnc.measure.sweep.route_sweep`), so it shares their fit and rate, not their harness.
 
 Then the package's own path (its host software is part of a route's cost): a real
 :class:`~mqnc.serving.Requester` routes to a real :class:`~mqnc.serving.Holder` (its kernel stubbed:
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 from mqnc.base.checks import check_int
 from mqnc.base.runtime import device_name
-from mqnc.cost import FabricProfile, FitResult, fit_host, fit_route
+from mqnc.cost import FabricProfile, FitResult, bulk_rate_gbps, fit_host, fit_route
 from mqnc.measure.echo import HDR, OP_CHUNK, EchoFabric, Unavailable
 from mqnc.measure.sweep import route_sweep
 from mqnc.measure.timing import one_intra_op_thread, time_fn, time_interleaved
@@ -102,7 +107,7 @@ def calibrate(
         route, [probe], qp_row_bytes=g.qp_row_bytes, fit_min_rows=fit_min_rows, strict=True
     )
     dev = device_name()
-    extra = {} if bulk is None else {"bulk_bw_gbps": bulk[0] / (bulk[1] * 1e-6) / 1e9}
+    extra = {} if bulk is None else {"bulk_bw_gbps": bulk_rate_gbps(*bulk)}
     if host_pts:
         h = fit_host(host_pts)
         extra.update(host_fixed_us=h.fixed_us, host_per_row_us=h.per_row_us)
