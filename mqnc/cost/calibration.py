@@ -4,9 +4,10 @@ Every calibration times payload-free probes and routed round trips of a few size
 ``T_probe``, ``BW`` and the turnaround from them: ``mqnc calibrate``
 (:func:`mqnc.measure.calibrate.calibrate`, an echo holder), the demo's calibration against its
 holders (:mod:`mqnc.demo.calibration`) and the Hugging Face session's
-(:func:`mqnc.integrations.hf_predicate.measure_constants`). They measure differently (what
-they route through differs); :func:`fit_route` is the one way all three turn the measurements
-into terms, and :meth:`RouteFit.fabric` the one way into a
+(:func:`mqnc.integrations.hf_predicate.measure_constants`). The last two time the same calls
+through a requester (:mod:`mqnc.serving.calibration`, each with its own counts); ``mqnc
+calibrate`` times the bare transport. :func:`fit_route` is the one way all three turn the
+measurements into terms, and :meth:`RouteFit.fabric` the one way into a
 :class:`~mqnc.cost.FabricProfile` (then a :class:`~mqnc.cost.MachineProfile` with the compute
 terms each measures).
 
