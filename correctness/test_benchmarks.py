@@ -341,7 +341,7 @@ def test_check_makes_a_missed_target_the_exit_status(tmp_path, monkeypatch, caps
 def test_a_runs_new_records_are_checked_line_by_line(tmp_path):
     """``read_new`` (what ``--check`` holds to the targets) reads only the lines a run appended
     and refuses one that is not a record, naming the file and the line."""
-    from mqnc.measure.results import read_new
+    from mqnc.measure.results_file import read_new
 
     path = tmp_path / "r.jsonl"
     old = '{"bench": "old", "x": 1, "p50": 2.0}\n'
@@ -475,13 +475,13 @@ def test_benchmarks_follow_a_model_whose_partial_row_is_wider_than_its_query_row
 
 
 def test_goal_targets_match_the_goal_shapes(tmp_path, capsys):
-    """perf/targets.py bounds every goal shape with a number in its goal, by the label the
+    """perf/speed_targets.py bounds every goal shape with a number in its goal, by the label the
     --goals sweeps record; a CPU run of them is reported as not measured."""
     import re
 
     from mqnc.triton_kernels._variants import GOALS
     from perf import bench_merge
-    from perf.targets import TARGETS
+    from perf.speed_targets import TARGETS
 
     limit = re.compile(r"<= ([\d.]+) us")
     numeric = {s.label: float(limit.search(s.goal)[1]) for s in GOALS if limit.search(s.goal)}

@@ -1,6 +1,6 @@
 """``mqnc predict | crossover | fit | presets`` through ``mqnc.cli.main``.
 
-The fit test feeds a results file written by ``mqnc.measure.results.record`` from known
+The fit test feeds a results file written by ``mqnc.measure.results_file.record`` from known
 constants plus noise and checks the command recovers them; the others check the commands
 against the library functions they wrap and their errors.
 """

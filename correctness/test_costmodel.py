@@ -26,7 +26,7 @@ finite = dict(allow_nan=False, allow_infinity=False)
 
 def test_cost_modules_import_without_torch_or_triton():
     code = (
-        "import sys; import mqnc.cost, mqnc.plots, mqnc.measure.results, mqnc.cli.cost, mqnc.cli;"
+        "import sys; import mqnc.cost, mqnc.plots, mqnc.measure.results_file, mqnc.cli.cmd_cost, mqnc.cli;"
         "mqnc.cli.build_parser();"
         "bad = [m for m in ('torch', 'triton', 'matplotlib') if m in sys.modules];"
         "assert not bad, bad"
@@ -298,7 +298,7 @@ def test_fit_errors():
 
 
 def test_fit_results_reads_the_results_format(tmp_path):
-    """Records written by mqnc.measure.results.record (the real writer) fit back to their
+    """Records written by mqnc.measure.results_file.record (the real writer) fit back to their
     constants."""
     from mqnc.measure import record
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import GPU_TIER
 
-from mqnc.measure import results
+from mqnc.measure import results_file as results
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "perf" / "gpu_check.sh"

@@ -337,10 +337,10 @@ def test_demo_hf_checks_before_any_work(capsys, tmp_path, monkeypatch):
     """``mqnc demo --hf``: --kill-after-step without --kill-holder, and a bad --profile or
     --out, are one-line errors (exit status 2) before the model, transformers' reference
     generate or the prefill runs."""
-    import mqnc.demo.hf
+    import mqnc.demo.hf_demo
     from mqnc.cli import main
 
-    monkeypatch.setattr(mqnc.demo.hf, "random_model", lambda *a, **k: pytest.fail("work ran"))
+    monkeypatch.setattr(mqnc.demo.hf_demo, "random_model", lambda *a, **k: pytest.fail("work ran"))
     readme = pathlib.Path(__file__).resolve().parents[1] / "README.md"
     (tmp_path / "file").write_text("")
     cases = [

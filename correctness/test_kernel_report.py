@@ -1,4 +1,4 @@
-"""The kernel report (``python -m perf.kernel_report``, ``mqnc kernel-report``) runs on a CPU
+"""The kernel report (``python -m mqnc.measure.kernel_report``, ``mqnc kernel-report``) runs on a CPU
 machine (it compiles for sm_90, never launches) and records its predictions, labelled as such,
 into the file it is given."""
 
@@ -31,7 +31,7 @@ def _report(module: str, *args: str, cwd=ROOT, interpret: str | None = "0"):
 
 def test_kernel_report_predicts_and_records(tmp_path):
     out = tmp_path / "report.jsonl"
-    r = _report("perf.kernel_report", "--ops", "merge,rotate", "--out", str(out))
+    r = _report("mqnc.measure.kernel_report", "--ops", "merge,rotate", "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "PREDICTIONS" in r.stdout and "| merge M=8 rows=256 | <= 8 us |" in r.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -72,11 +72,11 @@ def test_an_unknown_op_is_one_line_before_anything_compiles(tmp_path):
     missing = tmp_path / "nope.jsonl"
     cases = [  # both front ends share the options and their checks: one of them past --ops
         ("mqnc kernel-report", ("--ops", "mla_decod"), "--ops: expected names out of merge,"),
-        ("perf.kernel_report", ("--ops", "mla_decod"), "--ops: expected names out of merge,"),
-        ("perf.kernel_report", ("--ceiling-tbps", "0"), "--ceiling-tbps: expected a number > 0"),
-        ("perf.kernel_report", ("--ceiling-tbps", "-1"), "expected a number > 0, got '-1'"),
-        ("perf.kernel_report", ("--ceiling-tbps", "inf"), "expected a finite number, got 'inf'"),
-        ("perf.kernel_report", ("--measured", str(missing)), f"no such file: {missing}"),
+        ("mqnc.measure.kernel_report", ("--ops", "mla_decod"), "--ops: expected names out of merge,"),
+        ("mqnc.measure.kernel_report", ("--ceiling-tbps", "0"), "--ceiling-tbps: expected a number > 0"),
+        ("mqnc.measure.kernel_report", ("--ceiling-tbps", "-1"), "expected a number > 0, got '-1'"),
+        ("mqnc.measure.kernel_report", ("--ceiling-tbps", "inf"), "expected a finite number, got 'inf'"),
+        ("mqnc.measure.kernel_report", ("--measured", str(missing)), f"no such file: {missing}"),
     ]
     for module, args, message in cases:
         r = _report(module, *args, "--out", str(out), cwd=ROOT)
@@ -118,7 +118,7 @@ def test_mla_shapes_count_their_bytes_and_join_the_measured_p50(tmp_path):
     measured.write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = tmp_path / "mla.jsonl"
     r = _report(
-        "perf.kernel_report",
+        "mqnc.measure.kernel_report",
         "--ops",
         "mla_decode,mla_sparse",
         "--measured",

@@ -165,7 +165,7 @@ def test_corpus_file_round_trip_and_bad_manifests(tmp_path):
 def test_serve_command_surface():
     """``mqnc serve``'s transports are the service's: the registry's engines across processes
     and the ``auto`` policy; a requester job is --run or --generate."""
-    from mqnc.cli import serve as cli_serve
+    from mqnc.cli import cmd_serve as cli_serve
     from mqnc.serving import service
     from mqnc.transport import names
 
@@ -187,7 +187,7 @@ def test_serve_command_surface():
 def test_corpus_context_token_ids_are_checked(tmp_path, content, got):
     """`mqnc corpus --context`: token ids are ints >= 0; a bool, negative or float id (or no
     list) is an error naming the flag, the file and what was found."""
-    from mqnc.cli.corpus import read_token_ids
+    from mqnc.cli.cmd_corpus import read_token_ids
 
     path = tmp_path / "context.json"
     path.write_text(content)

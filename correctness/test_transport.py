@@ -360,7 +360,7 @@ def test_every_front_end_reads_the_registry():
     import argparse
 
     from mqnc.cli import build_parser
-    from mqnc.cli import serve as cli_serve
+    from mqnc.cli import cmd_serve as cli_serve
     from mqnc.demo import config
     from mqnc.measure import TRANSPORTS, echo, options
     from mqnc.serving import local, service

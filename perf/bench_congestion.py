@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 
 from mqnc import measure as H
-from perf.targets import TARGETS
+from perf.speed_targets import TARGETS
 
 
 # Over 60 lines: one sweep whose background flows, timing and records share their loop state;

@@ -11,7 +11,7 @@ between events, recorded as ``extra.timing``).
 from __future__ import annotations
 
 from mqnc.measure.options import bench_parser, finish, parse_bench_args, positive_float
-from perf.targets import TARGETS
+from perf.speed_targets import TARGETS
 
 
 def main(argv=None) -> int:

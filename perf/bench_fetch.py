@@ -26,7 +26,7 @@ Host wall clock, warm-up first, p20/p50/p80.
 from __future__ import annotations
 
 from mqnc import measure as H
-from perf.targets import TARGETS
+from perf.speed_targets import TARGETS
 
 CT_FULL = [64, 256, 1024, 2048]
 CT_QUICK = [64, 256]

@@ -33,7 +33,7 @@ What is timed (§6.2, §6.3):
 
 from __future__ import annotations
 
-from perf.targets import TARGETS
+from perf.speed_targets import TARGETS
 
 N_FULL = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 N_QUICK = [1, 8, 32]

@@ -36,14 +36,14 @@ the machine's wake penalty (:func:`_wake_cases`)
     alone). The ratio of the pack after the wait to the warm one says how much slower host
     work runs right after a wake, where every call's host work runs.
 
-The goals (perf/targets.py): loopback probe <= 3x ``cond``; gloo probe <= 2x ``gloo_1B``; route1 <=
+The goals (perf/speed_targets.py): loopback probe <= 3x ``cond``; gloo probe <= 2x ``gloo_1B``; route1 <=
 1.5x the probe; route256 <= 2x the probe plus the bytes at the floor's bandwidth
 (``cond_payload - cond`` or ``gloo_payload - gloo_1B``). The routes less the echo round trips
 of the same size give the cost model's host term (§5.3, :func:`mqnc.cost.fit_host`). Medians,
 p90 and the ratios are printed and recorded (``bench="host"``: each case's p20/p50/p80 in us;
 ``bench="host_ratio"``: each ratio, ``unit`` ``"ratio"``, ``"routes/s"`` or ``"us"``), to the
 git-ignored results file unless ``--out`` / ``--record`` say otherwise; ``--check`` holds the
-ratios to the goals (``perf/targets.py``). ``--breakdown`` instead times each stage of a call
+ratios to the goals (``perf/speed_targets.py``). ``--breakdown`` instead times each stage of a call
 (pack, hand-off, parse, holder work, reply) from the stamps of :mod:`mqnc.base.stamps`
 (requester and holder put and wait fused: "put" is ~0 and the put's cost is in the hand-off
 that follows it); it records nothing.
@@ -58,7 +58,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from perf.targets import TARGETS
+from perf.speed_targets import TARGETS
 
 ROUTE_BIG = (16, 16)  # B, H: M_q 256
 HOLDER4_CALLS = 5

@@ -15,7 +15,7 @@ benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
 ``--goals`` sweeps instead the production goal shapes (``mqnc.triton_kernels._variants.GOALS``:
 dense H 16 / 128 x B 1..128 x c_t 2048..65536, sparse top-2048 at H 16 / 128, B 1 / 8), one
 record per shape with ``extra.shape`` set to the shape's label, which
-``perf/kernel_report.py --measured`` joins to its predictions (one GPU run answers each goal).
+``mqnc/measure/kernel_report.py --measured`` joins to its predictions (one GPU run answers each goal).
 ``--tiny`` (``perf/gpu_check.sh --dry-run``) takes the first goal shape of each op cut to
 B <= 2 and 128 entries and runs the Triton kernels even without a GPU (interpreted).
 
@@ -34,7 +34,7 @@ host cost of a call is recorded beside it (``extra.timing.host_us``).
 
 Bytes read once (for GB/s): the distinct cache entries (``x 576 x elt``; the fan-in's N rows
 share one chunk), the query rows and the written partials (``o`` + fp32 ``lse``). On a GPU it
-times the Triton kernels in bf16 (the goals, perf/targets.py: >= 80% of the copy ceiling for
+times the Triton kernels in bf16 (the goals, perf/speed_targets.py: >= 80% of the copy ceiling for
 memory-bound dense shapes, the fan-in partial at N <= 16 in <= 15 us (H 16) / <= 30 us (H 128),
 the sparse top-2048 H 128 partial in <= 30 us). On the CPU it times a torch fp32 implementation
 of the same math (``backend=torch-reference``; interpreter timings say nothing about the
@@ -48,7 +48,7 @@ import math
 
 from mqnc.base.runtime import use_interpreter_without_cuda
 from mqnc.measure.options import bench_parser, choice_list, finish, parse_bench_args
-from perf.targets import TARGETS
+from perf.speed_targets import TARGETS
 
 D_QK, D_V = 576, 512
 SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite with YaRN

@@ -29,7 +29,7 @@ from __future__ import annotations
 from mqnc import measure as H
 from mqnc.cost import fit
 from mqnc.measure.sweep import route_sweep
-from perf.targets import TARGETS
+from perf.speed_targets import TARGETS
 
 M_Q_FULL = [1, 4, 16, 64, 256, 1024, 4096]
 M_Q_QUICK = [1, 64, 1024]

@@ -21,7 +21,7 @@ flags every benchmark takes (``--quick --reps --warmup --out FILE | --record --c
 
 ``--goals`` times the production goal shapes (``_variants.GOALS``: 27 layers x 2048 tokens, one
 int delta for the chunk as the requester's fetch does, and one delta per token), recording
-``extra.shape`` for ``perf/kernel_report.py --measured``; ``--tiny`` (the dry run of
+``extra.shape`` for ``mqnc/measure/kernel_report.py --measured``; ``--tiny`` (the dry run of
 ``perf/gpu_check.sh``) cuts them to 2 layers x 55 tokens, where the Triton variants run
 interpreted without a GPU.
 
@@ -43,7 +43,7 @@ from mqnc.measure.options import (
     parse_bench_args,
     positive_int,
 )
-from perf.targets import TARGETS
+from perf.speed_targets import TARGETS
 
 PAPER_SPLICE_US = {55: 2770.0, 1024: 2780.0, 2048: 2910.0, 4096: 3060.0}  # §7, H100
 BLOCK_SIZE = 64

@@ -20,7 +20,7 @@
 #                Triton cache by 16 processes, then every goal shape planned on the GPU
 #   bench_merge, bench_mla, bench_splice   the kernel benchmarks over the production goal shapes
 #                (CUDA-graph replays over L2-rotated inputs; extra.timing says how)
-#   report       perf/kernel_report.py: predictions and the measured p50 in one table
+#   report       mqnc/measure/kernel_report.py: predictions and the measured p50 in one table
 #   tests        the GPU test tier (pytest -m gpu: correctness/conftest.py's GPU_TIER list)
 #   holder       Fig. 4(b) holder batching (the Triton kernel) and Fig. 5(b) K-stream staging
 #   nvshmem      two NVSHMEM PEs on the one GPU: probe, route sweep, a routed partial's
@@ -191,7 +191,7 @@ step warmup env TRITON_INTERPRET=0 "$PY" -m perf.warmup "${WARMUP_ARGS[@]}"
 step bench_merge "$PY" -m perf.bench_merge "${BENCH_ARGS[@]}" --out "$RESULTS"
 step bench_mla "$PY" -m perf.bench_mla "${BENCH_ARGS[@]}" --out "$RESULTS"
 step bench_splice "$PY" -m perf.bench_splice "${BENCH_ARGS[@]}" --out "$RESULTS"
-step report env TRITON_INTERPRET=0 "$PY" -m perf.kernel_report "${REPORT_ARGS[@]}" \
+step report env TRITON_INTERPRET=0 "$PY" -m mqnc.measure.kernel_report "${REPORT_ARGS[@]}" \
   --measured "$RESULTS" --out "$OUT/kernel_report.jsonl"
 step tests "$PY" -m pytest correctness -m gpu -q -p no:cacheprovider "${TEST_ARGS[@]}"
 step holder "$PY" -m perf.bench_holder "${HOLDER_ARGS[@]}" --out "$RESULTS"

@@ -64,7 +64,7 @@ __all__ = [
 
 MIN_TOKENS_PER_SPLIT = 64
 # The H200 device copy ceiling the goal shapes were set against (~4.3 TB/s), bytes per us: the unit
-# in which the policy and perf/kernel_report.py predict (predictions, never measurements).
+# in which the policy and mqnc/measure/kernel_report.py predict (predictions, never measurements).
 CEILING_BYTES_PER_US = 4.3e6
 LAUNCH_US = 2.0  # a second, dependent kernel launch on the same stream (prediction)
 

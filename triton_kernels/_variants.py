@@ -2,7 +2,7 @@
 the ecosystem adapters launch) and the launches the kernels make there.
 
 One list of goal shapes serves the sm_90 compile test, the checked-in occupancy table
-(``_sm90_table``), ``perf/kernel_report.py`` and the benchmarks' ``--goals`` sweeps, so that
+(``_sm90_table``), ``mqnc/measure/kernel_report.py`` and the benchmarks' ``--goals`` sweeps, so that
 what is compiled, predicted and measured is the same thing. The launches are planned by the
 launchers' own planning functions (``plan_decode``, ``plan_sparse``, ``merge_launch``,
 ``splice_launch``) on real tensors of the production geometry (DeepSeek-V2-Lite: bf16,

@@ -13,12 +13,12 @@
 ``MQNC_RESULTS=FILE``
     The results file figures read and benchmarks append to when neither ``--out`` nor
     ``--record`` is given (unset: figures read the tracked ``perf/results/results.jsonl``,
-    benchmarks write the git-ignored ``perf/results/local.jsonl``; :mod:`mqnc.measure.results`).
+    benchmarks write the git-ignored ``perf/results/local.jsonl``; :mod:`mqnc.measure.results_file`).
 ``NVSHMEM_LIB_DIR=DIR``
     Where the NVSHMEM engine looks first for ``libnvshmem_device*.bc``
     (:func:`mqnc.transport.nvshmem.device_library_path`).
 ``MQNC_COMMIT=SHA``
-    The commit every benchmark record carries (:func:`mqnc.measure.results.git_commit`), for a
+    The commit every benchmark record carries (:func:`mqnc.measure.results_file.git_commit`), for a
     copy of the repository without ``.git`` (the lent GPU machine: ``perf/gpu_check.sh`` sets it
     from git or from the ``.mqnc-commit`` file that travels with the copy).
 

@@ -27,15 +27,15 @@ from mqnc import __version__
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
 SUBCOMMANDS = [
-    "mqnc.cli.env",
-    "mqnc.cli.selfcheck",
-    "mqnc.cli.demo",
-    "mqnc.cli.cost",
-    "mqnc.cli.fit",
-    "mqnc.cli.calibrate",
-    "mqnc.cli.corpus",
-    "mqnc.cli.serve",
-    "mqnc.cli.kernel_report",
+    "mqnc.cli.cmd_env",
+    "mqnc.cli.cmd_selfcheck",
+    "mqnc.cli.cmd_demo",
+    "mqnc.cli.cmd_cost",
+    "mqnc.cli.cmd_fit",
+    "mqnc.cli.cmd_calibrate",
+    "mqnc.cli.cmd_corpus",
+    "mqnc.cli.cmd_serve",
+    "mqnc.cli.cmd_kernel_report",
 ]
 
 _VERBOSE_HELP = "show the traceback of an error and log what the command does (-vv: debug)"

@@ -6,7 +6,7 @@ measurements, one machine's profile, and the closed-form route / fetch / local p
   overhead, TP pairing), on floats or numpy grids.
 - :mod:`mqnc.cost.fitting`: constants from measured round trips (:func:`fit`, §4.3), the
   holder's knee (§6.3), MAPE.
-- :mod:`mqnc.cost.records`: the results-file reader (:func:`read_jsonl`, :func:`check_record`).
+- :mod:`mqnc.cost.results_reader`: the results-file reader (:func:`read_jsonl`, :func:`check_record`).
 - :mod:`mqnc.cost.calibration`: :func:`fit_route`, the one way every calibration turns its
   measured probes and round trips into the fabric's route terms.
 - :mod:`mqnc.cost.profile`: :class:`MachineProfile` (the fabric and the compute terms of one
@@ -19,13 +19,13 @@ Every public name of each is re-exported here (``from mqnc.cost import decide, f
 Pure Python + numpy: importing it loads neither torch nor triton (a test checks).
 """
 
-from mqnc.cost import calibration, fabric, fitting, predicate, profile, records, terms
+from mqnc.cost import calibration, fabric, fitting, predicate, profile, results_reader, terms
 from mqnc.cost.calibration import *  # noqa: F403 - re-exports, as listed in each module's __all__
 from mqnc.cost.fabric import *  # noqa: F403
 from mqnc.cost.fitting import *  # noqa: F403
 from mqnc.cost.predicate import *  # noqa: F403
 from mqnc.cost.profile import *  # noqa: F403
-from mqnc.cost.records import *  # noqa: F403
+from mqnc.cost.results_reader import *  # noqa: F403
 from mqnc.cost.terms import *  # noqa: F403
 
 __all__ = [
@@ -34,13 +34,13 @@ __all__ = [
     "fitting",
     "predicate",
     "profile",
-    "records",
+    "results_reader",
     "terms",
     *calibration.__all__,
     *fabric.__all__,
     *fitting.__all__,
     *predicate.__all__,
     *profile.__all__,
-    *records.__all__,
+    *results_reader.__all__,
     *terms.__all__,
 ]

@@ -10,7 +10,7 @@
   the package beside the transport alone at the same ``M_q``;
 - :func:`mape`: the error statistic;
 - :func:`read_jsonl` / :func:`check_record`: the records of a results file, defined in
-  :mod:`mqnc.cost.records` and re-exported here.
+  :mod:`mqnc.cost.results_reader` and re-exported here.
 
 numpy only (no torch): the ``mqnc fit`` command and the notebooks run it anywhere.
 """
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from mqnc.cost.fabric import FabricProfile, bytes_to_us
-from mqnc.cost.records import check_record, read_jsonl  # noqa: F401 - mqnc.cost.fitting.read_jsonl
+from mqnc.cost.results_reader import check_record, read_jsonl  # noqa: F401 - mqnc.cost.fitting.read_jsonl
 
 __all__ = [
     "FitResult",
@@ -239,7 +239,7 @@ def fit_groups(
     **kwargs: Any,
 ) -> list[RouteGroup]:
     """Fit every route sweep of a results file (the long format of
-    :mod:`mqnc.measure.results`), one fit per (device, variant, row size, commit).
+    :mod:`mqnc.measure.results_file`), one fit per (device, variant, row size, commit).
 
     Records are never pooled across devices or commits: a file that several machines or
     versions appended to holds several sweeps, and one fit over all of them describes none.

@@ -44,7 +44,7 @@ import numpy as np
 
 from mqnc.base.checks import check_int, check_number
 from mqnc.cost.fabric import FabricProfile, bytes_to_us
-from mqnc.cost.records import read_jsonl
+from mqnc.cost.results_reader import read_jsonl
 from mqnc.model.geometry import MLAGeometry
 
 __all__ = [

@@ -44,9 +44,9 @@ The pieces, one module each: :mod:`~mqnc.demo.config` (what a run depends on),
 holders and the requester's transport), :mod:`~mqnc.demo.calibration` (this machine's
 constants), :mod:`~mqnc.demo.step` (decide and execute one decode step),
 :mod:`~mqnc.demo.verify` (the fp64 checks), :mod:`~mqnc.demo.report` (table, JSON, PNG) and
-:mod:`~mqnc.demo.run` (all of it in order). The command is registered by :mod:`mqnc.cli.demo`.
+:mod:`~mqnc.demo.run` (all of it in order). The command is registered by :mod:`mqnc.cli.cmd_demo`.
 
-``mqnc demo --hf`` (:mod:`mqnc.demo.hf`, :func:`run_hf_demo`) runs a Hugging Face DeepSeek model
+``mqnc demo --hf`` (:mod:`mqnc.demo.hf_demo`, :func:`run_hf_demo`) runs a Hugging Face DeepSeek model
 generating over holders (:mod:`mqnc.integrations.hf`) the same way, with the same table.
 """
 
@@ -63,12 +63,12 @@ __all__ = ["DemoConfig", "HFDemoConfig", "HolderStartupError", "run_demo", "run_
 def run_demo(cfg: DemoConfig) -> dict:
     """Run the demo; returns the JSON-able result (also written under ``cfg.out``).
 
-    Every argument is checked first (:func:`mqnc.demo.checks.prepare`: ``ValueError`` /
+    Every argument is checked first (:func:`mqnc.demo.preflight.prepare`: ``ValueError`` /
     ``FileNotFoundError`` naming it, before any work). Raises
     :class:`~mqnc.demo.cluster.HolderStartupError` when a holder fails or dies before it
     serves, and ``AssertionError`` when an answer is beyond its bound (the CLI exits 1).
     """
-    from mqnc.demo.checks import prepare
+    from mqnc.demo.preflight import prepare
     from mqnc.demo.progress import Progress
 
     t0 = time.perf_counter()
@@ -85,9 +85,9 @@ def run_demo(cfg: DemoConfig) -> dict:
 
 
 def run_hf_demo(cfg: HFDemoConfig) -> dict:
-    """Run ``mqnc demo --hf`` (:mod:`mqnc.demo.hf`); returns the JSON-able result (also written
+    """Run ``mqnc demo --hf`` (:mod:`mqnc.demo.hf_demo`); returns the JSON-able result (also written
     under ``cfg.out``). Raises ``AssertionError`` when the run is beyond its exactness bound."""
     use_interpreter_without_cuda()
-    from mqnc.demo.hf import run
+    from mqnc.demo.hf_demo import run
 
     return run(cfg)

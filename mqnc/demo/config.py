@@ -167,7 +167,7 @@ class DemoConfig:
 @dataclasses.dataclass
 class HFDemoConfig:
     """``mqnc demo --hf``: everything a run depends on; the defaults take about a minute on 2
-    CPU cores (:mod:`mqnc.demo.hf`)."""
+    CPU cores (:mod:`mqnc.demo.hf_demo`)."""
 
     kind: str = "deepseek_v2"
     dtype: str = "float32"

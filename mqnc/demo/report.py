@@ -2,7 +2,7 @@
 machine's constants, wire bytes, MAPE and the largest error; printed as tables of at most 100
 columns and drawn as measured against predicted per call. :func:`predict_call`,
 :func:`primitive_rows`, :func:`print_table` and :func:`plot` serve both demos (``mqnc demo``
-and ``mqnc demo --hf``, :mod:`mqnc.demo.hf`).
+and ``mqnc demo --hf``, :mod:`mqnc.demo.hf_demo`).
 
 The table's terms are the ones a call's record measures on its own: the holder's kernel call
 (route), the splice (fetch) and the re-prefill (local); ``transport`` is the rest of the call

@@ -1,7 +1,7 @@
 """The demo end to end: start the holders, prefill the corpus, calibrate what the profile lacks,
 decode, verify, report, write ``demo.json``, the profile and the PNG (see :mod:`mqnc.demo` for
 what it does and why). Every argument was checked before this runs
-(:func:`mqnc.demo.checks.prepare`)."""
+(:func:`mqnc.demo.preflight.prepare`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from mqnc.base.runtime import device_name, kernel_mode
 from mqnc.demo.calibration import Calibration, calibrate, lacking, median_rounds
-from mqnc.demo.checks import Prepared
+from mqnc.demo.preflight import Prepared
 from mqnc.demo.cluster import Cluster
 from mqnc.demo.config import DemoConfig
 from mqnc.demo.progress import Progress

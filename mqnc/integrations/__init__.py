@@ -9,8 +9,8 @@
 - :mod:`mqnc.integrations.hf_exactness`: how close such a run is to transformers' own
   ``generate`` on the whole prompt (tokens, logits, the derived bound).
 
-``mqnc demo --hf`` is :mod:`mqnc.demo.hf`; ``mqnc corpus`` and ``mqnc serve`` are
-:mod:`mqnc.cli.corpus` and :mod:`mqnc.cli.serve`. This layer sits above serving and beside
+``mqnc demo --hf`` is :mod:`mqnc.demo.hf_demo`; ``mqnc corpus`` and ``mqnc serve`` are
+:mod:`mqnc.cli.cmd_corpus` and :mod:`mqnc.cli.cmd_serve`. This layer sits above serving and beside
 :mod:`mqnc.measure` (layer 5), so that the demo layer can use it. Nothing here imports
 transformers at import time.
 """

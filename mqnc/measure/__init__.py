@@ -11,7 +11,7 @@
 - :mod:`mqnc.measure.timing`: p20/p50/p80 of repeated calls: kernels by CUDA-graph replay
   over inputs rotated past the L2 (``time_kernel``, each result saying how it was timed),
   host-side work on the host clock (``time_fn``), round-robin over several points.
-- :mod:`mqnc.measure.results`: the long-format results file (record, read, where it is, the
+- :mod:`mqnc.measure.results_file`: the long-format results file (record, read, where it is, the
   git commit of each record).
 - :mod:`mqnc.measure.sweep`: the probe + route sweep of Table 1.
 - :mod:`mqnc.measure.calibrate`: this machine's fabric profile (``mqnc calibrate``;
@@ -20,7 +20,7 @@
   and the option types the ``mqnc`` command shares with them.
 - :mod:`mqnc.measure.targets`: speed targets as data, checked against a run's records.
 - :mod:`mqnc.measure.kernel_report`: the kernels' static sm_90 report at the goal shapes
-  (predictions; ``mqnc kernel-report``, ``python -m perf.kernel_report``).
+  (predictions; ``mqnc kernel-report``, ``python -m mqnc.measure.kernel_report``).
 
 The torch-free modules (results, options, targets) are imported with the package; the others, and
 the names they define, on first use, so that the figures can read records without torch.
@@ -39,7 +39,7 @@ from mqnc.measure.options import (
     positive_int,
     transport_list,
 )
-from mqnc.measure.results import git_commit, output_path, read_results, record, results_path
+from mqnc.measure.results_file import git_commit, output_path, read_results, record, results_path
 from mqnc.measure.targets import Target, check_targets
 
 _LAZY = {

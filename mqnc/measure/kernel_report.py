@@ -2,7 +2,7 @@
 launched. Every time in it is a PREDICTION, not a measurement.
 
 ``mqnc kernel-report [--out FILE] [--ops mla_decode,merge] [--measured RESULTS]`` (or
-``python -m perf.kernel_report ...``, the same).
+``python -m mqnc.measure.kernel_report ...``, the same).
 
 For each goal shape (``mqnc.triton_kernels._variants.GOALS``) and each launch the op makes there
 (an MLA call: the attention kernel, then the combine when split), it compiles the launch through
@@ -332,7 +332,7 @@ def format_matrix(shapes: list[dict]) -> str:
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    """The report's options (``mqnc kernel-report`` and ``python -m perf.kernel_report``)."""
+    """The report's options (``mqnc kernel-report`` and ``python -m mqnc.measure.kernel_report``)."""
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="JSON-lines file to append to")
     ap.add_argument(
         "--ops", type=_ops_arg, default=None, help="comma list: mla_decode,mla_sparse,merge,..."

@@ -12,7 +12,7 @@ Every benchmark is built the same way::
 Where records go: ``--out FILE``; else ``--record``, the repository's tracked
 ``perf/results/results.jsonl`` (the file the README's tables and the notebooks read: commit
 what you record there); else ``$MQNC_RESULTS``; else ``perf/results/local.jsonl`` beside it,
-which git ignores (:func:`mqnc.measure.results.output_path`). A quick smoke run therefore never
+which git ignores (:func:`mqnc.measure.results_file.output_path`). A quick smoke run therefore never
 changes the repository.
 
 Lists are comma-separated everywhere (``--m-q 1,64,1024``); a value that is not valid is an
@@ -27,7 +27,7 @@ import re
 from collections.abc import Sequence
 
 from mqnc.base.env import results_file
-from mqnc.measure.results import output_path, read_new
+from mqnc.measure.results_file import output_path, read_new
 from mqnc.measure.targets import Target, check_targets
 from mqnc.model.geometry import MLAGeometry, load_geometry
 from mqnc.transport import names

@@ -15,7 +15,7 @@ from functools import partial
 from tqdm import tqdm
 
 from mqnc.measure.echo import EchoFabric, host_extra, split_row_bytes
-from mqnc.measure.results import record
+from mqnc.measure.results_file import record
 from mqnc.measure.timing import time_interleaved
 from mqnc.model.geometry import MLAGeometry
 

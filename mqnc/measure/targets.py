@@ -6,7 +6,7 @@ above. :func:`check_targets` applies every target to the records of one run: eac
 record passes or misses; a target that selects no record (a GPU target on a CPU run, or a
 sweep not run) is reported as not measured and neither passes nor fails.
 
-The targets themselves (the project's goal numbers) are in ``perf/targets.py``; torch-free.
+The targets themselves (the project's goal numbers) are in ``perf/speed_targets.py``; torch-free.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ predicate's grids) or from the records of ``perf/results/results.jsonl``; nothin
 in. The notebooks (``notebooks/01_cost_model.ipynb``, ``notebooks/02_measurements.ipynb``) and
 the CLI call the same functions. matplotlib is an optional dependency (the ``notebooks`` extra):
 it is imported inside the drawing functions only, so importing this package costs numpy and
-nothing else (no torch: the records are read by :mod:`mqnc.measure.results`).
+nothing else (no torch: the records are read by :mod:`mqnc.measure.results_file`).
 
 Modules: :mod:`mqnc.plots.cost_figures` (from the model), :mod:`mqnc.plots.measured` (from the
 records), :mod:`mqnc.plots._common` (colours, commands, record selection, saving).
@@ -22,7 +22,7 @@ Model figures (§4, §5, §8):
   cost over the same grid;
 - :func:`bw_sweep_plot` Fig. 6(a): cost against effective bandwidth at one request shape.
 
-Measurement figures, from records (the long format of :mod:`mqnc.measure.results`). Each raises
+Measurement figures, from records (the long format of :mod:`mqnc.measure.results_file`). Each raises
 :class:`MissingData` (with the command that produces the records) when there is nothing to
 draw. The records they read:
 
@@ -47,7 +47,7 @@ draw. The records they read:
   ``x`` per variant, p20-p80 shaded, device and backend in the title.
 """
 
-from mqnc.measure.results import read_results, results_path
+from mqnc.measure.results_file import read_results, results_path
 from mqnc.plots._common import (
     COLORS,
     COMMANDS,

@@ -36,7 +36,7 @@ from pathlib import Path
 from mqnc import __version__
 from mqnc.base.env import commit, results_file
 from mqnc.base.runtime import device_name
-from mqnc.cost.records import check_record, read_jsonl
+from mqnc.cost.results_reader import check_record, read_jsonl
 
 __all__ = [
     "REPO_RESULTS",

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from mqnc.base.runtime import device_name, kernel_mode
-from mqnc.demo.checks import make_out
+from mqnc.demo.preflight import make_out
 from mqnc.demo.config import HFDemoConfig
 from mqnc.demo.profile import load_profile
 from mqnc.demo.report import plot, predict_call, primitive_rows, print_table

@@ -1,4 +1,4 @@
-"""The records of a results file: the long format :mod:`mqnc.measure.results` writes and the
+"""The records of a results file: the long format :mod:`mqnc.measure.results_file` writes and the
 cost layer reads (``mqnc fit``, :meth:`mqnc.cost.terms.SpliceProfile.from_results`).
 
 - :data:`RECORD_NUMBERS`: the fields every record carries as a finite number;
@@ -22,7 +22,7 @@ __all__ = ["RECORD_NUMBERS", "check_record", "read_jsonl"]
 
 
 RECORD_NUMBERS = ("x", "p50")
-"""The fields every results record carries as a finite number (:mod:`mqnc.measure.results`
+"""The fields every results record carries as a finite number (:mod:`mqnc.measure.results_file`
 writes them; ``mqnc fit`` and ``SpliceProfile.from_results`` read them)."""
 
 
@@ -62,7 +62,7 @@ def check_record(record: object, where: str, *, required: Sequence[str] = RECORD
 
 
 def read_jsonl(path: str | os.PathLike, *, required: Sequence[str] = RECORD_NUMBERS) -> list[dict]:
-    """Every record of a JSON-lines results file (:mod:`mqnc.measure.results`' format); a
+    """Every record of a JSON-lines results file (:mod:`mqnc.measure.results_file`' format); a
     missing file is a ``FileNotFoundError``, a line that is not JSON or not a record
     (:func:`check_record`: an object whose ``x`` and ``p50`` are finite numbers; those not in
     ``required`` may be absent) a ``ValueError`` naming the file, the line and the key."""
