@@ -144,7 +144,6 @@ class _Param:
 
     name: str
     kwonly: bool
-    default: object
     fields: tuple[tuple[str, str], ...]  # (schema name, schema type)
     check: Callable[[object], object] | None
     codec: Codec | None
@@ -165,7 +164,7 @@ def _param(p: inspect.Parameter, tp, codec: Codec | None, mutated: bool) -> _Par
         fields = tuple((n, t.replace("Tensor", "Tensor(!)", 1)) for n, t in fields)
     tensor = codec is None and (tp is torch.Tensor or _optional(tp) is torch.Tensor)
     kwonly = p.kind is inspect.Parameter.KEYWORD_ONLY
-    return _Param(p.name, kwonly, p.default, fields, check, codec, tensor)
+    return _Param(p.name, kwonly, fields, check, codec, tensor)
 
 
 def _schema(params: list[_Param], extra: list[str], returns: str) -> str:
