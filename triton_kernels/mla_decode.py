@@ -96,6 +96,36 @@ __all__ = [
 PRODUCTION_PAGE = 64  # the goal shapes' page (FlashMLA's); other pages name their variant
 
 
+@triton.jit
+def _program_keys(
+    SeqLens,
+    H,
+    NUM_SPLITS,
+    SEQ_Q,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    MULTI_Q: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """This program's query row ``b``, first head ``h0``, ``split``, sequence ``seq`` and the
+    key range ``[t_start, t_end)`` it attends (its split of the row's causal length)."""
+    head_blocks = tl.cdiv(H, BLOCK_H)
+    pid = tl.program_id(0)
+    b = pid // head_blocks
+    h0 = (pid - b * head_blocks) * BLOCK_H
+    split = tl.program_id(1)
+    if MULTI_Q:
+        seq = b // SEQ_Q
+    else:
+        seq = b
+    seqlen = tl.load(SeqLens + seq)
+    if CAUSAL:
+        seqlen = tl.maximum(seqlen - (SEQ_Q - 1 - (b - seq * SEQ_Q)), 0)
+    t_start, t_end = _split_range(seqlen, NUM_SPLITS, split, BLOCK_N, MIN_TILES)
+    return b, h0, split, seq, t_start, t_end
+
+
 # Runtime ints that vary from call to call are not specialised (an int equal to 1 would become
 # a constexpr, one divisible by 16 get an alignment hint: each a separate compile at run time);
 # the block table's row stride is its width, which follows the longest context of the batch.
@@ -148,21 +178,9 @@ def _mla_decode_kernel(
     block) and split, a row's head blocks adjacent on axis 0 (axis 0 holds 2**31 - 1 programs;
     rows on axis 2 stopped at 65,535); query row ``b`` belongs to sequence ``b // SEQ_Q`` (its
     pages and length)."""
-    head_blocks = tl.cdiv(H, BLOCK_H)
-    pid = tl.program_id(0)
-    b = pid // head_blocks
-    h0 = (pid - b * head_blocks) * BLOCK_H
-    split = tl.program_id(1)
-    if MULTI_Q:
-        seq = b // SEQ_Q
-    else:
-        seq = b
-
-    seqlen = tl.load(SeqLens + seq)
-    if CAUSAL:
-        seqlen = tl.maximum(seqlen - (SEQ_Q - 1 - (b - seq * SEQ_Q)), 0)
-    t_start, t_end = _split_range(seqlen, NUM_SPLITS, split, BLOCK_N, MIN_TILES)
-
+    b, h0, split, seq, t_start, t_end = _program_keys(
+        SeqLens, H, NUM_SPLITS, SEQ_Q, BLOCK_H, BLOCK_N, MIN_TILES, MULTI_Q, CAUSAL
+    )
     q_lat, q_pe, offs_h, mask_h = _load_query(
         Q, Q_PE, b, h0, H, stride_qb, stride_qh, stride_pqb, stride_pqh, BLOCK_H, D_LAT, D_PE,
         SPLIT, DOT_FP32,
