@@ -209,3 +209,11 @@ def test_fit_route_is_the_fit_or_the_fixed_part_when_it_fails():
     assert rf.terms() == dict(t_probe_us=11.0, turnaround_us=fixed - 11.0, bw_gbps=50.0)
     fab = rf.fabric("f", source="s")
     assert (fab.t_probe_us, fab.bw_gbps, fab.turnaround_us) == (11.0, 50.0, fixed - 11.0)
+
+
+def test_calibrate_refuses_an_engine_the_registry_does_not_hold():
+    """The engine name is checked against the transport registry before anything runs."""
+    from mqnc.measure.calibrate import calibrate
+
+    with pytest.raises(ValueError, match=r"transport: expected one of \('loopback', 'gloo'"):
+        calibrate("infiniband")

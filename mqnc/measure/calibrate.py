@@ -13,7 +13,8 @@ rate stored as ``bulk_bw_gbps`` (fetch's ``T_pull``, :func:`mqnc.cost.bulk_rate_
 that the profile prices fetch on the same machine.
 
 The demo's and the Hugging Face session's calibrations time their probes, routes and fetches
-through a requester (:mod:`mqnc.serving.calibration`); this one times the bare transport against
+through a requester (:mod:`mqnc.serving.calibration_samples`); this one times the bare transport
+against
 an echo holder (the sweep every benchmark of the transport shares,
 :func:`mqnc.measure.sweep.route_sweep`), so it shares their fit and rate, not their harness.
 
@@ -38,6 +39,7 @@ from mqnc.measure.echo import HDR, OP_CHUNK, EchoFabric, Unavailable
 from mqnc.measure.sweep import route_sweep
 from mqnc.measure.timing import one_intra_op_thread, time_fn, time_interleaved
 from mqnc.model.geometry import MLAGeometry, load_geometry
+from mqnc.transport import engine
 
 HOST_M_Q = (1, 16, 256)  # route sizes of the host-overhead sweep (one token's heads, 16 tokens)
 
@@ -92,8 +94,7 @@ def calibrate(
         ``[(M_q, p50_us)]``, ``bulk`` as ``(bytes, p50_us)`` or None, ``host`` as
         ``[(M_q, package_p50_us, echo_p50_us)]`` or None).
     """
-    if transport not in ("loopback", "gloo", "nvshmem"):
-        raise ValueError(f"transport: expected loopback, gloo or nvshmem, got {transport!r}")
+    engine(transport)  # a ValueError naming the registry's engines for an unknown one
     m_qs = sorted({int(m) for m in m_qs})
     if len(m_qs) < 2 or m_qs[0] < 1:
         raise ValueError(f"m_q: expected at least two distinct sizes >= 1, got {m_qs}")
