@@ -22,7 +22,7 @@ import torch
 
 from mqnc.model import RopeSpec
 from mqnc.reference import mla_decode_reference, rope_splice_reference
-from mqnc.reference.merge import merge_reference
+from mqnc.reference.merge_ref import merge_reference
 from mqnc.testing import assert_close, default_device, tolerance
 from mqnc.triton_kernels import (
     lse_from_base2,

@@ -26,7 +26,8 @@ finite = dict(allow_nan=False, allow_infinity=False)
 
 def test_cost_modules_import_without_torch_or_triton():
     code = (
-        "import sys; import mqnc.cost, mqnc.plots, mqnc.measure.results_file, mqnc.cli.cmd_cost, mqnc.cli;"
+        "import sys; import mqnc.cost, mqnc.plots, mqnc.measure.results_file, mqnc.cli.cmd_cost, "
+        "mqnc.cli;"
         "mqnc.cli.build_parser();"
         "bad = [m for m in ('torch', 'triton', 'matplotlib') if m in sys.modules];"
         "assert not bad, bad"

@@ -637,7 +637,7 @@ def test_profile_measured_with_other_kernels_is_measured_again(tmp_path):
     """A demo profile's compute terms hold only for the kernels and device they were measured
     with; the rest is loaded."""
     from mqnc.demo.calibration import _loaded
-    from mqnc.demo.profile import COMPUTE_TERMS, DEMO_PROFILE, DEMO_TERMS, load_profile
+    from mqnc.demo.profile_file import COMPUTE_TERMS, DEMO_PROFILE, DEMO_TERMS, load_profile
 
     path = tmp_path / "p.json"
     fabric = dict(name="x", t_probe_us=10.0, bw_gbps=1.0, bulk_bw_gbps=2.0)
@@ -683,7 +683,7 @@ def test_profile_bulk_rate_from_link_peak_is_loaded_not_recalibrated():
     peak, else BW) gives the demo that rate; only a profile with neither leaves it to measure."""
     from mqnc.cost import FabricProfile
     from mqnc.demo.calibration import _loaded
-    from mqnc.demo.profile import load_profile
+    from mqnc.demo.profile_file import load_profile
 
     cfg = DemoConfig(device="cpu", kernels="torch")
     preset = load_profile("h100-ibgda")

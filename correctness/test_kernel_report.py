@@ -1,5 +1,5 @@
-"""The kernel report (``python -m mqnc.measure.kernel_report``, ``mqnc kernel-report``) runs on a CPU
-machine (it compiles for sm_90, never launches) and records its predictions, labelled as such,
+"""The kernel report (``python -m mqnc.measure.kernel_report``, ``mqnc kernel-report``) runs on a
+CPU machine (it compiles for sm_90, never launches) and records its predictions, labelled as such,
 into the file it is given."""
 
 from __future__ import annotations
@@ -72,10 +72,22 @@ def test_an_unknown_op_is_one_line_before_anything_compiles(tmp_path):
     missing = tmp_path / "nope.jsonl"
     cases = [  # both front ends share the options and their checks: one of them past --ops
         ("mqnc kernel-report", ("--ops", "mla_decod"), "--ops: expected names out of merge,"),
-        ("mqnc.measure.kernel_report", ("--ops", "mla_decod"), "--ops: expected names out of merge,"),
-        ("mqnc.measure.kernel_report", ("--ceiling-tbps", "0"), "--ceiling-tbps: expected a number > 0"),
+        (
+            "mqnc.measure.kernel_report",
+            ("--ops", "mla_decod"),
+            "--ops: expected names out of merge,",
+        ),
+        (
+            "mqnc.measure.kernel_report",
+            ("--ceiling-tbps", "0"),
+            "--ceiling-tbps: expected a number > 0",
+        ),
         ("mqnc.measure.kernel_report", ("--ceiling-tbps", "-1"), "expected a number > 0, got '-1'"),
-        ("mqnc.measure.kernel_report", ("--ceiling-tbps", "inf"), "expected a finite number, got 'inf'"),
+        (
+            "mqnc.measure.kernel_report",
+            ("--ceiling-tbps", "inf"),
+            "expected a finite number, got 'inf'",
+        ),
         ("mqnc.measure.kernel_report", ("--measured", str(missing)), f"no such file: {missing}"),
     ]
     for module, args, message in cases:

@@ -369,3 +369,20 @@ def test_public_names_refuses_what_it_cannot_read():
         public_names("mqnc.measure", ".no_such_module")
     with pytest.raises(ValueError, match="no literal __all__"):
         public_names("mqnc", ".measure")  # its __all__ is computed (``*_LAZY``)
+
+
+def test_module_basenames_are_unique():
+    """No two modules of ``mqnc/``, ``triton_kernels/`` and ``perf/`` share a file name (a
+    package's ``__init__`` / ``__main__`` aside), nor does a module share its name with a folder
+    beside the modules (``perf/results/``): a name found in a traceback, a grep or an editor's
+    tab says which file it is."""
+    seen: dict[str, list[str]] = {}
+    for top in ("mqnc", "triton_kernels", "perf"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if path.name not in ("__init__.py", "__main__.py"):
+                seen.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
+        for folder in sorted(p for p in (ROOT / top).rglob("*") if p.is_dir()):
+            if folder.name != "__pycache__" and not (folder / "__init__.py").exists():
+                seen.setdefault(folder.name, []).append(str(folder.relative_to(ROOT)) + "/")
+    shared = {name: where for name, where in seen.items() if len(where) > 1}
+    assert not shared, f"module names used twice: {shared}"

@@ -16,8 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mqnc.model import ROPE_PRESET_CONFIGS, RopeSpec, YarnScaling
-from mqnc.reference.attention import partial_attention_reference
-from mqnc.reference.rope import (
+from mqnc.reference.attention_ref import partial_attention_reference
+from mqnc.reference.rope_ref import (
     half_to_interleaved,
     interleaved_to_half,
     rope_delta_reference,

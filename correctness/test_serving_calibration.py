@@ -1,5 +1,6 @@
 """The measuring the demo's and the Hugging Face session's calibrations share
-(:mod:`mqnc.serving.calibration`) and the lines they fit (:mod:`mqnc.cost.calibration`): the
+(:mod:`mqnc.serving.calibration_samples`) and the lines they fit
+(:mod:`mqnc.cost.calibration_fits`): the
 fits against known lines, the loop's order, and each measurement against a loopback requester
 (torch kernels) for its structure and for leaving the requester's pool as it found it. Nothing
 here depends on how fast anything runs."""
@@ -12,7 +13,7 @@ import torch
 from mqnc.cost import bulk_rate_gbps, fit_pull, robust_affine, theil_sen
 from mqnc.model import PRESETS, RopeSpec
 from mqnc.serving import Corpus, LocalHolders
-from mqnc.serving.calibration import (
+from mqnc.serving.calibration_samples import (
     FetchSample,
     RouteSample,
     fetch_samples,

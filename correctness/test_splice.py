@@ -15,9 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mqnc.model import ROPE_PRESET_CONFIGS, RopeSpec
-from mqnc.reference.attention import partial_attention_reference
-from mqnc.reference.merge import merge_reference
-from mqnc.reference.rope import (
+from mqnc.reference.attention_ref import partial_attention_reference
+from mqnc.reference.merge_ref import merge_reference
+from mqnc.reference.rope_ref import (
     rope_encode_reference,
     rope_rotate_reference,
     rope_splice_reference,

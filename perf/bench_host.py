@@ -36,7 +36,8 @@ the machine's wake penalty (:func:`_wake_cases`)
     alone). The ratio of the pack after the wait to the warm one says how much slower host
     work runs right after a wake, where every call's host work runs.
 
-The goals (perf/speed_targets.py): loopback probe <= 3x ``cond``; gloo probe <= 2x ``gloo_1B``; route1 <=
+The goals (perf/speed_targets.py): loopback probe <= 3x ``cond``; gloo probe <= 2x ``gloo_1B``;
+route1 <=
 1.5x the probe; route256 <= 2x the probe plus the bytes at the floor's bandwidth
 (``cond_payload - cond`` or ``gloo_payload - gloo_1B``). The routes less the echo round trips
 of the same size give the cost model's host term (§5.3, :func:`mqnc.cost.fit_host`). Medians,

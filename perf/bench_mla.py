@@ -15,7 +15,8 @@ benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
 ``--goals`` sweeps instead the production goal shapes (``mqnc.triton_kernels._variants.GOALS``:
 dense H 16 / 128 x B 1..128 x c_t 2048..65536, sparse top-2048 at H 16 / 128, B 1 / 8), one
 record per shape with ``extra.shape`` set to the shape's label, which
-``mqnc/measure/kernel_report.py --measured`` joins to its predictions (one GPU run answers each goal).
+``mqnc/measure/kernel_report.py --measured`` joins to its predictions (one GPU run answers each
+goal).
 ``--tiny`` (``perf/gpu_check.sh --dry-run``) takes the first goal shape of each op cut to
 B <= 2 and 128 entries and runs the Triton kernels even without a GPU (interpreted).
 

@@ -1,5 +1,5 @@
-"""Speed of the closed-form predicate (its targets, perf/speed_targets.py: a scalar decision in <= 20 us,
-a 1000 x 1000 ``M_q x c_t`` crossover grid in <= 0.2 s, on one CPU core).
+"""Speed of the closed-form predicate (its targets, perf/speed_targets.py: a scalar decision in
+<= 20 us, a 1000 x 1000 ``M_q x c_t`` crossover grid in <= 0.2 s, on one CPU core).
 
 Pure CPU work, so it is timed with ``time.perf_counter_ns`` whatever the machine (CUDA events
 would time an idle stream); ``--pin`` restricts the process to one core first. Records
@@ -9,7 +9,8 @@ p20/p50/p80 in us, backend ``python`` / ``numpy``, the CPU model in ``extra``.
     python -m perf.bench_predicate --quick [--grid 1000] [--pin] [--check]
 
 plus the flags every benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
-:mod:`mqnc.measure.options`); ``--check`` exits 1 when a target is missed (``perf/speed_targets.py``).
+:mod:`mqnc.measure.options`); ``--check`` exits 1 when a target is missed
+(``perf/speed_targets.py``).
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ status=0
 import torch
 from mqnc.base.runtime import use_interpreter_without_cuda
 use_interpreter_without_cuda()
-from mqnc.reference.attention import mla_decode_reference, mla_sparse_reference
+from mqnc.reference.attention_ref import mla_decode_reference, mla_sparse_reference
 from mqnc.testing import assert_close, default_device, tolerance
 from mqnc.triton_kernels import mla_decode_partial, mla_sparse_partial
 dev, g = default_device(), torch.Generator().manual_seed(0)

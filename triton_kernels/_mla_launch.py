@@ -354,7 +354,8 @@ def variant_name(
     op: str, dtype: torch.dtype, cfg: TileConfig, split: bool, features: tuple[str, ...] = ()
 ) -> str:
     """The name of a compiled variant, as the compile step, the sm_90 table and
-    ``mqnc/measure/kernel_report.py`` call it: op, cache dtype, tile, warps, stages, output, then what
+    ``mqnc/measure/kernel_report.py`` call it: op, cache dtype, tile, warps, stages, output, then
+    what
     departs from the production layout (``features``: ``page=N`` for a page other than 64,
     ``csr`` page tables, ``split-kv`` latent / rope tensors, ``sq`` several query tokens per
     sequence, ``causal``), none for the goal shapes."""

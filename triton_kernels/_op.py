@@ -20,7 +20,7 @@ one signature the registry makes:
   path); the op's ``"triton"`` implementation is then the plan and its run.
 
 Implementations are registered per backend: ``"triton"``, the launchers (each kernel's
-module); ``"torch"``, the fp64 references (``mqnc.reference.ops``, registered by
+module); ``"torch"``, the fp64 references (``mqnc.reference.torch_backend``, registered by
 ``mqnc.serving.compute``, a higher layer, when it is imported). Every implementation and fake
 takes one argument, the :class:`Call` (one attribute per declared parameter, decoded), so none
 of them writes the signature again.

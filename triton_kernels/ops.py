@@ -31,7 +31,7 @@ them off for a graph that is captured (``mode="reduce-overhead"``) or must not s
 
 Adding an op (say, an FP8-cache variant of the dense kernel) touches four files: its kernel's
 module (the kernel, and the op's ``"triton"`` implementation or planner, registered on the op),
-this one (the declaration and its fake), ``mqnc/reference/ops.py`` (its ``"torch"``
+this one (the declaration and its fake), ``mqnc/reference/torch_backend.py`` (its ``"torch"``
 implementation) and its test; the schema, the public and plan functions, ``kernel_ops`` and
 ``torch.compile`` need nothing more (re-export it from ``mqnc.triton_kernels`` if it is to be
 reached from there too).

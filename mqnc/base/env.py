@@ -13,7 +13,8 @@
 ``MQNC_RESULTS=FILE``
     The results file figures read and benchmarks append to when neither ``--out`` nor
     ``--record`` is given (unset: figures read the tracked ``perf/results/results.jsonl``,
-    benchmarks write the git-ignored ``perf/results/local.jsonl``; :mod:`mqnc.measure.results_file`).
+    benchmarks write the git-ignored ``perf/results/local.jsonl``;
+    :mod:`mqnc.measure.results_file`).
 ``NVSHMEM_LIB_DIR=DIR``
     Where the NVSHMEM engine looks first for ``libnvshmem_device*.bc``
     (:func:`mqnc.transport.nvshmem.device_library_path`).

@@ -6,8 +6,9 @@ measurements, one machine's profile, and the closed-form route / fetch / local p
   overhead, TP pairing), on floats or numpy grids.
 - :mod:`mqnc.cost.fitting`: constants from measured round trips (:func:`fit`, §4.3), the
   holder's knee (§6.3), MAPE.
-- :mod:`mqnc.cost.results_reader`: the results-file reader (:func:`read_jsonl`, :func:`check_record`).
-- :mod:`mqnc.cost.calibration`: :func:`fit_route`, the one way every calibration turns its
+- :mod:`mqnc.cost.results_reader`: the results-file reader (:func:`read_jsonl`,
+  :func:`check_record`).
+- :mod:`mqnc.cost.calibration_fits`: :func:`fit_route`, the one way every calibration turns its
   measured probes and round trips into the fabric's route terms.
 - :mod:`mqnc.cost.profile`: :class:`MachineProfile` (the fabric and the compute terms of one
   machine; one versioned JSON schema that every calibration writes) and :class:`Request` (one
@@ -19,8 +20,8 @@ Every public name of each is re-exported here (``from mqnc.cost import decide, f
 Pure Python + numpy: importing it loads neither torch nor triton (a test checks).
 """
 
-from mqnc.cost import calibration, fabric, fitting, predicate, profile, results_reader, terms
-from mqnc.cost.calibration import *  # noqa: F403 - re-exports, as listed in each module's __all__
+from mqnc.cost import calibration_fits, fabric, fitting, predicate, profile, results_reader, terms
+from mqnc.cost.calibration_fits import *  # noqa: F403 - re-exports, as listed in each module's __all__
 from mqnc.cost.fabric import *  # noqa: F403
 from mqnc.cost.fitting import *  # noqa: F403
 from mqnc.cost.predicate import *  # noqa: F403
@@ -29,14 +30,14 @@ from mqnc.cost.results_reader import *  # noqa: F403
 from mqnc.cost.terms import *  # noqa: F403
 
 __all__ = [
-    "calibration",
+    "calibration_fits",
     "fabric",
     "fitting",
     "predicate",
     "profile",
     "results_reader",
     "terms",
-    *calibration.__all__,
+    *calibration_fits.__all__,
     *fabric.__all__,
     *fitting.__all__,
     *predicate.__all__,

@@ -8,7 +8,8 @@ median of its repetitions and interleaves what it compares (a slow spell of the 
 touches every size or shape alike, not one end of a line); lines are Theil-Sen fits
 (:func:`mqnc.cost.theil_sen`: medians of pairwise slopes), which one descheduled call does not
 move. The probes, the route sweep, the fetches and the merge are timed as the Hugging Face
-session's are (:mod:`mqnc.serving.calibration`, with this module's counts); the waves and the
+session's are (:mod:`mqnc.serving.calibration_samples`, with this module's counts); the waves and
+the
 re-prefill are the demo's own. The counts are the module's constants (:data:`PROBES` ...); the
 raw samples go to ``demo.json`` (``calibration.samples``).
 
@@ -57,11 +58,11 @@ from mqnc.cost import (
     robust_affine,
 )
 from mqnc.demo.config import LANES, DemoConfig
-from mqnc.demo.profile import COMPUTE_TERMS, DEMO_TERMS, LoadedProfile
+from mqnc.demo.profile_file import COMPUTE_TERMS, DEMO_TERMS, LoadedProfile
 from mqnc.demo.waves import RouteConstants, WaveCall, predict_wave
 from mqnc.model import MLAGeometry
 from mqnc.serving import ChunkInfo, Requester
-from mqnc.serving.calibration import fetch_samples, merge_times, probe_times, route_sweep
+from mqnc.serving.calibration_samples import fetch_samples, merge_times, probe_times, route_sweep
 
 __all__ = ["Calibration", "calibrate", "lacking", "median_rounds", "FABRIC_TERMS", "OWN_TERMS"]
 
@@ -356,7 +357,7 @@ class _Measure:
         return q.to(self.cfg.device)
 
     def _fabric(self, alone: list) -> dict[str, float]:
-        """Probes and the isolated route sweep (:mod:`mqnc.serving.calibration`), fitted by
+        """Probes and the isolated route sweep (:mod:`mqnc.serving.calibration_samples`), fitted by
         :func:`mqnc.cost.fit_route`; the single-token routes' sends go to ``alone``."""
         req, g, info = self.req, self.g, self.small
         self.probes = probe_times(req, self.holder, reps=PROBES, warmup=PROBE_WARMUP)
@@ -513,7 +514,7 @@ class _Measure:
         warm-up round (a slow spell of the machine then touches every size, not one end of the
         line); the splice per token at a new offset each time; the pool write alone per token
         (at the canonical position, median). From an empty pool, each round's copies evicted
-        after it (:func:`mqnc.serving.calibration.fetch_samples`)."""
+        after it (:func:`mqnc.serving.calibration_samples.fetch_samples`)."""
         self.req.clear_local()  # the decodes' copies: the calibration's calls are not the run's
         infos = self.sizes if pull else [self.small]
         moved = fetch_samples(self.req, [i.chunk_id for i in infos], rounds=FETCH_REPS, warmup=1)

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from mqnc.base.runtime import device_name, kernel_mode
-from mqnc.demo.preflight import make_out
 from mqnc.demo.config import HFDemoConfig
-from mqnc.demo.profile import load_profile
+from mqnc.demo.preflight import make_out
+from mqnc.demo.profile_file import load_profile
 from mqnc.demo.report import plot, predict_call, primitive_rows, print_table
 from mqnc.integrations.hf import HFSession, attach, prefill_context, random_model
 from mqnc.integrations.hf_exactness import HFReference

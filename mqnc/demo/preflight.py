@@ -9,7 +9,7 @@ import importlib.util
 import os
 
 from mqnc.demo.config import DemoConfig
-from mqnc.demo.profile import LoadedProfile, load_profile
+from mqnc.demo.profile_file import LoadedProfile, load_profile
 from mqnc.transport import ENGINES, names
 
 __all__ = ["Prepared", "make_out", "prepare"]

@@ -14,9 +14,9 @@ import torch
 
 from mqnc.base.runtime import device_name, kernel_mode
 from mqnc.demo.calibration import Calibration, calibrate, lacking, median_rounds
-from mqnc.demo.preflight import Prepared
 from mqnc.demo.cluster import Cluster
 from mqnc.demo.config import DemoConfig
+from mqnc.demo.preflight import Prepared
 from mqnc.demo.progress import Progress
 from mqnc.demo.report import Report, median_calls, plot, print_table, spread_mape
 from mqnc.demo.step import Decisions, Decoder

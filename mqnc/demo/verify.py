@@ -12,7 +12,7 @@ import torch
 from mqnc.demo.workload import Agent, Corpus
 from mqnc.model import MLAModel
 from mqnc.reference import partial_attention_reference
-from mqnc.reference.rope import rope_rotate_reference
+from mqnc.reference.rope_ref import rope_rotate_reference
 from mqnc.serving import Partial
 from mqnc.testing import CloseStats, assert_close, tolerance
 

@@ -19,7 +19,7 @@ from mqnc.cost import (
     load_fabric,
     t_local,
 )
-from mqnc.serving.calibration import fetch_samples, merge_times, probe_times, route_sweep
+from mqnc.serving.calibration_samples import fetch_samples, merge_times, probe_times, route_sweep
 
 __all__ = ["as_fabric", "prefill_c_us", "measure_constants", "session_profile", "decide_chunk"]
 
@@ -46,7 +46,8 @@ def measure_constants(
     requester, corpus, geometry, *, fabric=None, kernels="triton", probes: int = 9, reps: int = 2
 ):
     """This machine's constants against the corpus' first holder, timed as the demo's are
-    (:mod:`mqnc.serving.calibration`): ``probes`` probe round trips after 5 warm-ups, a route
+    (:mod:`mqnc.serving.calibration_samples`): ``probes`` probe round trips after 5 warm-ups, a
+    route
     sweep (1, 4, 16 query tokens of ``H`` rows, ``reps`` each in a row; affine fit, §4.3,
     :func:`mqnc.cost.fit_route`), one fetch spliced at a new offset (bulk pull rate and splice
     per token; the copy is evicted again, so the requester's pool is left as it was), one

@@ -332,7 +332,7 @@ def format_matrix(shapes: list[dict]) -> str:
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    """The report's options (``mqnc kernel-report`` and ``python -m mqnc.measure.kernel_report``)."""
+    """The report's options (``mqnc kernel-report``, ``python -m mqnc.measure.kernel_report``)."""
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="JSON-lines file to append to")
     ap.add_argument(
         "--ops", type=_ops_arg, default=None, help="comma list: mla_decode,mla_sparse,merge,..."

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from mqnc.model.geometry import MLAGeometry
 from mqnc.model.rope import RopeSpec
-from mqnc.reference.rope import rope_encode_reference
+from mqnc.reference.rope_ref import rope_encode_reference
 
 __all__ = [
     "MLAModel",

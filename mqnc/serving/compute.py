@@ -12,7 +12,8 @@ bound to a backend, under the kernels' own names and signatures:
     the package :mod:`mqnc.triton_kernels` itself (compiled on a GPU, interpreted on a CPU);
 ``"torch"``
     the same ops on their ``"torch"`` backend (:data:`ReferenceOps`): the fp64 references of
-    :mod:`mqnc.reference.ops`, registered here (this layer may import both), rounded once to the
+    :mod:`mqnc.reference.torch_backend`, registered here (this layer may import both), rounded once
+    to the
     kernels' output dtypes (``o`` in the query's dtype, ``lse`` float32, rotated and spliced
     rows in the input's / pool's dtype). For tests and CPU runs that exercise the serving logic
     (transport, batching, fallback, an external model's decode loop) rather than the kernels:
@@ -23,7 +24,7 @@ Shapes, dtypes and the LSE base (natural log) are the kernels'; see their docstr
 
 from __future__ import annotations
 
-from mqnc.reference.ops import IMPLEMENTATIONS, ROWS_PER_SLICE
+from mqnc.reference.torch_backend import IMPLEMENTATIONS, ROWS_PER_SLICE
 from mqnc.triton_kernels.ops import backend_ops, register_backend
 
 __all__ = ["KERNELS", "ROWS_PER_SLICE", "ReferenceOps", "check_kernels", "kernel_ops"]

@@ -15,7 +15,7 @@ repetitions and chunks.
 - :func:`merge_times`: the merge of an agent's partials on the requester's kernels.
 
 Everything returns plain numbers (microseconds, bytes); the lines through them are
-:mod:`mqnc.cost.calibration`'s (:func:`~mqnc.cost.fit_route`, :func:`~mqnc.cost.robust_affine`,
+:mod:`mqnc.cost.calibration_fits`'s (:func:`~mqnc.cost.fit_route`, :func:`~mqnc.cost.robust_affine`,
 :func:`~mqnc.cost.fit_pull`). ``mqnc calibrate`` (:mod:`mqnc.measure.calibrate`) times an echo
 holder's transport instead of a requester and shares the fit only.
 """

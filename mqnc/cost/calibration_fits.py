@@ -5,7 +5,7 @@ Every calibration times payload-free probes and routed round trips of a few size
 (:func:`mqnc.measure.calibrate.calibrate`, an echo holder), the demo's calibration against its
 holders (:mod:`mqnc.demo.calibration`) and the Hugging Face session's
 (:func:`mqnc.integrations.hf_predicate.measure_constants`). The last two time the same calls
-through a requester (:mod:`mqnc.serving.calibration`, each with its own counts); ``mqnc
+through a requester (:mod:`mqnc.serving.calibration_samples`, each with its own counts); ``mqnc
 calibrate`` times the bare transport. :func:`fit_route` is the one way all three turn the
 measurements into terms, and :meth:`RouteFit.fabric` the one way into a
 :class:`~mqnc.cost.FabricProfile` (then a :class:`~mqnc.cost.MachineProfile` with the compute
@@ -17,7 +17,8 @@ drowns in noise) the route's fixed part is still known: the smallest round trip 
 move at the bulk rate.
 
 The calibrations that time calls through a requester (the demo's and the Hugging Face
-session's, :mod:`mqnc.serving.calibration`) fit their other lines here too: :func:`theil_sen`
+session's, :mod:`mqnc.serving.calibration_samples`) fit their other lines here too:
+:func:`theil_sen`
 and :func:`robust_affine` (the holder's kernel call over its work, fetch's pull over its bytes,
 :func:`fit_pull`), and :func:`bulk_rate_gbps` turns a timed transfer into a rate (``mqnc
 calibrate``'s bulk pull as well).

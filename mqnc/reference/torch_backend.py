@@ -21,9 +21,9 @@ import math
 
 import torch
 
-from mqnc.reference.attention import mla_decode_reference, mla_sparse_reference
-from mqnc.reference.merge import merge_reference
-from mqnc.reference.rope import rope_rotate_reference
+from mqnc.reference.attention_ref import mla_decode_reference, mla_sparse_reference
+from mqnc.reference.merge_ref import merge_reference
+from mqnc.reference.rope_ref import rope_rotate_reference
 
 __all__ = ["IMPLEMENTATIONS", "ROWS_PER_SLICE"]
 
