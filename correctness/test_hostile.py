@@ -490,6 +490,38 @@ def test_bad_timeout_and_slot_numbers_are_argument_errors():
         r.probe(1)  # nobody serves rank 1: a timeout, as bounded as asked
 
 
+# ---- out= that shares memory with an input or the other output ---------------------------
+
+
+def test_out_sharing_memory_with_an_input_or_the_other_output_is_refused():
+    """An ``o`` that is a view into ``q`` (the kernel would write what it still reads) and an
+    ``lse`` that is a view into ``o``: refused, naming both, by the function, its ``.out``
+    overload, a plan's ``run`` and the torch backend; separate buffers are accepted."""
+    from mqnc.serving.compute import kernel_ops
+    from mqnc.triton_kernels import mla_sparse_partial, plan_mla_sparse
+
+    g = torch.Generator().manual_seed(3)
+    q, pool = torch.randn(2, 3, 48, generator=g), torch.randn(3, 16, 48, generator=g)
+    idx = torch.tensor([[0, 7, 40, -1], [3, -1, 2, 11]], dtype=torch.int32)
+    kw = dict(softmax_scale=0.2, d_v=32)
+    into_q = q.reshape(-1)[: 2 * 3 * 32].view(2, 3, 32)
+    o, lse = torch.empty(2, 3, 32), torch.empty(2, 3)
+    into_o = o.reshape(-1)[5:11].view(2, 3)
+    plan = plan_mla_sparse(q, pool, idx, **kw)
+    for out, names in (((into_q, lse), r"out\[0\] \(o\) and q"), ((o, into_o), r"and out\[1\]")):
+        for sparse in (mla_sparse_partial, kernel_ops("torch").mla_sparse_partial):
+            with pytest.raises(ValueError, match=names + ".*share memory"):
+                sparse(q, pool, idx, out=out, **kw)
+        with pytest.raises(ValueError, match=names):
+            plan.run(q, pool, idx, out=out)
+        args = (q, pool, idx, 0.2, 32, None, True, None, None, list(out), "torch")
+        with pytest.raises(ValueError, match=names):
+            torch.ops.mqnc.mla_sparse_partial.out(*args)
+    want = mla_sparse_partial(q, pool, idx, **kw)
+    got = mla_sparse_partial(q, pool, idx, out=(o, lse), **kw)
+    assert got[0] is o and torch.equal(o, want[0]) and torch.equal(lse, want[1])
+
+
 # ---- the gloo engine: a hostile process ---------------------------------------------------
 
 WORKER = Path(__file__)

@@ -222,3 +222,43 @@ def test_compile_fullgraph_equals_eager(backend):
     assert_close(acc_c, acc, tol, name="merged in place")
     for layer in range(2):
         assert_close(caches_c[layer], caches[layer], tol, name=f"spliced layer {layer}")
+
+
+def _overlapping_out(name: str, kind: str):
+    """``(args, out, names)`` of a call of op ``name`` whose ``out=`` shares memory with an
+    input (``kind="input"``: ``o`` is a view into the first tensor argument, ``q`` or the
+    partials ``o``) or with the other output (``kind="lse"``: ``lse`` is a view into ``o``)."""
+    args = _op_cases()[f"{name}.out"]
+    args, (o, lse) = list(args[:-1]), args[-1]
+    first = args[0]
+    if kind == "input":  # (a fresh copy: the other cases' tensors stay untouched)
+        args[0] = first = first.clone()
+        o = first.reshape(-1)[: o.numel()].view(o.shape)
+        return args, (o, lse), ("out[0] (o)", "q" if name != "merge_partials" else "o")
+    lse = o.reshape(-1)[1 : 1 + lse.numel()].view(lse.shape)
+    return args, (o, lse), ("out[0] (o)", "out[1] (lse)")
+
+
+@pytest.mark.parametrize("kind", ["input", "lse"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize(
+    "name", ["mla_decode_partial", "mla_decode_partial_csr", "mla_sparse_partial", "merge_partials"]
+)
+def test_out_sharing_memory_is_refused(name, backend, kind):
+    """An ``out=`` tensor that shares memory with an input or with the other output is refused
+    (a ``ValueError`` naming both), through the public function and the ``.out`` overload, on
+    each backend: the kernels read the inputs while writing ``out`` (a write lands on what
+    another program still reads), so the numbers would be wrong (as torch refuses ``out=``
+    that partially overlaps an input)."""
+    import re
+
+    from mqnc.serving.compute import kernel_ops  # noqa: F401  (registers the torch backend)
+
+    args, out, (a, b) = _overlapping_out(name, kind)
+    pattern = f"{re.escape(a)} and {re.escape(b)}: .*share memory"
+    with pytest.raises(ValueError, match=pattern):
+        _overload(f"{name}.out")(*args, list(out), backend)
+    fn = getattr(kernel_ops(backend), name)
+    call, _ = fn.op._call(tuple(args), {})  # (the schema's arguments back to the declared ones)
+    with pytest.raises(ValueError, match=pattern):
+        fn(**{p.name: getattr(call, p.name) for p in fn.op.params}, out=out)

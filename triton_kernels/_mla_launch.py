@@ -26,7 +26,10 @@ from mqnc.triton_kernels._grid import (
     device_limits,
     kernel_occupancy,
 )
-from mqnc.triton_kernels._op import written_into  # noqa: F401  (re-exported)
+from mqnc.triton_kernels._op import (
+    check_no_overlap,
+    written_into,  # noqa: F401  (re-exported)
+)
 from mqnc.triton_kernels._runtime import launch_lock, new_output
 from mqnc.triton_kernels.merge import merge_launch
 
@@ -547,7 +550,8 @@ class AttentionPlan:
 
     def run(self, *args, out: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
         """Launch on new inputs, passed as to the function that made the plan; returns
-        ``(o, lse)`` (``out``: contiguous tensors of the planned output shapes and dtypes)."""
+        ``(o, lse)`` (``out``: contiguous tensors of the planned output shapes and dtypes,
+        sharing memory with no input and not with each other)."""
         tensors = self._bind(*args, **kwargs)
         for name, t, want in zip(self.names, tensors, self._planned, strict=True):
             if not isinstance(t, torch.Tensor):
@@ -564,6 +568,7 @@ class AttentionPlan:
             lse = new_output(self._lse, torch.float32, self._device)
         else:
             o, lse = self._check_out(out)
+            check_no_overlap((o, lse), dict(zip(self.names, tensors, strict=True)))
         if not self.launches:
             return o, lse
         if self._split:

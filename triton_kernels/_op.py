@@ -42,6 +42,7 @@ __all__ = [
     "Codec",
     "KernelOp",
     "OpSet",
+    "check_no_overlap",
     "check_out",
     "kernel_op",
     "op_set",
@@ -197,6 +198,54 @@ def check_out(out: object) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
+def _bytes(t: torch.Tensor) -> tuple[int, int] | None:
+    """The addresses ``[begin, end)`` that ``t`` can touch (None: none, an empty or meta
+    tensor): from its first element to its last by its strides (torch has no negative ones)."""
+    n = t.numel()
+    if n == 0 or t.is_meta:
+        return None
+    begin = t.data_ptr()
+    if not t.is_contiguous():
+        n = 1 + sum((k - 1) * s for k, s in zip(t.shape, t.stride(), strict=True))
+    return begin, begin + n * t.element_size()
+
+
+def _tensors(values: dict[str, object]):
+    """``(name, tensor)`` of every tensor among ``values`` (a list of them named by index)."""
+    for name, v in values.items():
+        if isinstance(v, torch.Tensor):
+            yield name, v
+        elif isinstance(v, (tuple, list)):
+            yield from ((f"{name}[{i}]", t) for i, t in enumerate(v) if isinstance(t, torch.Tensor))
+
+
+def check_no_overlap(out: tuple[torch.Tensor, ...], inputs: dict[str, object]) -> None:
+    """Refuse ``out`` tensors that share memory with one of ``inputs`` (name -> argument) or
+    with each other: a ``ValueError`` naming both.
+
+    The kernels read their inputs while they write ``out`` (one program's write lands on what
+    another still reads) and the references copy ``o``, then ``lse``, into ``out`` (an ``lse``
+    inside ``o`` overwrites it, an ``o`` inside ``q`` overwrites the caller's ``q``): any
+    sharing gives wrong numbers. Torch refuses an ``out=`` that partially overlaps an input
+    the same way. The test compares the address ranges each tensor can touch (first to last element by
+    its strides) on one device: exact for the dense tensors the ops take, and on the safe side
+    for strided views (two interleaved views of one buffer count as sharing).
+    ``torch._C._overlaps`` is not used: it is private, undocumented, and reports two adjacent,
+    disjoint halves of one buffer as overlapping."""
+    outs = [(f"out[{i}] ({'o lse'.split()[i]})", t.device, _bytes(t)) for i, t in enumerate(out)]
+    ins = [(n, t.device, _bytes(t)) for n, t in _tensors(inputs)]
+    pairs = [(o, i) for i in ins for o in outs]
+    pairs += [(a, b) for k, a in enumerate(outs) for b in outs[k + 1 :]]
+    for (name, device, mine), (other, where, theirs) in pairs:
+        if mine and theirs and device == where and mine[0] < theirs[1] and theirs[0] < mine[1]:
+            raise ValueError(
+                f"{name} and {other}: expected separate memory (an output must not share "
+                f"memory with an input or the other output), got tensors that share memory "
+                f"(addresses {mine[0]:#x}..{mine[1]:#x} and {theirs[0]:#x}..{theirs[1]:#x} "
+                f"on {device})"
+            )
+
+
 def written_into(out, result: tuple[torch.Tensor, ...]):
     """``result`` copied into ``out`` and ``out`` returned when one is given (``result`` when
     not): the ``out=`` of an implementation that returns new tensors (the fp64 references).
@@ -317,6 +366,8 @@ class KernelOp:
 
     def _out_kernel(self, *args, **kwargs) -> None:
         call, backend = self._call(args, kwargs, out=True)
+        check_out(call.out)  # (a direct call of the .out overload is checked as the function's)
+        check_no_overlap(call.out, {p.name: getattr(call, p.name) for p in self.params})
         result = self._impl(backend)(call)
         if result is not None:  # (an implementation that made new tensors: copied in, checked)
             written_into(call.out, result)
