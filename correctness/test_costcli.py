@@ -106,6 +106,8 @@ def test_predict_flags(capsys):
         (["predict", "--allow", "route,route"], "each once"),
         (["predict", "--holders", "7"], "--holders: only means something with --topk"),
         (["predict", "--splice-variant", "v"], "--splice-variant: only means something with"),
+        (["predict", "--splice-device", "d"], "--splice-device: only means something with"),
+        (["predict", "--splice-backend", "b"], "--splice-backend: only means something with"),
         (["predict", "--congestion-route-only"], "--congestion-route-only: only means"),
         (["crossover", "--out", "/nonexistent/x", "--holders", "3"], "--holders: only"),
         (
@@ -264,8 +266,35 @@ def test_readme_fit_and_predict_on_the_repository_results(tmp_path, capsys):
     prof = tmp_path / "my_fabric.json"
     rc, table, err = run(capsys, "fit", str(results), "--save", str(prof))
     assert rc == 0, err
-    rc, out, err = run(capsys, "predict", "--fabric", str(prof), "--splice-from", str(results))
+    one = ["--splice-device", "NVIDIA H200", "--splice-backend", "triton"]
+    argv = ["predict", "--fabric", str(prof), "--splice-from", str(results), *one]
+    rc, out, err = run(capsys, *argv, "--splice-variant", "one-launch")
     assert rc == 0 and "decision:" in out, err
+    assert "measured: NVIDIA H200, triton backend, variant one-launch" in out
+
+
+def test_predict_splice_from_takes_one_device_and_backend(capsys):
+    """``--splice-from`` on the repository's results (CPU interpreter, CPU torch, H200 Triton,
+    H200 torch): refused, listing each, until one device, backend and variant is picked; the
+    H200 Triton kernel's splice at 2048 is its own (42.5 and 44.5 us), not a pool's median."""
+    from pathlib import Path
+
+    results = str(Path(__file__).resolve().parents[1] / "perf" / "results" / "results.jsonl")
+    rc, _, err = run(capsys, "predict", "--json", "--c-t", "2048", "--splice-from", results)
+    assert rc != 0 and "one device, backend and variant" in err
+    for listed in ("'NVIDIA H200'", "'CPU: ", "'interpreter'", "'triton'", "'torch'"):
+        assert listed in err, listed
+    one = ["--splice-device", "NVIDIA H200", "--splice-backend", "triton"]
+    rc, out, err = run(
+        capsys, "predict", "--json", "--c-t", "2048", "--splice-from", results, *one,
+        "--splice-variant", "one-launch",
+    )  # fmt: skip
+    d = json.loads(out)
+    assert rc == 0 and d["fetch"]["splice"] == pytest.approx((42.528 + 44.464) / 2, rel=1e-3)
+    assert (
+        "NVIDIA H200, triton backend" in d["inputs"]["splice"]
+        and "bb7e891ac886" in d["inputs"]["splice"]
+    )
 
 
 def test_fit_negative_intercept_without_probe(tmp_path, capsys):

@@ -322,3 +322,41 @@ def test_fit_results_reads_the_results_format(tmp_path):
     groups = {g.label: g for g in cm.fit_groups(path, qp_row_bytes=2184)}
     assert groups["fab-c"].fit is None and "two distinct" in groups["fab-c"].error
     assert cm.newest_group(list(groups.values()), 2184).label in ("fab-a", "fab-b")
+
+
+def test_splice_profile_takes_one_device_and_backend(tmp_path):
+    """``from_results`` never pools devices, backends or variants (as ``mqnc fit`` never pools
+    devices): a file with several is refused, listing them; a selection gives that one's
+    points, and the profile's name says device, backend, variant and commit."""
+    path = tmp_path / "r.jsonl"
+    rows = [
+        ("cpu", "torch", "torch", "c1", 2048, 250000.0),
+        ("cpu", "torch", "torch", "c2", 4096, 370000.0),
+        ("gpu", "triton", "one-launch", "c3", 2048, 42.0),
+        ("gpu", "triton", "one-launch", "c3", 2048, 44.0),
+        ("gpu", "triton", "per-layer", "c3", 2048, 140.0),
+        ("gpu", "torch", "torch", "c3", 2048, 440.0),
+    ]
+    path.write_text(
+        "".join(
+            json.dumps(
+                {"bench": "splice", "device": d, "backend": b, "variant": v, "commit": c}
+                | {"x": x, "p50": p}
+            )
+            + "\n"
+            for d, b, v, c, x, p in rows
+        )
+    )
+    with pytest.raises(ValueError, match="one device, backend and variant") as err:
+        cm.SpliceProfile.from_results(path)
+    for listed in ("'cpu'", "'gpu'", "'triton'", "'torch'", "'one-launch'", "'per-layer'"):
+        assert listed in str(err.value)
+    with pytest.raises(ValueError, match="variant='one-launch'.*variant='per-layer'"):
+        cm.SpliceProfile.from_results(path, device="gpu", backend="triton")
+    s = cm.SpliceProfile.from_results(path, device="gpu", backend="triton", variant="one-launch")
+    assert s.tokens == (2048.0,) and s.us == (43.0,)
+    assert "gpu" in s.name and "triton" in s.name and "c3" in s.name and str(path) in s.name
+    cpu = cm.SpliceProfile.from_results(path, device="cpu")  # the only backend and variant there
+    assert cpu.us == (250000.0, 370000.0) and "c1, c2" in cpu.name
+    with pytest.raises(ValueError, match="no records with bench='splice' and device='tpu'"):
+        cm.SpliceProfile.from_results(path, device="tpu")

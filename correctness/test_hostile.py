@@ -522,6 +522,26 @@ def test_out_sharing_memory_with_an_input_or_the_other_output_is_refused():
     assert got[0] is o and torch.equal(o, want[0]) and torch.equal(lse, want[1])
 
 
+# ---- a measured splice of one device and backend -------------------------------------------
+
+
+def test_splice_from_results_never_pools_devices_or_backends():
+    """The committed results hold the splice of the CPU interpreter, CPU torch, the H200's
+    Triton kernel and the H200's torch: ``from_results`` refuses the mix (listing each) rather
+    than label their pooled median (435 us at c_t 2048, H200 torch's) as measured; one
+    device, backend and variant gives that one's own points, its name saying whence."""
+    from mqnc.cost.terms import SpliceProfile
+
+    results = Path(__file__).resolve().parents[1] / "perf" / "results" / "results.jsonl"
+    with pytest.raises(ValueError, match="one device, backend and variant") as err:
+        SpliceProfile.from_results(results)
+    assert "'NVIDIA H200'" in str(err.value) and "'interpreter'" in str(err.value)
+    h200 = dict(device="NVIDIA H200", backend="triton", variant="one-launch")
+    s = SpliceProfile.from_results(results, **h200)
+    assert s.tokens == (2048.0,) and abs(s.us[0] - 43.496) < 0.01
+    assert s.name.startswith("measured: NVIDIA H200, triton backend, variant one-launch, commit")
+
+
 # ---- the gloo engine: a hostile process ---------------------------------------------------
 
 WORKER = Path(__file__)

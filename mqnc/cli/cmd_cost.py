@@ -98,7 +98,18 @@ _ROUTE_OPTIONS = [
         "--splice-from",
         dict(metavar="RESULTS", help="splice profile from a results file (bench 'splice')"),
     ),
-    ("--splice-variant", dict(help="with --splice-from: only records of this variant")),
+    (
+        "--splice-variant",
+        dict(help="with --splice-from: the records of this variant (needed when several)"),
+    ),
+    (
+        "--splice-device",
+        dict(help="with --splice-from: the records of this device (needed when several)"),
+    ),
+    (
+        "--splice-backend",
+        dict(help="with --splice-from: the records of this backend (needed when several)"),
+    ),
     (
         "--no-splice",
         dict(action="store_true", help="no splice (a true prefix at its cached position, §6.3)"),
@@ -161,7 +172,12 @@ def _resolve(args):
     if args.splice_ms is not None:
         own["splice"] = SpliceProfile.flat(args.splice_ms * 1e3)
     elif args.splice_from is not None:
-        own["splice"] = SpliceProfile.from_results(args.splice_from, variant=args.splice_variant)
+        own["splice"] = SpliceProfile.from_results(
+            args.splice_from,
+            variant=args.splice_variant,
+            device=args.splice_device,
+            backend=args.splice_backend,
+        )
     if args.host_overhead:
         own["host"] = HOST_PAPER
     for name in ("c_us", "t_compute_us", "t_merge_us"):
@@ -201,6 +217,8 @@ def _check_flags(args) -> None:
         raise ValueError("splice: expected at most one of --splice-ms, --splice-from, --no-splice")
     for flag, given, needs, present in (
         ("--splice-variant", args.splice_variant, "--splice-from", args.splice_from),
+        ("--splice-device", args.splice_device, "--splice-from", args.splice_from),
+        ("--splice-backend", args.splice_backend, "--splice-from", args.splice_from),
         ("--holders", args.holders != 1, "--topk (it is the selection's fan-out)", args.topk),
         (
             "--congestion-route-only",

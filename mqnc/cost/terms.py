@@ -174,24 +174,66 @@ class SpliceProfile:
 
     @classmethod
     def from_results(
-        cls, path: str | os.PathLike, *, bench: str = "splice", variant: str | None = None
+        cls,
+        path: str | os.PathLike,
+        *,
+        bench: str = "splice",
+        variant: str | None = None,
+        device: str | None = None,
+        backend: str | None = None,
     ) -> SpliceProfile:
         """Build from the results file: records ``bench`` (default ``"splice"``), ``x`` = c_t,
-        ``p50`` in us; the median p50 per ``x`` when a size was measured more than once."""
+        ``p50`` in us, of one device, backend and variant; the median p50 per ``x`` when a size
+        was measured more than once.
+
+        Parameters
+        ----------
+        path : str or os.PathLike
+            A results file (:mod:`mqnc.measure.results_file`' JSON lines).
+        bench : str
+            The records' ``bench``.
+        variant, device, backend : str, optional
+            Keep only the records whose field equals this (exactly). Each may be left out
+            while the records left hold one value of it.
+
+        Returns
+        -------
+        SpliceProfile
+            Named ``measured: <device>, <backend> backend, variant <variant>, commit <commits>
+            (<path>)``: where every point came from.
+
+        Raises
+        ------
+        ValueError
+            No such records, or the records left are of several (device, backend, variant):
+            a profile never pools them (one machine's splice is not another's, an interpreter
+            run is not a kernel's, as ``mqnc fit`` never pools devices); the message lists
+            those present.
+        """
         recs = [r for r in read_jsonl(path) if r.get("bench") == bench]
-        if variant is not None:
-            recs = [r for r in recs if r.get("variant") == variant]
+        wanted = {"device": device, "backend": backend, "variant": variant}
+        for key, value in wanted.items():
+            if value is not None:
+                recs = [r for r in recs if r.get(key) == value]
         if not recs:
+            given = "".join(f" and {k}={v!r}" for k, v in wanted.items() if v is not None)
+            raise ValueError(f"results: no records with bench={bench!r}{given} in {path}")
+        groups = sorted({tuple(str(r.get(k)) for k in wanted) for r in recs})
+        if len(groups) > 1:
+            listed = "; ".join(f"device={d!r}, backend={b!r}, variant={v!r}" for d, b, v in groups)
             raise ValueError(
-                f"results: no records with bench={bench!r}"
-                + (f" and variant={variant!r}" if variant else "")
-                + f" in {path}"
+                f"results: {path}: expected the {bench!r} records of one device, backend and "
+                f"variant (a profile never pools them, as mqnc fit never pools devices), got "
+                f"{len(groups)}: {listed}; pick one with device=, backend=, variant= "
+                f"(mqnc predict: --splice-device, --splice-backend, --splice-variant)"
             )
         by_x: dict[float, list[float]] = {}
         for r in recs:
             by_x.setdefault(float(r["x"]), []).append(float(r["p50"]))
         xs = sorted(by_x)
-        return cls(tuple(xs), tuple(float(np.median(by_x[x])) for x in xs), f"measured ({path})")
+        (d, b, v), commits = groups[0], sorted({str(r.get("commit")) for r in recs})
+        name = f"measured: {d}, {b} backend, variant {v}, commit {', '.join(commits)} ({path})"
+        return cls(tuple(xs), tuple(float(np.median(by_x[x])) for x in xs), name)
 
 
 SPLICE_PAPER = SpliceProfile((55, 1024, 2048, 4096), (2770, 2780, 2910, 3060), "paper §7 (H100)")
