@@ -24,7 +24,7 @@ import torch
 from mqnc.model import PRESETS
 from mqnc.reference import merge_reference, partial_attention_reference
 from mqnc.serving import ChunkInfo, Holder, RemoteError, Requester, RouteTimeout
-from mqnc.testing import TOLERANCES, assert_close
+from mqnc.testing import TOLERANCES, assert_close, tolerance
 from mqnc.transport import INBOX, REPLY, LoopbackFabric, slot_bytes_for, wire
 
 GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4)
@@ -540,6 +540,41 @@ def test_splice_from_results_never_pools_devices_or_backends():
     s = SpliceProfile.from_results(results, **h200)
     assert s.tokens == (2048.0,) and abs(s.us[0] - 43.496) < 0.01
     assert s.name.startswith("measured: NVIDIA H200, triton backend, variant one-launch, commit")
+
+
+# ---- the routed bf16 bound scales with |o| ---------------------------------------------------
+
+
+def test_routed_bf16_bound_scales_with_o():
+    """A routed bf16 result one ulp from the single call passes ``mla_routed``'s bound at any
+    magnitude (|o| ~ 1..100, powers of two included, where one ulp is 2^-7 of the value), two
+    ulps fail; at |o| < 0.25, the magnitudes the routed tests run at, the bound is today's
+    2e-3 exactly (no looser)."""
+    tol = tolerance("mla_routed", torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    mag = torch.exp(torch.rand(8, 16, 64, generator=g) * 4.6).clamp(1.0, 100.0)  # 1 .. ~100
+    mag.view(-1)[:4] = torch.tensor([1.0, 2.0, 64.0, 99.5])
+    sign = torch.where(torch.rand(mag.shape, generator=g) < 0.5, -1.0, 1.0)
+    one = (mag * sign).to(torch.bfloat16)
+    off = torch.zeros(one.shape, dtype=torch.int16)
+    off.view(-1)[::3] = 1  # every third element one ulp larger in magnitude (bf16: sign-magnitude)
+    off.view(-1)[:4] = 1
+    routed = (one.view(torch.int16) + off).view(torch.bfloat16)
+    assert float((routed.double() - one.double()).abs().max()) == 0.5  # one ulp at 64..128
+    assert_close(routed, one, tol, name="routed one ulp off")
+    two = routed.clone()
+    two.view(torch.int16).view(-1)[2] += 1  # 64 -> two ulps: 65.0
+    with pytest.raises(AssertionError, match="exceeds"):
+        assert_close(two, one, tol, name="two ulps")
+    small = 0.49 * torch.rand(1000, generator=g, dtype=torch.float64) - 0.245  # |o| < 0.25
+    small[:4] = torch.tensor([0.245, -0.245, 0.01, 0.0])
+    for i in range(4):  # one element 1.99e-3 off passes, 2.01e-3 off is refused, as before
+        near, bad = small.clone(), small.clone()
+        near[i] += 1.99e-3
+        bad[i] += 2.01e-3
+        assert_close(near, small, tol)
+        with pytest.raises(AssertionError, match="max_abs=2.010e-03 .*exceeds"):
+            assert_close(bad, small, tol)
 
 
 # ---- the gloo engine: a hostile process ---------------------------------------------------
