@@ -577,6 +577,157 @@ def test_routed_bf16_bound_scales_with_o():
             assert_close(bad, small, tol)
 
 
+# ---- the corpus file: a flipped, cut or inflated file --------------------------------------
+
+
+def _corpus_file(tmp_path, **save):
+    """A 4-chunk bf16 corpus (32 tokens per chunk, holders 1 and 2) saved under ``tmp_path``."""
+    from mqnc.serving import Corpus
+
+    entries = torch.cat([_chunk(40 + i, 32) for i in range(4)], dim=1)
+    corpus = Corpus.partition(entries, GEOM, SCALE, chunk_tokens=32, holders=[1, 2], **save)
+    return corpus, corpus.save(tmp_path / "c.json")
+
+
+def _chunk_data_span(tensors: Path, name: str) -> tuple[int, int]:
+    """Byte range of tensor ``name``'s data in a safetensors file (read by hand)."""
+    raw = tensors.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    lo, hi = json.loads(raw[8 : 8 + n])[name]["data_offsets"]
+    return 8 + n + lo, 8 + n + hi
+
+
+def test_corpus_flipped_data_byte_is_detected_on_load(tmp_path):
+    """One data byte of a corpus file flipped was served silently: the manifest carries a
+    SHA-256 per chunk, and reading the chunk checks it, naming the file and the chunk; the
+    other chunks still load."""
+    from mqnc.serving import Corpus
+
+    corpus, path = _corpus_file(tmp_path)
+    tensors = path.with_suffix(".safetensors")
+    lo, hi = _chunk_data_span(tensors, "chunk.2")
+    raw = bytearray(tensors.read_bytes())
+    raw[(lo + hi) // 2] ^= 0x01
+    tensors.write_bytes(bytes(raw))
+    back = Corpus.load(path)  # the header still agrees with the manifest
+    for cid in (0, 1, 3):
+        assert torch.equal(back.chunk_kv(cid), corpus.chunk_kv(cid))
+    with pytest.raises(ValueError, match="checksum") as exc:
+        back.chunk_kv(2)
+    assert str(tensors) in str(exc.value) and "chunk_id 2" in str(exc.value)
+    fab = LoopbackFabric(3, SLOT, lanes=1)
+    with pytest.raises(ValueError, match="checksum.*chunk_id 2|chunk_id 2.*checksum"):
+        back.make_holder(fab.endpoint(1), kernels="torch")  # rank 1 holds chunks 0 and 2
+
+
+def _edit_manifest(path: Path, edit) -> None:
+    m = json.loads(path.read_text())
+    edit(m)
+    path.write_text(json.dumps(m))
+
+
+_CORPUS_CASES = [
+    ("tokens_1e8", r"chunks\[3\] \(chunk_id 3\).*\(2, 100000000, 576\).*\(2, 32, 576\)"),
+    ("truncated", r"chunks\[3\] \(chunk_id 3\).*past the end"),
+    ("header_length", r"header of \d+ bytes.*file has"),
+    ("header_json", r"header is not JSON"),
+    ("not_json", r"cannot read .* as a JSON manifest"),
+    ("deep", r"nested deeper than 16"),
+    ("scale_1e38", r"softmax_scale: expected a finite number in \(0, "),
+    ("scale_inf", r"non-finite number '1e999'"),
+    ("nan", r"non-finite number 'NaN'"),
+    ("tokens_float", r"chunks\[1\] \(chunk_id 1\): tokens: expected an int"),
+    ("tokens_bool", r"chunks\[1\] \(chunk_id 1\): tokens: expected an int"),
+    ("position_huge", r"chunks\[0\] \(chunk_id 0\): position: expected an int in \[0, "),
+    ("no_checksum", r"chunks\[2\] \(chunk_id 2\): sha256: expected 64 hex digits"),
+    ("holders_float", r"chunks\[0\] \(chunk_id 0\): holders: expected"),
+    ("block_size_huge", r"block_size: expected a power of two in \[16, 64\]"),
+    ("version", r"version 3.*reads versions 1 \(no checksums\) and 2"),
+]
+
+
+@pytest.mark.parametrize("case, needle", _CORPUS_CASES, ids=[c for c, _ in _CORPUS_CASES])
+def test_corpus_declared_sizes_are_checked_before_allocating(tmp_path, case, needle):
+    """A chunk declaring 10^8 tokens made a holder allocate 76.8 GB before reading its file; a
+    cut or corrupt safetensors file raised a raw ``SafetensorError`` naming neither file nor
+    chunk; a 100k-deep manifest an uncaught ``RecursionError``; a scale of 1e38 was accepted.
+    ``Corpus.load`` checks every declared field (ranges, finite numbers, shallow nesting) and,
+    with the tensors beside it, every chunk's shape, dtype and offsets against the file's
+    header and size, before anything is allocated: one ``ValueError`` naming the file and the
+    manifest entry."""
+    from mqnc.serving import Corpus
+
+    _, path = _corpus_file(tmp_path)
+    tensors = path.with_suffix(".safetensors")
+    raw = tensors.read_bytes()
+    named = path
+    if case == "tokens_1e8":
+        _edit_manifest(path, lambda m: m["chunks"][3].update(tokens=10**8))
+        named = tensors
+    elif case == "truncated":
+        tensors.write_bytes(raw[:-100])
+        named = tensors
+    elif case == "header_length":
+        tensors.write_bytes((2**40).to_bytes(8, "little") + raw[8:])
+        named = tensors
+    elif case == "header_json":
+        tensors.write_bytes(raw[:8] + b"\xff" + raw[9:])
+        named = tensors
+    elif case == "not_json":
+        path.write_text(path.read_text()[:-3])
+    elif case == "deep":
+        deep = "[" * 100_000 + "]" * 100_000
+        path.write_text('{"format": "mqnc-corpus", "meta": ' + deep + "}")
+    elif case == "scale_1e38":
+        _edit_manifest(path, lambda m: m.update(softmax_scale=1e38))
+    elif case == "scale_inf":
+        text = path.read_text().replace('"softmax_scale": ', '"softmax_scale": 1e999, "x": ')
+        path.write_text(text)
+    elif case == "nan":
+        _edit_manifest(path, lambda m: m.update(softmax_scale=float("nan")))
+    elif case == "tokens_float":
+        _edit_manifest(path, lambda m: m["chunks"][1].update(tokens=32.5))
+    elif case == "tokens_bool":
+        _edit_manifest(path, lambda m: m["chunks"][1].update(tokens=True))
+    elif case == "position_huge":
+        _edit_manifest(path, lambda m: m["chunks"][0].update(position=2**62))
+    elif case == "no_checksum":
+        _edit_manifest(path, lambda m: m["chunks"][2].pop("sha256", None))
+    elif case == "holders_float":
+        _edit_manifest(path, lambda m: m["chunks"][0].update(holders=[1.5]))
+    elif case == "block_size_huge":
+        _edit_manifest(path, lambda m: m.update(block_size=2**40))
+    elif case == "version":
+        _edit_manifest(path, lambda m: m.update(version=3))
+    with pytest.raises(ValueError, match=needle) as exc:
+        Corpus.load(path)
+    assert str(named) in str(exc.value), exc.value
+
+
+def test_corpus_without_checksums_loads_with_one_warning(tmp_path):
+    """A version-1 manifest (written before the checksums) still loads, every size still
+    checked against the file, with one warning naming the file and saying its chunks are not
+    verified; saved again it carries them."""
+    from mqnc.serving import Corpus
+
+    corpus, path = _corpus_file(tmp_path)
+
+    def to_v1(m):
+        m["version"] = 1
+        for c in m["chunks"]:
+            c.pop("sha256")
+
+    _edit_manifest(path, to_v1)
+    with pytest.warns(UserWarning, match="no chunk checksums") as caught:
+        back = Corpus.load(path)
+    assert len(caught) == 1 and str(path) in str(caught[0].message)
+    for cid in range(4):
+        assert torch.equal(back.chunk_kv(cid), corpus.chunk_kv(cid))
+    again = back.save(tmp_path / "again.json")
+    m = json.loads(again.read_text())
+    assert m["version"] == 2 and all(len(c["sha256"]) == 64 for c in m["chunks"])
+
+
 # ---- the gloo engine: a hostile process ---------------------------------------------------
 
 WORKER = Path(__file__)

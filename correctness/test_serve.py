@@ -127,7 +127,7 @@ def test_corpus_file_round_trip_and_bad_manifests(tmp_path):
 
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "something-else"}))
-    with pytest.raises(ValueError, match="not an mqnc-corpus v1 manifest"):
+    with pytest.raises(ValueError, match="not an mqnc-corpus manifest"):
         Corpus.load(bad)
     manifest = json.loads(path.read_text())
     manifest["chunks"][0].pop("holders")
@@ -139,7 +139,8 @@ def test_corpus_file_round_trip_and_bad_manifests(tmp_path):
     for key, value, needle in (
         ("softmax_scale", None, "no 'softmax_scale'"),
         ("softmax_scale", "x", "softmax_scale: expected a number"),
-        ("softmax_scale", float("nan"), "softmax_scale: expected a finite number > 0"),
+        ("softmax_scale", -1.0, "softmax_scale: expected a finite number > 0"),
+        ("softmax_scale", 1e38, r"softmax_scale: expected a finite number in \(0, "),
         ("block_size", "big", "block_size: expected an int"),
     ):
         m = dict(good)
@@ -151,6 +152,9 @@ def test_corpus_file_round_trip_and_bad_manifests(tmp_path):
         bad.write_text(json.dumps(m))
         with pytest.raises(ValueError, match=f"malformed manifest.*{needle}"):
             Corpus.load(bad)
+    bad.write_text(json.dumps(dict(good, softmax_scale=float("nan"))))
+    with pytest.raises(ValueError, match="JSON manifest.*non-finite number 'NaN'"):
+        Corpus.load(bad)  # refused by the parser: JSON has no NaN
     with pytest.raises(ValueError, match="overlap"):
         Corpus(
             g,
@@ -194,6 +198,26 @@ def test_corpus_context_token_ids_are_checked(tmp_path, content, got):
     with pytest.raises(ValueError, match="--context: expected a JSON list of token ids") as exc:
         read_token_ids(str(path))
     assert str(path) in str(exc.value) and f"got {got}" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "content, got",
+    [
+        ("[" * 100_000 + "]" * 100_000, "nested deeper than 16"),
+        ("[1, 2", "is not JSON"),
+        ("[1, NaN]", "non-finite number 'NaN'"),
+    ],
+)
+def test_corpus_context_that_is_not_shallow_json_is_named(tmp_path, content, got):
+    """`mqnc corpus --context`: a file nested 100k deep raised an uncaught RecursionError (and a
+    broken one a bare JSONDecodeError); it is parsed as the corpus manifest is, and the error
+    names the flag and the file."""
+    from mqnc.cli.cmd_corpus import read_token_ids
+
+    path = tmp_path / "context.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=f"--context: cannot read .* as JSON token ids.*{got}"):
+        read_token_ids(str(path))
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,6 @@ file system) and start ``mqnc serve --corpus corpus.json`` under torchrun.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from mqnc.base.checks import is_int
@@ -27,8 +26,14 @@ DESCRIPTION = (
 
 
 def read_token_ids(path: str) -> list[int]:
-    """Token ids from a JSON file: a list of ints, or ``{"token_ids": [...]}``."""
-    data = json.loads(Path(path).read_text())
+    """Token ids from a JSON file: a list of ints, or ``{"token_ids": [...]}`` (parsed as the
+    corpus manifest is: shallow, finite numbers only; any error names the flag and the file)."""
+    from mqnc.serving.corpus import parse_json  # here: registering must not load torch
+
+    try:
+        data = parse_json(Path(path).read_text(), "the text")
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"--context: cannot read {path} as JSON token ids ({exc})") from None
     ids = data.get("token_ids") if isinstance(data, dict) else data
     bad = [i for i in ids if not (is_int(i) and i >= 0)] if isinstance(ids, list) else []
     if not isinstance(ids, list) or not ids or bad:
@@ -62,7 +67,8 @@ def _run(args) -> int:
     )
     path = corpus.save(args.out)
     print(
-        f"wrote {path} and {path.with_suffix('.safetensors').name}: {corpus.tokens} tokens in "
+        f"wrote {path} (a SHA-256 per chunk, checked when a holder loads it) and "
+        f"{path.with_suffix('.safetensors').name}: {corpus.tokens} tokens in "
         f"{len(corpus.chunks)} chunks on ranks {corpus.holder_ranks} (x{args.replicas}), "
         f"{corpus.dtype}, prefill {corpus.meta['prefill_us'] / 1e3:.0f} ms"
     )
