@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -761,6 +762,151 @@ def test_store_listens_only_where_asked():
     assert addrs and addrs <= {"0100007F", "0000000000000000FFFF00000100007F"}, addrs
     store.set("k", "v")
     assert store.get("k") == b"v"
+
+
+# ---- `mqnc serve` under torchrun: a foreign process on the machine ------------------------
+
+LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+FOREIGN = """
+import datetime, hashlib, sys
+import torch.distributed as dist
+host, port, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+s = dist.TCPStore(host, port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
+for r in range(world):  # what it can see and write: the done keys, and a commitment of its own
+    s.set(f"mqnc-serve/done/{r}", "1")
+    s.set(f"mqnc-serve/commit/{r}", hashlib.sha256(b"forged").hexdigest())
+    s.append(f"mqnc-serve/done/{r}", "\\nforged\\n")
+print("wrote", flush=True)
+"""
+
+
+def _own_listening_addresses() -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp writes them) of this process' listening
+    sockets."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(name).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:
+                out.add(f[1].split(":")[0])
+    return out
+
+
+def serve_job_foreign_done(ctx):
+    """``mqnc serve --job test_hostile:serve_job_foreign_done``'s requester (rank 0): routes,
+    a foreign process writes every ``done`` key (and forges a commitment and its secret), then
+    routes for at least 3 s more: every one exact (before the fix the holder stopped within
+    0.25 s of the write). Writes what it saw to ``--out/rank0.json``."""
+    from mqnc.reference import partial_attention_reference
+
+    scale = ctx.corpus.softmax_scale
+
+    def check(i: int) -> None:
+        cid, layer = i % 2, i % GEOM.layers
+        q = _q(100 + i)
+        part = ctx.requester.route(cid, q, layer)
+        kv = ctx.corpus.chunk_kv(cid)[layer]
+        mask = torch.ones(q.shape[0], kv.shape[0], dtype=torch.bool)
+        o_ref, lse_ref = partial_attention_reference(q, kv, mask, scale)
+        assert_close(part.o, o_ref, TOL, name=f"route {i} o")
+        assert_close(part.lse, lse_ref, TOL_LSE, name=f"route {i} lse")
+
+    for i in range(4):
+        check(i)
+    host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+    cmd = [sys.executable, "-c", FOREIGN, host, port, str(ctx.world)]
+    foreign = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert foreign.stdout.strip() == "wrote", foreign.stderr
+    assert b"forged" in ctx.store.get("mqnc-serve/done/0")  # the writes landed
+    routes, t0 = 4, time.monotonic()
+    while routes < 14 or time.monotonic() - t0 < 3.0:
+        check(routes)
+        routes += 1
+    result = {"routes": routes, "listen": sorted(_own_listening_addresses())}
+    (Path(ctx.options.out) / "rank0.json").write_text(json.dumps(result))
+    return result
+
+
+def test_serve_under_torchrun_ignores_a_foreign_done_and_binds_gloo_where_asked(tmp_path):
+    """``mqnc serve`` under torchrun on 127.0.0.1: a foreign process on the machine wrote
+    ``mqnc-serve/done/0`` into torchrun's store (which listens on every interface) and the
+    holder stopped, failing the later routes with ``PeerLost``; gloo's pairs listened on the
+    host name's address. Now a requester's done is a secret committed to before the build (a
+    forged done, or a forged commitment after the build, is ignored), gloo listens on the
+    address that reaches the rendezvous host (127.0.0.1, without GLOO_SOCKET_IFNAME), and the
+    trust model is said at start."""
+    from mqnc.serving import Corpus
+
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("needs Linux /proc")
+    entries = torch.cat([_chunk(60), _chunk(61)], dim=1)
+    corpus = Corpus.partition(entries, GEOM, SCALE, chunk_tokens=64, holders=[1])
+    path = corpus.save(tmp_path / "corpus.json")
+    (tmp_path / "out").mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [
+        torchrun, "--nnodes", "1", "--nproc-per-node", "2", "--node-rank", "0",
+        "--rdzv-backend", "static", "--rdzv-endpoint", f"127.0.0.1:{port}",
+        "-m", "mqnc", "serve", "--corpus", str(path), "--transport", "gloo",
+        "--kernels", "torch", "--job", "test_hostile:serve_job_foreign_done",
+        "--out", str(tmp_path / "out"), "--timeout", "120",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    here = str(Path(__file__).parent)
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    log = tmp_path / "node.log"
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            rc = p.wait(timeout=600)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    text = log.read_text()
+    assert rc == 0, text[-4000:]
+    assert "holder 1 done" in text, text[-4000:]
+    got = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    assert got["routes"] >= 14
+    assert got["listen"] and set(got["listen"]) <= LOOPBACK, got  # gloo: 127.0.0.1 only
+    assert "gloo's pairs listen on 127.0.0.1 only" in text, text[-4000:]
+    assert "torchrun's" in text and "authenticates nobody" in text, text[-4000:]
+    assert text.count("the rendezvous store") == 1  # said once per node
+
+
+def test_serve_env_rendezvous_store_listens_only_on_master_addr(monkeypatch):
+    """env:// without torchrun's agent: rank 0 of the job opens the store, on ``MASTER_ADDR``
+    only (torch's own rendezvous listened on every interface)."""
+    from mqnc.serving import service
+
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("needs Linux /proc/net/tcp")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    env = dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    store, rank, world = service.rendezvous(timeout_s=30.0)
+    assert (rank, world) == (0, 1)
+    addrs = _listening_addresses(port)
+    assert addrs and addrs <= LOOPBACK, addrs
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    assert "listens on 127.0.0.1:" in service.trust_note(0, "gloo", gloo_host="127.0.0.1")
 
 
 def _spawn(role: str, port: int, *extra: str) -> subprocess.Popen:

@@ -168,14 +168,93 @@ def test_corpus_file_round_trip_and_bad_manifests(tmp_path):
 
 def test_serve_command_surface():
     """``mqnc serve``'s transports are the service's: the registry's engines across processes
-    and the ``auto`` policy; a requester job is --run or --generate."""
+    and the ``auto`` policy; a requester job is --job or --generate."""
     from mqnc.cli import cmd_serve as cli_serve
     from mqnc.serving import service
     from mqnc.transport import names
 
     assert cli_serve.TRANSPORTS == service.TRANSPORTS == ("auto", *names(in_process=False))
     assert "loopback" not in service.TRANSPORTS  # every rank in one process: not a service
-    assert mqnc_main(["serve", "--corpus", "x.json", "--run", "a:b", "--generate"]) == 2
+    assert mqnc_main(["serve", "--corpus", "x.json", "--job", "a:b", "--generate"]) == 2
+    assert mqnc_main(["serve", "--corpus", "x.json", "--run", "a:b", "--job", "a:b"]) == 2
+
+
+def _readme_torchrun_commands() -> list[list[str]]:
+    """Every ``torchrun`` command line of the README's "Holders as a service" section, as a
+    shell would split it (continuation lines joined, ``$ARGS`` expanded, a trailing ``&``
+    dropped)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Holders as a service", 1)[1].split("\n## ", 1)[0]
+    text = section.replace("\\\n", " ")
+    env = dict(re.findall(r'^(\w+)="([^"]*)"$', text, flags=re.M))
+    commands = []
+    for line in text.splitlines():
+        if line.startswith("torchrun "):
+            argv = shlex.split(re.sub(r"\$(\w+)", lambda m: env[m.group(1)], line))
+            commands.append(argv[:-1] if argv[-1] == "&" else argv)
+    return commands
+
+
+def test_readme_torchrun_commands_parse_with_torchrun_then_mqnc():
+    """The README's ``torchrun ... -m mqnc serve --run mod:fn`` was refused by torchrun
+    ("ambiguous option: --run could match --run-path, --run_path"): each torchrun command line
+    of the README goes through torchrun's own parser to ``mqnc serve``'s arguments unchanged,
+    and mqnc's parser reads them as the job they name."""
+    from torch.distributed.run import get_args_parser
+
+    from mqnc.cli import build_parser
+
+    commands = _readme_torchrun_commands()
+    assert len(commands) >= 3
+    jobs = set()
+    for argv in commands:
+        run = get_args_parser().parse_args(argv[1:])
+        assert run.module and run.training_script == "mqnc", argv
+        assert run.training_script_args == argv[argv.index("mqnc") + 1 :], argv
+        args = build_parser().parse_args(run.training_script_args)
+        assert args.command == "serve" and args.corpus == "corpus.json", argv
+        assert (args.job is not None) != args.generate and args.run is None, argv
+        jobs.add(args.job or "--generate")
+    assert jobs == {"--generate", "myjobs:main"}
+
+
+def test_serve_options_pass_through_torchrun():
+    """Every option ``mqnc serve`` documents reaches it through torchrun's parser unchanged
+    (none is an ambiguous abbreviation of a torchrun option); ``--run``, the deprecated name of
+    ``--job``, is the one torchrun refuses, and outside torchrun it still works with a
+    warning."""
+    import argparse
+
+    from torch.distributed.run import get_args_parser
+
+    from mqnc.cli import build_parser
+    from mqnc.cli import cmd_serve as cli_serve
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    head = ["--nproc-per-node", "2", "-m", "mqnc", "serve", "--corpus", "c.json"]
+    outside = {"--run", "--rank", "--world", "--master"}  # the job without torchrun's rendezvous
+    documented = [
+        o
+        for a in serve._actions
+        if a.help != argparse.SUPPRESS
+        for o in a.option_strings
+        if o.startswith("--")
+    ]
+    assert "--job" in documented and not outside & set(documented)
+    for option in documented:
+        got = get_args_parser().parse_args([*head, option, "x"]).training_script_args
+        assert got == [*head[4:], option, "x"], option
+    with pytest.raises(SystemExit):
+        get_args_parser().parse_args([*head, "--run", "x:y"])  # why --job replaced it
+    args = serve.parse_args(["--corpus", "c.json", "--run", "json:dumps"])
+    with pytest.warns(FutureWarning, match="--run is deprecated.*--job"):
+        assert cli_serve._job(args) is json.dumps
+    with pytest.raises(ValueError, match="--job: expected 'module:function', got 'nofunction'"):
+        cli_serve._job(serve.parse_args(["--corpus", "c.json", "--job", "nofunction"]))
 
 
 @pytest.mark.parametrize(

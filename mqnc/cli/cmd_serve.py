@@ -4,8 +4,12 @@
 A rank that holds chunks of the corpus file serves them until every requester is done; every
 other rank is a requester and runs its job: ``--generate`` (the default: a Hugging Face model
 folder generating from this requester's prompt, :func:`mqnc.integrations.hf.serve_generate`) or
-``--run module:function`` (called with a :class:`mqnc.serving.ServeContext`). Start it with
-``torchrun ... -m mqnc serve --corpus corpus.json ...``.
+``--job module:function`` (called with a :class:`mqnc.serving.ServeContext`). Start it with
+``torchrun ... -m mqnc serve --corpus corpus.json ...``. (``--run``, the old name of ``--job``,
+still works outside torchrun, with a warning: torchrun's parser takes it for an abbreviation of
+its own ``--run-path`` and refuses the command line as ambiguous.) Every node's first rank says
+where the store and gloo listen and what the trust model is, at start
+(:func:`mqnc.serving.service.trust_note`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import importlib
 import json
 import os
 import sys
+import warnings
 
 from mqnc.measure.options import positive_float, positive_int
 from mqnc.transport import AUTO, ENGINES, describe, names
@@ -26,18 +31,27 @@ DESCRIPTION = (
     "One rank of a holder / requester job under torchrun (env:// rendezvous). Ranks that hold "
     "chunks of the corpus file load them and serve route / fetch / probe until every requester "
     "is done; every other rank is a requester and runs its job: --generate (a Hugging Face "
-    "model folder generating from its prompt with the context on the holders) or --run "
+    "model folder generating from its prompt with the context on the holders) or --job "
     "module:function. Start: torchrun --nnodes N --nproc-per-node P --node-rank I "
     "--rdzv-backend static --rdzv-endpoint HOST0:PORT -m mqnc serve --corpus corpus.json ..."
 )
 
 
 def _job(args):
-    """The requester's job: ``--run module:function`` or the built-in ``--generate``."""
+    """The requester's job: ``--job module:function`` or the built-in ``--generate``."""
+    flag = "--job"
     if args.run:
-        module, _, fn = args.run.partition(":")
+        warnings.warn(
+            "mqnc serve: --run is deprecated (torchrun takes it for its own --run-path and "
+            "refuses the command line); use --job module:function",
+            FutureWarning,
+            stacklevel=2,
+        )
+        args.job, flag = args.run, "--run"
+    if args.job:
+        module, _, fn = args.job.partition(":")
         if not module or not fn:
-            raise ValueError(f"--run: expected 'module:function', got {args.run!r}")
+            raise ValueError(f"{flag}: expected 'module:function', got {args.job!r}")
         return getattr(importlib.import_module(module), fn)
 
     def generate(ctx):
@@ -57,6 +71,11 @@ def _job(args):
         )
 
     return generate
+
+
+def _say(note: str) -> None:
+    """The trust note, once per node (its first rank), on stderr."""
+    print(note, file=sys.stderr, flush=True)
 
 
 def _run(args) -> int:
@@ -83,6 +102,7 @@ def _run(args) -> int:
         world=args.world,
         master=args.master,
         options=args,
+        say=_say if os.environ.get("LOCAL_RANK", "0") == "0" else None,
     )
     if done["role"] == "holder":
         s = done["stats"]
@@ -139,11 +159,13 @@ def register(subparsers) -> None:
         "--threads", type=positive_int, default=1, help="torch intra-op threads (default 1)"
     )
     job = p.add_mutually_exclusive_group()
-    job.add_argument("--run", default=None, help="requester job 'module:function' (ServeContext)")
+    job.add_argument("--job", default=None, help="requester job 'module:function' (ServeContext)")
+    # the old name: torchrun's parser reads it as an abbreviation of --run-path (ambiguous)
+    job.add_argument("--run", default=None, help=argparse.SUPPRESS)
     job.add_argument(
         "--generate",
         action="store_true",
-        help="requester job: generate with --model from --prompts (the job without --run)",
+        help="requester job: generate with --model from --prompts (the job without --job)",
     )
     p.add_argument("--model", default=None, help="Hugging Face model folder (from_pretrained)")
     p.add_argument(

@@ -25,18 +25,30 @@ block in indefinitely per peer, which NCCL's stream semantics do not give (see
 ``node_rank * nproc_per_node + local_rank``, so a corpus naming holder ranks 2 and 3 puts them on
 node 1 of a 2 x 2 job.
 
-Trust: torch.distributed has no authentication or encryption. Anyone who can reach the
-rendezvous port or the gloo ports can join the job or read and inject messages; run it on a
-private network or inside a trusted cluster only. (The wire format checks every header and never
-unpickles, so a malformed message fails its request, not the holder; that is robustness, not
-security.)
+Addresses and trust (:func:`trust_note`, said at start by ``mqnc serve``): gloo's pairs listen
+only on the address this rank uses to reach the rendezvous host (``MASTER_ADDR``; 127.0.0.1 for a
+job on one machine), or on ``GLOO_SOCKET_IFNAME``'s interface when that is set, or on ``host=``.
+A store this module opens itself (env:// without torchrun's agent) listens only on
+``MASTER_ADDR``. torchrun's own store is opened by its agent before this code runs, and torch
+gives it no listen address: it listens on every interface of node 0. torch.distributed
+authenticates nobody, so whoever reaches the store while the job is being built can join it or
+hijack its gloo rendezvous; run it on a private network or inside a trusted cluster only. After
+the build, the store cannot stop the holders: a requester's ``done`` is the secret whose SHA-256
+it published before the build (``KEY/commit/<rank>``, read by every holder once the fabric is
+built), so a process that writes ``done`` keys later is ignored. (The wire format checks every
+header and never unpickles, so a malformed message fails its request, not the holder; that is
+robustness, not security.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
+import hmac
 import os
+import secrets
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -54,13 +66,21 @@ __all__ = [
     "TRANSPORTS",
     "ServeContext",
     "lanes_for",
+    "bind_address",
     "make_transport",
+    "publish_commitment",
+    "publish_done",
+    "read_commitments",
     "rendezvous",
+    "requester_done",
     "run_rank",
     "serve_holder",
+    "trust_note",
 ]
 
-KEY = "mqnc-serve"  # the store keys' prefix: KEY/ready/<holder rank>, KEY/done/<requester rank>
+# the store keys' prefix: KEY/ready/<holder rank>; KEY/commit/<requester rank> (the SHA-256 of
+# its secret, set before the fabric is built), KEY/done/<requester rank> (the secret, appended)
+KEY = "mqnc-serve"
 TRANSPORTS = names(in_process=False, auto=True)
 """What ``transport=`` takes: the engines across processes (:mod:`mqnc.transport.registry`)
 and ``"auto"``, the selection policy (:func:`mqnc.transport.select`)."""
@@ -108,6 +128,44 @@ class ServeContext:
         return [r for r in range(self.world) if r not in holders].index(self.rank)
 
 
+def publish_commitment(store, rank: int) -> str:
+    """A requester's fresh secret: its SHA-256 is set at ``KEY/commit/<rank>`` (before the
+    fabric is built); appending the secret to ``KEY/done/<rank>`` later is this requester's
+    ``done``, which only it can say."""
+    secret = secrets.token_hex(32)
+    store.set(f"{KEY}/commit/{rank}", _digest(secret.encode()))
+    return secret
+
+
+def publish_done(store, rank: int, secret: str) -> None:
+    """Requester ``rank``'s ``done``: its secret, appended (whatever else was written under the
+    key stays beside it and is ignored)."""
+    store.append(f"{KEY}/done/{rank}", secret + "\n")
+
+
+def read_commitments(store, requesters: list[int], timeout_s: float) -> dict[int, str]:
+    """Every requester's commitment (a holder reads them once, when the fabric is built)."""
+    keys = [f"{KEY}/commit/{r}" for r in requesters]
+    store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    return {
+        r: store.get(k).decode("ascii", "replace") for r, k in zip(requesters, keys, strict=True)
+    }
+
+
+def _digest(secret: bytes) -> str:
+    return hashlib.sha256(secret).hexdigest()
+
+
+def requester_done(store, rank: int, commitment: str) -> bool:
+    """True once ``KEY/done/<rank>`` holds (among whatever else was appended there) the secret
+    whose SHA-256 is ``commitment``; anything else written there is ignored."""
+    key = f"{KEY}/done/{rank}"
+    if not store.check([key]):
+        return False
+    lines = store.get(key).split(b"\n")
+    return any(hmac.compare_digest(_digest(line), commitment) for line in lines if line)
+
+
 def serve_holder(
     corpus: Corpus,
     transport: Transport,
@@ -117,20 +175,30 @@ def serve_holder(
     kernels: str = "triton",
     device: torch.device | str = "cpu",
     check_every_s: float = 0.25,
+    commitments: dict[int, str] | None = None,
+    timeout_s: float = 300.0,
 ) -> Holder:
-    """Load this rank's chunks, publish ``ready`` and serve until every requester rank has
-    published ``done`` (or is gone, or sent ``SHUTDOWN``); returns the holder (its stats)."""
+    """Load this rank's chunks, publish ``ready`` and serve until every requester rank is done
+    (its secret matches the commitment it published before the build: ``commitments``, read
+    from the store when None) or gone, or until a ``SHUTDOWN``; returns the holder (its stats).
+    A ``done`` key that does not match is ignored: it does not stop the holder."""
+    if commitments is None:
+        commitments = read_commitments(store, requesters, timeout_s)
     holder = corpus.make_holder(transport, kernels=kernels, device=device, poll_s=check_every_s)
     store.set(f"{KEY}/ready/{transport.rank}", "1")
-    done = [f"{KEY}/done/{r}" for r in requesters]
+    pending = set(requesters)
     next_check = 0.0
     while not holder.stopped:
         holder.serve_once(check_every_s)
         now = time.monotonic()
         if now >= next_check:
             next_check = now + check_every_s
-            gone = all(not transport.peer_alive(r) for r in requesters)
-            if gone or store.check(done):
+            pending = {
+                r
+                for r in pending
+                if transport.peer_alive(r) and not requester_done(store, r, commitments[r])
+            }
+            if not pending:
                 break
     return holder
 
@@ -144,17 +212,92 @@ def make_transport(
     *,
     max_rows: int,
     device: torch.device | str = "cpu",
+    host: str | None = None,
 ) -> Transport:
     """This rank's engine (``kind`` one of :data:`TRANSPORTS`; ``"auto"`` resolved by
     :func:`mqnc.transport.select`), slots sized for routes of up to ``max_rows`` rows and
     fetches of any chunk of ``corpus``. An engine that needs a GPU takes this node's device
-    ``LOCAL_RANK`` (modulo the devices it sees)."""
+    ``LOCAL_RANK`` (modulo the devices it sees); gloo's pairs listen on ``host`` (None:
+    torch's default, ``GLOO_SOCKET_IFNAME`` or the host name's address)."""
     if kind not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {kind!r}")
     kind = select(kind)
     slot, lanes = corpus.slot_bytes(max_rows), lanes_for(corpus)
     local = int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)
-    return connect(kind, rank, world, store, slot_bytes=slot, lanes=lanes, device=local)
+    options = {"host": host} if kind == "gloo" and host is not None else {}
+    return connect(kind, rank, world, store, slot_bytes=slot, lanes=lanes, device=local, **options)
+
+
+def bind_address(target: str | None) -> str | None:
+    """The local address this machine reaches ``target`` (a host name or address) from: where
+    gloo's pairs listen (127.0.0.1 for a loopback rendezvous). None when ``target`` is None or
+    unreachable. Nothing is sent (a UDP socket is connected, never written)."""
+    if not target:
+        return None
+    try:
+        infos = socket.getaddrinfo(target.strip("[]"), 9, type=socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as s:
+            try:
+                s.connect(addr)
+                return s.getsockname()[0]
+            except OSError:
+                continue
+    return None
+
+
+def _listening_socket(host: str, port: int) -> int:
+    """A socket bound to ``host:port`` and listening (its file descriptor, for a store)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ValueError(f"MASTER_ADDR: cannot resolve {host!r} ({exc})") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+        return sock.detach()
+    except OSError as exc:
+        raise ValueError(
+            f"MASTER_ADDR: rank 0 opens the store on {host}:{port}, an address of this machine "
+            f"and a free port; binding it failed ({exc})"
+        ) from exc
+    finally:
+        sock.close()
+
+
+def _env(name: str) -> str:
+    value = os.environ.get(name)
+    if value is None:
+        raise ValueError(
+            f"rendezvous: expected torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, "
+            f"MASTER_PORT; {name} is missing) or an explicit rank, world and master; start "
+            "with `torchrun ... -m mqnc serve --corpus FILE`"
+        )
+    return value
+
+
+def _env_store(timeout: datetime.timedelta) -> tuple[Any, int, int]:
+    """env:// without torchrun's agent: rank 0 opens the store on ``MASTER_ADDR`` only."""
+    rank, world = int(_env("RANK")), int(_env("WORLD_SIZE"))
+    host, port = _env("MASTER_ADDR"), int(_env("MASTER_PORT"))
+    if rank != 0:
+        return dist.TCPStore(host, port, world, is_master=False, timeout=timeout), rank, world
+    fd = _listening_socket(host, port)
+    store = dist.TCPStore(
+        host, port, world, is_master=True, wait_for_workers=False, timeout=timeout,
+        master_listen_fd=fd,
+    )  # fmt: skip
+    return store, rank, world
+
+
+def _agent_store() -> bool:
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def rendezvous(
@@ -166,7 +309,8 @@ def rendezvous(
 ) -> tuple[Any, int, int]:
     """``(store, rank, world)``: an explicit ``TCPStore`` at ``master`` (``"host:port"``, with
     ``rank`` and ``world``), the default group's store of a job that already initialised
-    torch.distributed, or torch's env:// rendezvous (torchrun's environment)."""
+    torch.distributed, or torch's env:// rendezvous (torchrun's environment: its agent's store;
+    without the agent, rank 0 opens the store on ``MASTER_ADDR`` only)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank is not None:
         if world is None or master is None:
@@ -176,13 +320,54 @@ def rendezvous(
         return store, rank, world
     if dist.is_available() and dist.is_initialized():
         return dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
-    if "RANK" not in os.environ or "MASTER_ADDR" not in os.environ:
-        raise ValueError(
-            "rendezvous: expected torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, "
-            "MASTER_PORT) or an explicit rank, world and master; start with `torchrun ... "
-            "-m mqnc serve --corpus FILE`"
-        )
+    _env("RANK"), _env("MASTER_ADDR")
+    if not _agent_store():
+        return _env_store(timeout)
     return next(dist.rendezvous("env://", timeout=timeout))
+
+
+def trust_note(
+    rank: int, engine: str, *, master: str | None = None, gloo_host: str | None = None
+) -> str:
+    """What ``mqnc serve`` says at start: where the rendezvous store and the engine's pairs
+    listen, and what a process that reaches them can and cannot do."""
+    if master is not None:
+        store = f"at {master} was opened by whoever started it (not by this job)"
+    elif dist.is_available() and dist.is_initialized():
+        store = "is the default process group's (not opened by this job)"
+    else:
+        at = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        store = (
+            f"at {at} is torchrun's: its agent opened it before this job ran and torch gives "
+            "it no listen address, so it listens on every interface of node 0"
+            if _agent_store()
+            else f"listens on {at} only (rank 0 of this job opened it there)"
+        )
+    if engine != "gloo":
+        pairs = f"the {engine} engine's fabric is its own (NVLink / InfiniBand)"
+    elif gloo_host is not None:
+        pairs = f"gloo's pairs listen on {gloo_host} only"
+    elif os.environ.get("GLOO_SOCKET_IFNAME"):
+        pairs = f"gloo's pairs listen on GLOO_SOCKET_IFNAME's {os.environ['GLOO_SOCKET_IFNAME']}"
+    else:
+        pairs = "gloo's pairs listen on torch's default (the host name's address)"
+    return (
+        f"mqnc serve: rank {rank}: the rendezvous store {store}; {pairs}. torch.distributed "
+        "authenticates nobody: whoever reaches the store while the job is being built can join "
+        "it or hijack its rendezvous (run it on a private network or a trusted machine only). "
+        "Once built, the store cannot stop the holders: a requester's done is a secret it "
+        "committed to before the build, so a done key written by anyone else is ignored (a "
+        "process that reaches the store can still delay the job)."
+    )
+
+
+def _gloo_host(host: str | None, master: str | None) -> str | None:
+    """Where gloo's pairs listen: ``host``; else GLOO_SOCKET_IFNAME's interface (None: torch
+    reads it); else the local address that reaches the rendezvous host."""
+    if host is not None or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return host
+    target = master.rpartition(":")[0] if master is not None else os.environ.get("MASTER_ADDR")
+    return bind_address(target)
 
 
 def run_rank(
@@ -198,9 +383,15 @@ def run_rank(
     world: int | None = None,
     master: str | None = None,
     options: Any = None,
+    host: str | None = None,
+    say: Callable[[str], Any] | None = None,
 ) -> dict:
     """One rank of a serve job (see the module docstring): a holder serves until the requesters
     are done; a requester runs ``job(ServeContext)`` and publishes ``done``.
+
+    ``host``: the address gloo's pairs listen on (default: ``GLOO_SOCKET_IFNAME``'s interface
+    when set, else the local address that reaches the rendezvous host). ``say``: called once,
+    before the fabric is built, with :func:`trust_note` (``mqnc serve`` prints it).
 
     Returns ``{"role": "holder", "rank", "stats": HolderStats, "transport", "engine"}`` or
     ``{"role": "requester", "rank", "result": job's return value, "transport", "engine"}``
@@ -218,11 +409,20 @@ def run_rank(
         raise ValueError(f"corpus: holder ranks {holders} do not exist in a world of {world} ranks")
     requesters = [r for r in range(world) if r not in holders]
     kind = select(transport) if transport in TRANSPORTS else transport  # else: the error below
-    engine = make_transport(kind, rank, world, store, corpus, max_rows=max_rows, device=device)
+    gloo_host = _gloo_host(host, master)
+    if say is not None:
+        say(trust_note(rank, kind, master=master, gloo_host=gloo_host))
+    secret = None if rank in holders else publish_commitment(store, rank)
+    engine = make_transport(
+        kind, rank, world, store, corpus, max_rows=max_rows, device=device, host=gloo_host
+    )
     ids = dict(transport=engine.name, engine=kind)
     try:
         if rank in holders:
-            h = serve_holder(corpus, engine, store, requesters, kernels=kernels, device=device)
+            h = serve_holder(
+                corpus, engine, store, requesters, kernels=kernels, device=device,
+                timeout_s=timeout_s,
+            )  # fmt: skip
             return dict(role="holder", rank=rank, stats=h.stats, **ids)
         if job is None:
             raise ValueError(f"job: rank {rank} is a requester and needs a job")
@@ -231,7 +431,7 @@ def run_rank(
             req = corpus.make_requester(engine, timeout_s=timeout_s, kernels=kernels, device=device)
             result = job(ServeContext(rank, world, corpus, req, store, options))
         finally:  # the holders stop once every requester is done, failed or not
-            store.set(f"{KEY}/done/{rank}", "1")
+            publish_done(store, rank, secret)
         return dict(role="requester", rank=rank, result=result, **ids)
     finally:
         engine.close()
