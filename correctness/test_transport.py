@@ -210,6 +210,36 @@ def test_torchdist_engine_across_processes():
         child.wait(30)
 
 
+def test_the_handshake_refuses_a_mismatch_naming_both_sides():
+    """Every rank publishes its terms and compares every other's: a mismatch (two slot sizes,
+    lanes, a caller's term) is a ValueError naming the term and both ranks' values, on each
+    rank; a term that is no JSON value is a TypeError; a rank that never comes is a
+    TransportError within the store's timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from mqnc.transport.protocol import TransportError, handshake
+
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=30))
+    terms = {"slot_bytes": 4096, "lanes": 2, "geometry": [576, 512]}
+    handshake(dist.PrefixStore("ok", store), 0, 1, terms)  # alone: nothing to compare
+    bad = dist.PrefixStore("bad", store)
+    bad.set("terms/1", '{"slot_bytes": 8192, "lanes": 2, "geometry": [576, 256]}')  # rank 1's
+    with pytest.raises(ValueError) as exc:
+        handshake(bad, 0, 2, terms)
+    said = str(exc.value)
+    assert "slot_bytes: rank 0 (this one) has 4096, rank 1 has 8192" in said, said
+    assert "geometry: rank 0 (this one) has [576, 512], rank 1 has [576, 256]" in said, said
+    assert "lanes:" not in said  # the terms they agree on are not named
+    with pytest.raises(TypeError, match="terms"):
+        handshake(dist.PrefixStore("json", store), 0, 1, {"slot_bytes": object()})
+    store.set_timeout(datetime.timedelta(seconds=0.2))
+    with pytest.raises(TransportError, match="no terms from rank 1"):
+        handshake(dist.PrefixStore("alone", store), 0, 2, terms)
+
+
 def test_nvshmem_engine_is_lazy_and_gpu_only():
     """Importing the NVSHMEM engine loads neither nvshmem4py nor CUDA; creating one off a GPU
     says why it cannot run."""
@@ -292,6 +322,8 @@ def test_nvshmem_engine_host_side_keeps_the_protocol(monkeypatch):
     data = torch.arange(100, dtype=torch.uint8)
     with pytest.raises(ValueError, match="fed by rank 1"):
         t.put_signal(1, theirs, data, 1)
+    with pytest.raises(ValueError, match="fed by rank 1"):  # a get: the same source rule
+        t.get(1, theirs, 8, timeout=1.0)
     for seq in (-1, 2.7, True, 2**64):
         with pytest.raises(ValueError, match="seq"):
             t.put_signal(1, mine, data, seq)

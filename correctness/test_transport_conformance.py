@@ -10,7 +10,8 @@ engine this machine cannot run (NVSHMEM without a GPU) is skipped, saying why.
 The tests: a put + signal + wait round trip (the bytes, the signal, a one-sided get); a wait
 that times out raises :class:`~mqnc.transport.TransportTimeout`, never early; a put into a slot
 another rank feeds (and every other bad put) is refused at the sender, and the peer still
-answers; a lost peer raises :class:`~mqnc.transport.PeerLost` at once, never a hang (engines
+answers; a get obeys the same source rule (a rank reads only the slots it feeds, and its own);
+a lost peer raises :class:`~mqnc.transport.PeerLost` at once, never a hang (engines
 that cannot detect one say so in the registry). The peer-loss test kills the peer: it runs last,
 and a test that finds its peer dead starts a new one.
 
@@ -232,6 +233,27 @@ def test_bad_puts_are_refused_at_the_sender(pair):
     reply = t.layout.slot(REPLY, 1)
     assert t.wait_signal(reply, seq, timeout=60.0) == seq  # nothing refused was delivered
     assert torch.equal(t.read(reply, 8), data)
+
+
+def test_a_get_obeys_the_source_rule_of_puts(pair):
+    """A get of a peer's slot that this rank does not feed (another rank's requests, or the
+    answers it was sent) is refused at the getter, naming the slot's source, as such a put is;
+    a get of a slot it feeds, or of any slot of its own, reads it; the peer still answers."""
+    t = pair.t
+    lay = t.layout
+    inbox, reply = lay.slot(INBOX, 0), lay.slot(REPLY, 1)
+    data = torch.arange(16, dtype=torch.uint8)
+    seq = pair.next_seq()
+    t.put_signal(1, inbox, data, seq)
+    assert t.wait_signal(reply, seq, timeout=60.0) == seq
+    for theirs in (lay.slot(INBOX, 1), lay.slot(REPLY, 1), lay.slot(INBOX, 1, 1)):
+        with pytest.raises(ValueError, match="fed by rank 1"):
+            t.get(1, theirs, 8, timeout=60.0)
+    assert torch.equal(t.get(1, inbox, 16, timeout=60.0), data)  # its own request
+    assert torch.equal(t.get(0, reply, 16, timeout=60.0), data)  # a slot of its own
+    seq = pair.next_seq()
+    t.put_signal(1, inbox, data.flip(0).contiguous(), seq)
+    assert t.wait_signal(reply, seq, timeout=60.0) == seq
 
 
 def test_a_lost_peer_raises_peer_lost_and_never_hangs(pair):

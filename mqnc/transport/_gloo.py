@@ -2,17 +2,31 @@
 what it sends, per peer.
 
 Every message between two ranks is ONE gloo message: a 32-byte frame header
-``[op u32, slot u32, seq u64, nbytes u64, 0 u64]`` (:data:`FRAME`) followed by the ``nbytes``
-data bytes. One message per put (not a control word then the data, which gloo delivers only
-once the receiver posts the second receive: half a round trip more).
+``[op u32, slot u32, seq u64, nbytes u64, status u64]`` (:data:`FRAME`) followed by the
+``nbytes`` data bytes. One message per put (not a control word then the data, which gloo
+delivers only once the receiver posts the second receive: half a round trip more).
+
+Sizes. gloo aborts the receiving process (``std::terminate`` on its device thread: the
+``op.preamble.length <= op.nbytes`` enforce of ``gloo/transport/tcp/pair.cc``, no Python code
+runs) when a message is longer than the receive it lands in. So every receive here is
+:data:`FRAME` ``+ slot_bytes`` bytes, the largest frame any member may send: the fabric agrees
+on ``slot_bytes`` (and the frame protocol :data:`PROTOCOL`) in a handshake before the process
+group is built (:func:`mqnc.transport.protocol.handshake`), and :meth:`Outbox.send` refuses a
+frame past it. A frame that *claims* more than a slot (or a put or get of a slot its sender
+does not feed) is dropped at the receiver and recorded: it costs that sender's request, never
+the process. What gloo leaves open: a rank that bypasses this module and hands gloo a longer
+message itself (``ProcessGroupGloo.send``) still aborts the receiver; ``torch.distributed``
+authenticates nobody, so the members of a fabric are trusted not to (see the README's
+"Security and trust model").
 
 :class:`Inbox` is the receiving half: one service thread per peer keeps two receives posted
 (double-buffered, so a sender never waits for the thread to repost) into landing buffers of
 ``32 + slot_bytes`` bytes, and reposts into a third, spare one before it applies a message. A
 put that lands is made visible by swapping the landing buffer with the slot's storage under the
 signal board's lock (no copy), then raising the signal. A put is accepted only into a slot
-whose source is the peer it came from (no rank writes another's lanes); anything else
-is dropped and recorded in :attr:`PeerState.errors`.
+whose source is the peer it came from (no rank writes another's lanes), and a get is answered
+only from such a slot (no rank reads another's lanes: anything else is answered "refused",
+status :data:`REFUSED`); anything else is dropped and recorded in :attr:`PeerState.errors`.
 
 :class:`Outbox` is the sending half: ``send`` frames the message and hands it to gloo from the
 calling thread (gloo sends are asynchronous; a stalled peer never blocks the caller). gloo
@@ -38,12 +52,17 @@ import torch
 from mqnc.transport.protocol import PeerLost, TransportTimeout, host_bytes
 from mqnc.transport.signals import SignalBoard
 
-__all__ = ["PeerState", "Inbox", "Outbox", "FRAME", "PUT", "GET", "GET_REPLY", "BARRIER", "CLOSE"]
+__all__ = [
+    "PeerState", "Inbox", "Outbox", "FRAME", "PROTOCOL", "PUT", "GET", "GET_REPLY", "BARRIER",
+    "CLOSE", "REFUSED",
+]  # fmt: skip
 
 FRAME = 32
 _FRAME = struct.Struct("<IIQQQ")
 TAG = 7
 PUT, GET, GET_REPLY, BARRIER, CLOSE = 1, 2, 3, 4, 5  # frame ops
+REFUSED = 1  # a GET_REPLY's status: the get was refused (the slot is not the getter's)
+PROTOCOL = 2  # this frame layout and its ops (2: a status word, the get's source rule)
 REAP_BATCH = 8
 REAP_BYTES = 1 << 20
 
@@ -128,9 +147,10 @@ class _Reaper:
 class Outbox:
     """Framed, asynchronous sends to each peer, reaped by one thread per peer."""
 
-    def __init__(self, pg, rank: int, world_size: int, peers: PeerState) -> None:
+    def __init__(self, pg, rank: int, world_size: int, peers: PeerState, slot_bytes: int) -> None:
         self._pg = pg
         self.rank = rank
+        self.slot_bytes = slot_bytes  # no frame carries (or asks for) more: the receive's size
         self._world = world_size
         self.peers = peers
         self.cond = peers.cond
@@ -138,13 +158,21 @@ class Outbox:
         self._reapers: list[_Reaper | None] = [None] * world_size
 
     def send(self, peer: int, op: int, slot: int, seq: int, data: torch.Tensor | np.ndarray | None,
-             count: int = 0) -> None:  # fmt: skip
-        """Frame ``[op, slot, seq, n]`` and the ``n`` bytes of ``data`` (``n = count`` for a
-        get, which carries none) as one gloo message to ``peer``."""
+             count: int = 0, status: int = 0) -> None:  # fmt: skip
+        """Frame ``[op, slot, seq, n, status]`` and the ``n`` bytes of ``data`` (``n = count``
+        for a get, which carries none) as one gloo message to ``peer``.
+
+        Refuses (``ValueError``) an ``n`` past ``slot_bytes``: a longer message would abort
+        the receiving process inside gloo (see the module docstring)."""
         src = None if data is None else host_bytes(data)
         n = count if src is None else src.shape[0]
+        if n > self.slot_bytes:
+            raise ValueError(
+                f"{'count' if src is None else 'data'}: a frame of {n} B is past the fabric's "
+                f"slot of {self.slot_bytes} B (a longer gloo message aborts its receiver)"
+            )
         a = np.empty(FRAME + (0 if src is None else n), dtype=np.uint8)
-        _FRAME.pack_into(a, 0, op, slot, seq, n, 0)
+        _FRAME.pack_into(a, 0, op, slot, seq, n, status)
         if src is not None and n:
             a[FRAME:] = src
         msg = torch.from_numpy(a)
@@ -251,7 +279,7 @@ class Inbox:
             while True:
                 works[i].wait()
                 got = bufs[i]
-                op, slot, seq, n, _ = _FRAME.unpack_from(got[1], 0)
+                op, slot, seq, n, status = _FRAME.unpack_from(got[1], 0)
                 if op == CLOSE:
                     with self.cond:
                         self._peers.closed.add(peer)
@@ -259,24 +287,24 @@ class Inbox:
                     self.board.wake_all()
                     return
                 bufs[i], works[i] = spare, pg.recv([spare[0]], peer, TAG)
-                spare = self._on_message(peer, op, slot, seq, n, got)
+                spare = self._on_message(peer, op, slot, seq, n, status, got)
                 i ^= 1
         except Exception as exc:  # the connection closed (peer died) or the link broke
             self._peers.mark_dead(peer, f"{type(exc).__name__}: {exc}")
 
-    def _on_message(self, peer: int, op: int, slot: int, seq: int, n: int, buf: tuple):
+    def _on_message(self, peer: int, op: int, slot: int, seq: int, n: int, status: int,
+                    buf: tuple):  # fmt: skip
         """Apply one message (``buf``: its landing buffer, a (tensor, numpy view) pair);
         returns the buffer to post the next receive into."""
         if op == PUT:
             return self._on_put(peer, slot, seq, n, buf)
         if op == GET:
-            data = None
-            if 0 <= slot < len(self.slots):
-                with self.board.lock:
-                    data = torch.from_numpy(self.views[slot][: min(n, self.slot_bytes)].copy())
-            self._outbox.send(peer, GET_REPLY, 0, seq, data if data is not None else _EMPTY)
+            self._on_get(peer, slot, seq, n)
         elif op == GET_REPLY:
-            data = torch.from_numpy(buf[1][FRAME : FRAME + min(n, self.slot_bytes)].copy())
+            if status == REFUSED:
+                data = REFUSED
+            else:
+                data = torch.from_numpy(buf[1][FRAME : FRAME + min(n, self.slot_bytes)].copy())
             with self.cond:
                 if seq in self.gets:
                     self.gets[seq] = data
@@ -288,6 +316,23 @@ class Inbox:
         else:
             self._drop(peer, f"unknown frame op {op}")
         return buf
+
+    def _on_get(self, peer: int, slot: int, token: int, n: int) -> None:
+        """Answer a get of ``n`` bytes of ``slot``: only from a slot ``peer`` feeds (the
+        source rule of puts), else "refused" (and recorded)."""
+        lay = self.layout
+        if not 0 <= slot < lay.num_slots or lay.source_of(slot) != peer or n > self.slot_bytes:
+            why = (
+                f"slot {slot} is fed by rank {lay.source_of(slot)}"
+                if 0 <= slot < lay.num_slots
+                else f"slot {slot} out of range"
+            )
+            self._drop(peer, f"get of {n} B from slot {slot} ({why})")
+            self._outbox.send(peer, GET_REPLY, 0, token, _EMPTY, status=REFUSED)
+            return
+        with self.board.lock:
+            data = torch.from_numpy(self.views[slot][:n].copy())
+        self._outbox.send(peer, GET_REPLY, 0, token, data)
 
     def _on_put(self, peer: int, slot: int, seq: int, n: int, buf: tuple):
         lay = self.layout

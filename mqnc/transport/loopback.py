@@ -158,9 +158,7 @@ class LoopbackTransport(Transport):
             return self._board.values[slot], wire.copy_message(row, self.slot_bytes)
 
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
-        self.check_peer(peer)
-        self._check_slot(slot)
-        n = self._check_nbytes(nbytes)
+        n = self._check_get(peer, slot, nbytes)
         self._alive_or_raise(self.rank)
         self._alive_or_raise(peer)
         with self._fabric._boards[peer].lock:

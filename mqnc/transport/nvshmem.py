@@ -69,6 +69,7 @@ from mqnc.transport.protocol import (
     TransportError,
     TransportTimeout,
     as_tensor,
+    handshake,
 )
 
 __all__ = [
@@ -467,8 +468,14 @@ class NvshmemTransport(Transport):
     store : torch.distributed.Store
         Carries the NVSHMEM unique id from rank 0 to the others.
     slot_bytes : int
-        Bytes per slot (symmetric: the same on every PE).
+        Bytes per slot (symmetric: the same on every PE). The PEs agree on it, ``lanes`` and
+        the world size in a handshake on ``store`` before NVSHMEM is initialised
+        (:func:`~mqnc.transport.protocol.handshake`: a mismatch is a ``ValueError`` naming
+        both values, on every PE).
     lanes : int
+    agree : mapping or None
+        Further terms (JSON values) every PE must be built with, checked in the same
+        handshake.
     device : torch.device or int or None
         The CUDA device (default: the current one). Two PEs may share one GPU (limited MPG).
     device_put : bool
@@ -499,6 +506,7 @@ class NvshmemTransport(Transport):
         device=None,
         device_put: bool = False,
         poll_spins: int = 1 << 12,
+        agree=None,
     ) -> None:
         super().__init__(rank, SlotLayout(world_size, lanes), slot_bytes)
         if not torch.cuda.is_available():
@@ -529,6 +537,15 @@ class NvshmemTransport(Transport):
         # One key per instance: every PE counts its instances on the store, so a second fabric
         # over the same store (a reused torchrun store) never reads the previous one's id.
         key = f"{_UID_KEY}/{store.add(f'{_UID_KEY}/count/{rank}', 1)}"
+        import torch.distributed as dist
+
+        terms = {"engine": self.name, "world_size": world_size, "lanes": lanes,
+                 "slot_bytes": slot_bytes}  # fmt: skip
+        clash = sorted(set(agree or ()) & set(terms))
+        if clash:
+            raise ValueError(f"agree: the engine's own terms {clash} are not the caller's")
+        handshake(dist.PrefixStore(f"{key}/handshake", store), rank, world_size,
+                  {**terms, **(agree or {})})  # fmt: skip
         if rank == 0:
             uid = nv.get_unique_id()
             store.set(key, uid._data.view(np.int8).tobytes())
@@ -653,10 +670,11 @@ class NvshmemTransport(Transport):
 
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
         """As the protocol's; a GPU stream cannot be abandoned: ``timeout`` is checked, not
-        enforced."""
-        self.check_peer(peer)
-        self._check_slot(slot)
-        off, n = self._slot_off(slot), self._check_nbytes(nbytes)
+        enforced. The source rule is checked here, at the getter: NVSHMEM's symmetric heap
+        is readable by every PE, so a PE that bypasses this engine reads any slot (the trust
+        model: every PE is one job's)."""
+        n = self._check_get(peer, slot, nbytes)
+        off = self._slot_off(slot)
         self._deadline(timeout)
         self._open()
         if n == 0:

@@ -26,10 +26,15 @@ because a holder answers each slot in increasing sequence order and drops a requ
 sequence number it has already answered. Request ids in the wire header (:mod:`mqnc.transport.wire`)
 let a requester discard any reply that is not the one it waits for.
 
-Writers. Rank ``r`` may write only the slots whose source is ``r`` (``layout.source_of(slot)
-== r``): a put to any other slot is a ``ValueError`` at the sender, and the torchdist engine
-also drops (and records) such a put at the receiver, so no rank can write into the lanes of
-another (a misbehaving or hostile peer cannot answer for someone else).
+Writers and readers. Rank ``r`` may write only the slots whose source is ``r``
+(``layout.source_of(slot) == r``): a put to any other slot is a ``ValueError`` at the sender,
+and the torchdist engine also drops (and records) such a put at the receiver, so no rank can
+write into the lanes of another (a misbehaving or hostile peer cannot answer for someone else).
+A ``get`` obeys the same rule: rank ``r`` may read a peer's slot only where ``r`` feeds it (its
+own requests in the peer's inbox, its own answers in the peer's reply lanes), and any slot of
+its own; a get of another rank's lanes (another requester's query rows, the partials answered
+to it) is a ``ValueError`` at the sender, and the torchdist engine refuses it at the peer too
+(:class:`TransportError` at the getter).
 :meth:`Transport.read_message` reads a slot's message together with the signal it was written
 under, so that a reader can tie the message's sequence number to it.
 
@@ -41,8 +46,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import json
 import math
 import time
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -60,6 +67,7 @@ __all__ = [
     "SlotLayout",
     "Transport",
     "check_message",
+    "handshake",
     "host_bytes",
     "as_tensor",
 ]
@@ -151,6 +159,53 @@ def check_message(data: object, slot_bytes: int) -> torch.Tensor | np.ndarray:
     return data
 
 
+def handshake(store, rank: int, world_size: int, terms: Mapping[str, object]) -> None:
+    """Agree on ``terms`` with every other rank of a fabric before it is built.
+
+    Each rank publishes its ``terms`` (slot size, lanes, frame protocol, ...: JSON values) under
+    ``terms/<rank>`` in ``store`` (a ``torch.distributed`` store, namespaced by the caller) and
+    reads every other rank's, waiting up to the store's timeout. Every rank compares them all,
+    so a mismatch is refused on every rank, before anything is sent.
+
+    Raises
+    ------
+    ValueError
+        A term on which some rank differs, naming the term, this rank's value and the other's
+        (e.g. two ``slot_bytes`` from two ``--max-rows``).
+    TypeError
+        A term that is not a JSON value.
+    TransportError
+        A rank that did not publish its terms within the store's timeout.
+    """
+    try:
+        mine = json.loads(json.dumps(dict(terms), sort_keys=True))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"terms: expected JSON values, got {terms!r} ({exc})") from None
+    store.set(f"terms/{rank}", json.dumps(mine, sort_keys=True))
+    for peer in range(world_size):
+        if peer == rank:
+            continue
+        try:
+            theirs = json.loads(store.get(f"terms/{peer}"))
+        except Exception as exc:  # the store's timeout (a rank that never came)
+            raise TransportError(
+                f"handshake: rank {rank} got no terms from rank {peer} "
+                f"({type(exc).__name__}: {exc})"
+            ) from None
+        diff = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+        if diff:
+            said = "; ".join(
+                f"{k}: rank {rank} (this one) has {mine.get(k)!r}, rank {peer} has "
+                f"{theirs.get(k)!r}"
+                for k in diff
+            )
+            raise ValueError(
+                f"fabric: the ranks disagree ({said}); every rank of a fabric must be built "
+                "with the same slot size, layout and protocol (the same --max-rows, lanes and "
+                "package version)"
+            )
+
+
 def host_bytes(data: torch.Tensor | np.ndarray) -> np.ndarray:
     """A checked message's bytes on the host as a uint8 array (the array itself, or a host
     tensor's numpy view, or a device tensor's copy)."""
@@ -228,6 +283,19 @@ class Transport(abc.ABC):
         if not (type(seq) is int and 0 <= seq < SEQ_LIMIT):
             check_int("seq", seq, minimum=0, below=SEQ_LIMIT)
         return check_message(data, self.slot_bytes)
+
+    def _check_get(self, peer: int, slot: int, nbytes: object) -> int:
+        """The checks every engine's ``get`` makes (the source rule of puts, for reads): a rank
+        of the fabric, a slot of this rank's own or one this rank feeds on ``peer``, a byte
+        count within the slot; returns the byte count."""
+        self.check_peer(peer)
+        self._check_slot(slot)
+        if peer != self.rank and self.layout.source_of(slot) != self.rank:
+            raise ValueError(
+                f"slot: rank {self.rank} may get only its own slots and the slots it feeds; "
+                f"slot {slot} of rank {peer} is fed by rank {self.layout.source_of(slot)}"
+            )
+        return self._check_nbytes(nbytes)
 
     # ---- the protocol -------------------------------------------------------------------------
     @abc.abstractmethod
@@ -307,7 +375,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
-        """One-sided read of the first ``nbytes`` bytes of ``peer``'s ``slot``."""
+        """One-sided read of the first ``nbytes`` bytes of ``peer``'s ``slot`` (a slot this
+        rank feeds there, or any slot of its own: see the module's "Writers and readers")."""
 
     def quiet(self, timeout: float | None = None, peers=None) -> None:  # noqa: B027
         """Complete this rank's outstanding puts (to ``peers``, default all) within

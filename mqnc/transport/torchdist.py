@@ -21,6 +21,13 @@ Facts this engine is built on (torch 2.13, gloo):
   at once, the peer is marked dead, and waits on slots it feeds raise
   :class:`~mqnc.transport.protocol.PeerLost` without waiting for their timeout;
 - gloo moves contiguous tensors only; bf16 moves bit-exactly (the wire sends uint8 anyway);
+- a message longer than the receive it lands in aborts the receiving process inside gloo
+  (no exception reaches Python): before the process group is built the ranks agree, in a
+  handshake on the store (:func:`~mqnc.transport.protocol.handshake`), on the slot size, the
+  layout (world size, lanes) and the frame protocol, and refuse a mismatch naming both
+  sides; every receive is then the largest frame any member may send, and the sender refuses
+  a longer one (:mod:`mqnc.transport._gloo`). A member that bypasses the engine and hands
+  gloo a longer message itself still aborts its receiver: members are trusted not to;
 - ports and addresses: :func:`free_port_store` listens on the address it is given (a socket
   bound there, handed to the ``TCPStore``; the store's own default listens on every
   interface), and ``host=`` binds gloo's pairs to an address (:meth:`TorchDistTransport.connect`
@@ -53,13 +60,25 @@ import torch
 import torch.distributed as dist
 
 from mqnc.transport import wire
-from mqnc.transport._gloo import BARRIER, CLOSE, GET, PUT, Inbox, Outbox, PeerState
+from mqnc.transport._gloo import (
+    BARRIER,
+    CLOSE,
+    FRAME,
+    GET,
+    PROTOCOL,
+    PUT,
+    REFUSED,
+    Inbox,
+    Outbox,
+    PeerState,
+)
 from mqnc.transport.protocol import (
     PeerLost,
     SlotLayout,
     Transport,
     TransportError,
     TransportTimeout,
+    handshake,
     host_bytes,
 )
 from mqnc.transport.signals import SignalBoard
@@ -113,9 +132,15 @@ class TorchDistTransport(Transport):
         Rendezvous store shared by all ranks (e.g. a ``TCPStore``; see
         :func:`free_port_store`). A ``PrefixStore`` with ``prefix`` is layered on it.
     slot_bytes : int
-        Bytes per slot (see :func:`mqnc.transport.slot_bytes_for`); the same on every rank.
+        Bytes per slot (see :func:`mqnc.transport.slot_bytes_for`); the same on every rank:
+        the ranks agree on it (and on ``lanes``, the world size and the frame protocol) in a
+        handshake on the store before the process group is built, and every rank refuses a
+        mismatch (``ValueError`` naming the term and both ranks' values).
     lanes : int
         Slots per (channel, source) pair.
+    agree : mapping or None
+        Further terms (JSON values) every rank must be built with, checked in the same
+        handshake (e.g. the model geometry the slots were sized from).
     idle_timeout_s : float
         The process group's timeout: the longest a service thread may sit in one ``recv``
         (an idle link) before gloo gives up on the pair. User-facing waits have their own,
@@ -140,10 +165,26 @@ class TorchDistTransport(Transport):
         idle_timeout_s: float = 3600.0,
         prefix: str = "mqnc",
         host: str | None = None,
+        agree=None,
     ) -> None:
         super().__init__(rank, SlotLayout(world_size, lanes), slot_bytes)
         if not gloo_available():
             raise RuntimeError("torchdist: this torch build has no gloo backend")
+        terms = {
+            "engine": self.name,
+            "protocol": PROTOCOL,
+            "wire": wire.VERSION,
+            "frame_bytes": FRAME,
+            "world_size": world_size,
+            "lanes": lanes,
+            "slot_bytes": slot_bytes,
+        }
+        if agree is not None:
+            clash = sorted(set(agree) & set(terms))
+            if clash:
+                raise ValueError(f"agree: the engine's own terms {clash} are not the caller's")
+            terms.update(agree)
+        handshake(dist.PrefixStore(f"{prefix}/handshake", store), rank, world_size, terms)
         timeout = datetime.timedelta(seconds=float(idle_timeout_s))
         if host is None:
             opts = timeout
@@ -155,7 +196,7 @@ class TorchDistTransport(Transport):
         self._board = SignalBoard(self.num_slots)
         self._peers = PeerState(self._board)
         self._cond = self._peers.cond  # get and barrier waits; signal waits are the board's
-        self._outbox = Outbox(self._pg, rank, world_size, self._peers)
+        self._outbox = Outbox(self._pg, rank, world_size, self._peers, slot_bytes)
         self._inbox = Inbox(
             self._pg, rank, world_size, self.layout, slot_bytes, self._peers, self._outbox
         )
@@ -245,11 +286,14 @@ class TorchDistTransport(Transport):
             return self._board.values[slot], wire.copy_message(row, self.slot_bytes)
 
     def get(self, peer: int, slot: int, nbytes: int, timeout: float) -> torch.Tensor:
-        self.check_peer(peer)
-        self._check_slot(slot)
-        n = self._check_nbytes(nbytes)  # before a token is registered
+        n = self._check_get(peer, slot, nbytes)  # before a token is registered
         if peer == self.rank:
             return self.read(slot, n)
+        return self._get_remote(peer, slot, n, timeout)
+
+    def _get_remote(self, peer: int, slot: int, n: int, timeout: float) -> torch.Tensor:
+        """A get's round trip (the arguments checked): a GET frame, then its reply; a reply
+        "refused" (the peer's source rule) is a :class:`TransportError`."""
         deadline = self._deadline(timeout)
         self._peers.alive_or_raise(peer)
         with self._get_lock:
@@ -272,7 +316,12 @@ class TorchDistTransport(Transport):
                     )
                 self._cond.wait(left)
             data = gets.pop(token)
-        return data[:nbytes]
+        if isinstance(data, int) and data == REFUSED:
+            raise TransportError(
+                f"rank {peer} refused rank {self.rank}'s get of slot {slot} (fed by rank "
+                f"{self.layout.source_of(slot)}: a rank reads only the slots it feeds)"
+            )
+        return data[:n]
 
     def barrier(self, timeout: float) -> None:
         deadline = self._deadline(timeout)
