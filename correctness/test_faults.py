@@ -20,7 +20,15 @@ from mqnc.model import PRESETS
 from mqnc.reference import partial_attention_reference
 from mqnc.serving import AllPrimitivesFailed, ChunkInfo, Holder, Requester, RouteTimeout
 from mqnc.testing import TOLERANCES, assert_close
-from mqnc.transport import INBOX, REPLY, LoopbackFabric, PeerLost, slot_bytes_for, wire
+from mqnc.transport import (
+    INBOX,
+    REPLY,
+    LoopbackFabric,
+    PeerLost,
+    TransportError,
+    slot_bytes_for,
+    wire,
+)
 
 GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4)
 SCALE = 192**-0.5 * 1.2608**2
@@ -205,9 +213,28 @@ def test_killed_holder_process_mid_run(tmp_path):
 
 
 def test_peer_lost_is_a_transport_error():
-    assert issubclass(PeerLost, Exception)
+    """PeerLost is the package's TransportError (what the requester's policy and the holder's
+    replies catch), not merely some Exception: a real lost peer (a gloo rank's process that
+    dies) raises it where a TransportError is caught, at once, and so does a route to a dead
+    holder."""
+    from test_transport_conformance import DIE, ProcessPeer
+
+    assert issubclass(PeerLost, TransportError) and PeerLost is not TransportError
+    peer = ProcessPeer("gloo")  # rank 1: an echo process over gloo
+    try:
+        t = peer.transport
+        t.put_signal(1, t.layout.slot(INBOX, 0), torch.zeros(1, dtype=torch.uint8), DIE)
+        with pytest.raises(TransportError) as exc:  # at once: the bound is 600 s
+            t.wait_signal(t.layout.slot(REPLY, 1), DIE, timeout=600.0)
+        assert type(exc.value) is PeerLost, exc.value
+        with pytest.raises(TransportError) as exc:  # a put to it: the same path
+            t.put_signal(1, t.layout.slot(INBOX, 0), torch.zeros(1, dtype=torch.uint8), DIE + 1)
+        assert type(exc.value) is PeerLost, exc.value
+    finally:
+        peer.close()
     fab, _, req = _setup(2, {0: {1: _chunk(8, 64)}}, timeout_s=600.0)
     req.register(ChunkInfo(1, 64, 0, (0,)))
     fab.kill(0)
-    with pytest.raises(PeerLost):  # at once: with the 600 s bound, a wait would hang the suite
+    with pytest.raises(TransportError) as exc:  # at once: a wait would hang the suite
         req.route(1, _q(9), 0)
+    assert type(exc.value) is PeerLost, exc.value

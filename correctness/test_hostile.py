@@ -53,8 +53,8 @@ def _raw(h: wire.Header, payload: bytes = b"") -> torch.Tensor:
 class Cluster:
     """Holder on rank 0 (a thread), requester on rank 1, a hostile rank 2 (raw endpoint)."""
 
-    def __init__(self, kv=None, *, start=True, **holder_kw):
-        self.fabric = LoopbackFabric(3, SLOT, lanes=2)
+    def __init__(self, kv=None, *, start=True, fabric=None, **holder_kw):
+        self.fabric = LoopbackFabric(3, SLOT, lanes=2) if fabric is None else fabric
         self.kv = _chunk(1) if kv is None else kv
         self.holder = Holder(
             self.fabric.endpoint(0), GEOM, softmax_scale=SCALE, num_blocks=4, poll_s=0.05,
@@ -91,6 +91,8 @@ class Cluster:
     def close(self):
         if self.holder._thread is not None:
             self.holder.stop()
+        if hasattr(self.fabric, "close"):
+            self.fabric.close()
         assert self.holder.failure is None
 
 
@@ -101,6 +103,57 @@ NONFINITE = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.fixture
 def cluster():
     c = Cluster()
+    yield c
+    c.close()
+
+
+class GlooFabric:
+    """Three gloo ranks in this process (each its own store client, built in threads): every
+    put crosses gloo's TCP pairs, as between processes (``endpoint``, ``layout``, ``close``)."""
+
+    def __init__(self, world=3, slot=SLOT, lanes=2):
+        import datetime
+
+        import torch.distributed as dist
+
+        from mqnc.transport.torchdist import TorchDistTransport, free_port_store
+
+        self.store = free_port_store(world, timeout_s=WAIT)
+        built: dict = {}
+
+        def build(r):
+            store = self.store if r == 0 else dist.TCPStore(
+                "127.0.0.1", self.store.port, world, is_master=False,
+                timeout=datetime.timedelta(seconds=WAIT),
+            )  # fmt: skip
+            try:
+                built[r] = TorchDistTransport(r, world, store, slot_bytes=slot, lanes=lanes,
+                                              idle_timeout_s=300, host="127.0.0.1")  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - re-raised below, on the test's thread
+                built[r] = exc
+
+        threads = [threading.Thread(target=build, args=(r,), daemon=True) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(2 * WAIT)
+        errors = [built.get(r, "not built in time") for r in range(world)]
+        if not all(hasattr(e, "put_signal") for e in errors):
+            raise RuntimeError(f"gloo fabric: {errors}")
+        self.endpoints = errors
+        self.layout = self.endpoints[0].layout
+
+    def endpoint(self, rank):
+        return self.endpoints[rank]
+
+    def close(self):
+        for t in self.endpoints:
+            t.close(timeout=1.0)
+
+
+@pytest.fixture
+def gloo_cluster():
+    c = Cluster(fabric=GlooFabric())
     yield c
     c.close()
 
@@ -168,11 +221,13 @@ def test_row_and_selection_limits():
 # ---- 2, 4: sequence numbers ---------------------------------------------------------------
 
 
-def test_sequence_numbers_past_2_63_and_tied_to_the_slot_signal(cluster):
-    """A u64 sequence number >= 2**63 is answered (it killed the gloo holder), and a header
-    cannot claim another number than the one its slot was signalled with; the lane
-    is not poisoned."""
-    c = cluster
+def test_sequence_numbers_past_2_63_and_tied_to_the_slot_signal(gloo_cluster):
+    """A u64 sequence number >= 2**63 is answered (it killed the gloo holder: the number
+    crossed gloo in an int64), and a header cannot claim another number than the one its slot
+    was signalled with; the lane is not poisoned. On gloo: the holder's, the requester's and
+    the hostile rank's endpoints are gloo ranks, so every number travels in a frame over TCP
+    (on loopback it never leaves a Python int)."""
+    c = gloo_cluster
     big = 2**63 + 5
     got, _ = c.send_raw(wire.pack_probe(request_id=1, seq=big), seq=big)
     assert got.kind == wire.Kind.PROBE_ACK and got.seq == big
@@ -914,7 +969,7 @@ def _spawn(role: str, port: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, str(WORKER), role, "--port", str(port), *extra],
         env=env,
-        stdout=subprocess.PIPE if role == "evil" else None,
+        stdout=subprocess.PIPE if role != "holder" else None,
         text=True,
     )
 
@@ -923,8 +978,12 @@ def test_hostile_gloo_peer():
     """A holder process (rank 1), this process as the requester (rank 0) and a hostile process
     (rank 2) that writes raw frames: a forged PARTIAL into rank 0's reply slot of the holder
     (dropped: the source check), a sequence number past 2**63, a ROUTE without a payload CRC, an
-    empty FETCH, a huge header, a SHUTDOWN, an oversized frame; then it stalls itself
-    (SIGSTOP). The requester's routes stay exact throughout."""
+    empty FETCH, a huge header, a SHUTDOWN; a message longer than the holder's posted receive,
+    through the engine's put and as a raw frame (it aborted the holder inside gloo: refused at
+    the sender now, that rank's request fails), a frame that only claims more than a slot
+    (dropped); a raw GET of the slot rank 0's query rows land in (refused by the holder's
+    engine); then it stalls itself (SIGSTOP). The requester's routes stay exact throughout
+    and the holder process lives."""
     from mqnc.transport.torchdist import TorchDistTransport, free_port_store
 
     store = free_port_store(3)
@@ -957,6 +1016,9 @@ def test_hostile_gloo_peer():
         assert "empty layer range" in report["empty_fetch"]
         assert "heads" in report["huge_route"]
         assert "may not stop" in report["shutdown"]
+        assert "does not fit a slot" in report["oversized_put"], report
+        assert "aborts its receiver" in report["oversized_frame"], report
+        assert report["raw_get"] == "refused", report
         assert "dropped from rank 2" in t.errors.get(2, ""), t.errors
         assert holder.poll() is None  # the holder is alive and serving
         check(3)
@@ -974,6 +1036,89 @@ def test_hostile_gloo_peer():
             t.close(timeout=1.0)
 
 
+def test_ranks_built_with_other_slot_sizes_are_refused_at_build():
+    """Two gloo ranks (processes) built with slot sizes from another ``max_rows`` (a config slip,
+    no attacker): both were built, and the first large route aborted the holder inside gloo.
+    Now the handshake refuses the fabric on both ranks, naming both sizes."""
+    from mqnc.transport.torchdist import TorchDistTransport, free_port_store
+
+    other = slot_bytes_for(GEOM, max_rows=512, max_topk=64, max_chunk_tokens=128)
+    assert other != SLOT
+    store = free_port_store(2)
+    child = _spawn("misfit", store.port, "--slot", str(other))
+    t = None
+    try:
+        with pytest.raises(ValueError, match="slot_bytes") as exc:
+            t = TorchDistTransport(0, 2, store, slot_bytes=SLOT, idle_timeout_s=60,
+                                   host="127.0.0.1")  # fmt: skip
+        assert f"has {SLOT}" in str(exc.value) and f"has {other}" in str(exc.value)
+        theirs = json.loads(child.stdout.readline())["error"]
+        assert "slot_bytes" in theirs and f"has {SLOT}" in theirs and f"has {other}" in theirs
+        assert child.wait(60) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(30)
+        if t is not None:
+            t.close(timeout=1.0)
+
+
+def test_gloo_aborts_a_receiver_on_a_message_past_its_receive():
+    """The premise of the gloo engine's sizes, pinned: a gloo message longer than the receive it
+    lands in aborts the receiving process (an enforce on gloo's device thread; no exception
+    reaches Python), so no receive may be smaller than what a member may send. A member that
+    bypasses the engine and calls gloo itself can still do this: the trust model's limit."""
+    script = (
+        "import datetime, sys, time, torch, torch.distributed as dist\n"
+        "rank, port = int(sys.argv[1]), int(sys.argv[2])\n"
+        "store = dist.TCPStore('127.0.0.1', port, 2, is_master=False,\n"
+        "                      timeout=datetime.timedelta(seconds=60))\n"
+        "o = dist.ProcessGroupGloo._Options(); o._timeout = datetime.timedelta(seconds=60)\n"
+        "o._devices = [dist.ProcessGroupGloo.create_device(hostname='127.0.0.1')]\n"
+        "pg = dist.ProcessGroupGloo(store, rank, 2, o)\n"
+        "if rank == 0:\n"
+        "    pg.recv([torch.zeros(64, dtype=torch.uint8)], 1, 7).wait()\n"
+        "    print('survived', flush=True)\n"
+        "else:\n"
+        "    pg.send([torch.zeros(65, dtype=torch.uint8)], 0, 7).wait()\n"
+        "    time.sleep(5)\n"
+    )
+    from mqnc.transport import free_port_store
+
+    store = free_port_store(3)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(r), str(store.port)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in (0, 1)
+    ]  # fmt: skip
+    try:
+        out, err = procs[0].communicate(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(30)
+    assert procs[0].returncode == -signal.SIGABRT and "survived" not in out, (out, err)
+    assert "op.preamble.length <= op.nbytes" in err, err
+
+
+def test_get_of_another_ranks_lanes_is_refused(cluster):
+    """A member rank used the protocol's get on the holder's slots it neither feeds nor owns and
+    read another requester's query rows and the partials answered to it, bit-exact: refused
+    now, as such a put is (the gloo engine refuses it at the holder too: the gloo test)."""
+    c = cluster
+    c.route_ok()  # rank 1's query rows now sit in the holder's inbox, its partial in rank 1's
+    lay = c.fabric.layout
+    for peer, slot in ((0, lay.slot(INBOX, 1, 0)), (1, lay.slot(REPLY, 0, 0))):
+        with pytest.raises(ValueError, match="fed by rank"):
+            c.evil.get(peer, slot, 256, timeout=WAIT)
+    mine = lay.slot(INBOX, 2, 0)
+    got, _ = c.send_raw(wire.pack_probe(request_id=1, seq=1), seq=1)
+    assert got.kind == wire.Kind.PROBE_ACK
+    assert c.evil.get(0, mine, 64, timeout=WAIT).numel() == 64  # a slot it feeds: readable
+    c.route_ok(8)
+
+
 def _holder_main(port: int) -> None:
     from mqnc.transport.torchdist import TorchDistTransport
 
@@ -987,7 +1132,7 @@ def _holder_main(port: int) -> None:
 
 
 def _evil_main(port: int) -> None:
-    from mqnc.transport._gloo import PUT
+    from mqnc.transport._gloo import _FRAME, FRAME, GET, PUT, TAG
     from mqnc.transport.torchdist import TorchDistTransport
 
     t = TorchDistTransport.connect(2, 3, port, slot_bytes=SLOT, lanes=1, idle_timeout_s=300)
@@ -1024,11 +1169,51 @@ def _evil_main(port: int) -> None:
                     layer_lo=0, layer_hi=1, seq=n + 2)  # fmt: skip
     report["huge_route"] = ask(_raw(h), n + 2)
     report["shutdown"] = ask(wire.pack_shutdown(seq=n + 3), n + 3)
-    # An oversized frame: claims more bytes than a slot holds (dropped by the holder's engine).
-    t._outbox.send(1, PUT, lay.slot(INBOX, 2, 0), n + 4, None, count=SLOT + 1)
+    # A message longer than the receive the holder keeps posted (a frame and SLOT bytes): gloo
+    # aborts the receiving process for it, so the engine refuses it, put or raw frame alike.
+    longer = torch.zeros(SLOT + 1, dtype=torch.uint8)
+    for key, send in (
+        ("oversized_put", lambda: t.put_signal(1, lay.slot(INBOX, 2, 0), longer, n + 4)),
+        ("oversized_frame", lambda: raw_put(1, PUT, lay.slot(INBOX, 2, 0), n + 4, longer)),
+    ):
+        try:
+            send()
+            report[key] = "sent"
+        except ValueError as exc:
+            report[key] = str(exc)
+    # A frame that only claims more bytes than a slot holds, handed to gloo past the engine's
+    # sender (which refuses it): dropped by the holder's engine.
+    claim = torch.zeros(FRAME, dtype=torch.uint8)
+    _FRAME.pack_into(claim.numpy(), 0, PUT, lay.slot(INBOX, 2, 0), n + 5, SLOT + 1, 0)
+    t._pg.send([claim], 1, TAG).wait()
+    # A raw GET of the holder's slot that rank 0's query rows land in (rank 2 does not feed it).
+    token = 1 << 40
+    with t._cond:
+        t._inbox.gets[token] = None
+    raw_put(1, GET, lay.slot(INBOX, 0, 0), token, None, count=256)
+    deadline = time.monotonic() + 120.0
+    with t._cond:
+        while t._inbox.gets.get(token) is None and time.monotonic() < deadline:
+            t._cond.wait(1.0)
+        got = t._inbox.gets.pop(token)
+    report["raw_get"] = f"read {got.numel()} B" if isinstance(got, torch.Tensor) else "refused"
     print(json.dumps(report), flush=True)
     os.kill(os.getpid(), signal.SIGSTOP)  # a stalled peer must not block the others
     time.sleep(600)
+
+
+def _misfit_main(port: int, slot: int) -> None:
+    """Rank 1 of a fabric whose rank 0 has another slot size: prints what its build said."""
+    from mqnc.transport.torchdist import TorchDistTransport
+
+    try:
+        t = TorchDistTransport.connect(1, 2, port, slot_bytes=slot, lanes=1, idle_timeout_s=60)
+        t.close(timeout=1.0)
+        said = "built"
+    except ValueError as exc:
+        said = str(exc)
+    print(json.dumps({"error": said}), flush=True)
+    os._exit(0)
 
 
 if __name__ == "__main__":
@@ -1038,7 +1223,10 @@ if __name__ == "__main__":
 
     use_interpreter_without_cuda()
     ap = argparse.ArgumentParser()
-    ap.add_argument("role", choices=["holder", "evil"])
+    ap.add_argument("role", choices=["holder", "evil", "misfit"])
     ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--slot", type=int, default=SLOT)
     a = ap.parse_args()
+    if a.role == "misfit":
+        _misfit_main(a.port, a.slot)
     _holder_main(a.port) if a.role == "holder" else _evil_main(a.port)
