@@ -633,6 +633,40 @@ def test_routed_bf16_bound_scales_with_o():
             assert_close(bad, small, tol)
 
 
+# ---- the demo's report says where each constant came from ------------------------------------
+
+
+def test_demo_report_labels_profile_terms_as_the_profile():
+    """With ``--profile``, a constant taken from the profile as it is says so (the file, or
+    the preset's name), never "calibrated"; the HF demo (which records no sources) and a
+    profile's host overhead (which no run measures) included. ``--kernels``' help says that
+    ``--hf`` runs Triton on a CPU (interpreted), not the MLA demo's torch default."""
+    import argparse
+
+    from mqnc.cli import cmd_demo
+    from mqnc.demo.report import _constants
+
+    fab = dict(t_probe_us=7.0, bw_gbps=20.0, turnaround_us=1.0, bulk_bw_gbps=9.0)
+    hf = {"fabric": fab, "merge_us": 40.0, "profile": "/p/fab.json"}
+    mla = {
+        "fabric": dict(fab, host_fixed_us=300.0),
+        "sources": dict.fromkeys(fab, "profile"),
+        "profile": "h100-ibgda",
+    }
+    for cal, said in ((hf, "profile /p/fab.json"), (mla, "preset h100-ibgda")):
+        lines = _constants(cal)
+        for label in ("T_probe", "BW (routed rows)", *(("host overhead",) if cal is mla else ())):
+            (line,) = [x for x in lines if x.startswith(label)]
+            assert line.endswith(said) and "calibrated" not in line, line
+    (merge,) = [x for x in _constants(hf) if x.startswith("merge")]
+    assert merge.endswith("measured this run")
+    parser = argparse.ArgumentParser()
+    cmd_demo.register(parser.add_subparsers())
+    demo = parser._subparsers._group_actions[0].choices["demo"]
+    (text,) = [" ".join(a.help.split()) for a in demo._actions if "--kernels" in a.option_strings]
+    assert "--hf: triton on both (on cpu, the Triton interpreter)" in text
+
+
 # ---- the corpus file: a flipped, cut or inflated file --------------------------------------
 
 

@@ -9,6 +9,7 @@ import sys
 
 from mqnc.demo import DemoConfig, HFDemoConfig, HolderStartupError, run_demo, run_hf_demo
 from mqnc.demo.config import HF_TRANSPORTS, KERNELS, TRANSPORTS
+from mqnc.demo.preflight import default_kernels
 from mqnc.transport import describe
 
 __all__ = ["register"]
@@ -110,9 +111,10 @@ def register(subparsers) -> None:
         "--kernels",
         choices=KERNELS,
         default=None,
-        help="what computes on the holders and the requester: the Triton kernels, or their "
-        "fp64 torch references rounded once (default: triton on cuda, torch on cpu, where "
-        "triton means the interpreter)",
+        help="what computes on the holders and the requester: the Triton kernels (on cpu, "
+        "the Triton interpreter), or their fp64 torch references rounded once (default: the "
+        f"MLA demo {default_kernels('cuda')} on cuda, {default_kernels('cpu')} on cpu; --hf: "
+        f"{HFDemoConfig.kernels} on both (on cpu, the Triton interpreter))",
     )
     p.add_argument(
         "--force",

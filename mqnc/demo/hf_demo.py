@@ -88,7 +88,7 @@ def run(cfg: HFDemoConfig) -> dict:
         config=dataclasses.asdict(cfg),
         device=device_name(),
         kernels=kernel_mode() if cfg.kernels == "triton" else "torch references",
-        calibration=cal,
+        calibration=dict(cal, profile=cfg.profile),  # (the report: the fabric's source)
         decisions=list(decisions.values()),
         fallbacks=session.fallbacks,
         primitives=rows,

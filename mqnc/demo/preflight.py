@@ -12,7 +12,7 @@ from mqnc.demo.config import DemoConfig
 from mqnc.demo.profile_file import LoadedProfile, load_profile
 from mqnc.transport import ENGINES, names
 
-__all__ = ["Prepared", "make_out", "prepare"]
+__all__ = ["Prepared", "default_kernels", "make_out", "prepare"]
 
 
 def make_out(out: str) -> None:
@@ -23,6 +23,13 @@ def make_out(out: str) -> None:
     os.makedirs(out, exist_ok=True)
     if not os.access(out, os.W_OK):
         raise ValueError(f"out: the folder {out!r} is not writable")
+
+
+def default_kernels(device: str) -> str:
+    """The MLA demo's kernels when ``--kernels`` is not given: ``"triton"`` on ``"cuda"``,
+    ``"torch"`` (the fp64 references, rounded once) on ``"cpu"``, where Triton would be
+    interpreted. (``mqnc demo --hf`` defaults to ``HFDemoConfig.kernels``, triton on both.)"""
+    return "triton" if device == "cuda" else "torch"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +66,7 @@ def prepare(cfg: DemoConfig) -> Prepared:
         why = engine.unavailable()
         if why is not None:
             raise ValueError(f"transport: {why}")
-    kernels = cfg.kernels or ("triton" if device == "cuda" else "torch")
+    kernels = cfg.kernels or default_kernels(device)
     profile = None if cfg.profile is None else load_profile(cfg.profile)
     make_out(cfg.out)
     if importlib.util.find_spec("matplotlib") is None:

@@ -21,7 +21,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from mqnc.cost import FabricProfile, mape, t_local, t_pull, t_route, t_splice
+from mqnc.cost import FABRICS, FabricProfile, mape, t_local, t_pull, t_route, t_splice
 from mqnc.demo.calibration import Calibration
 from mqnc.demo.config import DemoConfig
 from mqnc.demo.waves import RouteConstants, WaveCall, predict_wave
@@ -328,10 +328,28 @@ _CONSTANTS = (
 )
 
 
+def _source(key: str, cal: dict) -> str:
+    """Where the constant ``key`` of ``cal`` came from, in words: ``"measured this run"``,
+    ``"profile FILE"`` (taken from ``--profile`` as it is) or ``"preset NAME"`` (a preset
+    fabric named by ``--profile``), from the run's ``sources`` (the calibration's, what a
+    :class:`mqnc.cost.MachineProfile` records per term: ``"profile"``, ``"calibrated"`` or
+    a note that says more). A term ``sources`` does not name was measured this run, except a
+    fabric term of a run given a profile: the fabric's fields the run does not measure (the
+    host overhead; every one in the HF demo, which records no sources) are the profile's."""
+    given, src = cal.get("profile"), cal.get("sources", {}).get(key)
+    if src is None:
+        src = "profile" if given and key in cal.get("fabric", {}) else "calibrated"
+    if src == "profile" and given:
+        return f"preset {given}" if given in FABRICS else f"profile {given}"
+    if src.startswith("calibrated"):  # (measured by this run's calibration)
+        return "measured this run" + src.removeprefix("calibrated")
+    return src
+
+
 def _constants(cal: dict) -> list[str]:
     """One line per constant the calibration holds: value, unit, where it came from
-    ("profile": the file named above the table)."""
-    fabric, sources = cal.get("fabric", {}), cal.get("sources", {})
+    (:func:`_source`)."""
+    fabric = cal.get("fabric", {})
     lines = [f"{'constant':<30} {'value':>10}  {'unit':<18} from"]
     if cal.get("profile"):
         lines.insert(0, f"profile: {cal['profile']}")
@@ -340,7 +358,7 @@ def _constants(cal: dict) -> list[str]:
         value = fabric.get(key, cal.get(key))
         if value is None:
             continue
-        src = sources.get(key, "calibrated")
+        src = _source(key, cal)
         # a long source wraps in its own column, so that the table stays within WIDTH
         src = textwrap.wrap(src, WIDTH - len(indent), break_on_hyphens=False) or [""]
         lines.append(f"{label:<30} {value * scale:>10.4g}  {unit:<18} {src[0]}")
