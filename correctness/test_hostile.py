@@ -1097,6 +1097,48 @@ def test_ranks_built_with_other_slot_sizes_are_refused_at_build():
             t.close(timeout=1.0)
 
 
+def test_ranks_given_another_corpus_are_refused_at_build():
+    """A job's ranks agree on the corpus when the fabric is built (the service passes
+    :func:`corpus_terms` to the engine's handshake): a rank given another model's scale or
+    another chunk table is refused on every rank, naming the term, instead of routing queries
+    a holder would attend over other chunks. The handshake runs over a real store, one thread per
+    rank."""
+    import threading
+
+    from mqnc.serving import Corpus
+    from mqnc.serving.service import corpus_terms
+    from mqnc.transport.protocol import handshake
+
+    entries = torch.cat([_chunk(40 + i, 32) for i in range(4)], dim=1)
+    mine = Corpus.partition(entries, GEOM, SCALE, chunk_tokens=32, holders=[1, 2])
+    scaled = Corpus.partition(entries, GEOM, SCALE * 0.5, chunk_tokens=32, holders=[1, 2])
+    placed = Corpus.partition(entries, GEOM, SCALE, chunk_tokens=32, holders=[2, 1])
+    assert corpus_terms(mine) == corpus_terms(
+        Corpus.partition(entries.clone(), GEOM, SCALE, chunk_tokens=32, holders=[1, 2])
+    )
+
+    def rank(store, errors, r, corpus):
+        try:
+            handshake(store, r, 2, corpus_terms(corpus))
+        except BaseException as exc:  # noqa: BLE001 - compared below
+            errors[r] = exc
+
+    for other, term in ((scaled, "softmax_scale"), (placed, "chunks")):
+        store = torch.distributed.HashStore()
+        errors: dict[int, BaseException] = {}
+        threads = [
+            threading.Thread(target=rank, args=(store, errors, r, c))
+            for r, c in ((0, mine), (1, other))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(errors) == [0, 1], errors
+        for exc in errors.values():
+            assert isinstance(exc, ValueError) and f"{term}: rank" in str(exc), exc
+
+
 def test_gloo_aborts_a_receiver_on_a_message_past_its_receive():
     """The premise of the gloo engine's sizes, pinned: a gloo message longer than the receive it
     lands in aborts the receiving process (an enforce on gloo's device thread; no exception

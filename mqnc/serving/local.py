@@ -18,7 +18,7 @@ from mqnc.serving.compute import check_kernels
 from mqnc.serving.corpus import Corpus
 from mqnc.serving.holder import Holder
 from mqnc.serving.requester import Requester
-from mqnc.serving.service import KEY, lanes_for, publish_commitment, publish_done
+from mqnc.serving.service import KEY, corpus_terms, lanes_for, publish_commitment, publish_done
 from mqnc.transport import ENGINES, connect, free_port_store, names, open_fabric
 
 __all__ = ["LocalHolders", "LOCAL_TRANSPORTS"]
@@ -110,7 +110,10 @@ class LocalHolders:
             cmd = [sys.executable, "-m", "mqnc.serving.holder_process", json.dumps(spec)]
             self.procs[r] = subprocess.Popen(cmd, env=env)
         self._secret = publish_commitment(self.store, 0)  # before the fabric: the holders' done
-        self.transport = connect(self.kind, 0, self.world, self.store, slot_bytes=slot, lanes=lanes)
+        self.transport = connect(
+            self.kind, 0, self.world, self.store, slot_bytes=slot, lanes=lanes,
+            agree=corpus_terms(self.corpus),
+        )  # fmt: skip
         # one intra-op thread while the holders run: on small CPU machines torch's workers spin
         # after each op and starve gloo's receive threads; restored on close
         self._threads = torch.get_num_threads()

@@ -46,6 +46,7 @@ import dataclasses
 import datetime
 import hashlib
 import hmac
+import json
 import os
 import secrets
 import socket
@@ -67,6 +68,7 @@ __all__ = [
     "ServeContext",
     "lanes_for",
     "bind_address",
+    "corpus_terms",
     "make_transport",
     "publish_commitment",
     "publish_done",
@@ -225,7 +227,29 @@ def make_transport(
     slot, lanes = corpus.slot_bytes(max_rows), lanes_for(corpus)
     local = int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)
     options = {"host": host} if kind == "gloo" and host is not None else {}
-    return connect(kind, rank, world, store, slot_bytes=slot, lanes=lanes, device=local, **options)
+    return connect(
+        kind, rank, world, store, slot_bytes=slot, lanes=lanes, device=local,
+        agree=corpus_terms(corpus), **options,
+    )  # fmt: skip
+
+
+def corpus_terms(corpus: Corpus) -> dict:
+    """What every rank of a job must agree on about the corpus, checked with the engine's own
+    terms (slot size, lanes, frame protocol) when the fabric is built: the model's geometry,
+    the cache dtype, the softmax scale, the pool page and the chunk table (ids, token ranges,
+    canonical positions, holders). Two ranks given another corpus or another model are refused
+    there, naming the term, instead of routing queries a holder would attend wrongly."""
+    chunks = [
+        [c.chunk_id, c.start, c.tokens, c.position, list(c.holders)]
+        for _, c in sorted(corpus.chunks.items())
+    ]
+    return {
+        "geometry": dataclasses.asdict(corpus.geometry),
+        "cache_dtype": str(corpus.dtype).removeprefix("torch."),
+        "softmax_scale": float(corpus.softmax_scale),
+        "block_size": int(corpus.block_size),
+        "chunks": hashlib.sha256(json.dumps(chunks).encode()).hexdigest(),
+    }
 
 
 def bind_address(target: str | None) -> str | None:
