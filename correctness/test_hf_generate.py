@@ -163,6 +163,48 @@ def test_bf16(name, holders, force):
     assert ex.compared_steps == STEPS
 
 
+def reference_at(name: str, dtype: str, position: int):
+    """transformers' own greedy generate of :func:`setup`'s context and prompt with the context
+    at ``position`` (built once per key)."""
+    key = (name, dtype, position)
+    if key not in _CACHE:
+        model, ctx, prompt, _ = setup(name, dtype)
+        _CACHE[key] = HFReference(model, ctx, prompt, max_new_tokens=STEPS, position=position)
+    return _CACHE[key]
+
+
+@pytest.mark.parametrize(
+    "name, force, offset, kernels",
+    [
+        ("v3", "route", 333, "torch"),
+        ("v3", "route", 1000, "torch"),
+        ("v2", "fetch", 1000, "torch"),
+        ("v2", "fetch", 1000, "triton"),
+    ],
+)
+def test_bf16_context_far_from_where_it_was_prefilled(name, force, offset, kernels):
+    """A model cast to bf16 encodes positions with its bf16-rounded rotary buffer ``inv_freq``;
+    the context prefilled at 0 and used at ``offset`` (route rotates the query by -offset,
+    fetch splices by +offset) must be rotated with those same frequencies, so that the run is
+    transformers' own generate with the context at ``offset``: equal tokens at all 16 steps
+    and logits within transformers' own error ``rho * E`` (no shift-noise allowance: both runs
+    place every token at the same position). Rotating with the config's fp32 frequencies
+    instead drifts with ``offset * (rounded - exact)`` past that bound."""
+    model, _, prompt, _ = setup(name, "bf16")
+    ref = reference_at(name, "bf16", offset)
+    corpus = corpus_of(name, "bf16", holders=2)
+    assert corpus.rope.inv_freq == tuple(model.model.rotary_emb.inv_freq.double().tolist())
+    with LocalHolders(corpus, kernels=kernels) as hs:
+        free, _ = generate(model, corpus, hs, prompt=prompt, force=force, offset=offset)
+        forced, _ = generate(
+            model, corpus, hs, prompt=prompt, force=force, offset=offset, forced_by=ref
+        )
+    ex = check(ref, free, offset=offset)
+    assert ex.tokens_equal and ex.shift_max == 0, ex.line()
+    ex = check(ref, forced, offset=offset, forced=True)
+    assert ex.tokens_equal and ex.compared_steps == STEPS, ex.line()
+
+
 def test_kernels_route_at_offset_fp32():
     """The Triton kernels (interpreted on a CPU): holder mla_decode_partial, requester
     rope_rotate, merge_partials; V3 halves layout, query LoRA, the context as one chunk."""

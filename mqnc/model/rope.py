@@ -22,6 +22,13 @@ The model runs with these float32 values, so :attr:`RopeSpec.inv_freq` holds the
 Python floats); the references then compute angles from them in float64 and the kernels in
 float64 with an exact mod-2π reduction (see :mod:`mqnc.triton_kernels.splice`).
 
+A model whose own frequencies are not these values gives them as :attr:`RopeSpec.frequencies`
+(:attr:`~RopeSpec.inv_freq` then returns them): a transformers model cast with
+``model.to(torch.bfloat16)`` also casts its rotary buffer ``inv_freq``, and encodes every position
+with the rounded frequencies; a chunk moved by ``delta`` must then be rotated by ``R(delta)`` of
+those same frequencies, or the relative angles drift with ``delta * (rounded - exact)``
+(:func:`mqnc.integrations.hf.rope_spec_of` reads the buffer).
+
 Softmax scale (what the attention kernels take): ``qk_head_dim ** -0.5 * m ** 2`` with
 ``m = 0.1 * mscale_all_dim * ln(factor) + 1`` (YaRN's attention temperature), e.g.
 DeepSeek-V2-Lite: ``192 ** -0.5 * 1.2608 ** 2 = 0.11472``.
@@ -157,6 +164,11 @@ class RopeSpec:
         YaRN scaling, None for plain RoPE.
     layout : {"interleaved", "half"}
         Pair layout of the cached rope dims.
+    frequencies : sequence of float or None
+        The model's own ``rope_dim // 2`` per-pair frequencies (finite, >= 0) where they are not
+        the ones ``theta`` and ``yarn`` give in float32 (a model cast to bf16 rounds its rotary
+        buffer and encodes positions with the rounded values); None: computed (module
+        docstring). :attr:`inv_freq` returns them; ``yarn`` still sets the scales.
 
     Examples
     --------
@@ -171,6 +183,7 @@ class RopeSpec:
     qk_head_dim: int = 192
     yarn: YarnScaling | None = None
     layout: str = "interleaved"
+    frequencies: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -180,6 +193,11 @@ class RopeSpec:
         if not (isinstance(self.theta, (int, float)) and self.theta > 1):
             raise ValueError(f"theta: expected a number > 1, got {self.theta!r}")
         check_int("qk_head_dim", self.qk_head_dim, minimum=1)
+        if self.frequencies is not None:
+            # a tuple of floats whatever sequence came in (a corpus manifest gives a JSON list)
+            object.__setattr__(
+                self, "frequencies", _check_frequencies(self.frequencies, self.pairs)
+            )
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
@@ -245,8 +263,11 @@ class RopeSpec:
 
     @property
     def inv_freq(self) -> tuple[float, ...]:
-        """The ``rope_dim // 2`` per-pair frequencies (rad per position), DeepSeek's float32
-        values exactly (computed once with torch in float32, in DeepSeek's operation order)."""
+        """The ``rope_dim // 2`` per-pair frequencies (rad per position): :attr:`frequencies`
+        when given, else DeepSeek's float32 values exactly (computed once with torch in
+        float32, in DeepSeek's operation order)."""
+        if self.frequencies is not None:
+            return self.frequencies
         return _inv_freq_fp32(self.theta, self.rope_dim, self.yarn)
 
     @property
@@ -282,6 +303,27 @@ class RopeSpec:
     def pair_indices(self) -> tuple[list[int], list[int]]:
         """``(first, second)`` positions of each pair's members in this spec's layout."""
         return pair_indices(self.layout, self.rope_dim)
+
+
+def _check_frequencies(values: Any, pairs: int) -> tuple[float, ...]:
+    """``values`` as a tuple of ``pairs`` finite floats >= 0, else a ``ValueError`` (a
+    ``TypeError`` for a non-number) naming ``frequencies``."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise TypeError(
+            f"frequencies: expected a sequence of {pairs} floats, got {type(values).__name__}"
+        )
+    if len(values) != pairs:
+        raise ValueError(
+            f"frequencies: expected rope_dim // 2 = {pairs} per-pair frequencies, got {len(values)}"
+        )
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float))]
+    if bad:
+        raise TypeError(f"frequencies: expected floats, got {type(bad[0]).__name__} {bad[0]!r}")
+    out = tuple(float(v) for v in values)
+    bad = [v for v in out if not (math.isfinite(v) and v >= 0)]
+    if bad:
+        raise ValueError(f"frequencies: expected finite values >= 0, got {bad[0]!r}")
+    return out
 
 
 def _yarn_of(scaling: Mapping[str, Any], config: Mapping[str, Any]) -> YarnScaling | None:
