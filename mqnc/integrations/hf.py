@@ -62,6 +62,20 @@ attends to all of its own earlier tokens, as an unpadded causal row does. Paddin
 shared context's positions per row (a left-padded row's prompt starts later, so the context would
 sit at another offset per row) and was left out: split such a batch by prompt length.
 
+Moving the context to another offset rotates by ``R(delta)`` with the frequencies the model
+itself encodes positions with, read from its rotary buffer (:func:`rope_spec_of`): a model cast
+with ``model.to(torch.bfloat16)`` rounds that buffer, and transformers then encodes every
+position with the rounded values, so the corpus records them and the requester rotates with
+them; a requester that would rotate with other frequencies is refused at :func:`attach`.
+
+Geometry
+--------
+The Triton kernels tile ``kv_lora_rank`` and ``qk_rope_head_dim`` each as a power of two >= 16
+(:meth:`mqnc.model.MLAGeometry.check_triton`); a model they cannot run is refused by
+:func:`prefill_context` (``kernels="triton"``, the default) and by :func:`attach` through a
+Triton requester, naming the config field. The torch references (``kernels="torch"``) run any
+width.
+
 Where the shared context's prefill is computed, and by whom
 -----------------------------------------------------------
 Once, by whoever has the model, with transformers' own forward: :func:`prefill_context` runs the

@@ -4,6 +4,7 @@ once, by the model's own forward, and placed on holders as a :class:`mqnc.servin
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -11,6 +12,7 @@ import torch
 
 from mqnc.base.checks import check_int
 from mqnc.model import PRESET_CONFIGS, MLAGeometry, RopeSpec
+from mqnc.serving.compute import check_kernels
 from mqnc.serving.corpus import Corpus, dtype_code
 
 __all__ = [
@@ -52,11 +54,38 @@ def attention_modules(model) -> list:
 
 
 def rope_spec_of(model):
-    """The :class:`mqnc.model.RopeSpec` of a transformers DeepSeek model: its config's
-    frequencies (YaRN included) and the pair layout of the ``k_pe`` its cache holds
-    (``"interleaved"`` for DeepseekV2, ``"half"`` for DeepseekV3 with or without
-    ``rope_interleave``: see :mod:`mqnc.model.rope`)."""
-    return RopeSpec.from_hf_config(model.config, layout=MODEL_KINDS[check_model(model)])
+    """The :class:`mqnc.model.RopeSpec` of a transformers DeepSeek model: its config's RoPE
+    (YaRN scales included), the frequencies the model itself encodes positions with, and the
+    pair layout of the ``k_pe`` its cache holds (``"interleaved"`` for DeepseekV2, ``"half"``
+    for DeepseekV3 with or without ``rope_interleave``: see :mod:`mqnc.model.rope`).
+
+    The frequencies are read from the model's rotary buffer ``model.model.rotary_emb.inv_freq``,
+    the values its forward multiplies positions by: ``model.to(torch.bfloat16)`` rounds that
+    buffer to bf16 and transformers then encodes every position with the rounded values, so a
+    chunk moved to another offset is rotated with them too (:attr:`RopeSpec.frequencies`; left
+    None where the buffer holds exactly the config's float32 values)."""
+    spec = RopeSpec.from_hf_config(model.config, layout=MODEL_KINDS[check_model(model)])
+    own = _rotary_frequencies(model, spec.pairs)
+    return spec if own == spec.inv_freq else spec.replace(frequencies=own)
+
+
+def _rotary_frequencies(model, pairs: int) -> tuple[float, ...]:
+    """The model's own per-pair RoPE frequencies: its rotary buffer ``inv_freq`` as floats (a
+    ``ValueError`` if it is missing, not a floating ``[pairs]`` tensor, or not finite)."""
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    buf = getattr(rotary, "inv_freq", None)
+    if not isinstance(buf, torch.Tensor) or not buf.is_floating_point() or buf.shape != (pairs,):
+        got = f"{buf.dtype} {tuple(buf.shape)}" if isinstance(buf, torch.Tensor) else repr(buf)
+        raise ValueError(
+            f"model.model.rotary_emb.inv_freq: expected the rotary buffer of {pairs} "
+            f"frequencies (qk_rope_head_dim // 2) the model encodes positions with, got {got}"
+        )
+    values = tuple(float(v) for v in buf.detach().double().cpu().tolist())
+    if not all(math.isfinite(v) and v >= 0 for v in values):
+        raise ValueError(
+            f"model.model.rotary_emb.inv_freq: expected finite frequencies >= 0, got {values}"
+        )
+    return values
 
 
 def geometry_of(model) -> MLAGeometry:
@@ -198,6 +227,7 @@ def prefill_context(
     replicas: int = 1,
     position: int = 0,
     block_size: int = 64,
+    kernels: str = "triton",
 ) -> Corpus:
     """Prefill the shared context once with the model's own forward and place it on holders.
 
@@ -217,6 +247,12 @@ def prefill_context(
         Canonical position of the first context token (where its RoPE is encoded).
     block_size : int
         The holders' pool page.
+    kernels : {"triton", "torch"}
+        The kernels the corpus will be served with (the holders' and requesters' ``kernels=``):
+        a model geometry they cannot run is refused here, before the forward, naming the config
+        field (:meth:`mqnc.model.MLAGeometry.check_triton`: the Triton kernels need
+        ``kv_lora_rank`` and ``qk_rope_head_dim`` powers of two >= 16; the torch references run
+        any width).
 
     Returns
     -------
@@ -236,6 +272,8 @@ def prefill_context(
     ids = _token_ids(token_ids, "token_ids", model.config.vocab_size)
     position = check_int("position", position, minimum=0)
     geometry = geometry_of(model)  # the dtype is checked before the forward, not after
+    if check_kernels(kernels) == "triton":
+        geometry.check_triton()
     if isinstance(holders, (str, bytes)) or not isinstance(holders, Sequence | range):
         raise TypeError(f"holders: expected a sequence of holder ranks, got {holders!r}")
     if any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in holders):

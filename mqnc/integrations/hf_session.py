@@ -142,6 +142,7 @@ class HFSession:
         self.requests: list[_Request] = []
         self.batch_work: dict[int, int] = {}
         _register_corpus(corpus, requester)
+        _check_rope(self.rope, requester.rope, self.offset - corpus.position)
         self._first_record = len(requester.costs)
         self._saved_impl = None
         self._saved_model = None
@@ -460,6 +461,8 @@ def _check_arguments(model, corpus, requester, force, steps, verify, on_step) ->
             f"got {model.dtype} and {requester.dtype}"
         )
     g = geometry_of(model)
+    if requester.kernels == "triton":  # its rotation, splice, pool attention and merge
+        g.check_triton()
     cg = corpus.geometry
     if (g.layers, g.d_c, g.d_r, g.heads) != (cg.layers, cg.d_c, cg.d_r, cg.heads):
         raise ValueError(
@@ -491,6 +494,31 @@ def _register_corpus(corpus: Corpus, requester) -> None:
             )
     if requester.rope is None:
         requester.rope = corpus.rope
+
+
+def _check_rope(own, rope, delta: int) -> None:
+    """A context used ``delta != 0`` positions from where it was prefilled is rotated by the
+    requester's RoPE spec ``rope`` (the query by ``R(-delta)``, a fetched chunk by ``R(delta)``):
+    it must rotate pairs of the cache's layout by the model's own frequencies ``own`` (those its
+    forward encoded the cache and the query with), else a ``ValueError`` naming ``rope``."""
+    if not delta or rope is None:  # no rotation (a None the requester refuses itself)
+        return
+    theirs, mine = tuple(rope.inv_freq), own.inv_freq
+    if rope.layout != own.layout:
+        what = f"pairs in layout {rope.layout!r}, the model's cache in {own.layout!r}"
+    elif len(theirs) != len(mine):
+        what = f"{len(theirs)} frequencies, the model {len(mine)}"
+    elif theirs != mine:
+        i = next(i for i, (a, b) in enumerate(zip(theirs, mine, strict=True)) if a != b)
+        what = f"pair {i} at {theirs[i]!r} rad per position, the model at {mine[i]!r}"
+    else:
+        return
+    raise ValueError(
+        f"rope: the requester would rotate the context by {delta} positions with other RoPE "
+        f"frequencies than the model encodes positions with (model.model.rotary_emb.inv_freq): "
+        f"{what}; prefill the context with this model (prefill_context records its frequencies "
+        "in the corpus) or give the requester rope=rope_spec_of(model)"
+    )
 
 
 class _Reprefills:

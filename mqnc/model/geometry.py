@@ -39,6 +39,9 @@ __all__ = [
 ]
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+# The narrowest tile of the Triton kernels (the MMA's smallest K): d_c and d_r are each a power
+# of two at least this wide (mqnc.triton_kernels._mla_launch.mla_operands; MLAGeometry.check_triton)
+_TRITON_MIN_WIDTH = 16
 
 
 def hf_config_dict(config: Mapping[str, Any] | Any, key: str) -> Mapping[str, Any]:
@@ -161,6 +164,29 @@ class MLAGeometry:
     def replace(self, **changes: Any) -> MLAGeometry:
         """A copy with some fields changed (e.g. ``layers=4`` for a small demo model)."""
         return dataclasses.replace(self, **changes)
+
+    def check_triton(self) -> MLAGeometry:
+        """``self`` if the Triton kernels can run it, else a ``ValueError`` naming the Hugging
+        Face config field (``kv_lora_rank`` for ``d_c``, ``qk_rope_head_dim`` for ``d_r``), its
+        value and what the kernels support.
+
+        The kernels (``mla_decode_partial``, ``rope_rotate``, ``rope_splice`` in
+        :mod:`mqnc.triton_kernels`) tile the latent part ``d_c`` and the rope part ``d_r`` of a
+        cache entry separately, each a power of two >= 16 wide (``mla_operands``' rule; the
+        splice's ``d_r / 2`` a power of two follows). The torch references
+        (``kernels="torch"``) run any width, so only a Triton backend checks this.
+        """
+        for field, hf_name in (("d_c", "kv_lora_rank"), ("d_r", "qk_rope_head_dim")):
+            width = getattr(self, field)
+            if width < _TRITON_MIN_WIDTH or width & (width - 1):
+                raise ValueError(
+                    f"{hf_name}: the Triton kernels (kernels='triton') run {field} = {hf_name} "
+                    f"only as a power of two >= {_TRITON_MIN_WIDTH} (16, 32, 64, 128, ...; the "
+                    f"latent and rope parts of an entry are tiled separately), got {width} "
+                    f"(kv_lora_rank {self.d_c}, qk_rope_head_dim {self.d_r}); the torch "
+                    "references (kernels='torch') run any width"
+                )
+        return self
 
     @classmethod
     def from_hf_config(
