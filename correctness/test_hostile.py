@@ -687,6 +687,100 @@ def _chunk_data_span(tensors: Path, name: str) -> tuple[int, int]:
     return 8 + n + lo, 8 + n + hi
 
 
+def test_hf_bf16_model_moves_its_context_with_its_own_rope_frequencies():
+    """A Hugging Face model cast with ``model.to(torch.bfloat16)`` also rounds its rotary buffer
+    ``inv_freq`` and encodes every position with the rounded frequencies: the corpus carries
+    those (not the config's fp32 values), so a chunk cached at 0 and rotated by ``R(delta)``
+    (route's query rotation and fetch's splice use the same frequencies) is the model's own
+    cache at ``delta`` within two roundings, far past where a frequency error hides (the
+    config's values are off by 1.4 at delta 1000). A requester that would rotate with other
+    frequencies (a corpus written without them) is refused at attach, not used."""
+    pytest.importorskip("transformers")
+    from mqnc.integrations.hf import attach, prefill_context, random_model
+    from mqnc.integrations.hf_model import prefill_entries
+    from mqnc.serving import LocalHolders, kernel_ops
+
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))
+    for kind in ("deepseek_v2", "deepseek_v3"):  # interleaved and half pairs
+        model = random_model(kind, dtype=torch.bfloat16)
+        corpus = prefill_context(model, ids, chunk_tokens=40, holders=[1], kernels="torch")
+        assert corpus.rope.inv_freq == tuple(model.model.rotary_emb.inv_freq.double().tolist())
+        d_c = corpus.geometry.d_c
+        kv = corpus.chunk_kv(0)[0]  # layer 0: its k_pe depends on position only through RoPE
+        for kernels in ("torch", "triton"):
+            for delta in (333, 1000):
+                moved = kernel_ops(kernels).rope_rotate(kv, delta, corpus.rope)
+                there = prefill_entries(model, ids, delta)[0]
+                assert torch.equal(moved[:, :d_c], there[:, :d_c])
+                assert_close(
+                    moved[:, d_c:],
+                    there[:, d_c:],
+                    tolerance("rope_twice", torch.bfloat16),
+                    name=f"{kind} k_pe moved by {delta} ({kernels})",
+                )
+    corpus.rope = corpus.rope.replace(frequencies=None)  # the config's fp32 values
+    with LocalHolders(corpus, transport="loopback", kernels="torch") as hs:
+        req = hs.requester()
+        with pytest.raises(ValueError, match=r"rope: the requester would rotate .* by 1000 .*pair"):
+            attach(model, corpus, req, offset=1000, force="route")
+        attach(model, corpus, req, force="route")  # where it was prefilled: nothing rotates
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("kv_lora_rank", 96), ("kv_lora_rank", 384), ("kv_lora_rank", 8), ("qk_rope_head_dim", 48)],
+)
+def test_hf_config_the_triton_kernels_cannot_run_is_refused_up_front(field, value):
+    """A model whose ``kv_lora_rank`` or ``qk_rope_head_dim`` the Triton kernels cannot tile
+    (a power of two >= 16 each) is refused by prefill_context (default kernels='triton') and by
+    attach through a Triton requester, before any forward or call, naming the config field,
+    the value and what is supported; the torch references run it, to transformers' tokens."""
+    pytest.importorskip("transformers")
+    from mqnc.integrations.hf import attach, prefill_context, random_model
+    from mqnc.serving import LocalHolders
+
+    model = random_model("deepseek_v2", **{field: value})
+    ids = torch.randint(0, 512, (1, 28), generator=torch.Generator().manual_seed(3))
+    ctx, prompt = ids[0, :24], ids[:, 24:]
+    needle = rf"^{field}: the Triton kernels .*power of two >= 16.* got {value} .*kernels='torch'"
+    with pytest.raises(ValueError, match=needle):
+        prefill_context(model, ctx, chunk_tokens=8, holders=[1])
+    corpus = prefill_context(model, ctx, chunk_tokens=8, holders=[1], kernels="torch")
+    with LocalHolders(corpus, transport="loopback", kernels="triton") as hs:
+        req = hs.requester()
+        with pytest.raises(ValueError, match=needle):
+            attach(model, corpus, req, force="route", offset=5)
+        assert not req.costs  # refused before any call
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=2, do_sample=False)[:, 28:]
+        with LocalHolders(corpus, transport="loopback", kernels="torch") as hs:
+            with attach(model, corpus, hs.requester(), force="route", offset=5) as s:
+                got = s.generate(prompt, max_new_tokens=2, do_sample=False)[:, 4:]
+    assert torch.equal(got, expected) and not s.fallbacks
+
+
+def test_geometry_triton_check_is_the_kernels_own_rule():
+    """MLAGeometry.check_triton accepts exactly the (d_c, d_r) the Triton decode kernel runs."""
+    from mqnc.serving import kernel_ops
+
+    ops = kernel_ops("triton")
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    for d_c, d_r in [(512, 64), (96, 64), (8, 64), (384, 64), (16, 16), (512, 48), (512, 8)]:
+        g = GEOM.replace(d_c=d_c, d_r=d_r)
+        try:
+            g.check_triton()
+            accepted = True
+        except ValueError:
+            accepted = False
+        q, kv = torch.randn(1, 2, d_c + d_r), torch.randn(1, 16, d_c + d_r)
+        try:
+            ops.mla_decode_partial(q, kv, table, lens, softmax_scale=0.1, d_v=d_c)
+            ran = True
+        except ValueError:
+            ran = False
+        assert accepted == ran, (d_c, d_r, accepted, ran)
+
+
 def test_corpus_flipped_data_byte_is_detected_on_load(tmp_path):
     """One data byte of a corpus file flipped was served silently: the manifest carries a
     SHA-256 per chunk, and reading the chunk checks it, naming the file and the chunk; the
