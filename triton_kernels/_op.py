@@ -227,9 +227,9 @@ def check_no_overlap(out: tuple[torch.Tensor, ...], inputs: dict[str, object]) -
     another still reads) and the references copy ``o``, then ``lse``, into ``out`` (an ``lse``
     inside ``o`` overwrites it, an ``o`` inside ``q`` overwrites the caller's ``q``): any
     sharing gives wrong numbers. Torch refuses an ``out=`` that partially overlaps an input
-    the same way. The test compares the address ranges each tensor can touch (first to last element by
-    its strides) on one device: exact for the dense tensors the ops take, and on the safe side
-    for strided views (two interleaved views of one buffer count as sharing).
+    the same way. The test compares the address ranges each tensor can touch (first to last
+    element by its strides) on one device: exact for the dense tensors the ops take, and on the
+    safe side for strided views (two interleaved views of one buffer count as sharing).
     ``torch._C._overlaps`` is not used: it is private, undocumented, and reports two adjacent,
     disjoint halves of one buffer as overlapping."""
     outs = [(f"out[{i}] ({'o lse'.split()[i]})", t.device, _bytes(t)) for i, t in enumerate(out)]
