@@ -726,6 +726,22 @@ def test_hf_bf16_model_moves_its_context_with_its_own_rope_frequencies():
         attach(model, corpus, req, force="route")  # where it was prefilled: nothing rotates
 
 
+def test_holder_of_a_width_the_triton_kernels_cannot_run_is_refused_before_its_pool():
+    """A corpus of a model whose latent is 96 wide (a power of two is what the Triton kernels
+    tile) gets a holder on the torch references, and a Triton holder is refused when it is
+    made, naming the config field, not at its first request."""
+    from mqnc.serving import Corpus
+
+    g = GEOM.replace(d_c=96)
+    entries = (0.5 * torch.randn(g.layers, 64, g.d_qk)).to(torch.bfloat16)
+    corpus = Corpus.partition(entries, g, SCALE, chunk_tokens=32, holders=[1])
+    fab = LoopbackFabric(2, corpus.slot_bytes(8), lanes=1)
+    with pytest.raises(ValueError, match="kv_lora_rank: the Triton kernels"):
+        corpus.make_holder(fab.endpoint(1), kernels="triton")
+    holder = corpus.make_holder(fab.endpoint(1), kernels="torch")
+    assert sorted(holder.chunks) == sorted(corpus.chunks)
+
+
 @pytest.mark.parametrize(
     "field, value",
     [("kv_lora_rank", 96), ("kv_lora_rank", 384), ("kv_lora_rank", 8), ("qk_rope_head_dim", 48)],
@@ -746,8 +762,10 @@ def test_hf_config_the_triton_kernels_cannot_run_is_refused_up_front(field, valu
     with pytest.raises(ValueError, match=needle):
         prefill_context(model, ctx, chunk_tokens=8, holders=[1])
     corpus = prefill_context(model, ctx, chunk_tokens=8, holders=[1], kernels="torch")
-    with LocalHolders(corpus, transport="loopback", kernels="triton") as hs:
-        req = hs.requester()
+    with pytest.raises(ValueError, match=needle):  # a Triton holder: refused when made
+        LocalHolders(corpus, transport="loopback", kernels="triton")
+    with LocalHolders(corpus, transport="loopback", kernels="torch") as hs:
+        req = hs.requester(kernels="triton")
         with pytest.raises(ValueError, match=needle):
             attach(model, corpus, req, force="route", offset=5)
         assert not req.costs  # refused before any call

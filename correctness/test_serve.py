@@ -47,6 +47,24 @@ def _torchrun(node_rank: int, port: int, args: list[str], log) -> subprocess.Pop
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
+def test_corpus_of_a_width_only_the_torch_kernels_run(tmp_path, capsys):
+    """``mqnc corpus`` checks the model's widths against the kernels it will be served with:
+    a 96-wide latent is refused for the Triton kernels (the default), naming the config field,
+    and written for ``--kernels torch``."""
+    model = random_model("deepseek_v2", seed=3, kv_lora_rank=96)
+    model.save_pretrained(tmp_path / "model")
+    (tmp_path / "context.json").write_text(json.dumps(list(range(40))))
+    args = [
+        "corpus", "--model", str(tmp_path / "model"), "--context", str(tmp_path / "context.json"),
+        "--chunk-tokens", "16", "--holders", "1", "--out", str(tmp_path / "c.json"),
+    ]  # fmt: skip
+    assert mqnc_main(args) == 2
+    assert "kv_lora_rank: the Triton kernels" in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists()
+    assert mqnc_main([*args, "--kernels", "torch"]) == 0
+    assert (tmp_path / "c.json").exists()
+
+
 def test_torchrun_two_nodes_holders_and_requesters(tmp_path):
     model = random_model("deepseek_v2", seed=3)
     model.save_pretrained(tmp_path / "model")

@@ -64,6 +64,7 @@ def _run(args) -> int:
         holders=args.holders,
         replicas=args.replicas,
         position=args.position,
+        kernels=args.kernels,
     )
     path = corpus.save(args.out)
     print(
@@ -93,5 +94,12 @@ def register(subparsers) -> None:
         "--position", type=nonnegative_int, default=0, help="canonical position of token 0"
     )
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="default bfloat16")
+    p.add_argument(
+        "--kernels",
+        choices=("triton", "torch"),
+        default="triton",
+        help="the kernels the holders will serve it with (default triton: the model's widths "
+        "are checked against what the Triton kernels run; torch runs any width)",
+    )
     p.add_argument("--out", required=True, help="manifest path (.json)")
     p.set_defaults(func=_run)

@@ -508,6 +508,8 @@ class Corpus:
         """A :class:`mqnc.serving.Holder` on ``transport`` with this rank's chunks in its pool
         (``holder_kwargs``: ``device``, ``kernels``, ``batch_window_s``, ...)."""
         mine = self.chunks_on(transport.rank)
+        if holder_kwargs.get("kernels", "triton") == "triton":
+            self.geometry.check_triton()  # a width the kernels cannot run, named before the pool
         if self.entries is None:
             self._file_spans()  # every declared size checked against the file before the pool
         blocks = sum(-(-c.tokens // self.block_size) for c in mine) or 1
