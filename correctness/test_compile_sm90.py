@@ -162,3 +162,170 @@ def test_three_stages_leave_the_kv_tile_single_buffered():
     assert "1x64x512xbf16" in summary["local_alloc"]
     assert "2x64x512xbf16" not in summary["local_alloc"]
     assert set(summary["async_waits"]) == {0}
+
+
+# The static schedule of every MLA attention variant the default path launches, per triton
+# (``_compile.mla_evidence``): (tensor-core instructions per CTA per 64 entries, redundancy =
+# issued over ideal multiply-accumulates, wgmma waits leaving work in flight, TMA loads, CTAs
+# per SM, registers, shared bytes, spilled bytes). Read off a launch-exact compile under each
+# triton; a change that makes any of them worse fails below (an improvement updates its row).
+# 1.529 = (2 x 576 + 512) / (576 + 512): each CTA computes its QK^T twice (the 64-head
+# HGMMA tiles put both warpgroups on the same 64 rows; the 32-head and sparse 16 x 32 HMMA
+# tiles likewise); no wait leaves a wgmma in flight and no load is TMA.
+# fmt: off
+SCHEDULE: dict[str, dict[str, tuple]] = {
+    "3.6.0": {
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split]":
+            (544.0, 1.0, 0, 0, 1, 208, 168960, 0),
+        "mla_decode[bfloat16,16x64,w8,s5,out=bfloat16]":
+            (544.0, 1.0, 0, 0, 1, 204, 168960, 0),
+        "mla_decode[bfloat16,64x32,w8,s3,out=fp32-split]":
+            (296.0, 1.529, 0, 0, 1, 228, 147712, 0),
+        "mla_decode[bfloat16,64x32,w8,s3,out=bfloat16]":
+            (296.0, 1.529, 0, 0, 1, 240, 147712, 0),
+        "mla_sparse[bfloat16,16x32,w8,s5,out=fp32-split]":
+            (832.0, 1.529, 0, 0, 1, 173, 93952, 0),
+        "mla_sparse[bfloat16,64x16,w8,s5,out=fp32-split]":
+            (584.0, 1.529, 0, 0, 1, 231, 131072, 0),
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split,page=1,csr]":
+            (544.0, 1.0, 0, 0, 1, 206, 168960, 0),
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split,page=1,csr,split-kv]":
+            (544.0, 1.0, 0, 0, 1, 207, 168960, 0),
+        "mla_decode[bfloat16,64x32,w8,s3,out=fp32-split,page=1,csr,split-kv]":
+            (296.0, 1.529, 0, 0, 1, 242, 147712, 0),
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split,page=16,split-kv]":
+            (544.0, 1.0, 0, 0, 1, 208, 168960, 0),
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split,sq,causal]":
+            (544.0, 1.0, 0, 0, 1, 208, 168960, 0),
+        "mla_decode[bfloat16,64x32,w8,s3,out=fp32-split,sq,causal]":
+            (296.0, 1.529, 0, 0, 1, 228, 147712, 0),
+        "mla_sparse[bfloat16,64x16,w8,s5,out=fp32-split,split-kv]":
+            (584.0, 1.529, 0, 0, 1, 232, 131072, 0),
+        "mla_decode[float32,16x16,w16,s5,out=fp32-split]":
+            (0.0, None, 0, 0, 1, 128, 111936, 24),
+        "mla_sparse[float32,16x16,w16,s5,out=fp32-split]":
+            (0.0, None, 0, 0, 1, 128, 112064, 16),
+    },
+    "3.9.0": {
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split]":
+            (544.0, 1.0, 0, 0, 1, 188, 168960, 0),
+        "mla_decode[bfloat16,16x64,w8,s5,out=bfloat16]":
+            (544.0, 1.0, 0, 0, 1, 189, 168960, 0),
+        "mla_decode[bfloat16,32x32,w8,s5,out=fp32-split]":
+            (1664.0, 1.529, 0, 0, 1, 175, 113152, 0),
+        "mla_decode[bfloat16,32x32,w8,s5,out=bfloat16]":
+            (1664.0, 1.529, 0, 0, 1, 180, 113152, 0),
+        "mla_sparse[bfloat16,16x32,w8,s5,out=fp32-split]":
+            (832.0, 1.529, 0, 0, 2, 119, 93952, 0),
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split,page=1,csr]":
+            (544.0, 1.0, 0, 0, 1, 186, 168960, 0),
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split,page=1,csr,split-kv]":
+            (544.0, 1.0, 0, 0, 1, 186, 168960, 0),
+        "mla_decode[bfloat16,32x32,w8,s5,out=fp32-split,page=1,csr,split-kv]":
+            (1664.0, 1.529, 0, 0, 1, 168, 113152, 0),
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split,page=16,split-kv]":
+            (544.0, 1.0, 0, 0, 1, 188, 168960, 0),
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split,sq,causal]":
+            (544.0, 1.0, 0, 0, 1, 188, 168960, 0),
+        "mla_decode[bfloat16,32x32,w8,s5,out=fp32-split,sq,causal]":
+            (1664.0, 1.529, 0, 0, 1, 175, 113152, 0),
+        "mla_sparse[bfloat16,16x32,w8,s5,out=fp32-split,split-kv]":
+            (832.0, 1.529, 0, 0, 2, 117, 93952, 0),
+        "mla_decode[float32,16x16,w16,s5,out=fp32-split]":
+            (0.0, None, 0, 0, 1, 128, 111936, 0),
+        "mla_sparse[float32,16x16,w16,s5,out=fp32-split]":
+            (0.0, None, 0, 0, 1, 128, 112064, 0),
+    },
+}
+# fmt: on
+_SCHEDULE_KEYS = (
+    "mma_per_64",
+    "redundancy",
+    "in_flight",
+    "tma",
+    "cta_per_sm",
+    "registers",
+    "shared",
+    "spill",
+)
+# Which way each gets worse: more instructions, redundancy, registers, shared memory or spills;
+# fewer waits in flight, TMA loads or CTAs per SM.
+_WORSE_IF_MORE = {"mma_per_64", "redundancy", "registers", "shared", "spill"}
+
+
+def schedule_regressions(name: str, evidence: dict, pinned: tuple) -> list[str]:
+    """What in ``evidence`` (``mla_evidence``'s dict) is worse than ``pinned``."""
+    got = {**evidence, "in_flight": int(evidence["wgmma_waits"].split("/")[0])}
+    out = []
+    for key, pin in zip(_SCHEDULE_KEYS, pinned, strict=True):
+        value = got[key]
+        if pin is None or value is None:
+            if value != pin:
+                out.append(f"{name}: {key} {value}, pinned {pin}")
+        elif (value > pin) if key in _WORSE_IF_MORE else (value < pin):
+            out.append(f"{name}: {key} {value}, pinned {pin}")
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n.startswith("mla_")])
+def test_default_mla_schedule_does_not_regress(compiled, name):
+    """Each default MLA variant's static schedule is no worse than its pinned row under this
+    triton (``SCHEDULE``; other versions have no pins and skip)."""
+    version = triton.__version__
+    if version not in SCHEDULE:
+        pytest.skip(f"no schedule pinned for triton {version}")
+    assert name in SCHEDULE[version], f"{name}: pin its schedule for triton {version}"
+    ev = compiled[name]["evidence"]
+    print(f"triton {version} {name}: {ev}")
+    assert schedule_regressions(name, ev, SCHEDULE[version][name]) == []
+
+
+def test_schedule_regressions_names_what_got_worse():
+    pinned = (296.0, 1.529, 0, 0, 1, 228, 147712, 0)
+    ev = {
+        "mma_per_64": 296.0,
+        "redundancy": 1.529,
+        "wgmma_waits": "0/3",
+        "tma": 0,
+        "cta_per_sm": 1,
+        "registers": 228,
+        "shared": 147712,
+        "spill": 0,
+    }
+    assert schedule_regressions("v", ev, pinned) == []
+    better = {**ev, "redundancy": 1.0, "wgmma_waits": "2/3", "tma": 4, "registers": 200}
+    assert schedule_regressions("v", better, pinned) == []
+    worse = {**ev, "redundancy": 2.0, "cta_per_sm": 0, "spill": 8, "shared": 150000}
+    assert schedule_regressions("v", worse, pinned) == [
+        "v: redundancy 2.0, pinned 1.529",
+        "v: cta_per_sm 0, pinned 1",
+        "v: shared 150000, pinned 147712",
+        "v: spill 8, pinned 0",
+    ]
+    assert schedule_regressions("v", {**ev, "redundancy": None}, pinned) == [
+        "v: redundancy None, pinned 1.529"
+    ]
+
+
+def test_mma_macs_and_wgmma_waits_read_the_sass():
+    """The schedule's counts from SASS text: an HGMMA.64xNxK is 64 N K multiply-accumulates per
+    warpgroup, an HMMA.16816 16 8 16 per warp; ``WARPGROUP.DEPBAR.LE gsb0, N`` leaves N wgmma
+    groups in flight."""
+    from mqnc.triton_kernels._compile import mma_macs, wgmma_waits
+
+    sass = "\n".join(
+        [
+            "        /*3980*/   HGMMA.64x16x16.F32.BF16 R160, gdesc[UR56], RZ, !UPT ;",
+            "        /*39d0*/   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR32], R24 ;",
+            "        /*5450*/   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",
+            "        /*5460*/   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;",
+        ]
+    )
+    assert mma_macs(sass, 8) == 2 * (64 * 16 * 16 + 64 * 256 * 16)
+    assert wgmma_waits(sass) == (0, 1)
+    hmma = "        /*0100*/   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;"
+    assert mma_macs(hmma, 8) == 8 * 16 * 8 * 16
+    with pytest.raises(ValueError, match="num_warps: expected a positive int, got 0"):
+        mma_macs(hmma, 0)
+    with pytest.raises(ValueError, match="HMMA.999 is not a shape"):
+        mma_macs("  HMMA.999.F32 R0 ;", 4)

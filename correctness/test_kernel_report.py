@@ -168,3 +168,34 @@ def test_mla_shapes_count_their_bytes_and_join_the_measured_p50(tmp_path):
         assert s["bytes"] == own + partials, name
         assert sum(x["bytes"] for x in mine) == own + partials, name
     assert split_seen
+
+
+def test_mla_rows_show_the_static_schedule(tmp_path):
+    """Each MLA attention launch's row carries its static schedule (``_compile.mla_evidence``):
+    tensor-core instructions per 64 entries against the ideal tile's, the redundancy (issued
+    over ideal multiply-accumulates, >= 1.0: 1.0 = no recomputed ``QK^T``) and the wgmma waits
+    leaving work in flight; the combine's row has none. The table shows them."""
+    out = tmp_path / "sched.jsonl"
+    r = _report("mqnc.measure.kernel_report", "--ops", "mla_sparse", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    head = [x for x in r.stdout.splitlines() if x.startswith("| shape | variant |")][0]
+    assert "| mma/64 | ideal/64 | redund | wg_waits |" in head, head
+    launches = [json.loads(x) for x in out.read_text().splitlines()]
+    launches = [x for x in launches if x["kind"] == "launch"]
+    attention = [x for x in launches if x["variant"].startswith("mla_")]
+    assert attention and len(attention) < len(launches)  # B 1 at 16 heads splits: a combine
+    for x in attention:
+        tile = x["variant"].split(",")[1]
+        bh, bn = (int(v) for v in tile.split("x"))
+        assert x["redundancy"] >= 1.0 and x["mma_per_64"] > 0, x
+        ideal = (bh / 64) * (576 / 16 + 2 * bn / 16) if x["HGMMA"] else bh * bn * 1088 / 2048
+        assert x["mma_ideal_per_64"] == round(ideal * 64 / bn, 1), x
+        done, total = (int(v) for v in x["wgmma_waits"].split("/"))
+        assert 0 <= done <= total
+        row = [
+            ln for ln in r.stdout.splitlines() if ln.startswith(f"| {x['shape']} | {x['variant']}")
+        ]
+        assert f"| {x['redundancy']} | {x['wgmma_waits']} |" in row[0], row
+    for x in launches:
+        if not x["variant"].startswith("mla_"):
+            assert x["redundancy"] is None and x["wgmma_waits"] is None, x

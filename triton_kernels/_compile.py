@@ -42,6 +42,9 @@ __all__ = [
     "compile_variant",
     "resources",
     "sass_mix",
+    "mma_macs",
+    "wgmma_waits",
+    "mla_evidence",
     "ttgir_summary",
     "cuobjdump_path",
     "compile_all",
@@ -116,6 +119,8 @@ class KernelResources:
     num_warps: int
     sass: dict
     ttgir: dict
+    mma_macs: int = 0
+    wgmma_waits: tuple[int, ...] = ()
     triton: str = triton.__version__
 
     @property
@@ -176,6 +181,76 @@ def sass_mix(sass: str) -> dict:
     return dict(sorted(counts.items()))
 
 
+# Multiply-accumulates of one tensor-core instruction, by its shape suffix, and who issues it:
+# HGMMA.64xNxK (wgmma) is issued by a warpgroup (4 warps), HMMA.MNK (mma.sync) by a warp.
+_HMMA_SHAPES = {"16816": 16 * 8 * 16, "1688": 16 * 8 * 8, "884": 8 * 8 * 4}
+
+
+def mma_macs(sass: str, num_warps: int) -> int:
+    """Multiply-accumulates the tensor-core instructions of the program text issue per CTA on
+    one pass (a loop body counts once): each ``HGMMA.64xNxK`` is ``64 N K`` per warpgroup
+    (``num_warps / 4`` of them run the same text), each ``HMMA.16816`` ``16 8 16`` per warp."""
+    if not isinstance(num_warps, int) or num_warps < 1:
+        raise ValueError(f"num_warps: expected a positive int, got {num_warps!r}")
+    total = 0
+    for m, n, k in re.findall(r"\bHGMMA\.(\d+)x(\d+)x(\d+)\.", sass):
+        total += int(m) * int(n) * int(k) * max(1, num_warps // 4)
+    for shape in re.findall(r"\bHMMA\.(\d+)\.", sass):
+        if shape not in _HMMA_SHAPES:
+            raise ValueError(f"sass: HMMA.{shape} is not a shape this count knows")
+        total += _HMMA_SHAPES[shape] * num_warps
+    return total
+
+
+def wgmma_waits(sass: str) -> tuple[int, ...]:
+    """The ``WARPGROUP.DEPBAR.LE gsb0, N`` waits of the SASS, in program order: ``N`` wgmma
+    groups may stay in flight past each (0: the warpgroup waits for every one it issued)."""
+    return tuple(
+        int(n, 16) for n in re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", sass)
+    )
+
+
+def mla_evidence(res: KernelResources, block_h: int, block_n: int, d_qk: int, d_v: int) -> dict:
+    """Static evidence of an MLA attention variant's schedule, per CTA and per 64 cache entries.
+
+    The ideal tile does ``block_h x block_n x d_qk`` multiply-accumulates for ``QK^T`` and
+    ``block_h x block_n x d_v`` for ``PV``, once each. Counted in ``HGMMA.64xNx16`` units (the
+    fewest wgmma instructions that do it: ``N = block_n`` for ``QK^T``, ``block_h / 64 x d_qk /
+    16`` of them; ``N = 256`` for ``PV``, ``block_h / 64 x d_v / 256 x block_n / 16``), scaled
+    to 64 entries, that is ``mma_ideal_per_64`` (in ``HMMA.16816`` units for an mma.sync
+    kernel). ``mma_per_64`` is the instructions the SASS
+    issues per CTA per 64 entries (HGMMA, else HMMA: a loop body's static count, times the
+    warpgroups or warps that run it, times ``64 / block_n``); ``redundancy`` is the issued
+    multiply-accumulates (:func:`mma_macs`, every instruction at its own shape) over the ideal:
+    1.0 when no warp recomputes another's ``QK^T``, None without tensor-core instructions.
+    ``wgmma_waits`` is ``"in flight/total"``: the ``WARPGROUP.DEPBAR`` waits that leave wgmma
+    groups pending (TTGIR ``warp_group_dot_wait {pendings > 0}``) over all of them; ``tma``
+    the TMA loads (``UTMALDG`` in the SASS, plus TTGIR's TMA copies); ``cta_per_sm`` at sm_90's
+    limits (``_grid.Occupancy``)."""
+    from mqnc.triton_kernels._grid import SM90, Occupancy
+
+    per = 64 / block_n
+    kind = "HGMMA" if res.sass.get("HGMMA") else "HMMA"
+    issuers = max(1, res.num_warps // 4) if kind == "HGMMA" else res.num_warps
+    ideal_macs = block_h * block_n * (d_qk + d_v)
+    ideal = (block_h / 64) * (d_qk / 16 + (d_v / 256) * (block_n / 16))
+    if kind == "HMMA":  # an mma.sync kernel: in HMMA.16816 units
+        ideal = ideal_macs / _HMMA_SHAPES["16816"]
+    waits = res.wgmma_waits
+    return {
+        "mma": kind if res.sass.get(kind) else None,
+        "mma_per_64": round(res.sass.get(kind, 0) * issuers * per, 1),
+        "mma_ideal_per_64": round(ideal * per, 1),
+        "redundancy": round(res.mma_macs / ideal_macs, 3) if res.mma_macs else None,
+        "wgmma_waits": f"{sum(1 for n in waits if n > 0)}/{len(waits)}",
+        "tma": res.sass.get("UTMALDG", 0) + res.ttgir.get("tma_copies", 0),
+        "cta_per_sm": Occupancy(res.registers, 32 * res.num_warps, res.shared).ctas_per_sm(SM90),
+        "registers": res.registers,
+        "shared": res.shared,
+        "spill": res.stack + res.local,
+    }
+
+
 def ttgir_summary(ttgir: str) -> dict:
     """The software pipeline as the TTGIR shows it.
 
@@ -197,6 +272,9 @@ def ttgir_summary(ttgir: str) -> dict:
         "async_waits": [int(n) for n in re.findall(r"ttg\.async_wait[^{]*\{num = (\d+)", ttgir)],
         "barrier_waits": len(re.findall(r"ttng\.wait_barrier", ttgir)),
         "wgmma": len(re.findall(r"ttng\.warp_group_dot\b", ttgir)),
+        "wgmma_pendings": [
+            int(n) for n in re.findall(r"ttng\.warp_group_dot_wait[^{]*\{pendings = (\d+)", ttgir)
+        ],
     }
 
 
@@ -212,15 +290,19 @@ def resources(name: str, compiled) -> KernelResources:
             raise RuntimeError(f"cuobjdump -res-usage gave no {key} for {name}:\n{usage}")
         return int(m.group(1))
 
+    sass = _cuobjdump(cubin, "-sass")
+    num_warps = int(compiled.metadata.num_warps)
     return KernelResources(
         name=name,
         registers=field("REG"),
         stack=field("STACK"),
         local=field("LOCAL"),
         shared=int(compiled.metadata.shared),
-        num_warps=int(compiled.metadata.num_warps),
-        sass=sass_mix(_cuobjdump(cubin, "-sass")),
+        num_warps=num_warps,
+        sass=sass_mix(sass),
         ttgir=ttgir_summary(compiled.asm["ttgir"]),
+        mma_macs=mma_macs(sass, num_warps),
+        wgmma_waits=wgmma_waits(sass),
     )
 
 
@@ -235,16 +317,16 @@ def compile_variant(name: str, launch, arch: int = 90) -> tuple[KernelResources,
 
 def compile_all(arch: int = 90) -> list[dict]:
     """Compile every launch of every goal and ecosystem shape (``_variants.COMPILED``) for
-    ``sm_<arch>``; one
-    dict per variant (by name, first-seen order) with its resources, its goal shapes, and
-    ``kernels``: how many distinct compiled kernels its shapes' launches got from the JIT (1:
-    the name identifies the variant; the later launches of a name are JIT cache hits).
+    ``sm_<arch>``; one dict per variant (by name, first-seen order) with its resources, its goal
+    shapes, an MLA attention variant's ``evidence`` (:func:`mla_evidence`), and ``kernels``: how
+    many distinct compiled kernels its shapes' launches got from the JIT (1: the name identifies
+    the variant; the later launches of a name are JIT cache hits).
 
     Must run in compiled mode, ``TRITON_INTERPRET=0`` (under the interpreter ``@triton.jit`` yields
     interpreted functions that cannot be compiled); the test suite calls it in a subprocess.
     A variant that fails to compile is reported with its error instead of raising.
     """
-    from mqnc.triton_kernels._variants import COMPILED, shape_launches
+    from mqnc.triton_kernels._variants import COMPILED, D_QK, D_V, shape_launches
 
     out: dict[str, dict] = {}
     kernels: dict[str, set] = {}
@@ -261,6 +343,10 @@ def compile_all(arch: int = 90) -> list[dict]:
                 if "ok" not in row:
                     res = resources(launch.name, compiled)
                     row.update({"ok": True, **dataclasses.asdict(res), "grid": launch.grid})
+                    if launch.name.startswith("mla_"):
+                        kw = launch.kwargs
+                        ev = mla_evidence(res, kw["BLOCK_H"], kw["BLOCK_N"], D_QK, D_V)
+                        row["evidence"] = ev
             except Exception as exc:  # noqa: BLE001 - reported to the caller: the test fails
                 row.update({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
                 continue

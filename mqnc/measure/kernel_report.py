@@ -17,6 +17,11 @@ and options as the real launch; no GPU needed) and reports:
   programs share are counted once: its head blocks run side by side and share them through L2);
 - the load and MMA mix from the SASS: ``LDGSTS`` (cp.async, all widths), ``LDG128`` (16-byte
   loads), ``LDG<128`` (narrower ones), ``TMA`` (UTMALDG), ``HMMA``, ``HGMMA``;
+- an MLA attention launch's schedule (``_compile.mla_evidence``): ``mma/64`` tensor-core
+  instructions a CTA issues per 64 cache entries, ``ideal/64`` the ideal tile's (``BLOCK_H x
+  BLOCK_N x 576`` for ``QK^T`` plus ``x 512`` for ``PV``, in ``HGMMA.64xNx16`` units),
+  ``redund`` issued over ideal multiply-accumulates (1.0: no warpgroup recomputes another's
+  ``QK^T``), ``wg_waits`` the wgmma waits leaving work in flight over all of them;
 - ``pred_us = MB / ceiling / fill``: the time at the copy ceiling (``--ceiling-tbps``; else the
   median ``copy`` record of the measured device in ``--measured``, 2.71 TB/s on the H200 that ran
   it; else 4.3 TB/s, the H200 copy ceiling the goal shapes were set against) when the SMs in use
@@ -101,6 +106,21 @@ def _mix(sass: dict) -> dict:
         "HMMA": sass.get("HMMA", 0),
         "HGMMA": sass.get("HGMMA", 0),
     }
+
+
+def _schedule(shape, index: int, launch, res) -> dict:
+    """An MLA attention launch's static schedule (``_compile.mla_evidence``): tensor-core
+    instructions per CTA per 64 entries against the ideal tile's, their redundancy (issued over
+    ideal multiply-accumulates: 1.0 = no recomputed ``QK^T``) and the wgmma waits that leave
+    work in flight; None for the other launches."""
+    keys = ("mma_per_64", "mma_ideal_per_64", "redundancy", "wgmma_waits")
+    if not (shape.op.startswith("mla") and index == 0):
+        return dict.fromkeys(keys)
+    from mqnc.triton_kernels._compile import mla_evidence
+
+    kw = launch.kwargs
+    ev = mla_evidence(res, kw["BLOCK_H"], kw["BLOCK_N"], D_QK, D_V)
+    return {k: ev[k] for k in keys}
 
 
 def _check_ops(ops) -> None:
@@ -193,6 +213,7 @@ def _launch_row(shape, i: int, launch, compiled: _Compiled, ceiling_tbps: float)
         "fill": round(fill, 3),
         "bytes": nbytes,
         **_mix(res.sass),
+        **_schedule(shape, i, launch, res),
         "pred_us": round(pred, 2),
         "triton": res.triton,
         "ceiling_tbps": ceiling_tbps,
@@ -288,12 +309,24 @@ def format_table(launches: list[dict], shapes: list[dict], measured: dict | None
         "TMA",
         "HMMA",
         "HGMMA",
+        "mma_per_64",
+        "mma_ideal_per_64",
+        "redundancy",
+        "wgmma_waits",
         "pred_us",
     )
-    head = "| " + " | ".join(c if c != "bytes" else "MB" for c in cols) + " |"
+    names = {
+        "bytes": "MB",
+        "mma_per_64": "mma/64",
+        "mma_ideal_per_64": "ideal/64",
+        "redundancy": "redund",
+        "wgmma_waits": "wg_waits",
+    }
+    head = "| " + " | ".join(names.get(c, c) for c in cols) + " |"
     lines = [head, "|" + "---|" * len(cols)]
     for r in launches:
-        vals = [f"{r[c] / 1e6:.2f}" if c == "bytes" else str(r[c]) for c in cols]
+        vals = [f"{r[c] / 1e6:.2f}" if c == "bytes" else str(r.get(c, "-")) for c in cols]
+        vals = [v if v != "None" else "-" for v in vals]
         vals[4] = f"{r['smem'] // 1024}K"
         lines.append("| " + " | ".join(vals) + " |")
     lines += ["", "| shape | goal | launches | MB | pred_us | % of ceiling | measured p50 us |"]
