@@ -329,3 +329,42 @@ def test_mma_macs_and_wgmma_waits_read_the_sass():
         mma_macs(hmma, 0)
     with pytest.raises(ValueError, match="HMMA.999 is not a shape"):
         mma_macs("  HMMA.999.F32 R0 ;", 4)
+
+
+_SWEEP = """
+import json
+from mqnc.triton_kernels._compile import compile_launch, resources
+from mqnc.triton_kernels._mla_launch import SWEEP_TILES, forced_tile
+from mqnc.triton_kernels._variants import Shape, shape_launches
+rows = []
+for kind, tiles in SWEEP_TILES.items():
+    sparse = kind == "sparse"
+    op, n = ("mla_sparse", 2048) if sparse else ("mla_decode", 8192)
+    for tile in tiles:
+        for B in (1, 64):  # split (fp32 partials) and, dense, unsplit (bf16 out)
+            with forced_tile(tile, sparse=sparse):
+                ln = shape_launches(Shape(op, B=B, H=128, ct=n))[0]
+            r = resources(ln.name, compile_launch(ln.kernel, ln.args, ln.kwargs, grid=ln.grid))
+            rows.append([tile.label, ln.name, r.registers, r.stack + r.local, r.shared])
+print(json.dumps(rows))
+"""
+
+
+def test_sweep_candidates_compile_without_spills_under_triton_3_6():
+    """Every candidate of the next H200 sweep (``_mla_launch.SWEEP_TILES``) compiles for sm_90
+    under triton 3.6 (the GPU's; ``make compat``) at 128 heads, split and unsplit, without
+    spills and within a CTA's shared memory. Other tritons skip: there the wide tiles spill,
+    which is why the launcher does not choose them."""
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip(f"the sweep runs under triton 3.6 on the GPU, this is {triton.__version__}")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run(
+        [sys.executable, "-c", _SWEEP], capture_output=True, text=True, env=env, timeout=1200
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    for tile, name, regs, spill, shared in rows:
+        print(f"{tile}: {name} {regs} regs, {spill} B spilled, {shared} B shared")
+    assert [row for row in rows if row[3] or row[4] > SM90.shared_per_cta] == []
+    assert any(row[0] == "64x64w8s3" for row in rows)

@@ -1,5 +1,6 @@
-"""The tile the MLA launchers choose (``_mla_launch.tile_config``), its label, and the tuning
-hook that forces one (``forced_tile``): no kernel runs here.
+"""The tile the MLA launchers choose (``_mla_launch.tile_config``), its label, the tuning hook
+that forces one (``forced_tile``), and the next sweep's candidates (``SWEEP_TILES``): the 64 x 64
+ones run here against fp64 (interpreted without a GPU); nothing else launches a kernel.
 
 Above 32 heads the choice depends on the triton in use (``_WIDE``, from a tile sweep on an
 H200 under triton 3.6.0; other versions keep tiles that compile there without spills), so the
@@ -7,6 +8,8 @@ version is set per test.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from mqnc.triton_kernels._mla_launch import (
     _SPARSE,
     _WIDE,
     _WIDE_ELSE,
+    SWEEP_TILES,
     TileConfig,
     forced_tile,
     tile_config,
@@ -94,3 +98,76 @@ def test_forced_tile_is_scoped_to_its_kind_and_block():
     with pytest.raises(TypeError, match="tile: expected a TileConfig or its label, got tuple"):
         with forced_tile((64, 32, 8, 3)):
             pass
+
+
+def test_the_sweep_candidates_include_64x64_and_every_default_wide_tile():
+    """The next sweep's candidates (``SWEEP_TILES``, read by perf/gpu_tiles.sh) hold the 64 x 64
+    dense tile and every tile the launcher may choose above 32 heads; none that spills under
+    triton 3.6.0 (64x64w8s2, sparse 64 x 64: test_compile_sm90 compiles each candidate)."""
+    dense = [t.label for t in SWEEP_TILES["dense"]]
+    sparse = [t.label for t in SWEEP_TILES["sparse"]]
+    assert "64x64w8s3" in dense and "64x64w8s2" not in dense
+    for wide in (*_WIDE.values(), _WIDE_ELSE):
+        assert wide[0].label in dense and wide[1].label in sparse
+    assert not [t for t in sparse if t.startswith("64x64")]
+    assert len(set(dense)) == len(dense) and len(set(sparse)) == len(sparse)
+
+
+# DeepSeek-V2-Lite's scale with YaRN (factor 40, mscale_all_dim 0.707): 192^-0.5 * mscale^2.
+SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2
+
+
+def _nan_paged_cache(lengths, gen, device, page=64):
+    """A bf16 pool holding ``lengths[b]`` N(0, 1) entries per row in shuffled pages of 64, every
+    slot no row holds NaN (a read past a row's length or through a wrong page fails), and its
+    table (-1 past a row's pages) and lengths."""
+    pages = [-(-n // page) for n in lengths]
+    blocks = sum(pages) + 2
+    pool = torch.full((blocks, page, 576), float("nan"))
+    perm = torch.randperm(blocks, generator=gen)
+    table = torch.full((len(lengths), max(max(pages), 1)), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lengths):
+        v = torch.randn(n, 576, generator=gen)
+        for j in range(pages[b]):
+            table[b, j] = blk = int(perm[used])
+            used += 1
+            chunk = v[j * page : (j + 1) * page]
+            pool[blk, : chunk.shape[0]] = chunk
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    return pool.to(device, torch.bfloat16), table.to(device), lens.to(device)
+
+
+# The 64 x 64 candidates run in the interpreter at those block shapes (the compiled ones HGMMA).
+NEW_DENSE = [t.label for t in SWEEP_TILES["dense"] if t.block_n == 64 and t.block_h == 64]
+
+
+@pytest.mark.parametrize("tile", NEW_DENSE)
+@pytest.mark.parametrize("heads,lengths,num_splits", [(40, [70, 0, 129], None), (128, [96], 3)])
+def test_64x64_candidates_match_fp64(tile, heads, lengths, num_splits):
+    """Each 64 x 64 candidate at more than 32 heads (a partial head block at 40; a row with no
+    entries; partial last tiles; split and unsplit), in bf16 against fp64, as the launcher's
+    wide tiles are in test_mla_decode. Triton 3.6's interpreter (``make compat``) runs none of
+    the MLA kernels (its ``__index__`` of a block fails: test_mla_decode fails there alike), so
+    there it runs on a GPU only."""
+    from mqnc.base.env import interpreting
+
+    if interpreting() and triton.__version__.startswith("3.6."):
+        pytest.skip("triton 3.6's interpreter cannot run the MLA kernels (a GPU can)")
+    from mqnc.reference import mla_decode_reference
+    from mqnc.testing import assert_close, default_device, tolerance
+    from mqnc.triton_kernels import mla_decode_partial
+    from mqnc.triton_kernels.mla_decode import plan_decode
+
+    gen = torch.Generator().manual_seed(heads)
+    pool, table, lens = _nan_paged_cache(lengths, gen, default_device())
+    q = torch.randn(len(lengths), heads, 576, generator=gen).to(pool.device, torch.bfloat16)
+    with forced_tile(tile):
+        plan = plan_decode(q, pool, table, lens, SCALE, 512, num_splits)
+        assert TileConfig.of_launch(plan.launches[0]).label == tile
+        o, lse = mla_decode_partial(
+            q, pool, table, lens, softmax_scale=SCALE, num_splits=num_splits
+        )
+    o_ref, lse_ref = mla_decode_reference(q, pool, table, lens, SCALE)
+    assert_close(o, o_ref, tolerance("mla", torch.bfloat16), name="o")
+    assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name="lse")

@@ -151,6 +151,20 @@ _SPARSE = {16: TileConfig(16, 32, 8, 5), 32: TileConfig(32, 16, 8, 5)}
 # triton that chooses it (the 3.6 tiles in ``make compat``).
 _WIDE = {(3, 6): (TileConfig(64, 32, 8, 3), TileConfig(64, 16, 8, 5))}  # (dense, sparse)
 _WIDE_ELSE = (_DENSE[32], _SPARSE[16])
+# The candidates of the next H200 sweep at 128 heads (``perf/gpu_tiles.sh``): every tile of the
+# first sweep that compiles without spills for sm_90 under triton 3.6.0 (the GPU's), and 64 heads
+# x 64 entries on 8 warps at 3 stages, dense: 255 registers, no spills, 221,696 B of shared
+# memory (split and unsplit). Left out for their spills under 3.6.0: dense 64x32w16s5 (24 B of
+# stack), 64x64w8s2 (8 B unsplit), sparse 64x16w16s5 (16 B) and sparse 64 x 64 (48-80 B at 2
+# and 3 stages). test_compile_sm90 compiles each; test_tiles checks the 64 x 64 one against fp64
+# in the interpreter at 40 and 128 heads. None becomes a default without GPU evidence.
+SWEEP_TILES = {
+    "dense": tuple(
+        TileConfig.parse(t)
+        for t in ("32x32w8s5", "16x64w8s5", "64x16w16s5", "64x16w8s5", "64x32w8s3", "64x64w8s3")
+    ),
+    "sparse": tuple(TileConfig.parse(t) for t in ("32x16w8s5", "16x32w8s5", "64x16w8s5")),
+}
 
 
 def _triton_minor() -> tuple[int, int]:
