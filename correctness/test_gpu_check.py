@@ -221,3 +221,83 @@ def test_commit_without_git(monkeypatch):
 
     monkeypatch.setattr(results.subprocess, "run", no_git)
     assert results.git_commit() == "unknown"
+
+
+TILES_SCRIPT = ROOT / "perf" / "gpu_tiles.sh"
+
+
+@pytest.fixture(scope="module")
+def tiles_dry_run(tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("gpu_tiles")
+    r = subprocess.run(
+        ["bash", str(TILES_SCRIPT), "--dry-run"],
+        cwd=ROOT,
+        env=_env(OUT=str(out), MQNC_COMMIT="dryrun0commit"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    print(r.stdout[-6000:])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    return out, r.stdout
+
+
+def test_tile_sweep_dry_run_times_every_candidate_against_default_and_fp64(tiles_dry_run):
+    """``perf/gpu_tiles.sh --dry-run``: every candidate (``SWEEP_TILES``) at each dense shape
+    (a goal shape and one added by ``--dense-shapes``, FlashMLA's on the GPU) and the sparse one,
+    each record with its tile, its check against the default tile and against fp64, and its
+    TFLOP/s from FLOPs per query row 2 H c_t (576 + 512); the budget line is printed."""
+    from mqnc.triton_kernels._mla_launch import SWEEP_TILES
+
+    out, stdout = tiles_dry_run
+    recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert re.search(r"sweep took \d+s of 480s", stdout), stdout[-2000:]
+    for bench, kind, shapes in (
+        ("mla_decode", "dense", {"mla_decode H=16 B=1 ct=128", "mla_decode H=40 B=1 ct=100"}),
+        ("mla_sparse", "sparse", {"mla_sparse H=16 B=1 topk=128"}),
+    ):
+        mine = [r for r in recs if r["bench"] == bench]
+        want = {(s, t.label) for s in shapes for t in SWEEP_TILES[kind]}
+        assert {(r["extra"]["shape"], r["extra"]["tile"]) for r in mine} == want
+        for r in mine:
+            e = r["extra"]
+            assert e["ok"] and e["vs_default"]["ok"] and e["vs_fp64"]["ok"], e
+            assert r["commit"] == "dryrun0commit"
+            words = dict(w.split("=") for w in e["shape"].split()[1:])
+            n = int(words.get("ct") or words["topk"])
+            assert e["flops"] == 2 * e["B"] * e["H"] * n * (576 + 512)
+            assert e["tflops"] == pytest.approx(e["flops"] / (r["p50"] * 1e6))
+    assert sum(r["bench"] == "copy" for r in recs) == 2
+
+
+def test_tile_check_against_fp64_fails_a_wrong_kernel(monkeypatch):
+    """The sweep's fp64 check (``perf.bench_mla._vs_fp64``) marks a tile whose output is off
+    ``ok: false`` with the error, instead of passing it."""
+    import torch
+
+    import perf.bench_mla as bench
+
+    gen = torch.Generator().manual_seed(0)
+    good = bench._vs_fp64("mla_decode", 16, "cpu", torch.float32, gen)
+    assert good["ok"] and good["o_max_abs"] < 1e-4, good
+    real = bench._dense_fn
+
+    def off(*args):
+        call = real(*args)
+        return lambda: (lambda o, lse: (o * 1.01, lse))(*call())
+
+    monkeypatch.setattr(bench, "_dense_fn", off)
+    bad = bench._vs_fp64("mla_decode", 16, "cpu", torch.float32, gen)
+    assert not bad["ok"] and "o" in bad["error"], bad
+
+
+def test_dense_shapes_are_refused_unless_well_formed():
+    r = subprocess.run(
+        [sys.executable, "-m", "perf.bench_mla", "--tiny", "--dense-shapes", "H=128 B=0 ct=64"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "expected 'H=<heads> B=<tokens> ct=<entries>'" in r.stderr

@@ -26,7 +26,11 @@ variant named ``H=..,B=..@<tile>`` and ``extra.tile`` set; each tile's output on
 set is first compared with the default tile's (``extra.vs_default``: max |o - o_default| over
 max |o_default|, max |lse - lse_default|; a tile off by more than 2^-6 or 1e-3, or not finite,
 is printed MISMATCH and recorded ``ok: false``). ``--shapes "H=128 B=8,H=128 B=64 ct=8192"``
-keeps the goal shapes whose label contains one of the comma-separated parts.
+keeps the goal shapes whose label contains one of the comma-separated parts;
+``--dense-shapes "H=128 B=128 ct=4096"`` adds dense shapes that are not goal shapes. With
+``--tiles`` each tile is also checked against fp64 once per op and head count on a small case
+(``extra.vs_fp64``; ``ok`` is false when either check fails). Goal-shape records carry
+``extra.flops`` (``2 B H c_t (576 + 512)``) and ``extra.tflops`` at their p50.
 
 Timing (``mqnc.measure.time_kernel``, recorded as ``extra.timing``): on a GPU the kernel calls,
 checks off (``check_inputs=False``), over enough input sets (pool, table, queries) that one pass
@@ -163,6 +167,47 @@ def _vs_default(got, ref) -> dict:
     return {"o_rel_max": o_err, "lse_max_abs": lse_err, "finite": finite, "ok": ok}
 
 
+# --tiles: every tile is also checked against fp64 on one small case per (op, H): B 2 (sparse
+# B 1) rows, a partial last page and a partial last tile at every tile size up to 64 entries.
+SMALL_CT, SMALL_TOPK, SMALL_CORPUS = 200, 100, 512
+
+
+def _vs_fp64(bench: str, H: int, dev, dtype, gen) -> dict:
+    """The tile in force (``forced_tile``) on a small case against the fp64 references at the
+    tolerance table's bounds: ``{"o_max_abs", "lse_max_abs", "ok"}`` (and ``error``)."""
+    from mqnc.reference.attention_ref import mla_decode_reference, mla_sparse_reference
+    from mqnc.testing import assert_close, tolerance
+
+    if bench == "mla_sparse":
+        q, pool, idx = _sparse_case(1, H, SMALL_TOPK, SMALL_CORPUS, dev, dtype, gen)
+        got = _sparse_fn(q, pool, idx, True)()
+        ref = mla_sparse_reference(q.double(), pool.double(), idx, SCALE)
+    else:
+        q, pool, table, lens = _dense_case(2, H, SMALL_CT, dev, dtype, False, gen)
+        got = _dense_fn(q, pool, table, lens, True)()
+        ref = mla_decode_reference(q.double(), pool.double(), table, lens, SCALE)
+    out = {"o_max_abs": None, "lse_max_abs": None, "ok": True}
+    try:
+        so = assert_close(got[0], ref[0], tolerance("mla", dtype), name="o")
+        sl = assert_close(got[1], ref[1], tolerance("mla_lse", "float32"), name="lse")
+        out.update(o_max_abs=so.max_abs, lse_max_abs=sl.max_abs)
+    except AssertionError as exc:
+        out.update(ok=False, error=str(exc).splitlines()[0][:300])
+    return out
+
+
+def _tflops(flops: int, p50_us: float) -> float:
+    """TFLOP/s of ``flops`` done in ``p50_us``."""
+    return flops / (p50_us * 1e6)
+
+
+def mla_flops(B: int, H: int, n: int) -> int:
+    """FLOPs of one MLA call: per query row ``2 n (576 + 512)`` (``QK^T`` over the 576-wide
+    keys and ``PV`` over the 512-wide values, a multiply-add counted as 2) over ``B H`` rows
+    attending ``n`` entries each."""
+    return 2 * B * H * n * (D_QK + D_V)
+
+
 SWEEPS = ("dense", "sparse", "fanin")
 
 
@@ -179,6 +224,28 @@ def _tile_list(text: str) -> list:
     if not tiles:
         raise argparse.ArgumentTypeError(f"expected at least one tile, got {text!r}")
     return tiles
+
+
+def _dense_shapes(text: str) -> list:
+    """``--dense-shapes``: comma-separated ``H=.. B=.. ct=..`` dense shapes (FlashMLA's benchmark
+    shape, H 128 B 128 c_t 4096, is not a goal shape), as ``_variants.Shape``."""
+    import argparse
+    import re
+
+    from mqnc.triton_kernels._variants import Shape
+
+    out = []
+    for part in (t.strip() for t in text.split(",") if t.strip()):
+        m = re.fullmatch(r"H=(\d+)\s+B=(\d+)\s+ct=(\d+)", part)
+        if m is None or min(int(g) for g in m.groups()) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected 'H=<heads> B=<tokens> ct=<entries>' (each >= 1), got {part!r}"
+            )
+        H, B, ct = (int(g) for g in m.groups())
+        out.append(Shape("mla_decode", B=B, H=H, ct=ct))
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected at least one shape, got {text!r}")
+    return out
 
 
 def _parser():
@@ -201,6 +268,12 @@ def _parser():
         type=_tile_list,
         default=None,
         help="comma list of tiles HxNwWsS (e.g. 32x32w8s5,64x16w16s5): each goal shape per tile",
+    )
+    ap.add_argument(
+        "--dense-shapes",
+        type=_dense_shapes,
+        default=[],
+        help='dense shapes besides the goal shapes, e.g. "H=128 B=128 ct=4096" (comma list)',
     )
     ap.add_argument(
         "--shapes",
@@ -234,6 +307,7 @@ class _Runner:
             self.warmup = 0 if args.tiny else (3 if cuda else 1)
         self.gen = torch.Generator().manual_seed(0)
         self.l2 = l2_bytes(self.dev)
+        self.fp64: dict[tuple, dict] = {}  # --tiles: each tile against fp64, once per op and H
 
     def too_big(self, entries) -> bool:
         """Whether the CPU path's gathered cache of ``entries`` would exceed its cap."""
@@ -252,7 +326,16 @@ class _Runner:
         for tile in self.args.tiles:
             with forced_tile(tile, sparse=bench == "mla_sparse"):
                 vs = _vs_default(calls[0](), ref)
-                more = {**extra, "tile": tile.label, "vs_default": vs, "ok": vs["ok"]}
+                key = (bench, extra.get("H"), tile.label)
+                if key not in self.fp64:  # once per op, head count and tile
+                    self.fp64[key] = _vs_fp64(bench, extra["H"], self.dev, self.dtype, self.gen)
+                    if not self.fp64[key]["ok"]:
+                        print(
+                            f"MISMATCH vs fp64 {bench} H={key[1]} @{tile.label}: {self.fp64[key]}"
+                        )
+                fp64 = self.fp64[key]
+                ok = vs["ok"] and fp64["ok"]
+                more = {**extra, "tile": tile.label, "vs_default": vs, "vs_fp64": fp64, "ok": ok}
                 self.timed(bench, f"{variant}@{tile.label}", x, x_name, calls, nbytes, more)
             if not vs["ok"]:
                 print(f"MISMATCH {bench} {variant}@{tile.label}: {vs}")
@@ -265,6 +348,8 @@ class _Runner:
             calls, working_set_bytes=nbytes, warmup=self.warmup, reps=self.reps, cuda=self.cuda,
             checks="off" if self.kernel else "n/a",
         )  # fmt: skip
+        if "flops" in extra:
+            extra = {**extra, "tflops": _tflops(extra["flops"], t.p50)}
         rec = record(
             bench,
             variant,
@@ -276,7 +361,8 @@ class _Runner:
             path=self.args.out,
             extra={**extra, "dtype": str(self.dtype)[6:], "timing": t.how},
         )
-        print(f"{bench} {variant} {x_name}={x}: p50 {t.p50:.1f} us ({rec['gbps']:.1f} GB/s)")
+        rate = f", {extra['tflops']:.1f} TFLOP/s" if "tflops" in extra else ""
+        print(f"{bench} {variant} {x_name}={x}: p50 {t.p50:.1f} us ({rec['gbps']:.1f} GB/s{rate})")
 
 
 def _goals(r: _Runner, only, shapes) -> None:
@@ -287,6 +373,7 @@ def _goals(r: _Runner, only, shapes) -> None:
     for shape in shapes:
         B, H, n = shape.B, shape.H, shape.ct
         extra = {"B": B, "H": H, "page": 64, "shape": shape.label, "goal": shape.goal}
+        extra["flops"] = mla_flops(B, H, n)
         if kernel:  # the tile the launcher chose here (it depends on the triton version)
             sparse = shape.op == "mla_sparse"
             extra["launcher_tile"] = tile_config(H, sparse=sparse, dtype=dtype).label
@@ -318,7 +405,7 @@ def _goal_shapes(ap, args) -> list:
         shapes = [s for s in shapes if any(part in s.label for part in args.shapes)]
         if not shapes:
             ap.error(f"--shapes: expected parts of goal shape labels, got {args.shapes}")
-    return shapes
+    return [*shapes, *args.dense_shapes]
 
 
 def _dense_sweep(r: _Runner, heads, quick: bool) -> None:
@@ -380,8 +467,8 @@ def _fanin_sweep(r: _Runner, heads, quick: bool) -> None:
 def main(argv=None) -> int:
     ap = _parser()
     args = parse_bench_args(ap, argv)
-    if (args.tiles or args.shapes) and not (args.goals or args.tiny):
-        ap.error("--tiles and --shapes: expected with --goals or --tiny")
+    if (args.tiles or args.shapes or args.dense_shapes) and not (args.goals or args.tiny):
+        ap.error("--tiles, --shapes and --dense-shapes: expected with --goals or --tiny")
     use_interpreter_without_cuda()
     r = _Runner(args)
     only = set(args.only)
