@@ -1,7 +1,7 @@
 """The measuring the demo's and the Hugging Face session's calibrations share
 (:mod:`mqnc.serving.calibration_samples`) and the lines they fit
-(:mod:`mqnc.cost.calibration_fits`): the
-fits against known lines, the loop's order, and each measurement against a loopback requester
+(:mod:`mqnc.cost.calibration_fits`): the fits against known lines, the loop's order, and each
+measurement against a loopback requester
 (torch kernels) for its structure and for leaving the requester's pool as it found it. Nothing
 here depends on how fast anything runs."""
 

@@ -37,8 +37,7 @@ the machine's wake penalty (:func:`_wake_cases`)
     work runs right after a wake, where every call's host work runs.
 
 The goals (perf/speed_targets.py): loopback probe <= 3x ``cond``; gloo probe <= 2x ``gloo_1B``;
-route1 <=
-1.5x the probe; route256 <= 2x the probe plus the bytes at the floor's bandwidth
+route1 <= 1.5x the probe; route256 <= 2x the probe plus the bytes at the floor's bandwidth
 (``cond_payload - cond`` or ``gloo_payload - gloo_1B``). The routes less the echo round trips
 of the same size give the cost model's host term (§5.3, :func:`mqnc.cost.fit_host`). Medians,
 p90 and the ratios are printed and recorded (``bench="host"``: each case's p20/p50/p80 in us;

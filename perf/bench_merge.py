@@ -11,8 +11,7 @@ GPU it times the Triton kernel; on the CPU the torch fp32 reference path
 ``--goals`` times the production goal shapes instead (``_variants.GOALS``: M 8 over 256 rows,
 <= 8 us, and the two-way fold, bf16 ``[M, 16, 16, 512]``), recording ``extra.shape`` for
 ``mqnc/measure/kernel_report.py --measured``; ``--tiny`` (the dry run of ``perf/gpu_check.sh``)
-times
-the goal shapes cut to 2 of their 16 tokens with the Triton kernel even without a GPU
+times the goal shapes cut to 2 of their 16 tokens with the Triton kernel even without a GPU
 (interpreted; by default two repetitions, no warm-up).
 
 Timing is ``mqnc.measure.time_kernel`` (``extra.timing``): on a GPU the kernel (``check_lse``

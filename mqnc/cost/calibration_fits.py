@@ -16,10 +16,9 @@ drowns in noise) the route's fixed part is still known: the smallest round trip 
 (and less its rows' bytes at the bulk pull's rate, when that was measured), and the rows' bytes
 move at the bulk rate.
 
-The calibrations that time calls through a requester (the demo's and the Hugging Face
-session's, :mod:`mqnc.serving.calibration_samples`) fit their other lines here too:
-:func:`theil_sen`
-and :func:`robust_affine` (the holder's kernel call over its work, fetch's pull over its bytes,
+The calibrations that time calls through a requester (the demo's and the Hugging Face session's,
+:mod:`mqnc.serving.calibration_samples`) fit their other lines here too: :func:`theil_sen` and
+:func:`robust_affine` (the holder's kernel call over its work, fetch's pull over its bytes,
 :func:`fit_pull`), and :func:`bulk_rate_gbps` turns a timed transfer into a rate (``mqnc
 calibrate``'s bulk pull as well).
 

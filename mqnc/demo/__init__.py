@@ -47,8 +47,7 @@ constants), :mod:`~mqnc.demo.step` (decide and execute one decode step),
 :mod:`~mqnc.demo.run` (all of it in order). The command is registered by :mod:`mqnc.cli.cmd_demo`.
 
 ``mqnc demo --hf`` (:mod:`mqnc.demo.hf_demo`, :func:`run_hf_demo`) runs a Hugging Face DeepSeek
-model
-generating over holders (:mod:`mqnc.integrations.hf`) the same way, with the same table.
+model generating over holders (:mod:`mqnc.integrations.hf`) the same way, with the same table.
 """
 
 from __future__ import annotations

@@ -7,9 +7,8 @@ What is measured (only what the profile lacks). Each measurement discards warm-u
 median of its repetitions and interleaves what it compares (a slow spell of the machine then
 touches every size or shape alike, not one end of a line); lines are Theil-Sen fits
 (:func:`mqnc.cost.theil_sen`: medians of pairwise slopes), which one descheduled call does not
-move. The probes, the route sweep, the fetches and the merge are timed as the Hugging Face
-session's are (:mod:`mqnc.serving.calibration_samples`, with this module's counts); the waves and
-the
+move. The probes, the route sweep, the fetches and the merge are timed as the Hugging Face session's
+are (:mod:`mqnc.serving.calibration_samples`, with this module's counts); the waves and the
 re-prefill are the demo's own. The counts are the module's constants (:data:`PROBES` ...); the
 raw samples go to ``demo.json`` (``calibration.samples``).
 

@@ -47,8 +47,7 @@ def measure_constants(
 ):
     """This machine's constants against the corpus' first holder, timed as the demo's are
     (:mod:`mqnc.serving.calibration_samples`): ``probes`` probe round trips after 5 warm-ups, a
-    route
-    sweep (1, 4, 16 query tokens of ``H`` rows, ``reps`` each in a row; affine fit, §4.3,
+    route sweep (1, 4, 16 query tokens of ``H`` rows, ``reps`` each in a row; affine fit, §4.3,
     :func:`mqnc.cost.fit_route`), one fetch spliced at a new offset (bulk pull rate and splice
     per token; the copy is evicted again, so the requester's pool is left as it was), one
     merge; the local re-prefill cost per token-layer is the context prefill's own time.

@@ -12,10 +12,9 @@ load. Unless ``bulk_tokens`` is None, one contiguous all-layer chunk pull is tim
 rate stored as ``bulk_bw_gbps`` (fetch's ``T_pull``, :func:`mqnc.cost.bulk_rate_gbps`), so
 that the profile prices fetch on the same machine.
 
-The demo's and the Hugging Face session's calibrations time their probes, routes and fetches
-through a requester (:mod:`mqnc.serving.calibration_samples`); this one times the bare transport
-against
-an echo holder (the sweep every benchmark of the transport shares,
+The demo's and the Hugging Face session's calibrations time their probes, routes and fetches through
+a requester (:mod:`mqnc.serving.calibration_samples`); this one times the bare transport against an
+echo holder (the sweep every benchmark of the transport shares,
 :func:`mqnc.measure.sweep.route_sweep`), so it shares their fit and rate, not their harness.
 
 Then the package's own path (its host software is part of a route's cost): a real

@@ -4,8 +4,7 @@
 - :mod:`mqnc.reference.attention_ref`: partial absorbed-MLA attention, dense paged and sparse top-k.
 - :mod:`mqnc.reference.rope_ref`: RoPE encoding at positions, the delta rotation, the splice.
 - :mod:`mqnc.reference.torch_backend`: the kernel ops' ``"torch"`` backend (one implementation per
-op,
-  from the op's call), registered by ``mqnc.serving.compute``.
+  op, from the op's call), registered by ``mqnc.serving.compute``.
 """
 
 from mqnc.reference.attention_ref import (

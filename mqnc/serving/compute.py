@@ -13,11 +13,10 @@ bound to a backend, under the kernels' own names and signatures:
 ``"torch"``
     the same ops on their ``"torch"`` backend (:data:`ReferenceOps`): the fp64 references of
     :mod:`mqnc.reference.torch_backend`, registered here (this layer may import both), rounded once
-    to the
-    kernels' output dtypes (``o`` in the query's dtype, ``lse`` float32, rotated and spliced
+    to the kernels' output dtypes (``o`` in the query's dtype, ``lse`` float32, rotated and spliced
     rows in the input's / pool's dtype). For tests and CPU runs that exercise the serving logic
-    (transport, batching, fallback, an external model's decode loop) rather than the kernels:
-    the Triton interpreter takes ~0.1 s per merge on a CPU, the reference well under 1 ms.
+    (transport, batching, fallback, an external model's decode loop) rather than the kernels: the
+    Triton interpreter takes ~0.1 s per merge on a CPU, the reference well under 1 ms.
 
 Shapes, dtypes and the LSE base (natural log) are the kernels'; see their docstrings.
 """
