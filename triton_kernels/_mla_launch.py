@@ -566,23 +566,26 @@ class AttentionPlan:
         """Launch on new inputs, passed as to the function that made the plan; returns
         ``(o, lse)`` (``out``: contiguous tensors of the planned output shapes and dtypes,
         sharing memory with no input and not with each other)."""
-        tensors = self._bind(*args, **kwargs)
-        for name, t, want in zip(self.names, tensors, self._planned, strict=True):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-            got = _signature(t)
-            if got != want:
-                raise ValueError(
-                    f"{name}: expected shape {want[0]}, strides {want[1]}, {want[2]} on "
-                    f"{want[3]} (as planned), got shape {got[0]}, strides {got[1]}, {got[2]} "
-                    f"on {got[3]}"
-                )
+        return self._launch(self._bind(*args, **kwargs), out, planned_on=False)
+
+    def run_planned(self, *args, out: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
+        """:meth:`run` on the very tensors the plan was made from, whose ``out`` its caller has
+        already checked for shared memory (the op's own call: planned, then launched once);
+        ``out``'s shapes, dtypes and device are still checked against the plan."""
+        return self._launch(self._bind(*args, **kwargs), out, planned_on=True)
+
+    def _launch(self, tensors: tuple, out, *, planned_on: bool):
+        """The launches on ``tensors``; unless ``planned_on``, each first compared with what
+        the plan was made from and ``out`` checked for shared memory with them."""
+        if not planned_on:
+            self._check_planned(tensors)
         if out is None:
             o = new_output(self._o[0], self._o[1], self._device)
             lse = new_output(self._lse, torch.float32, self._device)
         else:
             o, lse = self._check_out(out)
-            check_no_overlap((o, lse), dict(zip(self.names, tensors, strict=True)))
+            if not planned_on:
+                check_no_overlap((o, lse), dict(zip(self.names, tensors, strict=True)))
         if not self.launches:
             return o, lse
         if self._split:
@@ -603,6 +606,19 @@ class AttentionPlan:
                     o_part, lse_part, o, lse, lse, *combine.args[5:], **combine.kwargs
                 )
         return o, lse
+
+    def _check_planned(self, tensors: tuple) -> None:
+        """Each of ``tensors`` of the shape, strides, dtype and device the plan was made for."""
+        for name, t, want in zip(self.names, tensors, self._planned, strict=True):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            got = _signature(t)
+            if got != want:
+                raise ValueError(
+                    f"{name}: expected shape {want[0]}, strides {want[1]}, {want[2]} on "
+                    f"{want[3]} (as planned), got shape {got[0]}, strides {got[1]}, {got[2]} "
+                    f"on {got[3]}"
+                )
 
     def _check_out(self, out) -> tuple[torch.Tensor, torch.Tensor]:
         """``out`` as the kernels write it: contiguous ``o`` and ``lse`` of the planned shapes,

@@ -432,8 +432,9 @@ class KernelOp:
     def planner(self, build):
         """Decorator: ``build(call) -> plan`` plans this op (every check, the split choice);
         returns the plan function (this op's signature without ``out``, ``build``'s name and
-        docstring). The op's triton implementation becomes ``build(call).run(<the tensor
-        arguments, keyword-only ones by keyword>, out=call.out)``."""
+        docstring). The op's triton implementation becomes ``build(call).run_planned(<the
+        tensor arguments, keyword-only ones by keyword>, out=call.out)``: the plan launched on
+        the tensors it was made from, ``out`` already checked by the op for shared memory."""
         pos = [p.name for p in self.params if p.tensor and not p.kwonly]
         kw = [p.name for p in self.params if p.tensor and p.kwonly]
 
@@ -445,7 +446,8 @@ class KernelOp:
 
         def run(call):
             tensors = {n: getattr(call, n) for n in kw}
-            return build(call).run(*(getattr(call, n) for n in pos), **tensors, out=call.out)
+            plan = build(call)
+            return plan.run_planned(*(getattr(call, n) for n in pos), **tensors, out=call.out)
 
         self.implementation(DEFAULT_BACKEND)(run)
         self.function().__module__ = build.__module__
