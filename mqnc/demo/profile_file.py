@@ -27,16 +27,7 @@ __all__ = ["DEMO_PROFILE", "COMPUTE_TERMS", "DEMO_TERMS", "LoadedProfile", "load
 DEMO_PROFILE = DEMO_PROFILE_KIND
 """The ``kind`` of a version-0 demo profile file (the versioned schema has none)."""
 
-COMPUTE_TERMS = (
-    "send_us",
-    "send_alone_us",
-    "compute_fixed_us",
-    "compute_us_per_row_token",
-    "host_us",
-    "splice_us_per_token",
-    "scatter_us_per_token",
-    "merge_us",
-)
+COMPUTE_TERMS = tuple(t for t in MEASURED_TERMS if t not in ("fetch_fixed_us", "c_us"))
 """The demo terms computed by the kernels (``--kernels``) on the device: measured again when a
 profile was measured with other kernels or on another device. A send rotates the query; the
 splice re-rotates and writes a fetched chunk into the pool, the scatter only writes it (a chunk
