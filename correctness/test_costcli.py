@@ -394,3 +394,27 @@ def test_fit_save_only_flags_without_save_are_an_error(tmp_path, capsys, flag):
     rc, out, err = run(capsys, "fit", str(path), *flag)
     assert rc == 2 and not out
     assert f"{flag[0]}: only applies with --save" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--m-q", "256", "--c-t", "2048"],
+        ["--m-q", "1024", "--topk", "2048", "--holders", "7", "--host-overhead"],
+    ],
+)
+def test_predict_prints_the_decisions_own_explanation(capsys, argv):
+    """One formatter: ``mqnc predict``'s table is ``Decision.explain()`` of the decision its
+    ``--json`` describes, and the JSON's wire bytes are the decision's."""
+    from mqnc.cost import HOST_PAPER
+
+    rc, out, _ = run(capsys, "predict", "--json", *argv)
+    got = json.loads(out)
+    i = got["inputs"]
+    kw = dict(topk=i["topk"], holders=i["holders"])
+    if "--host-overhead" in argv:
+        kw["host"] = HOST_PAPER
+    d = pr.decide(get_preset(i["model"]), get_fabric(i["fabric"]), i["m_q"], i["c_t"], **kw)
+    rc, table, _ = run(capsys, "predict", *argv)
+    assert rc == 0 and table == d.explain() + "\n"
+    assert got["wire"] == pytest.approx(d.wire)

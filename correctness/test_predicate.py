@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -380,3 +381,32 @@ def test_request_and_decide_errors_name_the_argument():
     assert cm.Request(1, 2, moved=np.int64(3) != 0).moved is True  # a numpy bool is a bool
     with pytest.raises(TypeError, match="congestion: expected a Congestion"):
         cm.Request(1, 2, congestion=0.5)
+
+
+def test_decision_explains_itself_as_mqnc_predict_prints_it():
+    """``str(decision)`` / ``explain()``: the request, each primitive's total and every term
+    (the terms sum to the total), the choice marked, the margin and one layer's wire bytes;
+    ``repr`` is one line with the totals rounded."""
+    d = pr.decide(V2, IBGDA, 256, 2048, host=cm.HostOverhead(10.0, 0.25), allow=("route", "fetch"))
+    text = d.explain()
+    assert str(d) == text
+    lines = text.splitlines()
+    assert lines[0] == "model deepseek-v2-lite  fabric h100-ibgda  M_q 256  c_t 2048"
+    rows = {line[1:].split()[0]: line for line in lines[2:5]}
+    assert rows["route"][0] == "*" and rows["fetch"][0] == " " and rows["local"][0] == "-"
+    for name, line in rows.items():
+        total, *terms = [float(v) for v in re.findall(r"(?<![\w.])(\d+\.\d)(?![\d])", line)]
+        assert total == pytest.approx(d.costs[name], abs=0.05), line
+        if name != "local":  # local's numbers are its band, not terms
+            assert total == pytest.approx(sum(terms), abs=0.05 * len(terms)), line
+    assert f"+ host {d.route.host:.1f}" in rows["route"]
+    assert lines[5] == f"decision: route (runner-up fetch by {d.margin_us:.1f} us " + (
+        f"({d.margin_ratio:.1f}x))"
+    )
+    assert "559,104 B vs chunk 2,359,296 B (76.3% fewer); break-even M_q = 1080.3" in lines[6]
+    assert d.wire["break_even_rows"] == pytest.approx(pr.wire_break_even_rows(V2, 2048))
+    assert "\n" not in repr(d) and "primitive='route'" in repr(d)
+    assert f"'route': {d.route.total:.1f}" in repr(d)
+    sel = pr.decide(V2, IBGDA, 256, 2048, topk=2048, holders=7, allow=("fetch",))
+    assert "top-k 2048 over 7 holder(s)" in str(sel) and "gather" in str(sel)
+    assert "decision: fetch (only allowed primitive)" in str(sel)

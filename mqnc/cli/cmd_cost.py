@@ -33,7 +33,6 @@ from mqnc.cost import (
     decide,
     load_profile,
     t_local_range,
-    wire_break_even_rows,
     wire_byte_saving,
 )
 from mqnc.measure.options import (
@@ -237,67 +236,8 @@ def _check_flags(args) -> None:
 def _predict(args) -> int:
     geometry, profile, request = _resolve(args)
     d = decide(geometry, profile, request)
-    if args.json:
-        out = d.to_dict()
-        out["wire"] = dict(
-            route_bytes_per_layer=args.m_q * geometry.qp_row_bytes,
-            chunk_bytes_per_layer=args.c_t * geometry.kv_bytes_per_token_layer,
-            saving=wire_byte_saving(geometry, args.m_q, args.c_t),
-            break_even_rows=wire_break_even_rows(geometry, args.c_t),
-        )
-        print(json.dumps(out, indent=2))
-        return 0
-    _print_decision(args, d, geometry, profile)
+    print(json.dumps(d.to_dict(), indent=2) if args.json else d.explain())
     return 0
-
-
-def _print_decision(args, d, geometry, profile) -> None:
-    r, f = d.route, d.fetch
-    print(
-        f"model {geometry.name}  fabric {profile.name}  M_q {args.m_q:g}  c_t {args.c_t:g}"
-        + (f"  top-k {args.topk} over {args.holders} holder(s)" if args.topk else "")
-    )
-    rows = [
-        (
-            "route",
-            r.total,
-            f"probe {r.probe:.1f} + turnaround {r.turnaround:.1f} + transfer "
-            f"{r.transfer:.1f} + return {r.return_:.1f} + compute {r.compute:.1f} + merge "
-            f"{r.merge:.1f}" + (f" + host {r.host:.1f}" if args.host_overhead or r.host else ""),
-        ),
-        (
-            "fetch",
-            f.total,
-            (
-                f"gather {f.pull:.1f} (no splice, §5.4)"
-                if f.selection
-                else f"pull {f.pull:.1f} + splice {f.splice:.1f} ({d.inputs['splice']})"
-            ),
-        ),
-        (
-            "local",
-            d.local_us,
-            f"c_t L c, band {d.local_range_us[0]:.1f} .. "
-            f"{d.local_range_us[1]:.1f} over c in [0.5, 1.5] us",
-        ),
-    ]
-    print(f"{'primitive':<10} {'total (us)':>12}  terms (us)")
-    for name, total, terms in rows:
-        mark = "*" if name == d.primitive else (" " if name in d.allowed else "-")
-        print(f"{mark}{name:<9} {total:>12.1f}  {terms}")
-    runner = (
-        f"runner-up {d.runner_up} by {d.margin_us:.1f} us ({d.margin_ratio:.1f}x)"
-        if d.runner_up
-        else "only allowed primitive"
-    )
-    print(f"decision: {d.primitive} ({runner})")
-    saving = wire_byte_saving(geometry, args.m_q, args.c_t)
-    print(
-        f"wire bytes per layer: route {args.m_q * geometry.qp_row_bytes:,.0f} B vs chunk "
-        f"{args.c_t * geometry.kv_bytes_per_token_layer:,.0f} B ({100 * saving:.1f}% "
-        f"{'fewer' if saving >= 0 else 'more'}); break-even M_q = "
-        f"{wire_break_even_rows(geometry, args.c_t):.1f}"
-    )
 
 
 # ---- crossover ---------------------------------------------------------------------------------

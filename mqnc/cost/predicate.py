@@ -107,6 +107,13 @@ class Decision:
         ``T_local`` at the chosen ``c``; ``local_range_us`` the band over c in [0.5, 1.5].
     inputs : dict
         The request shape and model/fabric names the decision was made for.
+    wire : dict
+        One layer's wire bytes: ``route_bytes_per_layer`` (``M_q (q + p)``),
+        ``chunk_bytes_per_layer`` (``c_t b_KV``), ``saving`` (the fraction route saves) and
+        ``break_even_rows`` (§5.2).
+
+    ``str(decision)`` and :meth:`explain` give the readable table ``mqnc predict`` prints (one
+    formatter); ``repr`` is one line with the totals rounded to 0.1 us.
     """
 
     primitive: str
@@ -119,11 +126,31 @@ class Decision:
     local_range_us: tuple[float, float]
     allowed: tuple[str, ...]
     inputs: dict[str, Any]
+    wire: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def costs(self) -> dict[str, float]:
         """Total cost of each primitive (us), allowed or not."""
         return {"route": self.route.total, "fetch": self.fetch.total, "local": self.local_us}
+
+    def explain(self) -> str:
+        """The decision as the table ``mqnc predict`` prints: the request, each primitive's
+        total and terms (us; ``*`` the choice, ``-`` a primitive not allowed), the decision with
+        its margin, and one layer's wire bytes."""
+        return "\n".join(_explain_lines(self))
+
+    def __str__(self) -> str:
+        return self.explain()
+
+    def __repr__(self) -> str:
+        costs = ", ".join(f"{k!r}: {v:.1f}" for k, v in self.costs.items())
+        return (
+            f"Decision(primitive={self.primitive!r}, costs_us={{{costs}}}, "
+            f"runner_up={self.runner_up!r}, margin_us={self.margin_us:.1f})"
+        )
+
+    def _repr_pretty_(self, printer, cycle) -> None:  # IPython / Jupyter: the table
+        printer.text(self.explain())
 
     def to_dict(self) -> dict[str, Any]:
         return dict(
@@ -139,7 +166,52 @@ class Decision:
             ),
             allowed=list(self.allowed),
             inputs=self.inputs,
+            wire=self.wire,
         )
+
+
+def _explain_lines(d: Decision) -> list[str]:
+    """:meth:`Decision.explain`'s lines."""
+    r, f, i = d.route, d.fetch, d.inputs
+    head = f"model {i['model']}  fabric {i['fabric']}  M_q {i['m_q']:g}  c_t {i['c_t']:g}"
+    if i.get("topk"):
+        head += f"  top-k {i['topk']} over {i['holders']} holder(s)"
+    route = (
+        f"probe {r.probe:.1f} + turnaround {r.turnaround:.1f} + transfer {r.transfer:.1f} + "
+        f"return {r.return_:.1f} + compute {r.compute:.1f} + merge {r.merge:.1f}"
+        + (f" + host {r.host:.1f}" if r.host else "")
+    )
+    fetch = (
+        f"gather {f.pull:.1f} (no splice, §5.4)"
+        if f.selection
+        else f"pull {f.pull:.1f} + splice {f.splice:.1f} ({i['splice']})"
+    )
+    lo, hi = d.local_range_us
+    local = f"c_t L c, band {lo:.1f} .. {hi:.1f} over c in [0.5, 1.5] us"
+    lines = [head, f"{'primitive':<10} {'total (us)':>12}  terms (us)"]
+    for name, total, terms in (
+        ("route", r.total, route),
+        ("fetch", f.total, fetch),
+        ("local", d.local_us, local),
+    ):
+        mark = "*" if name == d.primitive else (" " if name in d.allowed else "-")
+        lines.append(f"{mark}{name:<9} {total:>12.1f}  {terms}")
+    runner = (
+        f"runner-up {d.runner_up} by {d.margin_us:.1f} us ({d.margin_ratio:.1f}x)"
+        if d.runner_up
+        else "only allowed primitive"
+    )
+    lines.append(f"decision: {d.primitive} ({runner})")
+    w = d.wire
+    if w:
+        saving = w["saving"]
+        lines.append(
+            f"wire bytes per layer: route {w['route_bytes_per_layer']:,.0f} B vs chunk "
+            f"{w['chunk_bytes_per_layer']:,.0f} B ({100 * saving:.1f}% "
+            f"{'fewer' if saving >= 0 else 'more'}); break-even M_q = "
+            f"{w['break_even_rows']:.1f}"
+        )
+    return lines
 
 
 def _check_geometry(geometry) -> None:
@@ -304,6 +376,12 @@ def decide(
         t_local_range(geometry, request.c_t),
         request.allow,
         inputs,
+        dict(
+            route_bytes_per_layer=request.m_q * geometry.qp_row_bytes,
+            chunk_bytes_per_layer=request.c_t * geometry.kv_bytes_per_token_layer,
+            saving=wire_byte_saving(geometry, request.m_q, request.c_t),
+            break_even_rows=wire_break_even_rows(geometry, request.c_t),
+        ),
     )
 
 
