@@ -40,7 +40,12 @@ from mqnc.triton_kernels.flashinfer_api import (
     merge_states,
     mla_paged_attention,
 )
-from mqnc.triton_kernels.flashmla_api import mla_decode_with_kvcache, mla_sparse_with_kvcache
+from mqnc.triton_kernels.flashmla_api import (
+    flashmla_from_partial,
+    mla_decode_with_kvcache,
+    mla_sparse_with_kvcache,
+    partial_from_flashmla,
+)
 from mqnc.triton_kernels.splice import PlainRope
 
 D_QK, D_V = 576, 512
@@ -180,6 +185,58 @@ def test_outputs_are_laid_out_as_the_libraries_return_them():
     assert_close(lse_e, lse2 * math.log(2), tolerance("mla_lse", "float32"), name="lse base e")
     with pytest.raises(TypeError, match="return_lse_base_on_e: expected a bool"):
         mla_paged_attention(*args, sm_scale=SCALE, return_lse=True, return_lse_base_on_e=1)
+
+
+def test_flashmla_outputs_to_the_merge_and_back():
+    """FlashMLA's documented return values (``flash_mla_with_kvcache``: ``out [batch_size,
+    seq_len_q, num_heads_q, head_dim_v]``, ``softmax_lse [batch_size, num_heads_q, seq_len_q]``
+    float32) as the merge's partials ``[b * s_q, h, d_v]`` / ``[b * s_q, h]`` (row
+    ``b_i * s_q + i``) and back, element for element; FlashMLA's empty-row ``+inf`` kept."""
+    b, s_q, h, d_v = 2, 3, 4, 8
+    o = torch.arange(b * s_q * h * d_v, dtype=torch.float32).view(b, s_q, h, d_v).bfloat16()
+    lse = torch.arange(b * h * s_q, dtype=torch.float32).view(b, h, s_q)
+    lse[1, 2, 0] = float("inf")
+    o2, lse2 = partial_from_flashmla(o, lse)
+    assert o2.shape == (b * s_q, h, d_v) and lse2.shape == (b * s_q, h)
+    assert o2.dtype == torch.bfloat16 and lse2.dtype == torch.float32 and lse2.is_contiguous()
+    for bi in range(b):
+        for i in range(s_q):
+            assert torch.equal(o2[bi * s_q + i], o[bi, i])
+            assert torch.equal(lse2[bi * s_q + i], lse[bi, :, i])
+    o4, lse3 = flashmla_from_partial(o2, lse2, s_q)
+    assert torch.equal(o4, o) and torch.equal(lse3, lse) and lse3.is_contiguous()
+    assert flashmla_from_partial(o2, lse2)[1].shape == (b * s_q, h, 1)  # s_q = 1: one per row
+    bad = [
+        (lambda: partial_from_flashmla(o2, lse), ValueError, "o: expected 4 dims"),
+        (lambda: partial_from_flashmla(o, lse.double()), TypeError, "lse: invalid dtype"),
+        (lambda: partial_from_flashmla(o, lse.transpose(1, 2)), ValueError, "lse: expected shape"),
+        (lambda: partial_from_flashmla(o.int(), lse), TypeError, "o: invalid dtype"),
+        (lambda: flashmla_from_partial(o2, lse2, 4), ValueError, "expected b \\* s_q rows"),
+        (lambda: flashmla_from_partial(o2, lse2, True), TypeError, "s_q: expected an int"),
+        (lambda: flashmla_from_partial(o2, lse2[:, :2], 3), ValueError, "lse: expected shape"),
+        (lambda: flashmla_from_partial(o2, lse2[None], 3), ValueError, "lse: expected 2 dims"),
+    ]
+    for call, kind, needle in bad:
+        with pytest.raises(kind, match=needle):
+            call()
+
+
+def test_flashmla_layout_partials_merge_to_one_call():
+    """Three holders each attend one page of every sequence in FlashMLA's layout (``s_q = 2``);
+    their outputs, converted by ``partial_from_flashmla``, merge to one call over all pages."""
+    gen = torch.Generator().manual_seed(13)
+    pool, table, lens = paged([40, 23], 16, torch.float32, gen)
+    b, s_q, h = 2, 2, 4
+    q = queries(b * s_q, h, torch.float32, gen).view(b, s_q, h, D_QK)
+
+    def partial(t, n):
+        return partial_from_flashmla(*mla_decode_with_kvcache(q, pool, t, n, softmax_scale=SCALE))
+
+    one = partial(table, lens)
+    parts = [partial(table[:, j : j + 1], (lens - 16 * j).clamp(0, 16)) for j in range(3)]
+    o, lse = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    assert_close(o, one[0], tolerance("mla_routed", torch.float32), name="o")
+    assert_close(lse, one[1], tolerance("mla_lse", "float32"), name="lse")
 
 
 # ---- page size 1 and CSR page tables (SGLang, FlashInfer) ----------------------------------

@@ -30,7 +30,13 @@ from __future__ import annotations
 
 import torch
 
-from mqnc.triton_kernels._checks import argument_names, check_flags, check_tensor
+from mqnc.triton_kernels._checks import (
+    argument_names,
+    check_flags,
+    check_int,
+    check_same_device,
+    check_tensor,
+)
 from mqnc.triton_kernels._mla_launch import AttentionPlan
 from mqnc.triton_kernels.mla_decode import PagedLayout, checked_plan
 from mqnc.triton_kernels.mla_sparse import check_index_range, plan_mla_sparse
@@ -40,6 +46,8 @@ __all__ = [
     "plan_mla_with_kvcache",
     "FlashMLAPlan",
     "mla_sparse_with_kvcache",
+    "partial_from_flashmla",
+    "flashmla_from_partial",
 ]
 
 
@@ -81,6 +89,72 @@ def _flashmla_outputs(o: torch.Tensor, lse: torch.Tensor, b: int, s_q: int, cont
     h = o.shape[1]
     lse = lse.view(b, s_q, h).transpose(1, 2)
     return o.view(b, s_q, h, o.shape[2]), (lse.contiguous() if contiguous else lse)
+
+
+_O_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def partial_from_flashmla(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's output layout as the merge's: one partial per query row.
+
+    ``flash_mla_with_kvcache`` (and :func:`mla_decode_with_kvcache`,
+    :func:`mla_sparse_with_kvcache`) return ``o [b, s_q, h_q, d_v]`` and ``lse [b, h_q, s_q]``;
+    :func:`mqnc.triton_kernels.merge_partials` takes partials ``[B, H, D]`` / ``[B, H]`` (stacked
+    to ``[M, B, H, D]`` / ``[M, B, H]``) with ``B = b * s_q`` query rows, row ``b_i * s_q + i``.
+
+    Parameters
+    ----------
+    o : torch.Tensor
+        ``[b, s_q, h_q, d_v]``, bf16 / fp16 / fp32.
+    lse : torch.Tensor
+        ``[b, h_q, s_q]`` float32, natural log (FlashMLA's and mqnc's; an empty row's ``+inf``,
+        FlashMLA's, or ``-inf``, mqnc's, is kept: the merge reads both as empty).
+
+    Returns
+    -------
+    o : torch.Tensor
+        ``[b * s_q, h_q, d_v]``, ``o``'s dtype (a view when ``o``'s strides allow one).
+    lse : torch.Tensor
+        ``[b * s_q, h_q]`` float32, contiguous (a copy of ``b * h_q * s_q`` floats unless
+        ``s_q == 1``).
+    """
+    check_tensor("o", o, ndim=4, dtypes=_O_DTYPES)
+    b, s_q, h, _ = o.shape
+    check_tensor("lse", lse, ndim=3, dtypes=(torch.float32,), shape=(b, h, s_q))
+    check_same_device(o=o, lse=lse)
+    return o.reshape(b * s_q, h, o.shape[3]), lse.transpose(1, 2).reshape(b * s_q, h)
+
+
+def flashmla_from_partial(
+    o: torch.Tensor, lse: torch.Tensor, s_q: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge's layout as FlashMLA's: the inverse of :func:`partial_from_flashmla`.
+
+    Parameters
+    ----------
+    o : torch.Tensor
+        ``[b * s_q, h_q, d_v]``, bf16 / fp16 / fp32 (a merged or a single partial).
+    lse : torch.Tensor
+        ``[b * s_q, h_q]`` float32, natural log.
+    s_q : int
+        Query tokens per sequence (FlashMLA's ``seq_len_q``); ``o``'s rows must be a multiple.
+
+    Returns
+    -------
+    o : torch.Tensor
+        ``[b, s_q, h_q, d_v]``, ``o``'s dtype.
+    lse : torch.Tensor
+        ``[b, h_q, s_q]`` float32, contiguous (as FlashMLA's dense call returns it).
+    """
+    check_int("s_q", s_q, minimum=1)
+    check_tensor("o", o, ndim=3, dtypes=_O_DTYPES)
+    rows, h, _ = o.shape
+    check_tensor("lse", lse, ndim=2, dtypes=(torch.float32,), shape=(rows, h))
+    check_same_device(o=o, lse=lse)
+    if rows % s_q:
+        raise ValueError(f"o: expected b * s_q rows with s_q = {s_q}, got {rows} rows")
+    o4 = o.reshape(rows // s_q, s_q, h, o.shape[2])
+    return o4, lse.reshape(rows // s_q, s_q, h).transpose(1, 2).contiguous()
 
 
 class FlashMLAPlan:
