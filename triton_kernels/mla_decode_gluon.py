@@ -1,0 +1,355 @@
+"""Dense paged absorbed-MLA decode partial in Gluon for sm_90: opt-in, unverified on a GPU.
+
+The holder's compute (§3.3 of the paper) over FlashMLA's layout, written in Triton's Gluon
+(``triton.experimental.gluon``: explicit layouts, shared memory, TMA, mbarriers and async
+warpgroup MMA). Nothing in the default path calls it: it is a candidate until a GPU run checks
+it against fp64 and times it against the default ``tl`` path (``perf/gpu_gluon.sh``,
+docs/gluon-decode.md). Gluon kernels do not run in the Triton interpreter: on a CPU, under
+the interpreter, or on a GPU other than sm_90 :func:`mla_decode_gluon` checks its inputs and
+then raises ``RuntimeError``. ``import mqnc`` never imports Gluon (the kernel lives in the
+private ``_gluon_mla``, imported when a launch or a compile needs it).
+
+Schedule (one CTA = 64 query heads of one query row and one split of its cache; 8 warps, two
+warpgroups; 128 heads = two CTAs side by side on grid axis 0, reading the same pages, the
+second from L2):
+
+- **Q** ``[64, 576]`` is loaded once by TMA (nine 64 x 64 boxes) and stays in shared memory.
+- **KV ring**: ``STAGES`` stages of ``BLOCK_N`` cache entries (one 64-entry page per stage at
+  ``block_n=64``, two stages; two pages in one stage at ``block_n=128``), each page nine TMA
+  boxes of 64 x 64 bf16 (128-byte swizzle) on one mbarrier per stage. At ``block_n=64`` the
+  next block's TMA loads are issued while this block's ``QK^T`` runs and have the softmax and
+  the ``PV`` product to land.
+- **QK^T**: two async ``warpgroup_mma`` (latent K = 512 and rope K = 64) into a ``[64,
+  BLOCK_N]`` fp32 score tile laid out ``warps_per_cta [4, 2]``: each warpgroup computes the
+  scores of its own ``BLOCK_N / 2`` entries (at ``block_n=128`` its own 64-entry page, as
+  FlashMLA's warpgroups do), so no warpgroup recomputes another's product (redundancy 1.0:
+  the SASS's HGMMA multiply-accumulates equal ``64 x BLOCK_N x (576 + 512)`` per block).
+- **Softmax**: online, base 2 (the scale pre-multiplied by log2 e), fp32 running max and
+  denominator; entries past the row's length masked; the row max across both warpgroups.
+- **P exchange**: ``P`` in bf16 (as FlashMLA rounds it) is stored to shared memory over the
+  stage's rope tile (read by ``QK^T`` already): each warpgroup writes its entries' columns,
+  both read all of ``P``.
+- **PV**: one async ``warpgroup_mma`` of ``P [64, BLOCK_N]`` by the stage's latent tile
+  ``[BLOCK_N, 512]`` into the ``[64, 512]`` fp32 accumulator, ``warps_per_cta [4, 2]``: each
+  warpgroup accumulates its own half of the 512 output columns over all entries of the block.
+- **Tail**: value rows past the row's length in its last page are zeroed in shared memory once
+  (the pool's padding may hold NaN; ``0 x NaN`` would reach the output).
+- **Split-KV**: split ``s`` of ``S`` attends ``ceil(ceil(n / BLOCK_N) / S)`` blocks of the row
+  (``mla_decode``'s rule); ``S > 1`` writes fp32 partials ``[S, R, H, 512]`` / ``[S, R, H]``
+  that the package's merge kernel combines (``merge.merge_launch``), ``S = 1`` writes the
+  outputs directly. ``num_splits=None``: ``_grid.choose_num_splits`` at one CTA per SM (the
+  kernel's 221,720 B of shared memory).
+
+What is not FlashMLA's schedule, and why: both warpgroups run one instruction stream (no
+``warp_specialize``), so they meet at the row-max reduction and at the ``P`` exchange instead
+of see-sawing (one warpgroup's softmax under the other's MMA); the ``wgmma`` waits leave no
+group in flight (a loop-carried in-flight accumulator made ptxas serialize every HGMMA of the
+loop: 40 waits instead of 2, seen under triton 3.6.0), so the overlap is the TMA prefetch
+under the block's MMAs and softmax, the row-sum under ``PV``, and the page-id load and TMA
+issue under ``QK^T``. At ``block_n=128`` (each warpgroup its own page, FlashMLA's split) two
+pages fill all shared memory left beside Q, so that variant has one stage and loads the next
+block only after ``PV``: a comparison point for the GPU check, not the candidate default.
+
+Inputs: bf16 only, 576-wide rows (512 latent + 64 rope), page size 64, one KV head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+
+from mqnc.base.env import interpreting
+from mqnc.triton_kernels._checks import (
+    check_flags,
+    check_num_splits,
+    check_same_device,
+    check_softmax_scale,
+    check_tensor,
+)
+from mqnc.triton_kernels._grid import choose_num_splits, device_limits
+from mqnc.triton_kernels._launch import Launch
+from mqnc.triton_kernels._mla_launch import split_outputs, split_strides
+from mqnc.triton_kernels.merge import merge_launch
+
+__all__ = [
+    "mla_decode_gluon",
+    "gluon_decode_launches",
+    "gluon_supported",
+    "compile_gluon_decode",
+    "BLOCK_NS",
+    "PAGE",
+    "D_QK",
+    "D_V",
+]
+
+PAGE = 64  # FlashMLA's page size, the only one this kernel reads
+D_QK = 576
+D_V = 512
+BLOCK_H = 64
+BLOCK_NS = (64, 128)  # entries per block: 64 (two-stage ring, the candidate) or 128
+NUM_WARPS = 8
+LOG2E = 1.4426950408889634
+
+
+def _stages(block_n: int) -> int:
+    return 2 if block_n == 64 else 1
+
+
+def gluon_supported(device: torch.device) -> str | None:
+    """None when the Gluon kernel can launch on ``device``, else why not (a sentence)."""
+    if interpreting():
+        return "the Triton interpreter runs no Gluon kernel (TRITON_INTERPRET=1)"
+    if device.type != "cuda":
+        return f"Gluon kernels need a CUDA sm_90 device, the tensors are on {device}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        return f"the Gluon MLA kernel is written for sm_90 (Hopper), this GPU is sm_{major}{minor}"
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:
+        return f"triton {triton.__version__} has no triton.experimental.gluon"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+    q3: torch.Tensor  # [R, H, 576], rows of 576 with unit stride, 16-byte aligned
+    kv2: torch.Tensor  # [num_pages * 64, 576] view of the cache
+    table: torch.Tensor
+    lens: torch.Tensor
+    b: int
+    s_q: int
+    scale: float
+
+
+def _check(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits, block_n):
+    check_tensor("q", q, ndim=4, dtypes=(torch.bfloat16,))
+    b, s_q, h, d = q.shape
+    if d != D_QK:
+        raise ValueError(f"q: expected [b, s_q, h_q, {D_QK}] (512 latent + 64 rope), got {d}")
+    check_tensor("kv_cache", kv_cache, dtypes=(torch.bfloat16,))
+    if kv_cache.dim() == 4 and kv_cache.shape[2] == 1:
+        kv = kv_cache[:, :, 0]
+    elif kv_cache.dim() == 3:
+        kv = kv_cache
+    else:
+        raise ValueError(
+            f"kv_cache: expected [num_pages, {PAGE}, 1, {D_QK}] or [num_pages, {PAGE}, {D_QK}], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    if tuple(kv.shape[1:]) != (PAGE, D_QK):
+        raise ValueError(
+            f"kv_cache: expected pages of {PAGE} entries of {D_QK}, got {tuple(kv_cache.shape)}"
+        )
+    sp, se, sd = kv.stride()
+    if sd != 1 or sp != PAGE * se or se % 8 or kv.data_ptr() % 16:
+        raise ValueError(
+            f"kv_cache: expected its entries as rows of one 2-D tensor (strides (64 * s, s, 1), "
+            f"s a multiple of 8, 16-byte aligned; TMA reads it in place), got strides "
+            f"{kv.stride()}"
+        )
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,))
+    check_tensor("cache_seqlens", cache_seqlens, ndim=1, dtypes=(torch.int32,))
+    if block_table.shape[0] != b or cache_seqlens.shape[0] != b:
+        raise ValueError(
+            f"block_table / cache_seqlens: expected {b} rows (q's batch), got "
+            f"{block_table.shape[0]} / {cache_seqlens.shape[0]}"
+        )
+    if block_table.stride(1) != 1:
+        raise ValueError(f"block_table: expected unit stride on dim 1, got {block_table.stride()}")
+    check_same_device(q=q, kv_cache=kv_cache, block_table=block_table, cache_seqlens=cache_seqlens)
+    scale = check_softmax_scale(softmax_scale)
+    check_flags(causal=causal)
+    check_num_splits(num_splits)
+    if block_n not in BLOCK_NS:
+        raise ValueError(f"block_n: expected one of {BLOCK_NS}, got {block_n!r}")
+    q3 = q.reshape(b * s_q, h, d)
+    if q3.stride(2) != 1 or q3.stride(0) != h * q3.stride(1) or q3.stride(1) % 8:
+        q3 = q3.contiguous()
+    if q3.data_ptr() % 16:
+        q3 = q3.clone()
+    kv2 = kv.as_strided((kv.shape[0] * PAGE, D_QK), (se, 1))
+    return _Checked(q3, kv2, block_table, cache_seqlens, b, s_q, scale)
+
+
+def _choose_splits(rows: int, heads: int, max_blocks: int, block_n: int, device) -> int:
+    """The split count: ``_grid.choose_num_splits`` for this kernel at one CTA per SM (its
+    shared memory), the two head blocks of a 128-head row sharing each page's DRAM read."""
+    head_blocks = triton.cdiv(heads, BLOCK_H)
+    limits = device_limits(device)
+    return choose_num_splits(
+        rows * head_blocks,
+        triton.cdiv(max_blocks * PAGE, block_n),
+        min_tiles=1,
+        tile_bytes=block_n * D_QK * 2 // head_blocks,
+        in_bytes=BLOCK_H * D_QK * 2,
+        out_bytes=BLOCK_H * (D_V * 2 + 4),
+        split_out_bytes=BLOCK_H * (D_V * 4 + 4),
+        merge_ctas=BLOCK_H * -(-D_V * 4 // 512),
+        slots=limits.sms,
+        sms=limits.sms,
+    )
+
+
+def _descriptors(q3: torch.Tensor, kv2: torch.Tensor):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    R, H, _ = q3.shape
+    q_desc = TensorDescriptor(q3, [R * H, D_QK], [q3.stride(1), 1], [BLOCK_H, 64], layout)
+    kv_desc = TensorDescriptor(kv2, list(kv2.shape), list(kv2.stride()), [64, 64], layout)
+    return q_desc, kv_desc
+
+
+def gluon_decode_launches(
+    c: _Checked, *, causal: bool, num_splits: int | None, block_n: int
+) -> tuple[torch.Tensor, torch.Tensor, list[Launch]]:
+    """The outputs ``o [R, H, 512]`` (bf16), ``lse [R, H]`` (fp32, natural log) and the
+    launches that write them (the Gluon kernel, then the merge kernel when split), for checked
+    inputs; nothing launches here."""
+    from mqnc.triton_kernels._gluon_mla import gluon_mla_decode_kernel
+
+    R, H, _ = c.q3.shape
+    max_blocks = c.table.shape[1]
+    if num_splits is None:
+        num_splits = _choose_splits(R, H, max_blocks, block_n, c.q3.device)
+    o, lse, o_part, lse_part = split_outputs(R, H, D_V, c.q3.dtype, c.q3.device, num_splits)
+    if R * H == 0:
+        return o, lse, []
+    q_desc, kv_desc = _descriptors(c.q3, c.kv2)
+    out = "fp32-split" if num_splits > 1 else "bf16"
+    kernel = Launch(
+        name=f"mla_decode_gluon[bfloat16,64x{block_n},w8,s{_stages(block_n)},out={out}]",
+        kernel=gluon_mla_decode_kernel,
+        grid=(R * triton.cdiv(H, BLOCK_H), num_splits),
+        args=(
+            q_desc,
+            kv_desc,
+            c.table,
+            c.lens,
+            o_part,
+            lse_part,
+            H,
+            max_blocks,
+            c.table.stride(0),
+            num_splits,
+            *split_strides(o_part, lse_part),
+            c.scale * LOG2E,
+        ),
+        kwargs=dict(
+            S_Q=c.s_q,
+            CAUSAL=causal,
+            BLOCK_N=block_n,
+            STAGES=_stages(block_n),
+            num_warps=NUM_WARPS,
+        ),
+    )
+    launches = [kernel]
+    if num_splits > 1:
+        launches.append(merge_launch(o_part, lse_part, o, lse))
+    return o, lse, launches
+
+
+def mla_decode_gluon(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    softmax_scale: float,
+    causal: bool = False,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    check_inputs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense paged partial attention in FlashMLA's layout, by the Gluon kernel (module
+    docstring: the schedule). Opt-in and unverified until a GPU run checks it against fp64.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[b, s_q, h_q, 576]`` bf16 absorbed query rows (512 latent + 64 rope), unit stride on
+        the last dim.
+    kv_cache : torch.Tensor
+        ``[num_pages, 64, 1, 576]`` (FlashMLA's) or ``[num_pages, 64, 576]`` bf16, its entries
+        rows of one 2-D tensor (read in place by TMA).
+    block_table : torch.Tensor
+        ``[b, max_blocks]`` int32 page ids, one row per sequence (shared by its ``s_q`` rows);
+        entries past a row's length are never read.
+    cache_seqlens : torch.Tensor
+        ``[b]`` int32 entries per sequence, at most ``64 * max_blocks``.
+    softmax_scale : float
+        The model's scale, required.
+    causal : bool
+        FlashMLA's rule: query token ``i`` of ``s_q`` attends the first
+        ``cache_seqlens[b] - s_q + i + 1`` entries.
+    num_splits : int or None
+        Splits of each row's cache (None: the split policy, one CTA per SM).
+    block_n : int
+        64 (two-stage TMA ring, the candidate) or 128 (each warpgroup its own page, one stage).
+    check_inputs : bool
+        Check every length against the table's capacity (one device sync).
+
+    Returns
+    -------
+    o : torch.Tensor
+        ``[b, s_q, h_q, 512]`` bf16.
+    lse : torch.Tensor
+        ``[b, h_q, s_q]`` float32, natural log, contiguous (FlashMLA's); ``-inf`` for a row with
+        nothing to attend (``o = 0`` there).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument, named.
+    RuntimeError
+        No CUDA sm_90 device (a CPU, the interpreter, another GPU) or no Gluon in this triton.
+    """
+    c = _check(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits, block_n)
+    why = gluon_supported(q.device)
+    if why is not None:
+        raise RuntimeError(f"mla_decode_gluon: {why}; the default path is mla_decode_with_kvcache")
+    if check_inputs and c.lens.numel():
+        lo, hi = int(c.lens.min()), int(c.lens.max())
+        if lo < 0 or hi > c.table.shape[1] * PAGE:
+            raise ValueError(
+                f"cache_seqlens: expected 0 .. {c.table.shape[1] * PAGE} (block_table's "
+                f"capacity), got {lo} .. {hi}"
+            )
+    o, lse, launches = gluon_decode_launches(
+        c, causal=causal, num_splits=num_splits, block_n=block_n
+    )
+    for launch in launches:
+        launch()
+    h = q.shape[2]
+    o4 = o.view(c.b, c.s_q, h, D_V)
+    return o4, lse.view(c.b, c.s_q, h).transpose(1, 2).contiguous()
+
+
+def compile_gluon_decode(
+    *, batch: int, heads: int, max_blocks: int, num_splits: int, block_n: int = 64
+):
+    """Compile the Gluon kernel for sm_90 exactly as a launch at these values would (the
+    launch's own arguments through ``JITFunction.warmup`` under ``_compile``'s compile-only
+    driver; CPU tensors stand in, only their dtypes, shapes and alignment matter). Returns
+    ``(launch name, CompiledKernel)``. Needs ``TRITON_INTERPRET=0`` and triton 3.6's Gluon."""
+    from mqnc.triton_kernels._compile import _compile_only
+
+    num_pages = max(batch * max_blocks, 1)
+    c = _check(
+        torch.empty(batch, 1, heads, D_QK, dtype=torch.bfloat16),
+        torch.empty(num_pages, PAGE, 1, D_QK, dtype=torch.bfloat16),
+        torch.zeros(batch, max_blocks, dtype=torch.int32),
+        torch.zeros(batch, dtype=torch.int32),
+        D_QK**-0.5,
+        False,
+        num_splits,
+        block_n,
+    )
+    _, _, launches = gluon_decode_launches(c, causal=False, num_splits=num_splits, block_n=block_n)
+    ln = launches[0]
+    with _compile_only(90):
+        return ln.name, ln.kernel.warmup(*ln.args, grid=ln.grid, **ln.kwargs)
