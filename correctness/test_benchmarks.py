@@ -261,7 +261,8 @@ def test_bench_holder_cpu(tmp_path, capsys):
     "bench, argv, expect",
     [
         ("bench_merge", ["--quick", "--reps", "2"], {("merge", "M=2"), ("merge", "M=8")}),
-        ("bench_copy", ["--gib", "0.001", "--reps", "2"], {("copy", "host")}),
+        ("bench_copy", ["--gib", "0.001", "--reps", "2"],
+         {("copy", "host"), ("ceiling", "read"), ("ceiling", "copy")}),
         ("bench_predicate", ["--grid", "20", "--reps", "3"],
          {("predicate", "scalar"), ("predicate", "grid")}),
         ("bench_mla", ["--quick", "--only", "sparse", "--reps", "2"],
@@ -520,3 +521,56 @@ def test_ready_holder_answers_routes_and_probes(transport):
         assert req.probe(1) > 0
         if transport == "loopback":
             assert fab._holders[0].served == 7 and fab._holders[0].failure is None
+
+
+@pytest.mark.parametrize("words", [8192 * 3, 8192 * 2 + 100, 37])
+def test_ceiling_kernels_read_and_copy_exactly(words):
+    """perf/bench_copy.py's ceiling kernels in the interpreter: the read kernel's sum of int32
+    words (wrapping, mod 2**32: exact in any order) equals torch's, and the copy is bit for bit,
+    whole blocks and a ragged tail alike, on a grid that strides (fewer programs than blocks)
+    and one with idle programs (more); the copy's destination starts poisoned."""
+    from perf.bench_copy import copy_launch, read_launch, read_sum
+
+    gen = torch.Generator().manual_seed(words)
+    src = torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, generator=gen)
+    want = int(src.to(torch.int64).sum()) % 2**32
+    for grid in (2, 5):
+        partial = torch.full((grid,), 7, dtype=torch.int32)
+        read_launch(src, partial)()
+        assert read_sum(partial) == want
+        dst = torch.full_like(src, -1)
+        copy_launch(src, dst, grid)()
+        assert torch.equal(dst, src)
+
+
+def test_ceiling_records_give_percent_of_the_read_ceiling_and_the_spec():
+    """mqnc.cost.ceilings: the read ceiling is the median of the device's exact Triton read
+    records (other devices, other benches and inexact runs ignored), the spec is the vendor's
+    (4.8 TB/s for an H200), and a device with neither refuses to give a ceiling."""
+    from mqnc.cost.ceilings import memory_ceiling, spec_tbps
+
+    def rec(bench, variant, gbps, device="NVIDIA H200", backend="triton", exact=True):
+        return dict(bench=bench, variant=variant, gbps=gbps, device=device, backend=backend,
+                    extra={"exact": exact})  # fmt: skip
+
+    recs = [
+        rec("ceiling", "read", 4000.0),
+        rec("ceiling", "read", 4200.0),
+        rec("ceiling", "read", 4400.0),
+        rec("ceiling", "read", 9000.0, exact=False),
+        rec("ceiling", "read", 1.0, device="NVIDIA H100 80GB HBM3"),
+        rec("ceiling", "copy", 3600.0),
+        rec("copy", "d2d", 2711.0, backend="torch"),
+    ]
+    c = memory_ceiling(recs, "NVIDIA H200")
+    assert (c.read_tbps, c.copy_tbps, c.torch_copy_tbps, c.spec_tbps) == (4.2, 3.6, 2.711, 4.8)
+    assert c.tbps == 4.2 and c.records == 3 and "measured read ceiling" in c.source
+    pct = c.percents(3.6)
+    assert pct["pct_of_read"] == pytest.approx(100 * 3.6 / 4.2, rel=1e-15)
+    assert pct["pct_of_spec"] == pytest.approx(75.0, rel=1e-15)
+    h100 = memory_ceiling(recs, "NVIDIA H100 80GB HBM3")
+    assert h100.read_tbps == 0.001 and h100.spec_tbps == spec_tbps("NVIDIA H100") == 3.35
+    spec_only = memory_ceiling([], "NVIDIA H200")
+    assert spec_only.tbps == 4.8 and spec_only.source.startswith("HBM spec")
+    with pytest.raises(ValueError, match="device"):
+        _ = memory_ceiling(recs, "CPU: AMD EPYC (2 cores)").tbps

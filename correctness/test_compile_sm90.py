@@ -368,3 +368,50 @@ def test_sweep_candidates_compile_without_spills_under_triton_3_6():
         print(f"{tile}: {name} {regs} regs, {spill} B spilled, {shared} B shared")
     assert [row for row in rows if row[3] or row[4] > SM90.shared_per_cta] == []
     assert any(row[0] == "64x64w8s3" for row in rows)
+
+
+_CEILINGS = """
+import json, torch
+from mqnc.triton_kernels._compile import compile_launch, resources
+from perf.bench_copy import BLOCK, copy_launch, programs, read_launch
+n = BLOCK * 64  # (the 4 GiB buffer's 2**30 words specialise alike: divisible by 16)
+src, part = torch.empty(n, dtype=torch.int32), torch.empty(programs(132), dtype=torch.int32)
+rows = []
+for ln in (read_launch(src, part), copy_launch(src, torch.empty_like(src), programs(132))):
+    c = compile_launch(ln.kernel, ln.args, ln.kwargs, grid=ln.grid)
+    r, ptx = resources(ln.name, c), c.asm["ptx"]
+    rows.append([ln.name, r.registers, r.stack + r.local, r.shared,
+                 ptx.count("ld.global.cg.v4.b32"), ptx.count("st.global.cs.v4.b32")])
+print(json.dumps(rows))
+"""
+
+
+def test_memory_ceiling_kernels_compile_with_16_byte_accesses_and_no_spills():
+    """perf/bench_copy.py's read and copy ceiling kernels, at their launch values (persistent
+    grid of 132 SMs x 4, 8192-word blocks on 8 warps), compile for sm_90 without spills, every
+    thread moving its 32 words of a block with eight 16-byte ``.cg`` loads (and, copying, eight
+    16-byte streaming stores): the widest accesses there are, or the ceiling they measure is
+    the instruction issue's, not the memory's."""
+    from pathlib import Path
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run(
+        [sys.executable, "-c", _CEILINGS],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=root,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, regs, spill, shared, loads, stores in rows:
+        print(f"triton {triton.__version__} {name}: {regs} regs, {spill} B spilled, {shared} B "
+              f"shared, {loads} x ld.global.cg.v4, {stores} x st.global.cs.v4")  # fmt: skip
+        assert spill == 0 and regs <= 128, (name, regs, spill)
+        assert loads == 8, (name, loads)
+    assert [(row[0], row[5]) for row in rows] == [
+        ("ceiling_read[int32]", 0),
+        ("ceiling_copy[int32]", 8),
+    ]
