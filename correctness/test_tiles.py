@@ -67,7 +67,11 @@ def test_label_and_parse_round_trip():
 @pytest.mark.parametrize(
     "text, exc, match",
     [
-        ("64x32", ValueError, r"--tiles: expected 'HxNwWsS' such as '16x64w8s5', got '64x32'"),
+        (
+            "64x32",
+            ValueError,
+            r"--tiles: expected 'HxNwWsS\[-pipe\|-tma\]' such as '16x64w8s5', got '64x32'",
+        ),
         ("48x32w8s3", ValueError, "powers of two >= 16, got '48x32w8s3'"),
         ("64x8w8s3", ValueError, "powers of two >= 16, got '64x8w8s3'"),
         ("64x32w32s3", ValueError, "1..16 warps .* got '64x32w32s3'"),
@@ -138,12 +142,23 @@ def _nan_paged_cache(lengths, gen, device, page=64):
     return pool.to(device, torch.bfloat16), table.to(device), lens.to(device)
 
 
-# The 64 x 64 candidates run in the interpreter at those block shapes (the compiled ones HGMMA).
+# The 64 x 64 candidates and the restructured ones ("pipe" / "tma") run in the interpreter at
+# those block shapes (the compiled ones HGMMA).
+# The restructured wide tiles run at 40 heads on a row of full tiles and a tail and an empty row
+# (the unmasked loop, the masked tail; split and split-cache TMA run at 16 heads, below: the
+# interpreter's cost of a 64 x 64 tile).
 NEW_DENSE = [t.label for t in SWEEP_TILES["dense"] if t.block_n == 64 and t.block_h == 64]
+_CASES = [(40, [70, 0, 129], None), (128, [96], 3)]
+_WIDE_CASES = [
+    (tile, *case)
+    for t in SWEEP_TILES["dense"]
+    for tile in [t.label]
+    for case in (_CASES if not t.kernel else [(40, [70, 0], None)])
+    if tile in NEW_DENSE or t.kernel
+]
 
 
-@pytest.mark.parametrize("tile", NEW_DENSE)
-@pytest.mark.parametrize("heads,lengths,num_splits", [(40, [70, 0, 129], None), (128, [96], 3)])
+@pytest.mark.parametrize("tile,heads,lengths,num_splits", _WIDE_CASES)
 def test_64x64_candidates_match_fp64(tile, heads, lengths, num_splits):
     """Each 64 x 64 candidate at more than 32 heads (a partial head block at 40; a row with no
     entries; partial last tiles; split and unsplit), in bf16 against fp64, as the launcher's
@@ -171,3 +186,61 @@ def test_64x64_candidates_match_fp64(tile, heads, lengths, num_splits):
     o_ref, lse_ref = mla_decode_reference(q, pool, table, lens, SCALE)
     assert_close(o, o_ref, tolerance("mla", torch.bfloat16), name="o")
     assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name="lse")
+
+
+@pytest.mark.parametrize(
+    "tile", [t.label for t in SWEEP_TILES["dense16"] if t != _DENSE[16]] + ["16x32w4s2-tma"]
+)
+@pytest.mark.parametrize(
+    "lengths,num_splits,page,split_kv",
+    [([70, 0], None, 64, False), ([96], 3, 64, True), ([45, 33], None, 16, False)],
+)
+def test_16_head_and_restructured_candidates_match_fp64(tile, lengths, num_splits, page, split_kv):
+    """The 16-head candidates (``SWEEP_TILES["dense16"]``) and the restructured loop at 16
+    heads (TMA boxes of a page; pages of 16, smaller than the tile, fall back to per-entry page
+    ids without TMA) against fp64: rows of 0, partial last tiles, one full tile, split and
+    unsplit, a fused and a split (``q_pe`` / ``kpe_pool``) cache, NaN in every slot no row
+    holds."""
+    from mqnc.base.env import interpreting
+
+    if interpreting() and triton.__version__.startswith("3.6."):
+        pytest.skip("triton 3.6's interpreter cannot run the MLA kernels (a GPU can)")
+    from mqnc.reference import mla_decode_reference
+    from mqnc.testing import assert_close, default_device, tolerance
+    from mqnc.triton_kernels import mla_decode_partial
+
+    gen = torch.Generator().manual_seed(len(lengths) + page)
+    pool, table, lens = _nan_paged_cache(lengths, gen, default_device(), page=page)
+    q = torch.randn(len(lengths), 16, 576, generator=gen).to(pool.device, torch.bfloat16)
+    kw = {}
+    if split_kv:
+        kw = dict(q_pe=q[..., 512:].contiguous(), kpe_pool=pool[..., 512:].contiguous())
+    with forced_tile(tile) as cfg:
+        o, lse = mla_decode_partial(
+            q[..., :512] if split_kv else q, pool[..., :512] if split_kv else pool, table, lens,
+            softmax_scale=SCALE, num_splits=num_splits, **kw,
+        )  # fmt: skip
+    o_ref, lse_ref = mla_decode_reference(q, pool, table, lens, SCALE)
+    assert_close(o, o_ref, tolerance("mla", torch.bfloat16), name=f"{cfg.label} o")
+    assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name=f"{cfg.label} lse")
+
+
+def test_restructured_kernel_names_and_labels():
+    """A restructured tile runs the pipelined kernel and says so in its variant name (``pipe``,
+    or ``tma`` where a tile lies within a page); its label round-trips through the launch."""
+    from mqnc.triton_kernels.mla_decode import plan_decode
+
+    pool = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    lens = torch.tensor([256], dtype=torch.int32)
+    q = torch.zeros(1, 16, 576, dtype=torch.bfloat16)
+    for tile, feature in (("16x32w4s2-tma", ",tma]"), ("16x32w4s2-pipe", ",pipe]")):
+        with forced_tile(tile) as cfg:
+            launch = plan_decode(q, pool, table, lens, SCALE, 512, 1).launches[0]
+        assert launch.name.endswith(feature) and TileConfig.of_launch(launch) == cfg
+    small = torch.zeros(16, 16, 576, dtype=torch.bfloat16)  # pages of 16 < 32 entries: no TMA
+    with forced_tile("16x32w4s2-tma"):
+        launch = plan_decode(q, small, table, lens, SCALE, 512, 1).launches[0]
+    assert launch.name.endswith(",page=16,pipe]") and not launch.kwargs["TMA"]
+    with pytest.raises(ValueError, match="kernel: expected one of"):
+        TileConfig(16, 32, 4, 2, kernel="warp")

@@ -210,7 +210,16 @@ def wgmma_waits(sass: str) -> tuple[int, ...]:
     )
 
 
-def mla_evidence(res: KernelResources, block_h: int, block_n: int, d_qk: int, d_v: int) -> dict:
+def tile_bodies(kwargs: dict) -> int:
+    """Copies of the tile's code in an MLA attention kernel's program text: 2 for the
+    restructured dense kernel (launches with a ``TMA`` constexpr: the unmasked loop body and the
+    masked tail, of which each tile runs one), else 1."""
+    return 2 if "TMA" in kwargs else 1
+
+
+def mla_evidence(
+    res: KernelResources, block_h: int, block_n: int, d_qk: int, d_v: int, bodies: int = 1
+) -> dict:
     """Static evidence of an MLA attention variant's schedule, per CTA and per 64 cache entries.
 
     The ideal tile does ``block_h x block_n x d_qk`` multiply-accumulates for ``QK^T`` and
@@ -226,7 +235,8 @@ def mla_evidence(res: KernelResources, block_h: int, block_n: int, d_qk: int, d_
     ``wgmma_waits`` is ``"in flight/total"``: the ``WARPGROUP.DEPBAR`` waits that leave wgmma
     groups pending (TTGIR ``warp_group_dot_wait {pendings > 0}``) over all of them; ``tma``
     the TMA loads (``UTMALDG`` in the SASS, plus TTGIR's TMA copies); ``cta_per_sm`` at sm_90's
-    limits (``_grid.Occupancy``)."""
+    limits (``_grid.Occupancy``). ``bodies``: copies of the tile's code in the program text
+    (:func:`tile_bodies`; each tile runs one), by which the static counts are divided."""
     from mqnc.triton_kernels._grid import SM90, Occupancy
 
     per = 64 / block_n
@@ -239,9 +249,9 @@ def mla_evidence(res: KernelResources, block_h: int, block_n: int, d_qk: int, d_
     waits = res.wgmma_waits
     return {
         "mma": kind if res.sass.get(kind) else None,
-        "mma_per_64": round(res.sass.get(kind, 0) * issuers * per, 1),
+        "mma_per_64": round(res.sass.get(kind, 0) * issuers * per / bodies, 1),
         "mma_ideal_per_64": round(ideal * per, 1),
-        "redundancy": round(res.mma_macs / ideal_macs, 3) if res.mma_macs else None,
+        "redundancy": round(res.mma_macs / bodies / ideal_macs, 3) if res.mma_macs else None,
         "wgmma_waits": f"{sum(1 for n in waits if n > 0)}/{len(waits)}",
         "tma": res.sass.get("UTMALDG", 0) + res.ttgir.get("tma_copies", 0),
         "cta_per_sm": Occupancy(res.registers, 32 * res.num_warps, res.shared).ctas_per_sm(SM90),
@@ -345,7 +355,9 @@ def compile_all(arch: int = 90) -> list[dict]:
                     row.update({"ok": True, **dataclasses.asdict(res), "grid": launch.grid})
                     if launch.name.startswith("mla_"):
                         kw = launch.kwargs
-                        ev = mla_evidence(res, kw["BLOCK_H"], kw["BLOCK_N"], D_QK, D_V)
+                        ev = mla_evidence(
+                            res, kw["BLOCK_H"], kw["BLOCK_N"], D_QK, D_V, tile_bodies(kw)
+                        )
                         row["evidence"] = ev
             except Exception as exc:  # noqa: BLE001 - reported to the caller: the test fails
                 row.update({"ok": False, "error": f"{type(exc).__name__}: {exc}"})

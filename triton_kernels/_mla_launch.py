@@ -77,6 +77,15 @@ class TileConfig:
     # A 16-warp CTA above 128 cannot launch at all (triton: "out of resource: threads,
     # Required: 512, Hardware limit: 384", seen on an H200).
     maxnreg: int | None = None
+    # The kernel the tile runs (``KERNELS``): "" the classic loop (every default), "pipe" the
+    # restructured one (full tiles unmasked in a ``tl.range``-pipelined loop, the last tile
+    # masked once, one page id per tile), "tma" that loop with TMA tensor-descriptor loads of
+    # whole page boxes. Candidates of the sweep until a GPU run shows one faster.
+    kernel: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel: expected one of {KERNELS}, got {self.kernel!r}")
 
     @property
     def reg_cap(self) -> int:
@@ -94,26 +103,33 @@ class TileConfig:
     def of_launch(cls, launch) -> TileConfig:
         """The tile an MLA attention launch (a ``_launch.Launch``) was planned with."""
         kw = launch.kwargs
-        return cls(kw["BLOCK_H"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])
+        kernel = "" if "TMA" not in kw else ("tma" if kw["TMA"] else "pipe")
+        return cls(kw["BLOCK_H"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"], kernel=kernel)
 
     @property
     def label(self) -> str:
-        """``"32x32w8s5"``: heads x entries, warps, stages (what :meth:`parse` reads)."""
-        return f"{self.block_h}x{self.block_n}w{self.num_warps}s{self.num_stages}"
+        """``"32x32w8s5"``: heads x entries, warps, stages, then ``-pipe`` / ``-tma`` for a
+        restructured kernel (what :meth:`parse` reads)."""
+        base = f"{self.block_h}x{self.block_n}w{self.num_warps}s{self.num_stages}"
+        return f"{base}-{self.kernel}" if self.kernel else base
 
     @classmethod
     def parse(cls, text: str, name: str = "tile") -> TileConfig:
         """``"HxNwWsS"`` (e.g. ``"16x64w8s5"``): ``H`` heads x ``N`` entries per tile, both powers
         of two >= 16 (the MMA's smallest M and K), ``W`` warps (1..16, a power of two), ``S``
-        pipeline stages (>= 1); ``name`` names the argument in the ``ValueError``."""
+        pipeline stages (>= 1), optionally ``-pipe`` or ``-tma`` (the restructured kernel, see
+        ``kernel``); ``name`` names the argument in the ``ValueError``."""
         if not isinstance(text, str):
             raise TypeError(
                 f"{name}: expected a str such as '16x64w8s5', got {type(text).__name__}"
             )
-        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text.strip())
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(?:-(pipe|tma))?", text.strip())
         if m is None:
-            raise ValueError(f"{name}: expected 'HxNwWsS' such as '16x64w8s5', got {text!r}")
-        h, n, w, st = (int(g) for g in m.groups())
+            raise ValueError(
+                f"{name}: expected 'HxNwWsS[-pipe|-tma]' such as '16x64w8s5', got {text!r}"
+            )
+        h, n, w, st = (int(g) for g in m.groups()[:4])
+        kernel = m.group(5) or ""
         if not (h >= 16 and n >= 16 and _pow2(h) and _pow2(n)):
             raise ValueError(
                 f"{name}: expected heads and entries per tile powers of two >= 16, got {text!r}"
@@ -122,7 +138,10 @@ class TileConfig:
             raise ValueError(
                 f"{name}: expected 1..16 warps (a power of two) and >= 1 stage, got {text!r}"
             )
-        return cls(h, n, w, st)
+        return cls(h, n, w, st, kernel=kernel)
+
+
+KERNELS = ("", "pipe", "tma")
 
 
 # num_stages = 5 is what makes Triton double-buffer the KV tile behind one level of indirection
@@ -158,12 +177,31 @@ _WIDE_ELSE = (_DENSE[32], _SPARSE[16])
 # stack), 64x64w8s2 (8 B unsplit), sparse 64x16w16s5 (16 B) and sparse 64 x 64 (48-80 B at 2
 # and 3 stages). test_compile_sm90 compiles each; test_tiles checks the 64 x 64 one against fp64
 # in the interpreter at 40 and 128 heads. None becomes a default without GPU evidence.
+# The restructured kernel (``kernel`` "pipe" / "tma": full tiles unmasked in a pipelined loop,
+# the tail masked once, TMA page boxes) at 64 x 64 and 64 x 32 on 8 warps, 2 stages (a 2-deep
+# ring): 254 / 242 / 227 registers, no spills under 3.6.0; at 3 stages they spill (112-184 B).
+# ``dense16``: the 16-head (memory-bound) candidates whose CTAs fit TWO per SM, the classic loop
+# on 4 warps: 16 x 32 at 5 stages (2-deep ring, 237 registers, 93,696 B shared) and 16 x 16 at
+# 7 stages (3-deep ring, 198 registers, 74,624 B), against today's 16x64w8s5 (one CTA per SM,
+# 168,960 B). The restructured loop at 16 heads spills under 3.6.0 (8-1032 B: 4 warps hold the
+# query and two tile bodies in registers; 8 warps capped at 128 registers for two CTAs, 400 B).
 SWEEP_TILES = {
     "dense": tuple(
         TileConfig.parse(t)
-        for t in ("32x32w8s5", "16x64w8s5", "64x16w16s5", "64x16w8s5", "64x32w8s3", "64x64w8s3")
+        for t in (
+            "32x32w8s5",
+            "16x64w8s5",
+            "64x16w16s5",
+            "64x16w8s5",
+            "64x32w8s3",
+            "64x64w8s3",
+            "64x64w8s2-pipe",
+            "64x64w8s2-tma",
+            "64x32w8s2-pipe",
+        )
     ),
     "sparse": tuple(TileConfig.parse(t) for t in ("32x16w8s5", "16x32w8s5", "64x16w8s5")),
+    "dense16": tuple(TileConfig.parse(t) for t in ("16x64w8s5", "16x32w4s5", "16x16w4s7")),
 }
 
 

@@ -162,3 +162,146 @@ def _store_partial(
         nonempty, (m + tl.log2(tl.where(nonempty, l, 1.0))) * 0.6931471805599453, -float("inf")
     )
     tl.store(LSE + lse_base + offs_h * stride_lh, lse, mask=mask_h)
+
+
+# ---- The restructured loop (the ``pipe`` / ``tma`` kernel variants of the dense kernel) ----
+# New helpers, beside the ones above (whose signatures other kernels import and keep): full
+# tiles attended without per-entry masks, and the page-granular addressing that lets a tile of
+# BLOCK_N <= PAGE entries be one contiguous box (one page id, one TMA load per part).
+
+
+@triton.jit
+def _attend_loaded(
+    q_lat,
+    q_pe,
+    kv_lat,
+    kv_pe,
+    m,
+    l,
+    acc,
+    qk_scale,
+    DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """:func:`_attend_tile` on an already loaded full tile (every entry valid: no mask, no
+    ``where`` on the scores): ``kv_lat [BLOCK_N, D_LAT]``, ``kv_pe [BLOCK_N, D_PE]`` in the
+    cache dtype; ``m``, ``l``, ``acc`` as there (fp32, base-2 max)."""
+    if DOT_FP32:
+        kv_lat = kv_lat.to(tl.float32)
+        kv_pe = kv_pe.to(tl.float32)
+    s = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
+    s = tl.dot(q_pe, tl.trans(kv_pe), acc=s, input_precision=PRECISION) * qk_scale
+    m_new = tl.maximum(m, tl.max(s, 1))
+    # (-inf scores, from -inf inputs, leave m_new = -inf: shift by 0 as _attend_tile does)
+    m_shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_shift)
+    p = tl.exp2(s - m_shift[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(kv_lat.dtype), kv_lat, acc=acc, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
+def _full_tile_pages(table_row, t0, offs_n, stride_tj, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(page ids, offsets in their pages)`` of the entries ``t0 .. t0 + BLOCK_N`` of a full
+    tile (``t0`` a multiple of ``BLOCK_N``). ``PAGE >= BLOCK_N``: a tile never straddles a
+    page, so ONE scalar page-id load (int64) and the scalar offset of the tile's first entry
+    (the entries are the next ``BLOCK_N`` rows of that page); smaller pages: one unmasked
+    page-id load per entry and per-entry offsets."""
+    if PAGE >= BLOCK_N:
+        page = tl.load(table_row + (t0 // PAGE) * stride_tj).to(tl.int64)
+        return page, t0 % PAGE
+    else:
+        t = t0 + offs_n
+        page = tl.load(table_row + (t // PAGE) * stride_tj).to(tl.int64)
+        return page, t % PAGE
+
+
+@triton.jit
+def _load_full_tile(
+    KV,
+    KV_PE,
+    lat_desc,
+    pe_desc,
+    table_row,
+    t0,
+    offs_n,
+    stride_tj,
+    stride_kb,
+    stride_kt,
+    stride_pkb,
+    stride_pkt,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_LAT: tl.constexpr,
+    D_PE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """``(kv_lat [BLOCK_N, D_LAT], kv_pe [BLOCK_N, D_PE])`` of a full tile, both loads issued
+    together after the page-id load they depend on (one per tile when ``PAGE >= BLOCK_N``).
+    ``TMA`` (needs ``PAGE >= BLOCK_N``): two tensor-descriptor boxes ``[1, BLOCK_N, D]`` of the
+    page (``lat_desc`` / ``pe_desc`` from :func:`_page_descriptors`); else unmasked pointer
+    loads (cp.async when the loop is pipelined)."""
+    page, off = _full_tile_pages(table_row, t0, offs_n, stride_tj, PAGE, BLOCK_N)
+    if TMA:
+        kv_lat = lat_desc.load([page.to(tl.int32), off, 0]).reshape(BLOCK_N, D_LAT)
+        if SPLIT:
+            kv_pe = pe_desc.load([page.to(tl.int32), off, 0]).reshape(BLOCK_N, D_PE)
+        else:
+            kv_pe = pe_desc.load([page.to(tl.int32), off, D_LAT]).reshape(BLOCK_N, D_PE)
+    else:
+        if PAGE >= BLOCK_N:
+            off = off + offs_n
+        rows = page * stride_kb + off * stride_kt
+        kv_lat = tl.load(KV + rows[:, None] + tl.arange(0, D_LAT)[None, :])
+        if SPLIT:
+            pe_rows = page * stride_pkb + off * stride_pkt
+            kv_pe = tl.load(KV_PE + pe_rows[:, None] + tl.arange(0, D_PE)[None, :])
+        else:
+            kv_pe = tl.load(KV + rows[:, None] + D_LAT + tl.arange(0, D_PE)[None, :])
+    return kv_lat, kv_pe
+
+
+@triton.jit
+def _page_descriptors(
+    KV,
+    KV_PE,
+    n_blocks,
+    stride_kb,
+    stride_kt,
+    stride_pkb,
+    stride_pkt,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_LAT: tl.constexpr,
+    D_PE: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Device-side TMA descriptors over the paged pool ``[n_blocks, PAGE, D]`` (its own
+    strides; the last dim unit-stride): ``lat_desc`` boxes ``[1, BLOCK_N, D_LAT]``, ``pe_desc``
+    ``[1, BLOCK_N, D_PE]`` (of ``KV_PE`` when ``SPLIT``, else of ``KV``'s columns from
+    ``D_LAT``). On a GPU they live in a global scratch that Triton allocates per launch through
+    ``triton.set_allocator`` (the launcher installs one)."""
+    lat_desc = tl.make_tensor_descriptor(
+        KV,
+        shape=[n_blocks, PAGE, D_LAT + (0 if SPLIT else D_PE)],
+        strides=[stride_kb, stride_kt, 1],
+        block_shape=[1, BLOCK_N, D_LAT],
+    )
+    if SPLIT:
+        pe_desc = tl.make_tensor_descriptor(
+            KV_PE,
+            shape=[n_blocks, PAGE, D_PE],
+            strides=[stride_pkb, stride_pkt, 1],
+            block_shape=[1, BLOCK_N, D_PE],
+        )
+    else:
+        pe_desc = tl.make_tensor_descriptor(
+            KV,
+            shape=[n_blocks, PAGE, D_LAT + D_PE],
+            strides=[stride_kb, stride_kt, 1],
+            block_shape=[1, BLOCK_N, D_PE],
+        )
+    return lat_desc, pe_desc

@@ -74,8 +74,11 @@ from mqnc.triton_kernels._mla_launch import (
 )
 from mqnc.triton_kernels._mla_tile import (
     LOG2E,
+    _attend_loaded,
     _attend_tile,
+    _load_full_tile,
     _load_query,
+    _page_descriptors,
     _split_range,
     _store_partial,
 )
@@ -208,6 +211,89 @@ def _mla_decode_kernel(
             DOT_FP32, PRECISION,
         )  # fmt: skip
 
+    o_base = split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
+    lse_base = split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
+    _store_partial(
+        O, LSE, o_base, lse_base, offs_h, mask_h, stride_oh, stride_lh, m, l, acc, D_LAT, BF16_RNE
+    )
+
+
+@triton.jit
+def _masked_tail(
+    q_lat, q_pe, KV, KV_PE, table_row, t0, t_end, offs_n, m, l, acc, qk_scale, stride_tj,
+    stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE: tl.constexpr, D_LAT: tl.constexpr,
+    D_PE: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The one masked tile of the restructured loop: entries ``t0 .. t_end`` (fewer than a
+    tile), as the classic kernel attends every tile."""
+    t = t0 + offs_n
+    valid = t < t_end
+    page = tl.load(table_row + (t // PAGE) * stride_tj, mask=valid, other=0)
+    kv_rows = KV + page.to(tl.int64) * stride_kb + (t % PAGE) * stride_kt
+    if SPLIT:
+        pe_rows = KV_PE + page.to(tl.int64) * stride_pkb + (t % PAGE) * stride_pkt
+    else:
+        pe_rows = kv_rows
+    return _attend_tile(
+        q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
+        DOT_FP32, PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["NUM_SPLITS", "SEQ_Q", "stride_tb", "n_blocks"])
+def _mla_decode_pipe_kernel(
+    Q, Q_PE, KV, KV_PE, BlockTable, Indptr, SeqLens, O, LSE, H, NUM_SPLITS, SEQ_Q, qk_scale,
+    stride_qb, stride_qh, stride_pqb, stride_pqh, stride_kb, stride_kt, stride_pkb, stride_pkt,
+    stride_tb, stride_tj, stride_os, stride_ob, stride_oh, stride_ls, stride_lb, stride_lh,
+    n_blocks,
+    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
+    D_LAT: tl.constexpr, D_PE: tl.constexpr, SPLIT: tl.constexpr, CSR: tl.constexpr,
+    MULTI_Q: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    BF16_RNE: tl.constexpr, TMA: tl.constexpr, RING: tl.constexpr,
+):  # fmt: skip
+    """The restructured dense kernel (the ``pipe`` and ``tma`` candidates; grid, arguments and
+    outputs as :func:`_mla_decode_kernel`'s, plus ``n_blocks``, the pool's pages, which the
+    TMA descriptors bound): the split's FULL tiles in a software-pipelined loop
+    (``tl.range(num_stages=RING)``) without per-entry masks, each tile's page-id load then its
+    two KV loads issued together (one page id per tile when ``PAGE >= BLOCK_N``; ``TMA``: two
+    tensor-descriptor boxes of that page), and the last, partial tile masked once after it."""
+    b, h0, split, seq, t_start, t_end = _program_keys(
+        SeqLens, H, NUM_SPLITS, SEQ_Q, BLOCK_H, BLOCK_N, MIN_TILES, MULTI_Q, CAUSAL
+    )
+    q_lat, q_pe, offs_h, mask_h = _load_query(
+        Q, Q_PE, b, h0, H, stride_qb, stride_qh, stride_pqb, stride_pqh, BLOCK_H, D_LAT, D_PE,
+        SPLIT, DOT_FP32,
+    )  # fmt: skip
+    m = tl.full([BLOCK_H], -float("inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+    if CSR:
+        table_row = BlockTable + tl.load(Indptr + seq).to(tl.int64) * stride_tj
+    else:
+        table_row = BlockTable + seq.to(tl.int64) * stride_tb
+    if TMA:
+        lat_desc, pe_desc = _page_descriptors(
+            KV, KV_PE, n_blocks, stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, BLOCK_N,
+            D_LAT, D_PE, SPLIT,
+        )  # fmt: skip
+    else:
+        lat_desc, pe_desc = KV, KV_PE  # (not read)
+    offs_n = tl.arange(0, BLOCK_N)
+    n_full = (t_end - t_start) // BLOCK_N
+    for i in tl.range(0, n_full, num_stages=RING):
+        kv_lat, kv_pe = _load_full_tile(
+            KV, KV_PE, lat_desc, pe_desc, table_row, t_start + i * BLOCK_N, offs_n, stride_tj,
+            stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, BLOCK_N, D_LAT, D_PE, SPLIT, TMA,
+        )  # fmt: skip
+        m, l, acc = _attend_loaded(q_lat, q_pe, kv_lat, kv_pe, m, l, acc, qk_scale, DOT_FP32,
+                                   PRECISION)  # fmt: skip
+    t_tail = t_start + n_full * BLOCK_N
+    if t_tail < t_end:
+        m, l, acc = _masked_tail(
+            q_lat, q_pe, KV, KV_PE, table_row, t_tail, t_end, offs_n, m, l, acc, qk_scale,
+            stride_tj, stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, D_LAT, D_PE, SPLIT,
+            DOT_FP32, PRECISION,
+        )  # fmt: skip
     o_base = split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
     lse_base = split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
     _store_partial(
@@ -569,38 +655,47 @@ def decode_launch(
         stride_tb, stride_tj = 0, block_table.stride(0)
     else:
         stride_tb, stride_tj = block_table.stride(0), block_table.stride(1)
+    feats = decode_features(block_size, ops.split, layout)
+    restructured = {}
+    if cfg.kernel:  # a candidate: the restructured loop (TMA boxes need tiles within a page)
+        tma = cfg.kernel == "tma" and block_size >= cfg.block_n
+        feats += ("tma" if tma else "pipe",)
+        restructured = dict(TMA=tma, RING=cfg.num_stages)
+        if tma:
+            ensure_allocator(kv.device)
+    args = (
+        q,
+        ops.q_pe,
+        kv,
+        ops.kv_pe,
+        block_table,
+        indptr if indptr is not None else cache_seqlens,
+        cache_seqlens,
+        o_part,
+        lse_part,
+        H,
+        num_splits,
+        layout.s_q,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        ops.q_pe.stride(0),
+        ops.q_pe.stride(1),
+        kv.stride(0),
+        kv.stride(1),
+        ops.kv_pe.stride(0),
+        ops.kv_pe.stride(1),
+        stride_tb,
+        stride_tj,
+        *split_strides(o_part, lse_part),
+    )
+    if cfg.kernel:
+        args += (kv.shape[0],)  # n_blocks: the TMA descriptors' outer extent
     return Launch(
-        name=variant_name(
-            "mla_decode", q.dtype, cfg, split, decode_features(block_size, ops.split, layout)
-        ),
-        kernel=_mla_decode_kernel,
+        name=variant_name("mla_decode", q.dtype, cfg, split, feats),
+        kernel=_mla_decode_pipe_kernel if cfg.kernel else _mla_decode_kernel,
         grid=(R * triton.cdiv(H, cfg.block_h), num_splits),
-        args=(
-            q,
-            ops.q_pe,
-            kv,
-            ops.kv_pe,
-            block_table,
-            indptr if indptr is not None else cache_seqlens,
-            cache_seqlens,
-            o_part,
-            lse_part,
-            H,
-            num_splits,
-            layout.s_q,
-            scale * LOG2E,
-            q.stride(0),
-            q.stride(1),
-            ops.q_pe.stride(0),
-            ops.q_pe.stride(1),
-            kv.stride(0),
-            kv.stride(1),
-            ops.kv_pe.stride(0),
-            ops.kv_pe.stride(1),
-            stride_tb,
-            stride_tj,
-            *split_strides(o_part, lse_part),
-        ),
+        args=args,
         kwargs=dict(
             PAGE=block_size,
             BLOCK_H=cfg.block_h,
@@ -615,8 +710,30 @@ def decode_launch(
             DOT_FP32=dot_in_fp32(q.dtype),
             PRECISION=dot_precision(q.dtype),
             BF16_RNE=bf16_rne_in_software(o_part.dtype),
+            **restructured,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             maxnreg=cfg.reg_cap,
         ),
     )
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Triton's per-launch global scratch (the device-side TMA descriptors), from torch's
+    caching allocator on the current device (inside a CUDA graph capture: the graph's pool)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator(device: torch.device) -> None:
+    """Install :func:`_scratch` as Triton's allocator (``triton.set_allocator``) unless one is
+    set: a kernel that makes tensor descriptors on the device needs a global scratch at every
+    launch, and Triton's default allocator refuses. Done when a TMA launch is planned on a CUDA
+    device; Triton keeps the allocator in a ``ContextVar``, so a thread other than the
+    planning one must call this (or ``triton.set_allocator``) itself before running the plan.
+    The interpreter and the compile step need none."""
+    if torch.device(device).type != "cuda":
+        return
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
