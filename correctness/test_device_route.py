@@ -1,0 +1,215 @@
+"""The device route on the CPU: the holder kernel one-shot under the interpreter answers exactly
+what the host-driven ``Holder`` answers (dense with split partials, sparse with and without),
+bit for bit; bad headers get error words and leave the reply untouched (its NaN poison stays);
+the stop word and the idle bound end the loop; a sequence number that wraps or goes backwards
+is refused; a missing reply is a bounded ``TIMEOUT``; the requester's merge passes a single
+reply through exactly and merges a local partial against the fp64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mqnc.model import PRESETS, RopeSpec
+from mqnc.reference import merge_reference
+from mqnc.serving import ChunkInfo, Holder, Requester
+from mqnc.serving.device_holder import DeviceHolder
+from mqnc.testing import TOLERANCES, assert_close
+from mqnc.transport import LoopbackFabric, slot_bytes_for
+from mqnc.transport.device_route import (
+    LocalBackend,
+    RouteClient,
+    RouteFailed,
+    RouteLayout,
+    allocate,
+    check_status,
+)
+from mqnc.triton_kernels import _route_words as W
+
+GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=16)
+SCALE = RopeSpec.from_preset("deepseek-v2-lite").softmax_scale
+TOKENS = 200  # 4 tiles of 64: the dense plan splits B 1..4 four ways (the fold is tested)
+CHUNK = 3
+
+
+def _randn(seed, *shape, std=0.5):
+    g = torch.Generator().manual_seed(seed)
+    return (std * torch.randn(*shape, generator=g)).to(torch.bfloat16)
+
+
+def _indices(seed, B, topk):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(-1, TOKENS, (B, topk), generator=g, dtype=torch.int32)
+    return idx
+
+
+KV = _randn(0, GEOM.layers, TOKENS, GEOM.d_qk)
+# (slot, tokens, layer, sparse top-k or None): two dense, two sparse (100 entries: split)
+REQUESTS = [(0, 2, 1, None), (1, 1, 0, None), (2, 2, 0, 40), (3, 1, 1, 100)]
+
+
+def _route(slot, B, layer, topk):
+    q = _randn(10 + slot, B, GEOM.heads, GEOM.d_qk)
+    return q, (None if topk is None else _indices(20 + slot, B, topk))
+
+
+def _device(slots=4, max_batch=2, max_topk=128, ctas=3):
+    buf = allocate(
+        RouteLayout(slots, max_batch, GEOM.heads, max_topk=max_topk), LocalBackend("cpu")
+    )
+    buf.rep_o.fill_(float("nan"))
+    buf.rep_lse.fill_(float("nan"))
+    holder = DeviceHolder(buf, GEOM, softmax_scale=SCALE, num_blocks=8, ctas=ctas)
+    holder.add_chunk(CHUNK, KV)
+    return buf, holder, RouteClient(buf, LocalBackend("cpu"), spins=4)
+
+
+@pytest.fixture(scope="module")
+def host_answers():
+    """The host-driven holder's partial for each request, asked one at a time (one kernel
+    call each, so its split count is the plan's for that request alone)."""
+    slot = slot_bytes_for(GEOM, max_rows=64, max_topk=128, max_chunk_tokens=256)
+    fab = LoopbackFabric(2, slot, lanes=1)
+    holder = Holder(fab.endpoint(0), GEOM, softmax_scale=SCALE, num_blocks=8, poll_s=0.02)
+    holder.add_chunk(CHUNK, KV)
+    holder.start()
+    try:
+        req = Requester(fab.endpoint(1), GEOM, softmax_scale=SCALE, timeout_s=120, pool_blocks=8)
+        req.register(ChunkInfo(CHUNK, TOKENS, 0, (0,)))
+        out = []
+        for slot_, B, layer, topk in REQUESTS:
+            q, idx = _route(slot_, B, layer, topk)
+            p = req.route(CHUNK, q, layer, indices=idx)
+            out.append((p.o, p.lse))
+    finally:
+        holder.stop()
+    return out
+
+
+@pytest.fixture(scope="module")
+def served():
+    """Four requesters' requests (dense and sparse, split and not) served by one one-shot
+    launch of the holder kernel."""
+    buf, holder, client = _device()
+    for slot, B, layer, topk in REQUESTS:
+        q, idx = _route(slot, B, layer, topk)
+        client.put(slot, q, layer=layer, chunk=CHUNK, indices=idx)
+    holder.serve_once()
+    return buf, holder, client
+
+
+def test_holder_kernel_answers_bit_identical_to_the_host_holder(served, host_answers):
+    buf, holder, _ = served
+    splits = holder.tables.splits_dense[CHUNK]
+    assert int(splits[1]) > 1 and int(splits[2]) > 1, "the dense requests must be split"
+    tile = holder._sparse_tile.block_n
+    assert int(holder.tables.splits_sparse[1, -(-100 // tile)]) > 1, "top-100 must be split"
+    for (slot, B, _, topk), (o_ref, lse_ref) in zip(REQUESTS, host_answers, strict=True):
+        hdr = buf.rep_hdr[slot].tolist()
+        assert hdr == [1, W.OK, 0, B * GEOM.heads], (slot, hdr)
+        assert int(buf.rep_sig[slot]) == 1
+        what = f"slot {slot} ({'dense' if topk is None else f'top-{topk}'})"
+        assert torch.equal(buf.rep_o[slot, :B], o_ref), f"{what}: o differs"
+        assert torch.equal(buf.rep_lse[slot, :B], lse_ref), f"{what}: lse differs"
+        # the slot's tokens beyond B are never written: their poison stays
+        assert bool(torch.isnan(buf.rep_o[slot, B:].float()).all())
+
+
+def test_merge_of_one_reply_is_the_reply_and_merges_a_local_partial(served, host_answers):
+    buf, _, client = served
+    o, lse, status = client.merge([0], 2, GEOM.heads)
+    check_status(status, [0])
+    assert torch.equal(o, host_answers[0][0]) and torch.equal(lse, host_answers[0][1])
+    o_loc = _randn(5, 2, GEOM.heads, GEOM.d_v)
+    lse_loc = torch.randn(2, GEOM.heads, generator=torch.Generator().manual_seed(6))
+    o, lse, status = client.merge([0], 2, GEOM.heads, local=(o_loc, lse_loc))
+    check_status(status, [0])
+    o_ref, lse_ref = merge_reference(
+        torch.stack([host_answers[0][0], o_loc]), torch.stack([host_answers[0][1], lse_loc])
+    )
+    assert_close(o, o_ref, TOLERANCES[("merge", "bfloat16")], name="merged o")
+    assert_close(lse, lse_ref, TOLERANCES[("merge_lse", "float32")], name="merged lse")
+
+
+def _raw(buf, slot, seq, *, layer=0, chunk=CHUNK, batch=1, heads=16, mode=0, topk=0, sig=None):
+    """A request written by hand (a buggy or hostile requester): header words, then signal."""
+    buf.in_hdr[slot] = torch.tensor([seq, layer, chunk, batch, heads, mode, topk, 0])
+    buf.in_sig[slot] = seq if sig is None else sig
+
+
+def test_bad_headers_get_error_words_and_nothing_is_written():
+    buf, holder, _ = _device(slots=8, max_batch=2, max_topk=64, ctas=2)
+    _raw(buf, 0, 1, layer=2)  # a layer the holder does not hold
+    _raw(buf, 1, 1, chunk=5)  # a chunk id in the table, not hosted
+    _raw(buf, 2, 1, chunk=99)  # a chunk id outside the table
+    _raw(buf, 3, 1, batch=3)  # more tokens than a slot holds
+    _raw(buf, 4, 1, heads=17)  # more heads than the holder's
+    _raw(buf, 5, 1, mode=7)  # no such mode
+    _raw(buf, 6, 1, mode=1, topk=65)  # a selection wider than the slot's
+    _raw(buf, 7, 5, sig=6)  # a header that claims another number than its signal
+    holder.serve_once()
+    want = [W.ERR_LAYER, W.ERR_CHUNK, W.ERR_CHUNK, W.ERR_ROWS, W.ERR_ROWS, W.ERR_MODE,
+            W.ERR_TOPK, W.ERR_SEQ]  # fmt: skip
+    assert buf.rep_hdr[:, 1].tolist() == [int(w) for w in want]
+    assert buf.rep_hdr[:, 2].tolist() == [2, 5, 99, 48, 17 * 1, 7, 65, 6]
+    assert buf.rep_sig.tolist() == [1] * 7 + [6]
+    assert bool(torch.isnan(buf.rep_o.float()).all()) and bool(torch.isnan(buf.rep_lse).all())
+
+
+def test_an_index_outside_the_chunk_is_refused_and_never_read():
+    buf, holder, client = _device(slots=1, max_batch=1, max_topk=64, ctas=2)
+    idx = torch.tensor([[0, 5, TOKENS, -1]], dtype=torch.int32)  # TOKENS: one past the chunk
+    client.put(0, _randn(1, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, indices=idx)
+    holder.serve_once()
+    assert buf.rep_hdr[0].tolist()[:2] == [1, W.ERR_INDEX]
+    o, lse, status = client.merge([0], 1, GEOM.heads)
+    with pytest.raises(RouteFailed, match="slot 0: index"):
+        check_status(status, [0])
+    assert bool(torch.isnan(lse).all()), "a failed route must not merge as empty"
+
+
+def test_sequence_numbers_that_wrap_or_go_backwards_are_refused():
+    buf, holder, client = _device(slots=2, ctas=2)
+    client.seq[0] = 2**63 - 1  # the next put's number wraps to -2**63
+    client.put(0, _randn(2, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, probe=True)
+    client.put(1, _randn(3, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, probe=True)
+    holder.serve_once()
+    assert int(client.seq[0]) == -(2**63)
+    assert buf.rep_hdr[0].tolist()[:2] == [-(2**63), W.ERR_SEQ]
+    assert buf.rep_hdr[1].tolist() == [1, W.OK, 0, 0]  # the probe: a header-only answer
+    client.seq[1] = -6  # a requester whose numbers went backwards: -5 after 1
+    client.put(1, _randn(3, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, probe=True)
+    holder.serve_once()
+    assert buf.rep_hdr[1].tolist()[:2] == [-5, W.ERR_SEQ]
+    client.seq[1] = -6  # the same number again: a duplicate, never answered twice
+    buf.rep_hdr[1] = 0
+    client.put(1, _randn(3, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, probe=True)
+    holder.serve_once()
+    assert buf.rep_hdr[1].tolist() == [0, 0, 0, 0]
+
+
+def test_stop_word_and_idle_bound_end_the_persistent_loop_and_missing_replies_time_out():
+    buf, holder, client = _device(slots=2, ctas=2)
+    client.put(0, _randn(4, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, probe=True)
+    holder.tables.stop.fill_(1)  # stopped before it starts: one pass, then it returns
+    holder.launch(persistent=True)()
+    assert buf.rep_hdr[0].tolist() == [1, W.OK, 0, 0]
+    holder.tables.stop.fill_(0)
+    holder.launch(persistent=True, max_idle=2)()  # nothing to serve: returns after 2 polls
+    client.put(1, _randn(5, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, probe=True)
+    _, lse, status = client.merge([1], 1, GEOM.heads)  # nobody served it: a bounded wait
+    assert status.tolist() == [int(W.TIMEOUT)] and bool(torch.isnan(lse).all())
+
+
+def test_the_client_refuses_what_the_slot_cannot_hold():
+    buf, _, client = _device(slots=1, max_batch=2, max_topk=64, ctas=1)
+    with pytest.raises(ValueError, match="q: expected 1..2 tokens"):
+        client.put(0, _randn(1, 3, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK)
+    with pytest.raises(TypeError, match="q: invalid dtype"):
+        client.put(0, torch.zeros(1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK)
+    with pytest.raises(ValueError, match="indices: expected 1..64"):
+        idx = torch.zeros(1, 65, dtype=torch.int32)
+        client.put(0, _randn(1, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, indices=idx)
+    with pytest.raises(ValueError, match="slot"):
+        client.put(1, _randn(1, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK)
+    assert int(buf.in_sig[0]) == 0, "nothing was put"

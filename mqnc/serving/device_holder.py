@@ -1,0 +1,230 @@
+"""The device holder: a pool of canonical chunks served by the resident holder kernel
+(``mqnc.triton_kernels.holder_loop``) over a device route (``mqnc.transport.device_route``),
+with no host call per request (§3.1-§3.3, §6.3).
+
+The host's part is set-up only: chunks are copied into a :class:`~mqnc.serving.pool.PagedPool`
+as :class:`~mqnc.serving.Holder` does, the kernel's chunk table (each chunk's pool blocks and
+``c_t``, indexed by chunk id) and split tables are written, then the kernel is launched: once
+per :meth:`DeviceHolder.serve_once` (one-shot: the requests already signalled; what the CPU's
+interpreter runs), or once for good by :meth:`DeviceHolder.start` (persistent, on its own
+stream, until :meth:`DeviceHolder.stop` sets the stop word).
+
+Split counts are the host policy's (``mla_decode`` / ``mla_sparse``'s plan for the same call:
+one request of ``B`` tokens at the holder's heads over the chunk's pages, or its selection
+width): the holder kernel's answer to a request is then the host-driven holder's answer to it
+alone, bit for bit (its dispatcher batches concurrent requests into one call, whose split
+count may differ: the same rows, another rounding). Chunk ids are indices of the table
+(``0 <= chunk_id < max_chunks``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from mqnc.base.checks import check_int, check_number
+from mqnc.model.geometry import MLAGeometry
+from mqnc.serving.batching import HostedChunk
+from mqnc.serving.pool import PagedPool
+from mqnc.triton_kernels._mla_launch import meta_output
+from mqnc.triton_kernels._route_words import RouteBuffers
+from mqnc.triton_kernels.holder_loop import HolderTables, holder_loop_launch, holder_tiles
+from mqnc.triton_kernels.mla_decode import plan_decode
+from mqnc.triton_kernels.mla_sparse import plan_sparse
+
+__all__ = ["DeviceHolder"]
+
+
+class DeviceHolder:
+    """Serve route requests from device memory with the holder kernel.
+
+    Parameters
+    ----------
+    buffers : RouteBuffers
+        The route's slots (``mqnc.transport.device_route.allocate``).
+    geometry : MLAGeometry
+        Dims; ``geometry.heads`` must be the slots' heads.
+    softmax_scale : float
+    num_blocks, block_size : int
+        Pool capacity in blocks of ``block_size`` tokens (per layer).
+    ctas : int
+        ``k``, the kernel's CTAs (leave the requesters SMs: a handful of the 132).
+    max_chunks : int
+        Chunk ids are ``0 .. max_chunks - 1``.
+    max_rows : int or None
+        Most rows ``B * heads`` a request may ask for (default: what a slot holds).
+    nvshmem_lib : str or None
+        NVSHMEM's device bitcode (the ``nvshmem`` backend); None: ``local``.
+    slot_pe : list of int or None
+        The requester PE of each slot (``nvshmem``; default all 0).
+    """
+
+    def __init__(self, buffers: RouteBuffers, geometry: MLAGeometry, *, softmax_scale: float,
+                 num_blocks: int, block_size: int = 64, ctas: int = 4, max_chunks: int = 8,
+                 max_rows: int | None = None, nvshmem_lib: str | None = None,
+                 slot_pe: list[int] | None = None) -> None:  # fmt: skip
+        if not isinstance(buffers, RouteBuffers):
+            raise TypeError(f"buffers: expected RouteBuffers, got {type(buffers).__name__}")
+        if geometry.heads != buffers.heads or geometry.d_qk != buffers.in_q.shape[3]:
+            raise ValueError(
+                f"geometry: expected {buffers.heads} heads of width {buffers.in_q.shape[3]} "
+                f"(the slots'), got {geometry.heads} of {geometry.d_qk}"
+            )
+        self.buffers = buffers
+        self.geometry = geometry
+        self.softmax_scale = check_number("softmax_scale", softmax_scale, positive=True)
+        self.dtype = buffers.in_q.dtype
+        self.device = buffers.in_q.device
+        self.ctas = check_int("ctas", ctas, minimum=1)
+        self.max_rows = buffers.max_batch * buffers.heads if max_rows is None else max_rows
+        check_int("max_rows", self.max_rows, minimum=1)
+        self.nvshmem_lib = nvshmem_lib
+        self.pages = PagedPool(geometry.layers, num_blocks, block_size, geometry.d_qk,
+                               dtype=self.dtype, device=self.device)  # fmt: skip
+        self.chunks: dict[int, HostedChunk] = {}
+        n, dev, B = buffers.slots, self.device, buffers.max_batch
+        max_chunks = check_int("max_chunks", max_chunks, minimum=1)
+        self._dense_tile, self._sparse_tile = holder_tiles(buffers.heads, self.dtype)
+        sparse_tiles = triton.cdiv(buffers.max_topk, self._sparse_tile.block_n)
+        pe = torch.tensor(slot_pe if slot_pe is not None else [0] * n, dtype=torch.int32)
+        self._t = dict(
+            kv=self.pages.kv,
+            chunk_blocks=torch.zeros(max_chunks, num_blocks, dtype=torch.int32, device=dev),
+            chunk_tokens=torch.full((max_chunks,), -1, dtype=torch.int32, device=dev),
+            splits_dense=torch.ones(max_chunks, B + 1, dtype=torch.int32, device=dev),
+            splits_sparse=self._sparse_splits(B, sparse_tiles).to(dev),
+            slot_pe=pe.to(dev),
+            stop=torch.zeros(1, dtype=torch.int64, device=dev),
+            seen=torch.zeros(self.ctas, n, dtype=torch.int64, device=dev),
+            arrive=torch.zeros(n, dtype=torch.int32, device=dev),
+            err=torch.zeros(n, dtype=torch.int64, device=dev),
+        )
+        self._resize_workspace()
+        self._stream = None
+        self.launches = 0  # holder kernel launches (one per serve_once; one for a start)
+
+    # ---- the pool and the tables ------------------------------------------------------------
+    def add_chunk(self, chunk_id: int, kv: torch.Tensor, position: int = 0) -> HostedChunk:
+        """Copy a chunk's cache ``kv [L, c_t, d_qk]`` (canonical positions from ``position``)
+        into free pool blocks and enter it in the kernel's tables (not while it runs)."""
+        g = self.geometry
+        check_int("chunk_id", chunk_id, minimum=0, below=self._t["chunk_tokens"].shape[0])
+        position = check_int("position", position, minimum=0)
+        if self._stream is not None:
+            raise RuntimeError("device holder: add chunks before start() or after stop()")
+        if not isinstance(kv, torch.Tensor):
+            raise TypeError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
+        if kv.dim() != 3 or kv.shape[0] != g.layers or kv.shape[2] != g.d_qk:
+            raise ValueError(
+                f"kv: expected shape ({g.layers}, c_t, {g.d_qk}), got {tuple(kv.shape)}"
+            )
+        if kv.dtype != self.dtype:
+            raise TypeError(f"kv: invalid dtype, expected {self.dtype}, got {kv.dtype}")
+        if not bool(torch.isfinite(kv).all()):
+            raise ValueError("kv: expected finite cache entries")
+        if chunk_id in self.chunks:
+            raise ValueError(f"chunk_id: chunk {chunk_id} is already hosted")
+        blocks = self.pages.alloc(kv.shape[1])
+        self.pages.write(blocks, kv)
+        c = HostedChunk(chunk_id, kv.shape[1], position, torch.tensor(blocks, dtype=torch.int32))
+        self.chunks[chunk_id] = c
+        self._t["chunk_blocks"][chunk_id, : len(blocks)] = c.blocks.to(self.device)
+        self._t["chunk_tokens"][chunk_id] = c.tokens
+        self._t["splits_dense"][chunk_id] = self._dense_splits(len(blocks)).to(self.device)
+        self._resize_workspace()
+        return c
+
+    def _plan_q(self, B: int) -> torch.Tensor:
+        return torch.empty(B, self.geometry.heads, self.geometry.d_qk, dtype=self.dtype,
+                           device=self.device)  # fmt: skip
+
+    def _dense_splits(self, blocks: int) -> torch.Tensor:
+        """``[max_batch + 1]``: the dense plan's split count for B tokens over ``blocks``."""
+        out = torch.ones(self.buffers.max_batch + 1, dtype=torch.int32)
+        layer = self.pages.kv[0]
+        for B in range(1, self.buffers.max_batch + 1):
+            table = torch.zeros(B, max(blocks, 1), dtype=torch.int32, device=self.device)
+            lens = torch.zeros(B, dtype=torch.int32, device=self.device)
+            plan = plan_decode(self._plan_q(B), layer, table, lens, self.softmax_scale,
+                               self.geometry.d_v, None, alloc=meta_output)  # fmt: skip
+            out[B] = plan.num_splits
+        return out
+
+    def _sparse_splits(self, max_batch: int, tiles: int) -> torch.Tensor:
+        """``[max_batch + 1, tiles + 1]``: the sparse plan's split count for B tokens of a
+        selection ``t`` tiles wide."""
+        out = torch.ones(max_batch + 1, tiles + 1, dtype=torch.int32)
+        layer = self.pages.kv[0]
+        bn = self._sparse_tile.block_n
+        for B in range(1, max_batch + 1):
+            q = self._plan_q(B)
+            for t in range(1, tiles + 1):
+                idx = torch.zeros(B, t * bn, dtype=torch.int32, device=self.device)
+                plan = plan_sparse(q, layer, idx, self.softmax_scale, self.geometry.d_v, None,
+                                   alloc=meta_output)  # fmt: skip
+                out[B, t] = plan.num_splits
+        return out
+
+    def _resize_workspace(self) -> None:
+        """The split partials' workspace: the most ``B * S`` any split call of the tables
+        writes, per slot."""
+        B = torch.arange(self.buffers.max_batch + 1, dtype=torch.int32)
+        d = self._t["splits_dense"].cpu()
+        s = self._t["splits_sparse"].cpu()
+        rows = max(
+            int((torch.where(d > 1, d, 0) * B).max()),
+            int((torch.where(s > 1, s, 0) * B[:, None]).max()),
+            1,
+        )
+        n, H, dev = self.buffers.slots, self.buffers.heads, self.device
+        if "ws_o" not in self._t or self._t["ws_o"].shape[1] < rows:
+            self._t["ws_o"] = torch.zeros(n, rows, H, self.geometry.d_v, device=dev)
+            self._t["ws_lse"] = torch.zeros(n, rows, H, device=dev)
+
+    @property
+    def tables(self) -> HolderTables:
+        return HolderTables(**self._t)
+
+    # ---- serving ----------------------------------------------------------------------------
+    def launch(self, persistent: bool = False, max_idle: int = 1 << 30):
+        """The holder kernel's launch (``mqnc.triton_kernels._launch.Launch``)."""
+        return holder_loop_launch(self.buffers, self.tables, softmax_scale=self.softmax_scale,
+                                  max_rows=self.max_rows, persistent=persistent,
+                                  max_idle=max_idle, nvshmem_lib=self.nvshmem_lib)  # fmt: skip
+
+    def serve_once(self) -> None:
+        """One-shot: serve the requests already signalled, then return (one launch)."""
+        self.launch()()
+        self.launches += 1
+
+    def start(self, max_idle: int = 1 << 30) -> DeviceHolder:
+        """Launch the persistent kernel on its own stream (a GPU): it serves until
+        :meth:`stop` (or ``max_idle`` empty polls)."""
+        if self.device.type != "cuda":
+            raise RuntimeError("device holder: a persistent kernel needs a GPU (use serve_once)")
+        if self._stream is not None:
+            raise RuntimeError("device holder: already started")
+        self._t["stop"].zero_()
+        torch.cuda.synchronize(self.device)
+        self._stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._stream):
+            self.launch(persistent=True, max_idle=max_idle)()
+        self.launches += 1
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Set the stop word (from another stream) and wait for the kernel to return."""
+        if self._stream is None:
+            return
+        import time
+
+        stop = torch.ones(1, dtype=torch.int64, device=self.device)
+        side = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(side):
+            self._t["stop"].copy_(stop, non_blocking=True)
+        deadline = time.monotonic() + check_number("timeout_s", timeout_s, positive=True)
+        while not self._stream.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"device holder: kernel did not stop within {timeout_s} s")
+            time.sleep(1e-3)
+        self._stream = None

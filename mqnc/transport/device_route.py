@@ -1,0 +1,266 @@
+"""The device route: a request and its reply moved by kernels through device memory, with no host
+call per request (§3.1-§3.3; the host-driven engines of this package stay as they are, this is a
+path beside them).
+
+Layout (every word int64; ``docs/device-route.md`` draws it): ``slots`` inbox slots on the
+holder's side, one per requester lane, each a header of ``HEADER_WORDS`` words (sequence, layer,
+chunk, tokens, heads, mode, top-k), query rows ``[max_batch, H, d_qk]``, a selection
+``[max_batch, max_topk]`` int32 and a signal word; as many reply slots on the requester's side,
+each a header of ``REPLY_WORDS`` words (sequence, status, detail, rows), the partial ``o
+[max_batch, H, d_v]`` and ``lse [max_batch, H]`` (natural log, float32) and a signal word. A
+signal is raised to the request's sequence number after its payload (release), and read with an
+acquire. Status codes and word indices are ``mqnc.triton_kernels._route_words``'.
+
+Two memory backends behind one interface (:class:`LocalBackend`, :class:`NvshmemBackend`): who
+allocates the slots and how a kernel delivers into them.
+
+- ``local``: inbox and replies in one device's memory (one process, the holder kernel resident
+  beside the requester's kernels): stores, then a release on the signal word;
+- ``nvshmem``: the slots in NVSHMEM's symmetric heap, each PE holding a copy at the same
+  address; a sender writes its own copy, then a device-initiated put-with-signal (NVSHMEM's
+  device bitcode, ``nvshmemx_putmem_signal_nbi_block``) delivers it to the receiver's copy (PE
+  to itself on one GPU, PE to PE across GPUs and nodes).
+
+The requester's side is :class:`RouteClient` (a put kernel per request, a wait-then-merge kernel
+per step, the sequence numbers in device memory: a step captured in a CUDA graph replays with
+no host call); the holder's is ``mqnc.serving.device_holder.DeviceHolder`` (the resident kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from mqnc.base.checks import check_int
+from mqnc.triton_kernels import _route_words as words
+from mqnc.triton_kernels._route_words import HEADER_WORDS, REPLY_WORDS, STATUS_NAMES, RouteBuffers
+from mqnc.triton_kernels.route_merge import route_merge_launch
+from mqnc.triton_kernels.route_put import route_put_launch
+
+__all__ = [
+    "RouteLayout",
+    "RouteBuffers",
+    "LocalBackend",
+    "NvshmemBackend",
+    "BACKENDS",
+    "allocate",
+    "RouteClient",
+    "RouteFailed",
+    "STATUS_NAMES",
+    "MODES",
+]
+
+MODES = {"dense": int(words.MODE_DENSE), "sparse": int(words.MODE_SPARSE), "probe": 2}
+
+
+class RouteFailed(RuntimeError):
+    """A routed step whose replies were not all ``OK`` (named per slot)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteLayout:
+    """The slots' sizes: ``slots`` requester lanes, at most ``max_batch`` query tokens of
+    ``heads`` heads (``d_qk`` wide; partials ``d_v`` wide) and ``max_topk`` selected entries a
+    request, in ``dtype`` (the cache's)."""
+
+    slots: int
+    max_batch: int
+    heads: int
+    d_qk: int = 576
+    d_v: int = 512
+    max_topk: int = 64
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        for name in ("slots", "max_batch", "heads", "max_topk"):
+            check_int(name, getattr(self, name), minimum=1)
+        if self.d_v != 512 or self.d_qk - self.d_v not in (64,):
+            raise ValueError(
+                f"d_qk, d_v: expected the MLA latent 512 + rope 64, got {self.d_qk}, {self.d_v}"
+            )
+        if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"dtype: expected bfloat16, float16 or float32, got {self.dtype}")
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one inbox plus one reply slot (headers, rows, selection, partial)."""
+        e = torch.empty((), dtype=self.dtype).element_size()
+        rows = self.max_batch * self.heads
+        return (
+            8 * (HEADER_WORDS + REPLY_WORDS + 2)
+            + rows * (self.d_qk + self.d_v) * e
+            + rows * 4
+            + self.max_batch * self.max_topk * 4
+        )
+
+
+class LocalBackend:
+    """Slots in one device's memory (``torch.zeros``); kernels deliver by stores and a
+    release on the signal word. ``nvshmem_lib`` is None; every slot's peer is PE 0."""
+
+    name = "local"
+    nvshmem_lib: str | None = None
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+
+class NvshmemBackend:
+    """Slots in NVSHMEM's symmetric heap (nvshmem4py's ``interop.torch.tensor``, zeroed);
+    kernels deliver with device-initiated put-with-signal from NVSHMEM's device bitcode. Needs
+    an initialised NVSHMEM instance (``mqnc.transport.nvshmem``) and a GPU; imported lazily."""
+
+    name = "nvshmem"
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        from mqnc.transport import nvshmem
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("nvshmem backend: needs a CUDA device")
+        import nvshmem.core as core  # noqa: F401  (the instance must be initialised)
+
+        self.device = torch.device(device or "cuda")
+        self.nvshmem_lib = nvshmem.device_library_path()
+        self._core = core
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = self._core.interop.torch.tensor(shape, dtype=dtype)
+        t.zero_()
+        return t
+
+    @property
+    def rank(self) -> int:
+        return int(self._core.my_pe())
+
+
+BACKENDS = ("local", "nvshmem")
+
+
+def allocate(layout: RouteLayout, backend) -> RouteBuffers:
+    """The inbox and reply slots of ``layout`` from ``backend`` (zeroed: signals 0, so the first
+    sequence number is 1)."""
+    n, B, H, k = layout.slots, layout.max_batch, layout.heads, layout.max_topk
+    a = backend.alloc
+    return RouteBuffers(
+        in_sig=a((n,), torch.int64),
+        in_hdr=a((n, HEADER_WORDS), torch.int64),
+        in_q=a((n, B, H, layout.d_qk), layout.dtype),
+        in_idx=a((n, B, k), torch.int32),
+        rep_sig=a((n,), torch.int64),
+        rep_hdr=a((n, REPLY_WORDS), torch.int64),
+        rep_o=a((n, B, H, layout.d_v), layout.dtype),
+        rep_lse=a((n, B, H), torch.float32),
+    )
+
+
+class RouteClient:
+    """The requester's device side of a device route: puts requests, then waits for and merges
+    their replies, all by kernels (sequence numbers ``seq [slots]`` int64 in device memory: the
+    put takes ``seq[slot] + 1``, the merge waits for it).
+
+    Parameters
+    ----------
+    buffers : RouteBuffers
+        The slots (:func:`allocate`).
+    backend : LocalBackend or NvshmemBackend
+    holder_pe : int
+        The holder's PE (``nvshmem``; ``local``: unused).
+    programs : int
+        CTAs of a put.
+    spins : int
+        Bound of each reply wait, in polls (a missing reply is ``TIMEOUT``, never a hang).
+    """
+
+    def __init__(self, buffers: RouteBuffers, backend, *, holder_pe: int = 0, programs: int = 4,
+                 spins: int = 1 << 24) -> None:  # fmt: skip
+        self.buffers = buffers
+        self.backend = backend
+        self.holder_pe = check_int("holder_pe", holder_pe, minimum=0)
+        self.programs = check_int("programs", programs, minimum=1)
+        self.spins = check_int("spins", spins, minimum=0)
+        dev = buffers.in_sig.device
+        self.seq = torch.zeros(buffers.slots, dtype=torch.int64, device=dev)
+        self._arrive = torch.zeros(buffers.slots, dtype=torch.int32, device=dev)
+        self.launches = 0  # kernel launches made (a captured step's replays make none)
+
+    def put(self, slot: int, q: torch.Tensor, *, layer: int, chunk: int,
+            indices: torch.Tensor | None = None, probe: bool = False) -> None:  # fmt: skip
+        """Put one request on ``slot``: ``q [B, heads, d_qk]`` (the cache dtype) for ``layer``
+        of the holder's ``chunk``, dense, or sparse with ``indices [B, topk]`` int32
+        chunk-local (-1 unused); ``probe``: a header-only request (the protocol probe: no row
+        is copied, the header says 0 tokens, the reply carries no partial)."""
+        buf = self.buffers
+        check_int("slot", slot, minimum=0, below=buf.slots)
+        _check_rows(buf, q, indices)
+        mode = MODES["probe"] if probe else MODES["dense" if indices is None else "sparse"]
+        launch = route_put_launch(
+            buf, self.seq, self._arrive, slot, q if not probe else q[:0], indices,
+            layer=check_int("layer", layer), chunk=check_int("chunk", chunk), mode=mode,
+            programs=self.programs, pe=self.holder_pe, nvshmem_lib=self.backend.nvshmem_lib,
+        )  # fmt: skip
+        launch()
+        self.launches += 1
+
+    def merge(self, slots: list[int], batch: int, heads: int, *,
+              local: tuple[torch.Tensor, torch.Tensor] | None = None, out=None):  # fmt: skip
+        """Wait for the replies on ``slots`` and merge them (and ``local = (o [B, H, d_v],
+        lse [B, H])``, merged last) into ``(o [batch, heads, d_v], lse [batch, heads],
+        status [len(slots)])``: ``o`` in the cache dtype, ``lse`` natural-log float32,
+        ``status`` int64 per slot (``OK`` = 0, else :data:`STATUS_NAMES`). A row of a step
+        with any failed slot is NaN. ``out``: the three tensors to write (a captured step)."""
+        buf = self.buffers
+        dev = buf.rep_o.device
+        if out is None:
+            o = torch.empty(batch, heads, buf.rep_o.shape[3], dtype=buf.rep_o.dtype, device=dev)
+            lse = torch.empty(batch, heads, dtype=torch.float32, device=dev)
+            status = torch.empty(len(slots), dtype=torch.int64, device=dev)
+        else:
+            o, lse, status = out
+        idx = torch.tensor(slots, dtype=torch.int64).to(dev)
+        route_merge_launch(
+            buf, self.seq, idx, o, lse, status, local=local, spins=self.spins,
+            nvshmem=self.backend.nvshmem_lib is not None,
+        )()  # fmt: skip
+        self.launches += 1
+        return o, lse, status
+
+
+def check_status(status: torch.Tensor, slots: list[int]) -> None:
+    """Raise :class:`RouteFailed` naming each slot whose reply was not ``OK`` (one sync)."""
+    got = status.tolist()
+    bad = [f"slot {s}: {STATUS_NAMES.get(c, c)}" for s, c in zip(slots, got, strict=True) if c]
+    if bad:
+        raise RouteFailed("device route: " + "; ".join(bad))
+
+
+def _check_rows(buf: RouteBuffers, q: torch.Tensor, indices: torch.Tensor | None) -> None:
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+    d_qk = buf.in_q.shape[3]
+    if q.dim() != 3 or q.shape[2] != d_qk or q.stride(2) != 1:
+        raise ValueError(f"q: expected [B, heads, {d_qk}] with unit last stride, got "
+                         f"{tuple(q.shape)} strides {q.stride()}")  # fmt: skip
+    if q.dtype != buf.in_q.dtype:
+        raise TypeError(f"q: invalid dtype, expected {buf.in_q.dtype}, got {q.dtype}")
+    if q.device != buf.in_q.device:
+        raise ValueError(f"q: expected a tensor on {buf.in_q.device}, got {q.device}")
+    if not (1 <= q.shape[0] <= buf.max_batch and 1 <= q.shape[1] <= buf.heads):
+        raise ValueError(f"q: expected 1..{buf.max_batch} tokens of 1..{buf.heads} heads (the "
+                         f"slot's), got {q.shape[0]} x {q.shape[1]}")  # fmt: skip
+    if indices is not None:
+        if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != q.shape[0]:
+            raise ValueError(f"indices: expected [{q.shape[0]}, topk] int32, got "
+                             f"{tuple(indices.shape)} {indices.dtype}")  # fmt: skip
+        if indices.stride(1) != 1 or indices.device != q.device:
+            raise ValueError("indices: expected unit last stride, on q's device")
+        if not 1 <= indices.shape[1] <= buf.max_topk:
+            raise ValueError(f"indices: expected 1..{buf.max_topk} entries a token (the "
+                             f"slot's), got {indices.shape[1]}")  # fmt: skip
