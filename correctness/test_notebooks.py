@@ -131,15 +131,28 @@ def synthetic_records(
             for m_q in (256, 1024):
                 rt = t_route(g, fab, m_q, congestion=c).transport
                 out.append(_rec("congestion", f"M_q={m_q}", k, noisy(rt), x_name="flows", rng=rng))
-    if kernels:
+    if kernels:  # on a device with a spec sheet, so that the roofline is drawn
+        start = len(out)
         for m in (2, 8):
             for rows in (16, 1024, 16384):
                 t = 5.0 + 0.01 * m * rows
-                out.append(
-                    _rec(
-                        "merge", f"M={m}", rows, noisy(t), x_name="rows", rng=rng, backend="triton"
-                    )
+                rec = _rec("merge", f"M={m}", rows, noisy(t), x_name="rows", rng=rng)
+                out.append(dict(rec, backend="triton", bytes=(m + 1) * rows * 1032))
+        for b in (1, 8):
+            for ct in (2048, 8192):
+                nbytes = b * ct * 1152
+                rec = _rec(
+                    "mla_decode",
+                    f"H=16,B={b}",
+                    ct,
+                    noisy(2.0 + nbytes / 2e6),
+                    x_name="ct",
+                    rng=rng,
+                    extra={"B": b, "H": 16},
                 )
+                out.append(dict(rec, backend="triton", bytes=nbytes))
+        rec = _rec("copy", "d2d", 2**32, noisy(2**32 / 2.5e6), x_name="bytes", rng=rng)
+        out.append(dict(rec, backend="torch", bytes=2**32))
         for ct in (55, 1024, 2048):
             out.append(
                 _rec(
@@ -152,6 +165,9 @@ def synthetic_records(
                     backend="triton",
                 )
             )
+            out[-1]["bytes"] = 27 * ct * 1152 * 2
+        for r in out[start:]:
+            r["device"] = "NVIDIA H200"
     return out
 
 
@@ -188,7 +204,7 @@ def _kernel_manager(tmp: Path, env: dict):
 
 def run_notebook(name: str, tmp: Path, *, results: Path | None) -> tuple[Path, str]:
     """Execute ``notebooks/name`` with figures written to ``tmp/figs``; returns that folder and
-    the text of every stream output."""
+    the text of every stream output (the executed notebook is in ``EXECUTED[name]``)."""
     fig_dir = tmp / "figs"
     env = {"MPLBACKEND": "Agg", "MQNC_FIG_DIR": str(fig_dir), "IPYTHONDIR": str(tmp / "ipython")}
     if results is not None:
@@ -213,6 +229,7 @@ def run_notebook(name: str, tmp: Path, *, results: Path | None) -> tuple[Path, s
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    EXECUTED[name] = nb
     text = "\n".join(
         out.get("text", "")
         for cell in nb.cells
@@ -221,6 +238,31 @@ def run_notebook(name: str, tmp: Path, *, results: Path | None) -> tuple[Path, s
         if out.get("output_type") == "stream"
     )
     return fig_dir, text
+
+
+EXECUTED: dict = {}
+"""The last execution of each notebook, with its outputs."""
+
+_DRAWS = re.compile(r"\b(try_draw|draw)\(")
+
+
+def assert_figure_cells_hold_images(name: str) -> None:
+    """Every code cell that draws (calls ``draw(`` / ``try_draw(``) is tagged ``figure``, and
+    every ``figure`` cell's outputs hold an ``image/png``: the executed notebook keeps its
+    images (``%matplotlib inline``), even under ``MPLBACKEND=Agg``."""
+    nb = EXECUTED[name]
+    figure_cells = 0
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        tagged = "figure" in cell.metadata.get("tags", [])
+        draws = bool(_DRAWS.search(cell.source)) and "def draw(" not in cell.source
+        assert tagged == draws, f"{name} cell {i}: tagged {tagged}, draws {draws}"
+        if tagged:
+            figure_cells += 1
+            kinds = [k for out in cell.outputs for k in out.get("data", {})]
+            assert "image/png" in kinds, f"{name} cell {i}: no image/png in its outputs {kinds}"
+    assert figure_cells >= 4, f"{name}: only {figure_cells} figure cells"
 
 
 def assert_png(path: Path) -> None:
@@ -254,6 +296,7 @@ def test_cost_model_notebook(tmp_path):
     for fig in MODEL_FIGS:
         assert_png(fig_dir / f"{fig}.png")
     assert "not drawn" not in text
+    assert_figure_cells_hold_images("01_cost_model.ipynb")
 
 
 def test_measurements_notebook_draws_every_figure(tmp_path):
@@ -266,11 +309,15 @@ def test_measurements_notebook_draws_every_figure(tmp_path):
         "bench_splice",
         "bench_fetch_other",
         "bench_holder_other",
+        "bench_mla_decode",
+        "results_roofline",
+        "route_vs_paper",
     ]
     for fig in expected:
         assert_png(fig_dir / f"{fig}.png")
     assert "not drawn" not in text
     assert re.search(r"missing: nothing", text)
+    assert_figure_cells_hold_images("02_measurements.ipynb")
 
 
 def test_measurements_notebook_reports_missing_records(tmp_path):
@@ -294,6 +341,8 @@ def test_measurements_notebook_on_repository_results(tmp_path):
     for bench in plots.benches(records):
         if bench not in plots.TRANSPORT_BENCHES:
             assert_png(fig_dir / f"bench_{bench}.png")
+    for fig in ("results_roofline", "route_vs_paper"):
+        assert_png(fig_dir / f"{fig}.png")
     engines = sorted({str(r.get("transport")) for r in records if r.get("bench") == "congestion"})
     for fig in TRANSPORT_FIGS:
         if fig == "fig7_congestion" and len(engines) > 1:  # one figure per engine
@@ -329,8 +378,10 @@ def test_congestion_is_drawn_per_engine_never_across_engines():
 
     g = get_preset("deepseek-v2-lite")
     one = [r for r in synthetic_records(kernels=False, noise=0.0) if r["bench"] == "congestion"]
-    slow = [dict(r, transport="gloo", p20=10 * r["p20"], p50=10 * r["p50"], p80=10 * r["p80"])
-            for r in one]  # fmt: skip
+    slow = [
+        dict(r, transport="gloo", p20=10 * r["p20"], p50=10 * r["p50"], p80=10 * r["p80"])
+        for r in one
+    ]
     both = one + slow
     with pytest.raises(ValueError, match=r"2 \(device, transport\) pairs"):
         plots.congestion_plot(None, both, g)

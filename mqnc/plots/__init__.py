@@ -44,7 +44,21 @@ draw. The records they read:
   fully subscribed point at the largest M_q, predicting the other batches; one engine on one
   machine per figure (``transport=`` / ``device=`` choose when the records hold several).
 - :func:`bench_plot`: any benchmark (merge, copy, mla, splice, predicate, ...): p50 against
-  ``x`` per variant, p20-p80 shaded, device and backend in the title.
+  ``x`` per variant, p20-p80 shaded, for one device (:func:`draw_per_device` draws one panel
+  per device: CPU and GPU timings never share an axis), device and backend in the title.
+
+Results figures (whole figures, drawn into a ``Figure``; :func:`try_draw_figure`):
+
+- :func:`roofline` (:mod:`mqnc.plots.roofline`): the kernels on the H200's roofline, achieved
+  TFLOP/s and TB/s per recorded shape against the spec, the measured ceilings and the anchors'
+  published points;
+- :func:`route_vs_paper` (:mod:`mqnc.plots.paper_compare`): measured route, fetch and local
+  costs against the paper's numbers and the cost model, one panel per device and transport.
+
+``python -m mqnc.plots.docs_figures --out docs`` redraws the figures committed in ``docs/``
+(docs/figures.md says what each shows). Every figure's log axes carry plain tick labels
+(:func:`readable_log_ticks`), its legend fits (:func:`fit_legend`: outside the axes when long)
+and its title wraps to the axes (:func:`wrapped_title`).
 """
 
 from mqnc.measure.results_file import read_results, results_path
@@ -54,8 +68,14 @@ from mqnc.plots._common import (
     TRANSPORT_BENCHES,
     MissingData,
     benches,
+    compact_number,
+    draw_per_device,
+    fit_legend,
+    readable_log_ticks,
     save,
     try_draw,
+    try_draw_figure,
+    wrapped_title,
 )
 from mqnc.plots.cost_figures import (
     bw_sweep_plot,
@@ -71,6 +91,8 @@ from mqnc.plots.measured import (
     holder_compute,
     route_round_trip,
 )
+from mqnc.plots.paper_compare import PAPER_POINTS, route_vs_paper
+from mqnc.plots.roofline import ANCHORS, SPECS, kernel_points, roofline
 
 __all__ = [
     "COLORS",
@@ -82,6 +104,18 @@ __all__ = [
     "benches",
     "save",
     "try_draw",
+    "try_draw_figure",
+    "draw_per_device",
+    "compact_number",
+    "readable_log_ticks",
+    "fit_legend",
+    "wrapped_title",
+    "roofline",
+    "kernel_points",
+    "SPECS",
+    "ANCHORS",
+    "route_vs_paper",
+    "PAPER_POINTS",
     "payload_bars",
     "cost_vs_chunk",
     "wire_saving_map",

@@ -19,6 +19,13 @@ __all__ = [
     "benches",
     "save",
     "try_draw",
+    "compact_number",
+    "readable_log_ticks",
+    "fit_legend",
+    "wrapped_title",
+    "devices_with",
+    "draw_per_device",
+    "try_draw_figure",
 ]
 
 COLORS = {"route": "#2ca02c", "fetch": "#d62728", "local": "#9467bd"}
@@ -35,6 +42,8 @@ COMMANDS = {
     "copy": "python -m perf.bench_copy",
     "splice": "python -m perf.bench_splice",
     "predicate": "python -m perf.bench_predicate",
+    "mla_decode": "python -m perf.bench_mla",
+    "mla_sparse": "python -m perf.bench_mla",
 }
 """The command that writes each bench's records (by default to the git-ignored
 ``perf/results/local.jsonl``; figures read it with ``MQNC_RESULTS=perf/results/local.jsonl``)."""
@@ -164,3 +173,162 @@ def _title_suffix(records: Sequence[dict]) -> str:
 
 def _cycle():
     return itertools.cycle([f"C{i}" for i in range(10)])
+
+
+# ---- readable figures: ticks, legends, titles, one panel per device -----------------------------
+
+
+def _log_subs(lo: float, hi: float) -> tuple[float, ...]:
+    """Tick multiples per decade for a log axis spanning ``lo .. hi``: more when it spans less."""
+    decades = np.log10(hi / lo) if lo > 0 and hi > lo else 0.0
+    if decades < 0.8:
+        return (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)
+    if decades < 2.2:
+        return (1.0, 2.0, 5.0)
+    return (1.0,)
+
+
+def compact_number(v: float, unit: str = "") -> str:
+    """``v`` in at most 4 characters plus an SI prefix: 0.5, 20, 300, 5k, 20M, 2G."""
+    if v == 0:
+        return "0" + unit
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3), ("", 1.0)):
+        if abs(v) >= scale:
+            return f"{v / scale:g}{prefix}{unit}"
+    return f"{v:.3g}{unit}"
+
+
+def readable_log_ticks(ax, axis: str = "both", fmt: Callable[[float], str] = compact_number):
+    """Major ticks of a log axis at 1, 2, 5 x 10^k (at 10^k alone over many decades; more
+    multiples over less than a decade), labelled plainly by ``fmt`` ("5k", "20"), minor ticks
+    unlabelled: no "3x10^3 4x10^3" pairs that collide. Call after the limits are final."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    for name in ("x", "y") if axis == "both" else (axis,):
+        target = ax.xaxis if name == "x" else ax.yaxis
+        if target.get_scale() != "log":
+            continue
+        lo, hi = sorted(ax.get_xlim() if name == "x" else ax.get_ylim())
+        target.set_major_locator(LogLocator(base=10, subs=_log_subs(lo, hi), numticks=12))
+        target.set_major_formatter(FuncFormatter(lambda v, _pos: fmt(v)))
+        target.set_minor_formatter(NullFormatter())
+
+
+def fit_legend(ax, *, max_inside: int = 5, fontsize: float = 6.5, **kwargs: Any):
+    """The axes' legend where it fits: inside ("best") with at most ``max_inside`` entries,
+    else outside the axes on the right (in columns of at most 22 entries), which constrained
+    layout makes room for. Returns the legend (None when nothing is labelled)."""
+    handles, labels = ax.get_legend_handles_labels()
+    if not handles:
+        return None
+    if len(handles) <= max_inside:
+        return ax.legend(handles, labels, fontsize=fontsize, loc="best", **kwargs)
+    ncol = -(-len(handles) // 22)
+    return ax.legend(
+        handles,
+        labels,
+        fontsize=fontsize,
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        borderaxespad=0.0,
+        ncol=ncol,
+        **kwargs,
+    )
+
+
+def wrapped_title(ax, text: str, *, fontsize: float = 9.0) -> None:
+    """``ax``'s title with each line wrapped to the axes' width, so that no title runs past
+    the figure's edge (constrained layout makes room for the lines, not for their width)."""
+    import textwrap
+
+    width_in = ax.get_position().width * ax.figure.get_figwidth()
+    chars = max(24, int(width_in * 72 / (0.55 * fontsize)))
+    lines = [w for line in text.split("\n") for w in (textwrap.wrap(line, chars) or [""])]
+    ax.set_title("\n".join(lines), fontsize=fontsize)
+
+
+def devices_with(records: Iterable[dict], benches_: Sequence[str]) -> list[str]:
+    """The devices holding records of any of ``benches_``, GPUs first, then by name."""
+    devs = {str(r.get("device", "?")) for r in records if r.get("bench") in benches_}
+    return sorted(devs, key=lambda d: (d.startswith("CPU"), d))
+
+
+def draw_per_device(
+    name: str,
+    draw: Callable[..., Any],
+    records: Sequence[dict],
+    *args: Any,
+    benches: Sequence[str],
+    fig_dir: str | os.PathLike | None = None,
+    panel_size: tuple[float, float] = (6.4, 4.2),
+    **kwargs: Any,
+):
+    """One panel per device that holds records of ``benches`` (GPUs first): each panel is
+    ``draw(ax, that_device's_records, *args, **kwargs)``, so CPU and GPU timings never share
+    an axis. Saved as ``name`` like :func:`try_draw`; when no device has records, or every
+    panel's records are missing, prints what is missing instead.
+
+    Returns
+    -------
+    (Figure, dict) or (None, None)
+        The figure and ``{device: what draw returned}`` (a panel whose records are missing
+        says so in the panel and is absent from the dict).
+    """
+    import matplotlib.pyplot as plt  # here: an optional dependency, see the package docstring
+
+    devices = devices_with(records, benches)
+    if not devices:
+        missing = MissingData(f"no records of bench {benches[0]!r}", COMMANDS.get(benches[0]))
+        print(f"{name}: not drawn: {missing}")
+        return None, None
+    w, h = panel_size
+    fig, axes = plt.subplots(
+        len(devices), 1, figsize=(w, h * len(devices)), constrained_layout=True, squeeze=False
+    )
+    out, missing = {}, []
+    for ax, dev in zip(axes[:, 0], devices, strict=True):
+        mine = [r for r in records if str(r.get("device", "?")) == dev]
+        try:
+            out[dev] = draw(ax, mine, *args, **kwargs)
+        except MissingData as exc:
+            missing.append(str(exc))
+            ax.set_axis_off()
+            ax.text(0.5, 0.5, f"{_short_device(dev)}: {exc}", ha="center", wrap=True, fontsize=7)
+    if not out:
+        plt.close(fig)
+        print(f"{name}: not drawn: {'; '.join(missing)}")
+        return None, None
+    path = save(fig, name, fig_dir)
+    if path is not None:
+        print(f"{name}: wrote {path}")
+    return fig, out
+
+
+def try_draw_figure(
+    name: str,
+    draw: Callable[..., Any],
+    *args: Any,
+    fig_dir: str | os.PathLike | None = None,
+    figsize: tuple[float, float] = (12.0, 6.0),
+    **kwargs: Any,
+):
+    """:func:`try_draw` for a function that draws a whole figure (several panels):
+    ``draw(fig, *args, **kwargs)`` on a new constrained-layout figure.
+
+    Returns
+    -------
+    (Figure, object) or (None, None)
+    """
+    import matplotlib.pyplot as plt  # here: an optional dependency, see the package docstring
+
+    fig = plt.figure(figsize=figsize, layout="constrained")
+    try:
+        result = draw(fig, *args, **kwargs)
+    except MissingData as exc:
+        plt.close(fig)
+        print(f"{name}: not drawn: {exc}")
+        return None, None
+    path = save(fig, name, fig_dir)
+    if path is not None:
+        print(f"{name}: wrote {path}")
+    return fig, result

@@ -21,6 +21,9 @@ from mqnc.plots._common import (
     _short_device,
     _title_suffix,
     _us,
+    fit_legend,
+    readable_log_ticks,
+    wrapped_title,
 )
 
 __all__ = ["route_round_trip", "gather_vs_route", "holder_compute", "congestion_plot", "bench_plot"]
@@ -122,13 +125,14 @@ def route_round_trip(
     if right > amortised_min_rows:
         ax.axvspan(amortised_min_rows, right, color="gray", alpha=0.1, zorder=0)
         ax.set_xlim(right=right)
-    ax.set(
-        xlabel="routed query rows $M_q$",
-        ylabel="route round trip (us)",
-        title=f"(b) route round trip vs model, q+p = {want} B"
+    ax.set(xlabel="routed query rows $M_q$", ylabel="route round trip (us)")
+    wrapped_title(
+        ax,
+        f"(b) route round trip vs model, q+p = {want} B"
         + _title_suffix([r for recs, _ in groups.values() for r in recs]),
     )
-    ax.legend(fontsize=6)
+    readable_log_ticks(ax)
+    fit_legend(ax)
     return fits
 
 
@@ -201,17 +205,14 @@ def gather_vs_route(ax, records: Sequence[dict]):
             )
             if x.size >= 2:
                 fits[(bench, dev, variant)] = _draw_affine(ax, x, p50, color)
-    ax.set(
-        yscale="log",
-        xlabel="holders M the selection spans",
-        ylabel="time per layer (us)",
-        title="(a) gather vs route fan-out over holders" + _title_suffix(gather + fan),
-    )
+    ax.set(yscale="log", xlabel="holders M the selection spans", ylabel="time per layer (us)")
+    wrapped_title(ax, "(a) gather vs route fan-out over holders" + _title_suffix(gather + fan))
+    readable_log_ticks(ax)
     for recs, what, bench in ((gather, "gather", "fetch"), (fan, "route fan-out", "route_fanout")):
         if not recs:
             text = f"{what}: run `{COMMANDS[bench]}`"
             ax.text(0.02, 0.02, text, fontsize=7, transform=ax.transAxes)
-    ax.legend(fontsize=6)
+    fit_legend(ax)
     return fits
 
 
@@ -282,9 +283,10 @@ def holder_compute(ax, records: Sequence[dict], *, splice_us: float | None = Non
         yscale="log",
         xlabel="routed requesters N batched by one holder",
         ylabel="holder partial attention (us)",
-        title="(b) holder compute vs requesters" + _title_suffix(recs),
     )
-    ax.legend(fontsize=6)
+    wrapped_title(ax, "(b) holder compute vs requesters" + _title_suffix(recs))
+    readable_log_ticks(ax)
+    fit_legend(ax)
     return fits
 
 
@@ -381,9 +383,10 @@ def congestion_plot(
         xlabel="concurrent route flows K sharing the link",
         ylabel="round trip (us)",
         xticks=ks,
-        title="route under self-congestion (Fig. 7)" + _title_suffix(recs),
     )
-    ax.legend(fontsize=6)
+    wrapped_title(ax, "route under self-congestion (Fig. 7)" + _title_suffix(recs))
+    readable_log_ticks(ax, "y")
+    fit_legend(ax)
     return congestion
 
 
@@ -443,42 +446,76 @@ def _pct(r: dict, key: str) -> float:
     return float(r["p50"] if r.get(key) is None else r[key])
 
 
-def bench_plot(ax, records: Sequence[dict], bench: str, *, reference=None):
-    """A benchmark's p50 against ``x`` per variant (and device), p20-p80 shaded.
+_TAG_MARKERS = ("s", "^", "D", "v", "P", "X", "*", "<", ">", "h")
 
-    The title names the bench, the devices and the backends (``triton``, ``interpreter``,
-    ``torch-reference``...), so interpreter timings are never mistaken for kernel timings. For
-    ``bench="splice"`` the cost model's splice profile (:data:`mqnc.cost.SPLICE_PAPER`,
-    H100) is drawn dashed, or ``reference`` (a ``SpliceProfile``) when given.
+
+def _split_variant(variant: str) -> tuple[str, str]:
+    """``"H=128,B=8@64x32w8s3"`` -> ``("H=128,B=8", "64x32w8s3")``; no ``@``: ``(variant, "")``."""
+    base, _, tag = variant.partition("@")
+    return base, tag
+
+
+def bench_plot(ax, records: Sequence[dict], bench: str, *, reference=None):
+    """A benchmark's p50 against ``x`` per variant, p20-p80 shaded, for ONE device (draw
+    several with :func:`mqnc.plots.draw_per_device`: CPU and GPU timings never share an axis).
+
+    A variant ``"base@tag"`` (a forced tile of a sweep: ``"H=128,B=8@64x32w8s3"``) is drawn in
+    its base's colour with one marker per tag and no line, so the legend lists bases and tags,
+    not every pair. The title names the bench, the device and the backends (``triton``,
+    ``interpreter``, ``torch-reference``...), so interpreter timings are never mistaken for
+    kernel timings. For ``bench="splice"`` the cost model's splice profile
+    (:data:`mqnc.cost.SPLICE_PAPER`, H100) is drawn dashed, or ``reference`` (a
+    ``SpliceProfile``) when given.
+
+    Returns
+    -------
+    dict
+        ``(variant, backend) -> (x, p50)`` arrays as drawn.
 
     Raises
     ------
     MissingData
         No records of ``bench``.
+    ValueError
+        The records of ``bench`` are of several devices.
     """
     recs = [r for r in records if r.get("bench") == bench]
     if not recs:
         raise MissingData(f"no records of bench {bench!r}", COMMANDS.get(bench))
+    devices = _devices(recs)
+    if len(devices) > 1:
+        raise ValueError(
+            f"records: bench {bench!r} holds records of {len(devices)} devices {devices}; "
+            "expected one (draw one panel per device with mqnc.plots.draw_per_device)"
+        )
     units = sorted({str(r.get("unit", "us")) for r in recs})
     x_names = sorted({str(r.get("x_name", "x")) for r in recs})
-    many_dev = len(_devices(recs)) > 1
-    cycle = _cycle()
-    groups = _group(
-        recs, lambda r: (str(r.get("variant")), str(r.get("device")), str(r.get("backend")))
-    )
-    for (variant, dev, backend), grp in sorted(groups.items()):
-        color = next(cycle)
+    groups = _group(recs, lambda r: (str(r.get("variant")), str(r.get("backend"))))
+    bases = sorted({(_split_variant(v)[0], b) for v, b in groups}, key=_natural)
+    tags = sorted({_split_variant(v)[1] for v, _ in groups} - {""}, key=_natural)
+    color = _family_colors(bases)
+    many_backends = len({b for _, b in bases}) > 1
+    drawn = {}
+    for (variant, backend), grp in sorted(groups.items(), key=lambda kv: _natural(kv[0])):
+        base, tag = _split_variant(variant)
         xs = np.array(sorted({float(r["x"]) for r in grp}))
         p20, p50, p80 = (
             np.array([np.median([_pct(r, k) for r in grp if float(r["x"]) == x]) for x in xs])
             for k in ("p20", "p50", "p80")
         )
-        label = f"{variant} [{backend}]" + (f" ({_short_device(dev)})" if many_dev else "")
-        ax.plot(xs, p50, "o-", color=color, ms=4, label=label)
+        c = color[(base, backend)]
+        drawn[(variant, backend)] = (xs, p50)
+        if tag:
+            marker = _TAG_MARKERS[tags.index(tag) % len(_TAG_MARKERS)]
+            ax.plot(xs, p50, marker, color=c, ms=5, mfc="none", mew=1.2)
+            continue
+        label = base + (f" [{backend}]" if many_backends else "")
+        ax.plot(xs, p50, "o-", color=c, ms=3.5, lw=1.2, label=label)
         if xs.size > 1:
-            ax.fill_between(xs, p20, p80, color=color, alpha=0.2)
-        else:
-            ax.errorbar(xs, p50, yerr=[p50 - p20, p80 - p50], color=color, fmt="none")
+            ax.fill_between(xs, p20, p80, color=c, alpha=0.2)
+    for i, tag in enumerate(tags):
+        marker = _TAG_MARKERS[i % len(_TAG_MARKERS)]
+        ax.plot([], [], marker, color="0.3", mfc="none", mew=1.2, label=f"@{tag} (forced tile)")
     if bench == "splice":
         prof = SPLICE_PAPER if reference is None else reference
         xs = np.array(sorted({float(r["x"]) for r in recs}))
@@ -491,7 +528,38 @@ def bench_plot(ax, records: Sequence[dict], bench: str, *, reference=None):
         yscale="log" if (ys_all > 0).all() else "linear",
         xlabel=" / ".join(x_names),
         ylabel=f"p50 ({', '.join(units)})",
-        title=f"bench {bench!r}" + _title_suffix(recs),
     )
-    ax.legend(fontsize=6)
-    return groups
+    backends = ", ".join(sorted({b for _, b in bases}))
+    wrapped_title(ax, f"bench {bench!r}\n{_short_device(devices[0])} [{backends}]")
+    readable_log_ticks(ax)
+    fit_legend(ax)
+    return drawn
+
+
+def _natural(key) -> tuple:
+    """Sort key that orders ``"H=16,B=8"`` before ``"H=16,B=16"`` and ``"H=128"`` after both."""
+    text = str(key)
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text))
+
+
+_FAMILY_MAPS = ("Blues", "Oranges", "Greens", "Purples", "Reds", "Greys")
+
+
+def _family_colors(bases: Sequence[tuple[str, str]]) -> dict:
+    """A colour per ``(base, backend)``: the tab10 cycle for up to 10, else one colour map per
+    family (the base's first comma-separated field, ``"H=16"``) shaded along the family, so
+    16 curves of two head counts read as two families rather than a repeating cycle."""
+    if len(bases) <= 10:
+        cycle = _cycle()
+        return {key: next(cycle) for key in bases}
+    import matplotlib
+
+    families: dict[str, list] = {}
+    for key in bases:
+        families.setdefault(key[0].split(",")[0], []).append(key)
+    out = {}
+    for i, members in enumerate(families.values()):
+        cmap = matplotlib.colormaps[_FAMILY_MAPS[i % len(_FAMILY_MAPS)]]
+        for j, key in enumerate(members):
+            out[key] = cmap(0.4 + 0.55 * j / max(1, len(members) - 1))
+    return out
