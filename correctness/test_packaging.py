@@ -95,3 +95,42 @@ def test_wheel_ships_type_markers_and_an_spdx_license(tmp_path):
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert {"mqnc/py.typed", "mqnc/triton_kernels/py.typed"} <= names
     assert "License-Expression: Apache-2.0" in meta
+
+
+def test_a_checkout_named_mqnc_does_not_impersonate_the_package(tmp_path):
+    """A script in the folder that holds a checkout named ``mqnc`` finds the checkout first on
+    ``sys.path``: ``import mqnc`` gives a namespace package of the checkout's root, whose
+    ``mqnc.triton_kernels`` is the checkout's kernel folder while the rest comes from wherever
+    mqnc is installed. The kernels (and the package imported as ``mqnc.mqnc``) refuse that at
+    import, naming the checkout and the fix; a top-level ``triton_kernels`` (Triton's own
+    package's name) from the repository root is refused too; inside the checkout, ``import
+    mqnc`` is the package."""
+    clone = tmp_path / "mqnc"
+    clone.mkdir()
+    for name in ("mqnc", "triton_kernels"):
+        (clone / name).symlink_to(ROOT / name, target_is_directory=True)
+    script = tmp_path / "script.py"
+
+    def run(code, cwd):  # a script beside the checkout; elsewhere, python -c in the folder
+        script.write_text(code + "\n")
+        argv = [str(script)] if cwd == tmp_path else ["-c", code]
+        return subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                              cwd=cwd, timeout=120)  # fmt: skip
+
+    r = run("import mqnc; print(mqnc.__file__, list(mqnc.__path__))", tmp_path)
+    assert r.returncode == 0 and r.stdout.split() == ["None", f"['{clone}']"], r  # namespace
+    for code, name in (
+        ("import mqnc.triton_kernels", "mqnc.triton_kernels"),
+        ("from mqnc.triton_kernels import merge_partials", "mqnc.triton_kernels"),
+        ("import mqnc.mqnc", "mqnc.mqnc"),
+    ):
+        r = run(code, tmp_path)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 1 and last.startswith(f"ImportError: {name}: "), (code, last)
+        assert str(clone) in last and "Run " in last and "rename the checkout" in last, last
+    r = run("import triton_kernels", ROOT)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "not Triton's top-level triton_kernels" in last, last
+    r = run("import mqnc, mqnc.triton_kernels as k; print(mqnc.__file__, k.__name__)", clone)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(clone / "mqnc" / "__init__.py"), "mqnc.triton_kernels"]

@@ -28,4 +28,12 @@ above or beside it (``correctness/test_layout.py`` checks every import).
 7. ``mqnc.cli``: the ``mqnc`` command (``mqnc corpus`` and ``mqnc serve`` among its commands).
 """
 
+if __name__ != "mqnc":  # e.g. "mqnc.mqnc": a checkout named mqnc taken for the package
+    raise ImportError(
+        f"{__name__}: mqnc imported under another name from {__file__}: the folder holding it "
+        "is a checkout of mqnc that Python took for the package (a namespace package, because "
+        "the folder holding the checkout is on sys.path). Run from another folder (or from "
+        "inside the checkout), or rename the checkout"
+    )
+
 __version__ = "0.1.0"

@@ -25,6 +25,28 @@ above the kernel layer. When torch was built without CUDA it chooses Triton's in
 called, with no set-up.
 """
 
+import os as _os
+import sys as _sys
+
+if __name__ != "mqnc.triton_kernels" or getattr(_sys.modules.get("mqnc"), "__file__", None) is None:
+    # Imported as a top-level ``triton_kernels`` (Triton's own package has that name), or as
+    # ``mqnc.triton_kernels`` under a namespace package ``mqnc``: the folder of a checkout named
+    # like the package, found first on ``sys.path`` by a script in the folder that holds it,
+    # whose other modules come from wherever mqnc is installed. Refused, naming the fix.
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    raise ImportError(
+        f"{__name__}: mqnc's kernels imported from {_root}, "
+        + (
+            "which is on sys.path: they are the package mqnc.triton_kernels, not Triton's "
+            "top-level triton_kernels; import mqnc.triton_kernels, or run from another folder"
+            if __name__ == "triton_kernels"
+            else f"a checkout of mqnc that Python took for the package (a namespace package "
+            f"'mqnc', because the folder holding it is on sys.path: the script's folder or the "
+            f"working directory). Run the script from another folder (or from inside the "
+            f"checkout), or rename the checkout; install the package with pip install -e {_root}"
+        )
+    )
+
 from mqnc.base.runtime import use_interpreter_on_cpu_only_torch
 
 use_interpreter_on_cpu_only_torch()  # before anything here imports triton
