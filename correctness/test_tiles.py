@@ -70,7 +70,8 @@ def test_label_and_parse_round_trip():
         (
             "64x32",
             ValueError,
-            r"--tiles: expected 'HxNwWsS\[-pipe\|-tma\]' such as '16x64w8s5', got '64x32'",
+            r"--tiles: expected 'HxNwWsS\[-pipe\|-tma\]\[-fused\]' such as '16x64w8s5', "
+            "got '64x32'",
         ),
         ("48x32w8s3", ValueError, "powers of two >= 16, got '48x32w8s3'"),
         ("64x8w8s3", ValueError, "powers of two >= 16, got '64x8w8s3'"),
@@ -244,3 +245,33 @@ def test_restructured_kernel_names_and_labels():
     assert launch.name.endswith(",page=16,pipe]") and not launch.kwargs["TMA"]
     with pytest.raises(ValueError, match="kernel: expected one of"):
         TileConfig(16, 32, 4, 2, kernel="warp")
+
+
+@pytest.mark.parametrize("lengths,num_splits", [([200, 0, 70], 4), ([0], 3), ([64], 1), ([130], 2)])
+def test_fused_combine_matches_fp64_run_after_run(lengths, num_splits):
+    """The combine fused into the attention launch (``-fused``: the split that draws a row's
+    last ticket merges its partials) against fp64: rows of different lengths and an empty one,
+    an all-empty row (o = 0, lse = -inf), one split (no ticket: the plain launch) and two; one
+    launch per plan, and a second run of the same plan (its tickets back at 0) as exact."""
+    from mqnc.base.env import interpreting
+
+    if interpreting() and triton.__version__.startswith("3.6."):
+        pytest.skip("triton 3.6's interpreter cannot run the MLA kernels (a GPU can)")
+    from mqnc.reference import mla_decode_reference
+    from mqnc.testing import assert_close, default_device, tolerance
+    from mqnc.triton_kernels import plan_mla_decode
+
+    gen = torch.Generator().manual_seed(7)
+    pool, table, lens = _nan_paged_cache(lengths, gen, default_device())
+    q = torch.randn(len(lengths), 16, 576, generator=gen).to(pool.device, torch.bfloat16)
+    with forced_tile("16x32w8s2-pipe-fused"):
+        plan = plan_mla_decode(q, pool, table, lens, softmax_scale=SCALE, num_splits=num_splits)
+    names = [launch.name for launch in plan.launches]
+    assert len(names) == 1 and names[0].endswith(",fused]" if num_splits > 1 else ",pipe]")
+    o_ref, lse_ref = mla_decode_reference(q, pool, table, lens, SCALE)
+    for run in range(2):
+        o, lse = plan.run(q, pool, table, lens)
+        assert_close(o, o_ref, tolerance("mla", torch.bfloat16), name=f"run {run} o")
+        assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name=f"run {run} lse")
+    with pytest.raises(ValueError, match="fused: expected a restructured kernel"):
+        TileConfig(16, 32, 8, 2, fused=True)

@@ -82,10 +82,15 @@ class TileConfig:
     # masked once, one page id per tile), "tma" that loop with TMA tensor-descriptor loads of
     # whole page boxes. Candidates of the sweep until a GPU run shows one faster.
     kernel: str = ""
+    # A restructured kernel only: the split combine fused into the attention launch (the split
+    # that finishes a row last merges its partials: one launch instead of two), when split.
+    fused: bool = False
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel: expected one of {KERNELS}, got {self.kernel!r}")
+        if self.fused and not self.kernel:
+            raise ValueError("fused: expected a restructured kernel ('pipe' or 'tma'), got ''")
 
     @property
     def reg_cap(self) -> int:
@@ -104,32 +109,42 @@ class TileConfig:
         """The tile an MLA attention launch (a ``_launch.Launch``) was planned with."""
         kw = launch.kwargs
         kernel = "" if "TMA" not in kw else ("tma" if kw["TMA"] else "pipe")
-        return cls(kw["BLOCK_H"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"], kernel=kernel)
+        return cls(
+            kw["BLOCK_H"],
+            kw["BLOCK_N"],
+            kw["num_warps"],
+            kw["num_stages"],
+            kernel=kernel,
+            fused=bool(kw.get("FUSED", False)),
+        )
 
     @property
     def label(self) -> str:
         """``"32x32w8s5"``: heads x entries, warps, stages, then ``-pipe`` / ``-tma`` for a
         restructured kernel (what :meth:`parse` reads)."""
         base = f"{self.block_h}x{self.block_n}w{self.num_warps}s{self.num_stages}"
-        return f"{base}-{self.kernel}" if self.kernel else base
+        if self.kernel:
+            base += f"-{self.kernel}"
+        return base + "-fused" if self.fused else base
 
     @classmethod
     def parse(cls, text: str, name: str = "tile") -> TileConfig:
         """``"HxNwWsS"`` (e.g. ``"16x64w8s5"``): ``H`` heads x ``N`` entries per tile, both powers
         of two >= 16 (the MMA's smallest M and K), ``W`` warps (1..16, a power of two), ``S``
         pipeline stages (>= 1), optionally ``-pipe`` or ``-tma`` (the restructured kernel, see
-        ``kernel``); ``name`` names the argument in the ``ValueError``."""
+        ``kernel``) then ``-fused`` (the combine fused, see ``fused``); ``name`` names the
+        argument in the ``ValueError``."""
         if not isinstance(text, str):
             raise TypeError(
                 f"{name}: expected a str such as '16x64w8s5', got {type(text).__name__}"
             )
-        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(?:-(pipe|tma))?", text.strip())
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(?:-(pipe|tma)(-fused)?)?", text.strip())
         if m is None:
             raise ValueError(
-                f"{name}: expected 'HxNwWsS[-pipe|-tma]' such as '16x64w8s5', got {text!r}"
+                f"{name}: expected 'HxNwWsS[-pipe|-tma][-fused]' such as '16x64w8s5', got {text!r}"
             )
         h, n, w, st = (int(g) for g in m.groups()[:4])
-        kernel = m.group(5) or ""
+        kernel, fused = m.group(5) or "", bool(m.group(6))
         if not (h >= 16 and n >= 16 and _pow2(h) and _pow2(n)):
             raise ValueError(
                 f"{name}: expected heads and entries per tile powers of two >= 16, got {text!r}"
@@ -138,7 +153,7 @@ class TileConfig:
             raise ValueError(
                 f"{name}: expected 1..16 warps (a power of two) and >= 1 stage, got {text!r}"
             )
-        return cls(h, n, w, st, kernel=kernel)
+        return cls(h, n, w, st, kernel=kernel, fused=fused)
 
 
 KERNELS = ("", "pipe", "tma")
@@ -184,7 +199,10 @@ _WIDE_ELSE = (_DENSE[32], _SPARSE[16])
 # on 4 warps: 16 x 32 at 5 stages (2-deep ring, 237 registers, 93,696 B shared) and 16 x 16 at
 # 7 stages (3-deep ring, 198 registers, 74,624 B), against today's 16x64w8s5 (one CTA per SM,
 # 168,960 B). The restructured loop at 16 heads spills under 3.6.0 (8-1032 B: 4 warps hold the
-# query and two tile bodies in registers; 8 warps capped at 128 registers for two CTAs, 400 B).
+# query and two tile bodies in registers; 8 warps capped at 128 registers for two CTAs, 400 B),
+# except 16 x 32 on 8 warps at 2 stages (255 registers, one CTA per SM): with the split combine
+# fused (``-fused``: one launch, the last split of a row merges) it is the candidate for the
+# one-row holder partial (H 16, B 1, c_t 2048: 32 splits), spill-free.
 SWEEP_TILES = {
     "dense": tuple(
         TileConfig.parse(t)
@@ -201,7 +219,9 @@ SWEEP_TILES = {
         )
     ),
     "sparse": tuple(TileConfig.parse(t) for t in ("32x16w8s5", "16x32w8s5", "64x16w8s5")),
-    "dense16": tuple(TileConfig.parse(t) for t in ("16x64w8s5", "16x32w4s5", "16x16w4s7")),
+    "dense16": tuple(
+        TileConfig.parse(t) for t in ("16x64w8s5", "16x32w4s5", "16x16w4s7", "16x32w8s2-pipe-fused")
+    ),
 }
 
 
@@ -486,16 +506,22 @@ def plan_mla(
     per row at ``occupancy``, by default the compiled split variant's, see
     :func:`_grid.kernel_occupancy`), the outputs (made by ``alloc``), the attention launch
     ``build(o_part, lse_part, num_splits)`` and, when split, the merge kernel's combine of the
-    fp32 partials into the outputs. ``d_qk``: the row width (``q``'s last dim by default; a
+    fp32 partials into the outputs; a ``fused`` tile's split launch is ``build(o, lse,
+    num_splits)`` alone (it merges itself). ``d_qk``: the row width (``q``'s last dim by default; a
     split ``q`` holds only its latent part)."""
     B, H = q.shape[:2]
     d_qk = q.shape[2] if d_qk is None else d_qk
     device = q.device
     if num_splits is None:
         num_splits = _policy_splits(build, op, q, d_qk, d_v, cfg, tiles, occupancy)
-    o, lse, o_part, lse_part = split_outputs(B, H, d_v, q.dtype, device, num_splits, alloc)
+    fused = num_splits > 1 and cfg.fused  # the kernel merges: no fp32 partials here
+    o, lse, o_part, lse_part = split_outputs(
+        B, H, d_v, q.dtype, device, 1 if fused else num_splits, alloc
+    )
     if B * H == 0:
         return MlaPlan(o, lse, num_splits, ())
+    if fused:  # one launch, writing the outputs (its workspace is the launch's own)
+        return MlaPlan(o, lse, num_splits, (build(o, lse, num_splits),))
     launches = [build(o_part, lse_part, num_splits)]
     if num_splits > 1:
         launches.append(merge_launch(o_part, lse_part, o, lse))

@@ -305,3 +305,67 @@ def _page_descriptors(
             block_shape=[1, BLOCK_N, D_PE],
         )
     return lat_desc, pe_desc
+
+
+@triton.jit
+def _merge_if_last(
+    WO,
+    WLSE,
+    Tickets,
+    O,
+    LSE,
+    ticket,
+    o_base,
+    lse_base,
+    offs_h,
+    mask_h,
+    NUM_SPLITS,
+    stride_ws,
+    stride_wh,
+    stride_wls,
+    stride_wlh,
+    stride_oh,
+    stride_lh,
+    D_LAT: tl.constexpr,
+    BF16_RNE: tl.constexpr,
+):
+    """The split combine fused into the attention kernel (the ``fused`` candidates): after a
+    split has stored its fp32 partial (``WO`` / ``WLSE``, split stride ``stride_ws`` /
+    ``stride_wls``, already offset to this row), it takes a ticket (``Tickets[ticket]``, one per
+    row and head block, an acq_rel atomic at GPU scope after a CTA barrier, so the partial is
+    visible before the ticket); the split that draws the last ticket merges the row's
+    ``NUM_SPLITS`` partials (read through L2, ``.cg``) into ``O`` / ``LSE`` at ``o_base`` /
+    ``lse_base`` (the merge kernel's math: natural-log weights, empty partials ``lse = -inf``
+    weigh 0, an all-empty row writes ``o = 0, lse = -inf``) and resets the ticket to 0, so the
+    next launch (a plan's next run, a CUDA graph's replay) starts from zero."""
+    tl.debug_barrier()
+    drawn = tl.atomic_add(Tickets + ticket, 1, sem="acq_rel", scope="gpu")
+    if drawn == NUM_SPLITS - 1:
+        offs_d = tl.arange(0, D_LAT)
+        m = tl.full(offs_h.shape, -float("inf"), tl.float32)
+        l = tl.zeros(offs_h.shape, tl.float32)
+        acc = tl.zeros([offs_h.shape[0], D_LAT], tl.float32)
+        for s in range(0, NUM_SPLITS):
+            lse_s = tl.load(
+                WLSE + s * stride_wls + offs_h * stride_wlh, mask=mask_h, other=-float("inf"),
+                cache_modifier=".cg",
+            )  # fmt: skip
+            o_s = tl.load(
+                WO + s * stride_ws + offs_h[:, None] * stride_wh + offs_d[None, :],
+                mask=mask_h[:, None], other=0.0, cache_modifier=".cg",
+            )  # fmt: skip
+            m_new = tl.maximum(m, lse_s)
+            shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+            alpha = tl.exp(m - shift)
+            w = tl.exp(lse_s - shift)
+            l = l * alpha + w
+            acc = acc * alpha[:, None] + w[:, None] * o_s
+            m = m_new
+        nonempty = l != 0.0
+        inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l, 1.0), 0.0)
+        o_ptrs = O + o_base + offs_h[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, round_to(acc * inv_l[:, None], O.dtype.element_ty, BF16_RNE),
+                 mask=mask_h[:, None])  # fmt: skip
+        lse = tl.where(nonempty, m + tl.log(tl.where(nonempty, l, 1.0)), -float("inf"))
+        tl.store(LSE + lse_base + offs_h * stride_lh, lse, mask=mask_h)
+        tl.atomic_xchg(Tickets + ticket, 0)

@@ -78,6 +78,7 @@ from mqnc.triton_kernels._mla_tile import (
     _attend_tile,
     _load_full_tile,
     _load_query,
+    _merge_if_last,
     _page_descriptors,
     _split_range,
     _store_partial,
@@ -245,18 +246,25 @@ def _mla_decode_pipe_kernel(
     Q, Q_PE, KV, KV_PE, BlockTable, Indptr, SeqLens, O, LSE, H, NUM_SPLITS, SEQ_Q, qk_scale,
     stride_qb, stride_qh, stride_pqb, stride_pqh, stride_kb, stride_kt, stride_pkb, stride_pkt,
     stride_tb, stride_tj, stride_os, stride_ob, stride_oh, stride_ls, stride_lb, stride_lh,
-    n_blocks,
+    n_blocks, WO, WLSE, Tickets, stride_ws, stride_wb, stride_wh, stride_wls, stride_wlb,
+    stride_wlh,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
     D_LAT: tl.constexpr, D_PE: tl.constexpr, SPLIT: tl.constexpr, CSR: tl.constexpr,
     MULTI_Q: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-    BF16_RNE: tl.constexpr, TMA: tl.constexpr, RING: tl.constexpr,
+    BF16_RNE: tl.constexpr, TMA: tl.constexpr, RING: tl.constexpr, FUSED: tl.constexpr,
 ):  # fmt: skip
     """The restructured dense kernel (the ``pipe`` and ``tma`` candidates; grid, arguments and
     outputs as :func:`_mla_decode_kernel`'s, plus ``n_blocks``, the pool's pages, which the
     TMA descriptors bound): the split's FULL tiles in a software-pipelined loop
     (``tl.range(num_stages=RING)``) without per-entry masks, each tile's page-id load then its
     two KV loads issued together (one page id per tile when ``PAGE >= BLOCK_N``; ``TMA``: two
-    tensor-descriptor boxes of that page), and the last, partial tile masked once after it."""
+    tensor-descriptor boxes of that page), and the last, partial tile masked once after it.
+
+    ``FUSED`` (``NUM_SPLITS > 1``; ``O`` / ``LSE`` are then the final ``[R, H, ..]`` outputs):
+    each split stores its fp32 partial into the plan's workspace ``WO [S, R, H, D_LAT]`` /
+    ``WLSE [S, R, H]`` and the split that draws a row's last ticket (``Tickets``, one int32 per
+    program of axis 0) merges them (``_mla_tile._merge_if_last``): one launch, no combine
+    kernel. Otherwise ``WO``, ``WLSE``, ``Tickets`` are None and not read."""
     b, h0, split, seq, t_start, t_end = _program_keys(
         SeqLens, H, NUM_SPLITS, SEQ_Q, BLOCK_H, BLOCK_N, MIN_TILES, MULTI_Q, CAUSAL
     )
@@ -296,9 +304,24 @@ def _mla_decode_pipe_kernel(
         )  # fmt: skip
     o_base = split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
     lse_base = split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
-    _store_partial(
-        O, LSE, o_base, lse_base, offs_h, mask_h, stride_oh, stride_lh, m, l, acc, D_LAT, BF16_RNE
-    )
+    if FUSED:
+        w_row = b.to(tl.int64) * stride_wb
+        wl_row = b.to(tl.int64) * stride_wlb
+        s64 = split.to(tl.int64)
+        _store_partial(
+            WO, WLSE, s64 * stride_ws + w_row, s64 * stride_wls + wl_row, offs_h, mask_h,
+            stride_wh, stride_wlh, m, l, acc, D_LAT, False,
+        )  # fmt: skip
+        _merge_if_last(
+            WO + w_row, WLSE + wl_row, Tickets, O, LSE, tl.program_id(0), o_base, lse_base,
+            offs_h, mask_h, NUM_SPLITS, stride_ws, stride_wh, stride_wls, stride_wlh, stride_oh,
+            stride_lh, D_LAT, BF16_RNE,
+        )  # fmt: skip
+    else:
+        _store_partial(
+            O, LSE, o_base, lse_base, offs_h, mask_h, stride_oh, stride_lh, m, l, acc, D_LAT,
+            BF16_RNE,
+        )  # fmt: skip
 
 
 class PagedLayout:
@@ -657,10 +680,11 @@ def decode_launch(
         stride_tb, stride_tj = block_table.stride(0), block_table.stride(1)
     feats = decode_features(block_size, ops.split, layout)
     restructured = {}
+    fused = cfg.fused and num_splits > 1 and not split  # (given the final outputs: fuse)
     if cfg.kernel:  # a candidate: the restructured loop (TMA boxes need tiles within a page)
         tma = cfg.kernel == "tma" and block_size >= cfg.block_n
-        feats += ("tma" if tma else "pipe",)
-        restructured = dict(TMA=tma, RING=cfg.num_stages)
+        feats += ("tma" if tma else "pipe",) + (("fused",) if fused else ())
+        restructured = dict(TMA=tma, RING=cfg.num_stages, FUSED=fused)
         if tma:
             ensure_allocator(kv.device)
     args = (
@@ -689,8 +713,8 @@ def decode_launch(
         stride_tj,
         *split_strides(o_part, lse_part),
     )
-    if cfg.kernel:
-        args += (kv.shape[0],)  # n_blocks: the TMA descriptors' outer extent
+    if cfg.kernel:  # n_blocks (the TMA descriptors' outer extent), the fused workspace
+        args += (kv.shape[0], *fused_workspace(R, H, ops.d_v, num_splits, q.device, fused))
     return Launch(
         name=variant_name("mla_decode", q.dtype, cfg, split, feats),
         kernel=_mla_decode_pipe_kernel if cfg.kernel else _mla_decode_kernel,
@@ -715,6 +739,26 @@ def decode_launch(
             num_stages=cfg.num_stages,
             maxnreg=cfg.reg_cap,
         ),
+    )
+
+
+def fused_workspace(R: int, H: int, d_v: int, num_splits: int, device, fused: bool) -> tuple:
+    """The fused combine's workspace as the kernel takes it (``WO, WLSE, Tickets`` and the six
+    strides): fp32 partials ``[S, R, H, d_v]`` / ``[S, R, H]`` and one zeroed int32 ticket per
+    program of axis 0 (``R * H`` is enough for any head block), made once when the launch is
+    planned and owned by it: a plan's runs (and a CUDA graph's replays) reuse it, the tickets
+    returning to 0 at the end of every launch, so two runs of ONE plan must not overlap on
+    different streams. Each is wrapped (``triton.reinterpret`` to its own dtype) so that a
+    plan keeps the buffer itself, not a stand-in of its shape. Not fused: None x 3, zeros."""
+    if not fused:
+        return (None, None, None, 0, 0, 0, 0, 0, 0)
+    wo = torch.empty((num_splits, R, H, d_v), dtype=torch.float32, device=device)
+    wlse = torch.empty((num_splits, R, H), dtype=torch.float32, device=device)
+    tickets = torch.zeros(max(R * H, 1), dtype=torch.int32, device=device)
+    return (
+        *(triton.reinterpret(t, t.dtype) for t in (wo, wlse, tickets)),
+        *wo.stride()[:3],
+        *wlse.stride(),
     )
 
 
