@@ -211,53 +211,32 @@ def route_vs_paper_panel(
     model_p, model_f = _paper_model(geometry), _fitted_model(recs, geometry)
     rows = np.arange(len(PAPER_POINTS))[::-1]
     out = {"measured": [], "paper": [], "model_paper": model_p, "model_fitted": model_f}
-    for y, point, meas, mp, mf in zip(rows, PAPER_POINTS, measured, model_p, model_f, strict=True):
-        color = COLORS[point.primitive]
+    rows_in = zip(rows, PAPER_POINTS, measured, model_p, model_f, strict=True)
+    for i, (y, point, meas, mp, mf) in enumerate(rows_in):
         if point.lo == point.hi:
-            ax.plot([point.lo], [y], "D", color="k", ms=5, mfc="none", mew=1.2)
+            ax.plot([point.lo], [y], "D", color="k", ms=5, mfc="none", mew=1.2, gid=f"paper:{i}")
         else:
             lo = point.lo if point.lo > 0 else point.hi / 4
             ax.plot(
-                [lo, point.hi], [y, y], "-", color="k", lw=2.2, alpha=0.55, solid_capstyle="butt"
+                [lo, point.hi],
+                [y, y],
+                "-",
+                color="k",
+                lw=2.2,
+                alpha=0.55,
+                solid_capstyle="butt",
+                gid=f"paper:{i}",
             )
             if point.lo == 0:
                 ax.plot([point.hi], [y], "<", color="k", ms=5)
         out["paper"].append((point.lo, point.hi))
         if mp is not None:
-            ax.plot([mp], [y + 0.18], "x", color="0.45", ms=6, mew=1.4)
+            ax.plot([mp], [y + 0.18], "x", color="0.45", ms=6, mew=1.4, gid=f"model_paper:{i}")
         if mf is not None:
-            ax.plot([mf], [y + 0.18], "+", color=COLORS["route"], ms=8, mew=1.4)
-        if meas:
-            p50 = float(np.median([_us(r) for r in meas]))
-            p20 = float(
-                np.median([_us(r, "p20") if r.get("p20") is not None else _us(r) for r in meas])
+            ax.plot(
+                [mf], [y + 0.18], "+", color=COLORS["route"], ms=8, mew=1.4, gid=f"model_fitted:{i}"
             )
-            p80 = float(
-                np.median([_us(r, "p80") if r.get("p80") is not None else _us(r) for r in meas])
-            )
-            ax.errorbar(
-                [p50],
-                [y - 0.18],
-                xerr=[[p50 - p20], [p80 - p50]],
-                fmt="o",
-                color=color,
-                ms=5.5,
-                capsize=2,
-            )
-            out["measured"].append(p50)
-            backends = sorted({str(r.get("backend")) for r in meas})
-            if point.primitive != "route" or meas[0].get("bench") in _DEVICE_BENCHES:
-                ax.annotate(
-                    ", ".join(backends),
-                    (p80, y - 0.18),
-                    xytext=(4, 0),
-                    textcoords="offset points",
-                    fontsize=5.5,
-                    va="center",
-                    color="0.3",
-                )
-        else:
-            out["measured"].append(None)
+        out["measured"].append(_draw_measured(ax, y - 0.18, meas, point, f"measured:{i}"))
     ax.set_yticks(rows, [f"{p.label} ({p.section})" for p in PAPER_POINTS], fontsize=7)
     for tick, p in zip(ax.get_yticklabels(), PAPER_POINTS, strict=True):
         tick.set_color(COLORS[p.primitive])
@@ -269,6 +248,40 @@ def route_vs_paper_panel(
     wrapped_title(ax, f"{_short_device(device)}, {name}")
     readable_log_ticks(ax, "x", fmt=_time)
     return out
+
+
+def _draw_measured(ax, y: float, meas: list[dict], point: PaperPoint, gid: str) -> float | None:
+    """The median p50 of ``meas`` at row ``y`` with its p20-p80 bar (the backend beside a
+    kernel's point); returns that p50, None (nothing drawn) when ``meas`` is empty."""
+    if not meas:
+        return None
+
+    def pct(key: str) -> float:
+        return float(np.median([_us(r, key) if r.get(key) is not None else _us(r) for r in meas]))
+
+    p50, p20, p80 = pct("p50"), pct("p20"), pct("p80")
+    bars = ax.errorbar(
+        [p50],
+        [y],
+        xerr=[[p50 - p20], [p80 - p50]],
+        fmt="o",
+        color=COLORS[point.primitive],
+        ms=5.5,
+        capsize=2,
+    )
+    bars[0].set_gid(gid)
+    if point.primitive != "route" or meas[0].get("bench") in _DEVICE_BENCHES:
+        backends = ", ".join(sorted({str(r.get("backend")) for r in meas}))
+        ax.annotate(
+            backends,
+            (p80, y),
+            xytext=(4, 0),
+            textcoords="offset points",
+            fontsize=5.5,
+            va="center",
+            color="0.3",
+        )
+    return p50
 
 
 def _time(us: float) -> str:

@@ -324,7 +324,7 @@ def _bytes_panel(ax, points, ceils, spec: DeviceSpec) -> None:
         ha="right",
     )
     for (name, tbps), ls in zip(sorted(ceils.items()), ("--", ":", "-.", "--"), strict=False):
-        ax.axhline(tbps, color="0.35", ls=ls, lw=1.1)
+        ax.axhline(tbps, color="0.35", ls=ls, lw=1.1, gid=f"ceiling:{name}")
         ax.text(
             0.0,
             tbps,
