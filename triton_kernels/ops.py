@@ -616,3 +616,123 @@ def backend_ops(backend: str = "triton") -> OpSet:
     ``<name>`` on it (same signature and docstring; for ``"triton"`` the functions of
     :mod:`mqnc.triton_kernels` themselves)."""
     return op_set(backend)
+
+
+# ---- tensor-parallel holder ranks (§8) ----------------------------------------------------------
+# Declared after OPS: OPS is the set test_torch_ops opchecks; these two are opchecked by
+# correctness/test_tp.py (TP_OPS), until that test's table takes them in.
+
+
+def _tp_scores_like(call) -> Tensor:
+    q = call.q
+    return q.new_empty((q.shape[0], q.shape[1], call.slots.shape[1]), dtype=torch.float32)
+
+
+@kernel_op(fake=_tp_scores_like)
+def tp_partial_scores(
+    q: Tensor, kv_pool: Tensor, slots: Tensor, *, d_v: int, check_slots: bool = True
+) -> Tensor:
+    """Partial scores of query rows against a column slice of the cache (one tensor-parallel
+    rank's share of ``<q, k>``, §8): summed over the ranks of a holder group, they are the
+    single-rank scores (unscaled).
+
+    ``s[b, h, t] = <q[b, h], kv[slots[b, t]]>`` over the slice's dims, fp32; ``-inf`` where
+    ``slots[b, t] = -1``.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        This rank's slice of the absorbed query rows, ``[B, H, d_v + d_pe]``: its ``d_v``
+        latent dims, then its ``d_pe`` RoPE dims (``mqnc.serving.tp_group.TPPartition`` says
+        which), bf16 / fp16 / fp32, unit stride on the last dim.
+    kv_pool : torch.Tensor
+        This rank's slice of the paged cache, ``[num_blocks, block_size, d_v + d_pe]``, same
+        dtype, same column order; ``block_size`` a power of two.
+    slots : torch.Tensor
+        ``[B, T]`` int32: flat slot (``block * block_size + offset``) of each entry token ``b``
+        attends, ``-1`` unused (never read). Dense attention over a chunk: its tokens' slots in
+        order; top-k selection: the selected entries' slots.
+    d_v : int
+        Latent dims of the slice (the value dims); ``d_v`` and ``d_pe`` powers of two >= 16
+        for the Triton kernel (any width on the torch backend).
+    check_slots : bool
+        Check every slot is in range (one host sync); False on a hot path.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[B, H, T]`` float32, unscaled partial scores, ``-inf`` at unused slots.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mqnc.triton_kernels.tp_scores import tp_partial_scores
+    >>> q, pool = torch.randn(1, 16, 48), torch.randn(2, 16, 48)
+    >>> slots = torch.tensor([[0, 5, -1]], dtype=torch.int32)
+    >>> s = tp_partial_scores(q, pool, slots, d_v=32)
+    >>> s.shape, bool(torch.isinf(s[0, :, 2]).all())
+    (torch.Size([1, 16, 3]), True)
+    """
+
+
+def _tp_values_like(call) -> tuple[Tensor, Tensor]:
+    s = call.scores
+    B, H = s.shape[0], s.shape[1]
+    return s.new_empty((B, H, call.d_v), dtype=call.kv_pool.dtype), s.new_empty((B, H))
+
+
+@kernel_op(fake=_tp_values_like)
+def tp_partial_values(
+    scores: Tensor,
+    kv_pool: Tensor,
+    slots: Tensor,
+    *,
+    softmax_scale: float,
+    d_v: int,
+    check_slots: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Softmax of a holder group's summed scores times this rank's value slice (§8): the rank's
+    slice of the partial ``o`` and the row's ``lse`` (the same on every rank of the group).
+
+    With ``s_t = softmax_scale * scores[b, h, t]`` over the entries ``t`` whose slot is not -1::
+
+        lse[b, h] = log(sum_t exp(s_t))     o[b, h] = sum_t exp(s_t - lse[b, h]) kv[slot_t, :d_v]
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        ``[B, H, T]`` float32: the group's summed :func:`tp_partial_scores` (unscaled).
+    kv_pool : torch.Tensor
+        This rank's slice of the paged cache, ``[num_blocks, block_size, d_v + d_pe]``, bf16 /
+        fp16 / fp32; its first ``d_v`` dims are the rank's value dims.
+    slots : torch.Tensor
+        ``[B, T]`` int32, as given to :func:`tp_partial_scores`.
+    softmax_scale : float
+        The model's scale (DeepSeek with YaRN: ``192**-0.5 * mscale**2``).
+    d_v : int
+        Latent (value) dims of the slice; a power of two >= 16 for the Triton kernel.
+    check_slots : bool
+        Check every slot is in range (one host sync); False on a hot path.
+
+    Returns
+    -------
+    o : torch.Tensor
+        ``[B, H, d_v]`` in ``kv_pool``'s dtype (accumulated in fp32, rounded once).
+    lse : torch.Tensor
+        ``[B, H]`` float32, **natural-log** log-sum-exp of the scaled scores; ``-inf`` (and
+        ``o = 0``) for a row with no entry.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mqnc.triton_kernels.tp_values import tp_partial_values
+    >>> s, pool = torch.randn(1, 16, 3), torch.randn(2, 16, 48)
+    >>> slots = torch.tensor([[0, 5, -1]], dtype=torch.int32)
+    >>> o, lse = tp_partial_values(s, pool, slots, softmax_scale=0.1, d_v=32)
+    >>> o.shape, lse.shape
+    (torch.Size([1, 16, 32]), torch.Size([1, 16]))
+    """
+
+
+TP_OPS = ("tp_partial_scores", "tp_partial_values")
+"""The tensor-parallel ops (``torch.ops.mqnc.<name>``), declared after :data:`OPS`."""

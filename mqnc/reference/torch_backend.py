@@ -24,6 +24,7 @@ import torch
 from mqnc.reference.attention_ref import mla_decode_reference, mla_sparse_reference
 from mqnc.reference.merge_ref import merge_reference
 from mqnc.reference.rope_ref import rope_rotate_reference
+from mqnc.reference.tp_ref import tp_scores_reference, tp_values_reference
 
 __all__ = ["IMPLEMENTATIONS", "ROWS_PER_SLICE"]
 
@@ -168,3 +169,18 @@ def _splice(call) -> None:
         return
     for layer, p in zip(rows, pool, strict=True):
         p.view(-1, p.shape[-1])[slots] = layer.to(p.dtype)
+
+
+@_implements("tp_partial_scores")
+def _tp_scores(call) -> torch.Tensor:
+    """A tensor-parallel rank's partial scores, fp32."""
+    return tp_scores_reference(call.q, call.kv_pool, call.slots).to(torch.float32)
+
+
+@_implements("tp_partial_values")
+def _tp_values(call) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tensor-parallel rank's softmax times its value slice, ``o`` in the pool's dtype."""
+    o, lse = tp_values_reference(
+        call.scores, call.kv_pool, call.slots, call.softmax_scale, call.d_v
+    )
+    return _rounded(o, lse, call.kv_pool.dtype)

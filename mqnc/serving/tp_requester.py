@@ -1,0 +1,194 @@
+"""One rank of a tensor-parallel requester instance (§8): it routes its query slice to its
+paired holder rank and receives its slice of ``o`` and the row's ``lse``.
+
+Requester rank ``r`` of a TP-``N`` instance holds the columns :class:`TPPartition` gives rank
+``r`` of each absorbed query row (``d_qk / N`` of them), sends only those to holder rank ``r``
+of the holder instance (global rank ``instance N + r``) in the package's wire format (a ROUTE
+message checked on receipt against the slice geometry, payload CRC across processes) and waits,
+bounded, for the PARTIAL: ``o [B, H, d_c / N]`` and ``lse [B, H]`` (natural log; the same on
+every rank of the pair). Partials from several holder instances merge exactly as single-rank
+partials do (``merge_partials`` on each rank's slice: the weights depend on ``lse`` only).
+
+The ranks of a requester instance issue the same routes in the same order (one program, ``N``
+ranks), so their request ids agree: the holder group pairs its ranks' requests by (requester
+instance, request id) and refuses a request whose ranks disagree.
+
+Faults: a reply that does not come within ``timeout_s`` is a
+:class:`~mqnc.transport.protocol.TransportTimeout`; a holder rank lost mid-route is a
+:class:`~mqnc.transport.protocol.PeerLost` at once (its connection closed) on the rank paired
+with it, and an ``ERROR`` naming the loss (a :class:`~mqnc.serving.client.RemoteError`) on the
+ranks paired with its surviving group members. Each names the holder rank, the request and the
+chunk.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mqnc.base.checks import check_int, check_number
+from mqnc.serving.client import RemoteError
+from mqnc.serving.compute import kernel_ops
+from mqnc.serving.route import check_selection
+from mqnc.serving.tp_group import TPPartition
+from mqnc.transport import wire
+from mqnc.transport.protocol import INBOX, REPLY, PeerLost, Transport, TransportTimeout
+
+__all__ = ["TPRequester", "payload_bytes"]
+
+
+class TPRequester:
+    """Rank ``rank`` of a TP requester instance.
+
+    Parameters
+    ----------
+    transport : Transport
+        This rank's endpoint (global rank ``instance * N + rank``).
+    partition : TPPartition
+        The column partition, the same as the holders'.
+    dtype : torch.dtype
+        The wire dtype of the query slices (the holders' cache dtype).
+    timeout_s : float
+        The longest a route waits for its reply.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        partition: TPPartition,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        timeout_s: float = 30.0,
+        lane: int = 0,
+    ) -> None:
+        if not isinstance(transport, Transport):
+            raise TypeError(f"transport: expected a Transport, got {type(transport).__name__}")
+        if not isinstance(partition, TPPartition):
+            raise TypeError(f"partition: expected a TPPartition, got {type(partition).__name__}")
+        n = partition.degree
+        if transport.world_size % n:
+            raise ValueError(
+                f"transport: a fabric of whole TP-{n} instances needs a world size divisible by "
+                f"{n}, got {transport.world_size}"
+            )
+        self.transport, self.partition = transport, partition
+        self.degree, self.rank = n, transport.rank % n
+        self.geometry = partition.slice_geometry
+        self.dtype = dtype
+        self.timeout_s = check_number("timeout_s", timeout_s, positive=True)
+        self.lane = check_int("lane", lane, minimum=0, below=transport.layout.lanes)
+        self._crc = not transport.in_process
+        self._next_id = 0
+        self._seq: dict[int, int] = {}
+        self.last_bytes = (0, 0)  # (sent, received) of the last route, headers included
+
+    def holder_rank(self, instance: int) -> int:
+        """The global rank of this rank's pair in holder instance ``instance``."""
+        check_int("instance", instance, minimum=0, below=self.transport.world_size // self.degree)
+        return instance * self.degree + self.rank
+
+    def route(
+        self,
+        instance: int,
+        chunk_id: int,
+        q_slice: torch.Tensor,
+        layer: int,
+        indices: torch.Tensor | None = None,
+        *,
+        tokens: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route this rank's query slice over chunk ``chunk_id`` of holder instance
+        ``instance`` (dense, or the selection ``indices``); returns ``(o [B, H, d_c / N] in the
+        wire dtype, lse [B, H] float32)``, natural-log ``lse``.
+
+        Parameters
+        ----------
+        q_slice : torch.Tensor
+            ``[B, H, d_qk / N]``: this rank's columns of the absorbed query rows
+            (:meth:`TPPartition.slice`), already rotated for the chunk's offset.
+        indices : torch.Tensor or None
+            ``[B, topk]`` chunk-local selection (``-1`` unused), the same on every rank.
+        tokens : int or None
+            The chunk's length, to check ``indices`` here (the holder checks them anyway).
+        """
+        peer = self.holder_rank(instance)
+        q = self._check_slice(q_slice)
+        B, H, w = q.shape
+        idx = None
+        if indices is not None:
+            idx = check_selection(indices, B, 2**31 - 1 if tokens is None else tokens).numpy()
+        self._next_id += 1
+        rid, seq = self._next_id, self._seq.get(peer, 0) + 1
+        self._seq[peer] = seq
+        msg = wire.pack_query_arrays(
+            q.cpu().contiguous().view(torch.uint8).numpy().reshape(B, -1), idx, dtype=self.dtype,
+            heads=H, width=w, request_id=rid, seq=seq, chunk_id=chunk_id, layer=layer,
+            crc=self._crc, array=True,
+        )  # fmt: skip
+        tr = self.transport
+        what = f"route {rid} of chunk {chunk_id} to holder rank {self.rank} (global {peer})"
+        reply = tr.layout.slot(REPLY, peer, self.lane)
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            tr.put_signal(peer, tr.layout.slot(INBOX, tr.rank, self.lane), msg, seq)
+            while True:
+                tr.wait_signal(reply, seq, max(deadline - time.monotonic(), 1e-3))
+                signal, buf = tr.read_message_host(reply)
+                h = wire.parse_header(
+                    buf, geometry=self.geometry, expect=wire.Kind.PARTIAL,
+                    require_payload_crc=self._crc,
+                )  # fmt: skip
+                if h.seq == seq:
+                    break
+                if time.monotonic() > deadline:
+                    raise TransportTimeout(f"{what}: no reply for sequence {seq}")
+        except PeerLost as exc:
+            raise PeerLost(f"{what}: the holder rank was lost mid-route ({exc})") from None
+        except TransportTimeout as exc:
+            raise TransportTimeout(
+                f"{what}: no reply within {self.timeout_s:g} s ({exc})"
+            ) from None
+        if h.kind == wire.Kind.ERROR:
+            raise RemoteError(f"{what}: {wire.unpack_error(buf)[1]}")
+        if h.request_id != rid or (h.batch, h.heads) != (B, H):
+            raise RemoteError(
+                f"{what}: reply for request {h.request_id} of shape ({h.batch}, {h.heads})"
+            )
+        o, lse = wire.partial_lse(buf, h)
+        self.last_bytes = (int(msg.shape[0]), h.nbytes)
+        return o.clone(), lse
+
+    def merge_slices(
+        self, partials: list[tuple[torch.Tensor, torch.Tensor]], kernels: str = "triton"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``(o, lse)`` slices from several holder instances merged into one
+        (``merge_partials``, exactly as single-rank partials merge: the weights depend on
+        ``lse`` alone, the same on every rank)."""
+        ops = kernel_ops(kernels)
+        o = torch.stack([o for o, _ in partials])
+        lse = torch.stack([lse for _, lse in partials])
+        return ops.merge_partials(o, lse)
+
+    def _check_slice(self, q: object) -> torch.Tensor:
+        w = self.partition.slice_width
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q_slice: expected a torch.Tensor, got {type(q).__name__}")
+        if q.dim() != 3 or q.shape[2] != w or q.shape[0] * q.shape[1] == 0:
+            raise ValueError(
+                f"q_slice: expected this rank's slice (B, H, {w}) (d_qk / N for N = "
+                f"{self.degree}; slices of different widths cannot pair), got {tuple(q.shape)}"
+            )
+        if q.dtype != self.dtype:
+            raise TypeError(f"q_slice: invalid dtype, expected {self.dtype}, got {q.dtype}")
+        return q
+
+
+def payload_bytes(partition: TPPartition, rows: int, dtype: torch.dtype) -> tuple[int, int]:
+    """``(query, partial)`` payload bytes one rank moves for ``rows`` routed rows (headers not
+    included): ``rows d_qk / N`` query values and ``rows (d_c / N)`` values plus 8 B of
+    ``(m, l)`` a row."""
+    w, dv = partition.slice_width, partition.slice_latent
+    q = wire.query_payload_bytes(rows, 1, w, 0, dtype)
+    p = wire.partial_payload_bytes(rows, 1, dv, dtype)
+    return q, p
