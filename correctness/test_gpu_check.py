@@ -301,3 +301,80 @@ def test_dense_shapes_are_refused_unless_well_formed():
         timeout=120,
     )
     assert r.returncode == 2 and "expected 'H=<heads> B=<tokens> ct=<entries>'" in r.stderr
+
+
+GLUON_SCRIPT = ROOT / "perf" / "gpu_gluon.sh"
+
+
+def _gluon_dry_run(out: Path, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(GLUON_SCRIPT), "--dry-run"],
+        cwd=ROOT,
+        env=_env(OUT=str(out), MQNC_COMMIT="dryrun0commit", **env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_gluon_check_dry_run_records_each_kernel_against_tl_and_fp64(tmp_path):
+    """``perf/gpu_gluon.sh --dry-run`` (the Gluon kernel stood in by the default path: no
+    interpreter runs Gluon): the fp64 step on a NaN-padded partial page and a length-1 row, then
+    one record per kernel ("gluon", "gluon128", "tl") with the commit, its check against the
+    default path and fp64, and TFLOP/s from FLOPs per query row 2 H c_t (576 + 512)."""
+    r = _gluon_dry_run(tmp_path)
+    print(r.stdout[-3000:])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "gluon vs fp64 H=16 lens=1,70: o max_abs=" in r.stdout
+    assert re.search(r"gluon check took \d+s of 240s", r.stdout), r.stdout[-1000:]
+    recs = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [rec["extra"]["kernel"] for rec in recs] == ["gluon", "gluon128", "tl"]
+    for rec in recs:
+        e = rec["extra"]
+        assert rec["bench"] == "mla_decode_gluon" and rec["commit"] == "dryrun0commit"
+        assert rec["device"] and rec["p20"] <= rec["p50"] <= rec["p80"]
+        assert e["ok"] and e["vs_tl"]["ok"] and e["vs_fp64"]["ok"], e
+        assert e["flops"] == 2 * e["B"] * e["H"] * rec["x"] * (576 + 512)
+        assert e["tflops"] == pytest.approx(e["flops"] / (rec["p50"] * 1e6))
+        assert e.get("standin") == (None if e["kernel"] == "tl" else "tl")
+
+
+def test_gluon_check_fails_a_wrong_kernel(tmp_path):
+    """The Gluon check's comparisons catch an output 1% off (the dry run's stand-in scaled by
+    ``$GLUON_DRY_OFF``): fp64 and the default path both MISMATCH and the run fails."""
+    r = _gluon_dry_run(tmp_path, GLUON_DRY_OFF="1.01")
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "MISMATCH gluon vs fp64" in r.stdout and "MISMATCHED" in r.stdout, r.stdout[-2000:]
+    recs = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [rec["extra"]["ok"] for rec in recs] == [False, False, True]
+
+
+def test_gluon_decode_checks_its_arguments_then_refuses_a_cpu():
+    """``mla_decode_gluon`` names a bad argument (ValueError / TypeError) and, given good ones on
+    a CPU, raises RuntimeError saying Gluon needs a CUDA sm_90 device (Gluon never runs in the
+    interpreter); ``import mqnc`` did not import Gluon for it."""
+    import torch
+
+    from mqnc.triton_kernels.mla_decode_gluon import mla_decode_gluon
+
+    q = torch.zeros(2, 1, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 64, 1, 576, dtype=torch.bfloat16)
+    table = torch.zeros(2, 2, dtype=torch.int32)
+    lens = torch.tensor([1, 100], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="sm_90|interpreter"):
+        mla_decode_gluon(q, kv, table, lens, softmax_scale=0.1)
+    bad = [
+        (dict(q=q.float()), TypeError, "q: invalid dtype"),
+        (dict(q=q[..., :512]), ValueError, "q: expected"),
+        (dict(kv_cache=kv[:, :32]), ValueError, "kv_cache: expected pages of 64"),
+        (dict(kv_cache=torch.zeros(4, 64, 1, 1152, dtype=q.dtype)[..., ::2]), ValueError, "rows"),
+        (dict(block_table=table.long()), TypeError, "block_table"),
+        (dict(cache_seqlens=lens[:1]), ValueError, "cache_seqlens"),
+        (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
+        (dict(block_n=32), ValueError, "block_n"),
+        (dict(num_splits=0), ValueError, "num_splits"),
+    ]
+    good = dict(q=q, kv_cache=kv, block_table=table, cache_seqlens=lens, softmax_scale=0.1)
+    for change, exc, text in bad:
+        with pytest.raises(exc, match=text):
+            mla_decode_gluon(**{**good, **change})

@@ -29,14 +29,13 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _load_block(
-    kv_desc, table_row, blk, n_blocks_row, bars, kv_lat, kv_pe, st, BLOCK_N: gl.constexpr
-):
+def _load_block(kv_desc, table_row, blk, n, bars, kv_lat, kv_pe, st, BLOCK_N: gl.constexpr):
     """TMA the ``BLOCK_N / 64`` pages of cache block ``blk`` (entries ``blk * BLOCK_N ..``) into
     ring stage ``st``: latent ``kv_lat[st] [BLOCK_N, 512]`` (eight 64 x 64 boxes per page) and
     rope ``kv_pe[st] [BLOCK_N, 64]`` (one box per page), all arriving on ``bars[st]``. A page
-    past the row's table (the second page of a row's last 128-entry block) reloads the block's
-    first page: its rows are past the length and are zeroed or masked before use."""
+    holding no entry below ``n`` (the second page of a row's last 128-entry block) is not looked
+    up: the block's first page is loaded again there, its rows past the length, zeroed or
+    masked before use."""
     BOX_: gl.constexpr = 64
     PAGES: gl.constexpr = BLOCK_N // BOX_
     bar = bars.index(st)
@@ -49,8 +48,8 @@ def _load_block(
             page = first
         else:
             idx = blk * PAGES + j
-            page = gl.load(table_row + idx, mask=idx < n_blocks_row, other=first)
-            page = gl.where(idx < n_blocks_row, page, first)
+            inside = idx * BOX_ < n  # a page holding entries of the row (else never read)
+            page = gl.where(inside, gl.load(table_row + idx, mask=inside, other=0), first)
         row = page * BOX_
         lat_j = lat.slice(j * BOX_, BOX_, dim=0)
         for c in gl.static_range(D_V // BOX_):
@@ -233,7 +232,7 @@ def gluon_mla_decode_kernel(
     _load_query(q_desc, r * H + h0, bars.index(STAGES), q_lat, q_pe)
     table_row = TABLE + seq.to(gl.int64) * stride_tb
     if n_iter > 0:
-        _load_block(kv_desc, table_row, blk0, n_blocks_row, bars, kv_lat, kv_pe, 0, BLOCK_N)
+        _load_block(kv_desc, table_row, blk0, n, bars, kv_lat, kv_pe, 0, BLOCK_N)
     mbarrier.wait(bars.index(STAGES), 0)
 
     m_i, l_i, acc, s_zero = _init_state(s_layout, o_layout, BLOCK_N)
@@ -253,7 +252,7 @@ def gluon_mla_decode_kernel(
                     kv_desc,
                     table_row,
                     blk0 + i + 1,
-                    n_blocks_row,
+                    n,
                     bars,
                     kv_lat,
                     kv_pe,
@@ -266,9 +265,7 @@ def gluon_mla_decode_kernel(
         l_i, acc = _pv_step(p, alpha, l_i, acc, lat, pe, t, n, smem, BLOCK_N)
         if STAGES == 1:
             if i + 1 < n_iter:
-                _load_block(
-                    kv_desc, table_row, blk0 + i + 1, n_blocks_row, bars, kv_lat, kv_pe, 0, BLOCK_N
-                )
+                _load_block(kv_desc, table_row, blk0 + i + 1, n, bars, kv_lat, kv_pe, 0, BLOCK_N)
     for k in gl.static_range(STAGES + 1):
         mbarrier.invalidate(bars.index(k))
 
