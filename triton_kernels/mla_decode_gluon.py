@@ -100,7 +100,7 @@ def _stages(block_n: int) -> int:
 def gluon_supported(device: torch.device) -> str | None:
     """None when the Gluon kernel can launch on ``device``, else why not (a sentence)."""
     if interpreting():
-        return "the Triton interpreter runs no Gluon kernel (TRITON_INTERPRET=1)"
+        return "Gluon kernels need a CUDA sm_90 device; the Triton interpreter runs none"
     if device.type != "cuda":
         return f"Gluon kernels need a CUDA sm_90 device, the tensors are on {device}"
     major, minor = torch.cuda.get_device_capability(device)
