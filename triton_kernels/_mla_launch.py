@@ -26,11 +26,13 @@ from mqnc.triton_kernels._grid import (
     device_limits,
     kernel_occupancy,
 )
+from mqnc.triton_kernels._launch import Launch, LaunchRunner
 from mqnc.triton_kernels._op import (
     check_no_overlap,
+    plan_context,
     written_into,  # noqa: F401  (re-exported)
 )
-from mqnc.triton_kernels._runtime import launch_lock, new_output
+from mqnc.triton_kernels._runtime import interpreting, new_output, poisoning
 from mqnc.triton_kernels.merge import merge_launch
 
 __all__ = [
@@ -597,8 +599,17 @@ class AttentionPlan:
     outputs are allocated per call (or given as ``out``), so a run can be captured in a CUDA
     graph (outputs then come from the graph's pool).
 
-    ``num_splits`` is the split count chosen; ``launches`` the template launches (their tensor
-    arguments stand-ins, see :func:`meta_output`).
+    The run path is the plan's work done once: each kernel is a
+    :class:`~mqnc.triton_kernels._launch.LaunchRunner` holding its fixed arguments (strides,
+    sizes, scale) and constexprs in parameter order, and on a GPU the compiled kernel itself
+    after the first run, so a run is the shape comparison (one tuple compare), the output
+    allocations and one launcher call per kernel (``correctness/test_host_path.py`` pins the
+    Python calls it makes). A plan keeps no reference to the tensors it was made from:
+    ``launches`` (the template launches) carry storage-less stand-ins of them (shape, strides
+    and dtype; see :func:`meta_output`), so a plan may be cached (the op's eager call reuses a
+    plan per call signature) without pinning a cache pool in memory.
+
+    ``num_splits`` is the split count chosen; ``launches`` the template launches.
     """
 
     def __init__(
@@ -616,7 +627,7 @@ class AttentionPlan:
         # are what its errors call them (a layout adapter sets its own arguments' names)
         self.names = names
         self._planned = tuple(_signature(t) for t in planned)
-        self.launches = template.launches
+        self.launches = tuple(_without_tensors(ln) for ln in template.launches)
         self._bind = bind
         self._n = n_inputs
         self._device = device
@@ -625,50 +636,54 @@ class AttentionPlan:
         parts = self.launches[0].args[n_inputs : n_inputs + 2] if self.launches else ()
         self._part = tuple(tuple(t.shape) for t in parts)  # the split workspaces' shapes
         self._split = len(self.launches) > 1
+        # the kernels as they run: the attention on the bound tensors and its two outputs; the
+        # combine on (partials, outputs, the unread mask stand-in: merge_launch's tensors)
+        self._attend = LaunchRunner(self.launches[0], n_inputs + 2) if self.launches else None
+        self._combine = LaunchRunner(self.launches[1], 5) if self._split else None
+        self._interpreted = interpreting()  # (the launches' constexprs were chosen for it)
 
     def run(self, *args, out: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
         """Launch on new inputs, passed as to the function that made the plan; returns
         ``(o, lse)`` (``out``: contiguous tensors of the planned output shapes and dtypes,
         sharing memory with no input and not with each other)."""
-        return self._launch(self._bind(*args, **kwargs), out, planned_on=False)
+        tensors = self._bind(*args, **kwargs)
+        try:
+            same = self._planned == tuple(
+                (tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors
+            )
+        except (AttributeError, TypeError):
+            same = False
+        if not same:
+            self._check_planned(tensors)  # (raises, naming the tensor that differs)
+        return self._launch(tensors, out, planned_on=False)
 
     def run_planned(self, *args, out: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
-        """:meth:`run` on the very tensors the plan was made from, whose ``out`` its caller has
-        already checked for shared memory (the op's own call: planned, then launched once);
-        ``out``'s shapes, dtypes and device are still checked against the plan."""
+        """:meth:`run` on tensors of the very signature the plan was made for (the op's own
+        call: planned, or a cached plan found by that signature, then launched once), whose
+        ``out`` its caller has already checked for shared memory; ``out``'s shapes, dtypes and
+        device are still checked against the plan."""
         return self._launch(self._bind(*args, **kwargs), out, planned_on=True)
 
     def _launch(self, tensors: tuple, out, *, planned_on: bool):
-        """The launches on ``tensors``; unless ``planned_on``, each first compared with what
-        the plan was made from and ``out`` checked for shared memory with them."""
-        if not planned_on:
-            self._check_planned(tensors)
+        """The launches on ``tensors`` (already compared with the plan); unless ``planned_on``,
+        ``out`` checked for shared memory with them."""
+        device, alloc = self._device, _nan_filled if poisoning() else torch.empty
         if out is None:
-            o = new_output(self._o[0], self._o[1], self._device)
-            lse = new_output(self._lse, torch.float32, self._device)
+            o = alloc(self._o[0], dtype=self._o[1], device=device)
+            lse = alloc(self._lse, dtype=torch.float32, device=device)
         else:
             o, lse = self._check_out(out)
             if not planned_on:
                 check_no_overlap((o, lse), dict(zip(self.names, tensors, strict=True)))
-        if not self.launches:
+        if self._attend is None:
             return o, lse
         if self._split:
-            o_part = new_output(self._part[0], torch.float32, self._device)
-            lse_part = new_output(self._part[1], torch.float32, self._device)
+            o_part = alloc(self._part[0], dtype=torch.float32, device=device)
+            lse_part = alloc(self._part[1], dtype=torch.float32, device=device)
+            self._attend(self._interpreted, *tensors, o_part, lse_part)
+            self._combine(self._interpreted, o_part, lse_part, o, lse, lse)
         else:
-            o_part, lse_part = o, lse
-        attend = self.launches[0]
-        n = self._n
-        with launch_lock():
-            attend.kernel[attend.grid](
-                *tensors, o_part, lse_part, *attend.args[n + 2 :], **attend.kwargs
-            )
-            if self._split:
-                combine = self.launches[1]
-                # (merge_launch's tensors: partials, outputs, and the unread mask stand-in)
-                combine.kernel[combine.grid](
-                    o_part, lse_part, o, lse, lse, *combine.args[5:], **combine.kwargs
-                )
+            self._attend(self._interpreted, *tensors, o, lse)
         return o, lse
 
     def _check_planned(self, tensors: tuple) -> None:
@@ -704,3 +719,25 @@ class AttentionPlan:
                     f"strides {got[1]}, {got[2]} on {got[3]}"
                 )
         return out[0], out[1]
+
+
+def _nan_filled(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
+    """An output NaN-filled (``MQNC_POISON_OUTPUTS=1``, read once per run; else a run
+    allocates with ``torch.empty`` itself, no Python call in between)."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _without_tensors(launch: Launch) -> Launch:
+    """``launch`` with each tensor argument replaced by a storage-less stand-in of the same
+    shape, strides and dtype (on ``meta``): what a plan keeps of the tensors it was made from."""
+    args = tuple(
+        torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+        if isinstance(a, torch.Tensor) and not a.is_meta
+        else a
+        for a in launch.args
+    )
+    return dataclasses.replace(launch, args=args)
+
+
+# A tile forced by the tuning hook changes what a call plans to: part of every cached plan's key.
+plan_context(lambda: tuple(sorted(_FORCED.items())))

@@ -28,24 +28,31 @@ of them writes the signature again.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 import re
+import threading
 import types
 import typing
 from collections.abc import Callable
 
 import torch
 
+from mqnc.base.env import interpreting
+
 __all__ = [
     "Call",
     "Codec",
     "KernelOp",
     "OpSet",
+    "PlanCache",
+    "SYNC_CHECKS",
     "check_no_overlap",
     "check_out",
     "kernel_op",
     "op_set",
+    "plan_context",
     "registered_ops",
     "kernel_op_named",
     "written_into",
@@ -444,10 +451,19 @@ class KernelOp:
                 call[p.name] = p.check(v) if p.codec is None else p.codec.decode(*p.encode(v))
             return build(Call(**call))
 
+        plans = PlanCache(self.params)
+
         def run(call):
             tensors = {n: getattr(call, n) for n in kw}
-            plan = build(call)
+            key = plans.key(call)
+            plan = None if key is None else plans.get(key)
+            if plan is None:
+                plan = build(call)
+                if key is not None:
+                    plans.put(key, plan)
             return plan.run_planned(*(getattr(call, n) for n in pos), **tensors, out=call.out)
+
+        self.plans = plans
 
         self.implementation(DEFAULT_BACKEND)(run)
         self.function().__module__ = build.__module__
@@ -460,6 +476,84 @@ class KernelOp:
 
 def _no_outputs(*args, **kwargs) -> None:
     return None
+
+
+SYNC_CHECKS = ("check_inputs", "check_indices", "check_lse", "validate")
+"""The switches of host-syncing value checks (the ops' own parameters): a call with one of them
+on is planned afresh (its plan may depend on the values it reads, and the check must run)."""
+
+_PLAN_CONTEXT: list[Callable[[], object]] = []
+
+
+def plan_context(hook: Callable[[], object]) -> Callable[[], object]:
+    """Register ``hook() -> a hashable value``: process-wide state that a plan depends on beyond
+    its call's arguments (e.g. a tile forced by a tuning hook), made part of every
+    :class:`PlanCache` key. Returns ``hook``."""
+    _PLAN_CONTEXT.append(hook)
+    return hook
+
+
+class PlanCache:
+    """The plans of an op's eager calls, by call signature: the op's triton implementation
+    plans a call once per signature and launches the cached plan on every later call with that
+    signature (FlashInfer's plan/run, made implicit), so an eager call costs the dispatcher, a
+    key and the plan's launch, not the checks and split search again.
+
+    A key is each tensor argument's shape, strides, dtype and device, every other argument's
+    value, the interpreter mode and the registered :func:`plan_context`; a call with a
+    host-syncing check on (:data:`SYNC_CHECKS`) is never cached (its checks read values), nor
+    one with an argument that cannot be hashed. What a cached plan skips is what its key fixes:
+    the shape, dtype, device and layout checks; the values a plan reads only with those checks
+    on. At most ``size`` plans per op, least recently used dropped (a plan holds no tensor)."""
+
+    def __init__(self, params, size: int = 64) -> None:
+        self._tensors = tuple(p.name for p in params if p.tensor)
+        self._values = tuple(p.name for p in params if not p.tensor)
+        self._sync = tuple(n for n in self._values if n in SYNC_CHECKS)
+        self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.size = size
+        self.hits = self.misses = 0
+
+    def key(self, call: Call) -> tuple | None:
+        """``call``'s key, or None when it is not to be cached."""
+        for n in self._sync:
+            if getattr(call, n):
+                return None
+        parts = [interpreting(), *(hook() for hook in _PLAN_CONTEXT)]
+        for n in self._tensors:
+            t = getattr(call, n)
+            parts.append(None if t is None else (t.shape, t.stride(), t.dtype, t.device))
+        for n in self._values:
+            parts.append(getattr(call, n))
+        key = tuple(parts)
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    def get(self, key: tuple):
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+                self._plans.move_to_end(key)
+            return plan
+
+    def put(self, key: tuple, plan) -> None:
+        with self._lock:
+            self._plans[key] = plan
+            while len(self._plans) > self.size:
+                self._plans.popitem(last=False)
+
+    def clear(self) -> None:
+        """Drop every plan and zero the counts (``hits``, ``misses``)."""
+        with self._lock:
+            self._plans.clear()
+            self.hits = self.misses = 0
 
 
 def kernel_op(*, fake=None, mutates=(), codecs=None, returns=None):

@@ -1,0 +1,211 @@
+"""The host path of a launch: what Python does between a caller and the kernel launch.
+
+At the decode operating point the host, not the kernel, can set a call's cost (an eager dense
+call took 209 us of host time against 12.5 us on an H200 before plans were cached and run
+paths precomputed). Host time is not asserted here (no test depends on timing): the Python
+function calls that ``plan.run`` and an eager call make with the kernel launch stubbed are
+counted under ``sys.setprofile`` and pinned, so work added to the run path fails here;
+``perf/bench_host.py --launch`` measures the microseconds. Also: the eager call's plan cache
+(hits, what is never cached, bit-identical results, no tensor kept alive) and the compiled
+fast path of :class:`~mqnc.triton_kernels._launch.LaunchRunner` on a stand-in kernel.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+
+import pytest
+import torch
+
+from mqnc.triton_kernels import _launch, mla_decode_partial, plan_mla_decode
+from mqnc.triton_kernels._launch import Launch, LaunchRunner
+from mqnc.triton_kernels._mla_launch import forced_tile
+
+# Python-level calls (``sys.setprofile`` "call" events) of one run, launches stubbed. Raise a
+# pin only with a reason; lower it when the path gets shorter.
+RUN_CALLS = 20
+EAGER_CALLS = 46
+SCALE = 0.1
+
+
+def _inputs(seed: int = 0, B: int = 1, H: int = 16, ct: int = 128):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, 576, generator=gen).to(torch.bfloat16)
+    pool = torch.randn(B * ct // 64 + 1, 64, 576, generator=gen).to(torch.bfloat16)
+    table = torch.arange(B * ct // 64, dtype=torch.int32).reshape(B, ct // 64)
+    lens = torch.full((B,), ct, dtype=torch.int32)
+    return q, pool, table, lens
+
+
+def _calls(fn) -> int:
+    n = [0]
+
+    def prof(frame, event, arg):
+        if event == "call":
+            n[0] += 1
+
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n[0]
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    """Every plan launch replaced by a no-op that counts its kernels."""
+    launched = []
+    monkeypatch.setattr(
+        LaunchRunner, "__call__", lambda self, interpreted, *t: launched.append(self.k)
+    )
+    return launched
+
+
+def test_plan_run_and_eager_call_make_pinned_python_calls(stubbed, monkeypatch):
+    """``plan.run`` is the shape comparison, the output allocations and the kernels' launches;
+    an eager call adds the dispatcher, the argument checks and the plan cache's key: counted
+    with the launches stubbed (a split call: attention, then the combine) and outputs not
+    poisoned (as in production)."""
+    monkeypatch.delenv("MQNC_POISON_OUTPUTS", raising=False)
+    q, pool, table, lens = _inputs(ct=2048)
+    kw = dict(softmax_scale=SCALE, check_inputs=False)
+    plan = plan_mla_decode(q, pool, table, lens, **kw)
+    assert plan.num_splits > 1
+    mla_decode_partial(q, pool, table, lens, **kw)  # (planned and cached)
+    stubbed.clear()
+    run = _calls(lambda: plan.run(q, pool, table, lens))
+    eager = _calls(lambda: mla_decode_partial(q, pool, table, lens, **kw))
+    print(f"plan.run: {run} Python calls; eager call: {eager}")
+    assert stubbed == [9, 5, 9, 5]  # attention (7 inputs + 2 outputs), combine, twice
+    assert run <= RUN_CALLS
+    assert eager <= EAGER_CALLS
+
+
+def test_eager_calls_reuse_one_plan_per_signature_and_match_a_fresh_plan():
+    """The second eager call with the same signature (new values) finds the plan the first made;
+    its result is bit-identical to a fresh plan's run on the same inputs."""
+    kop = mla_decode_partial.op
+    kop.plans.clear()
+    kw = dict(softmax_scale=SCALE, check_inputs=False)
+    q, pool, table, lens = _inputs(0)
+    mla_decode_partial(q, pool, table, lens, **kw)
+    hits = kop.plans.hits
+    q2, pool2, table2, lens2 = _inputs(1)
+    lens2 = torch.tensor([77], dtype=torch.int32)
+    o, lse = mla_decode_partial(q2, pool2, table2, lens2, **kw)
+    assert kop.plans.hits == hits + 1
+    o_ref, lse_ref = plan_mla_decode(q2, pool2, table2, lens2, **kw).run(q2, pool2, table2, lens2)
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+    # and the call is right: against the checked (never cached) call
+    o_chk, lse_chk = mla_decode_partial(q2, pool2, table2, lens2, softmax_scale=SCALE)
+    assert torch.equal(o, o_chk) and torch.equal(lse, lse_chk)
+
+
+def test_what_the_plan_cache_never_reuses():
+    """A call with its host-syncing checks on is planned afresh every time (its checks read
+    values); another signature (a stride, a scale) or a forced tile is another key."""
+    kop = mla_decode_partial.op
+    kop.plans.clear()
+    q, pool, table, lens = _inputs(0)
+    for _ in range(2):
+        mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE)
+    assert (kop.plans.hits, kop.plans.misses) == (0, 0)
+    kw = dict(check_inputs=False)
+    mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE, **kw)
+    mla_decode_partial(q, pool, table, lens, softmax_scale=2 * SCALE, **kw)
+    wide = torch.empty(1, 16, 640, dtype=torch.bfloat16)[..., :576]
+    wide.copy_(q)
+    mla_decode_partial(wide, pool, table, lens, softmax_scale=SCALE, **kw)
+    with forced_tile("32x32w8s5"):
+        mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE, **kw)
+    assert (kop.plans.hits, kop.plans.misses) == (0, 4)
+    mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE, **kw)
+    assert kop.plans.hits == 1
+
+
+def test_a_plan_keeps_no_tensor_it_was_made_from():
+    """A (cached) plan holds stand-ins of its planning tensors, never the tensors: the cache
+    pool it was made on is freed when its caller drops it."""
+    q, pool, table, lens = _inputs(0)
+    plan = plan_mla_decode(q, pool, table, lens, softmax_scale=SCALE, check_inputs=False)
+    alive = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert alive() is None
+    assert all(a.is_meta for ln in plan.launches for a in ln.args if isinstance(a, torch.Tensor))
+
+
+def test_plan_run_still_refuses_another_signature():
+    q, pool, table, lens = _inputs(0)
+    plan = plan_mla_decode(q, pool, table, lens, softmax_scale=SCALE, check_inputs=False)
+    with pytest.raises(ValueError, match="block_table: expected shape"):
+        plan.run(q, pool, table[:, :1], lens)
+    with pytest.raises(TypeError, match="cache_seqlens: expected a torch.Tensor"):
+        plan.run(q, pool, table, [128])
+
+
+class _Compiled:
+    """A stand-in for Triton's CompiledKernel: ``compiled[grid](*args)`` records."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("fast", grid, args))
+
+
+class _Jit:
+    """A stand-in for a compiled-mode JITFunction: parameters ``a, b, n, BLOCK`` (``BLOCK`` a
+    constexpr given by keyword); ``kernel[grid](...)`` records and returns a compiled kernel."""
+
+    arg_names = ["a", "b", "n", "BLOCK"]
+
+    def __init__(self):
+        import inspect
+
+        self.params = [type("P", (), {"default": inspect.Parameter.empty})() for _ in range(4)]
+        self.log = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(("jit", grid, args, kwargs))
+            return _Compiled(self.log)
+
+        return launch
+
+
+def test_launch_runner_launches_the_compiled_kernel_directly_after_the_first_call(monkeypatch):
+    """Compiled mode: the first call goes through the JIT, later ones call the compiled
+    kernel's launcher with the run's tensors, the fixed arguments and the constexprs in
+    parameter order; a tensor of other 16-byte alignment goes through the JIT again."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    jit = _Jit()
+    runner = LaunchRunner(Launch("k", jit, (4,), (None, None, 7), dict(BLOCK=64, num_warps=4)), 2)
+    base = torch.empty(64, dtype=torch.float32)
+    a, b = base[:8], base[8:16]
+    runner(False, a, b)
+    runner(False, a, b)
+    off = base[1:9]  # 4 bytes past a 16-byte boundary
+    runner(False, off, b)
+    assert [e[0] for e in jit.log] == ["jit", "fast", "jit"]
+    assert jit.log[0][2:] == ((a, b, 7), dict(BLOCK=64, num_warps=4))
+    assert jit.log[1][1:] == ((4, 1, 1), (a, b, 7, 64))
+
+
+def test_interpreted_runs_take_the_launch_lock(monkeypatch):
+    held = []
+
+    class Lock:
+        def __enter__(self):
+            held.append(True)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(_launch, "launch_lock", lambda: Lock())
+    jit = _Jit()
+    LaunchRunner(Launch("k", jit, (1,), (None, None, 3), dict(BLOCK=16)), 2)(True, 1, 2)
+    assert held == [True] and jit.log[0][0] == "jit"
