@@ -1,9 +1,10 @@
 """The host path against the machine's floors, in one interleaved run (§5.3: the software
 around a route is part of its cost).
 
-``python -m perf.bench_host [--transport loopback,gloo] [--no-kernel] [--breakdown]`` plus the
-flags every benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
-:mod:`mqnc.measure.options`; ``--quick``: 20 repetitions, no real-kernel route).
+``python -m perf.bench_host [--transport loopback,gloo] [--no-kernel] [--breakdown | --launch]``
+plus the flags every benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
+:mod:`mqnc.measure.options`; ``--quick``: 20 repetitions, no real-kernel route). ``--launch``
+times instead the host side of one kernel launch (:func:`launch`).
 
 The paper's Python client added ~3.5 ms to every routed call against a 16 us fabric probe
 (§5.3); this benchmark measures what this package's software adds, as ratios to floors
@@ -339,6 +340,39 @@ def breakdown(args, g, calls: int = 200) -> None:
         print(f"{'total':<40}" + "".join(f"{x:>12.1f}" for x in tot))
 
 
+def launch(args) -> int:
+    """``--launch``: the host time of each way to launch the holder's partial (dense H 16, B 1,
+    c_t 2048; :mod:`mqnc.measure.launch_host`), recorded as ``bench="host_launch"`` (variant:
+    the case and the shape; ``backend`` ``triton``, or ``host`` for the stubbed cases)."""
+    import torch
+
+    from mqnc.measure import record
+    from mqnc.measure.launch_host import LaunchShape, host_times, launch_cases
+    from mqnc.measure.options import finish
+
+    shape = LaunchShape()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cases = launch_cases(shape, device)
+    times = host_times(cases, reps=args.reps, warmup=args.warmup)
+    print(f"host time of one launch, {shape.label} ({args.reps} calls, p50 us):")
+    for name, pct in times.items():
+        print(f"  {name:<22} {pct[1]:>9.1f}")
+        stub = cases[name][1]
+        record(
+            "host_launch",
+            f"{name} {shape.label}",
+            1,
+            pct,
+            x_name="call",
+            backend="host" if stub else "triton",
+            extra=dict(case=name, stubbed=stub, reps=args.reps, shape=shape.label),
+            path=args.out,
+        )
+    if device != "cuda":
+        print("  (no GPU: the real launches and the graph replays are not measured)")
+    return finish(args, TARGETS)
+
+
 def main(argv=None) -> int:
     from mqnc.measure.options import bench_parser, finish, parse_bench_args
 
@@ -348,6 +382,9 @@ def main(argv=None) -> int:
                     help="skip the real-kernel route (interpreted on a CPU: slow; --quick "
                     "skips it too)")  # fmt: skip
     ap.add_argument("--breakdown", action="store_true", help="per-stage times instead")
+    ap.add_argument("--launch", action="store_true",
+                    help="host time of a kernel launch instead: eager call, plan.run, CUDA-graph "
+                    "replays (mqnc.measure.launch_host)")  # fmt: skip
     args = parse_bench_args(ap, argv)
     bad = [t for t in args.transport if t not in ("loopback", "gloo")]
     if bad:
@@ -363,6 +400,8 @@ def main(argv=None) -> int:
 
     one_intra_op_thread()
     g = args.model
+    if args.launch:
+        return launch(args)
     if args.breakdown:
         breakdown(args, g)
         return finish(args)

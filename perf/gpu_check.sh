@@ -15,11 +15,15 @@
 #   wheels       the carried wheels of .whl/ (perf/install_wheels.py: nvshmem4py, cuda.core /
 #                cuda.pathfinder only if the image's are too old) into $SITE, on PYTHONPATH
 #   env          versions, device, interpreter mode                      -> $OUT/env.json
-#   copy         the device copy-bandwidth ceiling, first (kernel GB/s are read against it)
+#   copy         the memory ceilings, first (kernel GB/s are read against them): the Triton read
+#                and copy kernels over 4 GiB and torch's copy_, clocks read before and after
 #   warmup       every production kernel variant and the NVSHMEM kernels compiled into the
 #                Triton cache by 16 processes, then every goal shape planned on the GPU
 #   bench_merge, bench_mla, bench_splice   the kernel benchmarks over the production goal shapes
 #                (CUDA-graph replays over L2-rotated inputs; extra.timing says how)
+#   launch       the host time of one launch of the holder's partial (dense H 16 B 1 c_t 2048):
+#                eager call, plan.run, CUDA-graph replays of it and of a routed step
+#                (perf.bench_host --launch)
 #   report       mqnc/measure/kernel_report.py: predictions and the measured p50 in one table
 #   tests        the GPU test tier (pytest -m gpu: correctness/conftest.py's GPU_TIER list)
 #   holder       Fig. 4(b) holder batching (the Triton kernel) and Fig. 5(b) K-stream staging
@@ -50,11 +54,12 @@ RESERVE=20 # kept for packing the logs and printing the tables
 SITE=${SITE:-/tmp/mqnc-site}
 
 # ---- every step's cap and arguments, in one place (the GPU run | the dry run) -----------------
-STEPS=(install wheels env copy warmup bench_merge bench_mla bench_splice report tests holder
-  nvshmem route fetch)
-declare -A CAP=([install]=15 [wheels]=10 [env]=10 [copy]=20 [warmup]=50 [bench_merge]=20
-  [bench_mla]=60 [bench_splice]=30 [report]=30 [tests]=55 [holder]=25 [nvshmem]=60 [route]=20
-  [fetch]=25)
+STEPS=(install wheels env copy warmup bench_merge bench_mla bench_splice launch report tests
+  holder nvshmem route fetch)
+# (bench_mla measured 11 s and nvshmem 17 s of their 60 on the H200: launch's 20 s come from them)
+declare -A CAP=([install]=15 [wheels]=10 [env]=10 [copy]=25 [warmup]=50 [bench_merge]=20
+  [bench_mla]=50 [bench_splice]=30 [launch]=20 [report]=30 [tests]=55 [holder]=25 [nvshmem]=45
+  [route]=20 [fetch]=25)
 if ((DRY)); then
   export TRITON_INTERPRET=1 # every step but the compiling ones (warmup, report: =0) interprets
   PIP_DRY=(--dry-run)
@@ -62,10 +67,11 @@ if ((DRY)); then
   COPY_ARGS=(--gib 0.01)
   WARMUP_ARGS=(--jobs 2 --ops merge)
   BENCH_ARGS=(--goals --tiny)
+  LAUNCH_ARGS=(--reps 5 --warmup 1)
   REPORT_ARGS=()
   TEST_ARGS=(--collect-only)
   HOLDER_ARGS=(--tiny)
-  NVSHMEM_ARGS=(--transport gloo --tiny --timeout 50 --poll-spins 4096,64) # gloo: one run
+  NVSHMEM_ARGS=(--transport gloo --tiny --timeout 40 --poll-spins 4096,64) # gloo: one run
   ROUTE_ARGS=(--transport gloo --quick --m-q 1,64 --reps 3 --warmup 1)
   FETCH_ARGS=(--transport gloo --quick --c-t 16 --max-holders 1 --topk 64 --m-q 32
     --pool-rows 256 --reps 3 --warmup 1)
@@ -73,9 +79,10 @@ else
   unset TRITON_INTERPRET
   PIP_DRY=()
   WHEEL_ARGS=()
-  COPY_ARGS=(--gib 2)
+  COPY_ARGS=(--gib 4)
   WARMUP_ARGS=(--jobs 16)
   BENCH_ARGS=(--goals)
+  LAUNCH_ARGS=(--reps 200 --warmup 20)
   REPORT_ARGS=()
   TEST_ARGS=()
   HOLDER_ARGS=()
@@ -191,6 +198,7 @@ step warmup env TRITON_INTERPRET=0 "$PY" -m perf.warmup "${WARMUP_ARGS[@]}"
 step bench_merge "$PY" -m perf.bench_merge "${BENCH_ARGS[@]}" --out "$RESULTS"
 step bench_mla "$PY" -m perf.bench_mla "${BENCH_ARGS[@]}" --out "$RESULTS"
 step bench_splice "$PY" -m perf.bench_splice "${BENCH_ARGS[@]}" --out "$RESULTS"
+step launch "$PY" -m perf.bench_host --launch "${LAUNCH_ARGS[@]}" --out "$RESULTS"
 step report env TRITON_INTERPRET=0 "$PY" -m mqnc.measure.kernel_report "${REPORT_ARGS[@]}" \
   --measured "$RESULTS" --out "$OUT/kernel_report.jsonl"
 step tests "$PY" -m pytest correctness -m gpu -q -p no:cacheprovider "${TEST_ARGS[@]}"
