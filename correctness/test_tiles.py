@@ -275,3 +275,36 @@ def test_fused_combine_matches_fp64_run_after_run(lengths, num_splits):
         assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name=f"run {run} lse")
     with pytest.raises(ValueError, match="fused: expected a restructured kernel"):
         TileConfig(16, 32, 8, 2, fused=True)
+
+
+@pytest.mark.parametrize(
+    "tile", [t.label for t in SWEEP_TILES["sparse"] if t.kernel and t.block_h == 16]
+)
+@pytest.mark.parametrize("num_splits", [None, 2])
+def test_restructured_sparse_candidates_match_fp64(tile, num_splits):
+    """The restructured sparse kernel (``-pipe``) against fp64: a full tile and a partial last
+    one per split, ``-1`` slots in a full tile and filling a tail, split and unsplit (its
+    64-head candidates share the code; the interpreter's cost of a 64-row tile keeps them to
+    the sm_90 compile). A TMA or fused tile is refused for the sparse kernel."""
+    from mqnc.base.env import interpreting
+
+    if interpreting() and triton.__version__.startswith("3.6."):
+        pytest.skip("triton 3.6's interpreter cannot run the MLA kernels (a GPU can)")
+    from mqnc.reference.attention_ref import mla_sparse_reference
+    from mqnc.testing import assert_close, default_device, tolerance
+    from mqnc.triton_kernels import mla_sparse_partial
+
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.randn(6, 64, 576, generator=gen).to(default_device(), torch.bfloat16)
+    idx = torch.randperm(6 * 64, generator=gen)[:140].view(2, 70).to(torch.int32)
+    idx[0, 5], idx[1, 40:] = -1, -1
+    idx = idx.to(pool.device)
+    q = torch.randn(2, 16, 576, generator=gen).to(pool.device, torch.bfloat16)
+    with forced_tile(tile, sparse=True):
+        o, lse = mla_sparse_partial(q, pool, idx, softmax_scale=SCALE, num_splits=num_splits)
+    o_ref, lse_ref = mla_sparse_reference(q.double(), pool.double(), idx, SCALE)
+    assert_close(o, o_ref, tolerance("mla", torch.bfloat16), name=f"{tile} o")
+    assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name=f"{tile} lse")
+    for bad in ("16x32w8s5-tma", "16x32w8s5-pipe-fused"):
+        with forced_tile(bad, sparse=True), pytest.raises(ValueError, match="sparse kernel"):
+            mla_sparse_partial(q, pool, idx, softmax_scale=SCALE)

@@ -212,9 +212,9 @@ def wgmma_waits(sass: str) -> tuple[int, ...]:
 
 def tile_bodies(kwargs: dict) -> int:
     """Copies of the tile's code in an MLA attention kernel's program text: 2 for the
-    restructured dense kernel (launches with a ``TMA`` constexpr: the unmasked loop body and the
+    restructured kernels (launches with a ``RING`` constexpr: the unmasked loop body and the
     masked tail, of which each tile runs one), else 1."""
-    return 2 if "TMA" in kwargs else 1
+    return 2 if "RING" in kwargs else 1
 
 
 def mla_evidence(

@@ -110,7 +110,7 @@ class TileConfig:
     def of_launch(cls, launch) -> TileConfig:
         """The tile an MLA attention launch (a ``_launch.Launch``) was planned with."""
         kw = launch.kwargs
-        kernel = "" if "TMA" not in kw else ("tma" if kw["TMA"] else "pipe")
+        kernel = "" if "RING" not in kw else ("tma" if kw.get("TMA") else "pipe")
         return cls(
             kw["BLOCK_H"],
             kw["BLOCK_N"],
@@ -205,6 +205,9 @@ _WIDE_ELSE = (_DENSE[32], _SPARSE[16])
 # except 16 x 32 on 8 warps at 2 stages (255 registers, one CTA per SM): with the split combine
 # fused (``-fused``: one launch, the last split of a row merges) it is the candidate for the
 # one-row holder partial (H 16, B 1, c_t 2048: 32 splits), spill-free.
+# Sparse "pipe" (index loads of full tiles unmasked in a pipelined loop, the last tile's range
+# masked once; no TMA: Hopper's has no row gather): 64x16w8s5 (220 registers, a 3-deep ring),
+# 64x32w8s2 (246) and 16x32w8s5 (255), no spills under 3.6.0.
 SWEEP_TILES = {
     "dense": tuple(
         TileConfig.parse(t)
@@ -220,7 +223,17 @@ SWEEP_TILES = {
             "64x32w8s2-pipe",
         )
     ),
-    "sparse": tuple(TileConfig.parse(t) for t in ("32x16w8s5", "16x32w8s5", "64x16w8s5")),
+    "sparse": tuple(
+        TileConfig.parse(t)
+        for t in (
+            "32x16w8s5",
+            "16x32w8s5",
+            "64x16w8s5",
+            "64x16w8s5-pipe",
+            "64x32w8s2-pipe",
+            "16x32w8s5-pipe",
+        )
+    ),
     "dense16": tuple(
         TileConfig.parse(t) for t in ("16x64w8s5", "16x32w4s5", "16x16w4s7", "16x32w8s2-pipe-fused")
     ),

@@ -144,6 +144,81 @@ def _mla_sparse_kernel(
     )
 
 
+@triton.jit
+def _sparse_rows(
+    KV, KV_PE, idx, stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE: tl.constexpr,
+    SPLIT: tl.constexpr,
+):  # fmt: skip
+    """``(kv_rows, pe_rows, valid)`` of a tile's gathered indices ``idx [BLOCK_N]`` (``< 0``:
+    an unused slot, never read)."""
+    valid = idx >= 0
+    idx = tl.where(valid, idx, 0)
+    kv_rows = KV + (idx // PAGE).to(tl.int64) * stride_kb + (idx % PAGE) * stride_kt
+    if SPLIT:
+        pe_rows = KV_PE + (idx // PAGE).to(tl.int64) * stride_pkb + (idx % PAGE) * stride_pkt
+    else:
+        pe_rows = kv_rows  # (not read: the rope part follows the latent)
+    return kv_rows, pe_rows, valid
+
+
+@triton.jit(do_not_specialize=["topk", "NUM_SPLITS", "stride_ib"])
+def _mla_sparse_pipe_kernel(
+    Q, Q_PE, KV, KV_PE, Indices, O, LSE, H, topk, NUM_SPLITS, qk_scale, stride_qb, stride_qh,
+    stride_pqb, stride_pqh, stride_kb, stride_kt, stride_pkb, stride_pkt, stride_ib, stride_ik,
+    stride_os, stride_ob, stride_oh, stride_ls, stride_lb, stride_lh,
+    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
+    D_LAT: tl.constexpr, D_PE: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr, BF16_RNE: tl.constexpr, RING: tl.constexpr,
+):  # fmt: skip
+    """The restructured sparse kernel (the ``pipe`` candidates; grid, arguments and outputs as
+    :func:`_mla_sparse_kernel`'s): the split's full tiles in a software-pipelined loop
+    (``tl.range(num_stages=RING)``: a later tile's index gather is in flight while this one is
+    attended) whose index loads carry no range mask, then the last, partial tile's range mask
+    once. The ``-1`` slots stay masked on every tile: which slots are used is data, not
+    shape. TMA does not apply: Hopper's TMA has no row gather (Blackwell's ``gather``)."""
+    head_blocks = tl.cdiv(H, BLOCK_H)
+    pid = tl.program_id(0)
+    b = pid // head_blocks
+    h0 = (pid - b * head_blocks) * BLOCK_H
+    split = tl.program_id(1)
+    k_start, k_end = _split_range(topk, NUM_SPLITS, split, BLOCK_N, MIN_TILES)
+    q_lat, q_pe, offs_h, mask_h = _load_query(
+        Q, Q_PE, b, h0, H, stride_qb, stride_qh, stride_pqb, stride_pqh, BLOCK_H, D_LAT, D_PE,
+        SPLIT, DOT_FP32,
+    )  # fmt: skip
+    m = tl.full([BLOCK_H], -float("inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+    index_row = Indices + b.to(tl.int64) * stride_ib
+    offs_n = tl.arange(0, BLOCK_N)
+    n_full = (k_end - k_start) // BLOCK_N
+    for i in tl.range(0, n_full, num_stages=RING):
+        idx = tl.load(index_row + (k_start + i * BLOCK_N + offs_n) * stride_ik)
+        kv_rows, pe_rows, valid = _sparse_rows(
+            KV, KV_PE, idx, stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, SPLIT
+        )
+        m, l, acc = _attend_tile(
+            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
+            DOT_FP32, PRECISION,
+        )  # fmt: skip
+    k_tail = k_start + n_full * BLOCK_N
+    if k_tail < k_end:
+        k = k_tail + offs_n
+        idx = tl.load(index_row + k * stride_ik, mask=k < k_end, other=-1)
+        kv_rows, pe_rows, valid = _sparse_rows(
+            KV, KV_PE, idx, stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, SPLIT
+        )
+        m, l, acc = _attend_tile(
+            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
+            DOT_FP32, PRECISION,
+        )  # fmt: skip
+    o_base = split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
+    lse_base = split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
+    _store_partial(
+        O, LSE, o_base, lse_base, offs_h, mask_h, stride_oh, stride_lh, m, l, acc, D_LAT, BF16_RNE
+    )
+
+
 def check_index_range(indices: torch.Tensor, pool_tokens: int) -> None:
     """Host-side check (one sync): every index is -1 (unused) or in ``[0, pool_tokens)``; the
     first one that is not is named at its place in ``indices`` (any number of dims: an
@@ -256,9 +331,17 @@ def sparse_launch(
     page = kv_pool.shape[1]
     feats = () if page == 64 else (f"page={page}",)
     feats += ("split-kv",) if ops.split else ()
+    restructured = {}
+    if cfg.kernel:  # the restructured loop (no TMA on Hopper for a gather; no fused combine)
+        if cfg.kernel != "pipe" or cfg.fused:
+            raise ValueError(
+                f"tile: expected a classic or '-pipe' tile for the sparse kernel, got {cfg.label!r}"
+            )
+        feats += ("pipe",)
+        restructured = dict(RING=cfg.num_stages)
     return Launch(
         name=variant_name("mla_sparse", q.dtype, cfg, o_part.dim() == 4, feats),
-        kernel=_mla_sparse_kernel,
+        kernel=_mla_sparse_pipe_kernel if cfg.kernel else _mla_sparse_kernel,
         grid=(B * triton.cdiv(H, cfg.block_h), num_splits),
         args=(
             q,
@@ -295,6 +378,7 @@ def sparse_launch(
             DOT_FP32=dot_in_fp32(q.dtype),
             PRECISION=dot_precision(q.dtype),
             BF16_RNE=bf16_rne_in_software(o_part.dtype),
+            **restructured,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             maxnreg=cfg.reg_cap,
