@@ -466,3 +466,44 @@ def test_gluon_decode_compiles_for_sm90_on_its_schedule():
         in_flight, waits = map(int, ev["wgmma_waits"].split("/"))
         pendings = row["ttgir"]["wgmma_pendings"]
         assert (in_flight, waits) == (sum(p > 0 for p in pendings), len(pendings)), ev
+
+
+_TP = """
+import json
+import torch
+from mqnc.triton_kernels._compile import compile_launch, resources
+from mqnc.triton_kernels.tp_scores import scores_launch
+from mqnc.triton_kernels.tp_values import values_launch
+rows = []
+B, H, T = 8, 16, 4096  # decode: 8 tokens x 16 heads (V2-Lite), a 4096-token chunk or top-k
+for n in (2, 4):  # (TP 1 routes through the MLA kernels)
+    w, dv = 576 // n, 512 // n
+    q = torch.empty(B, H, w, dtype=torch.bfloat16)
+    pool = torch.empty(128, 64, w, dtype=torch.bfloat16)
+    slots = torch.empty(B, T, dtype=torch.int32)
+    s = torch.empty(B, H, T, dtype=torch.float32)
+    o, lse = torch.empty(B, H, dv, dtype=torch.bfloat16), torch.empty(B, H)
+    launches = scores_launch(q, pool, slots, dv, s), values_launch(s, pool, slots, 0.1, dv, o, lse)
+    for ln in launches:
+        r = resources(ln.name, compile_launch(ln.kernel, ln.args, ln.kwargs, grid=ln.grid))
+        rows.append([ln.name, r.registers, r.stack + r.local, r.shared])
+print(json.dumps(rows))
+"""
+
+
+def test_tp_kernels_compile_for_sm90_without_spills():
+    """The tensor-parallel kernels (partial scores over a slice, softmax times a value slice)
+    compile for sm_90 exactly as they launch at TP 2 and 4 (576 / N wide rows, V2-Lite's 16
+    heads, 4096 entries, bf16), without spills and within a CTA's shared memory, under this
+    triton (3.6.0 is the GPU's: ``.venv-compat``)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run(
+        [sys.executable, "-c", _TP], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, regs, spill, shared in rows:
+        print(f"{name}: {regs} regs, {spill} B spilled, {shared} B shared")
+    assert len(rows) == 4
+    assert [row for row in rows if row[2] or row[3] > SM90.shared_per_cta] == []
