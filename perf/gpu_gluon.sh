@@ -63,7 +63,8 @@ if ! ((DRY)) && ! "$PY" -c "import mqnc.triton_kernels" 2>/dev/null; then # as g
 fi
 echo "commit $MQNC_COMMIT; $( ((DRY)) && echo 'DRY RUN (interpreter, tiny, gluon stood in by tl)' || echo 'GPU run'); budget ${BUDGET_S}s"
 status=0
-"$PY" - "$OUT/results.jsonl" <<'PY' || status=1
+# bounded: a kernel that hangs (an mbarrier never completing) ends the check, not the session
+timeout -k 5 "$BUDGET_S" "$PY" - "$OUT/results.jsonl" <<'PY' || status=1
 import math, os, sys
 import torch
 from mqnc.base.runtime import use_interpreter_without_cuda
