@@ -574,3 +574,42 @@ def test_ceiling_records_give_percent_of_the_read_ceiling_and_the_spec():
     assert spec_only.tbps == 4.8 and spec_only.source.startswith("HBM spec")
     with pytest.raises(ValueError, match="device"):
         _ = memory_ceiling(recs, "CPU: AMD EPYC (2 cores)").tbps
+
+
+def test_records_with_bytes_carry_their_bandwidth_against_the_read_ceiling_and_spec(tmp_path):
+    """``record`` adds to a record with a byte count its TB/s, the device's read ceiling (the
+    median of the exact Triton read records already in the same file) and the spec, and both
+    percentages; a benchmark's own values win; no ceiling measured: None, not a guess."""
+    from mqnc.base.runtime import device_name
+    from mqnc.cost.ceilings import spec_tbps
+    from mqnc.measure import record
+
+    out = tmp_path / "r.jsonl"
+    first = record("mla_decode", "H=16,B=1", 2048, (2.0, 2.0, 2.0), nbytes=4_000_000, path=out)
+    assert first["extra"]["read_tbps"] is None and first["extra"]["pct_of_read"] is None
+    assert first["extra"]["tbps"] == pytest.approx(2.0, rel=1e-12)
+    for gbps in (3000.0, 4000.0, 5000.0):
+        with open(out, "a") as f:
+            rec = dict(bench="ceiling", variant="read", device=device_name(), backend="triton",
+                       gbps=gbps, extra={"exact": True})  # fmt: skip
+            f.write(json.dumps(rec) + "\n")
+    r = record("mla_decode", "H=16,B=1", 2048, (1.0, 1.0, 1.0), nbytes=3_000_000, path=out)
+    e = r["extra"]
+    assert e["tbps"] == pytest.approx(3.0, rel=1e-12) and e["read_tbps"] == 4.0
+    assert e["pct_of_read"] == 75.0
+    assert e["spec_tbps"] == spec_tbps(device_name())
+    own = record("x", "v", 1, (1.0, 1.0, 1.0), nbytes=10, path=out, extra={"pct_of_read": 1})
+    assert own["extra"]["pct_of_read"] == 1
+
+
+def test_bandwidth_goals_are_p50_bounds_of_their_bytes():
+    """The 3.6 TB/s dense goal as p50 bounds: B 16, c_t 32768 (604 MB of cache) in <= 167.9 us,
+    each bound the goal shape's bytes (as bench_mla counts them) at 3.6e6 bytes per us."""
+    from perf.speed_targets import TARGETS, at_tbps, dense_bytes
+
+    b = 16 * 32768 * 576 * 2 + 16 * 16 * 576 * 2 + 16 * 16 * (512 * 2 + 4)
+    assert dense_bytes(16, 16, 32768) == b
+    (t,) = [t for t in TARGETS if t.extra.get("shape") == "mla_decode H=16 B=16 ct=32768"]
+    assert t.limit == at_tbps(b, 3.6) == pytest.approx(b / 3.6e6, rel=1e-15)
+    shapes = {t.extra.get("shape") for t in TARGETS if "3.6 TB/s" in t.what}
+    assert len(shapes) == 9  # eight dense shapes and the splice

@@ -2,13 +2,31 @@
 
 Each :class:`~mqnc.measure.targets.Target` bounds the p50 of the records it selects; GPU targets
 select ``backend="triton"`` records only, so on a CPU they are reported as not measured and
-neither pass nor fail. Not expressible as one record's bound, and so not here: dense decode at
->= 80% of the copy ceiling (it needs the ``copy`` record of the same device).
+neither pass nor fail. A bandwidth goal is the p50 bound its bytes give at that bandwidth
+(:func:`at_tbps`): dense H 16 at B >= 16, c_t >= 32768 at >= 3.6 TB/s (75 % of the H200's
+4.8 TB/s HBM spec). Every record with a byte count also carries its TB/s against the device's
+kernel-measured read ceiling and the spec (``extra.pct_of_read``, ``extra.pct_of_spec``:
+:func:`mqnc.measure.results_file.roofline`); no goal is stated against torch's ``copy_``.
 """
 
 from __future__ import annotations
 
 from mqnc.measure.targets import Target
+
+D_QK, D_V = 576, 512
+HEADS_16 = 16
+
+
+def dense_bytes(B: int, H: int, ct: int, elt: int = 2) -> int:
+    """The bytes a dense partial over ``B`` tokens x ``H`` heads x ``ct`` entries moves once, as
+    ``perf.bench_mla`` counts them: the cache entries, the query rows, ``o`` and fp32 ``lse``."""
+    return B * ct * D_QK * elt + B * H * D_QK * elt + B * H * (D_V * elt + 4)
+
+
+def at_tbps(nbytes: int, tbps: float) -> float:
+    """Microseconds that ``nbytes`` take at ``tbps`` TB/s (the p50 bound of a bandwidth goal)."""
+    return nbytes / (tbps * 1e6)
+
 
 TARGETS = [
     # the closed-form predicate on one CPU core (a decision per (chunk, request) must cost far
@@ -103,4 +121,48 @@ TARGETS += [
             1.0,
         ),
     )
+]
+
+# The memory roofline and the microsecond (the H200 goals of the roofline work, docs/roofline.md):
+TARGETS += [
+    Target(
+        "mla_decode",
+        9.0,
+        "holder partial (H 16, B 1, ct 2048), decode and combine <= 9 us (stretch 7)",
+        backend="triton",
+        extra={"shape": "mla_decode H=16 B=1 ct=2048"},
+    ),
+    Target(
+        "splice",
+        35.0,
+        "splice 27 layers x 2048 tokens <= 35 us (>= 3.6 TB/s)",
+        variant="one-launch",
+        backend="triton",
+        extra={"shape": "splice L=27 ct=2048 delta=int"},
+    ),
+    *(
+        Target(
+            "mla_decode",
+            at_tbps(dense_bytes(B, HEADS_16, ct), 3.6),
+            f"dense H 16 B {B} ct {ct} >= 3.6 TB/s (75% of the HBM3e spec)",
+            backend="triton",
+            extra={"shape": f"mla_decode H=16 B={B} ct={ct}"},
+        )
+        for B in (16, 32, 64, 128)
+        for ct in (32768, 65536)
+    ),
+    Target(
+        "host_launch",
+        20.0,
+        "one eager call of mla_decode_partial: <= 20 us of host time",
+        variant="eager H=16,*",
+        backend="triton",
+    ),
+    Target(
+        "host_launch",
+        20.0,
+        "one plan.run: <= 20 us of host time",
+        variant="plan.run H=16,*",
+        backend="triton",
+    ),
 ]

@@ -45,6 +45,7 @@ __all__ = [
     "output_path",
     "git_commit",
     "record",
+    "roofline",
     "read_results",
     "read_new",
 ]
@@ -163,6 +164,11 @@ def record(
     gbps = None
     if nbytes is not None and unit == "us" and p50 > 0:
         gbps = nbytes / (p50 * 1e-6) / 1e9
+    out = output_path(path)
+    extra = dict(extra or {})
+    if gbps is not None:
+        for k, v in roofline(gbps, device_name(), out).items():
+            extra.setdefault(k, v)
     rec = dict(
         bench=bench,
         variant=variant,
@@ -180,10 +186,63 @@ def record(
         version=__version__,
         commit=git_commit(),
         date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        extra=extra or {},
+        extra=extra,
     )
-    out = output_path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as f:
         f.write(json.dumps(rec) + "\n")
     return rec
+
+
+def roofline(gbps: float, device: str, path: str | os.PathLike | None) -> dict:
+    """A record's bandwidth against its device's ceilings (:mod:`mqnc.cost.ceilings`):
+    ``tbps``, ``pct_of_read`` (the Triton read kernel's median in the records of ``path``: the
+    GPU check's copy step writes them first into the file every later step appends to; None
+    where none was measured), ``pct_of_spec`` (the HBM spec; None for a device without one) and
+    ``read_tbps`` / ``spec_tbps``, both rounded to 0.1 %. What ``record`` adds to the ``extra``
+    of every record with a byte count (a benchmark's own values of these keys win)."""
+    from mqnc.cost.ceilings import memory_ceiling
+
+    ceiling = memory_ceiling(_ceiling_records(path), device)
+    pct = ceiling.percents(gbps / 1e3)
+    return dict(
+        tbps=gbps / 1e3,
+        read_tbps=ceiling.read_tbps,
+        pct_of_read=None if pct["pct_of_read"] is None else round(pct["pct_of_read"], 1),
+        spec_tbps=ceiling.spec_tbps,
+        pct_of_spec=None if pct["pct_of_spec"] is None else round(pct["pct_of_spec"], 1),
+    )
+
+
+def _ceiling_records(path) -> list[dict]:
+    """The ``ceiling`` records of the results file ``path`` (none when it does not exist), read
+    incrementally: a benchmark appends hundreds of records, each reads only what was appended
+    since the last (the whole file again when it shrank)."""
+    if path is None or not os.path.exists(path):
+        return []
+    name, size = os.fspath(path), os.path.getsize(path)
+    done, recs = _CEILINGS.get(name, (0, []))
+    if size < done:
+        done, recs = 0, []
+    if size > done:
+        recs = list(recs)
+        with open(path, "rb") as f:
+            f.seek(done)
+            chunk = f.read(size - done)
+        whole = chunk.rfind(b"\n") + 1  # (a line still being written is read next time)
+        size = done + whole
+        if whole:
+            for line in chunk[:whole].decode("utf-8", "replace").splitlines():
+                if '"ceiling"' not in line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(rec, dict) and rec.get("bench") == "ceiling":
+                    recs.append(rec)
+        _CEILINGS[name] = (size, recs)
+    return recs
+
+
+_CEILINGS: dict[str, tuple[int, list]] = {}
