@@ -409,3 +409,23 @@ def test_processes_a_rank_killed_mid_route_fails_the_request(cluster):
     assert isinstance(out[0], RemoteError) and "holder group" in str(out[0]), out[0]
     with pytest.raises(PeerLost, match=r"holder rank 1 \(global 3\): the holder rank was lost"):
         c.requesters[1].route(1, 5, c.partition.slice(q, 1), 0)
+
+
+def test_fit_tp_recovers_the_rank_pair_line():
+    """The cost model's TP term from tp_route records: the fixed part and one rank pair's rate
+    of an exact line, and the measured byte fractions beside the model's 1/N."""
+    from mqnc.cost.calibration_fits import fit_tp
+
+    recs, base = [], {}
+    for n in (1, 2, 4):
+        for m_q in (16, 256):
+            q, p = payload_bytes(TPPartition(GEOM, n), m_q, torch.bfloat16)
+            b = 2 * wire.HEADER_BYTES + q + p
+            base.setdefault(m_q, b)
+            extra = dict(degree=n, rank_fraction=b / base[m_q])
+            recs.append(dict(bench="tp_route", bytes=b, p50=300.0 + b / 2e3, extra=extra))
+    res = fit_tp(recs)
+    assert abs(res.fixed_us - 300.0) < 1e-6 and abs(res.bw_gbps - 2.0) < 1e-9 and res.mape < 1e-9
+    assert 0.5 < res.rank_fraction[2] < 0.51 and 0.25 < res.rank_fraction[4] < 0.26
+    with pytest.raises(ValueError, match="expected tp_route records"):
+        fit_tp([])

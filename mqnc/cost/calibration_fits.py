@@ -43,6 +43,8 @@ __all__ = [
     "robust_affine",
     "fit_pull",
     "bulk_rate_gbps",
+    "TPFit",
+    "fit_tp",
 ]
 
 
@@ -228,3 +230,67 @@ def _points(name: str, pairs) -> np.ndarray:
     if not np.isfinite(pts).all():
         raise ValueError(f"{name}: expected finite numbers, got {pts[~np.isfinite(pts)][:3]}")
     return pts
+
+
+@dataclasses.dataclass(frozen=True)
+class TPFit:
+    """The cost model's tensor-parallel term (§8: each of ``N`` rank pairs ships ``1/N`` of the
+    bytes, in parallel) fitted from rank-paired round trips (``perf/bench_tp.py``'s
+    ``tp_route`` records).
+
+    Attributes
+    ----------
+    fixed_us : float
+        The round trip's fixed part (probe, agreement, reduction, compute at these sizes).
+    bw_gbps : float
+        One rank pair's rate: ``T = fixed_us + rank_bytes / bw`` (Theil-Sen over every record).
+    rank_fraction : dict
+        ``N ->`` one rank pair's measured wire bytes over the ``N = 1`` pair's (mean over
+        ``M_q``); the model's term is ``1 / N`` (the replicated 8-byte ``(m, l)`` per row and the
+        headers make it slightly more).
+    mape : float
+        Mean absolute percentage error of the fitted line over the records (0.1 = 10%).
+    """
+
+    fixed_us: float
+    bw_gbps: float
+    rank_fraction: dict
+    mape: float
+
+    def predict_us(self, rank_bytes: float) -> float:
+        """The fitted round trip of a rank pair moving ``rank_bytes``."""
+        return self.fixed_us + bytes_to_us(rank_bytes, self.bw_gbps)
+
+    def summary(self) -> str:
+        frac = ", ".join(
+            f"N={n}: {100 * f:.1f}% (model {100 / n:.1f}%)"
+            for n, f in sorted(self.rank_fraction.items())
+        )
+        return (
+            f"TP fit: round trip = {self.fixed_us:.0f} us + rank bytes / {self.bw_gbps:.3g} GB/s "
+            f"(MAPE {100 * self.mape:.0f}%); bytes per rank pair vs N = 1: {frac}"
+        )
+
+
+def fit_tp(records: Iterable[dict]) -> TPFit:
+    """Fit :class:`TPFit` from ``tp_route`` records (``bytes``: one rank pair's wire bytes,
+    ``p50``: the round trip in us, ``extra["degree"]`` and ``extra["rank_fraction"]``).
+
+    Raises
+    ------
+    ValueError
+        No record, or the times do not grow with the bytes.
+    """
+    recs = [r for r in records if r.get("bench") == "tp_route"]
+    if not recs:
+        raise ValueError("records: expected tp_route records (perf/bench_tp.py), got none")
+    fixed, slope = robust_affine([(float(r["bytes"]), float(r["p50"])) for r in recs])
+    if not slope > 0:
+        raise ValueError(f"records: expected round trips that grow with the bytes, got {slope}")
+    fit_ = TPFit(fixed, bulk_rate_gbps(1.0, slope), {}, 0.0)
+    err = [abs(fit_.predict_us(r["bytes"]) - r["p50"]) / r["p50"] for r in recs]
+    by_n: dict[int, list[float]] = {}
+    for r in recs:
+        by_n.setdefault(int(r["extra"]["degree"]), []).append(float(r["extra"]["rank_fraction"]))
+    frac = {n: float(np.mean(v)) for n, v in by_n.items()}
+    return dataclasses.replace(fit_, rank_fraction=frac, mape=float(np.mean(err)))

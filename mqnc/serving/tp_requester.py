@@ -82,6 +82,7 @@ class TPRequester:
         self._next_id = 0
         self._seq: dict[int, int] = {}
         self.last_bytes = (0, 0)  # (sent, received) of the last route, headers included
+        self.last_holder_ns = 0  # the holder's time on the last route (its reply's holder_ns)
 
     def holder_rank(self, instance: int) -> int:
         """The global rank of this rank's pair in holder instance ``instance``."""
@@ -157,6 +158,7 @@ class TPRequester:
             )
         o, lse = wire.partial_lse(buf, h)
         self.last_bytes = (int(msg.shape[0]), h.nbytes)
+        self.last_holder_ns = h.holder_ns
         return o.clone(), lse
 
     def merge_slices(
