@@ -541,3 +541,41 @@ def test_batcher_reuses_output_buffers_each_written_in_full():
     b.answer([RouteJob(1, 0, h, rows, None, chunk)])
     _, o, m, l = wire.unpack_partial(replies[-1], geometry=GEOM)
     assert bool((o == 0.25).all()) and bool((m == -2.0).all()) and bool((l == 1).all())
+
+
+def test_batcher_steps_of_one_shape_launch_one_cached_plan():
+    """The batcher's hot path holds a plan where shapes repeat: its kernel calls (the Triton
+    op, checks off, ``out=``) of one batch shape are planned once and launched from the op's
+    plan cache on every later step (new rows each step), each reply its rows' fp64 attention,
+    and a repeated step's reply bit-identical to the first's."""
+    from mqnc.reference import mla_decode_reference
+    from mqnc.serving.batching import HostedChunk, RouteBatcher, RouteJob
+    from mqnc.serving.holder import HolderStats
+    from mqnc.serving.pool import PagedPool
+    from mqnc.triton_kernels import mla_decode_partial
+
+    pool = PagedPool(1, 2, 64, GEOM.d_qk, dtype=torch.float32, device="cpu", kernels="triton")
+    blocks = pool.alloc(64)
+    pool.write(blocks, _chunk(6, 64, torch.float32)[:1])
+    chunk = HostedChunk(7, 64, 0, torch.tensor(blocks, dtype=torch.int32))
+    replies = []
+    b = RouteBatcher(
+        pool, GEOM, SCALE, HolderStats(), lambda *a: replies.append(a[2]), None, "holder test"
+    )
+    table, lens = torch.tensor([blocks], dtype=torch.int32), torch.tensor([64], dtype=torch.int32)
+    plans = mla_decode_partial.op.plans
+    plans.clear()
+    got = []
+    for step, seed in enumerate((30, 31, 30)):
+        q = _q(seed, 1, torch.float32)
+        h = wire.Header(wire.Kind.ROUTE, torch.float32, batch=1, heads=GEOM.heads,
+                        width=GEOM.d_qk, chunk_id=7, layer_hi=1, seq=step + 1)  # fmt: skip
+        rows = q.view(torch.uint8).numpy().reshape(1, -1)
+        b.answer([RouteJob(1, 0, h, rows, None, chunk)])
+        _, o, m, l = wire.unpack_partial(replies[-1], geometry=GEOM)
+        o64, lse64 = mla_decode_reference(q, pool.kv[0], table, lens, SCALE, GEOM.d_v)
+        assert_close(o, o64, TOLERANCES[("mla", "float32")], name=f"o, step {step}")
+        assert_close(m + torch.log(l), lse64, TOLERANCES[("mla_lse", "float32")], name="lse")
+        got.append((o, m, l))
+    assert (plans.misses, plans.hits) == (1, 2)
+    assert all(torch.equal(a, b) for a, b in zip(got[2], got[0], strict=True))

@@ -12,7 +12,10 @@ Host work per call (the software around the kernel is part of every route's cost
 group's block table and lengths are built once with numpy and cached by the group's (chunk,
 batch) make-up (a decode loop asks for the same tables every step); the kernels are called with
 ``check_inputs=False`` / ``check_indices=False`` (the holder built the tables and range-checked
-the selections on receipt); each reply is packed from the kernel's ``lse`` with numpy on the
+the selections on receipt), so a group of a shape seen before launches the plan the Triton
+op cached for that call signature (``triton_kernels._op.PlanCache``: no checks, no split
+search; the same staged rows, tables, layer views and output buffers each step give the same
+signature); each reply is packed from the kernel's ``lse`` with numpy on the
 host (:func:`mqnc.transport.wire.pack_partial_lse`, which writes the wire's ``(m, l)``). The
 kernels are attributes (:attr:`RouteBatcher.dense_kernel`,
 :attr:`RouteBatcher.sparse_kernel`: the pool's ops unless set) so that a benchmark can stub
