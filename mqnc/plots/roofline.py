@@ -10,9 +10,9 @@ What is read (only the records of ``device``, p50):
   count, times ``extra["s_q"]`` when recorded); bytes ``bytes``. A variant ``"...@tile"`` is a
   forced tile of a sweep and is drawn hollow.
 - ``bench`` "splice", "merge": bytes only (TB/s panel).
-- ``bench`` "copy": the measured ceilings. A record whose ``extra`` names a ``kernel`` is a
-  kernel-measured ceiling (a streaming read or copy kernel); one without is torch's ``copy_``.
-  The best p50 rate of each is the ceiling drawn; either may be absent.
+- ``bench`` "ceiling" (variants "read", "copy": perf/bench_copy's Triton streaming kernels) and
+  "copy" (torch's ``copy_``; or a kernel named in ``extra["kernel"]``): the measured ceilings,
+  the median of each (:func:`ceilings`); any may be absent.
 
 TB/s is ``bytes / p50`` (bytes as recorded: read plus written), TFLOP/s ``flops / p50``.
 """
@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from mqnc.cost.ceilings import memory_ceiling
 from mqnc.plots._common import (
     COMMANDS,
     MissingData,
@@ -96,7 +97,7 @@ ANCHORS = (
 """The anchors' published points (each on its own device: an H800 has the H200's 989 TFLOP/s
 bf16 peak but 3.35 TB/s of HBM3)."""
 
-_KERNEL_BENCHES = ("mla_decode", "mla_sparse", "splice", "merge", "copy")
+_KERNEL_BENCHES = ("mla_decode", "mla_sparse", "splice", "merge", "copy", "ceiling")
 _MARKERS = {"dense": "o", "sparse": "D", "splice": "s", "merge": "^", "copy": "v"}
 _COLORS = {16: "#1f77b4", 128: "#d62728", None: "#555555"}
 
@@ -119,7 +120,7 @@ def _series(r: dict) -> str:
         heads = (r.get("extra") or {}).get("H", "?")
         swept = "@" in str(r.get("variant", ""))
         return f"{kind} decode H {heads}" + (", forced tiles" if swept else "")
-    return bench
+    return f"{bench} [{r.get('backend')}]"
 
 
 def kernel_points(records: Sequence[dict], device: str) -> dict[str, dict[str, np.ndarray]]:
@@ -127,12 +128,13 @@ def kernel_points(records: Sequence[dict], device: str) -> dict[str, dict[str, n
     "ai" (FLOP per byte, NaN likewise), "bytes", "p50_us"}``, each in record order.
 
     Series: ``"dense decode H <heads>"`` / ``"sparse decode H <heads>"`` (forced tiles of a
-    sweep apart: ``"..., forced tiles"``), ``"splice"``, ``"merge"``; copy records are ceilings
+    sweep apart: ``"..., forced tiles"``), ``"splice [backend]"``, ``"merge [backend]"``; copy
+    records are ceilings
     (:func:`ceilings`), not points. Records without bytes are skipped (a copy of nothing
     bounds nothing)."""
     out: dict[str, dict[str, list[float]]] = {}
     for r in records:
-        if r.get("device") != device or r.get("bench") not in _KERNEL_BENCHES[:-1]:
+        if r.get("device") != device or r.get("bench") not in _KERNEL_BENCHES[:4]:
             continue
         if not r.get("bytes"):
             continue
@@ -150,17 +152,28 @@ def kernel_points(records: Sequence[dict], device: str) -> dict[str, dict[str, n
 
 
 def ceilings(records: Sequence[dict], device: str) -> dict[str, float]:
-    """Measured bandwidth ceilings of ``device`` in TB/s: ``"torch copy_"`` (copy records
-    without a kernel name) and, per kernel named in ``extra["kernel"]``, ``"<kernel> (<variant>)"``;
-    the best p50 rate of each. Empty when the device has no copy records."""
-    best: dict[str, float] = {}
+    """Measured bandwidth ceilings of ``device`` in TB/s, each the median of its records
+    (:func:`mqnc.cost.ceilings.memory_ceiling`, the numbers every "% of ceiling" in the package
+    is against): ``"torch copy_"`` (bench ``copy``, backend torch), ``"Triton read kernel"`` /
+    ``"Triton copy kernel"`` (bench ``ceiling``, variants ``read`` / ``copy``: perf/bench_copy's
+    streaming kernels) and any ``copy`` record naming its kernel in ``extra["kernel"]`` as
+    ``"<kernel> (<variant>)"``. Only those recorded are present (empty: none)."""
+    mc = memory_ceiling(records, device)
+    found = {
+        "torch copy_": mc.torch_copy_tbps,
+        "Triton read kernel": mc.read_tbps,
+        "Triton copy kernel": mc.copy_tbps,
+    }
+    out = {name: float(v) for name, v in found.items() if v}
+    named: dict[str, list[float]] = {}
     for r in records:
-        if r.get("device") != device or r.get("bench") != "copy" or not r.get("bytes"):
-            continue
         kernel = (r.get("extra") or {}).get("kernel")
-        name = f"{kernel} ({r.get('variant')})" if kernel else "torch copy_"
-        best[name] = max(best.get(name, 0.0), float(r["bytes"]) / _us(r) / 1e6)
-    return best
+        if r.get("device") == device and r.get("bench") == "copy" and kernel and r.get("bytes"):
+            named.setdefault(f"{kernel} ({r.get('variant')})", []).append(
+                float(r["bytes"]) / _us(r) / 1e6
+            )
+    out.update({name: float(np.median(v)) for name, v in named.items()})
+    return out
 
 
 def roofline_device(records: Sequence[dict]) -> str | None:
@@ -243,6 +256,8 @@ def roofline(fig, records: Sequence[dict], *, device: str | None = None, spec=No
 
 def _style(series: str) -> dict:
     kind = series.split()[0]
+    if "[" in series and "triton" not in series:  # a torch or reference variant: hollow
+        return dict(marker=_MARKERS.get(kind, "o"), color="0.45", mfc="none", ms=4, ls="none")
     heads = None
     if "H " in series:
         heads = int(series.split("H ")[1].split(",")[0])
@@ -269,7 +284,8 @@ def _flops_panel(ax, points, ceils, spec: DeviceSpec) -> None:
         lw=1.4,
         label=f"spec: {spec.bf16_tflops:g} TFLOP/s bf16, {spec.hbm_tbps:g} TB/s {spec.memory}",
     )
-    for (name, tbps), ls in zip(sorted(ceils.items()), ("--", ":", "-.", "--"), strict=False):
+    for name, tbps in sorted(ceils.items(), key=lambda kv: kv[1]):
+        ls = _ceiling_style(name)
         ax.plot(
             ai,
             np.minimum(spec.bf16_tflops, ai * tbps),
@@ -323,7 +339,8 @@ def _bytes_panel(ax, points, ceils, spec: DeviceSpec) -> None:
         va="bottom",
         ha="right",
     )
-    for (name, tbps), ls in zip(sorted(ceils.items()), ("--", ":", "-.", "--"), strict=False):
+    for name, tbps in sorted(ceils.items(), key=lambda kv: kv[1]):
+        ls = _ceiling_style(name)
         ax.axhline(tbps, color="0.35", ls=ls, lw=1.1, gid=f"ceiling:{name}")
         ax.text(
             0.0,
@@ -340,7 +357,7 @@ def _bytes_panel(ax, points, ceils, spec: DeviceSpec) -> None:
         ax.text(
             0.0,
             a.lo,
-            f" {a.label} {a.lo:g} ({a.device}; {a.source})",
+            f" {a.label} {a.lo:g} {a.unit} ({a.device}; {a.source})",
             transform=ax.get_yaxis_transform(),
             fontsize=6,
             va="bottom",
@@ -358,3 +375,10 @@ def _bytes(v: float) -> str:
         if v >= scale:
             return f"{v / scale:g} {unit}"
     return f"{v:g} B"
+
+
+def _ceiling_style(name: str):
+    """A ceiling's line style: torch ``copy_`` dashed, the read kernel dotted, the copy kernel
+    dash-dotted, any other densely dotted."""
+    styles = {"torch copy_": "--", "Triton read kernel": ":", "Triton copy kernel": "-."}
+    return styles.get(name, (0, (1, 1)))
