@@ -198,14 +198,14 @@ def test_serve_command_surface():
 
 
 def _readme_torchrun_commands() -> list[list[str]]:
-    """Every ``torchrun`` command line of the README's "Holders as a service" section, as a
-    shell would split it (continuation lines joined, ``$ARGS`` expanded, a trailing ``&``
-    dropped)."""
+    """Every ``torchrun`` command line of the "Holders as a service" section of
+    docs/serving.md, as a shell would split it (continuation lines joined, ``$ARGS`` expanded, a
+    trailing ``&`` dropped)."""
     import re
     import shlex
     from pathlib import Path
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
     section = readme.split("## Holders as a service", 1)[1].split("\n## ", 1)[0]
     text = section.replace("\\\n", " ")
     env = dict(re.findall(r'^(\w+)="([^"]*)"$', text, flags=re.M))
@@ -218,9 +218,9 @@ def _readme_torchrun_commands() -> list[list[str]]:
 
 
 def test_readme_torchrun_commands_parse_with_torchrun_then_mqnc():
-    """The README's ``torchrun ... -m mqnc serve --run mod:fn`` was refused by torchrun
+    """The documented ``torchrun ... -m mqnc serve --run mod:fn`` was refused by torchrun
     ("ambiguous option: --run could match --run-path, --run_path"): each torchrun command line
-    of the README goes through torchrun's own parser to ``mqnc serve``'s arguments unchanged,
+    of docs/serving.md goes through torchrun's own parser to ``mqnc serve``'s arguments unchanged,
     and mqnc's parser reads them as the job they name."""
     from torch.distributed.run import get_args_parser
 
@@ -351,3 +351,40 @@ def test_generate_prompts_are_checked_before_the_model_loads(tmp_path, monkeypat
     assert got in str(exc.value)
     with pytest.raises(ValueError, match="max_new_tokens: expected an int >= 1, got 0"):
         serve_generate(None, model=str(tmp_path), prompts=str(path), max_new_tokens=0)
+
+
+def test_torchrun_tensor_parallel_instances(tmp_path):
+    """``mqnc serve --tp 2`` under one torchrun of 4 ranks: instance 0 (ranks 0, 1) requests,
+    instance 1 (ranks 2, 3) holds both chunks, each rank its columns. Every requester rank's
+    o slice and the row's lse (dense and top-k routes over each chunk,
+    ``tp_service.exactness_job``) equal the fp64 reference within the bf16 attention bound,
+    with half the query bytes per rank."""
+    from mqnc.model import PRESETS
+    from mqnc.serving import Corpus
+    from mqnc.testing import TOLERANCES
+    from mqnc.transport import wire
+
+    geometry = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4)
+    g = torch.Generator().manual_seed(5)
+    entries = (0.5 * torch.randn(2, 80, geometry.d_qk, generator=g)).bfloat16()
+    corpus = Corpus.partition(
+        entries, geometry, 0.12, chunk_tokens=48, holders=[1], block_size=16
+    ).save(tmp_path / "corpus.json")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [
+        torchrun, "--nnodes", "1", "--nproc-per-node", "4", "--rdzv-backend", "static",
+        "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "-m", "mqnc", "serve", "--tp", "2",
+        "--corpus", str(corpus), "--kernels", "torch", "--transport", "gloo",
+        "--job", "mqnc.serving.tp_service:exactness_job", "--out", str(tmp_path / "out"),
+        "--timeout", "120",
+    ]  # fmt: skip
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
+        assert got["routes"] == 4, got
+        assert got["o"] <= TOLERANCES[("mla", "bfloat16")].atol, got
+        assert got["lse"] <= TOLERANCES[("mla_lse", "float32")].atol, got
+        topk = 2 * 16 * 4  # the last route: the second chunk's 32 tokens, every other one
+        assert got["sent_bytes"] == wire.HEADER_BYTES + 2 * 4 * geometry.q_row_bytes // 2 + topk

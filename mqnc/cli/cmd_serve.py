@@ -9,7 +9,9 @@ folder generating from this requester's prompt, :func:`mqnc.integrations.hf.serv
 still works outside torchrun, with a warning: torchrun's parser takes it for an abbreviation of
 its own ``--run-path`` and refuses the command line as ambiguous.) Every node's first rank says
 where the store and gloo listen and what the trust model is, at start
-(:func:`mqnc.serving.service.trust_note`).
+(:func:`mqnc.serving.service.trust_note`). With ``--tp N`` the ranks form tensor-parallel
+instances of ``N`` ranks each and route rank to rank (:mod:`mqnc.serving.tp_service`;
+docs/tensor-parallel.md).
 """
 
 from __future__ import annotations
@@ -78,6 +80,41 @@ def _say(note: str) -> None:
     print(note, file=sys.stderr, flush=True)
 
 
+def _run_tp(args) -> int:
+    """``--tp N``: the job's ranks as TP instances of N ranks (:mod:`mqnc.serving.tp_service`)."""
+    from mqnc.serving.tp_service import run_tp_rank
+
+    if args.transport not in (AUTO, "gloo"):
+        raise ValueError(f"--transport: --tp runs over gloo (or auto), got {args.transport!r}")
+    if not (args.job or args.run):
+        raise ValueError(
+            "--tp: requester ranks need --job module:function (a TPServeContext; e.g. "
+            "mqnc.serving.tp_service:exactness_job); --generate is single-rank"
+        )
+    done = run_tp_rank(
+        args.corpus, _job(args), degree=args.tp, kernels=args.kernels, device=args.device or "cpu",
+        max_rows=args.max_rows, timeout_s=args.timeout, rank=args.rank, world=args.world,
+        master=args.master, options=args,
+    )  # fmt: skip
+    if done["role"] == "holder":
+        s = done["stats"]
+        print(
+            f"mqnc serve: TP holder rank {done['rank']} done ({s['routes']} routes, "
+            f"{s['reductions']} reductions)",
+            flush=True,
+        )
+    else:
+        text = json.dumps(done["result"], default=str)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"rank{done['rank']}.json"), "w") as f:
+                f.write(text)
+        print(f"mqnc serve: TP requester {done['rank']} done: {text[:200]}", flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # gloo: closed groups stay alive until exit (see below)
+
+
 def _run(args) -> int:
     # imported here: registering this command must not load torch (``mqnc --help``)
     from mqnc.base.runtime import use_interpreter_without_cuda
@@ -90,6 +127,8 @@ def _run(args) -> int:
     # on small CPU machines torch's intra-op workers spin after each op and starve gloo's
     # receive threads (the demo saw a 1.4 ms round trip become 3.9 ms): one thread by default
     torch.set_num_threads(args.threads)
+    if args.tp is not None:
+        return _run_tp(args)
     done = run_rank(
         args.corpus,
         _job(args),
@@ -157,6 +196,14 @@ def register(subparsers) -> None:
     )
     p.add_argument(
         "--threads", type=positive_int, default=1, help="torch intra-op threads (default 1)"
+    )
+    p.add_argument(
+        "--tp",
+        type=positive_int,
+        default=None,
+        help="tensor-parallel degree N: the ranks form instances of N ranks, the corpus' holder "
+        "ids name instances, requester rank r routes its query slice to holder rank r "
+        "(needs --job; docs/tensor-parallel.md)",
     )
     job = p.add_mutually_exclusive_group()
     job.add_argument("--job", default=None, help="requester job 'module:function' (ServeContext)")
