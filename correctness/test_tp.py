@@ -412,8 +412,9 @@ def test_processes_a_rank_killed_mid_route_fails_the_request(cluster):
 
 
 def test_fit_tp_recovers_the_rank_pair_line():
-    """The cost model's TP term from tp_route records: the fixed part and one rank pair's rate
-    of an exact line, and the measured byte fractions beside the model's 1/N."""
+    """The cost model's TP term from tp_route records: the fixed part, the per-rank group term
+    and one rank pair's rate of an exact plane, and the measured byte fractions beside the
+    model's 1/N."""
     from mqnc.cost.calibration_fits import fit_tp
 
     recs, base = [], {}
@@ -423,9 +424,11 @@ def test_fit_tp_recovers_the_rank_pair_line():
             b = 2 * wire.HEADER_BYTES + q + p
             base.setdefault(m_q, b)
             extra = dict(degree=n, rank_fraction=b / base[m_q])
-            recs.append(dict(bench="tp_route", bytes=b, p50=300.0 + b / 2e3, extra=extra))
+            t = 300.0 + 50.0 * (n - 1) + b / 2e3
+            recs.append(dict(bench="tp_route", bytes=b, p50=t, extra=extra))
     res = fit_tp(recs)
-    assert abs(res.fixed_us - 300.0) < 1e-6 and abs(res.bw_gbps - 2.0) < 1e-9 and res.mape < 1e-9
+    assert abs(res.fixed_us - 300.0) < 1e-6 and abs(res.group_us - 50.0) < 1e-6
+    assert abs(res.bw_gbps - 2.0) < 1e-9 and res.mape < 1e-9
     assert 0.5 < res.rank_fraction[2] < 0.51 and 0.25 < res.rank_fraction[4] < 0.26
     with pytest.raises(ValueError, match="expected tp_route records"):
         fit_tp([])

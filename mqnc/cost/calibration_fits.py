@@ -236,30 +236,35 @@ def _points(name: str, pairs) -> np.ndarray:
 class TPFit:
     """The cost model's tensor-parallel term (§8: each of ``N`` rank pairs ships ``1/N`` of the
     bytes, in parallel) fitted from rank-paired round trips (``perf/bench_tp.py``'s
-    ``tp_route`` records).
+    ``tp_route`` records): ``T(N) = fixed + (N - 1) group + rank_bytes / bw``.
 
     Attributes
     ----------
     fixed_us : float
-        The round trip's fixed part (probe, agreement, reduction, compute at these sizes).
+        The round trip's fixed part (probe, agreement, compute at these sizes).
+    group_us : float
+        What each further rank of the instances adds (the holder group's agreement and score
+        reduction, and, on one host, the ranks' share of its cores); 0 when the records have
+        one degree, or when the three-term fit is not a valid one (then the two-term line).
     bw_gbps : float
-        One rank pair's rate: ``T = fixed_us + rank_bytes / bw`` (Theil-Sen over every record).
+        One rank pair's rate.
     rank_fraction : dict
         ``N ->`` one rank pair's measured wire bytes over the ``N = 1`` pair's (mean over
         ``M_q``); the model's term is ``1 / N`` (the replicated 8-byte ``(m, l)`` per row and the
         headers make it slightly more).
     mape : float
-        Mean absolute percentage error of the fitted line over the records (0.1 = 10%).
+        Mean absolute percentage error of the fit over the records (0.1 = 10%).
     """
 
     fixed_us: float
+    group_us: float
     bw_gbps: float
     rank_fraction: dict
     mape: float
 
-    def predict_us(self, rank_bytes: float) -> float:
-        """The fitted round trip of a rank pair moving ``rank_bytes``."""
-        return self.fixed_us + bytes_to_us(rank_bytes, self.bw_gbps)
+    def predict_us(self, rank_bytes: float, degree: int = 1) -> float:
+        """The fitted round trip of a rank pair moving ``rank_bytes`` at TP ``degree``."""
+        return self.fixed_us + (degree - 1) * self.group_us + bytes_to_us(rank_bytes, self.bw_gbps)
 
     def summary(self) -> str:
         frac = ", ".join(
@@ -267,9 +272,34 @@ class TPFit:
             for n, f in sorted(self.rank_fraction.items())
         )
         return (
-            f"TP fit: round trip = {self.fixed_us:.0f} us + rank bytes / {self.bw_gbps:.3g} GB/s "
-            f"(MAPE {100 * self.mape:.0f}%); bytes per rank pair vs N = 1: {frac}"
+            f"TP fit: round trip = {self.fixed_us:.0f} us + (N - 1) x {self.group_us:.0f} us + "
+            f"rank bytes / {self.bw_gbps:.3g} GB/s (MAPE {100 * self.mape:.0f}%); bytes per rank "
+            f"pair vs N = 1: {frac}"
         )
+
+
+def _tp_line(recs: list[dict]) -> tuple[float, float, float]:
+    """``(fixed, group, slope)``: non-negative least squares over ``[1, N - 1, bytes]`` (every
+    subset of the three terms that keeps the bytes' slope, solved exactly, the best whose
+    coefficients are all >= 0), else the Theil-Sen line over the bytes (group 0)."""
+    x = np.array([[1.0, r["extra"]["degree"] - 1.0, float(r["bytes"])] for r in recs])
+    y = np.array([float(r["p50"]) for r in recs])
+    best = None
+    for cols in ([0, 1, 2], [1, 2], [0, 2], [2]):
+        if len(recs) < len(cols) or (1 in cols and len(set(x[:, 1])) < 2):
+            continue
+        c, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        if (c < 0).any() or not c[-1] > 0:
+            continue
+        full = np.zeros(3)
+        full[cols] = c
+        err = float(np.sum((x @ full - y) ** 2))
+        if best is None or err < best[0]:
+            best = (err, full)
+    if best is not None:
+        return float(best[1][0]), float(best[1][1]), float(best[1][2])
+    fixed, slope = robust_affine(list(zip(x[:, 2], y, strict=True)))
+    return fixed, 0.0, slope
 
 
 def fit_tp(records: Iterable[dict]) -> TPFit:
@@ -284,11 +314,13 @@ def fit_tp(records: Iterable[dict]) -> TPFit:
     recs = [r for r in records if r.get("bench") == "tp_route"]
     if not recs:
         raise ValueError("records: expected tp_route records (perf/bench_tp.py), got none")
-    fixed, slope = robust_affine([(float(r["bytes"]), float(r["p50"])) for r in recs])
+    fixed, group, slope = _tp_line(recs)
     if not slope > 0:
         raise ValueError(f"records: expected round trips that grow with the bytes, got {slope}")
-    fit_ = TPFit(fixed, bulk_rate_gbps(1.0, slope), {}, 0.0)
-    err = [abs(fit_.predict_us(r["bytes"]) - r["p50"]) / r["p50"] for r in recs]
+    fit_ = TPFit(fixed, group, bulk_rate_gbps(1.0, slope), {}, 0.0)
+    err = [
+        abs(fit_.predict_us(r["bytes"], r["extra"]["degree"]) - r["p50"]) / r["p50"] for r in recs
+    ]
     by_n: dict[int, list[float]] = {}
     for r in recs:
         by_n.setdefault(int(r["extra"]["degree"]), []).append(float(r["extra"]["rank_fraction"]))
