@@ -259,7 +259,7 @@ def test_fit_reports_a_sweep_it_cannot_fit(tmp_path, capsys):
 
 
 def test_readme_fit_and_predict_on_the_repository_results(tmp_path, capsys):
-    """The README's two lines, on the committed results file."""
+    """docs/cost-model.md's fit and predict lines, on the committed results file."""
     from pathlib import Path
 
     results = Path(__file__).resolve().parents[1] / "perf" / "results" / "results.jsonl"

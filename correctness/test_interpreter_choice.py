@@ -2,9 +2,9 @@
 
 In a fresh interpreter with ``TRITON_INTERPRET`` unset: on a CPU-only torch, importing
 ``mqnc.triton_kernels`` chooses Triton's interpreter itself, so the kernels' docstring examples
-and the README's Python API example run as written (no "0 active drivers"); in compiled mode
-(``TRITON_INTERPRET=0``), a CPU tensor is refused at once with the one line that says what to
-set. Each check runs in a subprocess (the mode is fixed when Triton is imported).
+and the kernels' Python API example (docs/kernels.md) run as written (no "0 active drivers"); in
+compiled mode (``TRITON_INTERPRET=0``), a CPU tensor is refused at once with the one line that
+says what to set. Each check runs in a subprocess (the mode is fixed when Triton is imported).
 """
 
 from __future__ import annotations
@@ -70,11 +70,12 @@ def test_compiled_mode_refuses_cpu_tensors_with_one_line():
 
 
 def readme_python_example() -> str:
-    """The README's Python API example: the ```python block under "## Python API"."""
-    text = (ROOT / "README.md").read_text()
+    """The kernels' Python API example: the ```python block under "## Python API" of
+    docs/kernels.md (the README links it)."""
+    text = (ROOT / "docs" / "kernels.md").read_text()
     section = text.split("\n## Python API", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert len(blocks) == 1, "one python block in README's Python API section"
+    assert len(blocks) == 1, "one python block in docs/kernels.md's Python API section"
     return blocks[0]
 
 
