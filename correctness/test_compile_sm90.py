@@ -507,3 +507,38 @@ def test_tp_kernels_compile_for_sm90_without_spills():
         print(f"{name}: {regs} regs, {spill} B spilled, {shared} B shared")
     assert len(rows) == 4
     assert [row for row in rows if row[2] or row[3] > SM90.shared_per_cta] == []
+
+
+_COMBINE_PDL = """
+import json, torch
+from mqnc.triton_kernels._compile import compile_launch, resources
+from mqnc.triton_kernels.merge import merge_launch
+# the split-KV combine of the holder's partial (H 16, B 1, c_t 2048: 32 splits), fp32 partials
+o, lse = torch.empty(32, 1, 16, 512), torch.empty(32, 1, 16)
+o_out, lse_out = torch.empty(1, 16, 512, dtype=torch.bfloat16), torch.empty(1, 16)
+rows = []
+for pdl in (False, True):
+    ln = merge_launch(o, lse, o_out, lse_out, pdl=pdl)
+    c = compile_launch(ln.kernel, ln.args, ln.kwargs, grid=ln.grid)
+    r = resources(ln.name, c)
+    rows.append([ln.name, r.registers, r.stack + r.local, bool(c.metadata.launch_pdl),
+                 c.asm["ptx"].count("griddepcontrol.wait")])
+print(json.dumps(rows))
+"""
+
+
+def test_combine_with_programmatic_dependent_launch_compiles_for_sm90():
+    """The opt-in PDL combine (``merge.combine_pdl``) compiles for sm_90 at the holder
+    partial's combine (32 fp32 partials of 16 heads x 512 into bf16) without spills, launched
+    with ``launch_pdl`` and waiting with ``griddepcontrol.wait`` before its loads; the default
+    combine has neither."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run(
+        [sys.executable, "-c", _COMBINE_PDL], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    (plain, pdl) = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"triton {triton.__version__}: {plain} / {pdl}")
+    assert plain[2] == pdl[2] == 0
+    assert (plain[3], plain[4]) == (False, 0)
+    assert pdl[0].endswith(",pdl]") and pdl[3] is True and pdl[4] >= 1

@@ -394,3 +394,31 @@ def test_software_bf16_rounding_keeps_every_nan_a_nan():
     assert torch.equal(torch.isnan(y), torch.isnan(x))
     finite = ~torch.isnan(x)
     assert torch.equal(y[finite].view(torch.int16), want[finite].view(torch.int16))
+
+
+def test_combine_pdl_is_opt_in_compiled_only_and_part_of_a_plans_key(monkeypatch):
+    """``merge.combine_pdl()``: merge launches planned inside are programmatic dependent
+    launches (``launch_pdl``, the kernel's ``gdc_wait`` first) on a GPU; never under the
+    interpreter (no grid dependency control there) nor outside the block; the op's plan cache
+    plans a call again inside it (the choice is part of every key)."""
+    from mqnc.triton_kernels import merge, mla_decode_partial
+
+    o, lse = torch.zeros(2, 1, 16, 512), torch.zeros(2, 1, 16)
+    o_out, lse_out = torch.empty(1, 16, 512), torch.empty(1, 16)
+    assert "launch_pdl" not in merge.merge_launch(o, lse, o_out, lse_out).kwargs
+    with merge.combine_pdl():
+        assert "launch_pdl" not in merge.merge_launch(o, lse, o_out, lse_out).kwargs
+        plans = mla_decode_partial.op.plans
+        plans.clear()
+        q, pool = torch.randn(1, 16, 576), torch.randn(2, 64, 576)
+        table, lens = torch.tensor([[0]], dtype=torch.int32), torch.tensor([64], dtype=torch.int32)
+        mla_decode_partial(q, pool, table, lens, softmax_scale=0.1, check_inputs=False)
+    mla_decode_partial(q, pool, table, lens, softmax_scale=0.1, check_inputs=False)
+    assert (plans.misses, plans.hits) == (2, 0)
+    monkeypatch.setattr(merge, "interpreting", lambda: False)
+    with merge.combine_pdl():
+        ln = merge.merge_launch(o, lse, o_out, lse_out)
+    assert ln.kwargs["PDL"] is True and ln.kwargs["launch_pdl"] is True
+    assert ln.name.endswith(",pdl]")
+    assert "launch_pdl" not in merge.merge_launch(o, lse, o_out, lse_out).kwargs
+    assert merge.merge_launch(o, lse, o_out, lse_out, pdl=True).kwargs["launch_pdl"] is True

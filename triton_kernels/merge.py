@@ -28,6 +28,7 @@ fake) in ``ops``; this module is their ``"triton"`` implementation.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -42,6 +43,7 @@ from mqnc.triton_kernels._checks import (
 )
 from mqnc.triton_kernels._launch import Launch
 from mqnc.triton_kernels._numerics import round_to
+from mqnc.triton_kernels._op import plan_context
 from mqnc.triton_kernels._runtime import (
     bf16_rne_in_software,
     check_launchable,
@@ -58,6 +60,7 @@ __all__ = [
     "lse_from_ml",
     "ml_from_lse",
     "merge_launch",
+    "combine_pdl",
     "LAYOUTS",
 ]
 
@@ -108,6 +111,7 @@ def _merge_partials_kernel(
     BF16_RNE: tl.constexpr,
     HAS_MASK: tl.constexpr,
     BASE2: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid ``(B * H, cdiv(D, BLOCK_D))``: one program per (row, ``BLOCK_D`` slice of o).
 
@@ -120,7 +124,13 @@ def _merge_partials_kernel(
     makes an inserted empty partial change nothing, bit for bit.
 
     ``HAS_MASK``: token rows ``b`` with ``RowMask[b]`` false are not written. ``BASE2``: the lse
-    values are base-2 (FlashInfer's): weights ``exp2``, merged lse ``m + log2(l)``."""
+    values are base-2 (FlashInfer's): weights ``exp2``, merged lse ``m + log2(l)``.
+
+    ``PDL`` (launched with ``launch_pdl``, programmatic dependent launch): the program may start
+    while the kernel before it on the stream (the attention that wrote the partials) still
+    runs; ``gdc_wait`` first, before any load, waits until that kernel's writes are visible."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     b = row // H
     h = row % H
@@ -201,17 +211,23 @@ def merge_launch(
     block_d: int | None = None,
     mask: torch.Tensor | None = None,
     base2: bool = False,
+    pdl: bool | None = None,
 ) -> Launch:
     """The merge kernel's launch for ``o [M, B, H, D]``, ``lse [M, B, H]`` (any strides) into
     ``o_out`` / ``lse_out`` (no checks: :func:`merge_partials` checks); ``block_d`` overrides
     :func:`merge_tiles`' slice width (the tests run the compiled path's tiling under the
     interpreter with it); ``mask [B]`` bool: write only the rows where it is true; ``base2``:
-    base-2 lse in and out."""
+    base-2 lse in and out; ``pdl``: launched as a programmatic dependent launch of the kernel
+    before it (None: :func:`combine_pdl`'s process-wide choice, off by default; never under the
+    interpreter, which has no grid dependency control)."""
     M, B, H, D = o.shape
     block_m, default_d, num_warps = merge_tiles(M, D, o.element_size())
     block_d = block_d or default_d
     dt = dtype_name(o.dtype)
+    pdl = (_PDL[0] if pdl is None else bool(pdl)) and not interpreting()
     extra = (",mask" if mask is not None else "") + (",base2" if base2 else "")
+    extra += ",pdl" if pdl else ""
+    opts = dict(PDL=True, launch_pdl=True) if pdl else {}
     return Launch(
         name=f"merge[{dt}->{dtype_name(o_out.dtype)},M<={block_m},D={D},w{num_warps}{extra}]",
         kernel=_merge_partials_kernel,
@@ -242,8 +258,31 @@ def merge_launch(
             # left to itself ptxas keeps fewer (3.6.0: 80 registers at M <= 32) or spills
             # (3.9.0: 8 bytes of stack at M <= 16); one-warp programs can afford 255.
             maxnreg=255,
+            **opts,
         ),
     )
+
+
+_PDL = [False]
+
+
+@contextlib.contextmanager
+def combine_pdl(enabled: bool = True):
+    """Inside the ``with`` block, every merge launch planned without an explicit ``pdl`` (the
+    split-KV combine of the attention plans among them) is a programmatic dependent launch
+    (``launch_pdl``; the kernel waits with ``gdc_wait`` before its first load), so its launch
+    overlaps the tail of the attention kernel before it. Opt-in until a GPU run shows it faster
+    (perf.bench_mla under it against without); process-wide, for benchmarks; plans made inside
+    keep it. The plan cache keys on it."""
+    before = _PDL[0]
+    _PDL[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _PDL[0] = before
+
+
+plan_context(lambda: _PDL[0])
 
 
 def _launch(o, lse, o_out, lse_out, mask=None, base2=False) -> None:
