@@ -343,11 +343,18 @@ def breakdown(args, g, calls: int = 200) -> None:
 def launch(args) -> int:
     """``--launch``: the host time of each way to launch the holder's partial (dense H 16, B 1,
     c_t 2048; :mod:`mqnc.measure.launch_host`), recorded as ``bench="host_launch"`` (variant:
-    the case and the shape; ``backend`` ``triton``, or ``host`` for the stubbed cases)."""
+    the case and the shape; ``backend`` ``triton``, or ``host`` for the stubbed cases); on a
+    GPU also the partial's device time with its combine launched plainly and with PDL
+    (``bench="mla_decode"``, variant ``H=16,B=1 combine=plain|pdl``, ``extra.combine``)."""
     import torch
 
     from mqnc.measure import record
-    from mqnc.measure.launch_host import LaunchShape, host_times, launch_cases
+    from mqnc.measure.launch_host import (
+        LaunchShape,
+        combine_pdl_times,
+        host_times,
+        launch_cases,
+    )
     from mqnc.measure.options import finish
 
     shape = LaunchShape()
@@ -369,7 +376,20 @@ def launch(args) -> int:
             path=args.out,
         )
     if device != "cuda":
-        print("  (no GPU: the real launches and the graph replays are not measured)")
+        print("  (no GPU: the real launches, the graph replays and the PDL combine not measured)")
+        return finish(args, TARGETS)
+    for name, t in combine_pdl_times(shape, reps=args.reps, warmup=args.warmup).items():
+        print(f"  device time, combine {name:<6} {t.p50:>9.2f} us")
+        record(
+            "mla_decode",
+            f"H={shape.H},B={shape.B} combine={name}",
+            shape.ct,
+            t.percentiles,
+            x_name="ct",
+            backend="triton",
+            extra=dict(timing=t.how, combine=name, shape=f"combine {name} {shape.label}"),
+            path=args.out,
+        )
     return finish(args, TARGETS)
 
 

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-__all__ = ["LaunchShape", "launch_cases", "host_times"]
+__all__ = ["LaunchShape", "launch_cases", "host_times", "combine_pdl_times"]
 
 SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite with YaRN
 
@@ -141,4 +141,30 @@ def host_times(cases: dict, *, reps: int, warmup: int) -> dict[str, tuple[float,
             torch.cuda.synchronize()
         p20, p50, p80 = np.percentile(np.asarray(samples), [20, 50, 80])
         out[name] = (float(p20), float(p50), float(p80))
+    return out
+
+
+def combine_pdl_times(shape: LaunchShape, *, reps: int, warmup: int) -> dict:
+    """GPU only: the device time of the plan's run (attention, then the split-KV combine) at
+    ``shape`` with the combine launched plainly and as a programmatic dependent launch
+    (:func:`mqnc.triton_kernels.merge.combine_pdl`), each over rotated input sets in CUDA-graph
+    replays (:func:`mqnc.measure.time_kernel`): ``{"plain" | "pdl": Timed}``. Inputs as in
+    :func:`launch_cases`, one set per plan so that no call finds its cache in L2."""
+    from mqnc.measure.timing import input_sets, l2_bytes, time_kernel
+    from mqnc.triton_kernels import plan_mla_decode
+    from mqnc.triton_kernels.merge import combine_pdl
+
+    gen = torch.Generator().manual_seed(1)
+    nbytes = shape.B * shape.ct * 576 * 2
+    out = {}
+    for name, on in (("plain", False), ("pdl", True)):
+        calls = []
+        for _ in range(input_sets(nbytes, l2_bytes())):
+            q, pool, table, lens = _inputs(shape, "cuda", gen)
+            with combine_pdl(on):
+                plan = plan_mla_decode(
+                    q, pool, table, lens, softmax_scale=SCALE, check_inputs=False
+                )
+            calls.append(lambda plan=plan, a=(q, pool, table, lens): plan.run(*a))
+        out[name] = time_kernel(calls, working_set_bytes=nbytes, warmup=warmup, reps=reps)
     return out
