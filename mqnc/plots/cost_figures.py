@@ -22,7 +22,7 @@ from mqnc.cost import (
     wire_break_even_rows,
     wire_byte_saving,
 )
-from mqnc.plots._common import COLORS
+from mqnc.plots._common import COLORS, readable_log_ticks
 
 __all__ = ["payload_bars", "cost_vs_chunk", "wire_saving_map", "decision_map", "bw_sweep_plot"]
 
@@ -68,6 +68,7 @@ def payload_bars(ax, geometry, *, c_t: int = 2048):
     ax.set_xticks(range(len(values)), labels, fontsize=8)
     ax.set(yscale="log", ylabel="bytes", ylim=(min(values) / 3, max(values) * 30))
     ax.set_title(f"(a) payload asymmetry, {g.name}")
+    readable_log_ticks(ax, "y")
     return ax
 
 
@@ -140,6 +141,7 @@ def cost_vs_chunk(
         ylabel="cost (us)",
         title=f"(b) cost vs chunk size, {geometry.name}, {bw_text}",
     )
+    readable_log_ticks(ax)
     ax.legend(fontsize=7, loc="upper left")
     return ax
 
@@ -199,6 +201,7 @@ def wire_saving_map(
         ylim=(m[0], m[-1]),
         title=f"(b) route vs fetch wire bytes, {geometry.name}",
     )
+    readable_log_ticks(ax)
     ax.legend(loc="upper left", fontsize=8)
     if colorbar:
         ax.figure.colorbar(pcm, ax=ax, label="route wire-byte saving (%)")
@@ -233,6 +236,7 @@ def decision_map(ax, geometry, fabric, m_q_axis, c_t_axis, **kwargs: Any):
         Patch(color=col, label=f"{p} ({100 * grid.fraction(p):.0f}%)")
         for col, p in zip(colors, PRIMITIVES, strict=True)
     ]
+    readable_log_ticks(ax)
     ax.legend(handles=handles, loc="lower right", fontsize=8)
     return grid
 
@@ -298,14 +302,24 @@ def bw_sweep_plot(
         ylabel=f"cost at M_q={m_q:g}, c_t={c_t:g} (us)",
         title=f"(a) cost vs bandwidth (model), {geometry.name}",
     )
+    readable_log_ticks(ax)
     ax.legend(fontsize=7, loc="lower left")
     return sweep
 
 
 def _link_peaks(ax, fabrics, bw, top: float) -> None:
-    """A dotted tick, with the fabric's name, at each link peak within the bandwidth axis."""
-    for f in fabrics:
-        if f.link_peak_gbps and bw[0] <= f.link_peak_gbps <= bw[-1]:
-            ax.axvline(f.link_peak_gbps, color="gray", ls=":", lw=1)
-            kw = dict(rotation=90, fontsize=6, va="top", ha="right", color="gray")
-            ax.text(f.link_peak_gbps, top / 1.2, f.name, **kw)
+    """A dotted tick, with the fabric's name, at each link peak within the bandwidth axis; a
+    name whose peak lies within 1.6x of the previous one's is written lower, so they do not
+    overlap."""
+    kw = dict(rotation=90, fontsize=6, va="top", ha="right", color="gray")
+    peaks = sorted(
+        (f.link_peak_gbps, f.name)
+        for f in fabrics
+        if f.link_peak_gbps and bw[0] <= f.link_peak_gbps <= bw[-1]
+    )
+    prev, low = None, False
+    for peak, name in peaks:
+        ax.axvline(peak, color="gray", ls=":", lw=1)
+        low = (not low) if prev is not None and peak < 1.6 * prev else False
+        ax.text(peak, top / (40 if low else 1.2), name, **kw)
+        prev = peak

@@ -333,41 +333,46 @@ def _bytes_panel(ax, points, ceils, spec: DeviceSpec) -> None:
     ax.text(
         1.0,
         spec.hbm_tbps,
-        f" {spec.memory} spec {spec.hbm_tbps:g}",
-        transform=ax.get_yaxis_transform(),
+        f" {spec.memory} spec {spec.hbm_tbps:g} TB/s",
         fontsize=6,
+        transform=ax.get_yaxis_transform(),
         va="bottom",
         ha="right",
     )
+    labels = []  # (TB/s, text, colour) of the lines labelled at the left edge
     for name, tbps in sorted(ceils.items(), key=lambda kv: kv[1]):
-        ls = _ceiling_style(name)
-        ax.axhline(tbps, color="0.35", ls=ls, lw=1.1, gid=f"ceiling:{name}")
-        ax.text(
-            0.0,
-            tbps,
-            f" {name} {tbps:.2f}",
-            transform=ax.get_yaxis_transform(),
-            fontsize=6,
-            va="bottom",
-            ha="left",
-            color="0.25",
-        )
+        ax.axhline(tbps, color="0.35", ls=_ceiling_style(name), lw=1.1, gid=f"ceiling:{name}")
+        labels.append((tbps, f"{name} {tbps:.2f}", "0.25"))
     for a in (a for a in ANCHORS if a.unit == "TB/s"):
         ax.axhline(a.lo, color="C2", lw=1.2, ls=(0, (5, 2)))
+        labels.append((a.lo, f"{a.label} {a.lo:g} {a.unit} ({a.device}; {a.source})", "C2"))
+    top = spec.hbm_tbps * 1.12
+    ax.set(xscale="log", ylim=(0, top))
+    for y, text, color in _placed(labels, 0.04 * top):
         ax.text(
             0.0,
-            a.lo,
-            f" {a.label} {a.lo:g} {a.unit} ({a.device}; {a.source})",
+            y,
+            f" {text}",
             transform=ax.get_yaxis_transform(),
             fontsize=6,
             va="bottom",
             ha="left",
-            color="C2",
+            color=color,
         )
-    ax.set(xscale="log", ylim=(0, spec.hbm_tbps * 1.12))
     ax.set(xlabel="bytes moved per call (read + written)", ylabel="achieved TB/s")
     wrapped_title(ax, "(b) every kernel: bandwidth vs bytes per call")
     readable_log_ticks(ax, "x", fmt=lambda v: _bytes(v))
+
+
+def _placed(labels: list[tuple[float, str, str]], gap: float) -> list[tuple[float, str, str]]:
+    """The labels, sorted by their line's height, each moved up until it sits at least ``gap``
+    above the one below it (so that two close ceilings' labels do not overlap)."""
+    out: list[tuple[float, str, str]] = []
+    for y, text, color in sorted(labels):
+        if out and y < out[-1][0] + gap:
+            y = out[-1][0] + gap
+        out.append((y, text, color))
+    return out
 
 
 def _bytes(v: float) -> str:
