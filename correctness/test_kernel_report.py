@@ -176,12 +176,32 @@ def test_mla_rows_show_the_static_schedule(tmp_path):
     over ideal multiply-accumulates, >= 1.0: 1.0 = no recomputed ``QK^T``) and the wgmma waits
     leaving work in flight; the combine's row has none. The table shows them."""
     out = tmp_path / "sched.jsonl"
-    r = _report("mqnc.measure.kernel_report", "--ops", "mla_sparse", "--out", str(out))
+    args = ("--ops", "mla_sparse", "--candidates", "16x32w8s5-pipe", "--out", str(out))
+    r = _report("mqnc.measure.kernel_report", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     head = [x for x in r.stdout.splitlines() if x.startswith("| shape | variant |")][0]
-    assert "| mma/64 | ideal/64 | redund | wg_waits |" in head, head
-    launches = [json.loads(x) for x in out.read_text().splitlines()]
-    launches = [x for x in launches if x["kind"] == "launch"]
+    assert "| mma/64 | ideal/64 | redund | wg_waits | ring | chain | grid/SMs |" in head, head
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    launches = [x for x in rows if x["kind"] == "launch" and not x.get("candidate")]
+    # the memory-bound columns: the sparse kernel's index gather then its KV tiles (a chain of
+    # 2), a multi-buffered ring, the grid against sm_90's 132 SMs
+    for x in launches:
+        assert x["grid_per_sms"] == round(x["ctas"] / 132, 2), x
+        if x["variant"].startswith("mla_"):
+            assert x["read_chain"] == 2 and x["ring"] >= 2, x
+    cand = [x for x in rows if x.get("candidate")]
+    assert {x["tile"] for x in cand} == {"16x32w8s5-pipe"}, cand
+    assert {x["shape"] for x in cand} == {
+        "mla_sparse H=128 B=1 topk=2048",
+        "mla_sparse H=128 B=8 topk=2048",
+    }
+    attention = [x for x in cand if x["variant"].startswith("mla_")]
+    assert attention and all(x["variant"].endswith(",pipe]") for x in attention), attention
+    # its two tile bodies (loop, tail) count once; spill-free under triton 3.6, the sweep's
+    # (test_compile_sm90 compiles every candidate there; 3.9 spills some)
+    for x in attention:
+        assert x["redundancy"] >= 1.0 and x["read_chain"] == 2 and x["ring"] >= 2, x
+    assert "Sweep candidates (forced tiles)" in r.stdout
     attention = [x for x in launches if x["variant"].startswith("mla_")]
     assert attention and len(attention) < len(launches)  # B 1 at 16 heads splits: a combine
     for x in attention:
@@ -199,3 +219,38 @@ def test_mla_rows_show_the_static_schedule(tmp_path):
     for x in launches:
         if not x["variant"].startswith("mla_"):
             assert x["redundancy"] is None and x["wgmma_waits"] is None, x
+
+
+def test_unknown_candidates_are_one_line(tmp_path):
+    r = _report("mqnc.measure.kernel_report", "--ops", "merge", "--candidates", "7x7w1s1")
+    assert r.returncode == 2 and "--candidates: expected 'all' or labels out of" in r.stderr
+
+
+_TTGIR = """
+    %len = tt.load %lens_ptr : !tt.ptr<i32> loc(#loc1)
+    %q = tt.load %q_ptrs, %qm : tensor<16x512x!tt.ptr<bf16>> loc(#loc2)
+    %t = arith.cmpi slt, %offs, %len : tensor<64xi32>
+    %page_3 = ttg.async_copy_global_to_local %pp, %buf mask %t : tensor<64x!tt.ptr<i32>> -> <64xi32>
+    %tok = ttg.async_wait %page_3 {num = 0 : i32}
+    %page_4 = ttg.local_load %buf token %tok : !ttg.memdesc<64xi32> -> tensor<64xi32>
+    %rows = arith.muli %page_4, %stride : tensor<64xi32>
+    %kv:2 = scf.for %i = %c0 to %n step %c1 iter_args(%a = %rows, %b = %q) -> (tensor<64xi32>) {
+      %kv_5 = ttg.async_copy_global_to_local %a, %kvbuf : tensor<64x512x!tt.ptr<bf16>>
+    }
+    %kv_6 = ttg.async_copy_global_to_local %rows, %kvbuf : tensor<64x512x!tt.ptr<bf16>>
+    %x = arith.addf %kv#1, %q : tensor<16x512xf32>
+"""
+
+
+def test_read_chain_and_ring_read_the_ttgir():
+    """The dependent-read chain follows SSA values through a copy's token, its wait and the
+    shared-memory load (length -> page ids -> KV tile: 3), a loop's iter_args start at 0 (its
+    body's copy is 1 deep); the ring is the leading dim of the ``<n>x<block_n>x<d_v>``
+    allocation."""
+    from mqnc.triton_kernels._compile import read_chain, ring_depth
+
+    assert read_chain(_TTGIR) == 3
+    assert read_chain("%a = tt.load %p : !tt.ptr<i32>") == 1 and read_chain("") == 0
+    allocs = ["1x1xi32", "2x64x512xbf16", "2x64x64xbf16", "64x512xbf16"]
+    assert ring_depth(allocs, 64, 512) == 2 and ring_depth(["32x512xbf16"], 32, 512) == 1
+    assert ring_depth(allocs, 32, 512) == 0

@@ -236,7 +236,9 @@ def mla_evidence(
     groups pending (TTGIR ``warp_group_dot_wait {pendings > 0}``) over all of them; ``tma``
     the TMA loads (``UTMALDG`` in the SASS, plus TTGIR's TMA copies); ``cta_per_sm`` at sm_90's
     limits (``_grid.Occupancy``). ``bodies``: copies of the tile's code in the program text
-    (:func:`tile_bodies`; each tile runs one), by which the static counts are divided."""
+    (:func:`tile_bodies`; each tile runs one), by which the static counts are divided.
+    ``ring``: KV tiles in the shared-memory ring (:func:`ring_depth`); ``read_chain``: the
+    longest chain of dependent global reads (:func:`read_chain`: 3 = length, page id, tile)."""
     from mqnc.triton_kernels._grid import SM90, Occupancy
 
     per = 64 / block_n
@@ -255,10 +257,67 @@ def mla_evidence(
         "wgmma_waits": f"{sum(1 for n in waits if n > 0)}/{len(waits)}",
         "tma": res.sass.get("UTMALDG", 0) + res.ttgir.get("tma_copies", 0),
         "cta_per_sm": Occupancy(res.registers, 32 * res.num_warps, res.shared).ctas_per_sm(SM90),
+        "ring": ring_depth(res.ttgir.get("local_alloc", []), block_n, d_v),
+        "read_chain": res.ttgir.get("read_chain"),
         "registers": res.registers,
         "shared": res.shared,
         "spill": res.stack + res.local,
     }
+
+
+# Global reads in the TTGIR: plain loads, cp.async copies, TMA copies and descriptor loads.
+_READS = (
+    "tt.load",
+    "ttg.async_copy_global_to_local",
+    "ttng.async_tma_copy_global_to_local",
+    "ttng.async_tma_gather",
+    "tt.descriptor_load",
+    "tt.descriptor_gather",
+)
+_SSA_DEF = re.compile(r"^\s*((?:%[\w.$-]+(?::\d+)?\s*,\s*)*%[\w.$-]+(?::\d+)?)\s*=\s*([\w.]+)(.*)$")
+_SSA_USE = re.compile(r"%([\w.$-]+)")
+
+
+def read_chain(ttgir: str) -> int:
+    """The longest chain of DEPENDENT global reads in a kernel's TTGIR: reads (``tt.load``,
+    ``cp.async`` and TMA copies, descriptor loads) each of whose address, coordinates or mask
+    is computed from the value the one before it read. Counted on the SSA def-use graph in
+    program order: a value's depth is the largest of its operands' (a copy's result token
+    carries its read into the ``async_wait`` and ``local_load`` that use it), plus one at each
+    read; control flow is not followed (a region's block arguments, a loop's iter_args, start
+    at 0), so in a software-pipelined loop the count is the prologue's, the first tile's
+    chain: e.g. the dense kernel's row length, then its page ids, then the KV tile: 3; the
+    sparse kernel's indices then the tile: 2 (its top-k is an argument); a kernel without
+    indirection: 1."""
+    depth: dict[str, int] = {}
+    best = 0
+    for line in ttgir.splitlines():
+        m = _SSA_DEF.match(line)
+        if m is None:
+            continue
+        names, op, rest = m.groups()
+        rest = rest.split(" loc(")[0]
+        d = max((depth.get(u, 0) for u in _SSA_USE.findall(rest)), default=0)
+        if op in _READS:
+            d += 1
+            best = max(best, d)
+        for name in re.findall(r"%([\w.$-]+)", names):
+            depth[name] = d
+    return best
+
+
+def ring_depth(local_alloc: list[str], block_n: int, d_v: int) -> int:
+    """Buffers in the KV ring: the leading dimension of the ``<n>x<block_n>x<d_v>x<dtype>``
+    shared-memory allocation among ``local_alloc`` (:func:`ttgir_summary`'s; 1 where the tile
+    is allocated once, 0 where none is)."""
+    ring = 0
+    for a in local_alloc:
+        dims = a.split("x")
+        if len(dims) == 4 and dims[1:3] == [str(block_n), str(d_v)]:
+            ring = max(ring, int(dims[0]))
+        elif len(dims) == 3 and dims[:2] == [str(block_n), str(d_v)]:
+            ring = max(ring, 1)
+    return ring
 
 
 def ttgir_summary(ttgir: str) -> dict:
@@ -285,6 +344,7 @@ def ttgir_summary(ttgir: str) -> dict:
         "wgmma_pendings": [
             int(n) for n in re.findall(r"ttng\.warp_group_dot_wait[^{]*\{pendings = (\d+)", ttgir)
         ],
+        "read_chain": read_chain(ttgir),
     }
 
 

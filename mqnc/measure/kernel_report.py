@@ -22,6 +22,13 @@ and options as the real launch; no GPU needed) and reports:
   BLOCK_N x 576`` for ``QK^T`` plus ``x 512`` for ``PV``, in ``HGMMA.64xNx16`` units),
   ``redund`` issued over ideal multiply-accumulates (1.0: no warpgroup recomputes another's
   ``QK^T``), ``wg_waits`` the wgmma waits leaving work in flight over all of them;
+- what decides the memory-bound numbers, per MLA attention launch: ``ring``, the KV tiles in
+  its shared-memory ring (``_compile.ring_depth``, from the TTGIR's allocations: 2 = one tile
+  in flight while one is attended), ``chain``, the longest chain of dependent global reads
+  (``_compile.read_chain``, counted on the TTGIR's SSA def-use graph, each read whose address,
+  coordinates or mask come from the one before: 3 for the dense kernel's length, page id, KV
+  tile; 2 for the sparse kernel's indices, KV tile), ``TMA`` (above), ``cta_per_sm`` and
+  ``grid/SMs``, the grid's CTAs over sm_90's 132 SMs;
 - ``pred_us = MB / ceiling / fill``: the time at the copy ceiling (``--ceiling-tbps``; else the
   median ``copy`` record of the measured device in ``--measured``, 2.71 TB/s on the H200 that ran
   it; else 4.3 TB/s, the H200 copy ceiling the goal shapes were set against) when the SMs in use
@@ -31,6 +38,11 @@ and options as the real launch; no GPU needed) and reports:
   dependent launch after the first, and ``pct_of_ceiling`` is the op's essential bytes (cache,
   queries, outputs: what the benchmarks' GB/s count, not the split partials) at the ceiling
   over it.
+
+``--candidates all`` (or a comma list of labels) adds the launch rows of the next sweep's
+candidate tiles (``_mla_launch.SWEEP_TILES``: the restructured ``-pipe`` / ``-tma`` / ``-fused``
+kernels, the 16-head two-CTA tiles) at their kind's shapes (:data:`CANDIDATE_SHAPES`), planned
+inside ``forced_tile`` as the sweep runs them, each ``"candidate": true`` with its ``tile``.
 
 Records are JSON lines (one per launch, ``"kind": "launch"``, and one per shape, ``"shape"``)
 appended to ``--out`` (default ``out/kernel_report.jsonl`` under the working directory,
@@ -113,13 +125,13 @@ def _schedule(shape, index: int, launch, res) -> dict:
     instructions per CTA per 64 entries against the ideal tile's, their redundancy (issued over
     ideal multiply-accumulates: 1.0 = no recomputed ``QK^T``) and the wgmma waits that leave
     work in flight; None for the other launches."""
-    keys = ("mma_per_64", "mma_ideal_per_64", "redundancy", "wgmma_waits")
+    keys = ("mma_per_64", "mma_ideal_per_64", "redundancy", "wgmma_waits", "ring", "read_chain")
     if not (shape.op.startswith("mla") and index == 0):
         return dict.fromkeys(keys)
-    from mqnc.triton_kernels._compile import mla_evidence
+    from mqnc.triton_kernels._compile import mla_evidence, tile_bodies
 
     kw = launch.kwargs
-    ev = mla_evidence(res, kw["BLOCK_H"], kw["BLOCK_N"], D_QK, D_V)
+    ev = mla_evidence(res, kw["BLOCK_H"], kw["BLOCK_N"], D_QK, D_V, tile_bodies(kw))
     return {k: ev[k] for k in keys}
 
 
@@ -209,6 +221,7 @@ def _launch_row(shape, i: int, launch, compiled: _Compiled, ceiling_tbps: float)
         "cta_per_sm": per_sm,
         "ctas": ctas,
         "grid": list(launch.grid),
+        "grid_per_sms": round(ctas / SM90.sms, 2),
         "waves": w,
         "fill": round(fill, 3),
         "bytes": nbytes,
@@ -265,6 +278,45 @@ def report(ops=None, ceiling_tbps: float = DEFAULT_CEILING_TBPS, arch: int = 90)
     return launches_out, shapes_out
 
 
+# The shapes each kind of sweep candidate (``_mla_launch.SWEEP_TILES``) is reported at: the
+# 128-head goals (and FlashMLA's benchmark shape), the sparse top-2048 ones, and the 16-head
+# memory-bound ones (B >= 16 at c_t 32768; the one-row holder partial).
+CANDIDATE_SHAPES = {
+    "dense": (("mla_decode", 64, 128, 8192), ("mla_decode", 8, 128, 32768),
+              ("mla_decode", 128, 128, 4096)),
+    "sparse": (("mla_sparse", 1, 128, 2048), ("mla_sparse", 8, 128, 2048)),
+    "dense16": (("mla_decode", 16, 16, 32768), ("mla_decode", 1, 16, 2048)),
+}  # fmt: skip
+
+
+def candidates(
+    tiles=None, ops=None, ceiling_tbps: float = DEFAULT_CEILING_TBPS, arch: int = 90
+) -> list[dict]:
+    """The launch rows of every sweep candidate (``tiles``: a set of labels, None: all) at its
+    kind's shapes (:data:`CANDIDATE_SHAPES`; ``ops`` keeps those ops only), planned inside
+    ``forced_tile`` as the sweep runs them; each row ``"candidate": True`` with its ``tile``
+    (the default tile of a shape is among them: its row is the production one)."""
+    from mqnc.triton_kernels._mla_launch import SWEEP_TILES, forced_tile
+    from mqnc.triton_kernels._variants import Shape
+
+    compiled = _Compiled(arch)
+    rows = []
+    for kind, kind_tiles in SWEEP_TILES.items():
+        for tile in kind_tiles:
+            if tiles is not None and tile.label not in tiles:
+                continue
+            for op, B, H, ct in CANDIDATE_SHAPES[kind]:
+                if ops and op not in ops:
+                    continue
+                shape = Shape(op, B=B, H=H, ct=ct)
+                with forced_tile(tile, sparse=op == "mla_sparse"):
+                    plan = _plan(shape, compiled)
+                for i, launch in enumerate(plan):
+                    row, _ = _launch_row(shape, i, launch, compiled, ceiling_tbps)
+                    rows.append({**row, "candidate": True, "tile": tile.label})
+    return rows
+
+
 def _measured(path: str) -> tuple[dict[str, tuple], float | None, str | None]:
     """``({goal label: (p50, the launcher's tile or None)}, copy ceiling TB/s or None, device or
     None)`` from a results file (see the module docstring: one device's GPU-timed records at
@@ -313,6 +365,9 @@ def format_table(launches: list[dict], shapes: list[dict], measured: dict | None
         "mma_ideal_per_64",
         "redundancy",
         "wgmma_waits",
+        "ring",
+        "read_chain",
+        "grid_per_sms",
         "pred_us",
     )
     names = {
@@ -321,6 +376,8 @@ def format_table(launches: list[dict], shapes: list[dict], measured: dict | None
         "mma_ideal_per_64": "ideal/64",
         "redundancy": "redund",
         "wgmma_waits": "wg_waits",
+        "read_chain": "chain",
+        "grid_per_sms": "grid/SMs",
     }
     head = "| " + " | ".join(names.get(c, c) for c in cols) + " |"
     lines = [head, "|" + "---|" * len(cols)]
@@ -377,6 +434,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         help="copy ceiling, TB/s (default: the --measured device's copy records, else 4.3)",
     )
     ap.add_argument("--measured", default=None, help="benchmark results.jsonl to join")
+    ap.add_argument(
+        "--candidates",
+        default=None,
+        help="also report the sweep's candidate tiles at their shapes: 'all' or a comma list "
+        "of labels (e.g. 64x64w8s2-tma,16x32w8s2-pipe-fused)",
+    )
     ap.add_argument("--arch", type=int, default=90)
 
 
@@ -402,10 +465,24 @@ def run(args: argparse.Namespace) -> int:
     measured, copy_tbps, device = _measured(args.measured) if args.measured else ({}, None, None)
     ceiling = args.ceiling_tbps or copy_tbps or DEFAULT_CEILING_TBPS
     launches, shapes = report(args.ops, ceiling, args.arch)
+    extra = []
+    if args.candidates:
+        from mqnc.triton_kernels._mla_launch import SWEEP_TILES
+
+        known = {t.label for tiles in SWEEP_TILES.values() for t in tiles}
+        wanted = None if args.candidates == "all" else _ops_arg(args.candidates)
+        if wanted is not None and (not wanted or wanted - known):
+            print(
+                f"kernel-report: error: --candidates: expected 'all' or labels out of "
+                f"{','.join(sorted(known))}, got {args.candidates!r}",
+                file=sys.stderr,
+            )
+            return 2
+        extra = candidates(wanted, args.ops, ceiling, args.arch)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as f:
-        for row in launches + shapes:
+        for row in launches + shapes + extra:
             f.write(json.dumps(row) + "\n")
     source = (
         "--ceiling-tbps"
@@ -421,6 +498,9 @@ def run(args: argparse.Namespace) -> int:
     if any(s["op"] == "mla_decode" for s in shapes):
         print("\nDense decode, predicted us (% of the ceiling):")
         print(format_matrix(shapes))
+    if extra:
+        print("\nSweep candidates (forced tiles) at their shapes:")
+        print(format_table(extra, []).split("\n\n")[0])
     return 0
 
 
