@@ -359,6 +359,9 @@ def _bytes_panel(ax, points, ceils, spec: DeviceSpec) -> None:
             ha="left",
             color=color,
         )
+    pct = spec.hbm_tbps / 100.0
+    right = ax.secondary_yaxis("right", functions=(lambda t: t / pct, lambda p: p * pct))
+    right.set_ylabel(f"% of the {spec.memory} spec", fontsize=8)
     ax.set(xlabel="bytes moved per call (read + written)", ylabel="achieved TB/s")
     wrapped_title(ax, "(b) every kernel: bandwidth vs bytes per call")
     readable_log_ticks(ax, "x", fmt=lambda v: _bytes(v))
