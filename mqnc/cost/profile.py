@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from mqnc.base.checks import check_int, check_number
+from mqnc.cost.ceilings import spec_tbps
 from mqnc.cost.fabric import (
     DEMO_PROFILE_KIND,
     FABRICS,
@@ -58,6 +59,7 @@ from mqnc.cost.terms import (
     HostOverhead,
     SpliceProfile,
     is_scalar,
+    t_compute_at,
 )
 
 __all__ = [
@@ -132,6 +134,12 @@ class MachineProfile:
         One merge of an agent's partials (us).
     fetch_fixed_us : float or None
         A fetch request's fixed part (its round trip, us).
+    read_tbps : float or None
+        The device's memory read ceiling (TB/s) the holder term's floor is priced at: the
+        kernel-measured one (``perf/bench_copy.py``'s read records,
+        :func:`mqnc.cost.ceilings.memory_ceiling`) or the HBM spec, ``sources["read_tbps"]``
+        saying which. None: the spec of ``measured_with["device_name"]`` when it is known
+        (:meth:`holder_read_tbps`), else no floor.
     measured_with : mapping of str to str
         What the compute terms were measured with (``device``, ``kernels``, ``transport``,
         ``device_name``); empty when nothing was.
@@ -158,6 +166,7 @@ class MachineProfile:
     host_us: float | None = None
     merge_us: float | None = None
     fetch_fixed_us: float | None = None
+    read_tbps: float | None = None
     measured_with: Mapping[str, str] = dataclasses.field(default_factory=dict)
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
     schema: str = PROFILE_SCHEMA
@@ -183,6 +192,8 @@ class MachineProfile:
             check_number(f"MachineProfile.{name}", getattr(self, name), nonnegative=True)
         if self.c_us is not None:
             check_number("MachineProfile.c_us", self.c_us, positive=True)
+        if self.read_tbps is not None:
+            check_number("MachineProfile.read_tbps", self.read_tbps, positive=True)
         for name in MEASURED_TERMS:
             if name != "c_us" and getattr(self, name) is not None:
                 check_number(f"MachineProfile.{name}", getattr(self, name), nonnegative=True)
@@ -223,6 +234,27 @@ class MachineProfile:
         if self.scatter_us_per_token is not None:
             return _per_token(self.scatter_us_per_token, c_t, "measured pool write")
         return _NO_SPLICE
+
+    def holder_read_tbps(self) -> tuple[float | None, str]:
+        """``(TB/s, where from)``: the read ceiling the holder term's floor is priced at:
+        :attr:`read_tbps` (its source from ``sources``), else the HBM spec of the device the
+        profile was measured on, else ``(None, "none")`` (no floor: §6.3's constant alone)."""
+        if self.read_tbps is not None:
+            return self.read_tbps, self.sources.get("read_tbps", "profile")
+        device = self.measured_with.get("device_name", "")
+        spec = spec_tbps(device)
+        if spec is not None:
+            return spec, f"HBM spec of {device}"
+        return None, "none"
+
+    def holder_compute_us(self, geometry, c_t: Any, m_q: Any, *, layers: int = 1):
+        """The holder's compute for one routed call at ``(c_t, M_q)``: ``t_compute_us`` or the
+        memory floor at :meth:`holder_read_tbps` (:func:`mqnc.cost.terms.t_compute_at`),
+        whichever is larger."""
+        tbps, _ = self.holder_read_tbps()
+        return t_compute_at(
+            geometry, c_t, m_q, t_compute_us=self.t_compute_us, read_tbps=tbps, layers=layers
+        )
 
     def terms(self) -> dict[str, float]:
         """The measured compute terms (:data:`MEASURED_TERMS`) this profile holds."""

@@ -72,6 +72,8 @@ __all__ = [
     "t_transfer",
     "t_return",
     "t_compute",
+    "t_compute_floor",
+    "t_compute_at",
     "t_merge",
     "t_host",
     "t_route",
@@ -442,6 +444,41 @@ def t_return(
 def t_compute(t_compute_us: float = T_COMPUTE_US) -> float:
     """``T_compute``: the holder's partial attention, a bounded constant (15-37 us, §6.3)."""
     return t_compute_us
+
+
+def t_compute_floor(geometry: MLAGeometry, c_t, m_q, read_tbps: float, *, layers: int = 1):
+    """The holder partial's memory floor (us): the bytes it must move at the device's read
+    ceiling ``read_tbps`` (TB/s: the kernel-measured read ceiling, or the HBM spec,
+    :mod:`mqnc.cost.ceilings`), its ``c_t`` cache entries of ``layers`` layers read once (the
+    routed rows share them) plus its ``m_q`` query rows in and partial rows out::
+
+        (c_t L b_KV + M_q (q + p)) / ceiling
+
+    At c_t 2048 on an H200 (4.8 TB/s) one layer's 2.4 MB take 0.49 us, far under §6.3's 15 us
+    constant; at c_t 131072 they take 31 us, over it: a holder's compute is
+    ``max(T_compute, floor)`` (:func:`t_compute_at`). Scalars or numpy arrays."""
+    check_number("read_tbps", read_tbps, positive=True)
+    _check_count("layers", layers)
+    nbytes = c_t * layers * geometry.kv_bytes_per_token_layer + m_q * geometry.qp_row_bytes
+    return nbytes / (read_tbps * 1e6)
+
+
+def t_compute_at(
+    geometry: MLAGeometry,
+    c_t,
+    m_q,
+    *,
+    t_compute_us: float = T_COMPUTE_US,
+    read_tbps: float | None = None,
+    layers: int = 1,
+):
+    """``T_compute`` of one holder call at ``(c_t, M_q)``: the constant ``t_compute_us``
+    (§6.3's latency-bound decode) or the memory floor at ``read_tbps``
+    (:func:`t_compute_floor`), whichever is larger; the constant alone when no ceiling is
+    known (``read_tbps`` None)."""
+    if read_tbps is None:
+        return t_compute(t_compute_us) + 0.0 * (c_t + m_q)
+    return np.maximum(t_compute_us, t_compute_floor(geometry, c_t, m_q, read_tbps, layers=layers))
 
 
 def t_merge(t_merge_us: float = T_MERGE_US) -> float:

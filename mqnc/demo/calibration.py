@@ -147,12 +147,16 @@ class Calibration:
         measured_with = dict(device=cfg.device, kernels=cfg.kernels, transport=cfg.transport)
         if device_name:
             measured_with["device_name"] = device_name
+        sources, read = dict(self.sources), read_ceiling(device_name)
+        if read is not None:
+            sources["read_tbps"] = read[1]
         return MachineProfile(
             self.fabric,
             splice=self.splice_profile(cfg, True),
             scatter=self.splice_profile(cfg, False),
             measured_with=measured_with,
-            sources=dict(self.sources),
+            sources=sources,
+            read_tbps=None if read is None else read[0],
             **{k: float(v) for k, v in self.terms.items() if k in MEASURED_TERMS},
         )
 
@@ -162,6 +166,28 @@ class Calibration:
         per token (the lines over this corpus' chunk sizes are not)."""
         profile = self.machine_profile(cfg, device_name)
         profile.replace(splice=None, scatter=None).save(path)
+
+
+def read_ceiling(device_name: str, records: list[dict] | None = None):
+    """``(TB/s, source)``: the kernel-measured memory read ceiling of ``device_name`` in
+    ``records`` (default: the results file, :func:`mqnc.measure.results_file.read_results`),
+    which a profile's holder term is priced at; None when none was measured there (the profile
+    then falls back to the device's HBM spec, :meth:`MachineProfile.holder_read_tbps`)."""
+    from mqnc.cost.ceilings import memory_ceiling
+
+    if not device_name:
+        return None
+    if records is None:
+        from mqnc.measure.results_file import read_results
+
+        try:
+            records = read_results()
+        except ValueError:  # a results file that is not records: no measured ceiling
+            return None
+    ceiling = memory_ceiling(records, device_name)
+    if ceiling.read_tbps is None:
+        return None
+    return ceiling.read_tbps, ceiling.source
 
 
 def _loaded(cfg: DemoConfig, profile: LoadedProfile | None):
