@@ -266,9 +266,9 @@ def runs(block: Block) -> bool:
     return block.kind != "text" and block.mark("run-by") is None and block.mark("gpu-only") is None
 
 
-def execute(block: Block) -> None:
+def execute(block: Block) -> str:
     """Run one block as written (python: a fresh interpreter; shell: ``bash -e``, pip install
-    lines left out), in the repository."""
+    lines left out), in the repository; its stdout."""
     if block.kind == "python":
         argv = [sys.executable, "-c", block.text]
     else:
@@ -281,6 +281,7 @@ def execute(block: Block) -> None:
     assert r.returncode == 0, (
         f"{block.id} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     )
+    return r.stdout
 
 
 _DONE: set[str] = set()
@@ -293,8 +294,20 @@ def run_with_page_prerequisites(block: Block) -> None:
             if earlier.id not in _DONE:
                 execute(earlier)
                 _DONE.add(earlier.id)
-    execute(block)
+    out = execute(block)
     _DONE.add(block.id)
+    shown = _output_shown_after(block)
+    if shown is not None:
+        assert out.strip() == shown.strip(), f"{block.id} prints\n{out}\nnot what its page shows"
+
+
+def _output_shown_after(block: Block) -> str | None:
+    """The text of the block right after ``block`` on its page when an ``<!-- output -->``
+    comment marks it as what ``block`` prints (compared verbatim), else None."""
+    later = [b for b in BLOCKS if b.page == block.page and b.line > block.line]
+    if later and later[0].mark("output") is not None:
+        return later[0].text
+    return None
 
 
 @pytest.mark.parametrize("block", CODE, ids=[b.id for b in CODE])
