@@ -381,3 +381,14 @@ def test_make_test_runs_the_suite():
     assert recipe and "-m pytest correctness" in recipe.group(1), recipe
     assert "make test" in (ROOT / ".ci" / "run").read_text()
     assert 'register_profile(\n    "thorough"' in (ROOT / "correctness" / "conftest.py").read_text()
+
+
+def test_every_relative_link_resolves():
+    """A page moved or renamed leaves no dead link behind (links and images, README and docs)."""
+    dead = []
+    for page in PAGES:
+        for m in re.finditer(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            target = m.group(1)
+            if "://" not in target and not (page.parent / target).exists():
+                dead.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not dead, "links to nothing:\n" + "\n".join(dead)
