@@ -54,8 +54,9 @@ def _slots(seed, B, T, pool_slots, unused=0.25):
 # ---- the kernels ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("degree", [2, 4])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("degree", "dtype"), [(2, torch.bfloat16), (4, torch.bfloat16), (2, torch.float32)]
+)
 def test_tp_kernels_against_fp64(degree, dtype):
     """Partial scores over a slice, their sum, softmax times each value slice: the Triton
     kernels against fp64 (outputs NaN-poisoned), a row with no entry giving o = 0, lse = -inf."""
@@ -112,9 +113,9 @@ def test_tp_ops_registration():
     q, pool = _randn(1, 1, 2, 48, dtype=torch.float32), _randn(2, 2, 16, 48, dtype=torch.float32)
     slots = torch.tensor([[0, 5, -1, 20]], dtype=torch.int32, device=DEVICE)
     s = tp_partial_scores(q, pool, slots, d_v=32)
-    cases = {
-        "tp_partial_scores": (q, pool, slots, 32, True),
-        "tp_partial_values": (s, pool, slots, 0.2, 32, True),
+    cases = {  # (on the torch backend: the fakes' shapes and dtypes are the kernels' too)
+        "tp_partial_scores": (q, pool, slots, 32, True, "torch"),
+        "tp_partial_values": (s, pool, slots, 0.2, 32, True, "torch"),
     }
     assert sorted(cases) == sorted(TP_OPS)
     for name, args in cases.items():

@@ -69,6 +69,7 @@ __all__ = [
     "lanes_for",
     "bind_address",
     "corpus_terms",
+    "gloo_bind_host",
     "make_transport",
     "publish_commitment",
     "publish_done",
@@ -385,7 +386,7 @@ def trust_note(
     )
 
 
-def _gloo_host(host: str | None, master: str | None) -> str | None:
+def gloo_bind_host(host: str | None, master: str | None) -> str | None:
     """Where gloo's pairs listen: ``host``; else GLOO_SOCKET_IFNAME's interface (None: torch
     reads it); else the local address that reaches the rendezvous host."""
     if host is not None or os.environ.get("GLOO_SOCKET_IFNAME"):
@@ -433,7 +434,7 @@ def run_rank(
         raise ValueError(f"corpus: holder ranks {holders} do not exist in a world of {world} ranks")
     requesters = [r for r in range(world) if r not in holders]
     kind = select(transport) if transport in TRANSPORTS else transport  # else: the error below
-    gloo_host = _gloo_host(host, master)
+    gloo_host = gloo_bind_host(host, master)
     if say is not None:
         say(trust_note(rank, kind, master=master, gloo_host=gloo_host))
     secret = None if rank in holders else publish_commitment(store, rank)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import threading
 
 import torch
@@ -206,18 +207,40 @@ class _DistGroup(GroupReduce):
 
 class GlooGroup(_DistGroup):
     """The holder group over gloo (CPU tensors): ranks ``0 .. size - 1`` of the instance,
-    meeting on ``store`` under ``prefix``."""
+    meeting on ``store`` under ``prefix``; its pairs listen on ``host`` (None: torch's
+    default, ``GLOO_SOCKET_IFNAME`` or the host name's address)."""
 
-    def __init__(self, rank: int, size: int, store, *, prefix: str, timeout_s: float = 30.0):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        store,
+        *,
+        prefix: str,
+        timeout_s: float = 30.0,
+        host: str | None = "127.0.0.1",
+    ):
         import torch.distributed as dist
 
         check_int("size", size, minimum=1)
         check_int("rank", rank, minimum=0, below=size)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=timeout_s)
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        opts._devices = [_gloo_device(host)]
         pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, opts)
         super().__init__(pg, rank, size, timeout_s)
+
+
+def _gloo_device(host: str | None):
+    """A gloo device bound to ``host``; None: ``GLOO_SOCKET_IFNAME``'s interface when set, else
+    torch's default (the host name's address)."""
+    import torch.distributed as dist
+
+    pg = dist.ProcessGroupGloo
+    if host is not None:
+        return pg.create_device(hostname=host)
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    return pg.create_device(interface=ifname) if ifname else pg.create_default_device()
 
 
 class NcclGroup(_DistGroup):

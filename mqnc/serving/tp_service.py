@@ -36,6 +36,7 @@ from mqnc.serving.corpus import Corpus
 from mqnc.serving.service import (
     KEY,
     corpus_terms,
+    gloo_bind_host,
     publish_commitment,
     publish_done,
     read_commitments,
@@ -89,13 +90,16 @@ def _check_layout(corpus: Corpus, world: int, degree: int) -> tuple[list[int], l
 
 
 def _serve_holder(corpus, part, tr, store, instance, requester_ranks, *, kernels, device,
-                  timeout_s) -> TPHolder:  # fmt: skip
+                  timeout_s, host) -> TPHolder:  # fmt: skip
     """Load this rank's columns of its instance's chunks and serve until every requester rank
     is done or gone."""
     n, r = part.degree, tr.rank % part.degree
     commitments = read_commitments(store, requester_ranks, timeout_s)
-    group_type = NcclGroup if torch.device(device).type == "cuda" else GlooGroup
-    group = group_type(r, n, store, prefix=f"{KEY}/tp-group/{instance}", timeout_s=timeout_s)
+    prefix = f"{KEY}/tp-group/{instance}"
+    if torch.device(device).type == "cuda":
+        group = NcclGroup(r, n, store, prefix=prefix, timeout_s=timeout_s)
+    else:
+        group = GlooGroup(r, n, store, prefix=prefix, timeout_s=timeout_s, host=host)
     mine = corpus.chunks_on(instance)
     blocks = sum(-(-c.tokens // corpus.block_size) for c in mine) or 1
     holder = TPHolder(
@@ -145,11 +149,15 @@ def run_tp_rank(
     requester_ranks = [i * degree + r for i in requester_instances for r in range(degree)]
     secret = None if instance in holders else publish_commitment(store, rank)
     terms = {**corpus_terms(corpus), "tp_degree": degree}
-    tr = connect("gloo", rank, world, store, slot_bytes=corpus.slot_bytes(max_rows), agree=terms)
+    host = gloo_bind_host(None, master)  # where gloo's pairs listen (mqnc.serving.service)
+    options = {} if host is None else {"host": host}
+    slot = corpus.slot_bytes(max_rows)
+    tr = connect("gloo", rank, world, store, slot_bytes=slot, agree=terms, **options)
     try:
         if instance in holders:
             h = _serve_holder(corpus, part, tr, store, instance, requester_ranks,
-                              kernels=kernels, device=device, timeout_s=timeout_s)  # fmt: skip
+                              kernels=kernels, device=device, timeout_s=timeout_s,
+                              host=host)  # fmt: skip
             return dict(role="holder", rank=rank, stats=dict(h.stats), engine="gloo")
         if job is None:
             raise ValueError(f"job: rank {rank} is a requester and needs a job")
