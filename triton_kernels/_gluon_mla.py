@@ -272,3 +272,286 @@ def gluon_mla_decode_kernel(
     o_base = O + split.to(gl.int64) * stride_os + r.to(gl.int64) * stride_ob
     lse_base = LSE + split.to(gl.int64) * stride_ls + r.to(gl.int64) * stride_lb
     _store_outputs(o_base, lse_base, acc, m_i, l_i, h0, H, stride_oh, stride_lh, row_s, o_layout)
+
+
+# ---- the see-saw schedule: warp-specialized (two consumer warpgroups and a TMA warp) ----------
+# Pages are paired: page A = 2k of a split's pages (warpgroup 0's QK^T and softmax), page B =
+# 2k + 1 (warpgroup 1's), in buffers 0 and 1. Barriers: 0 Q ready; 1 / 2 page A / B ready (TMA
+# bytes); 3 / 4 page A / B free (one arrival from each consumer); 5 A's P, max and sum published;
+# 6 B's. ``stats`` rows: 0 A's max, 1 A's row sum, 2 the pair's max (B's), 3 B's row sum.
+
+
+@constexpr_function
+def _wg_layout(n):
+    """The ``[64, n]`` wgmma accumulator layout of one warpgroup (4 warps)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _opaque_zero(k):
+    """0, computed from ``k`` so the compiler cannot hoist what it indexes out of the loop:
+    the wgmma descriptors of a fixed buffer would otherwise be hoisted, 72 of them held (and
+    spilled) across the loop."""
+    return gl.inline_asm_elementwise(
+        "mov.u32 $0, 0;", "=r,r", [k], dtype=gl.int32, is_pure=True, pack=1
+    )
+
+
+@gluon.jit
+def _ss_loader(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_splits, q_lat, q_pe,
+               kv_lat, kv_pe, bars, stats, O, LSE, o_strides, l_strides, qk_scale,
+               S_Q: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+    """The TMA warp: Q once, then page ``i`` of the split into buffer ``i % 2`` as soon as both
+    consumers have released that buffer's previous page."""
+    r, h0, seq, n, split, blk0, n_iter = _row_range(
+        LENS, H, n_blocks_row, num_splits, S_Q, CAUSAL, 64
+    )
+    _load_query(q_desc, r * H + h0, bars.index(0), q_lat.index(0), q_pe.index(0))
+    table_row = TABLE + seq.to(gl.int64) * stride_tb
+    for i in range(n_iter):
+        buf = i % 2
+        mbarrier.wait(bars.index(3 + buf), ((i // 2) & 1) ^ 1)  # (a fresh barrier passes)
+        ready = bars.index(1 + buf)
+        mbarrier.expect(ready, (D_V // BOX + 1) * kv_desc.block_type.nbytes)
+        row = gl.load(table_row + blk0 + i) * BOX
+        lat = kv_lat.index(buf)
+        for c in gl.static_range(D_V // BOX):
+            tma.async_copy_global_to_shared(
+                kv_desc, [row, c * BOX], ready, lat.slice(c * BOX, BOX, dim=1)
+            )
+        tma.async_copy_global_to_shared(kv_desc, [row, D_V], ready, kv_pe.index(buf))
+
+
+@gluon.jit
+def _ss_scores(q_lat, q_pe, lat, pe, t, n, qk_scale, s_layout: gl.constexpr):
+    """One warpgroup's own page: ``QK^T [64, 64]`` (two async wgmma groups, then waited), in
+    base 2, entries ``>= n`` masked."""
+    s = gl.zeros([64, 64], gl.float32, s_layout)
+    s = warpgroup_mma(q_lat, lat.permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_pe, pe.permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    offs = t + gl.arange(0, 64, gl.SliceLayout(0, s_layout))
+    return gl.where((offs < n)[None, :], s * qk_scale, -float("inf"))
+
+
+@gluon.jit
+def _ss_zero_tail(lat, valid):
+    """Zero the value rows ``>= valid`` of a page (one warpgroup; padding may hold NaN)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    keep = (gl.arange(0, 64, gl.SliceLayout(1, layout)) < valid)[:, None]
+    for c in gl.static_range(D_V // BOX):
+        box = lat.slice(c * BOX, BOX, dim=1)
+        x = box.load(layout)
+        box.store(gl.where(keep, x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _ss_publish(p, m, p_sum, pe, stats, row: gl.constexpr, lat, t, n, bar):
+    """Publish a page's ``P`` (bf16, over its rope tile, read by ``QK^T`` already), its row max
+    and row sum (``stats`` rows ``row``, ``row + 1``), its tail zeroed; then signal ``bar``."""
+    pe.store(p.to(gl.bfloat16))
+    stats.index(row).store(m)
+    stats.index(row + 1).store(p_sum)
+    if t + 64 > n:
+        _ss_zero_tail(lat, n - t)
+    fence_async_shared()
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _ss_pv(acc, p_smem, lat, HALF: gl.constexpr):
+    """``acc += P V[:, 256 HALF ..]``: this warpgroup's 256 output columns of a page, waited."""
+    acc = warpgroup_mma(p_smem, lat.slice(HALF * 256, 256, dim=1), acc, is_async=True)
+    return warpgroup_mma_wait(0, deps=(acc,))
+
+
+@gluon.jit
+def _ss_store(acc, m_i, l_i, O, LSE, r, h0, H, split, o_strides, l_strides,
+              HALF: gl.constexpr, o_layout: gl.constexpr, row_s: gl.constexpr):  # fmt: skip
+    """This warpgroup's 256 columns of ``o = acc / l``; warpgroup 0 also writes the natural-log
+    ``lse``. An empty split writes ``o = 0, lse = -inf``."""
+    so_s, so_b, so_h = o_strides
+    sl_s, sl_b, sl_h = l_strides
+    nonempty = l_i != 0.0
+    inv_l = gl.where(nonempty, 1.0 / gl.where(nonempty, l_i, 1.0), 0.0)
+    o = acc * gl.convert_layout(inv_l, gl.SliceLayout(1, o_layout))[:, None]
+    offs_h = h0 + gl.arange(0, 64, gl.SliceLayout(1, o_layout))
+    offs_d = HALF * 256 + gl.arange(0, 256, gl.SliceLayout(0, o_layout))
+    o_base = O + split.to(gl.int64) * so_s + r.to(gl.int64) * so_b
+    o_ptrs = o_base + offs_h[:, None] * so_h + offs_d[None, :]
+    gl.store(o_ptrs, o.to(O.dtype.element_ty), mask=(offs_h < H)[:, None])
+    if HALF == 0:
+        lse = gl.where(nonempty, (m_i + gl.log2(gl.where(nonempty, l_i, 1.0))) * LN2, -float("inf"))
+        offs_hs = h0 + gl.arange(0, 64, row_s)
+        lse_base = LSE + split.to(gl.int64) * sl_s + r.to(gl.int64) * sl_b
+        gl.store(lse_base + offs_hs * sl_h, lse, mask=offs_hs < H)
+
+
+@gluon.jit
+def _ss_first(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_splits, q_lat, q_pe,
+              kv_lat, kv_pe, bars, stats, O, LSE, o_strides, l_strides, qk_scale,
+              S_Q: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+    """Warpgroup 0: ``QK^T`` and softmax of each pair's page A, output columns 0..255: rescale,
+    ``P_A V_A``, then (B's max and ``P_B`` published) rescale again and ``P_B V_B``."""
+    s_layout: gl.constexpr = _wg_layout(64)
+    o_layout: gl.constexpr = _wg_layout(256)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    r, h0, seq, n, split, blk0, n_iter = _row_range(
+        LENS, H, n_blocks_row, num_splits, S_Q, CAUSAL, 64
+    )
+    m_i = gl.full([64], -float("inf"), gl.float32, row_s)
+    l_i = gl.zeros([64], gl.float32, row_s)
+    acc = gl.zeros([64, 256], gl.float32, o_layout)
+    mbarrier.wait(bars.index(0), 0)
+    for k in range(gl.cdiv(n_iter, 2)):
+        t = (blk0 + 2 * k) * 64
+        z = _opaque_zero(k)
+        lat_a, pe_a, lat_b, pe_b = (
+            kv_lat.index(z),
+            kv_pe.index(z),
+            kv_lat.index(z + 1),
+            kv_pe.index(z + 1),
+        )
+        mbarrier.wait(bars.index(1), k & 1)
+        s = _ss_scores(q_lat.index(z), q_pe.index(z), lat_a, pe_a, t, n, qk_scale, s_layout)
+        m_a = gl.maximum(m_i, gl.max(s, 1))
+        m_sa = gl.where(m_a == -float("inf"), 0.0, m_a)
+        p = gl.exp2(s - m_sa[:, None])
+        alpha = gl.exp2(m_i - m_sa)
+        p_sum = gl.sum(p, 1)
+        _ss_publish(p, m_a, p_sum, pe_a, stats, 0, lat_a, t, n, bars.index(5))
+        acc = _ss_pv(acc * gl.convert_layout(alpha, row_o)[:, None], pe_a, lat_a, 0)
+        mbarrier.arrive(bars.index(3), count=1)  # page A's left half and P_A read
+        mbarrier.wait(bars.index(6), k & 1)  # the pair's max, B's row sum and P_B
+        m_i = stats.index(2).load(row_s)
+        beta = gl.exp2(m_sa - gl.where(m_i == -float("inf"), 0.0, m_i))
+        l_i = (l_i * alpha + p_sum) * beta + stats.index(3).load(row_s)
+        acc = acc * gl.convert_layout(beta, row_o)[:, None]
+        if 2 * k + 1 < n_iter:
+            acc = _ss_pv(acc, pe_b, lat_b, 0)
+            mbarrier.arrive(bars.index(4), count=1)  # page B's left half and P_B read
+    _ss_store(acc, m_i, l_i, O, LSE, r, h0, H, split, o_strides, l_strides, 0, o_layout, row_s)
+
+
+@gluon.jit
+def _ss_second(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_splits, q_lat, q_pe,
+               kv_lat, kv_pe, bars, stats, O, LSE, o_strides, l_strides, qk_scale,
+               S_Q: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+    """Warpgroup 1: ``QK^T`` of each pair's page B (under warpgroup 0's softmax), then, A's max
+    published, the pair's max and ``P_B``; output columns 256..511 over both pages."""
+    s_layout: gl.constexpr = _wg_layout(64)
+    o_layout: gl.constexpr = _wg_layout(256)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    r, h0, seq, n, split, blk0, n_iter = _row_range(
+        LENS, H, n_blocks_row, num_splits, S_Q, CAUSAL, 64
+    )
+    m_i = gl.full([64], -float("inf"), gl.float32, row_s)
+    l_i = gl.zeros([64], gl.float32, row_s)
+    acc = gl.zeros([64, 256], gl.float32, o_layout)
+    mbarrier.wait(bars.index(0), 0)
+    for k in range(gl.cdiv(n_iter, 2)):
+        t = (blk0 + 2 * k + 1) * 64
+        has_b = 2 * k + 1 < n_iter
+        z = _opaque_zero(k)
+        lat_a, pe_a, lat_b, pe_b = (
+            kv_lat.index(z),
+            kv_pe.index(z),
+            kv_lat.index(z + 1),
+            kv_pe.index(z + 1),
+        )
+        s = gl.full([64, 64], -float("inf"), gl.float32, s_layout)  # (no page B: nothing)
+        if has_b:
+            mbarrier.wait(bars.index(2), k & 1)
+            s = _ss_scores(q_lat.index(z), q_pe.index(z), lat_b, pe_b, t, n, qk_scale, s_layout)
+        mbarrier.wait(bars.index(5), k & 1)  # A's max, row sum and P_A
+        m_a = stats.index(0).load(row_s)
+        m_b = gl.maximum(m_a, gl.max(s, 1))
+        m_sa = gl.where(m_a == -float("inf"), 0.0, m_a)
+        m_sb = gl.where(m_b == -float("inf"), 0.0, m_b)
+        p = gl.exp2(s - m_sb[:, None])
+        alpha = gl.exp2(m_i - m_sa)
+        beta = gl.exp2(m_sa - m_sb)
+        p_sum = gl.sum(p, 1)
+        l_i = (l_i * alpha + stats.index(1).load(row_s)) * beta + p_sum
+        m_i = m_b
+        if has_b:
+            _ss_publish(p, m_b, p_sum, pe_b, stats, 2, lat_b, t, n, bars.index(6))
+        else:
+            stats.index(2).store(m_b)
+            stats.index(3).store(p_sum)
+            mbarrier.arrive(bars.index(6), count=1)
+        acc = _ss_pv(acc * gl.convert_layout(alpha, row_o)[:, None], pe_a, lat_a, 1)
+        mbarrier.arrive(bars.index(3), count=1)  # page A's right half and P_A read
+        acc = acc * gl.convert_layout(beta, row_o)[:, None]
+        if has_b:
+            acc = _ss_pv(acc, pe_b, lat_b, 1)
+            mbarrier.arrive(bars.index(4), count=1)
+    _ss_store(acc, m_i, l_i, O, LSE, r, h0, H, split, o_strides, l_strides, 1, o_layout, row_s)
+
+
+@gluon.jit
+def gluon_mla_seesaw_kernel(
+    q_desc,
+    kv_desc,
+    TABLE,
+    LENS,
+    O,
+    LSE,
+    H,
+    n_blocks_row,
+    stride_tb,
+    num_splits,
+    stride_os,
+    stride_ob,
+    stride_oh,
+    stride_ls,
+    stride_lb,
+    stride_lh,
+    qk_scale,
+    S_Q: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """FlashMLA's see-saw on 64 heads of one query row and one split: warpgroup 0 (the default
+    partition, ``num_warps`` 4) and warpgroup 1 (a 4-warp worker) each compute ``QK^T`` for
+    their own page of a pair and half the output columns over both pages, exchanging the row
+    max, row sums and ``P`` through shared memory; a one-warp worker issues the TMA loads."""
+    smem: gl.constexpr = q_desc.layout
+    q_lat = gl.allocate_shared_memory(gl.bfloat16, [1, 64, D_V], smem)
+    q_pe = gl.allocate_shared_memory(gl.bfloat16, [1, 64, BOX], smem)
+    kv_lat = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D_V], smem)
+    kv_pe = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BOX], smem)
+    stats = gl.allocate_shared_memory(gl.float32, [4, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    bars = gl.allocate_shared_memory(gl.int64, [7, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(7):
+        mbarrier.init(bars.index(i), count=2 if i == 3 or i == 4 else 1)
+    o_strides = (stride_os, stride_ob, stride_oh)
+    l_strides = (stride_ls, stride_lb, stride_lh)
+    args = (
+        q_desc,
+        kv_desc,
+        TABLE,
+        LENS,
+        H,
+        n_blocks_row,
+        stride_tb,
+        num_splits,
+        q_lat,
+        q_pe,
+        kv_lat,
+        kv_pe,
+        bars,
+        stats,
+        O,
+        LSE,
+        o_strides,
+        l_strides,
+        qk_scale,
+        S_Q,
+        CAUSAL,
+    )
+    gl.warp_specialize(
+        [(_ss_first, args), (_ss_second, args), (_ss_loader, args)], [4, 1], [240, 24]
+    )

@@ -40,15 +40,32 @@ second from L2):
   outputs directly. ``num_splits=None``: ``_grid.choose_num_splits`` at one CTA per SM (the
   kernel's 221,720 B of shared memory).
 
-What is not FlashMLA's schedule, and why: both warpgroups run one instruction stream (no
-``warp_specialize``), so they meet at the row-max reduction and at the ``P`` exchange instead
-of see-sawing (one warpgroup's softmax under the other's MMA); the ``wgmma`` waits leave no
-group in flight (a loop-carried in-flight accumulator made ptxas serialize every HGMMA of the
-loop: 40 waits instead of 2, seen under triton 3.6.0), so the overlap is the TMA prefetch
-under the block's MMAs and softmax, the row-sum under ``PV``, and the page-id load and TMA
-issue under ``QK^T``. At ``block_n=128`` (each warpgroup its own page, FlashMLA's split) two
-pages fill all shared memory left beside Q, so that variant has one stage and loads the next
-block only after ``PV``: a comparison point for the GPU check, not the candidate default.
+Where ``schedule="sync"`` is not FlashMLA's schedule, and why: both warpgroups run one
+instruction stream, so they meet at the row-max reduction and at the ``P`` exchange instead of
+see-sawing (one warpgroup's softmax under the other's MMA); the ``wgmma`` waits leave no group
+in flight (a loop-carried in-flight accumulator made ptxas serialize every HGMMA of the loop:
+40 waits instead of 2, seen under triton 3.6.0), so the overlap is the TMA prefetch under the
+block's MMAs and softmax, the row-sum under ``PV``, and the page-id load and TMA issue under
+``QK^T``. At ``block_n=128`` (each warpgroup its own page, FlashMLA's split) two pages fill all
+shared memory left beside Q, so that variant has one stage and loads the next block only after
+``PV``: a comparison point for the GPU check.
+
+``schedule="seesaw"`` is FlashMLA's see-saw, warp-specialized (``gl.warp_specialize``; 12
+warps, 168 registers at launch, 222,464 B of shared memory): a split's pages are paired, page A
+in buffer 0 and page B in buffer 1, loaded by a one-warp TMA partition as soon as both
+consumers release a buffer. Warpgroup 0 (the default partition, 4 warps, 240 registers)
+computes ``QK^T`` of page A (HGMMA 64x64x16, its own page) while warpgroup 1 (a 4-warp worker,
+240 registers) computes page B's; warpgroup 0's softmax publishes A's row max, row sum and
+``P_A`` (over A's rope tile) through shared memory and an mbarrier; warpgroup 1 takes the
+pair's max from A's and its own scores, publishes ``P_B`` and the pair's max; each warpgroup
+rescales its own 256 output columns (``[64, 256]`` fp32, 128 registers a thread) and
+accumulates ``P_A V_A`` and ``P_B V_B`` into them (HGMMA 64x256x16). So warpgroup 1's softmax
+runs under warpgroup 0's ``P_A V_A``, and warpgroup 0's ``QK^T`` of the next page under
+warpgroup 1's ``PV``. Each wgmma is waited at once (no group left in flight within a
+warpgroup: the overlap is between the warpgroups). The buffers are indexed through an opaque
+zero (inline asm) so the compiler recomputes the 72 wgmma descriptors per pair instead of
+hoisting and spilling them. Not yet FlashMLA's: one mbarrier per page (FlashMLA waits per
+64 x 64 box, so ``QK^T`` starts on the first box), and no third buffer.
 
 Inputs: bf16 only, 576-wide rows (512 latent + 64 rope), page size 64, one KV head.
 """
@@ -79,6 +96,7 @@ __all__ = [
     "gluon_supported",
     "compile_gluon_decode",
     "BLOCK_NS",
+    "SCHEDULES",
     "PAGE",
     "D_QK",
     "D_V",
@@ -89,7 +107,7 @@ D_QK = 576
 D_V = 512
 BLOCK_H = 64
 BLOCK_NS = (64, 128)  # entries per block: 64 (two-stage ring, the candidate) or 128
-NUM_WARPS = 8
+SCHEDULES = ("sync", "seesaw")
 LOG2E = 1.4426950408889634
 
 
@@ -124,7 +142,8 @@ class _Checked:
     scale: float
 
 
-def _check(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits, block_n):
+def _check(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits, block_n,
+           schedule="sync"):  # fmt: skip
     check_tensor("q", q, ndim=4, dtypes=(torch.bfloat16,))
     b, s_q, h, d = q.shape
     if d != D_QK:
@@ -165,6 +184,10 @@ def _check(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_s
     check_num_splits(num_splits)
     if block_n not in BLOCK_NS:
         raise ValueError(f"block_n: expected one of {BLOCK_NS}, got {block_n!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+    if schedule == "seesaw" and block_n != 64:
+        raise ValueError(f"block_n: the see-saw schedule pairs 64-entry pages, got {block_n}")
     q3 = q.reshape(b * s_q, h, d)
     if q3.stride(2) != 1 or q3.stride(0) != h * q3.stride(1) or q3.stride(1) % 8:
         q3 = q3.contiguous()
@@ -204,13 +227,24 @@ def _descriptors(q3: torch.Tensor, kv2: torch.Tensor):
     return q_desc, kv_desc
 
 
+def _kernel(schedule: str, block_n: int, out: str):
+    """The Gluon kernel of a schedule, its launch name and its own constexprs and options."""
+    from mqnc.triton_kernels import _gluon_mla
+
+    if schedule == "seesaw":
+        name = f"mla_decode_gluon[bfloat16,64x64,seesaw,w4+4+1,out={out}]"
+        return _gluon_mla.gluon_mla_seesaw_kernel, name, dict(num_warps=4)
+    st = _stages(block_n)
+    name = f"mla_decode_gluon[bfloat16,64x{block_n},w8,s{st},out={out}]"
+    return _gluon_mla.gluon_mla_decode_kernel, name, dict(BLOCK_N=block_n, STAGES=st, num_warps=8)
+
+
 def gluon_decode_launches(
-    c: _Checked, *, causal: bool, num_splits: int | None, block_n: int
+    c: _Checked, *, causal: bool, num_splits: int | None, block_n: int, schedule: str = "sync"
 ) -> tuple[torch.Tensor, torch.Tensor, list[Launch]]:
     """The outputs ``o [R, H, 512]`` (bf16), ``lse [R, H]`` (fp32, natural log) and the
     launches that write them (the Gluon kernel, then the merge kernel when split), for checked
     inputs; nothing launches here."""
-    from mqnc.triton_kernels._gluon_mla import gluon_mla_decode_kernel
 
     R, H, _ = c.q3.shape
     max_blocks = c.table.shape[1]
@@ -220,10 +254,10 @@ def gluon_decode_launches(
     if R * H == 0:
         return o, lse, []
     q_desc, kv_desc = _descriptors(c.q3, c.kv2)
-    out = "fp32-split" if num_splits > 1 else "bf16"
+    fn, name, options = _kernel(schedule, block_n, "fp32-split" if num_splits > 1 else "bf16")
     kernel = Launch(
-        name=f"mla_decode_gluon[bfloat16,64x{block_n},w8,s{_stages(block_n)},out={out}]",
-        kernel=gluon_mla_decode_kernel,
+        name=name,
+        kernel=fn,
         grid=(R * triton.cdiv(H, BLOCK_H), num_splits),
         args=(
             q_desc,
@@ -239,13 +273,7 @@ def gluon_decode_launches(
             *split_strides(o_part, lse_part),
             c.scale * LOG2E,
         ),
-        kwargs=dict(
-            S_Q=c.s_q,
-            CAUSAL=causal,
-            BLOCK_N=block_n,
-            STAGES=_stages(block_n),
-            num_warps=NUM_WARPS,
-        ),
+        kwargs=dict(S_Q=c.s_q, CAUSAL=causal, **options),
     )
     launches = [kernel]
     if num_splits > 1:
@@ -263,6 +291,7 @@ def mla_decode_gluon(
     causal: bool = False,
     num_splits: int | None = None,
     block_n: int = 64,
+    schedule: str = "sync",
     check_inputs: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense paged partial attention in FlashMLA's layout, by the Gluon kernel (module
@@ -289,7 +318,11 @@ def mla_decode_gluon(
     num_splits : int or None
         Splits of each row's cache (None: the split policy, one CTA per SM).
     block_n : int
-        64 (two-stage TMA ring, the candidate) or 128 (each warpgroup its own page, one stage).
+        ``"sync"``: 64 (two-stage TMA ring) or 128 (each warpgroup its own page, one stage);
+        ``"seesaw"``: 64.
+    schedule : str
+        ``"sync"`` (8 warps in one instruction stream) or ``"seesaw"`` (warp-specialized,
+        FlashMLA's see-saw; module docstring).
     check_inputs : bool
         Check every length against the table's capacity (one device sync).
 
@@ -308,7 +341,17 @@ def mla_decode_gluon(
     RuntimeError
         No CUDA sm_90 device (a CPU, the interpreter, another GPU) or no Gluon in this triton.
     """
-    c = _check(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits, block_n)
+    c = _check(
+        q,
+        kv_cache,
+        block_table,
+        cache_seqlens,
+        softmax_scale,
+        causal,
+        num_splits,
+        block_n,
+        schedule,
+    )
     why = gluon_supported(q.device)
     if why is not None:
         raise RuntimeError(f"mla_decode_gluon: {why}; the default path is mla_decode_with_kvcache")
@@ -320,7 +363,7 @@ def mla_decode_gluon(
                 f"capacity), got {lo} .. {hi}"
             )
     o, lse, launches = gluon_decode_launches(
-        c, causal=causal, num_splits=num_splits, block_n=block_n
+        c, causal=causal, num_splits=num_splits, block_n=block_n, schedule=schedule
     )
     for launch in launches:
         launch()
@@ -330,7 +373,13 @@ def mla_decode_gluon(
 
 
 def compile_gluon_decode(
-    *, batch: int, heads: int, max_blocks: int, num_splits: int, block_n: int = 64
+    *,
+    batch: int,
+    heads: int,
+    max_blocks: int,
+    num_splits: int,
+    block_n: int = 64,
+    schedule: str = "sync",
 ):
     """Compile the Gluon kernel for sm_90 exactly as a launch at these values would (the
     launch's own arguments through ``JITFunction.warmup`` under ``_compile``'s compile-only
@@ -348,8 +397,11 @@ def compile_gluon_decode(
         False,
         num_splits,
         block_n,
+        schedule,
     )
-    _, _, launches = gluon_decode_launches(c, causal=False, num_splits=num_splits, block_n=block_n)
+    _, _, launches = gluon_decode_launches(
+        c, causal=False, num_splits=num_splits, block_n=block_n, schedule=schedule
+    )
     ln = launches[0]
     with _compile_only(90):
         return ln.name, ln.kernel.warmup(*ln.args, grid=ln.grid, **ln.kwargs)
