@@ -165,6 +165,7 @@ class GroupReduce:
     rank: int
     size: int
     broken: str | None = None
+    device = torch.device("cpu")  # where the reduced tensors live (NCCL: the rank's GPU)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -244,8 +245,10 @@ def _gloo_device(host: str | None):
 
 
 class NcclGroup(_DistGroup):
-    """The holder group over NCCL (CUDA tensors, one GPU per rank): the reduction a GPU
-    deployment runs over NVLink. Not exercised without GPUs."""
+    """The holder group over NCCL (CUDA tensors, one GPU per rank, the current device): the
+    reduction a GPU deployment runs over NVLink. Its bound on a stalled member is NCCL's own
+    (the group's timeout through its watchdog; ``TORCH_NCCL_BLOCKING_WAIT=1`` makes the host
+    wait raise). Not yet run on GPUs."""
 
     def __init__(self, rank: int, size: int, store, *, prefix: str, timeout_s: float = 30.0):
         import torch.distributed as dist
@@ -256,6 +259,7 @@ class NcclGroup(_DistGroup):
         opts._timeout = datetime.timedelta(seconds=timeout_s)
         pg = dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, opts)
         super().__init__(pg, rank, size, timeout_s)
+        self.device = torch.device("cuda", torch.cuda.current_device())
 
 
 class ThreadGroup:

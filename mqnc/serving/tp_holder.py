@@ -331,8 +331,8 @@ class TPHolder:
         table = torch.zeros(self.degree, AGREE_MAX, len(FIELDS), dtype=torch.int64)
         for i, key in enumerate(sorted(self._pending)[:AGREE_MAX]):
             table[self.rank, i] = torch.tensor(self._pending[key].row(self.degree))
-        device = getattr(self.group, "device", None)
-        if device is not None and device.type != "cpu":
+        device = self.group.device
+        if device.type != "cpu":
             return self.group.all_reduce_sum(table.to(device)).cpu()
         return self.group.all_reduce_sum(table)
 
