@@ -542,3 +542,54 @@ def test_combine_with_programmatic_dependent_launch_compiles_for_sm90():
     assert plain[2] == pdl[2] == 0
     assert (plain[3], plain[4]) == (False, 0)
     assert pdl[0].endswith(",pdl]") and pdl[3] is True and pdl[4] >= 1
+
+
+_SEESAW = """
+import json
+from mqnc.triton_kernels._compile import resources
+from mqnc.triton_kernels.mla_decode_gluon import compile_gluon_decode
+rows = []
+for splits in (2, 1):
+    name, c = compile_gluon_decode(
+        batch=64, heads=128, max_blocks=128, num_splits=splits, schedule="seesaw")
+    r = resources(name, c)
+    ptx = c.asm["ptx"]
+    rows.append({"name": name, "registers": r.registers, "spill": r.stack + r.local,
+                 "shared": r.shared, "warps": r.num_warps, "sass": r.sass,
+                 "mma_macs": r.mma_macs, "waits": list(r.wgmma_waits), "ttgir": r.ttgir,
+                 "setmaxnreg": [int(x) for x in __import__("re").findall(
+                     r"setmaxnreg\\.(?:inc|dec)\\.sync\\.aligned\\.u32\\s+(\\d+)", ptx)]})
+print(json.dumps(rows))
+"""
+
+
+def test_gluon_seesaw_compiles_for_sm90_warp_specialized():
+    """The warp-specialized see-saw schedule of the Gluon decode kernel (``schedule="seesaw"``)
+    compiles for sm_90 under triton 3.6 at the production launch (H 128, B 64, c_t 8192, split
+    and unsplit): 12 warps (two 4-warp consumers and a TMA warp) at a launch register count
+    that fits the SM (<= 65,536 / 384), consumers raised to 240 by ``setmaxnreg``, no spills,
+    one CTA's shared memory; each consumer's HGMMA computes ``QK^T`` for its own page (36 x
+    64x64x16) and ``PV`` for its own 256 columns of both pages (2 x 4 x 64x256x16), so the
+    multiply-accumulates per pair are the ideal ``64 x 128 x (576 + 512)`` (``resources``
+    counts each HGMMA once per 4 of the CTA's 12 warps: 3 x), and ptxas kept the wgmma groups
+    (one wait per TTGIR wait). Other tritons skip (3.9.0's Gluon renamed the TMA copy)."""
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip(f"the Gluon kernel targets triton 3.6's Gluon API, not {triton.__version__}")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run(
+        [sys.executable, "-c", _SEESAW], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2
+    for row in rows:
+        print({k: v for k, v in row.items() if k != "ttgir"})
+        assert row["warps"] == 12 and row["registers"] * 384 <= 65536, row
+        assert row["spill"] == 0 and row["shared"] <= SM90.shared_per_cta, row
+        assert 240 in row["setmaxnreg"] and 24 in row["setmaxnreg"], row["setmaxnreg"]
+        assert row["sass"]["HGMMA"] == 2 * (576 // 16 + 2 * 4), row["sass"]
+        assert row["mma_macs"] == 3 * 64 * 128 * (576 + 512)
+        assert row["sass"].get("UTMALDG", 0) > 0 and row["ttgir"]["tma_copies"] > 0
+        assert not any(k.startswith("LDGSTS") for k in row["sass"])
+        assert len(row["waits"]) == len(row["ttgir"]["wgmma_pendings"]), row["waits"]
