@@ -268,7 +268,8 @@ def test_bench_holder_cpu(tmp_path, capsys):
         ("bench_mla", ["--quick", "--only", "sparse", "--reps", "2"],
          {("mla_sparse", "H=16,corpus=8192")}),
         ("bench_splice", ["--quick", "--c-t", "55", "--layers", "2", "--reps", "1"],
-         {("splice", v) for v in ("one-launch", "per-layer", "torch", "torch-per-layer")}),
+         {("splice", v)
+          for v in ("one-launch", "per-layer", "persistent", "torch", "torch-per-layer")}),
     ],
 )  # fmt: skip
 def test_kernel_and_predicate_benches_write_records(tmp_path, bench, argv, expect):

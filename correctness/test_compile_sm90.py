@@ -544,6 +544,156 @@ def test_combine_with_programmatic_dependent_launch_compiles_for_sm90():
     assert pdl[0].endswith(",pdl]") and pdl[3] is True and pdl[4] >= 1
 
 
+# What decides the memory-bound numbers, per default MLA variant and triton
+# (``_compile.mla_evidence``): (KV tiles in the shared-memory ring, the longest chain of
+# dependent global reads, TMA loads, CTAs per SM). Read off a launch-exact compile under each
+# triton; a default variant with a shallower ring, a longer chain, fewer TMA loads or fewer CTAs
+# per SM fails below (an improvement updates its row). The dense chain is 3 (the row's length,
+# its page ids, the KV tile), the sparse one 2 (the indices, the KV tile); no default loads by
+# TMA (the restructured ``-tma`` candidates do, docs/kernel-schedule.md).
+# fmt: off
+READS: dict[str, dict[str, tuple]] = {
+    "3.6.0": {
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split]":
+            (2, 3, 0, 1),
+        "mla_decode[bfloat16,16x64,w8,s5,out=bfloat16]":
+            (2, 3, 0, 1),
+        "mla_decode[bfloat16,64x32,w8,s3,out=fp32-split]":
+            (2, 3, 0, 1),
+        "mla_decode[bfloat16,64x32,w8,s3,out=bfloat16]":
+            (2, 3, 0, 1),
+        "mla_sparse[bfloat16,16x32,w8,s5,out=fp32-split]":
+            (2, 2, 0, 1),
+        "mla_sparse[bfloat16,64x16,w8,s5,out=fp32-split]":
+            (3, 2, 0, 1),
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split,page=1,csr]":
+            (2, 3, 0, 1),
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split,page=1,csr,split-kv]":
+            (2, 3, 0, 1),
+        "mla_decode[bfloat16,64x32,w8,s3,out=fp32-split,page=1,csr,split-kv]":
+            (2, 3, 0, 1),
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split,page=16,split-kv]":
+            (2, 3, 0, 1),
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split,sq,causal]":
+            (2, 3, 0, 1),
+        "mla_decode[bfloat16,64x32,w8,s3,out=fp32-split,sq,causal]":
+            (2, 3, 0, 1),
+        "mla_sparse[bfloat16,64x16,w8,s5,out=fp32-split,split-kv]":
+            (3, 2, 0, 1),
+        "mla_decode[float32,16x16,w16,s5,out=fp32-split]":
+            (2, 3, 0, 1),
+        "mla_sparse[float32,16x16,w16,s5,out=fp32-split]":
+            (2, 2, 0, 1),
+    },
+    "3.9.0": {
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split]":
+            (2, 3, 0, 1),
+        "mla_decode[bfloat16,16x64,w8,s5,out=bfloat16]":
+            (2, 3, 0, 1),
+        "mla_decode[bfloat16,32x32,w8,s5,out=fp32-split]":
+            (2, 3, 0, 1),
+        "mla_decode[bfloat16,32x32,w8,s5,out=bfloat16]":
+            (2, 3, 0, 1),
+        "mla_sparse[bfloat16,16x32,w8,s5,out=fp32-split]":
+            (2, 2, 0, 2),
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split,page=1,csr]":
+            (2, 3, 0, 1),
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split,page=1,csr,split-kv]":
+            (2, 3, 0, 1),
+        "mla_decode[bfloat16,32x32,w8,s5,out=fp32-split,page=1,csr,split-kv]":
+            (2, 3, 0, 1),
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split,page=16,split-kv]":
+            (2, 3, 0, 1),
+        "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split,sq,causal]":
+            (2, 3, 0, 1),
+        "mla_decode[bfloat16,32x32,w8,s5,out=fp32-split,sq,causal]":
+            (2, 3, 0, 1),
+        "mla_sparse[bfloat16,16x32,w8,s5,out=fp32-split,split-kv]":
+            (2, 2, 0, 2),
+        "mla_decode[float32,16x16,w16,s5,out=fp32-split]":
+            (2, 3, 0, 1),
+        "mla_sparse[float32,16x16,w16,s5,out=fp32-split]":
+            (2, 2, 0, 1),
+    },
+}
+# fmt: on
+_READ_KEYS = ("ring", "read_chain", "tma", "cta_per_sm")
+
+
+def reads_regressions(name: str, evidence: dict, pinned: tuple) -> list[str]:
+    """What in ``evidence`` (``mla_evidence``'s dict) is worse than ``pinned``: a longer
+    dependent-read chain, or a shallower ring, fewer TMA loads or CTAs per SM."""
+    out = []
+    for key, pin in zip(_READ_KEYS, pinned, strict=True):
+        value = evidence[key]
+        if value is None or ((value > pin) if key == "read_chain" else (value < pin)):
+            out.append(f"{name}: {key} {value}, pinned {pin}")
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n.startswith("mla_")])
+def test_default_mla_reads_do_not_regress(compiled, name):
+    """Each default MLA variant's ring, dependent-read chain, TMA loads and CTAs per SM are no
+    worse than its pinned row under this triton (``READS``; other versions skip)."""
+    version = triton.__version__
+    if version not in READS:
+        pytest.skip(f"no reads pinned for triton {version}")
+    assert name in READS[version], f"{name}: pin its reads for triton {version}"
+    ev = compiled[name]["evidence"]
+    assert reads_regressions(name, ev, READS[version][name]) == []
+
+
+def test_reads_regressions_names_what_got_worse():
+    ev = {"ring": 2, "read_chain": 3, "tma": 0, "cta_per_sm": 1}
+    assert reads_regressions("v", ev, (2, 3, 0, 1)) == []
+    assert reads_regressions("v", {**ev, "ring": 3, "read_chain": 2, "tma": 8}, (2, 3, 0, 1)) == []
+    worse = {"ring": 1, "read_chain": 4, "tma": 0, "cta_per_sm": 0}
+    assert reads_regressions("v", worse, (2, 3, 0, 1)) == [
+        "v: ring 1, pinned 2",
+        "v: read_chain 4, pinned 3",
+        "v: cta_per_sm 0, pinned 1",
+    ]
+    assert reads_regressions("v", {**ev, "read_chain": None}, (2, 3, 0, 1)) == [
+        "v: read_chain None, pinned 3"
+    ]
+
+
+_PERSISTENT_SPLICE = """
+import json
+from mqnc.triton_kernels._compile import compile_launch, resources
+from mqnc.triton_kernels._variants import Shape, shape_launches
+from mqnc.triton_kernels.splice import persistent_splice
+rows = []
+for delta in ("int", "[T]"):
+    for persistent in (False, True):
+        with persistent_splice(persistent):
+            (ln,) = shape_launches(Shape("splice", ct=2048, L=27, delta=delta))
+        r = resources(ln.name, compile_launch(ln.kernel, ln.args, ln.kwargs, grid=ln.grid))
+        rows.append([ln.name, list(ln.grid), r.registers, r.stack + r.local, r.shared])
+print(json.dumps(rows))
+"""
+
+
+def test_persistent_splice_compiles_for_sm90_without_spills():
+    """The persistent-grid splice candidate (``splice.persistent_splice``) at the goal shape
+    (27 layers x 2048 tokens, one delta and a delta per token) compiles for sm_90 at its
+    launch values (132 SMs x 4 programs) without spills, like the default splice beside it."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run(
+        [sys.executable, "-c", _PERSISTENT_SPLICE],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, grid, regs, spill, shared in rows:
+        print(f"triton {triton.__version__} {name} grid {grid}: {regs} regs, {spill} B spilled")
+        assert spill == 0, (name, spill)
+    assert [row[1] for row in rows if row[0].endswith(",persistent]")] == [[528], [528]]
+
+
 _SEESAW = """
 import json
 from mqnc.triton_kernels._compile import resources

@@ -362,3 +362,51 @@ def test_rotate_rejects_bad_input():
         rope_rotate(x.to(torch.int64), 1, _spec())
     with pytest.raises(ValueError, match="x: expected the last dim"):
         rope_rotate(torch.zeros(2, 64, device=device), 1, _spec())
+
+
+@pytest.mark.parametrize(
+    "dtype, delta_kind, layers",
+    [
+        (torch.bfloat16, "per_token", "stacked"),
+        (torch.float32, "int", "stacked"),
+        (torch.bfloat16, "int", "list"),
+    ],
+    ids=str,
+)
+def test_persistent_splice_writes_the_default_splice_bit_for_bit(
+    monkeypatch, dtype, delta_kind, layers
+):
+    """The persistent-grid candidate (``splice.persistent_splice``): each program strides over
+    the (token tile, layer) pairs (here 4 programs for 3 layers x 3 tiles, so programs loop),
+    doing one default program's arithmetic per pair: the same pool bit for bit (so the latent
+    copy is exact and the rotation within the fp64 reference's bound, as the default's), the
+    other slots left NaN; stacked or per-layer pools, one or per-token deltas."""
+    from mqnc.triton_kernels import splice
+
+    monkeypatch.setattr(splice, "sm_count", lambda device: 1)
+    g = torch.Generator().manual_seed(7)
+    spec = _spec()
+    L, ct, block_size, num_blocks = 3, 19, 16, 3
+    chunk = _entries(g, L, ct, D, dtype=dtype, device=device)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:ct].to(device)
+    d = torch.randint(-200_000, 200_000, (ct,), generator=g).to(device)
+    d = d if delta_kind == "per_token" else 123_457
+
+    def pools(persistent):
+        pool = _nan_pool(L, num_blocks, block_size, dtype, device)
+        target = list(pool.unbind(0)) if layers == "list" else pool
+        with splice.persistent_splice(persistent):
+            rope_splice(chunk, target, slots, d, spec)
+        return pool
+
+    plain, persistent = pools(False), pools(True)
+    assert torch.equal(plain.isnan(), persistent.isnan())
+    assert torch.equal(plain.nan_to_num(), persistent.nan_to_num())
+    expected = rope_splice_reference(chunk, _nan_pool(L, num_blocks, block_size, dtype, device),
+                                     slots, d, spec)  # fmt: skip
+    assert_close(persistent, expected, tolerance("rope", dtype), name="pool")
+    launch = splice.splice_launch(
+        chunk, plain, slots, d, torch.zeros(32, dtype=torch.float64), ct, L, block_size,
+        (chunk.stride(0), chunk.stride(1)), plain.stride()[:3], spec, persistent=True,
+    )  # fmt: skip
+    assert launch.grid == (splice.PERSISTENT_CTAS_PER_SM,) and launch.name.endswith(",persistent]")

@@ -7,6 +7,9 @@ frequencies, per-token delta, scattered slots):
 
 ``one-launch``   :func:`mqnc.triton_kernels.splice.rope_splice` over all L layers.
 ``per-layer``    the same kernel launched once per layer (the paper's structure).
+``persistent``   the persistent-grid candidate (:func:`mqnc.triton_kernels.splice.
+                 persistent_splice`: SMs x 4 programs striding over the (token tile, layer)
+                 pairs), the same pool bit for bit; ``extra.candidate_of`` names the goal shape.
 ``torch``        the torch path (cos/sin table from float64 angles, gather-rotate-scatter),
                  batched over layers; ``torch-per-layer`` the same, one layer at a time.
 
@@ -130,7 +133,7 @@ def _inputs(ct, layers, device, seed, delta_kind):
 def _variants(rope, layers, triton_backend):
     """``{name: (backend, fn(chunk, pool, slots, delta))}``: the Triton variants when
     ``triton_backend`` is given, and the torch ones."""
-    from mqnc.triton_kernels.splice import rope_splice
+    from mqnc.triton_kernels.splice import persistent_splice, rope_splice
 
     variants = {}
     if triton_backend:
@@ -144,6 +147,12 @@ def _variants(rope, layers, triton_backend):
                 rope_splice(c[layer : layer + 1], p[layer : layer + 1], s, d, rope, validate=False)
 
         variants["per-layer"] = (triton_backend, per_layer)
+
+        def persistent(c, p, s, d):
+            with persistent_splice():
+                rope_splice(c, p, s, d, rope, validate=False)
+
+        variants["persistent"] = (triton_backend, persistent)
     variants["torch"] = ("torch", lambda c, p, s, d: splice_torch(c, p, s, d, rope))
     variants["torch-per-layer"] = (
         "torch",
@@ -217,6 +226,7 @@ def _bench_ct(
             "dtype": "bf16",
             "delta": "per-token" if delta_kind != "int" else "int",
             **({"shape": shape} if shape and name == "one-launch" else {}),
+            **({"candidate_of": shape} if shape and name == "persistent" else {}),
             "block_size": BLOCK_SIZE,
             "speedup_vs_per_layer": base.p50 / t.p50,
             "paper_us_h100": PAPER_SPLICE_US.get(ct),

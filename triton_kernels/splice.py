@@ -32,6 +32,7 @@ with :class:`RopeFrequencies`; this module is their ``"triton"`` implementation.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -39,12 +40,20 @@ import triton
 import triton.language as tl
 
 from mqnc.triton_kernels._checks import FLOAT_DTYPES, check_same_device, check_tensor, dtype_name
+from mqnc.triton_kernels._grid import sm_count
 from mqnc.triton_kernels._launch import Launch
 from mqnc.triton_kernels._numerics import round_to
 from mqnc.triton_kernels._runtime import bf16_rne_in_software, check_launchable, new_output
 from mqnc.triton_kernels.ops import PlainRope, RopeFrequencies, rope_rotate, rope_splice
 
-__all__ = ["rope_splice", "rope_rotate", "RopeFrequencies", "PlainRope", "splice_launch"]
+__all__ = [
+    "rope_splice",
+    "rope_rotate",
+    "RopeFrequencies",
+    "PlainRope",
+    "splice_launch",
+    "persistent_splice",
+]
 
 _HALF_PI_HI = 1.5707963267948966  # float64 nearest pi/2
 _HALF_PI_LO = 6.123233995736766e-17  # pi/2 - _HALF_PI_HI
@@ -83,10 +92,10 @@ def _cos_sin(ang, HALF_PI_HI: tl.constexpr, HALF_PI_LO: tl.constexpr, TWO_OVER_P
     return c, s
 
 
-# The token count and a scalar delta vary from call to call: not specialised (delta = 1 or a
-# token count of 1 would otherwise each compile a separate variant at run time).
-@triton.jit(do_not_specialize=["T", "delta_scalar"])
-def _rope_splice_kernel(
+@triton.jit
+def _splice_tile(
+    pid_t,
+    layer,
     SRC,
     DST,
     SLOTS,
@@ -115,12 +124,8 @@ def _rope_splice_kernel(
     HALF_PI_LO: tl.constexpr,
     TWO_OVER_PI: tl.constexpr,
 ):
-    """One program per (token tile, layer): copy D_NOPE dims, rotate D_ROPE dims by delta.
-
-    ``LAYER_TABLE``: layer ``l``'s pool starts ``LAYER_OFF[l] * LAYER_ALIGN`` elements from
-    ``DST`` (one tensor per layer, vLLM's and SGLang's caches), instead of ``l * stride_dl``."""
-    pid_t = tl.program_id(0)
-    layer = tl.program_id(1).to(tl.int64)
+    """Token tile ``pid_t`` of layer ``layer`` (int64): copy D_NOPE dims, rotate D_ROPE dims
+    by delta (what one program of :func:`_rope_splice_kernel` does)."""
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < T
     if HAS_SLOTS:
@@ -174,6 +179,148 @@ def _rope_splice_kernel(
         round_to(y2, DST.dtype.element_ty, BF16_RNE),
         mask=mask_t[:, None],
     )
+
+
+# The token count and a scalar delta vary from call to call: not specialised (delta = 1 or a
+# token count of 1 would otherwise each compile a separate variant at run time).
+@triton.jit(do_not_specialize=["T", "delta_scalar"])
+def _rope_splice_kernel(
+    SRC,
+    DST,
+    SLOTS,
+    DELTA,
+    INV_FREQ,
+    LAYER_OFF,
+    T,
+    delta_scalar,
+    block_size,
+    stride_sl,
+    stride_st,
+    stride_dl,
+    stride_db,
+    stride_ds,
+    D_NOPE: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    DELTA_PER_TOKEN: tl.constexpr,
+    LAYER_TABLE: tl.constexpr,
+    LAYER_ALIGN: tl.constexpr,
+    BF16_RNE: tl.constexpr,
+    HALF_PI_HI: tl.constexpr,
+    HALF_PI_LO: tl.constexpr,
+    TWO_OVER_PI: tl.constexpr,
+):
+    """One program per (token tile, layer): copy D_NOPE dims, rotate D_ROPE dims by delta.
+
+    ``LAYER_TABLE``: layer ``l``'s pool starts ``LAYER_OFF[l] * LAYER_ALIGN`` elements from
+    ``DST`` (one tensor per layer, vLLM's and SGLang's caches), instead of ``l * stride_dl``."""
+    _splice_tile(
+        tl.program_id(0),
+        tl.program_id(1).to(tl.int64),
+        SRC,
+        DST,
+        SLOTS,
+        DELTA,
+        INV_FREQ,
+        LAYER_OFF,
+        T,
+        delta_scalar,
+        block_size,
+        stride_sl,
+        stride_st,
+        stride_dl,
+        stride_db,
+        stride_ds,
+        D_NOPE,
+        D_ROPE,
+        BLOCK_T,
+        BLOCK_D,
+        INTERLEAVED,
+        HAS_SLOTS,
+        DELTA_PER_TOKEN,
+        LAYER_TABLE,
+        LAYER_ALIGN,
+        BF16_RNE,
+        HALF_PI_HI,
+        HALF_PI_LO,
+        TWO_OVER_PI,
+    )
+
+
+@triton.jit(do_not_specialize=["T", "delta_scalar", "n_tiles", "n_work"])
+def _rope_splice_persistent_kernel(
+    SRC,
+    DST,
+    SLOTS,
+    DELTA,
+    INV_FREQ,
+    LAYER_OFF,
+    T,
+    delta_scalar,
+    block_size,
+    n_tiles,
+    n_work,
+    stride_sl,
+    stride_st,
+    stride_dl,
+    stride_db,
+    stride_ds,
+    D_NOPE: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
+    DELTA_PER_TOKEN: tl.constexpr,
+    LAYER_TABLE: tl.constexpr,
+    LAYER_ALIGN: tl.constexpr,
+    BF16_RNE: tl.constexpr,
+    HALF_PI_HI: tl.constexpr,
+    HALF_PI_LO: tl.constexpr,
+    TWO_OVER_PI: tl.constexpr,
+):
+    """A persistent grid (the SMs times a few programs): program ``p`` splices the work items
+    ``w = p, p + P, p + 2P, ...`` of the ``n_work = n_tiles * L`` (token tile, layer) pairs,
+    ``w = layer * n_tiles + tile`` (consecutive programs read consecutive source rows), each
+    as one program of :func:`_rope_splice_kernel` does."""
+    step = tl.num_programs(0)
+    w = tl.program_id(0).to(tl.int64)  # (a tensor in both modes: the interpreter's range is not)
+    for _ in range(tl.program_id(0), n_work, step):
+        _splice_tile(
+            (w % n_tiles).to(tl.int32),
+            w // n_tiles,
+            SRC,
+            DST,
+            SLOTS,
+            DELTA,
+            INV_FREQ,
+            LAYER_OFF,
+            T,
+            delta_scalar,
+            block_size,
+            stride_sl,
+            stride_st,
+            stride_dl,
+            stride_db,
+            stride_ds,
+            D_NOPE,
+            D_ROPE,
+            BLOCK_T,
+            BLOCK_D,
+            INTERLEAVED,
+            HAS_SLOTS,
+            DELTA_PER_TOKEN,
+            LAYER_TABLE,
+            LAYER_ALIGN,
+            BF16_RNE,
+            HALF_PI_HI,
+            HALF_PI_LO,
+            TWO_OVER_PI,
+        )
+        w += step
 
 
 _FREQ_TABLES: dict[tuple, torch.Tensor] = {}
@@ -247,24 +394,39 @@ def splice_launch(
     rope,
     layer_offsets=None,
     layer_unit: int = 1,
+    persistent: bool | None = None,
 ) -> Launch:
     """The splice kernel's launch (no checks: :func:`rope_splice` / :func:`rope_rotate` check):
     ``T`` tokens of ``L`` layers from ``src`` into ``dst`` at ``slots`` (None: in order), each
     rotated by ``delta`` (an int, or an int64 tensor ``[T]``); ``freq`` the float64 frequencies;
     ``layer_offsets`` (int64 ``[L]``): layer ``l`` starts that many ``layer_unit``-element
-    units from ``dst`` (one tensor per layer), instead of at ``l * strides_dst[0]``."""
+    units from ``dst`` (one tensor per layer), instead of at ``l * strides_dst[0]``.
+
+    ``persistent`` (None: :func:`persistent_splice`'s process-wide choice, off by default): the
+    persistent-grid kernel, at most :data:`PERSISTENT_CTAS_PER_SM` programs per SM of
+    ``src``'s device striding over the (token tile, layer) pairs, instead of one program per
+    pair; the same arithmetic per tile (bit-identical pools)."""
     per_token = isinstance(delta, torch.Tensor)
     rows = "slots" if slots is not None else "rows"
     layers = ""
     if layer_offsets is not None:
         layers = ",layers=list" + ("" if layer_unit * src.element_size() == 16 else ",unaligned")
+    tiles = triton.cdiv(T, BLOCK_T)
+    persistent = _PERSISTENT[0] if persistent is None else bool(persistent)
+    if persistent:
+        work = tiles * L
+        programs = max(1, min(work, sm_count(src.device) * PERSISTENT_CTAS_PER_SM))
+        kernel, grid, sizes = _rope_splice_persistent_kernel, (programs,), (tiles, work)
+        layers += ",persistent"
+    else:
+        kernel, grid, sizes = _rope_splice_kernel, (tiles, L), ()
     return Launch(
         name=(
             f"splice[{dtype_name(src.dtype)},{rope.layout},{rows},"
             f"delta={'[T]' if per_token else 'int'},{BLOCK_T}x{BLOCK_D},w{NUM_WARPS}{layers}]"
         ),
-        kernel=_rope_splice_kernel,
-        grid=(triton.cdiv(T, BLOCK_T), L),
+        kernel=kernel,
+        grid=grid,
         args=(
             src,
             dst,
@@ -275,6 +437,7 @@ def splice_launch(
             T,
             0 if per_token else delta,
             block_size,
+            *sizes,
             *strides_src,
             *strides_dst,
         ),
@@ -295,6 +458,25 @@ def splice_launch(
             num_warps=NUM_WARPS,
         ),
     )
+
+
+PERSISTENT_CTAS_PER_SM = 4
+_PERSISTENT = [False]
+
+
+@contextlib.contextmanager
+def persistent_splice(enabled: bool = True):
+    """Inside the ``with`` block every splice launched without an explicit ``persistent``
+    (:func:`rope_splice`, :func:`rope_rotate`) runs the persistent-grid kernel. A candidate
+    (``perf.bench_splice`` times it beside the default at the goal shape): the default stays
+    one program per (token tile, layer) until a GPU run shows the persistent grid faster.
+    Process-wide, not thread-safe: for benchmarks."""
+    before = _PERSISTENT[0]
+    _PERSISTENT[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _PERSISTENT[0] = before
 
 
 def _launch(*args, layer_offsets=None, layer_unit=1):
