@@ -6,15 +6,17 @@
 #   bash perf/gpu_gluon.sh --dry-run   on a CPU machine: the same steps, interpreted, tiny
 #
 # 1. Exactness against fp64 (mqnc.reference mla_decode_reference, mqnc.testing.assert_close at
-#    the tolerance table's bf16 "mla" / fp32 "mla_lse" bounds), both variants (block_n 64, the
-#    candidate; 128, each warpgroup its own page), split and unsplit: 128 heads over lengths
+#    the tolerance table's bf16 "mla" / fp32 "mla_lse" bounds), the three variants ("gluon":
+#    schedule sync, block_n 64; "gluon128": each warpgroup its own page, one stage; "seesaw":
+#    warp-specialized, FlashMLA's see-saw), split and unsplit (odd page counts leave a pair
+#    without its second page): 128 heads over lengths
 #    1 / 65 / 200 (seq len 1, a partial last page; the pool's entries past each length NaN and
 #    its table's unused entries -1, neither may reach the output), 16 heads (a partial head
 #    block), and s_q 2 causal (FlashMLA's MTP rule). A case off its bound prints MISMATCH and
 #    the run fails.
 # 2. Timing (mqnc.measure.time_kernel: CUDA-graph replays over L2-rotated input sets, p20 / p50
 #    / p80), H 128 dense at B 64 c_t 8192, B 8 c_t 32768 and B 128 c_t 4096 (FlashMLA's), for
-#    the kernels "gluon" (block_n 64), "gluon128" and "tl" (the default path,
+#    the kernels "gluon", "gluon128", "seesaw" and "tl" (the default path,
 #    flashmla_api.mla_decode_with_kvcache), checks off. Records ($OUT/results.jsonl, with
 #    device and commit: $MQNC_COMMIT, else .mqnc-commit, else git) carry extra.kernel,
 #    extra.flops (2 B H c_t (576 + 512)), extra.tflops at the p50, extra.vs_tl (o and lse
@@ -29,12 +31,12 @@
 #
 # Budget, 4 minutes on an H200 ($BUDGET_S, 240; the run fails past it), estimated: the install
 # step ~30 s (as gpu_tiles.sh's), one process start with torch + triton ~10 s, compiles ~10 s a
-# Gluon variant (4: two tiles x split / unsplit; the sm_90 compile here takes 6-7 s of CPU
-# each) plus the default path's and the merge kernel's (~20 s), the exactness cases (12 small
-# calls and fp64 references, < 5 s), the timing: 604 / 302 / 604 MB of cache a call, one input
-# set each (twice the L2 is less than one set), 3 kernels x 3 shapes x 23 replays of at most
-# ~2 ms (the default path's 85 TFLOP/s on 146 GFLOP) ~0.5 s, and ~3 s of input generation:
-# about 1.5 minutes.
+# Gluon variant (6: three kernels x split / unsplit; the sm_90 compile here takes 6-7 s of CPU
+# each, the see-saw's ~15 s) plus the default path's and the merge kernel's (~20 s), the
+# exactness cases (12 small calls and fp64 references, < 5 s), the timing: 604 / 302 / 604 MB of
+# cache a call, one input set each (twice the L2 is less than one set), 4 kernels x 3 shapes x
+# 23 replays of at most ~2 ms (the default path's 85 TFLOP/s on 146 GFLOP) ~0.5 s, and ~3 s of
+# input generation: about 2 minutes.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
@@ -78,7 +80,7 @@ from mqnc.triton_kernels.mla_decode_gluon import mla_decode_gluon
 DRY, OUT = os.environ["GLUON_DRY"] == "1", sys.argv[1]
 SCALE, dev, gen = 576**-0.5, default_device(), torch.Generator().manual_seed(0)
 CUDA = dev.type == "cuda"
-KERNELS = ("gluon", "gluon128", "tl")
+KERNELS = ("gluon", "gluon128", "seesaw", "tl")
 
 OFF = float(os.environ.get("GLUON_DRY_OFF") or 1.0) if DRY else 1.0  # the test's wrong kernel
 
@@ -89,6 +91,7 @@ def call(kernel, q, kv, table, lens, causal=False, num_splits=None, check=True):
         return (o, lse) if kernel == "tl" else (o * OFF, lse)
     return mla_decode_gluon(q, kv, table, lens, softmax_scale=SCALE, causal=causal,
                             num_splits=num_splits, block_n=128 if kernel == "gluon128" else 64,
+                            schedule="seesaw" if kernel == "seesaw" else "sync",
                             check_inputs=check)
 
 def case(B, H, lens, s_q=1, poison=True):
@@ -125,7 +128,7 @@ if not DRY:
              ("H=16 lens=130", dict(B=1, H=16, lens=[130]), False, 1),
              ("H=128 s_q=2 causal lens=1,129", dict(B=2, H=128, lens=[1, 129], s_q=2), True, 2)]
 fp64_ok = {}
-for kernel in KERNELS[:2] if not DRY else KERNELS[:1]:
+for kernel in KERNELS[:3] if not DRY else KERNELS[:1]:
     fp64_ok[kernel] = True
     for label, kw, causal, splits in cases:
         try:
@@ -135,7 +138,7 @@ for kernel in KERNELS[:2] if not DRY else KERNELS[:1]:
             fp64_ok[kernel] = False
             print(f"MISMATCH {kernel} vs fp64 {label}: {str(exc).splitlines()[0][:300]}")
 if DRY:
-    fp64_ok["gluon128"] = fp64_ok["gluon"]
+    fp64_ok["gluon128"] = fp64_ok["seesaw"] = fp64_ok["gluon"]
 
 shapes = [(1, 16, 128)] if DRY else [(64, 128, 8192), (8, 128, 32768), (128, 128, 4096)]
 reps, warmup = (1, 0) if DRY else (20, 3)
