@@ -433,3 +433,18 @@ def test_fit_tp_recovers_the_rank_pair_line():
     assert 0.5 < res.rank_fraction[2] < 0.51 and 0.25 < res.rank_fraction[4] < 0.26
     with pytest.raises(ValueError, match="expected tp_route records"):
         fit_tp([])
+
+
+def test_serve_layout_refuses_a_degree_that_does_not_fit_the_job():
+    """``mqnc serve --tp N``: N must divide the world (whole instances), and the corpus' holder
+    ids name instances that exist, with at least one requester instance left."""
+    from mqnc.serving import Corpus
+    from mqnc.serving.tp_service import _check_layout
+
+    entries = torch.zeros(GEOM.layers, 32, GEOM.d_qk, dtype=torch.bfloat16)
+    corpus = Corpus.partition(entries, GEOM, SCALE, chunk_tokens=16, holders=[1])
+    assert _check_layout(corpus, 4, 2) == ([1], [0])
+    with pytest.raises(ValueError, match="tp: a TP degree must divide the job's world size 6"):
+        _check_layout(corpus, 6, 4)
+    with pytest.raises(ValueError, match="holder ids name instances; \\[1\\] do not all exist"):
+        _check_layout(corpus, 4, 4)
