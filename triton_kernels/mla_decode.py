@@ -39,6 +39,12 @@ Kernel design (decisions written down here, where the goals left them open):
   query token ``i`` of ``s_q`` attends the first ``len - s_q + i + 1`` entries, the new tokens
   being the last ``s_q`` entries of the cache).
 
+- **Candidates** (``_mla_launch.SWEEP_TILES``, reached through ``forced_tile``; no default):
+  :func:`_mla_decode_pipe_kernel`, the restructured loop (``-pipe``: full tiles unmasked in a
+  ``tl.range``-pipelined loop, the tail masked once; ``-tma``: TMA page boxes from device-side
+  descriptors; ``-fused``: the split combine fused, the last split of a row merging), see
+  docs/kernel-schedule.md.
+
 :func:`mla_decode_partial` and :func:`mla_decode_partial_csr` are declared (signature,
 docstring, fake) in ``ops``; this module plans them (:func:`plan_mla_decode`,
 :func:`plan_mla_decode_csr`: the same signatures without ``out``) and launches them.
@@ -678,15 +684,8 @@ def decode_launch(
         stride_tb, stride_tj = 0, block_table.stride(0)
     else:
         stride_tb, stride_tj = block_table.stride(0), block_table.stride(1)
-    feats = decode_features(block_size, ops.split, layout)
-    restructured = {}
-    fused = cfg.fused and num_splits > 1 and not split  # (given the final outputs: fuse)
-    if cfg.kernel:  # a candidate: the restructured loop (TMA boxes need tiles within a page)
-        tma = cfg.kernel == "tma" and block_size >= cfg.block_n
-        feats += ("tma" if tma else "pipe",) + (("fused",) if fused else ())
-        restructured = dict(TMA=tma, RING=cfg.num_stages, FUSED=fused)
-        if tma:
-            ensure_allocator(kv.device)
+    feats, restructured = _restructured(cfg, block_size, num_splits, split, kv.device)
+    feats = decode_features(block_size, ops.split, layout) + feats
     args = (
         q,
         ops.q_pe,
@@ -714,6 +713,7 @@ def decode_launch(
         *split_strides(o_part, lse_part),
     )
     if cfg.kernel:  # n_blocks (the TMA descriptors' outer extent), the fused workspace
+        fused = restructured["FUSED"]
         args += (kv.shape[0], *fused_workspace(R, H, ops.d_v, num_splits, q.device, fused))
     return Launch(
         name=variant_name("mla_decode", q.dtype, cfg, split, feats),
@@ -740,6 +740,20 @@ def decode_launch(
             maxnreg=cfg.reg_cap,
         ),
     )
+
+
+def _restructured(cfg: TileConfig, page: int, num_splits: int, split: bool, device):
+    """A candidate tile's variant-name features and constexprs (none for a classic tile): the
+    restructured loop, TMA where a tile lies within a page (the allocator installed for it),
+    the combine fused where the launch is split and given the final outputs."""
+    if not cfg.kernel:
+        return (), {}
+    tma = cfg.kernel == "tma" and page >= cfg.block_n
+    fused = cfg.fused and num_splits > 1 and not split
+    if tma:
+        ensure_allocator(device)
+    feats = ("tma" if tma else "pipe",) + (("fused",) if fused else ())
+    return feats, dict(TMA=tma, RING=cfg.num_stages, FUSED=fused)
 
 
 def fused_workspace(R: int, H: int, d_v: int, num_splits: int, device, fused: bool) -> tuple:
