@@ -379,3 +379,22 @@ def test_gluon_decode_checks_its_arguments_then_refuses_a_cpu():
     for change, exc, text in bad:
         with pytest.raises(exc, match=text):
             mla_decode_gluon(**{**good, **change})
+
+
+def test_tile_sweep_dry_run_times_the_16_head_candidates(tiles_dry_run):
+    """The 16-head section of ``perf/gpu_tiles.sh --dry-run``: every ``SWEEP_TILES["dense16"]``
+    candidate (the two-CTA-per-SM tiles, the fused combine) at the 16-head shape, each record in
+    ``results_h16.jsonl`` with its tile, checked against the default tile and fp64, with its
+    GB/s and TFLOP/s; the run counts that file's records."""
+    from mqnc.triton_kernels._mla_launch import SWEEP_TILES
+
+    out, stdout = tiles_dry_run
+    recs = [json.loads(x) for x in (out / "results_h16.jsonl").read_text().splitlines()]
+    want = {("mla_decode H=16 B=1 ct=128", t.label) for t in SWEEP_TILES["dense16"]}
+    assert {(r["extra"]["shape"], r["extra"]["tile"]) for r in recs} == want
+    for r in recs:
+        e = r["extra"]
+        assert r["bench"] == "mla_decode" and r["commit"] == "dryrun0commit"
+        assert e["ok"] and e["vs_default"]["ok"] and e["vs_fp64"]["ok"], e
+        assert r["gbps"] > 0 and e["tflops"] == pytest.approx(e["flops"] / (r["p50"] * 1e6))
+    assert f"{len(recs)} records at 16 heads" in stdout
