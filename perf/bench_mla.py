@@ -21,7 +21,8 @@ goal).
 B <= 2 and 128 entries and runs the Triton kernels even without a GPU (interpreted).
 
 Tile sweeps (kernel tuning): ``--tiles 32x32w8s5,64x16w16s5`` times every goal shape once per
-tile (``HxNwWsS``: heads x entries per tile, warps, stages; ``_mla_launch.forced_tile``), the
+tile (``HxNwWsS``: heads x entries per tile, warps, stages, optionally ``-pipe`` / ``-tma`` and
+``-fused``, the restructured kernels of docs/kernel-schedule.md; ``_mla_launch.forced_tile``), the
 variant named ``H=..,B=..@<tile>`` and ``extra.tile`` set; each tile's output on the first input
 set is first compared with the default tile's (``extra.vs_default``: max |o - o_default| over
 max |o_default|, max |lse - lse_default|; a tile off by more than 2^-6 or 1e-3, or not finite,
@@ -267,7 +268,8 @@ def _parser():
         "--tiles",
         type=_tile_list,
         default=None,
-        help="comma list of tiles HxNwWsS (e.g. 32x32w8s5,64x16w16s5): each goal shape per tile",
+        help="comma list of tiles HxNwWsS[-pipe|-tma][-fused] (e.g. 32x32w8s5,64x64w8s2-tma): "
+        "each goal shape per tile",
     )
     ap.add_argument(
         "--dense-shapes",
