@@ -22,12 +22,13 @@ chunk's tokens in order, from its block table) and top-k selection (the selected
 slots): at ``d_qk / N`` wide rows (at most 576 B at N = 2) a row gather costs what the dense
 kernel's block read does.
 
-Kernel design: grid ``(B * ceil(H / BLOCK_H), ceil(T / BLOCK_T))``; a program loads the
-``BLOCK_H`` heads of one query token as a latent tile ``[BLOCK_H, D_LAT]`` and a rope tile
-``[BLOCK_H, D_PE]`` (``tl.arange`` needs powers of two, so the slice is split where its latent
-part ends), gathers ``BLOCK_T`` entries the same way and writes ``q_lat k_lat^T + q_pe k_pe^T``
-in fp32 (bf16 / fp16 operands on the tensor cores, fp32 with ``ieee`` precision; under the
-interpreter bf16 operands are upcast, ``_runtime.dot_in_fp32``).
+Kernel design: grid ``(B * ceil(H / BLOCK_H), ceil(T / BLOCK_T))`` (``BLOCK_H`` 16, or 64
+from 64 heads on: :func:`head_block`); a program loads the ``BLOCK_H`` heads of one query
+token as a latent tile ``[BLOCK_H, D_LAT]`` and a rope tile ``[BLOCK_H, D_PE]``
+(``tl.arange`` needs powers of two, so the slice is split where its latent part ends), gathers
+``BLOCK_T`` entries the same way and writes ``q_lat k_lat^T + q_pe k_pe^T`` in fp32 (bf16 /
+fp16 operands on the tensor cores, fp32 with ``ieee`` precision; under the interpreter bf16
+operands are upcast, ``_runtime.dot_in_fp32``).
 
 :func:`tp_partial_scores` is declared (signature, docstring, fake) in ``ops``; this module is
 its ``"triton"`` implementation.
@@ -44,11 +45,23 @@ from mqnc.triton_kernels._launch import Launch
 from mqnc.triton_kernels._runtime import check_launchable, dot_in_fp32, new_output
 from mqnc.triton_kernels.ops import tp_partial_scores
 
-__all__ = ["tp_partial_scores", "scores_launch", "check_slice_operands", "SLICE_DTYPES"]
+__all__ = [
+    "tp_partial_scores",
+    "scores_launch",
+    "check_slice_operands",
+    "head_block",
+    "SLICE_DTYPES",
+]
 
 SLICE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BLOCK_H = 16  # tl.dot's smallest M; more heads are more programs
 BLOCK_T = 32
+
+
+def head_block(heads: int) -> int:
+    """Heads per program: 64 from 64 heads on (one wgmma M on sm_90: DeepSeek-V3's 128 heads
+    are two programs a token), else 16 (``tl.dot``'s smallest M, ``mma.sync``: V2-Lite's 16
+    heads are one)."""
+    return 64 if heads >= 64 else 16
 
 
 @triton.jit(do_not_specialize=["T", "stride_tb", "stride_sb"])
@@ -158,10 +171,11 @@ def scores_launch(q: torch.Tensor, kv_pool: torch.Tensor, slots: torch.Tensor, d
     B, H, _ = q.shape
     T = slots.shape[1]
     wide = q.shape[2] > 256
+    bh = head_block(H)
     return Launch(
-        name=f"tp_scores[{str(q.dtype)[6:]},d={d_v}+{q.shape[2] - d_v},{BLOCK_H}x{BLOCK_T}]",
+        name=f"tp_scores[{str(q.dtype)[6:]},d={d_v}+{q.shape[2] - d_v},{bh}x{BLOCK_T}]",
         kernel=_tp_scores_kernel,
-        grid=(B * triton.cdiv(H, BLOCK_H), triton.cdiv(T, BLOCK_T)),
+        grid=(B * triton.cdiv(H, bh), triton.cdiv(T, BLOCK_T)),
         args=(
             q,
             kv_pool,
@@ -179,7 +193,7 @@ def scores_launch(q: torch.Tensor, kv_pool: torch.Tensor, slots: torch.Tensor, d
         ),  # fmt: skip
         kwargs=dict(
             PAGE=kv_pool.shape[1],
-            BLOCK_H=BLOCK_H,
+            BLOCK_H=bh,
             BLOCK_T=BLOCK_T,
             D_LAT=d_v,
             D_PE=q.shape[2] - d_v,

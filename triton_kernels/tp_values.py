@@ -9,7 +9,8 @@ dims of each entry): its slice of ``o`` and the row's ``lse``, which are identic
 rank (the same scores, the same kernel). The ranks' ``o`` slices side by side are the
 single-rank ``o``, the weights being the same on every rank.
 
-Kernel design: grid ``(B * ceil(H / BLOCK_H),)``; a program streams its token's entries in
+Kernel design: grid ``(B * ceil(H / BLOCK_H),)`` (``BLOCK_H`` as in ``tp_scores``: 16, or
+64 from 64 heads on); a program streams its token's entries in
 ``BLOCK_T`` tiles: the scores tile is read from memory (scaled by ``softmax_scale * log2(e)``:
 base 2 inside, the natural-log ``lse`` on store, as the dense and sparse kernels), the value
 tile gathered by slot; running max, denominator and accumulator in fp32; the weights ``p``
@@ -38,11 +39,10 @@ from mqnc.triton_kernels._runtime import (
     new_output,
 )
 from mqnc.triton_kernels.ops import tp_partial_values
-from mqnc.triton_kernels.tp_scores import check_slice_operands, check_slot_range
+from mqnc.triton_kernels.tp_scores import check_slice_operands, check_slot_range, head_block
 
 __all__ = ["tp_partial_values", "values_launch"]
 
-BLOCK_H = 16
 BLOCK_T = 32
 LOG2E = 1.4426950408889634
 
@@ -125,10 +125,11 @@ def values_launch(scores, kv_pool, slots, scale: float, d_v: int, o, lse) -> Lau
     :func:`tp_partial_values` checks)."""
     B, H, T = scores.shape
     dtype = kv_pool.dtype
+    bh = head_block(H)
     return Launch(
-        name=f"tp_values[{str(dtype)[6:]},d={d_v},{BLOCK_H}x{BLOCK_T}]",
+        name=f"tp_values[{str(dtype)[6:]},d={d_v},{bh}x{BLOCK_T}]",
         kernel=_tp_values_kernel,
-        grid=(B * triton.cdiv(H, BLOCK_H),),
+        grid=(B * triton.cdiv(H, bh),),
         args=(
             scores,
             kv_pool,
@@ -149,13 +150,13 @@ def values_launch(scores, kv_pool, slots, scale: float, d_v: int, o, lse) -> Lau
         ),  # fmt: skip
         kwargs=dict(
             PAGE=kv_pool.shape[1],
-            BLOCK_H=BLOCK_H,
+            BLOCK_H=bh,
             BLOCK_T=BLOCK_T,
             D_LAT=d_v,
             DOT_FP32=dot_in_fp32(dtype),
             PRECISION="ieee" if dtype == torch.float32 else "tf32",
             BF16_RNE=bf16_rne_in_software(dtype),
-            num_warps=8 if d_v > 256 else 4,
+            num_warps=8 if d_v > 256 or bh > 16 else 4,
             num_stages=2,
         ),
     )
