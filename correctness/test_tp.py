@@ -308,6 +308,7 @@ def test_paired_route_refuses_mismatched_ranks_and_widths():
         for e in out:
             assert isinstance(e, RemoteError) and "ranks of two groups mismatched" in str(e)
             assert "selection_crc" in str(e)
+        assert req[0].probe(1) > 0  # a probe is answered by its rank alone, ids apart
         (alone,) = [x for x in s.route(1, 5, q, 0, ranks=[0]) if x is not None]
         assert isinstance(alone, RemoteError) and "did not arrive within 0.5 s" in str(alone)
         with pytest.raises(ValueError, match=r"q_slice: expected this rank's slice \(B, H, 288\)"):

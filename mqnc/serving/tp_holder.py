@@ -23,10 +23,12 @@ its own, so the sum is the gather), and every rank decides from the same table:
 - a key some rank does not have yet: waits; after ``pair_timeout_s`` it is answered with an
   ``ERROR`` (its pair never arrived).
 
-A lost group member fails the reduction (:class:`~mqnc.serving.tp_group.GroupLost`, bounded by
-the group's timeout); the rank then answers every pending and later request with an ``ERROR``
-naming the loss, so a requester rank paired with a live holder rank gets a clear error at once,
-and one paired with the lost rank gets the transport's ``PeerLost``: never a hang.
+A ``PROBE`` is answered at once by the rank it reaches (a rank pair's payload-free round trip,
+``T_probe``), without the group. A lost group member fails the reduction
+(:class:`~mqnc.serving.tp_group.GroupLost`, bounded by the group's timeout); the rank then
+answers every pending and later request with an ``ERROR`` naming the loss, so a requester rank
+paired with a live holder rank gets a clear error at once, and one paired with the lost rank
+gets the transport's ``PeerLost``: never a hang.
 """
 
 from __future__ import annotations
@@ -279,8 +281,9 @@ class TPHolder:
         me = f"holder rank {self.rank} (global {self.transport.rank})"
         try:
             h = wire.parse_header(
-                buf, geometry=self.geometry, expect=wire.Kind.ROUTE, require_payload_crc=self._crc
-            )
+                buf, geometry=self.geometry, expect=(wire.Kind.ROUTE, wire.Kind.PROBE),
+                require_payload_crc=self._crc,
+            )  # fmt: skip
         except wire.WireError as exc:
             why = f"{me}: {exc}"
             if "row width" in str(exc):
@@ -289,6 +292,10 @@ class TPHolder:
                     f"{self.partition.slice_width}: slices of different widths)"
                 )
             self._put_error(src, lane, 0, signal, why)
+            return
+        if h.kind == wire.Kind.PROBE:  # answered at once: the pair's own round trip
+            ack = wire.pack_probe(request_id=h.request_id, seq=h.seq, ack=True, array=True)
+            self._put(src, lane, ack, h.seq)
             return
         if src % self.degree != self.rank:
             self._put_error(src, lane, h.request_id, h.seq, (

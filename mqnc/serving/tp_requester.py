@@ -79,7 +79,8 @@ class TPRequester:
         self.timeout_s = check_number("timeout_s", timeout_s, positive=True)
         self.lane = check_int("lane", lane, minimum=0, below=transport.layout.lanes)
         self._crc = not transport.in_process
-        self._next_id = 0
+        self._next_id = 0  # route ids: the same sequence on every rank of the instance
+        self._probe_id = 2**63  # probe ids, apart from the route ids
         self._seq: dict[int, int] = {}
         self.last_bytes = (0, 0)  # (sent, received) of the last route, headers included
         self.last_holder_ns = 0  # the holder's time on the last route (its reply's holder_ns)
@@ -127,29 +128,8 @@ class TPRequester:
             heads=H, width=w, request_id=rid, seq=seq, chunk_id=chunk_id, layer=layer,
             crc=self._crc, array=True,
         )  # fmt: skip
-        tr = self.transport
         what = f"route {rid} of chunk {chunk_id} to holder rank {self.rank} (global {peer})"
-        reply = tr.layout.slot(REPLY, peer, self.lane)
-        deadline = time.monotonic() + self.timeout_s
-        try:
-            tr.put_signal(peer, tr.layout.slot(INBOX, tr.rank, self.lane), msg, seq)
-            while True:
-                tr.wait_signal(reply, seq, max(deadline - time.monotonic(), 1e-3))
-                signal, buf = tr.read_message_host(reply)
-                h = wire.parse_header(
-                    buf, geometry=self.geometry, expect=wire.Kind.PARTIAL,
-                    require_payload_crc=self._crc,
-                )  # fmt: skip
-                if h.seq == seq:
-                    break
-                if time.monotonic() > deadline:
-                    raise TransportTimeout(f"{what}: no reply for sequence {seq}")
-        except PeerLost as exc:
-            raise PeerLost(f"{what}: the holder rank was lost mid-route ({exc})") from None
-        except TransportTimeout as exc:
-            raise TransportTimeout(
-                f"{what}: no reply within {self.timeout_s:g} s ({exc})"
-            ) from None
+        h, buf = self._call(peer, msg, seq, wire.Kind.PARTIAL, what)
         if h.kind == wire.Kind.ERROR:
             raise RemoteError(f"{what}: {wire.unpack_error(buf)[1]}")
         if h.request_id != rid or (h.batch, h.heads) != (B, H):
@@ -160,6 +140,46 @@ class TPRequester:
         self.last_bytes = (int(msg.shape[0]), h.nbytes)
         self.last_holder_ns = h.holder_ns
         return o.clone(), lse
+
+    def probe(self, instance: int) -> float:
+        """Payload-free round trip (a header-only put and its acknowledgement) to this rank's
+        pair in holder instance ``instance``, in microseconds (``T_probe`` of the pair)."""
+        peer = self.holder_rank(instance)
+        self._probe_id += 1  # (not a route id: the ranks' route ids stay in step)
+        seq = self._seq.get(peer, 0) + 1
+        self._seq[peer] = seq
+        msg = wire.pack_probe(request_id=self._probe_id, seq=seq, array=True)
+        t0 = time.perf_counter()
+        what = f"probe of holder rank {self.rank} (global {peer})"
+        h, buf = self._call(peer, msg, seq, wire.Kind.PROBE_ACK, what)
+        if h.kind == wire.Kind.ERROR:
+            raise RemoteError(f"{what}: {wire.unpack_error(buf)[1]}")
+        return (time.perf_counter() - t0) * 1e6
+
+    def _call(self, peer: int, msg, seq: int, expect: wire.Kind, what: str):
+        """Put ``msg`` in ``peer``'s inbox and wait (bounded) for the reply of sequence
+        ``seq``: ``(header, buffer)``, the header checked (an ``ERROR`` is returned as one)."""
+        tr = self.transport
+        reply = tr.layout.slot(REPLY, peer, self.lane)
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            tr.put_signal(peer, tr.layout.slot(INBOX, tr.rank, self.lane), msg, seq)
+            while True:
+                tr.wait_signal(reply, seq, max(deadline - time.monotonic(), 1e-3))
+                _, buf = tr.read_message_host(reply)
+                h = wire.parse_header(
+                    buf, geometry=self.geometry, expect=expect, require_payload_crc=self._crc
+                )
+                if h.seq == seq:
+                    return h, buf
+                if time.monotonic() > deadline:
+                    raise TransportTimeout(f"{what}: no reply for sequence {seq}")
+        except PeerLost as exc:
+            raise PeerLost(f"{what}: the holder rank was lost mid-route ({exc})") from None
+        except TransportTimeout as exc:
+            raise TransportTimeout(
+                f"{what}: no reply within {self.timeout_s:g} s ({exc})"
+            ) from None
 
     def merge_slices(
         self, partials: list[tuple[torch.Tensor, torch.Tensor]], kernels: str = "triton"
