@@ -276,9 +276,10 @@ def gluon_mla_decode_kernel(
 
 # ---- the see-saw schedule: warp-specialized (two consumer warpgroups and a TMA warp) ----------
 # Pages are paired: page A = 2k of a split's pages (warpgroup 0's QK^T and softmax), page B =
-# 2k + 1 (warpgroup 1's), in buffers 0 and 1. Barriers: 0 Q ready; 1 / 2 page A / B ready (TMA
-# bytes); 3 / 4 page A / B free (one arrival from each consumer); 5 A's P, max and sum published;
-# 6 B's. ``stats`` rows: 0 A's max, 1 A's row sum, 2 the pair's max (B's), 3 B's row sum.
+# 2k + 1 (warpgroup 1's), in buffers 0 and 1. ``bars``: 0 Q ready; 1 / 2 buffer 0 / 1 free (one
+# arrival from each consumer); 3 A's P, max and sum published; 4 B's. ``boxes``: buffer b's box c
+# landed (TMA bytes) at ``9 b + c``. ``stats`` rows: 0 A's max, 1 A's row sum, 2 the pair's max
+# (B's), 3 B's row sum.
 
 
 @constexpr_function
@@ -299,7 +300,7 @@ def _opaque_zero(k):
 
 @gluon.jit
 def _ss_loader(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_splits, q_lat, q_pe,
-               kv_lat, kv_pe, bars, stats, O, LSE, o_strides, l_strides, qk_scale,
+               kv_lat, kv_pe, bars, boxes, stats, O, LSE, o_strides, l_strides, qk_scale,
                S_Q: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
     """The TMA warp: Q once, then page ``i`` of the split into buffer ``i % 2`` as soon as both
     consumers have released that buffer's previous page."""
@@ -310,24 +311,29 @@ def _ss_loader(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_spl
     table_row = TABLE + seq.to(gl.int64) * stride_tb
     for i in range(n_iter):
         buf = i % 2
-        mbarrier.wait(bars.index(3 + buf), ((i // 2) & 1) ^ 1)  # (a fresh barrier passes)
-        ready = bars.index(1 + buf)
-        mbarrier.expect(ready, (D_V // BOX + 1) * kv_desc.block_type.nbytes)
+        mbarrier.wait(bars.index(1 + buf), ((i // 2) & 1) ^ 1)  # (a fresh barrier passes)
         row = gl.load(table_row + blk0 + i) * BOX
-        lat = kv_lat.index(buf)
-        for c in gl.static_range(D_V // BOX):
-            tma.async_copy_global_to_shared(
-                kv_desc, [row, c * BOX], ready, lat.slice(c * BOX, BOX, dim=1)
-            )
-        tma.async_copy_global_to_shared(kv_desc, [row, D_V], ready, kv_pe.index(buf))
+        for c in gl.static_range(D_V // BOX + 1):  # one barrier per box: QK^T starts on box 0
+            ready = boxes.index(buf * 9 + c)
+            mbarrier.expect(ready, kv_desc.block_type.nbytes)
+            if c < D_V // BOX:
+                dst = kv_lat.index(buf).slice(c * BOX, BOX, dim=1)
+            else:
+                dst = kv_pe.index(buf)
+            tma.async_copy_global_to_shared(kv_desc, [row, c * BOX], ready, dst)
 
 
 @gluon.jit
-def _ss_scores(q_lat, q_pe, lat, pe, t, n, qk_scale, s_layout: gl.constexpr):
-    """One warpgroup's own page: ``QK^T [64, 64]`` (two async wgmma groups, then waited), in
-    base 2, entries ``>= n`` masked."""
+def _ss_scores(q_lat, q_pe, lat, pe, boxes, buf, phase, t, n, qk_scale, s_layout: gl.constexpr):
+    """One warpgroup's own page: ``QK^T [64, 64]`` box by box as each 64 x 64 box lands (nine
+    async wgmma groups, K = 64 each, then waited), in base 2, entries ``>= n`` masked."""
     s = gl.zeros([64, 64], gl.float32, s_layout)
-    s = warpgroup_mma(q_lat, lat.permute((1, 0)), s, use_acc=False, is_async=True)
+    for c in gl.static_range(D_V // BOX):
+        mbarrier.wait(boxes.index(buf * 9 + c), phase)
+        q_c = q_lat.slice(c * BOX, BOX, dim=1)
+        k_c = lat.slice(c * BOX, BOX, dim=1).permute((1, 0))
+        s = warpgroup_mma(q_c, k_c, s, use_acc=c > 0, is_async=True)
+    mbarrier.wait(boxes.index(buf * 9 + D_V // BOX), phase)
     s = warpgroup_mma(q_pe, pe.permute((1, 0)), s, is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
     offs = t + gl.arange(0, 64, gl.SliceLayout(0, s_layout))
@@ -389,7 +395,7 @@ def _ss_store(acc, m_i, l_i, O, LSE, r, h0, H, split, o_strides, l_strides,
 
 @gluon.jit
 def _ss_first(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_splits, q_lat, q_pe,
-              kv_lat, kv_pe, bars, stats, O, LSE, o_strides, l_strides, qk_scale,
+              kv_lat, kv_pe, bars, boxes, stats, O, LSE, o_strides, l_strides, qk_scale,
               S_Q: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
     """Warpgroup 0: ``QK^T`` and softmax of each pair's page A, output columns 0..255: rescale,
     ``P_A V_A``, then (B's max and ``P_B`` published) rescale again and ``P_B V_B``."""
@@ -413,30 +419,31 @@ def _ss_first(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_spli
             kv_lat.index(z + 1),
             kv_pe.index(z + 1),
         )
-        mbarrier.wait(bars.index(1), k & 1)
-        s = _ss_scores(q_lat.index(z), q_pe.index(z), lat_a, pe_a, t, n, qk_scale, s_layout)
+        s = _ss_scores(
+            q_lat.index(z), q_pe.index(z), lat_a, pe_a, boxes, z, k & 1, t, n, qk_scale, s_layout
+        )
         m_a = gl.maximum(m_i, gl.max(s, 1))
         m_sa = gl.where(m_a == -float("inf"), 0.0, m_a)
         p = gl.exp2(s - m_sa[:, None])
         alpha = gl.exp2(m_i - m_sa)
         p_sum = gl.sum(p, 1)
-        _ss_publish(p, m_a, p_sum, pe_a, stats, 0, lat_a, t, n, bars.index(5))
+        _ss_publish(p, m_a, p_sum, pe_a, stats, 0, lat_a, t, n, bars.index(3))
         acc = _ss_pv(acc * gl.convert_layout(alpha, row_o)[:, None], pe_a, lat_a, 0)
-        mbarrier.arrive(bars.index(3), count=1)  # page A's left half and P_A read
-        mbarrier.wait(bars.index(6), k & 1)  # the pair's max, B's row sum and P_B
+        mbarrier.arrive(bars.index(1), count=1)  # page A's left half and P_A read
+        mbarrier.wait(bars.index(4), k & 1)  # the pair's max, B's row sum and P_B
         m_i = stats.index(2).load(row_s)
         beta = gl.exp2(m_sa - gl.where(m_i == -float("inf"), 0.0, m_i))
         l_i = (l_i * alpha + p_sum) * beta + stats.index(3).load(row_s)
         acc = acc * gl.convert_layout(beta, row_o)[:, None]
         if 2 * k + 1 < n_iter:
             acc = _ss_pv(acc, pe_b, lat_b, 0)
-            mbarrier.arrive(bars.index(4), count=1)  # page B's left half and P_B read
+            mbarrier.arrive(bars.index(2), count=1)  # page B's left half and P_B read
     _ss_store(acc, m_i, l_i, O, LSE, r, h0, H, split, o_strides, l_strides, 0, o_layout, row_s)
 
 
 @gluon.jit
 def _ss_second(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_splits, q_lat, q_pe,
-               kv_lat, kv_pe, bars, stats, O, LSE, o_strides, l_strides, qk_scale,
+               kv_lat, kv_pe, bars, boxes, stats, O, LSE, o_strides, l_strides, qk_scale,
                S_Q: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
     """Warpgroup 1: ``QK^T`` of each pair's page B (under warpgroup 0's softmax), then, A's max
     published, the pair's max and ``P_B``; output columns 256..511 over both pages."""
@@ -463,9 +470,20 @@ def _ss_second(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_spl
         )
         s = gl.full([64, 64], -float("inf"), gl.float32, s_layout)  # (no page B: nothing)
         if has_b:
-            mbarrier.wait(bars.index(2), k & 1)
-            s = _ss_scores(q_lat.index(z), q_pe.index(z), lat_b, pe_b, t, n, qk_scale, s_layout)
-        mbarrier.wait(bars.index(5), k & 1)  # A's max, row sum and P_A
+            s = _ss_scores(
+                q_lat.index(z),
+                q_pe.index(z),
+                lat_b,
+                pe_b,
+                boxes,
+                z + 1,
+                k & 1,
+                t,
+                n,
+                qk_scale,
+                s_layout,
+            )
+        mbarrier.wait(bars.index(3), k & 1)  # A's max, row sum and P_A
         m_a = stats.index(0).load(row_s)
         m_b = gl.maximum(m_a, gl.max(s, 1))
         m_sa = gl.where(m_a == -float("inf"), 0.0, m_a)
@@ -477,17 +495,17 @@ def _ss_second(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_spl
         l_i = (l_i * alpha + stats.index(1).load(row_s)) * beta + p_sum
         m_i = m_b
         if has_b:
-            _ss_publish(p, m_b, p_sum, pe_b, stats, 2, lat_b, t, n, bars.index(6))
+            _ss_publish(p, m_b, p_sum, pe_b, stats, 2, lat_b, t, n, bars.index(4))
         else:
             stats.index(2).store(m_b)
             stats.index(3).store(p_sum)
-            mbarrier.arrive(bars.index(6), count=1)
+            mbarrier.arrive(bars.index(4), count=1)
         acc = _ss_pv(acc * gl.convert_layout(alpha, row_o)[:, None], pe_a, lat_a, 1)
-        mbarrier.arrive(bars.index(3), count=1)  # page A's right half and P_A read
+        mbarrier.arrive(bars.index(1), count=1)  # page A's right half and P_A read
         acc = acc * gl.convert_layout(beta, row_o)[:, None]
         if has_b:
             acc = _ss_pv(acc, pe_b, lat_b, 1)
-            mbarrier.arrive(bars.index(4), count=1)
+            mbarrier.arrive(bars.index(2), count=1)
     _ss_store(acc, m_i, l_i, O, LSE, r, h0, H, split, o_strides, l_strides, 1, o_layout, row_s)
 
 
@@ -524,9 +542,12 @@ def gluon_mla_seesaw_kernel(
     kv_lat = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D_V], smem)
     kv_pe = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BOX], smem)
     stats = gl.allocate_shared_memory(gl.float32, [4, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    bars = gl.allocate_shared_memory(gl.int64, [7, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(7):
-        mbarrier.init(bars.index(i), count=2 if i == 3 or i == 4 else 1)
+    bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(5):
+        mbarrier.init(bars.index(i), count=2 if i == 1 or i == 2 else 1)
+    boxes = gl.allocate_shared_memory(gl.int64, [18, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(18):
+        mbarrier.init(boxes.index(i), count=1)
     o_strides = (stride_os, stride_ob, stride_oh)
     l_strides = (stride_ls, stride_lb, stride_lh)
     args = (
@@ -543,6 +564,7 @@ def gluon_mla_seesaw_kernel(
         kv_lat,
         kv_pe,
         bars,
+        boxes,
         stats,
         O,
         LSE,

@@ -51,7 +51,7 @@ shared memory left beside Q, so that variant has one stage and loads the next bl
 ``PV``: a comparison point for the GPU check.
 
 ``schedule="seesaw"`` is FlashMLA's see-saw, warp-specialized (``gl.warp_specialize``; 12
-warps, 168 registers at launch, 222,464 B of shared memory): a split's pages are paired, page A
+warps, 168 registers at launch, 222,624 B of shared memory): a split's pages are paired, page A
 in buffer 0 and page B in buffer 1, loaded by a one-warp TMA partition as soon as both
 consumers release a buffer. Warpgroup 0 (the default partition, 4 warps, 240 registers)
 computes ``QK^T`` of page A (HGMMA 64x64x16, its own page) while warpgroup 1 (a 4-warp worker,
@@ -64,8 +64,9 @@ runs under warpgroup 0's ``P_A V_A``, and warpgroup 0's ``QK^T`` of the next pag
 warpgroup 1's ``PV``. Each wgmma is waited at once (no group left in flight within a
 warpgroup: the overlap is between the warpgroups). The buffers are indexed through an opaque
 zero (inline asm) so the compiler recomputes the 72 wgmma descriptors per pair instead of
-hoisting and spilling them. Not yet FlashMLA's: one mbarrier per page (FlashMLA waits per
-64 x 64 box, so ``QK^T`` starts on the first box), and no third buffer.
+hoisting and spilling them. Each 64 x 64 box arrives on its own mbarrier and ``QK^T`` is
+issued box by box as they land (FlashMLA's fine-grained TMA / GEMM overlap). Not yet
+FlashMLA's: no third buffer.
 
 Inputs: bf16 only, 576-wide rows (512 latent + 64 rope), page size 64, one KV head.
 """
