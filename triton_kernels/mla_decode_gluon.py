@@ -51,7 +51,7 @@ shared memory left beside Q, so that variant has one stage and loads the next bl
 ``PV``: a comparison point for the GPU check.
 
 ``schedule="seesaw"`` is FlashMLA's see-saw, warp-specialized (``gl.warp_specialize``; 12
-warps, 168 registers at launch, 222,624 B of shared memory): a split's pages are paired, page A
+warps, 168 registers at launch, 222,608 B of shared memory): a split's pages are paired, page A
 in buffer 0 and page B in buffer 1, loaded by a one-warp TMA partition as soon as both
 consumers release a buffer. Warpgroup 0 (the default partition, 4 warps, 240 registers)
 computes ``QK^T`` of page A (HGMMA 64x64x16, its own page) while warpgroup 1 (a 4-warp worker,
