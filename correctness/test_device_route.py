@@ -25,10 +25,12 @@ from mqnc.transport.device_route import (
     check_status,
 )
 from mqnc.triton_kernels import _route_words as W
+from mqnc.triton_kernels._mla_launch import forced_tile
+from mqnc.triton_kernels.holder_loop import HOLDER_TILE
 
 GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=16)
 SCALE = RopeSpec.from_preset("deepseek-v2-lite").softmax_scale
-TOKENS = 200  # 4 tiles of 64: the dense plan splits B 1..4 four ways (the fold is tested)
+TOKENS = 200  # 7 tiles of 32: the dense plan splits B 1..2 (the fold is tested)
 CHUNK = 3
 
 
@@ -44,8 +46,8 @@ def _indices(seed, B, topk):
 
 
 KV = _randn(0, GEOM.layers, TOKENS, GEOM.d_qk)
-# (slot, tokens, layer, sparse top-k or None): two dense, two sparse (100 entries: split)
-REQUESTS = [(0, 2, 1, None), (1, 1, 0, None), (2, 2, 0, 40), (3, 1, 1, 100)]
+# (slot, tokens, layer, sparse top-k or None): two dense, two sparse (200 entries: split)
+REQUESTS = [(0, 2, 1, None), (1, 1, 0, None), (2, 2, 0, 40), (3, 1, 1, 200)]
 
 
 def _route(slot, B, layer, topk):
@@ -53,7 +55,7 @@ def _route(slot, B, layer, topk):
     return q, (None if topk is None else _indices(20 + slot, B, topk))
 
 
-def _device(slots=4, max_batch=2, max_topk=128, ctas=3):
+def _device(slots=4, max_batch=2, max_topk=256, ctas=3):
     buf = allocate(
         RouteLayout(slots, max_batch, GEOM.heads, max_topk=max_topk), LocalBackend("cpu")
     )
@@ -67,20 +69,24 @@ def _device(slots=4, max_batch=2, max_topk=128, ctas=3):
 @pytest.fixture(scope="module")
 def host_answers():
     """The host-driven holder's partial for each request, asked one at a time (one kernel
-    call each, so its split count is the plan's for that request alone)."""
-    slot = slot_bytes_for(GEOM, max_rows=64, max_topk=128, max_chunk_tokens=256)
+    call each, so its split count is the plan's for that request alone), its ops planned at
+    the holder kernel's tile."""
+    slot = slot_bytes_for(GEOM, max_rows=64, max_topk=256, max_chunk_tokens=256)
     fab = LoopbackFabric(2, slot, lanes=1)
     holder = Holder(fab.endpoint(0), GEOM, softmax_scale=SCALE, num_blocks=8, poll_s=0.02)
     holder.add_chunk(CHUNK, KV)
     holder.start()
+    out = []
     try:
-        req = Requester(fab.endpoint(1), GEOM, softmax_scale=SCALE, timeout_s=120, pool_blocks=8)
-        req.register(ChunkInfo(CHUNK, TOKENS, 0, (0,)))
-        out = []
-        for slot_, B, layer, topk in REQUESTS:
-            q, idx = _route(slot_, B, layer, topk)
-            p = req.route(CHUNK, q, layer, indices=idx)
-            out.append((p.o, p.lse))
+        with forced_tile(HOLDER_TILE), forced_tile(HOLDER_TILE, sparse=True):
+            req = Requester(
+                fab.endpoint(1), GEOM, softmax_scale=SCALE, timeout_s=120, pool_blocks=8
+            )
+            req.register(ChunkInfo(CHUNK, TOKENS, 0, (0,)))
+            for slot_, B, layer, topk in REQUESTS:
+                q, idx = _route(slot_, B, layer, topk)
+                p = req.route(CHUNK, q, layer, indices=idx)
+                out.append((p.o, p.lse))
     finally:
         holder.stop()
     return out
@@ -100,10 +106,10 @@ def served():
 
 def test_holder_kernel_answers_bit_identical_to_the_host_holder(served, host_answers):
     buf, holder, _ = served
-    splits = holder.tables.splits_dense[CHUNK]
+    splits = holder.tables().splits_dense[CHUNK]
     assert int(splits[1]) > 1 and int(splits[2]) > 1, "the dense requests must be split"
     tile = holder._sparse_tile.block_n
-    assert int(holder.tables.splits_sparse[1, -(-100 // tile)]) > 1, "top-100 must be split"
+    assert int(holder.tables().splits_sparse[1, -(-200 // tile)]) > 1, "top-200 must be split"
     for (slot, B, _, topk), (o_ref, lse_ref) in zip(REQUESTS, host_answers, strict=True):
         hdr = buf.rep_hdr[slot].tolist()
         assert hdr == [1, W.OK, 0, B * GEOM.heads], (slot, hdr)
@@ -191,11 +197,13 @@ def test_sequence_numbers_that_wrap_or_go_backwards_are_refused():
 def test_stop_word_and_idle_bound_end_the_persistent_loop_and_missing_replies_time_out():
     buf, holder, client = _device(slots=2, ctas=2)
     client.put(0, _randn(4, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, probe=True)
-    holder.tables.stop.fill_(1)  # stopped before it starts: one pass, then it returns
+    holder.tables().stop.fill_(1)  # stopped before it starts: one pass, then it returns
     holder.launch(persistent=True)()
+    holder.launch(sparse=True, persistent=True)()
     assert buf.rep_hdr[0].tolist() == [1, W.OK, 0, 0]
-    holder.tables.stop.fill_(0)
+    holder.tables().stop.fill_(0)
     holder.launch(persistent=True, max_idle=2)()  # nothing to serve: returns after 2 polls
+    holder.launch(sparse=True, persistent=True, max_idle=2)()
     client.put(1, _randn(5, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, probe=True)
     _, lse, status = client.merge([1], 1, GEOM.heads)  # nobody served it: a bounded wait
     assert status.tolist() == [int(W.TIMEOUT)] and bool(torch.isnan(lse).all())

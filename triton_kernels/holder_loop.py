@@ -72,10 +72,22 @@ from mqnc.triton_kernels._route_words import (
 )
 from mqnc.triton_kernels._runtime import bf16_rne_in_software, dot_in_fp32
 
-__all__ = ["holder_loop_kernel", "holder_loop_launch", "holder_tiles", "HolderTables"]
+__all__ = [
+    "holder_loop_kernel",
+    "holder_loop_launch",
+    "holder_tiles",
+    "HolderTables",
+    "HOLDER_TILE",
+    "NVSHMEM_SPARSE_TILE",
+]
 
 _HW = tl.constexpr(HEADER_WORDS)
 _RW = tl.constexpr(REPLY_WORDS)
+# the attention loops are pipelined explicitly (nested in the service loops, the launch's
+# num_stages does not reach them): the KV tile double-buffered in shared memory
+TILE_STAGES = tl.constexpr(3)
+SPARSE_STAGES = tl.constexpr(2)  # (its per-entry index arithmetic: 3 stages spill 32-40 B)
+FOLD_D = tl.constexpr(128)  # columns of o the fold of split partials holds at once
 
 
 @triton.jit
@@ -148,7 +160,7 @@ def _dense_item(QS, KVL, table_row, tokens, b, h0, split, S, heads, qk_scale, st
     acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
     t_start, t_end = _split_range(tokens, S, split, BLOCK_N, MIN_TILES)
     offs_n = tl.arange(0, BLOCK_N)
-    for t0 in range(t_start, t_end, BLOCK_N):
+    for t0 in tl.range(t_start, t_end, BLOCK_N, num_stages=TILE_STAGES):
         t = t0 + offs_n
         valid = t < t_end
         page = tl.load(table_row + t // PAGE, mask=valid, other=0)
@@ -179,7 +191,7 @@ def _sparse_item(QS, IdxRow, KVL, table_row, tokens, topk, b, h0, split, S, head
     k_start, k_end = _split_range(topk, S, split, BLOCK_N, MIN_TILES)
     offs_n = tl.arange(0, BLOCK_N)
     nbad = tl.sum(tl.zeros([BLOCK_N], tl.int32), 0)
-    for k0 in range(k_start, k_end, BLOCK_N):
+    for k0 in tl.range(k_start, k_end, BLOCK_N, num_stages=SPARSE_STAGES):
         k = k0 + offs_n
         inside = k < k_end
         j = tl.load(IdxRow + k, mask=inside, other=-1, cache_modifier=".cg")
@@ -202,10 +214,10 @@ def _fold_splits(WsO, WsLse, RepO, RepLse, ws_row, o_base, lse_base, S, heads, H
     """``merge``'s fold of the ``S`` fp32 split partials of one (token, head block) (workspace
     rows ``ws_row + split``, each ``[H, D_LAT]``) into the reply: the max first, then the
     partials in split order, weights ``exp(lse_i - max)`` (``+inf`` read as empty, an empty
-    partial's o never read)."""
+    partial's o never read); ``FOLD_D`` columns at a time (the same arithmetic per element,
+    fewer registers beside the attention's)."""
     offs_h = h0 + tl.arange(0, BLOCK_H)
     mask_h = offs_h < heads
-    offs_d = tl.arange(0, D_LAT)
     m = tl.full([BLOCK_H], -float("inf"), tl.float32)
     for i in range(0, S):
         x = tl.load(WsLse + (ws_row + i) * H + offs_h, mask=mask_h, other=-float("inf"),
@@ -213,25 +225,29 @@ def _fold_splits(WsO, WsLse, RepO, RepLse, ws_row, o_base, lse_base, S, heads, H
         x = tl.where(x == float("inf"), -float("inf"), x)
         m = tl.maximum(m, x)
     m_safe = tl.where(m == -float("inf"), 0.0, m)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
-    for i in range(0, S):
-        x = tl.load(WsLse + (ws_row + i) * H + offs_h, mask=mask_h, other=-float("inf"),
-                    cache_modifier=".cg")  # fmt: skip
-        x = tl.where(x == float("inf"), -float("inf"), x)
-        e = tl.exp(x - m_safe)
-        keep = (e > 0.0) & mask_h
-        o_ptr = WsO + ((ws_row + i) * H + offs_h[:, None]).to(tl.int64) * D_LAT + offs_d[None, :]
-        o = tl.load(o_ptr, mask=keep[:, None], other=0.0, cache_modifier=".cg")
-        l += e
-        acc += e[:, None] * o
-    nonempty = l != 0.0
-    inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l, 1.0), 0.0)
-    out = acc * inv_l[:, None]
-    y = RepO + o_base + offs_h[:, None] * D_LAT + offs_d[None, :]
-    tl.store(y, round_to(out, RepO.dtype.element_ty, BF16_RNE), mask=mask_h[:, None])
-    lse = tl.where(nonempty, m_safe + tl.log(tl.where(nonempty, l, 1.0)), -float("inf"))
-    tl.store(RepLse + lse_base + offs_h, lse, mask=mask_h)
+    for d0 in range(0, D_LAT, FOLD_D):
+        offs_d = d0 + tl.arange(0, FOLD_D)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, FOLD_D], tl.float32)
+        for i in range(0, S):
+            x = tl.load(WsLse + (ws_row + i) * H + offs_h, mask=mask_h, other=-float("inf"),
+                        cache_modifier=".cg")  # fmt: skip
+            x = tl.where(x == float("inf"), -float("inf"), x)
+            e = tl.exp(x - m_safe)
+            keep = (e > 0.0) & mask_h
+            o_row = ((ws_row + i) * H + offs_h[:, None]).to(tl.int64) * D_LAT
+            o = tl.load(WsO + o_row + offs_d[None, :], mask=keep[:, None], other=0.0,
+                        cache_modifier=".cg")  # fmt: skip
+            l += e
+            acc += e[:, None] * o
+        nonempty = l != 0.0
+        inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l, 1.0), 0.0)
+        y = RepO + o_base + offs_h[:, None] * D_LAT + offs_d[None, :]
+        out = round_to(acc * inv_l[:, None], RepO.dtype.element_ty, BF16_RNE)
+        tl.store(y, out, mask=mask_h[:, None])
+        if d0 == 0:
+            lse = tl.where(nonempty, m_safe + tl.log(tl.where(nonempty, l, 1.0)), -float("inf"))
+            tl.store(RepLse + lse_base + offs_h, lse, mask=mask_h)
 
 
 @triton.jit
@@ -263,31 +279,37 @@ def _splits(SplitsD, SplitsS, dense, chunk, batch, topk, n_chunks, max_batch, sp
 
 
 @triton.jit
-def _answer(RepSig, RepHdr, RepO, RepLse, Arrive, Err, WsO, WsLse, SlotPe, s, seq, status,
-            detail, mode, S, batch, heads, H, max_batch, ws_rows, D_LAT: tl.constexpr,
-            BLOCK_H_D: tl.constexpr, BLOCK_H_S: tl.constexpr, BF16_RNE: tl.constexpr,
-            ELT: tl.constexpr, NVSHMEM: tl.constexpr, SCOPE: tl.constexpr):  # fmt: skip
-    """The last arriver's part: the index errors the items found, the fold of split partials,
-    the reply header, then the reply signal (release; or put-with-signal to the slot's PE)."""
+def _answer(InHdr, ChunkTokens, SplitsD, SplitsS, RepSig, RepHdr, RepO, RepLse, Arrive, Err,
+            WsO, WsLse, SlotPe, s, sig, seen, n_chunks, layers, H, max_batch, max_rows, max_topk,
+            sparse_tiles, ws_rows, D_LAT: tl.constexpr, BLOCK_H_D: tl.constexpr,
+            BLOCK_H_S: tl.constexpr, BLOCK_N_S: tl.constexpr, BF16_RNE: tl.constexpr,
+            ELT: tl.constexpr, SPARSE: tl.constexpr, NVSHMEM: tl.constexpr,
+            SCOPE: tl.constexpr):  # fmt: skip
+    """The last arriver's part: the request read again (nothing of it is kept live across the
+    items), the index errors the items found, the fold of split partials, the reply header,
+    then the reply signal (release; or put-with-signal to the slot's PE)."""
+    _, _, _, batch, heads, mode, _, _, status, detail, S, _ = _request(
+        InHdr, ChunkTokens, SplitsD, SplitsS, s, sig, seen, n_chunks, layers, H, max_batch,
+        max_rows, max_topk, sparse_tiles, BLOCK_H_D, BLOCK_H_S, BLOCK_N_S,
+    )  # fmt: skip
     err = tl.atomic_xchg(Err + s, 0, sem="acq_rel", scope=SCOPE)
     status, detail = tl.where((status == OK) & (err != 0), err, status), detail
     served = (status == OK) & (mode != MODE_PROBE)
     if served & (S > 1):
-        dense = mode == MODE_DENSE
-        hb = tl.where(dense, tl.cdiv(heads, BLOCK_H_D), tl.cdiv(heads, BLOCK_H_S))
+        hb = tl.cdiv(heads, BLOCK_H_S) if SPARSE else tl.cdiv(heads, BLOCK_H_D)
         for bh in range(0, batch * hb):
             b = bh // hb
             row = _wide(s) * max_batch + b
             ws_row = _wide(s) * ws_rows + b * S
             hblk = bh - b * hb
-            if dense:
+            if not SPARSE:
                 _fold_splits(WsO, WsLse, RepO, RepLse, ws_row, row * H * D_LAT, row * H, S,
                              heads, H, BLOCK_H_D, D_LAT, BF16_RNE, hblk * BLOCK_H_D)  # fmt: skip
             else:
                 _fold_splits(WsO, WsLse, RepO, RepLse, ws_row, row * H * D_LAT, row * H, S,
                              heads, H, BLOCK_H_S, D_LAT, BF16_RNE, hblk * BLOCK_H_S)  # fmt: skip
     rep = RepHdr + s * _RW
-    tl.store(rep + R_SEQ, seq)
+    tl.store(rep + R_SEQ, sig)
     tl.store(rep + R_STATUS, _wide(status))
     tl.store(rep + R_DETAIL, detail.to(tl.int64))
     tl.store(rep + R_ROWS, tl.where(served, batch * heads, 0).to(tl.int64))
@@ -306,10 +328,34 @@ def _answer(RepSig, RepHdr, RepO, RepLse, Arrive, Err, WsO, WsLse, SlotPe, s, se
         nbytes = _wide(0) + _RW * 8
         set_op = tl.full([], 9, tl.int32)  # NVSHMEM_SIGNAL_SET
         putmem_signal_nbi_block(rep_at, rep_at, nbytes, (RepSig + s).to(tl.int64),
-                                seq.to(tl.uint64), set_op, pe)  # fmt: skip
+                                sig.to(tl.uint64), set_op, pe)  # fmt: skip
         nvshmem_quiet()
     else:
-        tl.atomic_xchg(RepSig + s, seq, sem="release", scope=SCOPE)
+        tl.atomic_xchg(RepSig + s, sig, sem="release", scope=SCOPE)
+
+
+@triton.jit
+def _request(InHdr, ChunkTokens, SplitsD, SplitsS, s, sig, seen, n_chunks, layers, H, max_batch,
+             max_rows, max_topk, sparse_tiles, BLOCK_H_D: tl.constexpr, BLOCK_H_S: tl.constexpr,
+             BLOCK_N_S: tl.constexpr):  # fmt: skip
+    """Slot ``s``'s request: its header words (read past L1), the chunk's ``c_t``, the
+    header's check, its split count and head blocks."""
+    hdr = InHdr + _wide(s) * _HW
+    seq = tl.load(hdr + H_SEQ, cache_modifier=".cg")
+    layer = tl.load(hdr + H_LAYER, cache_modifier=".cg")
+    chunk = tl.load(hdr + H_CHUNK, cache_modifier=".cg")
+    batch = tl.load(hdr + H_BATCH, cache_modifier=".cg")
+    heads = tl.load(hdr + H_HEADS, cache_modifier=".cg")
+    mode = tl.load(hdr + H_MODE, cache_modifier=".cg")
+    topk = tl.load(hdr + H_TOPK, cache_modifier=".cg")
+    tokens = tl.load(ChunkTokens + tl.minimum(tl.maximum(chunk, 0), n_chunks - 1))
+    status, detail = _check(seq, sig, seen, mode, layer, chunk, batch, heads, topk, tokens,
+                            n_chunks, layers, H, max_batch, max_rows, max_topk)  # fmt: skip
+    dense = mode == MODE_DENSE
+    S = _splits(SplitsD, SplitsS, dense, chunk, batch, topk, n_chunks, max_batch, sparse_tiles,
+                BLOCK_N_S)  # fmt: skip
+    hb = tl.where(dense, tl.cdiv(heads, BLOCK_H_D), tl.cdiv(heads, BLOCK_H_S))
+    return seq, layer, chunk, batch, heads, mode, topk, tokens, status, detail, S, hb
 
 
 @triton.jit
@@ -320,27 +366,16 @@ def _serve(InHdr, InQ, InIdx, RepSig, RepHdr, RepO, RepLse, Arrive, Err, WsO, Ws
            D_PE: tl.constexpr, BLOCK_H_D: tl.constexpr, BLOCK_N_D: tl.constexpr,
            MIN_TILES_D: tl.constexpr, BLOCK_H_S: tl.constexpr, BLOCK_N_S: tl.constexpr,
            MIN_TILES_S: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-           BF16_RNE: tl.constexpr, ELT: tl.constexpr, NVSHMEM: tl.constexpr,
-           SCOPE: tl.constexpr):  # fmt: skip
+           BF16_RNE: tl.constexpr, ELT: tl.constexpr, SPARSE: tl.constexpr,
+           NVSHMEM: tl.constexpr, SCOPE: tl.constexpr):  # fmt: skip
     """This CTA's part of the request signalled ``sig`` on slot ``s``: check its header, run
     its share of the items, arrive; the last to arrive answers (:func:`_answer`)."""
-    hdr = InHdr + _wide(s) * _HW
-    seq = tl.load(hdr + H_SEQ, cache_modifier=".cg")
-    layer = tl.load(hdr + H_LAYER, cache_modifier=".cg")
-    chunk = tl.load(hdr + H_CHUNK, cache_modifier=".cg")
-    batch = tl.load(hdr + H_BATCH, cache_modifier=".cg")
-    heads = tl.load(hdr + H_HEADS, cache_modifier=".cg")
-    mode = tl.load(hdr + H_MODE, cache_modifier=".cg")
-    topk = tl.load(hdr + H_TOPK, cache_modifier=".cg")
-    c = tl.minimum(tl.maximum(chunk, 0), n_chunks - 1)
-    tokens = tl.load(ChunkTokens + c)
-    status, detail = _check(seq, sig, seen, mode, layer, chunk, batch, heads, topk, tokens,
-                            n_chunks, layers, H, max_batch, max_rows, max_topk)  # fmt: skip
-    dense = mode == MODE_DENSE
-    S = _splits(SplitsD, SplitsS, dense, chunk, batch, topk, n_chunks, max_batch, sparse_tiles,
-                BLOCK_N_S)  # fmt: skip
-    hb = tl.where(dense, tl.cdiv(heads, BLOCK_H_D), tl.cdiv(heads, BLOCK_H_S))
+    seq, layer, chunk, batch, heads, mode, topk, tokens, status, detail, S, hb = _request(
+        InHdr, ChunkTokens, SplitsD, SplitsS, s, sig, seen, n_chunks, layers, H, max_batch,
+        max_rows, max_topk, sparse_tiles, BLOCK_H_D, BLOCK_H_S, BLOCK_N_S,
+    )  # fmt: skip
     served = (status == OK) & (mode != MODE_PROBE)
+    c = tl.minimum(tl.maximum(chunk, 0), n_chunks - 1)
     n_items = tl.where(served, batch * hb * S, 0).to(tl.int32)
     batch, heads, topk, layer = (
         batch.to(tl.int32),
@@ -356,7 +391,7 @@ def _serve(InHdr, InQ, InIdx, RepSig, RepHdr, RepO, RepLse, Arrive, Err, WsO, Ws
         b = i // (hb * S)
         r = i - b * (hb * S)
         split = r % S
-        if dense:
+        if not SPARSE:
             h0 = (r // S) * BLOCK_H_D
             m, l, acc, offs_h, mask_h = _dense_item(
                 QS, KVL, table_row, tokens, b, h0, split, S, heads, qk_scale, H * (D_LAT + D_PE),
@@ -381,9 +416,10 @@ def _serve(InHdr, InQ, InIdx, RepSig, RepHdr, RepO, RepLse, Arrive, Err, WsO, Ws
     old = tl.atomic_add(Arrive + s, 1, sem="acq_rel", scope=SCOPE)
     if old == k - 1:
         tl.debug_barrier()
-        _answer(RepSig, RepHdr, RepO, RepLse, Arrive, Err, WsO, WsLse, SlotPe, s, sig, status,
-                detail, mode, S, batch, heads, H, max_batch, ws_rows, D_LAT, BLOCK_H_D,
-                BLOCK_H_S, BF16_RNE, ELT, NVSHMEM, SCOPE)  # fmt: skip
+        _answer(InHdr, ChunkTokens, SplitsD, SplitsS, RepSig, RepHdr, RepO, RepLse, Arrive, Err,
+                WsO, WsLse, SlotPe, s, sig, seen, n_chunks, layers, H, max_batch, max_rows,
+                max_topk, sparse_tiles, ws_rows, D_LAT, BLOCK_H_D, BLOCK_H_S, BLOCK_N_S,
+                BF16_RNE, ELT, SPARSE, NVSHMEM, SCOPE)  # fmt: skip
 
 
 _RUNTIME_INTS = [
@@ -401,7 +437,7 @@ def holder_loop_kernel(
     BLOCK_H_D: tl.constexpr, BLOCK_N_D: tl.constexpr, MIN_TILES_D: tl.constexpr,
     BLOCK_H_S: tl.constexpr, BLOCK_N_S: tl.constexpr, MIN_TILES_S: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BF16_RNE: tl.constexpr, ELT: tl.constexpr,
-    PERSISTENT: tl.constexpr, NVSHMEM: tl.constexpr, SCOPE: tl.constexpr,
+    SPARSE: tl.constexpr, PERSISTENT: tl.constexpr, NVSHMEM: tl.constexpr, SCOPE: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(k,)``: CTA ``cta`` polls every slot's signal, serves what it has not seen
     (``Seen [k, n_slots]``, its own row), until the stop word or ``max_idle`` empty polls
@@ -424,14 +460,23 @@ def holder_loop_kernel(
         for s in range(0, n_slots):
             sig = _acquire(InSig + s, SCOPE)
             seen = tl.load(Seen + cta * n_slots + s)
-            if sig != seen:
+            new = sig != seen
+            mine = new
+            if new:
                 tl.store(Seen + cta * n_slots + s, sig)
+                mode = tl.load(InHdr + s * _HW + H_MODE, cache_modifier=".cg")
+                if SPARSE:  # the sparse kernel serves sparse requests, the dense one the rest
+                    mine = mode == MODE_SPARSE
+                else:
+                    mine = mode != MODE_SPARSE
+            if mine:
                 _serve(InHdr, InQ, InIdx, RepSig, RepHdr, RepO, RepLse, Arrive, Err, WsO, WsLse,
                        KV, ChunkBlocks, ChunkTokens, SplitsD, SplitsS, SlotPe, s, sig, seen, cta,
                        k, n_chunks, layers, H, max_batch, max_rows, max_topk, max_blocks,
                        ws_rows, sparse_tiles, qk_scale, stride_kl, stride_kb, stride_kt, PAGE,
                        D_LAT, D_PE, BLOCK_H_D, BLOCK_N_D, MIN_TILES_D, BLOCK_H_S, BLOCK_N_S,
-                       MIN_TILES_S, DOT_FP32, PRECISION, BF16_RNE, ELT, NVSHMEM, SCOPE)  # fmt: skip
+                       MIN_TILES_S, DOT_FP32, PRECISION, BF16_RNE, ELT, SPARSE, NVSHMEM,
+                       SCOPE)  # fmt: skip
                 served += 1
         if PERSISTENT:
             stop = _acquire(Stop, SCOPE)
@@ -468,10 +513,30 @@ class HolderTables:
     ws_lse: torch.Tensor
 
 
-def holder_tiles(heads: int, dtype: torch.dtype) -> tuple[TileConfig, TileConfig]:
-    """The dense and sparse tiles the holder kernel runs: the ones ``mla_decode`` /
-    ``mla_sparse`` launch for ``heads`` (so its split counts and loops are theirs)."""
-    return tile_config(heads, dtype=dtype), tile_config(heads, sparse=True, dtype=dtype)
+HOLDER_TILE = TileConfig(16, 32, 8, 3)
+"""The holder kernel's tile, dense and sparse, at every head count of a 16-bit cache: 16 heads x
+32 entries on 8 warps, the KV loop pipelined 3 deep. Inside the resident kernel (its service
+loops' state live beside the attention) the standalone ops' tiles spill under triton 3.6.0: the
+dense 16 x 64 by 56-112 B of stack, the 64-head tiles by over 1 KB; this one compiles to 219
+(dense) and 225 (sparse) registers with no spill (``test_compile_sm90``). 16 x 32 is one of
+``mla_decode``'s own sweep tiles (``_mla_launch.forced_tile`` plans the host ops with it)."""
+
+
+NVSHMEM_SPARSE_TILE = TileConfig(16, 16, 8, 3)
+"""The sparse tile of the ``nvshmem`` backend's holder kernel: with NVSHMEM's put code inlined
+beside it, 16 x 32 spills 48-88 B under triton 3.6.0; 16 x 16 takes 251 registers, none."""
+
+
+def holder_tiles(
+    heads: int, dtype: torch.dtype, nvshmem: bool = False
+) -> tuple[TileConfig, TileConfig]:
+    """The dense and sparse tiles the holder kernel runs for ``heads`` heads of ``dtype``:
+    :data:`HOLDER_TILE` for 16-bit caches (sparse: :data:`NVSHMEM_SPARSE_TILE` on the
+    ``nvshmem`` backend), the ops' own fp32 tile for fp32. The host ops planned with the same
+    tile (``forced_tile``) compute the same partial, bit for bit."""
+    if dtype.itemsize == 4:
+        return tile_config(heads, dtype=dtype), tile_config(heads, sparse=True, dtype=dtype)
+    return HOLDER_TILE, NVSHMEM_SPARSE_TILE if nvshmem else HOLDER_TILE
 
 
 def holder_loop_launch(
@@ -480,19 +545,23 @@ def holder_loop_launch(
     *,
     softmax_scale: float,
     max_rows: int,
+    sparse: bool = False,
     persistent: bool = False,
     max_idle: int = 1 << 30,
     nvshmem_lib: str | None = None,
 ) -> Launch:
     """The holder kernel's launch on ``k = tables.seen.shape[0]`` CTAs (no checks: the
     device holder built every tensor). ``persistent``: serve until the stop word (or
-    ``max_idle`` empty polls); else one-shot. ``nvshmem_lib``: NVSHMEM's device bitcode (the
+    ``max_idle`` empty polls); else one-shot. ``sparse``: the kernel that serves sparse
+    requests (else the one that serves every other mode; each has its own ``seen``, ``arrive``
+    and ``err`` in ``tables``). ``nvshmem_lib``: NVSHMEM's device bitcode (the
     ``nvshmem`` backend: replies put with a signal to ``slot_pe``); None: the ``local``
     backend (replies stored, signal released, in this device's memory)."""
     kv = tables.kv
     L, _, page, d_qk = kv.shape
     d_v = buf.rep_o.shape[3]
-    dense, sparse = holder_tiles(buf.heads, kv.dtype)
+    tiles = holder_tiles(buf.heads, kv.dtype, nvshmem=nvshmem_lib is not None)
+    dense, sparse_tile = tiles
     kwargs = dict(
         PAGE=page,
         D_LAT=d_v,
@@ -500,17 +569,18 @@ def holder_loop_launch(
         BLOCK_H_D=dense.block_h,
         BLOCK_N_D=dense.block_n,
         MIN_TILES_D=dense.min_tiles,
-        BLOCK_H_S=sparse.block_h,
-        BLOCK_N_S=sparse.block_n,
-        MIN_TILES_S=sparse.min_tiles,
+        BLOCK_H_S=sparse_tile.block_h,
+        BLOCK_N_S=sparse_tile.block_n,
+        MIN_TILES_S=sparse_tile.min_tiles,
         DOT_FP32=dot_in_fp32(kv.dtype),
         PRECISION=dot_precision(kv.dtype),
         BF16_RNE=bf16_rne_in_software(buf.rep_o.dtype),
         ELT=buf.rep_o.element_size(),
+        SPARSE=bool(sparse),
         PERSISTENT=bool(persistent),
         NVSHMEM=nvshmem_lib is not None,
         SCOPE="sys" if nvshmem_lib is not None else "gpu",
-        num_warps=dense.num_warps,
+        num_warps=(sparse and tiles[1] or tiles[0]).num_warps,
         num_stages=1 if persistent else 2,
     )
     if nvshmem_lib is not None:
@@ -527,7 +597,8 @@ def holder_loop_launch(
     mode = "persistent" if persistent else "one-shot"
     backend = "nvshmem" if nvshmem_lib is not None else "local"
     return Launch(
-        name=f"holder_loop[{dtype_name(kv.dtype)},{mode},{backend},k={t.seen.shape[0]}]",
+        name=f"holder_loop[{dtype_name(kv.dtype)},{'sparse' if sparse else 'dense'},{mode},"
+        f"{backend},k={t.seen.shape[0]}]",
         kernel=holder_loop_kernel,
         grid=(t.seen.shape[0],),
         args=args,

@@ -154,7 +154,7 @@ def route_put_launch(
     idx = indices if sparse else buf.in_idx
     topk = indices.shape[1] if sparse else 0
     kwargs = dict(
-        BLOCK_H=16,
+        BLOCK_H=8,
         D_LAT=d_v,
         D_PE=d_qk - d_v,
         BLOCK_K=256,

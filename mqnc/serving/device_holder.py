@@ -9,11 +9,13 @@ per :meth:`DeviceHolder.serve_once` (one-shot: the requests already signalled; w
 interpreter runs), or once for good by :meth:`DeviceHolder.start` (persistent, on its own
 stream, until :meth:`DeviceHolder.stop` sets the stop word).
 
-Split counts are the host policy's (``mla_decode`` / ``mla_sparse``'s plan for the same call:
-one request of ``B`` tokens at the holder's heads over the chunk's pages, or its selection
-width): the holder kernel's answer to a request is then the host-driven holder's answer to it
-alone, bit for bit (its dispatcher batches concurrent requests into one call, whose split
-count may differ: the same rows, another rounding). Chunk ids are indices of the table
+Tiles and split counts are the host ops' for the same call planned at the holder kernel's tile
+(``holder_loop.HOLDER_TILE``, one of ``mla_decode``'s own tiles, forced with
+``_mla_launch.forced_tile``): one request of ``B`` tokens at the holder's heads over the
+chunk's pages, or its selection width. The holder kernel's answer to a request is then the
+host-driven holder's answer to it alone at that tile, bit for bit (its dispatcher batches
+concurrent requests into one call, whose split count may differ: the same rows, another
+rounding). Chunk ids are indices of the table
 (``0 <= chunk_id < max_chunks``).
 """
 
@@ -26,7 +28,7 @@ from mqnc.base.checks import check_int, check_number
 from mqnc.model.geometry import MLAGeometry
 from mqnc.serving.batching import HostedChunk
 from mqnc.serving.pool import PagedPool
-from mqnc.triton_kernels._mla_launch import meta_output
+from mqnc.triton_kernels._mla_launch import forced_tile, meta_output
 from mqnc.triton_kernels._route_words import RouteBuffers
 from mqnc.triton_kernels.holder_loop import HolderTables, holder_loop_launch, holder_tiles
 from mqnc.triton_kernels.mla_decode import plan_decode
@@ -84,7 +86,9 @@ class DeviceHolder:
         self.chunks: dict[int, HostedChunk] = {}
         n, dev, B = buffers.slots, self.device, buffers.max_batch
         max_chunks = check_int("max_chunks", max_chunks, minimum=1)
-        self._dense_tile, self._sparse_tile = holder_tiles(buffers.heads, self.dtype)
+        self._dense_tile, self._sparse_tile = holder_tiles(
+            buffers.heads, self.dtype, nvshmem=nvshmem_lib is not None
+        )
         sparse_tiles = triton.cdiv(buffers.max_topk, self._sparse_tile.block_n)
         pe = torch.tensor(slot_pe if slot_pe is not None else [0] * n, dtype=torch.int32)
         self._t = dict(
@@ -95,13 +99,19 @@ class DeviceHolder:
             splits_sparse=self._sparse_splits(B, sparse_tiles).to(dev),
             slot_pe=pe.to(dev),
             stop=torch.zeros(1, dtype=torch.int64, device=dev),
-            seen=torch.zeros(self.ctas, n, dtype=torch.int64, device=dev),
-            arrive=torch.zeros(n, dtype=torch.int32, device=dev),
-            err=torch.zeros(n, dtype=torch.int64, device=dev),
         )
+        # the dense kernel's and the sparse kernel's own state (each serves its requests)
+        self._state = [
+            dict(
+                seen=torch.zeros(self.ctas, n, dtype=torch.int64, device=dev),
+                arrive=torch.zeros(n, dtype=torch.int32, device=dev),
+                err=torch.zeros(n, dtype=torch.int64, device=dev),
+            )
+            for _ in range(2)
+        ]
         self._resize_workspace()
-        self._stream = None
-        self.launches = 0  # holder kernel launches (one per serve_once; one for a start)
+        self._streams: list | None = None
+        self.launches = 0  # holder kernel launches (two per serve_once or start)
 
     # ---- the pool and the tables ------------------------------------------------------------
     def add_chunk(self, chunk_id: int, kv: torch.Tensor, position: int = 0) -> HostedChunk:
@@ -110,7 +120,7 @@ class DeviceHolder:
         g = self.geometry
         check_int("chunk_id", chunk_id, minimum=0, below=self._t["chunk_tokens"].shape[0])
         position = check_int("position", position, minimum=0)
-        if self._stream is not None:
+        if self._streams is not None:
             raise RuntimeError("device holder: add chunks before start() or after stop()")
         if not isinstance(kv, torch.Tensor):
             raise TypeError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
@@ -145,8 +155,9 @@ class DeviceHolder:
         for B in range(1, self.buffers.max_batch + 1):
             table = torch.zeros(B, max(blocks, 1), dtype=torch.int32, device=self.device)
             lens = torch.zeros(B, dtype=torch.int32, device=self.device)
-            plan = plan_decode(self._plan_q(B), layer, table, lens, self.softmax_scale,
-                               self.geometry.d_v, None, alloc=meta_output)  # fmt: skip
+            with forced_tile(self._dense_tile):
+                plan = plan_decode(self._plan_q(B), layer, table, lens, self.softmax_scale,
+                                   self.geometry.d_v, None, alloc=meta_output)  # fmt: skip
             out[B] = plan.num_splits
         return out
 
@@ -160,8 +171,9 @@ class DeviceHolder:
             q = self._plan_q(B)
             for t in range(1, tiles + 1):
                 idx = torch.zeros(B, t * bn, dtype=torch.int32, device=self.device)
-                plan = plan_sparse(q, layer, idx, self.softmax_scale, self.geometry.d_v, None,
-                                   alloc=meta_output)  # fmt: skip
+                with forced_tile(self._sparse_tile, sparse=True):
+                    plan = plan_sparse(q, layer, idx, self.softmax_scale, self.geometry.d_v,
+                                       None, alloc=meta_output)  # fmt: skip
                 out[B, t] = plan.num_splits
         return out
 
@@ -181,40 +193,45 @@ class DeviceHolder:
             self._t["ws_o"] = torch.zeros(n, rows, H, self.geometry.d_v, device=dev)
             self._t["ws_lse"] = torch.zeros(n, rows, H, device=dev)
 
-    @property
-    def tables(self) -> HolderTables:
-        return HolderTables(**self._t)
+    def tables(self, sparse: bool = False) -> HolderTables:
+        """What the dense (``sparse``: the sparse) kernel reads: the shared tables, its state."""
+        return HolderTables(**self._t, **self._state[int(sparse)])
 
     # ---- serving ----------------------------------------------------------------------------
-    def launch(self, persistent: bool = False, max_idle: int = 1 << 30):
-        """The holder kernel's launch (``mqnc.triton_kernels._launch.Launch``)."""
-        return holder_loop_launch(self.buffers, self.tables, softmax_scale=self.softmax_scale,
-                                  max_rows=self.max_rows, persistent=persistent,
-                                  max_idle=max_idle, nvshmem_lib=self.nvshmem_lib)  # fmt: skip
+    def launch(self, sparse: bool = False, persistent: bool = False, max_idle: int = 1 << 30):
+        """The dense (``sparse``: the sparse) holder kernel's launch
+        (``mqnc.triton_kernels._launch.Launch``)."""
+        return holder_loop_launch(self.buffers, self.tables(sparse),
+                                  softmax_scale=self.softmax_scale, max_rows=self.max_rows,
+                                  sparse=sparse, persistent=persistent, max_idle=max_idle,
+                                  nvshmem_lib=self.nvshmem_lib)  # fmt: skip
 
     def serve_once(self) -> None:
-        """One-shot: serve the requests already signalled, then return (one launch)."""
-        self.launch()()
-        self.launches += 1
+        """One-shot: serve the requests already signalled, then return (the dense kernel's
+        launch, then the sparse one's)."""
+        for sparse in (False, True):
+            self.launch(sparse)()
+            self.launches += 1
 
     def start(self, max_idle: int = 1 << 30) -> DeviceHolder:
-        """Launch the persistent kernel on its own stream (a GPU): it serves until
+        """Launch the two persistent kernels, each on its own stream (a GPU): they serve until
         :meth:`stop` (or ``max_idle`` empty polls)."""
         if self.device.type != "cuda":
             raise RuntimeError("device holder: a persistent kernel needs a GPU (use serve_once)")
-        if self._stream is not None:
+        if self._streams is not None:
             raise RuntimeError("device holder: already started")
         self._t["stop"].zero_()
         torch.cuda.synchronize(self.device)
-        self._stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(self._stream):
-            self.launch(persistent=True, max_idle=max_idle)()
-        self.launches += 1
+        self._streams = [torch.cuda.Stream(self.device) for _ in range(2)]
+        for sparse, stream in zip((False, True), self._streams, strict=True):
+            with torch.cuda.stream(stream):
+                self.launch(sparse, persistent=True, max_idle=max_idle)()
+            self.launches += 1
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Set the stop word (from another stream) and wait for the kernel to return."""
-        if self._stream is None:
+        """Set the stop word (from another stream) and wait for the kernels to return."""
+        if self._streams is None:
             return
         import time
 
@@ -223,8 +240,8 @@ class DeviceHolder:
         with torch.cuda.stream(side):
             self._t["stop"].copy_(stop, non_blocking=True)
         deadline = time.monotonic() + check_number("timeout_s", timeout_s, positive=True)
-        while not self._stream.query():
+        while not all(s.query() for s in self._streams):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"device holder: kernel did not stop within {timeout_s} s")
+                raise TimeoutError(f"device holder: kernels did not stop within {timeout_s} s")
             time.sleep(1e-3)
-        self._stream = None
+        self._streams = None

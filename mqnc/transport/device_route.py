@@ -264,3 +264,68 @@ def _check_rows(buf: RouteBuffers, q: torch.Tensor, indices: torch.Tensor | None
         if not 1 <= indices.shape[1] <= buf.max_topk:
             raise ValueError(f"indices: expected 1..{buf.max_topk} entries a token (the "
                              f"slot's), got {indices.shape[1]}")  # fmt: skip
+
+
+# ---- the sm_90 compile of the route's kernels ---------------------------------------------------
+
+
+def device_route_launches(heads: int = 16, nvshmem_lib: str | None = None) -> dict:
+    """The route's launches at production values (bf16, page 64, ``heads`` heads: the tiles
+    ``mla_decode`` / ``mla_sparse`` launch there) on small CPU tensors (only dtypes, alignment
+    and constexprs decide the compiled variant; every runtime int is unspecialised):
+    ``{name: Launch}`` for the holder kernel (one-shot and persistent), the put (dense and
+    sparse) and the merge. ``nvshmem_lib``: the NVSHMEM backend's variants."""
+    from mqnc.triton_kernels.holder_loop import HolderTables, holder_loop_launch
+
+    layout = RouteLayout(slots=2, max_batch=2, heads=heads, max_topk=64)
+    buf = allocate(layout, LocalBackend("cpu"))
+    i32, i64 = torch.int32, torch.int64
+    z = torch.zeros
+    tables = HolderTables(
+        kv=z(2, 4, 64, 576, dtype=torch.bfloat16), chunk_blocks=z(2, 4, dtype=i32),
+        chunk_tokens=z(2, dtype=i32), splits_dense=z(2, 3, dtype=i32),
+        splits_sparse=z(3, 5, dtype=i32), slot_pe=z(2, dtype=i32), stop=z(1, dtype=i64),
+        seen=z(4, 2, dtype=i64), arrive=z(2, dtype=i32), err=z(2, dtype=i64),
+        ws_o=z(2, 2, heads, 512), ws_lse=z(2, 2, heads),
+    )  # fmt: skip
+    out = {}
+    for sparse in (False, True):
+        for persistent in (False, True):
+            ln = holder_loop_launch(buf, tables, softmax_scale=0.1, max_rows=32, sparse=sparse,
+                                    persistent=persistent, nvshmem_lib=nvshmem_lib)  # fmt: skip
+            out[ln.name] = ln
+    q = z(2, heads, 576, dtype=torch.bfloat16)
+    seq, arrive = z(2, dtype=i64), z(2, dtype=i32)
+    for idx in (None, z(2, 64, dtype=i32)):
+        ln = route_put_launch(buf, seq, arrive, 1, q, idx, layer=1, chunk=1, mode=1,
+                              nvshmem_lib=nvshmem_lib)  # fmt: skip
+        out[ln.name] = ln
+    o, lse = z(2, heads, 512, dtype=torch.bfloat16), z(2, heads)
+    ln = route_merge_launch(buf, seq, z(1, dtype=i64), o, lse, z(1, dtype=i64),
+                            nvshmem=nvshmem_lib is not None)  # fmt: skip
+    out[ln.name] = ln
+    return out
+
+
+def compile_device_route(arch: int = 90, *, heads: int = 16, nvshmem: bool = False) -> dict:
+    """Compile :func:`device_route_launches` for ``sm_<arch>`` exactly as they launch (run with
+    ``TRITON_INTERPRET=0``); ``nvshmem``: against NVSHMEM's device bitcode. Returns, per
+    launch, registers, stack and local bytes (spills), shared bytes, and the NVSHMEM device
+    functions its PTX calls."""
+    from mqnc.triton_kernels._compile import compile_launch, resources
+
+    lib = None
+    if nvshmem:
+        from mqnc.transport.nvshmem import device_library_path
+
+        lib = device_library_path(arch)
+    names = ("nvshmemx_putmem_nbi_block", "nvshmemx_putmem_signal_nbi_block", "nvshmem_fence",
+             "nvshmem_quiet")  # fmt: skip
+    out = {}
+    for name, ln in device_route_launches(heads, lib).items():
+        k = compile_launch(ln.kernel, ln.args, ln.kwargs, grid=ln.grid, arch=arch)
+        r = resources(name, k)
+        calls = [n for n in names if n in k.asm["ptx"]]
+        out[name] = dict(registers=r.registers, stack=r.stack, local=r.local, shared=r.shared,
+                         calls=calls)  # fmt: skip
+    return out
