@@ -162,13 +162,15 @@ class _Loopback:
     """Instance 0: a TP requester group; instances 1..: TP holder groups (threads); plus the
     package's single-rank holder and requester over the same chunks."""
 
-    def __init__(self, degree, chunks_per_instance, *, pair_timeout_s=10.0, kernels="triton"):
+    def __init__(
+        self, degree, chunks_per_instance, *, pair_timeout_s=10.0, kernels="triton", group_s=10.0
+    ):
         self.part = part = TPPartition(GEOM, degree)
         n = degree
         self.fabric = LoopbackFabric(n * (1 + len(chunks_per_instance)), SLOT)
         self.holders = []
         for i, chunks in enumerate(chunks_per_instance, start=1):
-            group = ThreadGroup(n, timeout_s=10.0)
+            group = ThreadGroup(n, timeout_s=group_s)
             for r in range(n):
                 h = TPHolder(
                     self.fabric.endpoint(i * n + r),
@@ -351,6 +353,29 @@ def test_a_broken_holder_group_refuses_at_once():
         assert s.holders[0].group.broken
         with pytest.raises(GroupLost):
             s.holders[1].group.all_reduce_sum(torch.zeros(1))
+    finally:
+        s.close()
+
+
+def test_a_rank_whose_batch_fails_fails_the_request_on_every_rank():
+    """One holder rank's kernel call raises: its requester rank gets that error, the other
+    rank's reduction times out (the group's bound, 2 s here) and its requester rank gets an
+    error naming the group; neither hangs, and the group refuses at once afterwards."""
+    import types
+
+    s = _Loopback(2, [{5: _chunk(51)}], kernels="torch", group_s=2.0)
+    try:
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("boom")
+
+        s.holders[0].ops = types.SimpleNamespace(tp_partial_scores=boom)
+        q = _randn(52, 1, GEOM.heads, GEOM.d_qk).cpu()
+        first = s.route(1, 5, q, 0)
+        assert isinstance(first[0], RemoteError) and "RuntimeError: boom" in str(first[0])
+        assert isinstance(first[1], RemoteError) and "holder group" in str(first[1]), first[1]
+        for e in s.route(1, 5, q, 0):
+            assert isinstance(e, RemoteError) and "broken" in str(e), e
     finally:
         s.close()
 

@@ -364,28 +364,38 @@ class TPHolder:
     # ---- computing --------------------------------------------------------------------------
     def _run_batches(self, requests: list[_Request]) -> None:
         """The agreed requests, in key order, one batch per (layer, heads): scores, the group's
-        reduction, values, and the replies."""
+        reduction, values, and the replies. A failure (a lost member, or anything a batch
+        raises, after which the group can no longer be trusted to be in step) answers every
+        request not yet answered with an ``ERROR`` naming it and leaves the group broken."""
         batches: dict[tuple[int, int], list[_Request]] = {}
         for r in requests:
             batches.setdefault((r.h.layer_lo, r.h.heads), []).append(r)
-        for (layer, heads), batch in batches.items():
-            t0 = time.perf_counter_ns()
-            q, slots = self._stage(batch, heads)
-            pool = self.pages.kv[layer]
-            d_v = self.partition.slice_latent
-            s = self.ops.tp_partial_scores(q, pool, slots, d_v=d_v, check_slots=False)
+        left = list(batches.items())
+        while left:
+            (layer, heads), batch = left.pop(0)
             try:
-                self.group.all_reduce_sum(s)
-            except GroupLost as exc:
-                for r in batch:
-                    self._answer_error(r, str(exc))
-                self._refuse_all(str(exc))
+                self._run_batch(layer, heads, batch)
+            except Exception as exc:  # noqa: BLE001 - answered, never a silent drop
+                why = str(exc) if isinstance(exc, GroupLost) else f"{type(exc).__name__}: {exc}"
+                if self.group.broken is None:
+                    self.group.broken = f"holder rank {self.rank} failed a batch ({why})"
+                for r in [r for _, b in [((layer, heads), batch), *left] for r in b]:
+                    self._answer_error(r, why)
+                self._refuse_all(why)
                 return
-            self.stats["reductions"] += 1
-            o, lse = self.ops.tp_partial_values(
-                s, pool, slots, softmax_scale=self.softmax_scale, d_v=d_v, check_slots=False
-            )
-            self._reply(batch, o, lse, slots, time.perf_counter_ns() - t0)
+
+    def _run_batch(self, layer: int, heads: int, batch: list[_Request]) -> None:
+        t0 = time.perf_counter_ns()
+        q, slots = self._stage(batch, heads)
+        pool = self.pages.kv[layer]
+        d_v = self.partition.slice_latent
+        s = self.ops.tp_partial_scores(q, pool, slots, d_v=d_v, check_slots=False)
+        self.group.all_reduce_sum(s)
+        self.stats["reductions"] += 1
+        o, lse = self.ops.tp_partial_values(
+            s, pool, slots, softmax_scale=self.softmax_scale, d_v=d_v, check_slots=False
+        )
+        self._reply(batch, o, lse, slots, time.perf_counter_ns() - t0)
 
     def _stage(self, batch: list[_Request], heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's query slices ``[sum B, heads, w]`` and their slots ``[sum B, T]`` int32
