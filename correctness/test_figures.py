@@ -185,6 +185,8 @@ def assert_readable(fig, png: Path | None = None) -> None:
                 )
         notes = [t for t in ax.texts if t.get_visible() and t.get_text().strip()]
         boxes = [t.get_window_extent(renderer) for t in notes]
+        for note, box in zip(notes, boxes, strict=True):
+            _inside(box, ax.get_window_extent(renderer), f"axes {n} text {note.get_text()!r}")
         for i, j in itertools.combinations(range(len(notes)), 2):
             assert not boxes[i].shrunk(0.98, 0.98).overlaps(boxes[j].shrunk(0.98, 0.98)), (
                 f"axes {n}: texts {notes[i].get_text()!r} and {notes[j].get_text()!r} overlap"

@@ -241,11 +241,17 @@ def route_vs_paper_panel(
     for tick, p in zip(ax.get_yticklabels(), PAPER_POINTS, strict=True):
         tick.set_color(COLORS[p.primitive])
     ax.set_xscale("log")
+    drawn = [x for line in ax.get_lines() for x in line.get_xdata()]
+    if drawn:  # room right of the largest for a point's backend label (shared across panels)
+        ax.set_xlim(right=max(ax.get_xlim()[1], 6.0 * max(drawn)))
     ax.set_ylim(-0.6, len(PAPER_POINTS) - 0.4)
     ax.grid(axis="x", which="major", alpha=0.3)
     ax.set_xlabel("cost (us)")
     name = transport + (f" / {variant}" if variant and variant != transport else "")
-    wrapped_title(ax, f"{_short_device(device)}, {name}")
+    setups = sorted(
+        {str(r["extra"]["pes"]) for r in recs.get("route", []) if (r.get("extra") or {}).get("pes")}
+    )
+    wrapped_title(ax, f"{_short_device(device)}, {name}" + "".join(f"\n({s})" for s in setups))
     readable_log_ticks(ax, "x", fmt=_time)
     return out
 
