@@ -374,6 +374,8 @@ def test_gluon_decode_checks_its_arguments_then_refuses_a_cpu():
         (dict(softmax_scale=-1.0), ValueError, "softmax_scale"),
         (dict(block_n=32), ValueError, "block_n"),
         (dict(num_splits=0), ValueError, "num_splits"),
+        (dict(schedule="pingpong"), ValueError, "schedule"),
+        (dict(schedule="seesaw", block_n=128), ValueError, "block_n: the see-saw"),
     ]
     good = dict(q=q, kv_cache=kv, block_table=table, cache_seqlens=lens, softmax_scale=0.1)
     for change, exc, text in bad:
