@@ -200,13 +200,17 @@ class TPHolder:
             )
         if kv_slice.dtype != self.dtype:
             raise TypeError(f"kv_slice: expected {self.dtype}, got {kv_slice.dtype}")
+        if not bool(torch.isfinite(kv_slice).all()):
+            bad = int((~torch.isfinite(kv_slice)).sum())
+            raise ValueError(f"kv_slice: expected finite cache entries, got {bad} NaN or infinite")
+        chunk_id = check_int("chunk_id", chunk_id, minimum=0)
+        position = check_int("position", position, minimum=0)
         if chunk_id in self.chunks:
             raise ValueError(f"chunk_id: chunk {chunk_id} is already hosted")
         blocks = self.pages.alloc(kv_slice.shape[1])
         self.pages.write(blocks, kv_slice)
-        tokens = kv_slice.shape[1]
-        self.chunks[chunk_id] = _Chunk(chunk_id, tokens, check_int("position", position, minimum=0),
-                                       torch.tensor(blocks, dtype=torch.int32))  # fmt: skip
+        blocks = torch.tensor(blocks, dtype=torch.int32)
+        self.chunks[chunk_id] = _Chunk(chunk_id, kv_slice.shape[1], position, blocks)
 
     # ---- the service loop -------------------------------------------------------------------
     def start(self) -> TPHolder:
