@@ -198,15 +198,18 @@ def _check(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_s
     return _Checked(q3, kv2, block_table, cache_seqlens, b, s_q, scale)
 
 
-def _choose_splits(rows: int, heads: int, max_blocks: int, block_n: int, device) -> int:
+def _choose_splits(
+    rows: int, heads: int, max_blocks: int, block_n: int, device, min_tiles: int = 1
+) -> int:
     """The split count: ``_grid.choose_num_splits`` for this kernel at one CTA per SM (its
-    shared memory), the two head blocks of a 128-head row sharing each page's DRAM read."""
+    shared memory), the two head blocks of a 128-head row sharing each page's DRAM read; at
+    least ``min_tiles`` blocks a split (the see-saw's 2: a page pair)."""
     head_blocks = triton.cdiv(heads, BLOCK_H)
     limits = device_limits(device)
     return choose_num_splits(
         rows * head_blocks,
         triton.cdiv(max_blocks * PAGE, block_n),
-        min_tiles=1,
+        min_tiles=min_tiles,
         tile_bytes=block_n * D_QK * 2 // head_blocks,
         in_bytes=BLOCK_H * D_QK * 2,
         out_bytes=BLOCK_H * (D_V * 2 + 4),
@@ -250,7 +253,8 @@ def gluon_decode_launches(
     R, H, _ = c.q3.shape
     max_blocks = c.table.shape[1]
     if num_splits is None:
-        num_splits = _choose_splits(R, H, max_blocks, block_n, c.q3.device)
+        pair = 2 if schedule == "seesaw" else 1
+        num_splits = _choose_splits(R, H, max_blocks, block_n, c.q3.device, pair)
     o, lse, o_part, lse_part = split_outputs(R, H, D_V, c.q3.dtype, c.q3.device, num_splits)
     if R * H == 0:
         return o, lse, []
