@@ -89,7 +89,7 @@ ANCHORS = (
         396.0,
         "TFLOP/s",
         "H200",
-        "tile-ai/tilelang issue 1859, b 128, h 128",
+        "github.com/tile-ai/tilelang/issues/1859, b 128, h 128",
     ),
     Anchor("FlagGems Triton MLA", 265.0, 285.0, "TFLOP/s", "H800", "FlagGems PR 510, 64 heads"),
     Anchor("FlashMLA dense, memory-bound", 3.0, 3.0, "TB/s", "H800", "FlashMLA README"),
