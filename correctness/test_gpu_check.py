@@ -400,3 +400,35 @@ def test_tile_sweep_dry_run_times_the_16_head_candidates(tiles_dry_run):
         assert e["ok"] and e["vs_default"]["ok"] and e["vs_fp64"]["ok"], e
         assert r["gbps"] > 0 and e["tflops"] == pytest.approx(e["flops"] / (r["p50"] * 1e6))
     assert f"{len(recs)} records at 16 heads" in stdout
+
+
+ROUTE_SCRIPT = ROOT / "perf" / "gpu_route.sh"
+
+
+def test_device_route_dry_run_records_probe_and_route_with_host_calls(tmp_path):
+    """``perf/gpu_route.sh --dry-run``: the device route's bench runs its real commands
+    interpreted and tiny and records the probe and the route (16 heads with 1 and 2 requesters,
+    128 heads), each with the commit, transport ``device-local``, the answer's fp64 check and
+    ``extra.host_calls_per_layer`` counted (every launch a host call in the dry run, which has
+    no graph: ``host_free`` false there); the budget line is printed."""
+    out = tmp_path / "gpu_route"
+    r = subprocess.run(
+        ["bash", str(ROUTE_SCRIPT), "--dry-run"],
+        cwd=ROOT,
+        env=_env(OUT=str(out), MQNC_COMMIT="dryrun0commit"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    print(r.stdout[-4000:])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert re.search(r"route run took \d+s of 240s", r.stdout), r.stdout[-2000:]
+    recs = [json.loads(x) for x in (out / "results_route.jsonl").read_text().splitlines()]
+    got = [(r["bench"], r["x"], r["extra"]["heads"], r["extra"].get("requesters")) for r in recs]
+    assert got == [("probe", 1, 16, None), ("route", 16, 16, 1), ("route", 16, 16, 2),
+                   ("route", 128, 128, 1)]  # fmt: skip
+    for rec in recs:
+        e = rec["extra"]
+        assert rec["commit"] == "dryrun0commit" and rec["transport"] == "device-local"
+        assert e["host_free"] is False and e["host_calls_per_layer"] >= 2, e  # put + merge
+        assert rec["bench"] == "probe" or e["vs_fp64"] >= 0.0, e  # checked within the bound

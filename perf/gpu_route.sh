@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The device route on a lent GPU, one prepared call, and its dry run on a CPU machine:
+#
+#   bash perf/gpu_route.sh             on the GPU machine, from the repository root, $OUT set
+#   bash perf/gpu_route.sh --dry-run   on a CPU machine: the same commands, interpreted, tiny
+#
+# Steps (docs/device-route.md):
+#   1. the proof, on the GPU (the suite runs it interpreted; not in the dry run):
+#      correctness/test_device_route.py (the holder kernel one-shot against the host-driven
+#      holder, bit for bit; bad headers, stop, sequence wrap);
+#   2. perf.bench_device_route: the host-free probe round trip, the route at M_q 16..1024 (H 16,
+#      c_t 2048, 4 layers a captured step) and 1 (one head), H 128 at B 1 / 8, N requesters
+#      2..16 (the fan-in elbow), each answer checked against fp64 first; records
+#      ($OUT/results_route.jsonl, each with the commit) bench "probe" / "route", transport
+#      "device-local", extra.host_free, extra.host_calls_per_layer (graph replays over routed
+#      layers, counted);
+#   3. the demo over the device route (mqnc demo --transport device), if this checkout has it.
+#
+# Budget, 4 minutes on an H200 ($BUDGET_S, 240; the run fails past it), estimated (no run yet):
+# ~30 s of compiles (the holder kernels, put and merge, twice: 16 and 128 heads), 13 route
+# points and a probe at 20 samples of 20 graph replays of a 4-layer step (each replay < 1 ms
+# expected: well under 10 s), two holders' set-up (the split tables: ~65 plans each, ~5 s),
+# the proof's 7 tests on the GPU (~20 s), the demo (~60 s).
+set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 1
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+OUT=${OUT:-$(mktemp -d)}
+PY=${PY:-python3}
+((DRY)) && [ "$PY" = python3 ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
+SITE=${SITE:-/tmp/mqnc-site}
+BUDGET_S=${BUDGET_S:-240}
+mkdir -p "$OUT/logs"
+if ((DRY)); then
+  export TRITON_INTERPRET=1
+else
+  unset TRITON_INTERPRET
+fi
+if [ -z "${MQNC_COMMIT:-}" ]; then
+  MQNC_COMMIT=$( (tr -d '[:space:]' <.mqnc-commit) 2>/dev/null || git rev-parse --short=12 HEAD)
+fi
+export MQNC_COMMIT PYTHONUNBUFFERED=1
+if ! ((DRY)) && ! "$PY" -c "import mqnc.triton_kernels" 2>/dev/null; then # as gpu_check.sh's install step
+  "$PY" -m pip install --no-index --no-deps --no-build-isolation -q -e . >/dev/null 2>&1 || {
+    mkdir -p "$SITE/mqnc" && for f in mqnc/*; do ln -sfn "$ROOT/$f" "$SITE/mqnc/"; done &&
+      ln -sfn "$ROOT/triton_kernels" "$SITE/mqnc/triton_kernels"
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  }
+fi
+echo "commit $MQNC_COMMIT; $([ "$DRY" = 1 ] && echo 'DRY RUN (interpreter, tiny sizes)' || echo 'GPU run'); budget ${BUDGET_S}s"
+status=0
+step() { # name, command...: logged to $OUT/logs/<name>.log, one line in $OUT/summary.txt
+  local name=$1 t0=$SECONDS rc
+  shift
+  "$@" >"$OUT/logs/$name.log" 2>&1
+  rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+  ((rc == 0)) || { tail -20 "$OUT/logs/$name.log" && status=1; }
+}
+((DRY)) || step proof "$PY" -m pytest correctness/test_device_route.py -q -p no:cacheprovider
+step bench "$PY" -m perf.bench_device_route --out "$OUT/results_route.jsonl" \
+  --commit "$MQNC_COMMIT" $( ((DRY)) && echo --dry-run)
+if "$PY" -m mqnc demo --help 2>/dev/null | tr -d '\n ' | grep -q -- "--transport{[^}]*device"; then
+  if ((DRY)); then
+    step demo "$PY" -m mqnc demo --transport device --tiny
+  else
+    step demo "$PY" -m mqnc demo --transport device
+  fi
+else
+  echo "demo skipped: this checkout's mqnc demo has no device transport" | tee -a "$OUT/summary.txt"
+fi
+grep -c . "$OUT/results_route.jsonl" 2>/dev/null | sed 's/$/ records (results_route.jsonl)/'
+echo "route run took ${SECONDS}s of ${BUDGET_S}s"
+((SECONDS > BUDGET_S)) && ! ((DRY)) && { echo "OVER the ${BUDGET_S}s budget" && status=1; }
+exit $status
