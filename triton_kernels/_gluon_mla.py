@@ -485,11 +485,14 @@ def _ss_second(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_spl
             )
         mbarrier.wait(bars.index(3), k & 1)  # A's max, row sum and P_A
         m_a = stats.index(0).load(row_s)
-        m_b = gl.maximum(m_a, gl.max(s, 1))
         m_sa = gl.where(m_a == -float("inf"), 0.0, m_a)
+        alpha = gl.exp2(m_i - m_sa)
+        # P_A V_A (its right half) runs while this warpgroup's softmax of page B does
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc = warpgroup_mma(pe_a, lat_a.slice(256, 256, dim=1), acc, is_async=True)
+        m_b = gl.maximum(m_a, gl.max(s, 1))
         m_sb = gl.where(m_b == -float("inf"), 0.0, m_b)
         p = gl.exp2(s - m_sb[:, None])
-        alpha = gl.exp2(m_i - m_sa)
         beta = gl.exp2(m_sa - m_sb)
         p_sum = gl.sum(p, 1)
         l_i = (l_i * alpha + stats.index(1).load(row_s)) * beta + p_sum
@@ -500,7 +503,7 @@ def _ss_second(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_spl
             stats.index(2).store(m_b)
             stats.index(3).store(p_sum)
             mbarrier.arrive(bars.index(4), count=1)
-        acc = _ss_pv(acc * gl.convert_layout(alpha, row_o)[:, None], pe_a, lat_a, 1)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(bars.index(1), count=1)  # page A's right half and P_A read
         acc = acc * gl.convert_layout(beta, row_o)[:, None]
         if has_b:

@@ -56,8 +56,9 @@ in buffer 0 and page B in buffer 1, loaded by a one-warp TMA partition as soon a
 consumers release a buffer. Warpgroup 0 (the default partition, 4 warps, 240 registers)
 computes ``QK^T`` of page A (HGMMA 64x64x16, its own page) while warpgroup 1 (a 4-warp worker,
 240 registers) computes page B's; warpgroup 0's softmax publishes A's row max, row sum and
-``P_A`` (over A's rope tile) through shared memory and an mbarrier; warpgroup 1 takes the
-pair's max from A's and its own scores, publishes ``P_B`` and the pair's max; each warpgroup
+``P_A`` (over A's rope tile) through shared memory and an mbarrier; warpgroup 1 issues its
+half of ``P_A V_A``, and while it runs takes the pair's max from A's and its own scores and
+publishes ``P_B`` and the pair's max; each warpgroup
 rescales its own 256 output columns (``[64, 256]`` fp32, 128 registers a thread) and
 accumulates ``P_A V_A`` and ``P_B V_B`` into them (HGMMA 64x256x16). So warpgroup 1's softmax
 runs under warpgroup 0's ``P_A V_A``, and warpgroup 0's ``QK^T`` of the next page under
