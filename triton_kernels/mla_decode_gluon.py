@@ -62,8 +62,9 @@ publishes ``P_B`` and the pair's max; each warpgroup
 rescales its own 256 output columns (``[64, 256]`` fp32, 128 registers a thread) and
 accumulates ``P_A V_A`` and ``P_B V_B`` into them (HGMMA 64x256x16). So warpgroup 1's softmax
 runs under warpgroup 0's ``P_A V_A``, and warpgroup 0's ``QK^T`` of the next page under
-warpgroup 1's ``PV``. Each wgmma is waited at once (no group left in flight within a
-warpgroup: the overlap is between the warpgroups). The buffers are indexed through an opaque
+warpgroup 1's ``PV``. Every wgmma wait waits for all of its warpgroup's groups (ptxas
+serializes the loop otherwise, as in the sync schedule); warpgroup 1 computes its softmax
+between issuing its ``P_A V_A`` and that wait. The buffers are indexed through an opaque
 zero (inline asm) so the compiler recomputes the 72 wgmma descriptors per pair instead of
 hoisting and spilling them. Each 64 x 64 box arrives on its own mbarrier and ``QK^T`` is
 issued box by box as they land (FlashMLA's fine-grained TMA / GEMM overlap). Not yet
