@@ -277,6 +277,23 @@ def test_fused_combine_matches_fp64_run_after_run(lengths, num_splits):
         TileConfig(16, 32, 8, 2, fused=True)
 
 
+def test_the_split_policy_prices_a_fused_combine_as_one_cta():
+    """A fused combine merges a program's partials in the one CTA that draws its last ticket:
+    the policy prices it so (``merge_ctas`` 1) and, for the one-row holder partial (H 16, B 1,
+    c_t 2048), plans fewer splits than for the same tile with the merge kernel's 64 CTAs."""
+    from mqnc.triton_kernels._grid import choose_num_splits
+    from mqnc.triton_kernels._mla_launch import split_bytes
+
+    plain, fused = TileConfig.parse("16x32w8s2-pipe"), TileConfig.parse("16x32w8s2-pipe-fused")
+    assert split_bytes(fused, 576, 512, 2, 16)["merge_ctas"] == 1
+    assert split_bytes(plain, 576, 512, 2, 16)["merge_ctas"] == 16 * 4
+
+    def splits(cfg):
+        return choose_num_splits(1, 64, **split_bytes(cfg, 576, 512, 2, 16), slots=132, sms=132)
+
+    assert splits(fused) < splits(plain) == 32
+
+
 @pytest.mark.parametrize(
     "tile", [t.label for t in SWEEP_TILES["sparse"] if t.kernel and t.block_h == 16]
 )

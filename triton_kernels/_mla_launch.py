@@ -572,7 +572,8 @@ def split_bytes(cfg: TileConfig, d_qk: int, d_v: int, elt: int, heads: int) -> d
     """The DRAM bytes of one program that the split policy weighs (``_grid.split_cost``): the
     ``ceil(heads / BLOCK_H)`` head blocks of a token run side by side and read each tile from
     DRAM once between them (then from L2), so a program's share of a tile is
-    ``tile / head_blocks``."""
+    ``tile / head_blocks``. A fused combine (``cfg.fused``) is one CTA per program reading its
+    ``S`` partials alone: priced as such, it keeps the policy to fewer splits."""
     head_blocks = triton.cdiv(heads, cfg.block_h)
     return dict(
         min_tiles=cfg.min_tiles,
@@ -580,8 +581,9 @@ def split_bytes(cfg: TileConfig, d_qk: int, d_v: int, elt: int, heads: int) -> d
         in_bytes=cfg.block_h * d_qk * elt,
         out_bytes=cfg.block_h * (d_v * elt + 4),
         split_out_bytes=cfg.block_h * (d_v * 4 + 4),
-        # the combine's CTAs per program: one per head row and 16-byte-per-thread warp slice
-        merge_ctas=cfg.block_h * -(-d_v * 4 // 512),
+        # the combine's CTAs per program: one per head row and 16-byte-per-thread warp slice;
+        # fused (``cfg.fused``), the one CTA that draws the program's last ticket
+        merge_ctas=1 if cfg.fused else cfg.block_h * -(-d_v * 4 // 512),
     )
 
 
