@@ -262,7 +262,7 @@ def test_bench_holder_cpu(tmp_path, capsys):
     [
         ("bench_merge", ["--quick", "--reps", "2"], {("merge", "M=2"), ("merge", "M=8")}),
         ("bench_copy", ["--gib", "0.001", "--reps", "2"],
-         {("copy", "host"), ("ceiling", "read"), ("ceiling", "copy")}),
+         {("copy", "host"), ("ceiling", "read"), ("ceiling", "read-tma"), ("ceiling", "copy")}),
         ("bench_predicate", ["--grid", "20", "--reps", "3"],
          {("predicate", "scalar"), ("predicate", "grid")}),
         ("bench_mla", ["--quick", "--only", "sparse", "--reps", "2"],
@@ -524,30 +524,36 @@ def test_ready_holder_answers_routes_and_probes(transport):
             assert fab._holders[0].served == 7 and fab._holders[0].failure is None
 
 
-@pytest.mark.parametrize("words", [8192 * 3, 8192 * 2 + 100, 37])
+@pytest.mark.parametrize("words", [8192 * 3, 8192 * 2 + 256 * 5 + 100, 37])
 def test_ceiling_kernels_read_and_copy_exactly(words):
-    """perf/bench_copy.py's ceiling kernels in the interpreter: the read kernel's sum of int32
-    words (wrapping, mod 2**32: exact in any order) equals torch's, and the copy is bit for bit,
-    whole blocks and a ragged tail alike, on a grid that strides (fewer programs than blocks)
-    and one with idle programs (more); the copy's destination starts poisoned."""
-    from perf.bench_copy import copy_launch, read_launch, read_sum
+    """perf/bench_copy.py's ceiling kernels in the interpreter: the read kernels' sums of int32
+    words (wrapping, mod 2**32: exact in any order) equal torch's (the TMA kernel over whole
+    1 KiB rows, a partial last box among them), and the copy is bit for bit, whole blocks and a
+    ragged tail alike, on a grid that strides (fewer programs than blocks) and one with idle
+    programs (more); the copy's destination starts poisoned."""
+    from perf.bench_copy import TMA_COLS, copy_launch, read_launch, read_sum, read_tma_launch
 
     gen = torch.Generator().manual_seed(words)
     src = torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32, generator=gen)
     want = int(src.to(torch.int64).sum()) % 2**32
+    whole = src[: words // TMA_COLS * TMA_COLS]  # (the TMA kernel reads whole 1 KiB rows)
     for grid in (2, 5):
         partial = torch.full((grid,), 7, dtype=torch.int32)
         read_launch(src, partial)()
         assert read_sum(partial) == want
+        if whole.numel():
+            read_tma_launch(whole, partial)()
+            assert read_sum(partial) == int(whole.to(torch.int64).sum()) % 2**32
         dst = torch.full_like(src, -1)
         copy_launch(src, dst, grid)()
         assert torch.equal(dst, src)
 
 
 def test_ceiling_records_give_percent_of_the_read_ceiling_and_the_spec():
-    """mqnc.cost.ceilings: the read ceiling is the median of the device's exact Triton read
-    records (other devices, other benches and inexact runs ignored), the spec is the vendor's
-    (4.8 TB/s for an H200), and a device with neither refuses to give a ceiling."""
+    """mqnc.cost.ceilings: the read ceiling is the larger median of the device's exact Triton
+    read records per read kernel (plain 4.2 over TMA 4.0 here; other devices, other benches and
+    inexact runs ignored), the spec is the vendor's (4.8 TB/s for an H200), and a device with
+    neither refuses to give a ceiling."""
     from mqnc.cost.ceilings import memory_ceiling, spec_tbps
 
     def rec(bench, variant, gbps, device="NVIDIA H200", backend="triton", exact=True):
@@ -559,6 +565,8 @@ def test_ceiling_records_give_percent_of_the_read_ceiling_and_the_spec():
         rec("ceiling", "read", 4200.0),
         rec("ceiling", "read", 4400.0),
         rec("ceiling", "read", 9000.0, exact=False),
+        rec("ceiling", "read-tma", 3900.0),
+        rec("ceiling", "read-tma", 4100.0),
         rec("ceiling", "read", 1.0, device="NVIDIA H100 80GB HBM3"),
         rec("ceiling", "copy", 3600.0),
         rec("copy", "d2d", 2711.0, backend="torch"),

@@ -1,6 +1,6 @@
 """The device's memory ceilings, measured first so every kernel's GB/s can be read against them.
 
-``python -m perf.bench_copy [--gib 4] [--ctas-per-sm 4] [--kernels read,copy,torch]``
+``python -m perf.bench_copy [--gib 4] [--ctas-per-sm 4] [--kernels read,read-tma,copy,torch]``
 (``--quick``: 0.25 GiB) with the flags every benchmark takes (``--reps --warmup --out FILE |
 --record --check``, :mod:`mqnc.measure.options`). Three measurements over one buffer of
 ``--gib`` GiB (4 GiB: 70x the H200's 60 MB L2, so no pass finds its data cached):
@@ -12,6 +12,9 @@
     program: nothing is written back, so the bytes are the buffer's and the time is the read
     ceiling, the one a decode kernel (which reads its cache and writes little) is held
     against.
+``bench="ceiling", variant="read-tma"`` (backend ``triton``)
+    :func:`_read_tma_kernel`: the same read through TMA (a host-side tensor descriptor, 32 KiB
+    boxes into shared memory, three in flight per program, SMs x 2 programs).
 ``bench="ceiling", variant="copy"`` (backend ``triton``)
     :func:`_copy_kernel`: the same grid and loads, each block stored to a second buffer
     (bytes: read plus written, METHOD.md's convention for a copy).
@@ -59,7 +62,10 @@ BLOCK = 8192  # int32 words per program per step: 32 KiB, 32 words (8 x 16 B loa
 NUM_WARPS = 8
 CTAS_PER_SM = 4  # 4 x 32 KiB in flight per SM: the H200's ~4.8 TB/s x ~1 us latency over 132 SMs
 INTERPRETED_BYTES = 1 << 20  # the interpreter's share of the buffer (it measures nothing)
-KERNELS = ("read", "copy", "torch")
+KERNELS = ("read", "read-tma", "copy", "torch")
+TMA_ROWS, TMA_COLS = 32, 256  # a 32 KiB box: 256 words (1 KiB) a row, the widest TMA box row
+TMA_STAGES = 3  # boxes in flight per program (two 32 KiB buffers and the one being summed)
+TMA_CTAS_PER_SM = 2  # 64 KiB of shared memory a program: two fit an SM with room to spare
 
 
 @triton.jit
@@ -102,6 +108,22 @@ def _copy_kernel(src, dst, n, BLOCK: tl.constexpr, EVEN: tl.constexpr):
             tl.store(dst + idx, x, mask=mask, cache_modifier=".cs")
 
 
+@triton.jit
+def _read_tma_kernel(
+    desc, partial, nrows, ROWS: tl.constexpr, COLS: tl.constexpr, STAGES: tl.constexpr
+):
+    """The read kernel through TMA: ``desc`` a host-side tensor descriptor of the buffer as
+    ``[nrows, COLS]`` int32 words with ``[ROWS, COLS]`` boxes (32 KiB), program ``p`` loading
+    boxes ``p, p + P, ...`` into shared memory (pipelined ``STAGES`` deep by the compiler,
+    the rows past ``nrows`` zero-filled by the hardware) and summing them into
+    ``partial[p]``."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([ROWS, COLS], dtype=tl.int32)
+    for b in tl.range(pid, tl.cdiv(nrows, ROWS), tl.num_programs(0), num_stages=STAGES):
+        acc += desc.load([b * ROWS, 0])
+    tl.store(partial + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
+
+
 def programs(sms: int, ctas_per_sm: int = CTAS_PER_SM) -> int:
     """The persistent grid: ``sms * ctas_per_sm`` programs."""
     return sms * ctas_per_sm
@@ -119,6 +141,24 @@ def read_launch(src, partial, *, block: int = BLOCK, num_warps: int = NUM_WARPS)
         (partial.numel(),),
         (src, partial, n),
         dict(BLOCK=block, EVEN=n % block == 0, num_warps=num_warps),
+    )
+
+
+def read_tma_launch(src, partial, *, num_warps: int = NUM_WARPS):
+    """The TMA read kernel's launch over ``src`` (int32 words, contiguous, a multiple of
+    :data:`TMA_COLS` of them, 16-byte aligned) into ``partial`` (one int32 per program)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from mqnc.triton_kernels._launch import Launch
+
+    view = src.view(-1, TMA_COLS)
+    desc = TensorDescriptor.from_tensor(view, [TMA_ROWS, TMA_COLS])
+    return Launch(
+        "ceiling_read_tma[int32]",
+        _read_tma_kernel,
+        (partial.numel(),),
+        (desc, partial, view.shape[0]),
+        dict(ROWS=TMA_ROWS, COLS=TMA_COLS, STAGES=TMA_STAGES, num_warps=num_warps),
     )
 
 
@@ -216,12 +256,17 @@ def _ceiling(args, kind: str, src, dst, dev, read_tbps):
     if kind == "read":
         partial = torch.empty(grid, dtype=torch.int32, device=dev)
         launch, nbytes = read_launch(src, partial), src.numel() * 4
+    elif kind == "read-tma":
+        grid = programs(args.sms, TMA_CTAS_PER_SM)
+        partial = torch.empty(grid, dtype=torch.int32, device=dev)
+        src = src[: src.numel() // TMA_COLS * TMA_COLS]
+        launch, nbytes = read_tma_launch(src, partial), src.numel() * 4
     else:
         launch, nbytes = copy_launch(src, dst, grid), 2 * src.numel() * 4
     before = clocks(src.device)
     t = time_kernel([launch], working_set_bytes=nbytes, warmup=args.warmup, reps=args.reps)
     clock = {"before": before, "after": clocks(src.device)}
-    if kind == "read":
+    if kind != "copy":
         want = int(src.to(torch.int64).sum()) % 2**32 if dev != "cuda" else _gpu_sum(src)
         exact = read_sum(partial) == want
     else:
@@ -235,8 +280,8 @@ def _ceiling(args, kind: str, src, dst, dev, read_tbps):
         clock,
         exact=exact,
         programs=grid,
-        ctas_per_sm=args.ctas_per_sm,
-        block_words=BLOCK,
+        ctas_per_sm=TMA_CTAS_PER_SM if kind == "read-tma" else args.ctas_per_sm,
+        block_words=TMA_ROWS * TMA_COLS if kind == "read-tma" else BLOCK,
         num_warps=NUM_WARPS,
         interpreted=dev != "cuda",
     )
@@ -278,7 +323,7 @@ def main(argv=None) -> int:
         "--kernels",
         type=choice_list(KERNELS),
         default=list(KERNELS),
-        help="what to measure: read, copy (the Triton kernels), torch (copy_)",
+        help="what to measure: read, read-tma, copy (the Triton kernels), torch (copy_)",
     )
     args = parse_bench_args(ap, argv)
     args.gib = args.gib or (0.25 if args.quick else 4.0)
@@ -296,7 +341,7 @@ def main(argv=None) -> int:
     args.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev == "cuda" else 2
     read_tbps, failed = None, False
     why = _kernels_runnable(dev)
-    for kind in ("read", "copy"):
+    for kind in ("read", "read-tma", "copy"):
         if kind not in args.kernels:
             continue
         if why:
@@ -305,8 +350,8 @@ def main(argv=None) -> int:
         small = n if dev == "cuda" else min(n, INTERPRETED_BYTES // 4)
         rec = _ceiling(args, kind, src[:small], dst[:small], dev, read_tbps)
         failed |= not rec["extra"]["exact"]
-        if kind == "read" and dev == "cuda":  # (an interpreted time is no ceiling)
-            read_tbps = rec["extra"]["tbps"]
+        if kind.startswith("read") and dev == "cuda":  # (an interpreted time is no ceiling)
+            read_tbps = max(read_tbps or 0.0, rec["extra"]["tbps"])
     if "torch" in args.kernels:
         nbytes = 2 * src.numel() * src.element_size()
         before = clocks(src.device)

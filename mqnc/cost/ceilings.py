@@ -5,7 +5,8 @@ targets, the cost model's holder term) is against two numbers of the device, nev
 torch's ``copy_`` alone (which moved 2.71 TB/s on an H200 whose splice kernel moved 3.0):
 
 - the **read ceiling**: the median TB/s of the Triton streaming read kernel's records
-  (``bench="ceiling", variant="read"``) on that device, when there are any;
+  (``bench="ceiling", variant="read"`` or ``"read-tma"``, whichever median is larger) on that
+  device, when there are any;
 - the **spec**: the HBM bandwidth the vendor states (:data:`HBM_SPEC_TBPS`), the fallback.
 
 :func:`memory_ceiling` reads both from records (dicts of the long-format results file);
@@ -19,7 +20,11 @@ import dataclasses
 import statistics
 from collections.abc import Iterable
 
-__all__ = ["HBM_SPEC_TBPS", "MemoryCeiling", "spec_tbps", "memory_ceiling"]
+__all__ = ["HBM_SPEC_TBPS", "READ_VARIANTS", "MemoryCeiling", "spec_tbps", "memory_ceiling"]
+
+READ_VARIANTS = ("read", "read-tma")
+"""The read kernels of ``perf/bench_copy.py`` (plain 16-byte loads, TMA boxes): the read ceiling
+is the larger of their medians."""
 
 # (a part of the device name as torch reports it, HBM TB/s, what the number is): the first
 # entry whose part the name contains wins, so the longer names come first.
@@ -50,10 +55,10 @@ def spec_tbps(device: str) -> float | None:
 class MemoryCeiling:
     """The memory ceilings of one device (TB/s; None: not known).
 
-    ``read_tbps`` / ``copy_tbps``: medians of the Triton read / copy kernels' records
-    (``copy_tbps`` counts bytes read plus written); ``torch_copy_tbps``: torch's ``copy_``
-    (read plus written); ``spec_tbps``: the HBM spec; ``records``: how many read records the
-    median is of."""
+    ``read_tbps`` / ``copy_tbps``: medians of the Triton read (the faster read kernel's) / copy
+    kernels' records (``copy_tbps`` counts bytes read plus written); ``torch_copy_tbps``:
+    torch's ``copy_`` (read plus written); ``spec_tbps``: the HBM spec; ``records``: how many
+    read records the median is of."""
 
     device: str
     read_tbps: float | None = None
@@ -112,18 +117,19 @@ def memory_ceiling(records: Iterable[dict], device: str) -> MemoryCeiling:
     if not isinstance(device, str):
         raise TypeError(f"device: expected a str, got {type(device).__name__}")
     mine = [r for r in records if isinstance(r, dict) and r.get("device") == device]
-    read = _tbps(mine, "ceiling", "read", "triton")
+    reads = {v: _tbps(mine, "ceiling", v, "triton") for v in READ_VARIANTS}
     copy = _tbps(mine, "ceiling", "copy", "triton")
     torch_copy = _tbps(mine, "copy", None, "torch")
 
     def median(v):
         return statistics.median(v) if v else None
 
+    best = max((v for v in READ_VARIANTS if reads[v]), key=lambda v: median(reads[v]), default=None)
     return MemoryCeiling(
         device,
-        read_tbps=median(read),
+        read_tbps=None if best is None else median(reads[best]),
         copy_tbps=median(copy),
         torch_copy_tbps=median(torch_copy),
         spec_tbps=spec_tbps(device),
-        records=len(read),
+        records=0 if best is None else len(reads[best]),
     )
