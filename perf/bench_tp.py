@@ -14,9 +14,11 @@ rank's, host wall clock. The holder computes with the torch references (``--kern
 round trip is transport, agreement, reduction and a small fp64 computation; the holder's own
 time is recorded in ``extra["holder_us"]`` (p50 of the replies' ``holder_ns``).
 
-Records (``bench="tp_route"``, ``variant=f"gloo-tp{N}"``, ``x = M_q``): p20/p50/p80 of the
-round trip; ``bytes``: the wire bytes one rank pair moves (request and reply, headers
-included); ``extra``: ``degree``, ``rank_bytes`` (that), ``aggregate_bytes`` (all N pairs),
+Records: ``bench="tp_probe"`` (``variant=f"gloo-tp{N}"``), requester rank 0's payload-free
+round trip to its pair (a header each way, answered by the holder rank without its group);
+``bench="tp_route"`` (``variant=f"gloo-tp{N}"``, ``x = M_q``): p20/p50/p80 of the round trip;
+``bytes``: the wire bytes one rank pair moves (request and reply, headers included);
+``extra``: ``degree``, ``rank_bytes`` (that), ``aggregate_bytes`` (all N pairs),
 ``rank_fraction`` (``rank_bytes`` over the N = 1 pair's: the paper's 1/N, 50% at N = 2),
 ``query_payload`` / ``partial_payload`` (one rank's payloads) and ``holder_us``.
 :func:`mqnc.cost.calibration_fits.fit_tp` fits the cost model's TP term from these records.
@@ -59,6 +61,20 @@ def _point(cluster, q, reps: int, warmup: int) -> tuple[tuple[float, float, floa
     return (float(p[0]), float(p[1]), float(p[2])), got, float(np.median(holder))
 
 
+def _probe(cluster, n: int, args) -> None:
+    """Record requester rank 0's payload-free round trip to its pair (``T_probe``)."""
+    req = cluster.requesters[0]
+    for _ in range(args.warmup):
+        req.probe(1)
+    us = [req.probe(1) for _ in range(args.reps)]
+    pct = tuple(float(x) for x in np.percentile(us, [20, 50, 80]))
+    H.record(
+        "tp_probe", f"gloo-tp{n}", 1, pct, x_name="bytes", nbytes=2 * wire.HEADER_BYTES,
+        transport="torchdist", backend="none", extra=dict(degree=n), path=args.out,
+    )  # fmt: skip
+    print(f"TP {n}: probe p50 {pct[1]:.0f} us")
+
+
 def _degree(n: int, args, geometry, m_qs: list[int], base: dict) -> None:
     """Start 2 instances x ``n`` ranks, time every ``M_q``, record."""
     from mqnc.serving.tp_group import TPPartition
@@ -75,6 +91,7 @@ def _degree(n: int, args, geometry, m_qs: list[int], base: dict) -> None:
             num_blocks=-(-args.tokens // 16), timeout_s=60.0,
         )  # fmt: skip
         try:
+            _probe(cluster, n, args)
             for m_q in m_qs:
                 q = (0.5 * torch.randn(m_q // geometry.heads, geometry.heads, geometry.d_qk,
                                        generator=g)).bfloat16()  # fmt: skip

@@ -267,19 +267,28 @@ class TPHolder:
 
     # ---- receiving --------------------------------------------------------------------------
     def _receive(self, timeout: float) -> None:
+        """Receive for up to ``timeout`` s, until a route is pending: probes (and refused
+        messages) are answered here and the wait goes on, so that a rank answering probes
+        keeps its peers' step cadence instead of waiting for them in the agreement."""
         tr = self.transport
-        targets = {s: self._last[s] + 1 for s in self._inboxes}
-        try:
-            ready = tr.wait_any(targets, timeout)
-        except (TransportTimeout, PeerLost):
-            return
-        for slot in ready:
-            signal, buf = tr.read_message_host(slot)
-            if signal <= self._last[slot]:
-                continue
-            self._last[slot] = signal
-            src, lane = tr.layout.source_of(slot), tr.layout.lane_of(slot)
-            self._accept(src, lane, signal, buf)
+        deadline = time.monotonic() + timeout
+        before = len(self._pending)
+        while len(self._pending) == before:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            targets = {s: self._last[s] + 1 for s in self._inboxes}
+            try:
+                ready = tr.wait_any(targets, left)
+            except (TransportTimeout, PeerLost):
+                return
+            for slot in ready:
+                signal, buf = tr.read_message_host(slot)
+                if signal <= self._last[slot]:
+                    continue
+                self._last[slot] = signal
+                src, lane = tr.layout.source_of(slot), tr.layout.lane_of(slot)
+                self._accept(src, lane, signal, buf)
 
     def _accept(self, src: int, lane: int, signal: int, buf) -> None:
         me = f"holder rank {self.rank} (global {self.transport.rank})"
