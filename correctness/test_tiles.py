@@ -325,3 +325,26 @@ def test_restructured_sparse_candidates_match_fp64(tile, num_splits):
     for bad in ("16x32w8s5-tma", "16x32w8s5-pipe-fused"):
         with forced_tile(bad, sparse=True), pytest.raises(ValueError, match="sparse kernel"):
             mla_sparse_partial(q, pool, idx, softmax_scale=SCALE)
+
+
+def test_a_tma_launch_on_a_gpu_gets_an_allocator():
+    """Device-side TMA descriptors need Triton's per-launch scratch: planning a ``-tma`` launch
+    on a CUDA device installs ``mla_decode._scratch`` (torch's allocator) where none is set,
+    keeps one that is, and does nothing for the interpreter's CPU tensors (no CUDA call here)."""
+    from triton.runtime import _allocation
+
+    from mqnc.triton_kernels.mla_decode import _scratch, ensure_allocator
+
+    before = _allocation._allocator.get()
+    try:
+        _allocation._allocator.set(_allocation.NullAllocator())
+        ensure_allocator(torch.device("cpu"))
+        assert isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+        ensure_allocator(torch.device("cuda"))
+        assert _allocation._allocator.get() is _scratch
+        mine = lambda size, alignment, stream: None  # noqa: E731
+        _allocation._allocator.set(mine)
+        ensure_allocator(torch.device("cuda"))
+        assert _allocation._allocator.get() is mine
+    finally:
+        _allocation._allocator.set(before)
