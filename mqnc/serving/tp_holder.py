@@ -57,9 +57,10 @@ from mqnc.transport.protocol import (
     TransportTimeout,
 )
 
-__all__ = ["TPHolder", "AGREE_MAX", "FIELDS"]
+__all__ = ["TPHolder", "AGREE_MAX", "FIELDS", "PENDING_WAIT_S"]
 
 AGREE_MAX = 32
+PENDING_WAIT_S = 0.002  # a step's receive window while a route waits for its pairs
 FIELDS = (
     "present", "instance", "request_id", "lane", "chunk_id", "tokens", "layer", "batch", "heads",
     "topk", "width", "dtype", "selection_crc", "refused",
@@ -267,10 +268,14 @@ class TPHolder:
 
     # ---- receiving --------------------------------------------------------------------------
     def _receive(self, timeout: float) -> None:
-        """Receive for up to ``timeout`` s, until a route is pending: probes (and refused
+        """Receive for up to ``timeout`` s, until a new route is pending: probes (and refused
         messages) are answered here and the wait goes on, so that a rank answering probes
-        keeps its peers' step cadence instead of waiting for them in the agreement."""
+        keeps its peers' step cadence instead of waiting for them in the agreement. With a
+        route already pending (its pair not yet on every rank) the window is at most
+        :data:`PENDING_WAIT_S`: the pair is likely on its way to the other ranks."""
         tr = self.transport
+        if self._pending:
+            timeout = min(timeout, PENDING_WAIT_S)
         deadline = time.monotonic() + timeout
         before = len(self._pending)
         while len(self._pending) == before:
