@@ -99,3 +99,35 @@ def test_hf_config_values_are_taken_as_given_never_cut_or_replaced():
         with pytest.raises(ValueError, match=name):
             RopeSpec.from_hf_config(base | bad)
     assert RopeSpec.from_hf_config(base).qk_head_dim == 192
+
+
+def test_fp8_cache_entry_is_656_bytes_and_bf16_stays_1152():
+    """b_KV follows the cache format: DeepSeek-V3.2's FP8 entry (512 FP8 latent bytes, 4 fp32
+    scales, 64 bf16 RoPE values) is 656 B; the paper's bf16 entry stays 1152 B; the wire rows
+    do not change with the cache format."""
+    from mqnc.model.kv_format import FP8_E4M3, kv_bytes_per_token
+
+    g = get_preset("deepseek-v3.2")
+    f = g.replace(cache_dtype="fp8_e4m3")
+    assert g.kv_bytes_per_token_layer == 1152 and f.kv_bytes_per_token_layer == 656
+    assert f.chunk_bytes(2048) == 2048 * g.layers * 656
+    assert (f.q_row_bytes, f.p_row_bytes) == (g.q_row_bytes, g.p_row_bytes)
+    lay = FP8_E4M3.layout(512, 64)
+    assert [x[:3] for x in lay.fields()] == [
+        ("latent", 0, 512), ("scales", 512, 16), ("rope", 528, 128)
+    ]  # fmt: skip
+    assert sum(x[2] for x in lay.fields()) == lay.token_bytes == 656
+    assert kv_bytes_per_token("fp32", 512, 64) == 2304
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(cache_dtype="fp8"), "fp8_e4m3': FP8 latent with scales"),
+        (dict(cache_dtype="fp8_e4m3", d_c=448), "multiple of 128"),
+    ],
+)
+def test_fp8_cache_format_refuses_what_it_cannot_lay_out(kwargs, match):
+    base = dict(name="x", d_c=512, d_r=64, heads=16, layers=27)
+    with pytest.raises(ValueError, match=match):
+        MLAGeometry(**{**base, **kwargs})

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mqnc.base.checks import check_int
+from mqnc.model.kv_format import FP8_E4M3, KV_FORMATS, kv_bytes_per_token
 
 __all__ = [
     "MLAGeometry",
@@ -82,8 +83,12 @@ class MLAGeometry:
         Query compression rank (None: no query LoRA, as in DeepSeek-V2-Lite).
     topk : int or None
         Selection budget of a sparse-attention indexer (``index_topk``), None for dense models.
-    cache_dtype, wire_dtype : str
-        Element type of a cache entry and of the routed rows ("bf16", "fp16", "fp32", "fp8").
+    cache_dtype : str
+        Format of a cache entry: "bf16", "fp16", "fp32" (``d_qk`` values of that type), or
+        "fp8_e4m3" (DeepSeek-V3.2's FP8 entry: FP8 e4m3 latent, one fp32 scale per 128 latent
+        values, bf16 RoPE; 656 B for 512 + 64 dims; :mod:`mqnc.model.kv_format`).
+    wire_dtype : str
+        Element type of the routed rows ("bf16", "fp16", "fp32", "fp8").
     value_dim : int or None
         Width of the value read from each entry when it is not the latent ``d_c`` (DeepSeek-V4
         reads values from the whole ``d_qk``-wide entry). None: ``d_v = d_c``.
@@ -113,12 +118,25 @@ class MLAGeometry:
             value = getattr(self, field)
             if value is not None:
                 check_int(f"MLAGeometry.{field}", value, minimum=1)
-        for field in ("cache_dtype", "wire_dtype"):
-            value = getattr(self, field)
-            if value not in _DTYPE_BYTES:
-                raise ValueError(
-                    f"MLAGeometry.{field}: expected one of {sorted(_DTYPE_BYTES)}, got {value!r}"
-                )
+        if self.wire_dtype not in _DTYPE_BYTES:
+            raise ValueError(
+                f"MLAGeometry.wire_dtype: expected one of {sorted(_DTYPE_BYTES)}, "
+                f"got {self.wire_dtype!r}"
+            )
+        if self.cache_dtype not in KV_FORMATS:
+            hint = " (an FP8 cache is 'fp8_e4m3': FP8 latent with scales)" * (
+                self.cache_dtype == "fp8"
+            )
+            raise ValueError(
+                f"MLAGeometry.cache_dtype: expected one of {list(KV_FORMATS)}{hint}, "
+                f"got {self.cache_dtype!r}"
+            )
+        if self.cache_dtype == FP8_E4M3.name and self.d_c % FP8_E4M3.group:
+            raise ValueError(
+                f"MLAGeometry.cache_dtype: 'fp8_e4m3' needs d_c (kv_lora_rank) a multiple of "
+                f"{FP8_E4M3.group} (one fp32 scale per {FP8_E4M3.group} latent values), "
+                f"got d_c = {self.d_c}"
+            )
 
     # ---- derived dims -------------------------------------------------------------------------
     @property
@@ -139,8 +157,10 @@ class MLAGeometry:
     # ---- derived byte sizes (§3.2) --------------------------------------------------------------
     @property
     def kv_bytes_per_token_layer(self) -> int:
-        """``b_KV``: bytes of one cache entry (one token, one layer)."""
-        return self.d_qk * _DTYPE_BYTES[self.cache_dtype]
+        """``b_KV``: bytes of one cache entry (one token, one layer), from ``cache_dtype``'s
+        format: ``d_qk x 2`` in bf16 (1152 for 576 dims), ``d_c + 4 d_c / 128 + 2 d_r`` in
+        "fp8_e4m3" (656)."""
+        return kv_bytes_per_token(self.cache_dtype, self.d_c, self.d_r)
 
     @property
     def q_row_bytes(self) -> int:
