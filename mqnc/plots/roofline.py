@@ -313,6 +313,7 @@ def _flops_panel(ax, points, ceils, spec: DeviceSpec) -> None:
             va="bottom",
             fontsize=5.5,
             color=color,
+            bbox=dict(fc="white", ec="none", alpha=0.8, pad=0.3),
         )
     ax.set(xscale="log", yscale="log", xlim=(ai[0], ai[-1]))
     ax.set_ylim(
