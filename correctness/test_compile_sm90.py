@@ -762,3 +762,43 @@ def test_gluon_seesaw_compiles_for_sm90_warp_specialized():
         assert row["sass"].get("UTMALDG", 0) > 0 and row["ttgir"]["tma_copies"] > 0
         assert not any(k.startswith("LDGSTS") for k in row["sass"])
         assert len(row["waits"]) == len(row["ttgir"]["wgmma_pendings"]), row["waits"]
+
+
+_ROUTE = """
+import json
+from mqnc.transport.device_route import compile_device_route
+from mqnc.transport.nvshmem import device_library_path
+out = {"local": compile_device_route(90)}
+try:
+    device_library_path(90)
+except RuntimeError:
+    pass
+else:
+    out["nvshmem"] = compile_device_route(90, nvshmem=True)
+print(json.dumps(out))
+"""
+
+
+def test_device_route_kernels_compile_without_spills_with_and_without_nvshmem():
+    """The device route's kernels (the holder kernel dense and sparse, one-shot and persistent;
+    the requester's put, dense and sparse; the wait-then-merge) compile for sm_90 at their
+    launches' values without spills, on the ``local`` backend and, where NVSHMEM's device
+    bitcode is installed, on the ``nvshmem`` backend, whose variants call NVSHMEM's
+    block-scope put (with signal), fence and (persistent holder, put) quiet."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run(
+        [sys.executable, "-c", _ROUTE], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    for backend, kernels in got.items():
+        assert len(kernels) == 7, sorted(kernels)
+        for name, res in kernels.items():
+            print(f"{name}: {res}")
+            assert res["stack"] == 0 and res["local"] == 0, f"{name} spills: {res}"
+            assert res["registers"] <= 255 and res["shared"] <= SM90.shared_per_cta, res
+            if backend == "local":
+                assert res["calls"] == [], name
+            elif not name.startswith("route_merge"):
+                assert {"nvshmemx_putmem_signal_nbi_block", "nvshmem_fence"} <= set(res["calls"])

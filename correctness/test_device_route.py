@@ -221,3 +221,26 @@ def test_the_client_refuses_what_the_slot_cannot_hold():
     with pytest.raises(ValueError, match="slot"):
         client.put(1, _randn(1, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK)
     assert int(buf.in_sig[0]) == 0, "nothing was put"
+
+
+def test_the_device_route_profile_is_fitted_from_bench_records():
+    """``fit_device_route`` reads ``perf.bench_device_route`` records (probe, one-requester
+    route sweep at 16 heads; other records ignored) and recovers the affine round trip."""
+    from mqnc.cost.calibration_fits import fit_device_route
+
+    def rec(bench, x, p50, **extra):
+        return dict(bench=bench, x=x, p50=p50, transport="device-local", device="test",
+                    commit="c0", extra=dict(heads=16, c_t=2048, **extra))  # fmt: skip
+
+    # probe 4 us, turnaround 10 us, 2184 B a row at 50 GB/s
+    route = [rec("route", m, 14 + m * 2184 / 50e3, requesters=1) for m in (16, 256, 512, 1024)]
+    noise = [rec("route", 16, 999.0, requesters=4), rec("route", 128, 999.0, requesters=1)]
+    noise[1]["extra"]["heads"] = 128
+    prof = fit_device_route([rec("probe", 1, 4.0), *route, *noise, dict(bench="route", x=1)])
+    assert prof.name == "device-local" and prof.host_fixed_us == 0.0
+    assert prof.t_probe_us == pytest.approx(4.0)
+    assert prof.turnaround_us == pytest.approx(10.0, rel=1e-6)
+    assert prof.bw_gbps == pytest.approx(50.0, rel=1e-6)
+    assert "c_t 2048" in prof.source and "partial attention" in prof.description
+    with pytest.raises(ValueError, match="probe"):
+        fit_device_route(route)

@@ -78,7 +78,7 @@ __all__ = [
     "holder_tiles",
     "HolderTables",
     "HOLDER_TILE",
-    "NVSHMEM_SPARSE_TILE",
+    "NVSHMEM_TILE",
 ]
 
 _HW = tl.constexpr(HEADER_WORDS)
@@ -522,21 +522,23 @@ dense 16 x 64 by 56-112 B of stack, the 64-head tiles by over 1 KB; this one com
 ``mla_decode``'s own sweep tiles (``_mla_launch.forced_tile`` plans the host ops with it)."""
 
 
-NVSHMEM_SPARSE_TILE = TileConfig(16, 16, 8, 3)
-"""The sparse tile of the ``nvshmem`` backend's holder kernel: with NVSHMEM's put code inlined
-beside it, 16 x 32 spills 48-88 B under triton 3.6.0; 16 x 16 takes 251 registers, none."""
+NVSHMEM_TILE = TileConfig(16, 16, 8, 3)
+"""The ``nvshmem`` backend's holder tile, dense and sparse: with NVSHMEM's put code inlined
+beside the attention, 16 x 32 spills (sparse 48-88 B under triton 3.6.0, dense 32 B under
+3.9.0); 16 x 16 does not (``test_compile_sm90``)."""
 
 
 def holder_tiles(
     heads: int, dtype: torch.dtype, nvshmem: bool = False
 ) -> tuple[TileConfig, TileConfig]:
     """The dense and sparse tiles the holder kernel runs for ``heads`` heads of ``dtype``:
-    :data:`HOLDER_TILE` for 16-bit caches (sparse: :data:`NVSHMEM_SPARSE_TILE` on the
-    ``nvshmem`` backend), the ops' own fp32 tile for fp32. The host ops planned with the same
+    :data:`HOLDER_TILE` for 16-bit caches (:data:`NVSHMEM_TILE` on the ``nvshmem``
+    backend), the ops' own fp32 tile for fp32. The host ops planned with the same
     tile (``forced_tile``) compute the same partial, bit for bit."""
     if dtype.itemsize == 4:
         return tile_config(heads, dtype=dtype), tile_config(heads, sparse=True, dtype=dtype)
-    return HOLDER_TILE, NVSHMEM_SPARSE_TILE if nvshmem else HOLDER_TILE
+    tile = NVSHMEM_TILE if nvshmem else HOLDER_TILE
+    return tile, tile
 
 
 def holder_loop_launch(

@@ -45,6 +45,7 @@ __all__ = [
     "bulk_rate_gbps",
     "TPFit",
     "fit_tp",
+    "fit_device_route",
 ]
 
 
@@ -326,3 +327,55 @@ def fit_tp(records: Iterable[dict]) -> TPFit:
         by_n.setdefault(int(r["extra"]["degree"]), []).append(float(r["extra"]["rank_fraction"]))
     frac = {n: float(np.mean(v)) for n, v in by_n.items()}
     return dataclasses.replace(fit_, rank_fraction=frac, mape=float(np.mean(err)))
+
+
+def fit_device_route(
+    records: Iterable[dict], *, heads: int = 16, qp_row_bytes: int = 2184, name: str | None = None
+) -> FabricProfile:
+    """The device route's profile, fitted from ``perf.bench_device_route`` records.
+
+    Takes the records' probe (``bench="probe"``) and their one-requester route sweep at
+    ``heads`` heads (``bench="route"``, ``extra.requesters == 1``: ``x`` = M_q, ``p50`` the
+    round trip per routed layer, host-free), and fits ``T_probe + turnaround + M_q (q + p) /
+    BW`` (:func:`fit_route`, ``M_q >= 512`` for the MAPE). The device route's round trip
+    includes the holder kernel's partial attention over the chunk (``extra.c_t`` entries): the
+    fitted turnaround and bandwidth carry that compute, which the host-driven fabrics' echo
+    round trips leave to ``T_compute``; the profile's ``description`` says so and its
+    ``source`` names the records' device, commit and ``c_t``. ``host_fixed_us`` is 0 (no host
+    call per routed layer: the step is a replayed CUDA graph). A ``ValueError`` when the
+    records hold no probe or fewer than two route points.
+    """
+    recs = [r for r in records if str(r.get("transport", "")).startswith("device-")]
+    probes = [float(r["p50"]) for r in recs if r.get("bench") == "probe"]
+    route = [
+        r
+        for r in recs
+        if r.get("bench") == "route"
+        and r.get("extra", {}).get("requesters") == 1
+        and r.get("extra", {}).get("heads") == heads
+    ]
+    if not probes or len({r["x"] for r in route}) < 2:
+        raise ValueError(
+            f"records: expected a device-route probe and route points at >= 2 M_q values "
+            f"({heads} heads, one requester), got {len(probes)} probes and "
+            f"{len({r['x'] for r in route})} M_q values"
+        )
+    res = fit_route(
+        [(r["x"], r["p50"]) for r in route], probes, qp_row_bytes=qp_row_bytes, strict=True
+    )
+    first = route[0]
+    transport = str(first.get("transport"))
+    source = (
+        f"perf.bench_device_route on {first.get('device', '?')} at commit "
+        f"{first.get('commit', '?')}, c_t {first.get('extra', {}).get('c_t', '?')}"
+    )
+    return res.fabric(
+        name or transport,
+        host_fixed_us=0.0,
+        host_per_row_us=0.0,
+        description=(
+            "device route (resident holder kernel, requester step in a CUDA graph); the round "
+            "trip includes the holder's partial attention over the chunk"
+        ),
+        source=source,
+    )
