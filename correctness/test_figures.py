@@ -99,6 +99,9 @@ def kernel_records(*, read_ceiling: bool = True) -> list[dict]:
     out.append(rec("copy", "d2d", 2**33, 3167.8, nbytes=2**33, backend="torch"))
     if read_ceiling:  # perf/bench_copy's read kernel, and a copy record naming its kernel
         out.append(rec("ceiling", "read", 2**32, 1000.0, nbytes=2**32))
+        out.append(rec("ceiling", "read-tma", 2**32, 950.0, nbytes=2**32))
+        wrong = rec("ceiling", "read", 2**32, 10.0, nbytes=2**32, extra={"exact": False})
+        out.append(wrong)  # a kernel that read wrongly measured nothing: left out
         out.append(rec("copy", "stream", 2**32, 1550.0, nbytes=2**32, extra={"kernel": "tma"}))
     return out
 
@@ -261,6 +264,7 @@ def test_roofline_ceilings_with_and_without_a_kernel_measured_one(roof):
     expect = {
         "torch copy_": 2**33 / 3167.8 / 1e6,
         "Triton read kernel": 2**32 / 1000.0 / 1e6,
+        "Triton read-tma kernel": 2**32 / 950.0 / 1e6,
         "tma (stream)": 2**32 / 1550.0 / 1e6,  # beside copy_: its label must move
     }
     assert out["ceilings"] == {k: pytest.approx(v, rel=1e-14) for k, v in expect.items()}

@@ -10,7 +10,7 @@ What is read (only the records of ``device``, p50):
   count, times ``extra["s_q"]`` when recorded); bytes ``bytes``. A variant ``"...@tile"`` is a
   forced tile of a sweep and is drawn hollow.
 - ``bench`` "splice", "merge": bytes only (TB/s panel).
-- ``bench`` "ceiling" (variants "read", "copy": perf/bench_copy's Triton streaming kernels) and
+- ``bench`` "ceiling" (variants "read", "read-tma", "copy": perf/bench_copy's kernels) and
   "copy" (torch's ``copy_``; or a kernel named in ``extra["kernel"]``): the measured ceilings,
   the median of each (:func:`ceilings`); any may be absent.
 
@@ -152,27 +152,26 @@ def kernel_points(records: Sequence[dict], device: str) -> dict[str, dict[str, n
 
 
 def ceilings(records: Sequence[dict], device: str) -> dict[str, float]:
-    """Measured bandwidth ceilings of ``device`` in TB/s, each the median of its records
-    (:func:`mqnc.cost.ceilings.memory_ceiling`, the numbers every "% of ceiling" in the package
-    is against): ``"torch copy_"`` (bench ``copy``, backend torch), ``"Triton read kernel"`` /
-    ``"Triton copy kernel"`` (bench ``ceiling``, variants ``read`` / ``copy``: perf/bench_copy's
-    streaming kernels) and any ``copy`` record naming its kernel in ``extra["kernel"]`` as
-    ``"<kernel> (<variant>)"``. Only those recorded are present (empty: none)."""
-    mc = memory_ceiling(records, device)
-    found = {
-        "torch copy_": mc.torch_copy_tbps,
-        "Triton read kernel": mc.read_tbps,
-        "Triton copy kernel": mc.copy_tbps,
-    }
-    out = {name: float(v) for name, v in found.items() if v}
-    named: dict[str, list[float]] = {}
+    """Measured bandwidth ceilings of ``device`` in TB/s, each the median of its records read
+    as :mod:`mqnc.cost.ceilings` reads them (``gbps``, a record with ``extra["exact"]`` False
+    left out): ``"torch copy_"`` (bench ``copy``, backend torch), ``"Triton <variant> kernel"``
+    per variant of bench ``ceiling`` (perf/bench_copy's streaming kernels: ``read``,
+    ``read-tma``, ``copy``; the read ceiling the package uses is the larger read median,
+    :func:`mqnc.cost.ceilings.memory_ceiling`), and any ``copy`` record naming its kernel in
+    ``extra["kernel"]`` as ``"<kernel> (<variant>)"``. Only those recorded are present."""
+    torch_copy = memory_ceiling(records, device).torch_copy_tbps
+    out = {"torch copy_": float(torch_copy)} if torch_copy else {}
+    found: dict[str, list[float]] = {}
     for r in records:
-        kernel = (r.get("extra") or {}).get("kernel")
-        if r.get("device") == device and r.get("bench") == "copy" and kernel and r.get("bytes"):
-            named.setdefault(f"{kernel} ({r.get('variant')})", []).append(
-                float(r["bytes"]) / _us(r) / 1e6
-            )
-    out.update({name: float(np.median(v)) for name, v in named.items()})
+        extra = r.get("extra") or {}
+        if r.get("device") != device or extra.get("exact") is False:
+            continue
+        if r.get("bench") == "ceiling" and r.get("backend") == "triton" and r.get("gbps"):
+            found.setdefault(f"Triton {r.get('variant')} kernel", []).append(float(r["gbps"]) / 1e3)
+        elif r.get("bench") == "copy" and extra.get("kernel") and r.get("bytes"):
+            name = f"{extra['kernel']} ({r.get('variant')})"
+            found.setdefault(name, []).append(float(r["bytes"]) / _us(r) / 1e6)
+    out.update({name: float(np.median(v)) for name, v in sorted(found.items())})
     return out
 
 
@@ -389,5 +388,10 @@ def _bytes(v: float) -> str:
 def _ceiling_style(name: str):
     """A ceiling's line style: torch ``copy_`` dashed, the read kernel dotted, the copy kernel
     dash-dotted, any other densely dotted."""
-    styles = {"torch copy_": "--", "Triton read kernel": ":", "Triton copy kernel": "-."}
+    styles = {
+        "torch copy_": "--",
+        "Triton read kernel": ":",
+        "Triton read-tma kernel": (0, (3, 1, 1, 1, 1, 1)),
+        "Triton copy kernel": "-.",
+    }
     return styles.get(name, (0, (1, 1)))
