@@ -14,7 +14,7 @@ from mqnc.model import PRESETS, RopeSpec
 from mqnc.reference import merge_reference
 from mqnc.serving import ChunkInfo, Holder, Requester
 from mqnc.serving.device_holder import DeviceHolder
-from mqnc.testing import TOLERANCES, assert_close
+from mqnc.testing import TOLERANCES, assert_close, default_device
 from mqnc.transport import LoopbackFabric, slot_bytes_for
 from mqnc.transport.device_route import (
     LocalBackend,
@@ -32,17 +32,18 @@ GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=16)
 SCALE = RopeSpec.from_preset("deepseek-v2-lite").softmax_scale
 TOKENS = 200  # 7 tiles of 32: the dense plan splits B 1..2 (the fold is tested)
 CHUNK = 3
+DEVICE = default_device()  # the CPU (interpreted, one-shot) here; on a GPU the compiled kernels
+EXACT = DEVICE.type == "cpu"  # bit for bit where both run the same interpreted arithmetic
 
 
 def _randn(seed, *shape, std=0.5):
     g = torch.Generator().manual_seed(seed)
-    return (std * torch.randn(*shape, generator=g)).to(torch.bfloat16)
+    return (std * torch.randn(*shape, generator=g)).to(torch.bfloat16).to(DEVICE)
 
 
 def _indices(seed, B, topk):
     g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(-1, TOKENS, (B, topk), generator=g, dtype=torch.int32)
-    return idx
+    return torch.randint(-1, TOKENS, (B, topk), generator=g, dtype=torch.int32).to(DEVICE)
 
 
 KV = _randn(0, GEOM.layers, TOKENS, GEOM.d_qk)
@@ -63,7 +64,7 @@ def _device(slots=4, max_batch=2, max_topk=256, ctas=3):
     buf.rep_lse.fill_(float("nan"))
     holder = DeviceHolder(buf, GEOM, softmax_scale=SCALE, num_blocks=8, ctas=ctas)
     holder.add_chunk(CHUNK, KV)
-    return buf, holder, RouteClient(buf, LocalBackend("cpu"), spins=4)
+    return buf, holder, RouteClient(buf, LocalBackend(DEVICE), spins=4 if EXACT else 1 << 16)
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +74,21 @@ def host_answers():
     the holder kernel's tile."""
     slot = slot_bytes_for(GEOM, max_rows=64, max_topk=256, max_chunk_tokens=256)
     fab = LoopbackFabric(2, slot, lanes=1)
-    holder = Holder(fab.endpoint(0), GEOM, softmax_scale=SCALE, num_blocks=8, poll_s=0.02)
+    holder = Holder(
+        fab.endpoint(0), GEOM, softmax_scale=SCALE, num_blocks=8, poll_s=0.02, device=DEVICE
+    )
     holder.add_chunk(CHUNK, KV)
     holder.start()
     out = []
     try:
         with forced_tile(HOLDER_TILE), forced_tile(HOLDER_TILE, sparse=True):
             req = Requester(
-                fab.endpoint(1), GEOM, softmax_scale=SCALE, timeout_s=120, pool_blocks=8
+                fab.endpoint(1),
+                GEOM,
+                softmax_scale=SCALE,
+                timeout_s=120,
+                pool_blocks=8,
+                device=DEVICE,
             )
             req.register(ChunkInfo(CHUNK, TOKENS, 0, (0,)))
             for slot_, B, layer, topk in REQUESTS:
@@ -115,23 +123,26 @@ def test_holder_kernel_answers_bit_identical_to_the_host_holder(served, host_ans
         assert hdr == [1, W.OK, 0, B * GEOM.heads], (slot, hdr)
         assert int(buf.rep_sig[slot]) == 1
         what = f"slot {slot} ({'dense' if topk is None else f'top-{topk}'})"
-        assert torch.equal(buf.rep_o[slot, :B], o_ref), f"{what}: o differs"
-        assert torch.equal(buf.rep_lse[slot, :B], lse_ref), f"{what}: lse differs"
+        if EXACT:
+            assert torch.equal(buf.rep_o[slot, :B], o_ref), f"{what}: o differs"
+            assert torch.equal(buf.rep_lse[slot, :B], lse_ref), f"{what}: lse differs"
+        else:  # compiled twice (two kernels): the same arithmetic, maybe other instructions
+            assert_close(buf.rep_o[slot, :B], o_ref, TOLERANCES[("mla", "bfloat16")], name=what)
         # the slot's tokens beyond B are never written: their poison stays
         assert bool(torch.isnan(buf.rep_o[slot, B:].float()).all())
 
 
-def test_merge_of_one_reply_is_the_reply_and_merges_a_local_partial(served, host_answers):
+def test_merge_of_one_reply_is_the_reply_and_merges_a_local_partial(served):
     buf, _, client = served
     o, lse, status = client.merge([0], 2, GEOM.heads)
     check_status(status, [0])
-    assert torch.equal(o, host_answers[0][0]) and torch.equal(lse, host_answers[0][1])
+    assert torch.equal(o, buf.rep_o[0, :2]) and torch.equal(lse, buf.rep_lse[0, :2])
     o_loc = _randn(5, 2, GEOM.heads, GEOM.d_v)
-    lse_loc = torch.randn(2, GEOM.heads, generator=torch.Generator().manual_seed(6))
+    lse_loc = torch.randn(2, GEOM.heads, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     o, lse, status = client.merge([0], 2, GEOM.heads, local=(o_loc, lse_loc))
     check_status(status, [0])
     o_ref, lse_ref = merge_reference(
-        torch.stack([host_answers[0][0], o_loc]), torch.stack([host_answers[0][1], lse_loc])
+        torch.stack([buf.rep_o[0, :2], o_loc]), torch.stack([buf.rep_lse[0, :2], lse_loc])
     )
     assert_close(o, o_ref, TOLERANCES[("merge", "bfloat16")], name="merged o")
     assert_close(lse, lse_ref, TOLERANCES[("merge_lse", "float32")], name="merged lse")
@@ -139,7 +150,7 @@ def test_merge_of_one_reply_is_the_reply_and_merges_a_local_partial(served, host
 
 def _raw(buf, slot, seq, *, layer=0, chunk=CHUNK, batch=1, heads=16, mode=0, topk=0, sig=None):
     """A request written by hand (a buggy or hostile requester): header words, then signal."""
-    buf.in_hdr[slot] = torch.tensor([seq, layer, chunk, batch, heads, mode, topk, 0])
+    buf.in_hdr[slot] = torch.tensor([seq, layer, chunk, batch, heads, mode, topk, 0]).to(DEVICE)
     buf.in_sig[slot] = seq if sig is None else sig
 
 
@@ -164,7 +175,7 @@ def test_bad_headers_get_error_words_and_nothing_is_written():
 
 def test_an_index_outside_the_chunk_is_refused_and_never_read():
     buf, holder, client = _device(slots=1, max_batch=1, max_topk=64, ctas=2)
-    idx = torch.tensor([[0, 5, TOKENS, -1]], dtype=torch.int32)  # TOKENS: one past the chunk
+    idx = torch.tensor([[0, 5, TOKENS, -1]], dtype=torch.int32).to(DEVICE)  # one past the chunk
     client.put(0, _randn(1, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, indices=idx)
     holder.serve_once()
     assert buf.rep_hdr[0].tolist()[:2] == [1, W.ERR_INDEX]
@@ -214,9 +225,9 @@ def test_the_client_refuses_what_the_slot_cannot_hold():
     with pytest.raises(ValueError, match="q: expected 1..2 tokens"):
         client.put(0, _randn(1, 3, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK)
     with pytest.raises(TypeError, match="q: invalid dtype"):
-        client.put(0, torch.zeros(1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK)
+        client.put(0, torch.zeros(1, GEOM.heads, GEOM.d_qk, device=DEVICE), layer=0, chunk=CHUNK)
     with pytest.raises(ValueError, match="indices: expected 1..64"):
-        idx = torch.zeros(1, 65, dtype=torch.int32)
+        idx = torch.zeros(1, 65, dtype=torch.int32, device=DEVICE)
         client.put(0, _randn(1, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, indices=idx)
     with pytest.raises(ValueError, match="slot"):
         client.put(1, _randn(1, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK)

@@ -68,10 +68,12 @@ class Bench:
         g = torch.Generator().manual_seed(0)
         self.kv = (0.5 * torch.randn(layers, c_t, geom.d_qk, generator=g)).to(torch.bfloat16)
         self.holder.add_chunk(CHUNK, self.kv.to(device))
-        self.client = RouteClient(self.buf, LocalBackend(device), spins=1 << 26)
+        # bounds, never hangs: a reply waited for ~1-4 s of polls; the holder returns after
+        # ~2**22 empty passes over its slots (tens of seconds idle) if the stop word is lost
+        self.client = RouteClient(self.buf, LocalBackend(device), spins=1 << 22)
         self.routed = 0
         if not dry:
-            self.holder.start()
+            self.holder.start(max_idle=1 << 22)
 
     def step(self, B, heads, requesters, probe=False, q=None):
         """Every layer: each requester's put, (dry: the one-shot holder), each merge."""

@@ -189,6 +189,7 @@ class RouteClient:
         dev = buffers.in_sig.device
         self.seq = torch.zeros(buffers.slots, dtype=torch.int64, device=dev)
         self._arrive = torch.zeros(buffers.slots, dtype=torch.int32, device=dev)
+        self._slot_lists: dict[tuple[int, ...], torch.Tensor] = {}
         self.launches = 0  # kernel launches made (a captured step's replays make none)
 
     def put(self, slot: int, q: torch.Tensor, *, layer: int, chunk: int,
@@ -224,7 +225,10 @@ class RouteClient:
             status = torch.empty(len(slots), dtype=torch.int64, device=dev)
         else:
             o, lse, status = out
-        idx = torch.tensor(slots, dtype=torch.int64).to(dev)
+        key = tuple(check_int("slots", s, minimum=0, below=buf.slots) for s in slots)
+        idx = self._slot_lists.get(key)  # made once, eagerly: a captured step copies nothing
+        if idx is None:
+            idx = self._slot_lists[key] = torch.tensor(key, dtype=torch.int64).to(dev)
         route_merge_launch(
             buf, self.seq, idx, o, lse, status, local=local, spins=self.spins,
             nvshmem=self.backend.nvshmem_lib is not None,
