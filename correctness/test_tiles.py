@@ -247,8 +247,9 @@ def test_restructured_kernel_names_and_labels():
         TileConfig(16, 32, 4, 2, kernel="warp")
 
 
+@pytest.mark.parametrize("tile", [t.label for t in SWEEP_TILES["dense16"] if t.fused])
 @pytest.mark.parametrize("lengths,num_splits", [([200, 0, 70], 4), ([0], 3), ([64], 1), ([130], 2)])
-def test_fused_combine_matches_fp64_run_after_run(lengths, num_splits):
+def test_fused_combine_matches_fp64_run_after_run(tile, lengths, num_splits):
     """The combine fused into the attention launch (``-fused``: the split that draws a row's
     last ticket merges its partials) against fp64: rows of different lengths and an empty one,
     an all-empty row (o = 0, lse = -inf), one split (no ticket: the plain launch) and two; one
@@ -264,7 +265,7 @@ def test_fused_combine_matches_fp64_run_after_run(lengths, num_splits):
     gen = torch.Generator().manual_seed(7)
     pool, table, lens = _nan_paged_cache(lengths, gen, default_device())
     q = torch.randn(len(lengths), 16, 576, generator=gen).to(pool.device, torch.bfloat16)
-    with forced_tile("16x32w8s2-pipe-fused"):
+    with forced_tile(tile):
         plan = plan_mla_decode(q, pool, table, lens, softmax_scale=SCALE, num_splits=num_splits)
     names = [launch.name for launch in plan.launches]
     assert len(names) == 1 and names[0].endswith(",fused]" if num_splits > 1 else ",pipe]")

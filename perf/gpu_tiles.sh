@@ -33,7 +33,7 @@
 # sweep's records (perf/results/results.jsonl, commit 0054671, each record's ``date``): copy to
 # copy 38 s for 24 timed tile records (10 tiles, 3 dense + 2 sparse shapes), ~1.6 s a record
 # with its compiles, and ~10 s of start per bench process. Here 9 dense tiles x 4 shapes, 6
-# sparse tiles x 2 shapes and 4 16-head tiles x 3 shapes are 60 records (~100 s), 19 fp64 checks
+# sparse tiles x 2 shapes and 5 16-head tiles x 3 shapes are 63 records (~100 s), 20 fp64 checks
 # on small shapes (one compile each, ~3 s: ~60 s), the largest inputs (FlashMLA's 604 MB a call;
 # H 16 B 64 c_t 32768, 2.4 GB: one input set each, drawn on the device), 2 copies and 4 process
 # starts (~50 s), the install step (~30 s): about 4 minutes, half the budget.

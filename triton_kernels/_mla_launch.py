@@ -203,8 +203,9 @@ _WIDE_ELSE = (_DENSE[32], _SPARSE[16])
 # 168,960 B). The restructured loop at 16 heads spills under 3.6.0 (8-1032 B: 4 warps hold the
 # query and two tile bodies in registers; 8 warps capped at 128 registers for two CTAs, 400 B),
 # except 16 x 32 on 8 warps at 2 stages (255 registers, one CTA per SM): with the split combine
-# fused (``-fused``: one launch, the last split of a row merges) it is the candidate for the
-# one-row holder partial (H 16, B 1, c_t 2048: 32 splits), spill-free.
+# fused (``-fused``: one launch, the last split of a row merges) it is a candidate for the
+# one-row holder partial (H 16, B 1, c_t 2048), spill-free, its KV tile single-buffered; so is
+# 16 x 16 on 8 warps at 5 stages, fused (255 registers, a 2-deep ring, 55,816 B).
 # Sparse "pipe" (index loads of full tiles unmasked in a pipelined loop, the last tile's range
 # masked once; no TMA: Hopper's has no row gather): 64x16w8s5 (220 registers, a 3-deep ring),
 # 64x32w8s2 (246) and 16x32w8s5 (255), no spills under 3.6.0.
@@ -235,7 +236,14 @@ SWEEP_TILES = {
         )
     ),
     "dense16": tuple(
-        TileConfig.parse(t) for t in ("16x64w8s5", "16x32w4s5", "16x16w4s7", "16x32w8s2-pipe-fused")
+        TileConfig.parse(t)
+        for t in (
+            "16x64w8s5",
+            "16x32w4s5",
+            "16x16w4s7",
+            "16x32w8s2-pipe-fused",
+            "16x16w8s5-pipe-fused",
+        )
     ),
 }
 
