@@ -218,14 +218,18 @@ except OSError as exc:
     print(f"no results: {exc}")
     raise SystemExit(0)
 print(f"{len(recs)} records on {recs[0]['device'] if recs else '?'}")
-print(f"{'bench':<13}{'variant':<26}{'x':>10}{'p50 us':>12}{'GB/s':>9}  backend   timing")
+print(f"{'bench':<13}{'variant':<26}{'x':>10}{'p50 us':>12}{'GB/s':>9}{'%read':>7}{'%spec':>7}"
+      "  backend   timing")
+def pct(e, k):
+    return f"{e[k]:.0f}" if isinstance(e.get(k), (int, float)) else ""
 for r in recs:
     gbps = f"{r['gbps']:.1f}" if r.get("gbps") else ""
     x = r["x"] if not isinstance(r["x"], float) else f"{r['x']:g}"
-    how = (r.get("extra") or {}).get("timing", {}).get("method", "")
+    e = r.get("extra") or {}
+    how = e.get("timing", {}).get("method", "")
     where = r.get("transport") or r.get("backend")
-    print(f"{r['bench']:<13}{str(r['variant'])[:25]:<26}{x!s:>10}{r['p50']:>12.1f}{gbps:>9}  "
-          f"{where:<9} {how}")
+    print(f"{r['bench']:<13}{str(r['variant'])[:25]:<26}{x!s:>10}{r['p50']:>12.1f}{gbps:>9}"
+          f"{pct(e, 'pct_of_read'):>7}{pct(e, 'pct_of_spec'):>7}  {where:<9} {how}")
 EOF
 cp "$LOG/report.log" "$OUT/kernel_report.txt" 2>/dev/null
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOG"
