@@ -802,3 +802,42 @@ def test_device_route_kernels_compile_without_spills_with_and_without_nvshmem():
                 assert res["calls"] == [], name
             elif not name.startswith("route_merge"):
                 assert {"nvshmemx_putmem_signal_nbi_block", "nvshmem_fence"} <= set(res["calls"])
+
+
+_FP8_QUANT = """
+import json, torch
+from mqnc.triton_kernels._compile import compile_launch, resources
+from mqnc.triton_kernels.fp8_quant import dequantize_launch, quantize_launch
+rows = []
+N = 4096  # a 4096-token chunk of one layer, DeepSeek-V3.2's 512 + 64 (656-byte entries)
+for dt in (torch.bfloat16, torch.float32):
+    x = torch.empty(N, 576, dtype=dt)
+    c = torch.empty(N, 656, dtype=torch.uint8)
+    for ln in (quantize_launch(x, 512, c), dequantize_launch(c, 512, 64, x)):
+        k = compile_launch(ln.kernel, ln.args, ln.kwargs, grid=ln.grid)
+        r = resources(ln.name, k)
+        ptx = k.asm["ptx"]
+        rows.append([ln.name, r.registers, r.stack + r.local, r.shared,
+                     "div.full.f32" in ptx, ptx.count("st.global.v4.b32")])
+print(json.dumps(rows))
+"""
+
+
+def test_fp8_quantizer_compiles_for_sm90_without_spills():
+    """The FP8 cache quantizer and its inverse compile for sm_90 at their launch values (4096
+    rows of 512 + 64, bf16 and fp32 rows) without spills, under this triton (3.6.0 is the GPU's:
+    ``.venv-compat``); the scale's ``amax / 448`` is the IEEE division (``div.rn``: the scale
+    must be bit-exact, ``div.full`` is approximate) and the rows are written with 16-byte
+    stores."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run(
+        [sys.executable, "-c", _FP8_QUANT], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, regs, spill, shared, _, _ in rows:
+        print(f"{name}: {regs} regs, {spill} B spilled, {shared} B shared")
+    assert len(rows) == 4
+    assert [row for row in rows if row[2] or row[3] > SM90.shared_per_cta] == []
+    assert [row[0] for row in rows if row[4] or row[5] < 4] == []

@@ -255,3 +255,20 @@ def test_the_device_route_profile_is_fitted_from_bench_records():
     assert "c_t 2048" in prof.source and "partial attention" in prof.description
     with pytest.raises(ValueError, match="probe"):
         fit_device_route(route)
+
+
+def test_the_demo_routes_its_corpus_over_the_device_route(tmp_path, capsys):
+    """``mqnc demo --device-route``: the demo model's prefilled chunks on the holder kernel, an
+    agent's rows put to every chunk and merged in one launch, within the bf16 bound of fp64
+    attention over the chunks' union (the run asserts it), timed and written down."""
+    import json
+
+    from mqnc.cli import main
+
+    argv = ["demo", "--device-route", "--layers", "1", "--chunks", "2", "--min-tokens", "16",
+            "--max-tokens", "40", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    assert "device route: 2 chunks" in capsys.readouterr().out
+    got = json.loads((tmp_path / "device_route.json").read_text())
+    assert got["chunks"] == 2 and len(got["layer_us"]) == 1 and len(got["vs_fp64_max_abs"]) == 1
+    assert got["host_free"] is (DEVICE.type == "cuda")

@@ -736,3 +736,99 @@ def tp_partial_values(
 
 TP_OPS = ("tp_partial_scores", "tp_partial_values")
 """The tensor-parallel ops (``torch.ops.mqnc.<name>``), declared after :data:`OPS`."""
+
+
+# ---- the FP8 cache (DeepSeek-V3.2's 656-byte entry, mqnc.model.kv_format) -----------------------
+# Declared after OPS, as the TP ops: correctness/test_fp8_cache.py opchecks them (FP8_OPS).
+
+_FP8_OUT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _encode_dtype(name: str, dtype: object) -> tuple:
+    if not isinstance(dtype, torch.dtype) or str(dtype)[6:] not in _FP8_OUT_DTYPES:
+        raise TypeError(f"{name}: expected torch.bfloat16 or torch.float32, got {dtype!r}")
+    return (str(dtype)[6:],)
+
+
+OUT_DTYPE = Codec(
+    fields=(("dtype", "str"),), encode=_encode_dtype, decode=lambda s: _FP8_OUT_DTYPES[s]
+)
+
+
+def _entries_like(call) -> Tensor:
+    x, d_c = call.x, call.d_c
+    d_r = x.shape[-1] - d_c
+    return x.new_empty((*x.shape[:-1], d_c + 4 * (d_c // 128) + 2 * d_r), dtype=torch.uint8)
+
+
+@kernel_op(fake=_entries_like)
+def fp8_quantize(x: Tensor, d_c: int) -> Tensor:
+    """Quantize cache rows to FP8 entries (DeepSeek-V3.2's format, FlashMLA's ``V32_FP8Sparse``):
+    per row, ``d_c`` FP8 e4m3fn latent bytes, one float32 scale per 128 latent values, then the
+    ``d_r`` RoPE values in bfloat16 (656 B for 512 + 64; ``mqnc.model.kv_format``).
+
+    A group's scale is ``2**ceil(log2(max(fp32(amax / 448), 1e-4)))`` (a power of two: ``x /
+    scale`` is exact, at most 448); the latent byte is ``x / scale`` rounded to nearest e4m3,
+    ties to even. Bit-identical to the fp64 reference ``mqnc.reference.fp8_ref``.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[..., d_c + d_r]`` bfloat16 or float32 cache rows (latent first), finite (checked: one
+        host sync), unit stride on the last dim; ``d_r`` a power of two >= 16 for the kernel.
+    d_c : int
+        Latent width, a multiple of 128.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., d_c + 4 d_c / 128 + 2 d_r]`` uint8 entries (a bf16 RoPE part is copied bit for
+        bit; an fp32 one rounded to nearest even).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mqnc.triton_kernels.fp8_quant import fp8_quantize
+    >>> fp8_quantize(torch.randn(3, 576, dtype=torch.bfloat16), 512).shape
+    torch.Size([3, 656])
+    """
+
+
+def _rows_like(call) -> Tensor:
+    c = call.cache
+    return c.new_empty((*c.shape[:-1], call.d_c + call.d_r), dtype=call.dtype)
+
+
+@kernel_op(fake=_rows_like, codecs=dict(dtype=OUT_DTYPE))
+def fp8_dequantize(cache: Tensor, d_c: int, d_r: int, dtype: torch.dtype) -> Tensor:
+    """Dequantize FP8 entries (:func:`fp8_quantize`'s) to cache rows: ``fp8 * scale`` per
+    latent value, the RoPE part as stored.
+
+    Parameters
+    ----------
+    cache : torch.Tensor
+        ``[..., d_c + 4 d_c / 128 + 2 d_r]`` uint8 entries; every scale finite and > 0 and no
+        latent byte a NaN (checked: one host sync; a wrong width is named: scales missing).
+    d_c, d_r : int
+        Latent and RoPE widths.
+    dtype : torch.dtype
+        ``torch.bfloat16`` or ``torch.float32``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., d_c + d_r]`` in ``dtype``: exact for power-of-two scales (an e4m3 value times a
+        power of two is a bf16 value), rounded once to nearest even otherwise.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from mqnc.triton_kernels.fp8_quant import fp8_dequantize, fp8_quantize
+    >>> x = torch.randn(3, 576, dtype=torch.bfloat16)
+    >>> fp8_dequantize(fp8_quantize(x, 512), 512, 64, torch.bfloat16).shape
+    torch.Size([3, 576])
+    """
+
+
+FP8_OPS = ("fp8_quantize", "fp8_dequantize")
+"""The FP8 cache ops (``torch.ops.mqnc.<name>``), declared after :data:`OPS`."""

@@ -68,12 +68,34 @@ def _hf_config(args) -> HFDemoConfig:
     return HFDemoConfig(kind=args.hf, **fields)
 
 
+_DEVICE_ROUTE_OPTIONS = ("layers", "chunks", "min_tokens", "max_tokens", "seed", "device", "out")
+
+
+def _device_route_config(args) -> DemoConfig:
+    """``--device-route``'s configuration: the corpus options it takes (the agents' options,
+    which it does not use, kept valid for the corpus given)."""
+    d = DemoConfig()
+    given = {k: getattr(args, k) for k in _DEVICE_ROUTE_OPTIONS if getattr(args, k) is not None}
+    chunks = given.get("chunks", d.chunks)
+    smallest = chunks * given.get("min_tokens", d.min_tokens)
+    return DemoConfig(
+        **given,
+        topk=max(1, min(d.topk, smallest)),
+        chunks_per_agent=max(1, min(d.chunks_per_agent, chunks - 1)),
+    )
+
+
 def _run(args) -> int:
     try:
         if args.kill_after_step is not None and args.kill_holder is None:
             raise ValueError("--kill-after-step: applies to the fault drill only (--kill-holder R)")
         if args.hf:
             run_hf_demo(_hf_config(args))
+            return 0
+        if args.device_route:
+            from mqnc.demo.run import run_device_route
+
+            run_device_route(_device_route_config(args))
             return 0
         fields = {f.name for f in dataclasses.fields(DemoConfig)}
         cfg = DemoConfig(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
@@ -162,5 +184,14 @@ def register(subparsers) -> None:
         "generating with its context on the holders, checked against its own generate; takes "
         f"--transport ({' or '.join(HF_TRANSPORTS)}), --kernels, --force, --profile, --out, "
         "--holders, --replicas, --seed, --steps (new tokens) and the fault drill",
+    )
+    p.add_argument(
+        "--device-route",
+        dest="device_route",
+        action="store_true",
+        help="instead: the corpus routed over the device route (a resident holder kernel, the "
+        "requester's put and wait-then-merge kernels; one-shot and interpreted on a CPU), every "
+        "layer checked against fp64 and timed (docs/device-route.md); takes --layers, --chunks, "
+        "--min-tokens, --max-tokens, --seed, --device, --out",
     )
     p.set_defaults(func=_run)

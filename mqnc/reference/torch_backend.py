@@ -22,6 +22,7 @@ import math
 import torch
 
 from mqnc.reference.attention_ref import mla_decode_reference, mla_sparse_reference
+from mqnc.reference.fp8_ref import fp8_dequantize_reference, fp8_quantize_reference
 from mqnc.reference.merge_ref import merge_reference
 from mqnc.reference.rope_ref import rope_rotate_reference
 from mqnc.reference.tp_ref import tp_scores_reference, tp_values_reference
@@ -184,3 +185,15 @@ def _tp_values(call) -> tuple[torch.Tensor, torch.Tensor]:
         call.scores, call.kv_pool, call.slots, call.softmax_scale, call.d_v
     )
     return _rounded(o, lse, call.kv_pool.dtype)
+
+
+@_implements("fp8_quantize")
+def _fp8_quantize(call) -> torch.Tensor:
+    """Cache rows to FP8 entries, the fp64 reference's bytes."""
+    return fp8_quantize_reference(call.x, call.d_c)
+
+
+@_implements("fp8_dequantize")
+def _fp8_dequantize(call) -> torch.Tensor:
+    """FP8 entries to cache rows, fp64 products rounded once to ``dtype``."""
+    return fp8_dequantize_reference(call.cache, call.d_c, call.d_r, call.dtype)

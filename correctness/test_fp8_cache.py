@@ -1,0 +1,168 @@
+"""The FP8 cache (DeepSeek-V3.2's 656-byte entry): the quantizer against its fp64 reference bit
+for bit, the round trip within the e4m3 bound, the layout against ``mqnc.model.kv_format``, bad
+input named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mqnc.serving.compute  # noqa: F401  (registers the ops' "torch" backend)
+from mqnc.model.kv_format import FP8_E4M3
+from mqnc.reference.fp8_ref import fp8_dequantize_reference, fp8_quantize_reference
+from mqnc.testing import default_device
+from mqnc.triton_kernels.fp8_quant import fp8_dequantize, fp8_quantize
+from mqnc.triton_kernels.ops import FP8_OPS, backend_ops
+
+DEVICE = default_device()
+D_C, D_R = 512, 64
+LAYOUT = FP8_E4M3.layout(D_C, D_R)
+
+
+def _rows(dtype: torch.dtype, n: int = 19, seed: int = 0) -> torch.Tensor:
+    """``n`` rows spanning 2**-24 .. 2**11 in magnitude (one binade a row), a zero group, an
+    fp32-subnormal-sized value and a negative value that rounds to -0."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.exp2(torch.randint(-24, 12, (n, 1), generator=g).float())
+    x = torch.randn(n, D_C + D_R, generator=g) * mag
+    x[1, :128] = 0.0
+    x[2, 5], x[2, 6] = -1e-30, 2.0**-130
+    return x.to(dtype).to(DEVICE)
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def quantized(request):
+    x = _rows(request.param)
+    return x, fp8_quantize(x, D_C), fp8_quantize_reference(x.cpu(), D_C)
+
+
+def test_quantize_equals_the_fp64_reference_bit_for_bit(quantized):
+    x, got, ref = quantized
+    assert got.shape == (*x.shape[:-1], LAYOUT.token_bytes) == (19, 656)
+    assert got.dtype == torch.uint8
+    assert torch.equal(got.cpu(), ref)
+
+
+def test_quantize_follows_flashmla_recipe(quantized):
+    """FlashMLA's V32_FP8Sparse recipe written in torch (scale ``2**ceil(log2(max(amax / 448,
+    1e-4)))``, torch's RNE cast of ``x / scale``; RoPE in bf16) gives the same bytes."""
+    x, got, _ = quantized
+    lat = x.cpu()[:, :D_C].float().reshape(-1, LAYOUT.groups, LAYOUT.group)
+    s = torch.pow(2, torch.clamp_min(lat.abs().amax(-1) / 448.0, 1e-4).log2().ceil())
+    q = (lat / s[..., None]).to(torch.float8_e4m3fn).view(torch.uint8).reshape(-1, D_C)
+    rope = x.cpu()[:, D_C:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    assert torch.equal(got.cpu(), torch.cat([q, s.contiguous().view(torch.uint8), rope], -1))
+
+
+def test_layout_is_kv_formats(quantized):
+    """Scales at ``scale_offset`` (powers of two, at least amax / 448, 2**-13 for a zero group),
+    the RoPE part at ``rope_offset``: the bf16 rows' bytes."""
+    x, got, _ = quantized
+    got = got.cpu()
+    s = got[:, LAYOUT.scale_offset : LAYOUT.rope_offset].contiguous().view(torch.float32)
+    amax = x.cpu()[:, :D_C].double().reshape(-1, 4, 128).abs().amax(-1)
+    assert s.shape == (19, LAYOUT.groups)
+    assert torch.equal(torch.frexp(s)[0], torch.full_like(s, 0.5))  # powers of two
+    assert bool((s.double() * 448 >= amax).all()) and s[1, 0].item() == 2.0**-13
+    assert bool((((s.double() / 2) * 448 < amax) | (s == 2.0**-13)).all())  # the smallest
+    rope = x.cpu()[:, D_C:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    assert torch.equal(got[:, LAYOUT.rope_offset :], rope)
+    assert got[2, 5].item() == 0x80  # -1e-30 rounds to -0
+
+
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32], ids=["to_bf16", "to_fp32"])
+def test_round_trip_within_the_e4m3_bound(quantized, out):
+    """``|dequantize(quantize(x)) - x| <= max(2**-4 |x|, 2**-10 scale)`` per latent value in
+    fp64 (3 mantissa bits: half a spacing; subnormals: 2**-10 of the scale); the dequantize is
+    exact (an e4m3 value times a power of two) so the kernel equals the reference; the RoPE
+    part is the bf16 rows exactly."""
+    x, c, _ = quantized
+    y = fp8_dequantize(c, D_C, D_R, out)
+    assert y.dtype == out and torch.equal(y.cpu(), fp8_dequantize_reference(c.cpu(), D_C, D_R, out))
+    s = c.cpu()[:, D_C : D_C + 16].contiguous().view(torch.float32).double()
+    s = s.repeat_interleave(128, dim=-1)
+    xd, yd = x.cpu().double(), y.cpu().double()
+    err = (yd[:, :D_C] - xd[:, :D_C]).abs()
+    assert bool((err <= torch.maximum(xd[:, :D_C].abs() / 16, s / 1024)).all())
+    amax = xd[:, :D_C].reshape(-1, 4, 128).abs().amax(-1).repeat_interleave(128, dim=-1)
+    assert bool((err <= torch.maximum(amax / 16, s / 1024)).all())  # 2**-4 of the group's amax
+    assert torch.equal(y.cpu()[:, D_C:], x.cpu()[:, D_C:].to(torch.bfloat16).to(out))
+
+
+def test_ties_and_subnormals_round_to_even():
+    """A group whose amax is 448 has scale 1, so its bytes are the values' own e4m3 codes: ties
+    go to even, e4m3 subnormals (spacing 2**-9) are kept, the interpreter's own fp8 cast (ties
+    away, subnormals flushed) is not used."""
+    vals = [448.0, 1.0625, 1.1875, -1.0625, 3 * 2.0**-11, 2.0**-10, 3 * 2.0**-10, 17.0, 19.0]
+    codes = [0x7E, 0x38, 0x3A, 0xB8, 0x01, 0x00, 0x02, 0x58, 0x5A]
+    x = torch.zeros(1, D_C + D_R, dtype=torch.float32)
+    x[0, : len(vals)] = torch.tensor(vals)
+    for impl in (fp8_quantize, fp8_quantize_reference):
+        c = impl(x.to(DEVICE) if impl is fp8_quantize else x, D_C).cpu()
+        assert c[0, : len(vals)].tolist() == codes
+        assert c[0, 512:516].view(torch.float32).item() == 1.0
+
+
+def test_empty_and_batched_shapes():
+    x = _rows(torch.bfloat16, n=6).reshape(2, 3, D_C + D_R)
+    c = fp8_quantize(x, D_C)
+    assert c.shape == (2, 3, 656) and torch.equal(
+        c.reshape(6, 656), fp8_quantize(x.reshape(6, -1), D_C)
+    )
+    assert fp8_quantize(x[:0], D_C).shape == (0, 3, 656)
+    assert fp8_dequantize(c, D_C, D_R, torch.float32).shape == (2, 3, 576)
+
+
+def _bad_entries() -> list:
+    c = fp8_quantize_reference(_rows(torch.bfloat16, n=3).cpu(), D_C)
+    out = []
+    for value, what in ((float("nan"), "nan"), (-1.0, "-1.0"), (0.0, "0.0"), (float("inf"), "inf")):
+        bad = c.clone()
+        bad[1, 516:520] = torch.tensor([value], dtype=torch.float32).view(torch.uint8)
+        out.append((bad, rf"expected every scale finite and > 0, got {what} \(scale 1"))
+    bad = c.clone()
+    bad[0, 7] = 0x7F
+    out.append((bad, "no NaN latent byte"))
+    out.append((c[:, :640], "entries of 656 bytes .*scales missing"))
+    out.append((c.view(torch.int8), None))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_bad_input_is_named(backend):
+    ops = backend_ops(backend)
+    x = _rows(torch.float32, n=3)
+    for value in (float("nan"), float("inf"), -float("inf")):
+        bad = x.clone()
+        bad[1, 3] = value
+        with pytest.raises(ValueError, match=rf"x: expected finite cache values, got {value}"):
+            ops.fp8_quantize(bad, D_C)
+    with pytest.raises(TypeError, match="x: expected a bfloat16 or float32 tensor"):
+        ops.fp8_quantize(x.half(), D_C)
+    with pytest.raises(ValueError, match="d_c"):
+        ops.fp8_quantize(x, 500)
+    for bad, match in _bad_entries():
+        err = TypeError if match is None else ValueError
+        with pytest.raises(err, match=match or "cache: expected a uint8 tensor"):
+            ops.fp8_dequantize(bad.to(DEVICE), D_C, D_R, torch.float32)
+    good = fp8_quantize_reference(x.cpu(), D_C).to(DEVICE)
+    with pytest.raises(TypeError, match="dtype: expected torch.bfloat16 or torch.float32"):
+        ops.fp8_dequantize(good, D_C, D_R, torch.float16)
+
+
+def test_fp8_ops_registration():
+    """Schema and fake of the FP8 ops against their real run (the table of test_torch_ops
+    covers the ops declared before them)."""
+    x = _rows(torch.bfloat16, n=3)
+    c = fp8_quantize(x, D_C)
+    cases = {
+        "fp8_quantize": (x, D_C, "torch"),
+        "fp8_dequantize": (c, D_C, D_R, "float32", "torch"),
+    }
+    assert sorted(cases) == sorted(FP8_OPS)
+    for name, args in cases.items():
+        torch.library.opcheck(
+            getattr(torch.ops.mqnc, name).default,
+            args,
+            test_utils=("test_schema", "test_faketensor"),
+        )
