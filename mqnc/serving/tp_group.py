@@ -11,7 +11,8 @@ ranks, and the holder group's reduction inside the instance.
   half layout: dims ``i`` and ``i + P``, kept as the slice's own halves). The RoPE part is
   split, not replicated: a replicated part would be counted ``N`` times in the summed score
   (or need one rank to zero it) and would cost every rank ``d_r`` dims of query and cache
-  (``2 d_r (N - 1)`` bytes more per row and per cached entry, bf16); split by pairs, each
+  (``2 d_r (N - 1) / N`` bytes more per rank, ``2 d_r (N - 1)`` over the instance, per row and
+  per cached entry, bf16); split by pairs, each
   rank's slice is itself a RoPE vector in the model's layout with its pairs' frequencies, so
   a re-homing rotation (the splice, the query's ``-delta``) stays rank-local.
 
