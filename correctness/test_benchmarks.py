@@ -483,11 +483,17 @@ def test_goal_targets_match_the_goal_shapes(tmp_path, capsys):
 
     from mqnc.triton_kernels._variants import GOALS
     from perf import bench_merge
-    from perf.speed_targets import TARGETS
+    from perf.speed_targets import ROOFLINE_TARGETS, TARGETS
 
     limit = re.compile(r"<= ([\d.]+) us")
     numeric = {s.label: float(limit.search(s.goal)[1]) for s in GOALS if limit.search(s.goal)}
-    assert {t.extra["shape"]: t.limit for t in TARGETS if "shape" in t.extra} == numeric
+    own = [t for t in TARGETS if "shape" in t.extra and t not in ROOFLINE_TARGETS]
+    assert {t.extra["shape"]: t.limit for t in own} == numeric
+    # the roofline goals bound goal shapes too, each at most the shape's own goal
+    for t in ROOFLINE_TARGETS:
+        if "shape" in t.extra:
+            assert t.extra["shape"] in {s.label for s in GOALS}, t
+            assert t.limit <= numeric.get(t.extra["shape"], float("inf")), t
     if torch.cuda.is_available():
         return
     out = tmp_path / "g.jsonl"
@@ -614,11 +620,11 @@ def test_records_with_bytes_carry_their_bandwidth_against_the_read_ceiling_and_s
 def test_bandwidth_goals_are_p50_bounds_of_their_bytes():
     """The 3.6 TB/s dense goal as p50 bounds: B 16, c_t 32768 (604 MB of cache) in <= 167.9 us,
     each bound the goal shape's bytes (as bench_mla counts them) at 3.6e6 bytes per us."""
-    from perf.speed_targets import TARGETS, at_tbps, dense_bytes
+    from perf.speed_targets import ROOFLINE_TARGETS, at_tbps, dense_bytes
 
     b = 16 * 32768 * 576 * 2 + 16 * 16 * 576 * 2 + 16 * 16 * (512 * 2 + 4)
     assert dense_bytes(16, 16, 32768) == b
-    (t,) = [t for t in TARGETS if t.extra.get("shape") == "mla_decode H=16 B=16 ct=32768"]
+    (t,) = [t for t in ROOFLINE_TARGETS if t.extra.get("shape") == "mla_decode H=16 B=16 ct=32768"]
     assert t.limit == at_tbps(b, 3.6) == pytest.approx(b / 3.6e6, rel=1e-15)
-    shapes = {t.extra.get("shape") for t in TARGETS if "3.6 TB/s" in t.what}
+    shapes = {t.extra.get("shape") for t in ROOFLINE_TARGETS if "3.6 TB/s" in t.what}
     assert len(shapes) == 9  # eight dense shapes and the splice
