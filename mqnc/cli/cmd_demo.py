@@ -185,6 +185,11 @@ def register(subparsers) -> None:
         f"--transport ({' or '.join(HF_TRANSPORTS)}), --kernels, --force, --profile, --out, "
         "--holders, --replicas, --seed, --steps (new tokens) and the fault drill",
     )
+    _add_device_route(p)
+    p.set_defaults(func=_run)
+
+
+def _add_device_route(p) -> None:
     p.add_argument(
         "--device-route",
         dest="device_route",
@@ -194,4 +199,3 @@ def register(subparsers) -> None:
         "layer checked against fp64 and timed (docs/device-route.md); takes --layers, --chunks, "
         "--min-tokens, --max-tokens, --seed, --device, --out",
     )
-    p.set_defaults(func=_run)
