@@ -166,3 +166,66 @@ def test_fp8_ops_registration():
             args,
             test_utils=("test_schema", "test_faketensor"),
         )
+
+
+# ---- the cost model and predicate -----------------------------------------------------------
+
+
+def test_cost_model_prices_an_fp8_fetch_at_656_bytes_and_keeps_the_papers_bf16_numbers():
+    """``b_KV`` comes from the geometry's cache format: the wire break-even, the pull, the
+    selection gather and the fetch/local crossover follow from 656 B by fp64 arithmetic; the
+    paper's bf16 numbers (break-even 1080.3 at c_t 2048 on V2-Lite) are unchanged; route and
+    local do not depend on the cache format."""
+    from mqnc.cost import get_fabric
+    from mqnc.cost import predicate as pr
+    from mqnc.cost.terms import SpliceProfile
+    from mqnc.model import PRESETS
+
+    v2, v32 = PRESETS["deepseek-v2-lite"], PRESETS["deepseek-v3.2"]
+    f8 = v32.replace(cache_dtype="fp8_e4m3")
+    assert round(pr.wire_break_even_rows(v2, 2048), 1) == 1080.3
+    assert pr.wire_break_even_rows(f8, 2048) == 2048 * 656 / 2184
+    assert pr.selection_break_even_rows(f8) == 2048 * 656 / 2184  # V3.2's top-2048
+    fab = get_fabric("h100-ibgda")
+    d8, d16 = pr.decide(f8, fab, 64, 2048), pr.decide(v32, fab, 64, 2048)
+    assert d8.fetch.pull == 2048 * 656 * 61 / (fab.bulk_bw * 1e3)
+    assert d8.fetch.pull == pytest.approx(d16.fetch.pull * 656 / 1152, rel=1e-15)
+    assert (d8.route, d8.local_us, d8.fetch.splice) == (d16.route, d16.local_us, d16.fetch.splice)
+    assert d8.wire["chunk_bytes_per_layer"] == 2048 * 656 and d8.inputs["kv_format"] == "fp8_e4m3"
+    g8, g16 = (pr.decide(g, fab, 64, 8192, topk=2048, holders=2) for g in (f8, v32))
+    assert g8.fetch.selection and g8.fetch.pull < g16.fetch.pull
+    flat = SpliceProfile.flat(2910.0)
+    per_token = 61 * 1.0 - 656 * 61 / (fab.bulk_bw * 1e3)
+    got = pr.fetch_local_crossover_tokens(f8, fab, splice=flat)
+    assert got == pytest.approx(2910.0 / per_token, rel=1e-12)
+    assert got < pr.fetch_local_crossover_tokens(v32, fab, splice=flat)
+
+
+def test_predict_and_crossover_take_kv_dtype_fp8(tmp_path, capsys):
+    import csv
+    import json
+
+    from mqnc.cli import main
+
+    argv = ["--model", "deepseek-v3.2", "--m-q", "64", "--c-t", "2048"]
+    assert main(["predict", "--json", "--kv-dtype", "fp8", *argv]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["wire"]["chunk_bytes_per_layer"] == 2048 * 656
+    assert got["wire"]["break_even_rows"] == 2048 * 656 / 2184
+    assert got["inputs"]["kv_format"] == "fp8_e4m3"
+    assert main(["predict", *argv, "--kv-dtype", "fp8"]) == 0
+    assert "cache fp8_e4m3" in capsys.readouterr().out
+    assert main(["predict", "--json", *argv]) == 0
+    assert json.loads(capsys.readouterr().out)["wire"]["chunk_bytes_per_layer"] == 2048 * 1152
+    rc = main(
+        ["crossover", "--out", str(tmp_path), "--points", "4", "--no-png", "--kv-dtype", "fp8"]
+    )
+    assert rc == 0
+    with open(tmp_path / "fig3b_wire_bytes.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(float(r["chunk_bytes_per_layer"]) == float(r["c_t"]) * 656 for r in rows)
+    capsys.readouterr()
+    assert main(["predict", "--kv-dtype", "fp8", "--model", "deepseek-v4-flash"]) == 2
+    assert (
+        "--kv-dtype fp8: MLAGeometry.cache_dtype: 'fp8_e4m3' needs d_c" in capsys.readouterr().err
+    )

@@ -143,6 +143,15 @@ _ROUTE_OPTIONS = [
     ),
     ("--tp", dict(type=positive_int, default=1, help="tensor-parallel rank pairs (§8; 1)")),
     (
+        "--kv-dtype",
+        dict(
+            choices=("bf16", "fp8"),
+            default="bf16",
+            help="the holders' cache format, b_KV of every fetch term: bf16 (the paper's, 1152 B "
+            "per token-layer at 576 dims) or fp8 (DeepSeek-V3.2's 656 B entry, docs/fp8-cache.md)",
+        ),
+    ),
+    (
         "--round-trips",
         dict(
             type=positive_int,
@@ -163,6 +172,11 @@ def _resolve(args):
     the compute options applied (splice, c, compute, merge, host), the request ``--m-q`` /
     ``--c-t`` with the rest."""
     geometry, profile = args.model, args.fabric
+    if args.kv_dtype == "fp8":
+        try:
+            geometry = geometry.replace(cache_dtype="fp8_e4m3")
+        except ValueError as exc:
+            raise ValueError(f"--kv-dtype fp8: {exc}") from None
     log.info(
         "model %s (q+p %d B per row), fabric %s", geometry.name, geometry.qp_row_bytes, profile.name
     )

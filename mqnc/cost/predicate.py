@@ -176,6 +176,8 @@ def _explain_lines(d: Decision) -> list[str]:
     head = f"model {i['model']}  fabric {i['fabric']}  M_q {i['m_q']:g}  c_t {i['c_t']:g}"
     if i.get("topk"):
         head += f"  top-k {i['topk']} over {i['holders']} holder(s)"
+    if i.get("kv_format", "bf16") != "bf16":
+        head += f"  cache {i['kv_format']}"
     route = (
         f"probe {r.probe:.1f} + turnaround {r.turnaround:.1f} + transfer {r.transfer:.1f} + "
         f"return {r.return_:.1f} + compute {r.compute:.1f} + merge {r.merge:.1f}"
@@ -353,6 +355,7 @@ def decide(
     congestion = request.congestion
     inputs = dict(
         model=geometry.name,
+        kv_format=geometry.cache_dtype,
         fabric=profile.fabric.name,
         m_q=request.m_q,
         c_t=request.c_t,
