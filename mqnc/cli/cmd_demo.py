@@ -174,6 +174,12 @@ def register(subparsers) -> None:
         "by its median over them; each single decode's MAPE is printed beside (default 5; 1 "
         "in the fault drill)",
     )
+    _add_instead(p)
+    p.set_defaults(func=_run)
+
+
+def _add_instead(p) -> None:
+    """The options that run another demo instead: ``--hf`` and ``--device-route``."""
     p.add_argument(
         "--hf",
         nargs="?",
@@ -185,11 +191,6 @@ def register(subparsers) -> None:
         f"--transport ({' or '.join(HF_TRANSPORTS)}), --kernels, --force, --profile, --out, "
         "--holders, --replicas, --seed, --steps (new tokens) and the fault drill",
     )
-    _add_device_route(p)
-    p.set_defaults(func=_run)
-
-
-def _add_device_route(p) -> None:
     p.add_argument(
         "--device-route",
         dest="device_route",
