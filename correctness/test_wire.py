@@ -600,3 +600,57 @@ def test_wire_crc_is_zlibs_crc32():
         a = rng.integers(0, 256, n, dtype=np.uint8)
         assert wire._crc32(a) == zlib.crc32(a)
         assert wire._crc32(a, 12345) == zlib.crc32(a, 12345)
+
+
+# ---- FP8 cache entries (cache_dtype "fp8_e4m3", mqnc.model.kv_format) ---------------------------
+G8 = G.replace(cache_dtype="fp8_e4m3")
+
+
+def _fp8_entries(layers: int, ct: int, seed: int = 0) -> torch.Tensor:
+    """Random bytes in the entries' shape (the wire moves bytes; it never reads the values)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (layers, ct, 656), generator=g, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("crc", [None, False])
+def test_fp8_chunk_moves_656_bytes_per_token_layer(crc):
+    """A fetch of FP8 entries moves ``b_KV`` = 656 B per token per layer, bit for bit; its
+    header says dtype code 4 and the entry's width."""
+    kv = _fp8_entries(G.layers, 5)
+    buf = wire.pack_chunk(
+        kv, request_id=1, seq=2, chunk_id=3, layers=(0, G.layers), position=7, geometry=G8, crc=crc
+    )
+    assert buf.numel() - wire.HEADER_BYTES == G8.chunk_bytes(5) == 5 * G.layers * 656
+    assert (
+        buf[8].item() == wire.FP8_ENTRIES_CODE
+    )  # the dtype field (u16 after magic, version, kind)
+    h, got = wire.unpack_chunk(buf, geometry=G8, require_payload_crc=crc is None)
+    assert (h.dtype, h.width, h.batch, h.position) == (torch.uint8, 656, 5, 7)
+    assert got.dtype == torch.uint8 and torch.equal(got, kv)
+    one = wire.pack_chunk(
+        kv[2:3], request_id=1, seq=2, chunk_id=3, layers=(2, 3), position=7, geometry=G8
+    )
+    assert torch.equal(wire.unpack_chunk(one, geometry=G8)[1], kv[2:3])
+
+
+def test_fp8_format_mismatch_names_both_sides():
+    kv8, kv16 = _fp8_entries(1, 3), _rand((1, 3, G.d_qk), torch.bfloat16, 0)
+    kw = dict(request_id=1, seq=2, chunk_id=3, layers=(0, 1), position=0)
+    with pytest.raises(ValueError, match=r"cache format mismatch: got uint8 \(fp8_e4m3 entries\), "
+                       r"geometry 'deepseek-v2-lite' keeps a bf16 cache"):  # fmt: skip
+        wire.pack_chunk(kv8, **kw, geometry=G)
+    with pytest.raises(ValueError, match="got bfloat16, geometry .* keeps a fp8_e4m3 cache .*"
+                       "fp8_quantize"):  # fmt: skip
+        wire.pack_chunk(kv16, **kw, geometry=G8)
+    with pytest.raises(ValueError, match="last dim 656"):
+        wire.pack_chunk(kv8[..., :640], **kw, geometry=G8)
+    sent8, sent16 = wire.pack_chunk(kv8, **kw, geometry=G8), wire.pack_chunk(kv16, **kw)
+    with pytest.raises(wire.WireError, match=r"the CHUNK carries fp8_e4m3 entries \(656 B a "
+                       r"token\), geometry 'deepseek-v2-lite' keeps a bf16 cache"):  # fmt: skip
+        wire.unpack_chunk(sent8, geometry=G)
+    with pytest.raises(wire.WireError, match="the CHUNK carries bfloat16 rows, .* fp8_e4m3 cache"):
+        wire.unpack_chunk(sent16, geometry=G8)
+    forged = wire.Header(wire.Kind.ROUTE, torch.uint8, batch=1, heads=1, width=4,
+                         layer_lo=0, layer_hi=1, payload_bytes=4).pack()  # fmt: skip
+    with pytest.raises(wire.WireError, match="dtype code 4 .* on a ROUTE message"):
+        wire.parse_header(torch.frombuffer(bytearray(forged + bytes(4)), dtype=torch.uint8))

@@ -20,7 +20,10 @@ kind          payload
               (``p`` = 1032 B per row), one put instead of three
 ``FETCH``     none (chunk id and layer range are in the header)
 ``CHUNK``     ``kv [layer_hi - layer_lo, batch (= c_t tokens), d_qk]`` in the cache dtype,
-              cached at canonical positions starting at ``position``
+              cached at canonical positions starting at ``position``; from a geometry whose
+              ``cache_dtype`` is ``"fp8_e4m3"``, the FP8 entries ``[.., .., b_KV]`` uint8
+              (656 B a token for 512 + 64: ``mqnc.model.kv_format``), dtype code 4, ``width``
+              the entry's bytes
 ``ERROR``     a UTF-8 message naming what was wrong
 ``SHUTDOWN``  none
 ============  ==========================================================================
@@ -88,6 +91,7 @@ __all__ = [
     "Header",
     "WireError",
     "WIRE_DTYPES",
+    "FP8_ENTRIES_CODE",
     "parse_header",
     "message_bytes",
     "pack_probe",
@@ -153,8 +157,13 @@ _LAYERED = (Kind.ROUTE, Kind.PARTIAL, Kind.FETCH, Kind.CHUNK)
 
 #: Wire dtype codes (header field ``dtype``) and their torch dtypes.
 WIRE_DTYPES: dict[int, torch.dtype] = {1: torch.bfloat16, 2: torch.float16, 3: torch.float32}
-_DTYPE_CODES = {v: k for k, v in WIRE_DTYPES.items()}
-_ITEMSIZE = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
+#: The dtype code of a ``CHUNK`` of FP8 cache entries (uint8 bytes, ``cache_dtype "fp8_e4m3"``).
+FP8_ENTRIES_CODE = 4
+_FP8 = "fp8_e4m3"
+_HEADER_DTYPES = {**WIRE_DTYPES, FP8_ENTRIES_CODE: torch.uint8}
+_DTYPE_CODES = {v: k for k, v in _HEADER_DTYPES.items()}
+_FLOAT_DTYPES = tuple(WIRE_DTYPES.values())
+_ITEMSIZE = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.uint8: 1}
 
 
 class WireError(ValueError):
@@ -407,10 +416,16 @@ def _payload_view(buf, offset: int, nbytes: int, dtype: torch.dtype, shape):
     return part.view(dtype).view(shape)
 
 
-_VIEW_ALIGN = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.int32: 4}
+_VIEW_ALIGN = {
+    torch.bfloat16: 2,
+    torch.float16: 2,
+    torch.float32: 4,
+    torch.int32: 4,
+    torch.uint8: 1,
+}
 # numpy dtypes of the same width (bf16 has none: its bits as int16, then a torch view)
 _NP_VIEW = {torch.bfloat16: np.int16, torch.float16: np.float16, torch.float32: np.float32,
-            torch.int32: np.int32}  # fmt: skip
+            torch.int32: np.int32, torch.uint8: np.uint8}  # fmt: skip
 
 
 def _host_header(buf: torch.Tensor) -> np.ndarray:
@@ -582,9 +597,14 @@ def _decode(raw) -> Header:
     kind = _KINDS.get(f[2])
     if kind is None:
         raise WireError(f"buf: unknown message kind {f[2]}")
-    dtype = WIRE_DTYPES.get(f[3])
+    dtype = _HEADER_DTYPES.get(f[3])
     if dtype is None:
-        raise WireError(f"buf: unknown dtype code {f[3]}, expected one of {sorted(WIRE_DTYPES)}")
+        raise WireError(f"buf: unknown dtype code {f[3]}, expected one of {sorted(_HEADER_DTYPES)}")
+    if dtype is torch.uint8 and kind != Kind.CHUNK:
+        raise WireError(
+            f"buf: dtype code {FP8_ENTRIES_CODE} (FP8 cache entries) on a {kind.name} message; "
+            "only a CHUNK carries them"
+        )
     return Header._make((kind, dtype, *f[4:18]))
 
 
@@ -624,6 +644,9 @@ def read_message(transport, slot: int) -> torch.Tensor:
 
 def _check_geometry(h: Header, g: MLAGeometry) -> None:
     want = g.d_v if h.kind == Kind.PARTIAL else g.d_qk if h.kind in _QK_KINDS else None
+    if h.kind == Kind.CHUNK:
+        _check_chunk_format(h, g)
+        want = g.kv_bytes_per_token_layer if h.dtype is torch.uint8 else want
     if want is not None and h.width != want:
         raise WireError(
             f"buf: {h.kind.name} row width {h.width} does not fit geometry {g.name!r} "
@@ -633,6 +656,18 @@ def _check_geometry(h: Header, g: MLAGeometry) -> None:
         raise WireError(
             f"buf: layer range [{h.layer_lo}, {h.layer_hi}) outside geometry {g.name!r} "
             f"({g.layers} layers)"
+        )
+
+
+def _check_chunk_format(h: Header, g: MLAGeometry) -> None:
+    """A ``CHUNK``'s cache format against the geometry's: FP8 entries to a 16-bit cache, or
+    16-bit rows to an FP8 one, is an error naming both (holder and requester disagree)."""
+    fp8 = h.dtype is torch.uint8
+    if fp8 != (g.cache_dtype == _FP8):
+        sent = f"{_FP8} entries ({h.width} B a token)" if fp8 else f"{str(h.dtype)[6:]} rows"
+        raise WireError(
+            f"buf: cache format mismatch: the CHUNK carries {sent}, geometry {g.name!r} keeps a "
+            f"{g.cache_dtype} cache (holder and requester must keep one format)"
         )
 
 
@@ -720,7 +755,7 @@ def _check_layers(layers: tuple[int, int], g: MLAGeometry) -> tuple[int, int]:
 def _check_float(name: str, t: object, ndim: int, width: int | None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _DTYPE_CODES:
+    if t.dtype not in _FLOAT_DTYPES:
         raise TypeError(
             f"{name}: invalid dtype, expected one of (bfloat16, float16, float32), got "
             f"{str(t.dtype)[6:]}"
@@ -1239,14 +1274,16 @@ def pack_chunk(
     out: torch.Tensor | None = None,
     crc: bool | None = None,
 ) -> torch.Tensor:
-    """Pack a chunk's cache entries ``kv [n_layers, c_t, d_qk]`` as one ``CHUNK`` message.
+    """Pack a chunk's cache entries ``kv [n_layers, c_t, d_qk]`` as one ``CHUNK`` message
+    (a geometry whose ``cache_dtype`` is ``"fp8_e4m3"``: its FP8 entries ``[n_layers, c_t,
+    b_KV]`` uint8, 656 B a token for 512 + 64, as ``fp8_quantize`` writes them).
 
     ``position`` is the canonical position of the chunk's first token (the splice's ``old``
     position, §2.2); ``layers`` the half-open range the ``n_layers`` slices cover; ``crc`` as
     in :func:`pack_query`.
     """
     g = _geometry(geometry)
-    _check_float("kv", kv, 3, g.d_qk)
+    _check_chunk_entries(kv, g)
     lo, hi = _check_layers(layers, g)
     if kv.shape[0] != hi - lo:
         raise ValueError(f"kv: expected {hi - lo} layers (range [{lo}, {hi})), got {kv.shape[0]}")
@@ -1259,10 +1296,30 @@ def pack_chunk(
     return _assemble(h, (kv,), kv.device, out, crc)
 
 
+def _check_chunk_entries(kv: object, g: MLAGeometry) -> None:
+    """``kv`` in the geometry's cache format: float rows ``[.., .., d_qk]``, or for
+    ``"fp8_e4m3"`` uint8 entries ``[.., .., b_KV]``; a format mismatch names both."""
+    fp8 = g.cache_dtype == _FP8
+    if isinstance(kv, torch.Tensor) and (kv.dtype is torch.uint8) != fp8:
+        sent = f"uint8 ({_FP8} entries)" if kv.dtype is torch.uint8 else str(kv.dtype)[6:]
+        raise ValueError(
+            f"kv: cache format mismatch: got {sent}, geometry {g.name!r} keeps a {g.cache_dtype} "
+            "cache" + (" (quantize the rows with fp8_quantize first)" if fp8 else "")
+        )
+    if not fp8:
+        _check_float("kv", kv, 3, g.d_qk)
+    elif kv.dim() != 3 or kv.shape[-1] != g.kv_bytes_per_token_layer:
+        raise ValueError(
+            f"kv: expected 3 dims with last dim {g.kv_bytes_per_token_layer} ({_FP8} entries of "
+            f"geometry {g.name!r}), got shape {tuple(kv.shape)}"
+        )
+
+
 def unpack_chunk(
     buf: torch.Tensor, *, geometry: MLAGeometry | None = None, require_payload_crc: bool = False
 ) -> tuple[Header, torch.Tensor]:
-    """Check and unpack a ``CHUNK`` message: ``(header, kv [n_layers, c_t, d_qk])`` (a view)."""
+    """Check and unpack a ``CHUNK`` message: ``(header, kv [n_layers, c_t, d_qk])`` (a view;
+    FP8 entries: ``[n_layers, c_t, b_KV]`` uint8)."""
     h = parse_header(
         buf, geometry=geometry, expect=Kind.CHUNK, require_payload_crc=require_payload_crc
     )
