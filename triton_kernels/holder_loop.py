@@ -9,8 +9,9 @@ is answered with an error word, never read past: the chunk table, pool and slot 
 only after the check), and takes its share of the request's work items, one item being one
 (token, head block, split): item ``i`` is CTA ``i mod k``'s. An item runs the partial attention
 of its rows over the chunk's pages with the tile code of ``mla_decode`` / ``mla_sparse``
-(``_mla_tile``: the same ``_split_range``, ``_attend_tile`` and ``_store_partial``, at the same
-tiles, split counts and loop bounds, so the answer is the host-driven holder's bit for bit): an
+(``_mla_tile``: the same ``_split_range``, ``_attend_tile`` and ``_store_partial``; at the host
+ops' split counts and loop bounds for the holder's tile, :data:`HOLDER_TILE`, so the answer is
+the host-driven holder's at that tile, bit for bit under the interpreter): an
 unsplit item writes ``(o, lse)`` (natural log) into the reply slot, a split one its fp32 partial
 into the slot's workspace. Each CTA then arrives on the slot's counter (acq_rel atomic); the
 last to arrive folds the split partials in split order exactly as ``merge`` does, writes the
@@ -18,6 +19,11 @@ reply header (sequence, status, detail, rows) and raises the reply signal (relea
 ``NVSHMEM`` backend: the reply's rows, its lse, a fence, then its header with a put-with-signal
 to the requester's PE). A request is answered only after every CTA has seen it, so no CTA can
 miss one: a requester sends its next request on a slot only after the reply of the last.
+
+The kernel is compiled per request mode (``SPARSE``): one kernel serves sparse requests, the
+other every other mode (dense, probe, and the error answer of a mode it does not know), each
+with its own ``seen`` / ``arrive`` / ``err`` state; with both attention loops in one kernel it
+spilled under triton 3.6.0. A holder runs both (``mqnc.serving.device_holder``).
 
 Modes: ``PERSISTENT`` loops until the stop word is set or ``max_idle`` polls find nothing (a
 bound, never a hang); otherwise ONE-SHOT: each CTA serves the requests already signalled, then
