@@ -229,3 +229,45 @@ def test_predict_and_crossover_take_kv_dtype_fp8(tmp_path, capsys):
     assert (
         "--kv-dtype fp8: MLAGeometry.cache_dtype: 'fp8_e4m3' needs d_c" in capsys.readouterr().err
     )
+
+
+# ---- the pool ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_fp8_pool_keeps_entries_and_attends_the_dequantized_chunk(kernels):
+    """An FP8 pool stores 656-byte entries (16-bit rows quantized on write, entries copied bit
+    for bit), gathers them back as written, and attends a chunk exactly as a bf16 pool holding
+    the dequantized rows does (dense and a top-k selection); it refuses a splice at a new
+    offset (not yet) and rows of another format."""
+    from mqnc.serving.pool import PagedPool
+
+    L, bs, tokens = 2, 16, 20
+    x = _rows(torch.bfloat16, n=L * tokens, seed=3).reshape(L, tokens, D_C + D_R)
+    kw = dict(dtype=torch.bfloat16, device=DEVICE, kernels=kernels)
+    p8 = PagedPool(L, 4, bs, D_C + D_R, fp8=LAYOUT, **kw)
+    p16 = PagedPool(L, 4, bs, D_C + D_R, **kw)
+    assert p8.kv.dtype == torch.uint8 and p8.kv.shape == (L, 4, bs, 656)
+    b8, b16 = p8.alloc(tokens), p16.alloc(tokens)
+    p8.write(b8[::-1], x)  # blocks out of order: slots follow the block list
+    entries = fp8_quantize_reference(x.cpu(), D_C)
+    got = p8.gather(torch.tensor(b8[::-1]), tokens, (0, L))
+    assert torch.equal(got.cpu(), entries)
+    b8c = p8.alloc(tokens)
+    p8.splice(b8c, entries.to(DEVICE), 0, None)  # a fetched chunk's entries: copied
+    assert torch.equal(p8.gather(torch.tensor(b8c), tokens, (0, L)).cpu(), entries)
+    p16.write(b16, fp8_dequantize_reference(entries, D_C, D_R, torch.bfloat16).to(DEVICE))
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 16, D_C + D_R, generator=g).to(torch.bfloat16).to(DEVICE)
+    sel = torch.tensor([[3, -1, 19, 0, 7]], device=DEVICE)
+    for indices in (None, sel):
+        kw = dict(indices=indices, softmax_scale=0.1, d_v=D_C)
+        o8, lse8 = p8.attend(q, 1, torch.tensor(b8c, dtype=torch.int32), tokens, **kw)
+        o16, lse16 = p16.attend(q, 1, torch.tensor(b16, dtype=torch.int32), tokens, **kw)
+        assert torch.equal(o8, o16) and torch.equal(lse8, lse16)
+    with pytest.raises(ValueError, match="FP8 splice .* not implemented yet"):
+        p8.splice(b8c, entries.to(DEVICE), 5, None)
+    with pytest.raises(ValueError, match=r"this pool's format \(fp8_e4m3 entries\)"):
+        p8.write(b8c, entries[..., :640].to(DEVICE))
+    with pytest.raises(ValueError, match=r"this pool's format \(bfloat16\)"):
+        p16.write(b16, entries.to(DEVICE))

@@ -5,13 +5,23 @@ A pool is ``[L, num_blocks, block_size, d_qk]``: a chunk occupies whole blocks (
 in every layer), token ``t`` of a chunk with blocks ``b`` sits at flat slot
 ``b[t // block_size] * block_size + t % block_size`` of a layer's ``[num_blocks * block_size,
 d_qk]`` view. Blocks are taken from a free list; nothing here knows about chunks' positions.
+
+A pool may keep FP8 entries (``fp8=`` the layout of ``mqnc.model.kv_format``: DeepSeek-V3.2's
+656-byte entry): its storage is then ``[L, num_blocks, block_size, b_KV]`` uint8, 16-bit rows
+written to it are quantized (``fp8_quantize``), FP8 entries (a fetched chunk) copied bit for
+bit. Not yet: kernels that attend FP8 entries directly and an FP8 splice. Until then an FP8
+pool attends a chunk by dequantizing its entries (``fp8_dequantize``, exact) into a
+``dtype`` scratch pool and running the 16-bit kernel over it (the FP8 read saving is not had),
+and it splices only at ``delta == 0``.
 """
 
 from __future__ import annotations
 
 import torch
 
+import mqnc.triton_kernels.fp8_quant  # noqa: F401  (registers the FP8 ops' Triton implementation)
 from mqnc.base.checks import check_int
+from mqnc.model.kv_format import FP8Layout
 from mqnc.serving.compute import kernel_ops
 from mqnc.serving.records import ChunkInfo, LocalChunk
 
@@ -30,11 +40,15 @@ class PagedPool:
     kernels : {"triton", "torch"}
         Splice and partial attention by the Triton kernels or their torch references
         (:mod:`mqnc.serving.compute`).
+    fp8 : mqnc.model.kv_format.FP8Layout or None
+        Keep FP8 entries of this layout (``d_c + d_r == width``) instead of ``dtype`` rows;
+        ``dtype`` is then the rows' dtype when attending (bf16 / fp32).
 
     Attributes
     ----------
     kv : torch.Tensor
-        ``[layers, num_blocks, block_size, width]`` in ``dtype`` on ``device``.
+        ``[layers, num_blocks, block_size, width]`` in ``dtype`` on ``device``; with ``fp8``,
+        ``[layers, num_blocks, block_size, fp8.token_bytes]`` uint8.
     """
 
     def __init__(
@@ -47,15 +61,23 @@ class PagedPool:
         dtype: torch.dtype,
         device: torch.device | str,
         kernels: str = "triton",
+        fp8: FP8Layout | None = None,
     ) -> None:
         check_int("num_blocks", num_blocks, minimum=1)
         if check_int("block_size", block_size, minimum=16) & (block_size - 1):
             raise ValueError(f"block_size: expected a power of two >= 16, got {block_size}")
+        if fp8 is not None and (not isinstance(fp8, FP8Layout) or fp8.d_c + fp8.d_r != width):
+            raise ValueError(f"fp8: expected an FP8Layout of d_c + d_r = {width}, got {fp8!r}")
         self.block_size = block_size
-        self.width = width
+        self.fp8 = fp8
+        self.dtype = dtype
+        self.width = width if fp8 is None else fp8.token_bytes
         self.device = torch.device(device)
         self.ops = kernel_ops(kernels)
-        self.kv = torch.zeros(layers, num_blocks, block_size, width, dtype=dtype, device=device)
+        store = dtype if fp8 is None else torch.uint8
+        self.kv = torch.zeros(
+            layers, num_blocks, block_size, self.width, dtype=store, device=device
+        )
         self._free = list(range(num_blocks))
 
     @property
@@ -93,9 +115,22 @@ class PagedPool:
         return s.reshape(-1)[:tokens]
 
     def write(self, blocks: list[int], kv: torch.Tensor) -> None:
-        """Copy ``kv [L, tokens, width]`` into the blocks, all layers."""
+        """Copy ``kv [L, tokens, width]`` into the blocks, all layers (an FP8 pool: FP8 entries
+        ``[L, tokens, b_KV]`` uint8 bit for bit, 16-bit rows quantized)."""
         flat = self.kv.view(self.kv.shape[0], -1, self.width)
-        flat[:, self.slots(blocks, kv.shape[1])] = kv.to(self.device)
+        flat[:, self.slots(blocks, kv.shape[1])] = self._stored(kv.to(self.device))
+
+    def _stored(self, kv: torch.Tensor) -> torch.Tensor:
+        """``kv`` as this pool stores it: an FP8 pool quantizes float rows, copies entries."""
+        if self.fp8 is None or kv.dtype == torch.uint8:
+            if kv.shape[-1] != self.width or (kv.dtype == torch.uint8) != (self.fp8 is not None):
+                fmt = "fp8_e4m3 entries" if self.fp8 is not None else str(self.kv.dtype)[6:]
+                raise ValueError(
+                    f"kv: expected [L, tokens, {self.width}] rows in this pool's format ({fmt}), "
+                    f"got {tuple(kv.shape)} {str(kv.dtype)[6:]}"
+                )
+            return kv
+        return self.ops.fp8_quantize(kv.contiguous(), self.fp8.d_c)
 
     def splice(self, blocks: list[int], kv: torch.Tensor, delta: int, rope) -> None:
         """Write ``kv [L, tokens, width]`` re-homed by ``delta`` positions (§2.2): a plain copy
@@ -103,6 +138,11 @@ class PagedPool:
         if delta == 0:
             self.write(blocks, kv)
             return
+        if self.fp8 is not None:
+            raise ValueError(
+                f"delta: this pool keeps FP8 entries, and the FP8 splice (rotating only their "
+                f"RoPE part) is not implemented yet: write FP8 chunks at delta 0, got {delta}"
+            )
         if rope is None:
             raise ValueError("rope: splicing at a new offset needs rope= (a RopeSpec)")
         slots = self.slots(blocks, kv.shape[1])
@@ -146,20 +186,34 @@ class PagedPool:
         ``[B, topk]`` (:func:`mla_sparse_partial`). Returns ``(o [B, H, d_v], lse [B, H])``,
         natural-log ``lse`` in float32."""
         B = q.shape[0]
+        cache = self.kv[layer]
+        if self.fp8 is not None:  # not yet FP8 kernels: the chunk dequantized, in block order
+            cache = self._dequantized(layer, blocks, tokens)
+            blocks = torch.arange(cache.shape[0], dtype=torch.int32)
         if indices is None:
             table = blocks.to(self.device)[None].expand(B, -1).contiguous()
             lens = torch.full((B,), tokens, dtype=torch.int32, device=self.device)
             o, lse = self.ops.mla_decode_partial(
-                q, self.kv[layer], table, lens, softmax_scale=softmax_scale, d_v=d_v
+                q, cache, table, lens, softmax_scale=softmax_scale, d_v=d_v
             )
             keyed = torch.full((B,), tokens > 0, device=lse.device)
         else:
             idx = self.pool_indices(indices, blocks, tokens).to(torch.int32)
             o, lse = self.ops.mla_sparse_partial(
-                q, self.kv[layer], idx, softmax_scale=softmax_scale, d_v=d_v
+                q, cache, idx, softmax_scale=softmax_scale, d_v=d_v
             )
             keyed = (idx >= 0).any(dim=1).to(lse.device)
         return o, flag_dropped(lse, keyed)
+
+    def _dequantized(self, layer: int, blocks: torch.Tensor, tokens: int) -> torch.Tensor:
+        """An FP8 pool's chunk, ``[n_blocks, block_size, d_c + d_r]`` in ``dtype``: its
+        ``tokens`` entries dequantized in order (token ``t`` at flat slot ``t``), zeros past."""
+        fp8, nb = self.fp8, len(blocks)
+        entries = self.kv[layer].view(-1, self.width)[self.slots(blocks, tokens)]
+        rows = torch.zeros(nb * self.block_size, fp8.d_c + fp8.d_r, dtype=self.dtype,
+                           device=self.device)  # fmt: skip
+        rows[:tokens] = self.ops.fp8_dequantize(entries, fp8.d_c, fp8.d_r, self.dtype)
+        return rows.view(nb, self.block_size, -1)
 
 
 def flag_dropped(lse: torch.Tensor, keyed: torch.Tensor) -> torch.Tensor:
