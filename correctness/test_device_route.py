@@ -272,3 +272,19 @@ def test_the_demo_routes_its_corpus_over_the_device_route(tmp_path, capsys):
     got = json.loads((tmp_path / "device_route.json").read_text())
     assert got["chunks"] == 2 and len(got["layer_us"]) == 1 and len(got["vs_fp64_max_abs"]) == 1
     assert got["host_free"] is (DEVICE.type == "cuda")
+
+
+def test_route_layout_refuses_what_the_kernels_cannot_lay_out():
+    with pytest.raises(ValueError, match="slots"):
+        RouteLayout(0, 1, 16)
+    with pytest.raises(ValueError, match="d_qk, d_v"):
+        RouteLayout(1, 1, 16, d_qk=640, d_v=576)
+    with pytest.raises(TypeError, match="dtype"):
+        RouteLayout(1, 1, 16, dtype=torch.int8)
+    layout = RouteLayout(2, 4, 16, max_topk=64)
+    buf = allocate(layout, LocalBackend("cpu"))
+    assert buf.in_q.shape == (2, 4, 16, 576) and buf.rep_o.shape == (2, 4, 16, 512)
+    assert buf.in_hdr.shape == (2, W.HEADER_WORDS) and buf.rep_hdr.shape == (2, W.REPLY_WORDS)
+    assert int(buf.in_sig.sum()) == 0 and int(buf.rep_sig.sum()) == 0  # the first number is 1
+    nbytes = sum(t.numel() * t.element_size() for t in vars(buf).values()) // 2
+    assert layout.slot_bytes == nbytes
