@@ -271,3 +271,87 @@ def test_fp8_pool_keeps_entries_and_attends_the_dequantized_chunk(kernels):
         p8.write(b8c, entries[..., :640].to(DEVICE))
     with pytest.raises(ValueError, match=r"this pool's format \(bfloat16\)"):
         p16.write(b16, entries.to(DEVICE))
+
+
+# ---- the corpus file and the holder ------------------------------------------------------------
+
+
+def _fp8_corpus():
+    from mqnc.model import PRESETS, RopeSpec
+    from mqnc.serving import Corpus
+
+    g = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4, cache_dtype="fp8_e4m3")
+    x = _rows(torch.bfloat16, n=2 * 40, seed=5).cpu().reshape(2, 40, D_C + D_R)
+    entries = fp8_quantize_reference(x, D_C)
+    rope = RopeSpec.from_preset("deepseek-v2-lite")
+    corpus = Corpus.partition(
+        entries, g, rope.softmax_scale, chunk_tokens=16, holders=[1], rope=rope, block_size=16
+    )
+    return corpus, entries
+
+
+def test_corpus_file_stores_fp8_entries_with_their_format_and_checksums(tmp_path):
+    """An FP8 corpus (geometry cache_dtype fp8_e4m3) saves its 656-byte entries as U8 tensors
+    with the format in the manifest, loads them back bit for bit, and refuses a flipped byte
+    (SHA-256) and a manifest whose kv_format disagrees with its geometry, naming them."""
+    import json
+
+    from mqnc.serving import Corpus
+
+    corpus, entries = _fp8_corpus()
+    assert corpus.dtype == torch.bfloat16 and corpus.entry_width == 656
+    path = corpus.save(tmp_path / "c.json")
+    m = json.loads(path.read_text())
+    assert m["kv_format"] == m["geometry"]["cache_dtype"] == "fp8_e4m3"
+    back = Corpus.load(path)
+    for cid, c in back.chunks.items():
+        got = back.chunk_kv(cid)
+        assert got.dtype == torch.uint8 and torch.equal(
+            got, entries[:, c.start : c.start + c.tokens]
+        )
+    raw = bytearray(path.with_suffix(".safetensors").read_bytes())
+    raw[-3] ^= 0x10  # a latent or RoPE byte of the last chunk
+    path.with_suffix(".safetensors").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"chunks\[2\] \(chunk_id 2\).*checksum mismatch"):
+        Corpus.load(path).chunk_kv(2)
+    path.write_text(json.dumps({**m, "kv_format": "bf16"}))
+    with pytest.raises(ValueError, match="kv_format: 'bf16' disagrees with the geometry's"):
+        Corpus.load(path)
+    with pytest.raises(TypeError, match=r"expected torch.uint8, got torch.bfloat16 \(geometry"):
+        wrong = torch.zeros(2, 40, 656, dtype=torch.bfloat16)
+        chunks = list(corpus.chunks.values())
+        Corpus(corpus.geometry, 0.1, chunks, dtype=torch.bfloat16, entries=wrong)
+
+
+def test_holder_keeps_fp8_chunks_and_a_requester_of_another_format_is_told_both():
+    """A holder made from an FP8 corpus keeps its 656-byte entries (bad scales refused when a
+    chunk is added); a requester whose geometry keeps a bf16 cache asking for a chunk gets the
+    format mismatch naming both formats; a route to the FP8 holder is refused, saying why."""
+    from mqnc.serving import Requester
+    from mqnc.serving.records import ChunkInfo
+    from mqnc.transport import LoopbackFabric
+
+    corpus, entries = _fp8_corpus()
+    fab = LoopbackFabric(2, corpus.slot_bytes(8), lanes=1)
+    holder = corpus.make_holder(fab.endpoint(1), kernels="torch", poll_s=0.02)
+    assert holder.pool.dtype == torch.uint8 and holder.pool.shape[-1] == 656
+    assert torch.equal(holder.chunk_kv(1).cpu(), entries[:, 16:32])
+    bad = entries[:, :8].clone()
+    bad[0, 3, 512:516] = torch.tensor([-1.0]).view(torch.uint8)
+    with pytest.raises(ValueError, match=r"every scale finite and > 0, got -1.0"):
+        holder.add_chunk(9, bad)
+    g16 = corpus.geometry.replace(cache_dtype="bf16")
+    req = Requester(fab.endpoint(0), g16, softmax_scale=corpus.softmax_scale, rope=corpus.rope,
+                    timeout_s=20.0, pool_blocks=8, kernels="torch")  # fmt: skip
+    req.register(ChunkInfo(1, 16, 16, (1,)))
+    holder.start()
+    try:
+        with pytest.raises(ValueError, match=r"the CHUNK carries fp8_e4m3 entries \(656 B a token"
+                           r"\), geometry .* keeps a bf16 cache"):  # fmt: skip
+            req.fetch(1)
+        q = torch.randn(1, 4, D_C + D_R).to(torch.bfloat16)
+        with pytest.raises(Exception, match="keeps an fp8_e4m3 cache, and the kernels that"):
+            req.route(1, q, 0)
+    finally:
+        holder.stop()
+    assert holder.failure is None

@@ -25,6 +25,12 @@ and a safetensors file beside it holding one tensor ``chunk.<id>`` ``[L, c_t, d_
 so that a holder reads only its own chunks (written with ``safetensors``; read here by seeking
 to the chunk's bytes, after the checks below).
 
+FP8 corpora: a geometry whose ``cache_dtype`` is ``"fp8_e4m3"`` (DeepSeek-V3.2's 656-byte
+entry, ``mqnc.model.kv_format``) keeps its chunks as those entries, ``[L, c_t, b_KV]`` uint8
+(``U8`` in the file), while ``dtype`` stays the routed rows' (bf16); the manifest says
+``"kv_format": "fp8_e4m3"`` beside the geometry (which carries it too: the two must agree), and
+sizes and SHA-256 checks are the bf16 corpus' own.
+
 Nothing read from the file is trusted before it is checked, and every error is one
 ``ValueError`` naming the file and the manifest entry (``chunks[i] (chunk_id c)``):
 
@@ -96,7 +102,8 @@ MAX_DEPTH = 16  # JSON nesting a manifest or a safetensors header may have (they
 MAX_TOKENS = 2**31 - 1  # token ends and positions: the pools count tokens in int32
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _DTYPE_CODES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8"}
+_FP8 = "fp8_e4m3"
 _HEADER_LIMIT = 100 * 2**20  # safetensors' own bound on a header
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
@@ -235,14 +242,14 @@ def _chunk_span(header: dict, data: int, size: int, c: ChunkSpec, corpus: Corpus
     entry = header.get(name)
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: the file holds no tensor {name!r}")
-    want, code = [g.layers, c.tokens, g.d_qk], _ST_DTYPES[corpus.dtype]
+    want, code = [g.layers, c.tokens, corpus.entry_width], _ST_DTYPES[corpus.entry_dtype]
     shape, dtype = entry.get("shape"), entry.get("dtype")
     if shape != want or dtype != code:
         got = tuple(shape) if isinstance(shape, list) else shape
         raise ValueError(
             f"{where}: the manifest declares {tuple(want)} {code}, the file holds {got} {dtype}"
         )
-    nbytes = math.prod(want) * corpus.dtype.itemsize
+    nbytes = math.prod(want) * corpus.entry_dtype.itemsize
     offsets = entry.get("data_offsets")
     if not (
         isinstance(offsets, list)
@@ -271,10 +278,12 @@ class Corpus:
     chunks : sequence of ChunkSpec
         Contiguous, non-overlapping chunks of the token axis.
     dtype : torch.dtype
-        Cache dtype (bf16, fp16 or fp32): the holders' pool dtype and the routed rows' dtype.
+        Cache dtype (bf16, fp16 or fp32): the holders' pool dtype and the routed rows' dtype
+        (an FP8 corpus: the routed rows' and the dequantized rows' dtype).
     entries : torch.Tensor or None
-        ``[L, C, d_qk]`` in ``dtype``, the whole cache in memory; None for a corpus loaded from a
-        file (chunks are read on demand).
+        ``[L, C, d_qk]`` in ``dtype``, the whole cache in memory (``geometry.cache_dtype``
+        ``"fp8_e4m3"``: its FP8 entries ``[L, C, b_KV]`` uint8); None for a corpus loaded from
+        a file (chunks are read on demand).
     rope : mqnc.model.RopeSpec or None
         The model's RoPE (frequencies, pair layout): what a requester needs to route or fetch a
         chunk at another offset than its canonical position.
@@ -344,13 +353,17 @@ class Corpus:
             if lo < hi:
                 raise ValueError(f"chunks: chunks {a} and {b} overlap on the token axis")
         if entries is not None:
-            g = geometry
-            if entries.dim() != 3 or entries.shape[0] != g.layers or entries.shape[2] != g.d_qk:
+            g, width = geometry, self.entry_width
+            if entries.dim() != 3 or entries.shape[0] != g.layers or entries.shape[2] != width:
                 raise ValueError(
-                    f"entries: expected shape ({g.layers}, C, {g.d_qk}), got {tuple(entries.shape)}"
+                    f"entries: expected shape ({g.layers}, C, {width}), got {tuple(entries.shape)}"
+                    + (f" ({_FP8} entries of {width} B)" if g.cache_dtype == _FP8 else "")
                 )
-            if entries.dtype != dtype:
-                raise TypeError(f"entries: invalid dtype, expected {dtype}, got {entries.dtype}")
+            if entries.dtype != self.entry_dtype:
+                raise TypeError(
+                    f"entries: invalid dtype, expected {self.entry_dtype}, got {entries.dtype}"
+                    + (f" (geometry.cache_dtype is {_FP8})" if g.cache_dtype == _FP8 else "")
+                )
             if spans[-1][1] > entries.shape[1]:
                 raise ValueError(
                     f"chunks: the last chunk ends at token {spans[-1][1]}, entries hold "
@@ -387,10 +400,24 @@ class Corpus:
             ChunkSpec(i, s, min(chunk_tokens, C - s), position + s, places[i])
             for i, s in enumerate(starts)
         ]
-        kwargs.setdefault("dtype", entries.dtype)
+        # FP8 entries (uint8): the routed rows default to bf16
+        kwargs.setdefault(
+            "dtype", torch.bfloat16 if entries.dtype == torch.uint8 else entries.dtype
+        )
         return cls(geometry, softmax_scale, chunks, entries=entries, **kwargs)
 
     # ---- queries ----------------------------------------------------------------------------
+    @property
+    def entry_dtype(self) -> torch.dtype:
+        """The chunks' stored dtype: uint8 for FP8 entries, else :attr:`dtype`."""
+        return torch.uint8 if self.geometry.cache_dtype == _FP8 else self.dtype
+
+    @property
+    def entry_width(self) -> int:
+        """A stored entry's last dim: ``b_KV`` bytes for FP8 entries (656), else ``d_qk``."""
+        g = self.geometry
+        return g.kv_bytes_per_token_layer if g.cache_dtype == _FP8 else g.d_qk
+
     @property
     def tokens(self) -> int:
         """Context tokens covered by the chunks."""
@@ -440,7 +467,8 @@ class Corpus:
         return out
 
     def chunk_kv(self, chunk_id: int) -> torch.Tensor:
-        """The cache of one chunk, ``[L, c_t, d_qk]`` in :attr:`dtype`."""
+        """The cache of one chunk, ``[L, c_t, d_qk]`` in :attr:`dtype` (FP8: its entries
+        ``[L, c_t, b_KV]`` uint8)."""
         try:
             c = self.chunks[chunk_id]
         except KeyError:
@@ -471,7 +499,9 @@ class Corpus:
                 "the file is corrupt or not the one the manifest was written with"
             )
         g = self.geometry
-        return torch.frombuffer(buf, dtype=self.dtype).view(g.layers, c.tokens, g.d_qk)
+        return torch.frombuffer(buf, dtype=self.entry_dtype).view(
+            g.layers, c.tokens, self.entry_width
+        )
 
     def _where(self, chunk_id: int) -> str:
         """``corpus: <file>: chunks[i] (chunk_id c) of <manifest>``: what an error names."""
@@ -498,8 +528,9 @@ class Corpus:
     def slot_bytes(self, max_rows: int) -> int:
         """Transport slot size for routes of up to ``max_rows`` rows and fetches of any chunk."""
         code = dtype_code(self.dtype)
+        cache = self.geometry.cache_dtype if self.geometry.cache_dtype == _FP8 else code
         return slot_bytes_for(
-            self.geometry.replace(cache_dtype=code, wire_dtype=code),
+            self.geometry.replace(cache_dtype=cache, wire_dtype=code),
             max_rows=max_rows,
             max_chunk_tokens=max(c.tokens for c in self.chunks.values()),
         )
@@ -572,6 +603,7 @@ class Corpus:
             version=VERSION,
             tensors=path.with_suffix(".safetensors").name,
             geometry=dataclasses.asdict(self.geometry),
+            kv_format=self.geometry.cache_dtype,
             softmax_scale=self.softmax_scale,
             dtype=str(self.dtype).replace("torch.", ""),
             block_size=self.block_size,
@@ -653,8 +685,15 @@ def _from_manifest(m: dict, path: Path, version: int) -> tuple[Corpus, dict[int,
         for key in ("geometry", "rope", "meta"):
             if not isinstance(m.get(key, {}), dict | None):
                 raise TypeError(f"{key}: expected an object, got {type(m[key]).__name__}")
+        geometry = MLAGeometry(**m["geometry"])
+        fmt = m.get("kv_format", geometry.cache_dtype)
+        if fmt != geometry.cache_dtype:
+            raise ValueError(
+                f"kv_format: {fmt!r} disagrees with the geometry's cache_dtype "
+                f"{geometry.cache_dtype!r}"
+            )
         corpus = Corpus(
-            MLAGeometry(**m["geometry"]),
+            geometry,
             m["softmax_scale"],
             [c for c, _ in parsed],
             dtype=_DTYPES[m["dtype"]],

@@ -47,6 +47,7 @@ from mqnc.base import stamps
 from mqnc.base.checks import check_int, check_number
 from mqnc.base.runtime import kernel_device
 from mqnc.model.geometry import MLAGeometry
+from mqnc.model.kv_format import FP8_E4M3
 from mqnc.serving.batching import HostedChunk, RouteBatcher, RouteJob
 from mqnc.serving.compute import check_kernels
 from mqnc.serving.pool import PagedPool
@@ -61,6 +62,7 @@ from mqnc.transport.protocol import (
     TransportTimeout,
     check_message,
 )
+from mqnc.triton_kernels.fp8_quant import check_entries
 
 __all__ = ["HostedChunk", "Holder", "HolderStats"]
 
@@ -253,6 +255,10 @@ class Holder:
             dtype=dtype,
             device=self.device,
             kernels=kernels,
+            # an fp8_e4m3 geometry: the pool keeps FP8 entries (docs/fp8-cache.md)
+            fp8=FP8_E4M3.layout(geometry.d_c, geometry.d_r)
+            if geometry.cache_dtype == FP8_E4M3.name
+            else None,
         )
         self.pool = self.pages.kv
         self.chunks: dict[int, HostedChunk] = {}
@@ -289,13 +295,17 @@ class Holder:
         position = check_int("position", position, minimum=0)
         if not isinstance(kv, torch.Tensor):
             raise TypeError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
-        if kv.dim() != 3 or kv.shape[0] != g.layers or kv.shape[2] != g.d_qk:
+        fp8 = self.pages.fp8 is not None and kv.dtype == torch.uint8  # FP8 entries, not rows
+        width = self.pages.width if fp8 else g.d_qk
+        if kv.dim() != 3 or kv.shape[0] != g.layers or kv.shape[2] != width:
             raise ValueError(
-                f"kv: expected shape ({g.layers}, c_t, {g.d_qk}), got {tuple(kv.shape)}"
+                f"kv: expected shape ({g.layers}, c_t, {width}), got {tuple(kv.shape)}"
             )
-        if kv.dtype != self.dtype:
+        if fp8:
+            check_entries(kv, g.d_c, g.d_r)  # every scale finite and > 0, no NaN latent byte
+        elif kv.dtype != self.dtype:
             raise TypeError(f"kv: invalid dtype, expected {self.dtype}, got {kv.dtype}")
-        if not bool(torch.isfinite(kv).all()):
+        elif not bool(torch.isfinite(kv).all()):
             bad = int((~torch.isfinite(kv)).sum())
             raise ValueError(f"kv: expected finite cache entries, got {bad} NaN or infinite")
         if chunk_id in self.chunks:
@@ -453,6 +463,11 @@ class Holder:
             raise KeyError(f"chunk {h.chunk_id} is not hosted here (have {sorted(self.chunks)})")
         if h.dtype != self.dtype:
             raise wire.WireError(f"q: expected {self.dtype} rows, got {h.dtype}")
+        if self.pages.fp8 is not None:
+            raise ValueError(
+                "route: this holder keeps an fp8_e4m3 cache, and the kernels that attend FP8 "
+                "entries are not here yet: fetch its chunks instead (docs/fp8-cache.md)"
+            )
         if not (1 <= h.heads <= self.geometry.heads and h.batch >= 1):
             raise ValueError(
                 f"heads: expected 1 <= heads <= {self.geometry.heads} and batch >= 1, got "
@@ -480,7 +495,7 @@ class Holder:
             raise KeyError(f"chunk {h.chunk_id} is not hosted here (have {sorted(self.chunks)})")
         c = self.chunks[h.chunk_id]
         need = wire.HEADER_BYTES + wire.chunk_payload_bytes(
-            h.layer_hi - h.layer_lo, c.tokens, self.geometry.d_qk, self.dtype
+            h.layer_hi - h.layer_lo, c.tokens, self.pages.width, self.pages.kv.dtype
         )
         if need > self.transport.slot_bytes:
             raise ValueError(
