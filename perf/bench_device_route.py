@@ -124,10 +124,13 @@ def _time(bench: Bench, fn, reps: int, inner: int, trips: int) -> tuple:
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()  # warm (compiled, the holder answering)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    side.synchronize()  # (a stream, never the device: the holder kernels never finish)
+    # torch.cuda.graph synchronizes the device when it begins: the resident holder stops for
+    # the capture (which runs nothing) and starts again before the replays
+    bench.holder.stop()
     with torch.cuda.graph(graph):
         fn()
+    bench.holder.start(max_idle=1 << 22)
     replays = 0
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

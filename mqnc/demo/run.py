@@ -356,7 +356,7 @@ def run_device_route(cfg: DemoConfig) -> dict:
             o, lse, status = client.merge(list(range(cfg.chunks)), 1, g.heads)
             check_status(status, list(range(cfg.chunks)))
             if resident:
-                torch.cuda.synchronize(device)
+                torch.cuda.current_stream(device).synchronize()  # (never the device's)
             times.append((time.perf_counter() - t0) * 1e6)
             keys = torch.cat([corpus.kv(c)[layer] for c in range(cfg.chunks)]).double()
             valid = torch.ones(1, keys.shape[0], dtype=torch.bool)

@@ -215,7 +215,9 @@ class DeviceHolder:
 
     def start(self, max_idle: int = 1 << 30) -> DeviceHolder:
         """Launch the two persistent kernels, each on its own stream (a GPU): they serve until
-        :meth:`stop` (or ``max_idle`` empty polls)."""
+        :meth:`stop` (or ``max_idle`` empty polls). While they run, synchronize streams, never
+        the device (``torch.cuda.synchronize``, and ``torch.cuda.graph``, which calls it when
+        a capture begins, would wait for them forever): stop them around a capture."""
         if self.device.type != "cuda":
             raise RuntimeError("device holder: a persistent kernel needs a GPU (use serve_once)")
         if self._streams is not None:
@@ -235,10 +237,9 @@ class DeviceHolder:
             return
         import time
 
-        stop = torch.ones(1, dtype=torch.int64, device=self.device)
-        side = torch.cuda.Stream(self.device)
+        side = torch.cuda.Stream(self.device)  # beside the kernels' streams, not after them
         with torch.cuda.stream(side):
-            self._t["stop"].copy_(stop, non_blocking=True)
+            self._t["stop"].fill_(1)
         deadline = time.monotonic() + check_number("timeout_s", timeout_s, positive=True)
         while not all(s.query() for s in self._streams):
             if time.monotonic() > deadline:
