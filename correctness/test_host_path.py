@@ -210,3 +210,32 @@ def test_interpreted_runs_take_the_launch_lock(monkeypatch):
     jit = _Jit()
     LaunchRunner(Launch("k", jit, (1,), (None, None, 3), dict(BLOCK=16)), 2)(True, 1, 2)
     assert held == [True] and jit.log[0][0] == "jit"
+
+
+def test_a_plan_that_owns_a_workspace_is_not_shared_between_eager_calls():
+    """A fused-combine plan owns its split workspace (partials and tickets, reused run after
+    run): the op's plan cache does not keep it (two eager calls on two streams would race on
+    it); a plain plan owns nothing and is kept."""
+    from mqnc.triton_kernels._mla_launch import SWEEP_TILES
+
+    fused = [t for tiles in SWEEP_TILES.values() for t in tiles if t.fused]
+    if not fused:
+        pytest.skip("no fused-combine tile among the sweep candidates")
+    q, pool, table, lens = _inputs(0)
+    kw = dict(softmax_scale=SCALE, check_inputs=False, num_splits=2)
+    plans = mla_decode_partial.op.plans
+    plans.clear()
+    with forced_tile(fused[0]):
+        assert plan_mla_decode(q, pool, table, lens, **kw).owns_workspace
+        with _stubbed_runs():
+            for _ in range(2):
+                mla_decode_partial(q, pool, table, lens, **kw)
+    assert (plans.misses, plans.hits, len(plans._plans)) == (2, 0, 0)
+    assert not plan_mla_decode(q, pool, table, lens, **kw).owns_workspace
+
+
+def _stubbed_runs():
+    """Plan launches as no-ops (a context manager)."""
+    from mqnc.measure.launch_host import stubbed_launches
+
+    return stubbed_launches()

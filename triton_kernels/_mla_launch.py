@@ -664,6 +664,14 @@ class AttentionPlan:
         self._attend = LaunchRunner(self.launches[0], n_inputs + 2) if self.launches else None
         self._combine = LaunchRunner(self.launches[1], 5) if self._split else None
         self._interpreted = interpreting()  # (the launches' constexprs were chosen for it)
+        # a buffer a launch owns (the fused combine's workspace, wrapped, not a torch tensor):
+        # two runs of this plan on two streams at once would race on it, so the op's plan
+        # cache does not share such a plan between calls (its holder reuses it, one stream)
+        self.owns_workspace = any(
+            hasattr(a, "data_ptr") and not isinstance(a, torch.Tensor)
+            for ln in self.launches
+            for a in ln.args
+        )
 
     def run(self, *args, out: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
         """Launch on new inputs, passed as to the function that made the plan; returns

@@ -504,7 +504,10 @@ class PlanCache:
     host-syncing check on (:data:`SYNC_CHECKS`) is never cached (its checks read values), nor
     one with an argument that cannot be hashed. What a cached plan skips is what its key fixes:
     the shape, dtype, device and layout checks; the values a plan reads only with those checks
-    on. At most ``size`` plans per op, least recently used dropped (a plan holds no tensor)."""
+    on. At most ``size`` plans per op, least recently used dropped (a plan holds no tensor of
+    its call). A plan that owns a workspace (the fused combine's partials and tickets) is not
+    kept: the calls sharing it could run on two streams at once; plan such a call once and run
+    the plan (``plan_mla_decode(...).run``) to reuse it."""
 
     def __init__(self, params, size: int = 64) -> None:
         self._tensors = tuple(p.name for p in params if p.tensor)
@@ -544,6 +547,10 @@ class PlanCache:
             return plan
 
     def put(self, key: tuple, plan) -> None:
+        """Keep ``plan`` under ``key``, unless it owns a workspace (``plan.owns_workspace``: two
+        calls on two streams would share it)."""
+        if getattr(plan, "owns_workspace", False):
+            return
         with self._lock:
             self._plans[key] = plan
             while len(self._plans) > self.size:
