@@ -9,7 +9,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.mqnc-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo lint format env clean compat
+.PHONY: venv test test-long demo lint format env clean compat
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -28,8 +28,17 @@ $(STAMP): $(VPY) pyproject.toml
 
 venv: $(STAMP)
 
+# `make test`: the suite less the long tier (correctness/conftest.py LONG_TIER, the GPU scripts'
+# dry runs), on TEST_WORKERS pytest-xdist workers (one torch thread each), a test file per worker
+# so that module fixtures are built once; TEST_WORKERS=0 runs it in one process. `make
+# test-long`: the long tier alone, one fixture per worker. CI runs both. docs/testing-time.md.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(VPY) -m pytest correctness -q $(PYTEST_ARGS)
+	$(VPY) -m pytest correctness -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+test-long: $(STAMP)
+	$(VPY) -m pytest correctness -q -m long -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/mqnc demo

@@ -11,6 +11,11 @@
 - The GPU tier, :data:`GPU_TIER`: the tests a lent GPU's one short run executes
   (``pytest -m gpu``, from ``perf/gpu_check.sh``), marked ``gpu`` here (the marker is
   registered in ``pyproject.toml``), in this order.
+- The long tier, :data:`LONG_TIER`: the GPU scripts' dry runs (minutes each on a 2-core
+  machine), marked ``long``. ``make test`` (``pytest correctness``) deselects them; ``make
+  test-long`` (``-m long``) runs them alone; they run with the rest when ``MQNC_TEST_LONG=1`` or
+  when their file is named on the command line, and under any ``-m`` its expression decides.
+  ``.ci/run`` runs both; docs/testing-time.md says what is where and why.
 """
 
 from __future__ import annotations
@@ -23,6 +28,11 @@ from mqnc.base.runtime import use_interpreter_without_cuda
 use_interpreter_without_cuda()
 os.environ.setdefault(MQNC_POISON_OUTPUTS, "1")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: one core each, subprocesses too
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
@@ -68,17 +78,50 @@ GPU_TIER = (
 )
 
 
-def in_gpu_tier(nodeid: str) -> bool:
-    """Whether a test (``correctness/<file>::<name>[<params>]``) is in :data:`GPU_TIER`."""
+# The long tier: entries as in GPU_TIER, or ending in "_" for a name prefix. perf/gpu_check.sh
+# --dry-run and perf/gpu_tiles.sh --dry-run run every step of the GPU check and every tile
+# candidate in the interpreter (their fixtures took 125 s and 153 s in a suite run on this 2-core
+# machine at a load of ~10): they rehearse a GPU run's commands, whose kernels, benches and tier
+# the rest of the suite checks one by one.
+LONG_TIER = (
+    "test_gpu_check.py::test_dry_run_",
+    "test_gpu_check.py::test_tile_sweep_dry_run_",
+)
+MQNC_TEST_LONG = "MQNC_TEST_LONG"
+
+
+def _matches(nodeid: str, tier: tuple[str, ...]) -> bool:
     rel = nodeid.split("correctness/", 1)[-1]
     return any(
         rel.startswith(entry)
-        if entry.endswith("::")
+        if entry.endswith(("::", "_"))
         else rel == entry
         if "[" in entry
         else rel.split("[", 1)[0] == entry
-        for entry in GPU_TIER
+        for entry in tier
     )
+
+
+def in_gpu_tier(nodeid: str) -> bool:
+    """Whether a test (``correctness/<file>::<name>[<params>]``) is in :data:`GPU_TIER`."""
+    return _matches(nodeid, GPU_TIER)
+
+
+def in_long_tier(nodeid: str) -> bool:
+    """Whether a test is in :data:`LONG_TIER` (an entry ending in ``_`` is a name prefix)."""
+    return _matches(nodeid, LONG_TIER)
+
+
+def _runs_long(config, item) -> bool:
+    """Long tests run when asked for: ``MQNC_TEST_LONG=1``, ``-m`` naming ``long``, or their
+    file named on the command line (``pytest correctness/test_gpu_check.py``); under any ``-m``
+    the marker expression decides."""
+    if os.environ.get(MQNC_TEST_LONG, "") not in ("", "0"):
+        return True
+    if config.getoption("-m"):  # the marker expression decides (-m long, -m "not long")
+        return True
+    named = {os.path.realpath(a.split("::", 1)[0]) for a in config.args}
+    return os.path.realpath(str(item.path)) in named
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -95,8 +138,27 @@ def pytest_collection_modifyitems(config, items):
         rel = item.nodeid.split("correctness/", 1)[-1]
         return min((i for i, e in enumerate(GPU_TIER) if rel.startswith(e)), default=len(GPU_TIER))
 
+    files = {item.nodeid.split("correctness/", 1)[-1].split("::", 1)[0] for item in items}
+    for entry in LONG_TIER:  # a renamed test must not leave the tier silently
+        if entry.split("::", 1)[0] in files and not any(
+            _matches(i.nodeid, (entry,)) for i in items
+        ):
+            if not config.getoption("-k"):
+                raise pytest.UsageError(f"conftest LONG_TIER entry {entry!r} names no test")
+    kept, long_out = [], []
     for item in items:
         if in_gpu_tier(item.nodeid):
             item.add_marker(pytest.mark.gpu)
+        if in_long_tier(item.nodeid):
+            item.add_marker(pytest.mark.long)
+            group = next(e for e in LONG_TIER if _matches(item.nodeid, (e,)))
+            item.add_marker(pytest.mark.xdist_group(group))  # --dist loadgroup: one per fixture
+            if not _runs_long(config, item):
+                long_out.append(item)
+                continue
+        kept.append(item)
+    if long_out:  # reported as "N deselected"; make test-long runs them
+        config.hook.pytest_deselected(items=long_out)
+        items[:] = kept
     if config.getoption("-m") == "gpu":  # the tier runs in its listed order: kernels first
         items.sort(key=rank)
