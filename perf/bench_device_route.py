@@ -170,21 +170,22 @@ def _device_name(device: torch.device) -> str:
 
 
 def _sweep(bench: Bench, heads, points, args, commit, c_t) -> None:
-    """Route records at ``points`` (tokens, requesters); the first step of each checked."""
-    for B, n in points:
+    """Route records at ``points`` (tokens, requesters, query heads); the first step of each
+    checked against fp64. ``extra.heads`` is the holder's, ``extra.query_heads`` the rows'."""
+    for B, n, hq in points:
         q = [
-            (0.5 * torch.randn(B, heads, 576, generator=torch.Generator().manual_seed(r)))
+            (0.5 * torch.randn(B, hq, 576, generator=torch.Generator().manual_seed(r)))
             .to(torch.bfloat16)
             .to(bench.device)
             for r in range(n)
         ]
-        worst = _check(bench, q, bench.step(B, heads, n, q=q), B, heads, n)
+        worst = _check(bench, q, bench.step(B, hq, n, q=q), B, hq, n)
         trips = bench.geom.layers * n
-        step = functools.partial(bench.step, B, heads, n, q=q)
+        step = functools.partial(bench.step, B, hq, n, q=q)
         pct, routed, calls = _time(bench, step, args.reps, args.inner, trips)
-        extra = dict(heads=heads, c_t=c_t, requesters=n, tokens=B, vs_fp64=worst,
-                     layers=bench.geom.layers, ctas=args.ctas)  # fmt: skip
-        _record(args.out, "route", B * heads, pct, bench, routed, calls, extra, commit)
+        extra = dict(heads=heads, query_heads=hq, c_t=c_t, requesters=n, tokens=B,
+                     vs_fp64=worst, layers=bench.geom.layers, ctas=args.ctas)  # fmt: skip
+        _record(args.out, "route", B * hq, pct, bench, routed, calls, extra, commit)
 
 
 def main(argv=None) -> int:
@@ -198,11 +199,11 @@ def main(argv=None) -> int:
         args.reps, args.inner, args.layers, args.ctas = 1, 1, 1, 2
     commit = args.commit or "unknown"
     c_t = 128 if dry else 2048
-    sizes = [(1, 1)] if dry else [(2**i, 1) for i in range(7)]
-    fan_in = [(1, 2)] if dry else [(1, n) for n in (2, 4, 8, 16)]
-    for heads, max_b, points in ((16, 64, sizes + fan_in), (128, 8, [(1, 1), (8, 1)])):
-        if dry and heads == 128:
-            points = [(1, 1)]
+    # (tokens, requesters, query heads): M_q 1 (one head), 16..1024, then N requesters at once
+    sizes = [(1, 1, 16)] if dry else [(1, 1, 1)] + [(2**i, 1, 16) for i in range(7)]
+    fan_in = [(1, 2, 16)] if dry else [(1, n, 16) for n in (2, 4, 8, 16)]
+    wide = [(1, 1, 128)] if dry else [(1, 1, 128), (8, 1, 128)]
+    for heads, max_b, points in ((16, 64, sizes + fan_in), (128, 8, wide)):
         bench = Bench(heads, c_t, 16 if not dry else 2, max_b if not dry else 1, args.layers,
                       args.ctas, device, dry)  # fmt: skip
         try:

@@ -18,7 +18,7 @@
 #      256-512 tokens, 4 layers, each layer checked against fp64; $OUT/demo/device_route.json).
 #
 # Budget, 4 minutes on an H200 ($BUDGET_S, 240; the run fails past it), estimated (no run yet):
-# ~30 s of compiles (the holder kernels, put and merge, twice: 16 and 128 heads), 13 route
+# ~30 s of compiles (the holder kernels, put and merge, twice: 16 and 128 heads), 14 route
 # points and a probe at 20 samples of 20 graph replays of a 4-layer step (each replay < 1 ms
 # expected: well under 10 s), two holders' set-up (the split tables: ~65 plans each, ~5 s),
 # the proof's 7 tests on the GPU (~20 s), the demo (~60 s).
