@@ -266,6 +266,26 @@ def _chunk_span(header: dict, data: int, size: int, c: ChunkSpec, corpus: Corpus
     return lo, hi
 
 
+def _check_entries(entries, g: MLAGeometry, dtype: torch.dtype, width: int, end: int) -> None:
+    """A corpus' in-memory ``entries [L, C, width]`` in ``dtype`` (FP8: uint8 entries of
+    ``b_KV`` bytes) holding at least ``end`` tokens."""
+    fp8 = g.cache_dtype == _FP8
+    if entries.dim() != 3 or entries.shape[0] != g.layers or entries.shape[2] != width:
+        raise ValueError(
+            f"entries: expected shape ({g.layers}, C, {width}), got {tuple(entries.shape)}"
+            + (f" ({_FP8} entries of {width} B)" if fp8 else "")
+        )
+    if entries.dtype != dtype:
+        raise TypeError(
+            f"entries: invalid dtype, expected {dtype}, got {entries.dtype}"
+            + (f" (geometry.cache_dtype is {_FP8})" if fp8 else "")
+        )
+    if end > entries.shape[1]:
+        raise ValueError(
+            f"chunks: the last chunk ends at token {end}, entries hold {entries.shape[1]}"
+        )
+
+
 class Corpus:
     """Chunks of one context's latent cache, their placement and what holders need to serve them.
 
@@ -353,22 +373,7 @@ class Corpus:
             if lo < hi:
                 raise ValueError(f"chunks: chunks {a} and {b} overlap on the token axis")
         if entries is not None:
-            g, width = geometry, self.entry_width
-            if entries.dim() != 3 or entries.shape[0] != g.layers or entries.shape[2] != width:
-                raise ValueError(
-                    f"entries: expected shape ({g.layers}, C, {width}), got {tuple(entries.shape)}"
-                    + (f" ({_FP8} entries of {width} B)" if g.cache_dtype == _FP8 else "")
-                )
-            if entries.dtype != self.entry_dtype:
-                raise TypeError(
-                    f"entries: invalid dtype, expected {self.entry_dtype}, got {entries.dtype}"
-                    + (f" (geometry.cache_dtype is {_FP8})" if g.cache_dtype == _FP8 else "")
-                )
-            if spans[-1][1] > entries.shape[1]:
-                raise ValueError(
-                    f"chunks: the last chunk ends at token {spans[-1][1]}, entries hold "
-                    f"{entries.shape[1]}"
-                )
+            _check_entries(entries, geometry, self.entry_dtype, self.entry_width, spans[-1][1])
         elif self.path is None:
             raise ValueError("entries: expected the cache tensor or a corpus file (path=)")
         self.entries = entries
