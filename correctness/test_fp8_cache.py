@@ -89,6 +89,24 @@ def test_round_trip_within_the_e4m3_bound(quantized, out):
     assert torch.equal(y.cpu()[:, D_C:], x.cpu()[:, D_C:].to(torch.bfloat16).to(out))
 
 
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32], ids=["to_bf16", "to_fp32"])
+def test_dequantize_takes_any_positive_scale(out):
+    """Entries whose scales are not powers of two (FlashMLA's kernels multiply whatever fp32
+    scale is stored): the kernel's product is rounded to float32 then to ``out``, as the
+    reference's; every byte value but the NaNs, scales over 2**-20 .. 2**20."""
+    g = torch.Generator().manual_seed(7)
+    c = fp8_quantize_reference(_rows(torch.bfloat16, n=8).cpu(), D_C)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    c[:, :D_C] = codes[torch.randint(0, codes.numel(), (8, D_C), generator=g)]
+    s = torch.exp2(torch.empty(8, 4).uniform_(-20, 20, generator=g)).float()
+    c[:, D_C : D_C + 16] = s.view(torch.uint8)
+    got = fp8_dequantize(c.to(DEVICE), D_C, D_R, out).cpu()
+    assert torch.equal(got, fp8_dequantize_reference(c, D_C, D_R, out))
+    lat = c[:, :D_C].view(torch.float8_e4m3fn).float().reshape(8, 4, 128) * s[..., None]
+    assert torch.equal(got[:, :D_C], lat.reshape(8, D_C).to(out))  # FlashMLA's fp32 product
+
+
 def test_ties_and_subnormals_round_to_even():
     """A group whose amax is 448 has scale 1, so its bytes are the values' own e4m3 codes: ties
     go to even, e4m3 subnormals (spacing 2**-9) are kept, the interpreter's own fp8 cast (ties

@@ -818,7 +818,8 @@ def fp8_dequantize(cache: Tensor, d_c: int, d_r: int, dtype: torch.dtype) -> Ten
     -------
     torch.Tensor
         ``[..., d_c + d_r]`` in ``dtype``: exact for power-of-two scales (an e4m3 value times a
-        power of two is a bf16 value), rounded once to nearest even otherwise.
+        power of two is a bf16 value); another scale's product is rounded to float32, then to
+        ``dtype`` (nearest even; FlashMLA's order).
 
     Examples
     --------

@@ -116,7 +116,9 @@ def _check_entries(cache: torch.Tensor, d_c: int, d_r: int, group: int) -> None:
 def fp8_dequantize_reference(
     cache: torch.Tensor, d_c: int, d_r: int, dtype: torch.dtype, group: int = 128
 ) -> torch.Tensor:
-    """Dequantize FP8 entries: ``fp8 * scale`` in fp64, rounded once to ``dtype``.
+    """Dequantize FP8 entries: ``fp8 * scale`` exactly (fp64), rounded to float32, then to
+    ``dtype`` (FlashMLA's order: the product in fp32; for a power-of-two scale every step is
+    exact, for another finite positive one the float32 rounding is the kernel's one multiply).
 
     Parameters
     ----------
@@ -155,6 +157,6 @@ def fp8_dequantize_reference(
         raise ValueError(f"cache: expected no NaN latent byte (0x7F / 0xFF), got one at {where}")
     lead = cache.shape[:-1]
     v = lat.view(torch.float8_e4m3fn).double().reshape(*lead, G, group)
-    v = (v * scale.double()[..., None]).reshape(*lead, d_c)
+    v = (v * scale.double()[..., None]).float().reshape(*lead, d_c)  # the product in fp32
     rope = cache[..., d_c + 4 * G :].contiguous().view(torch.bfloat16)
     return torch.cat([v.to(dtype), rope.to(dtype)], dim=-1)

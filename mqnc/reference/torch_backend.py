@@ -195,5 +195,5 @@ def _fp8_quantize(call) -> torch.Tensor:
 
 @_implements("fp8_dequantize")
 def _fp8_dequantize(call) -> torch.Tensor:
-    """FP8 entries to cache rows, fp64 products rounded once to ``dtype``."""
+    """FP8 entries to cache rows, exact products rounded to float32, then to ``dtype``."""
     return fp8_dequantize_reference(call.cache, call.d_c, call.d_r, call.dtype)
