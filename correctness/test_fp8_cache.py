@@ -343,11 +343,12 @@ def test_corpus_file_stores_fp8_entries_with_their_format_and_checksums(tmp_path
 
 def test_holder_keeps_fp8_chunks_and_a_requester_of_another_format_is_told_both():
     """A holder made from an FP8 corpus keeps its 656-byte entries (bad scales refused when a
-    chunk is added); a requester whose geometry keeps a bf16 cache asking for a chunk gets the
+    chunk is added) and answers a FETCH with them (656 B a token-layer on the wire); a
+    requester whose geometry keeps a bf16 cache asking for a chunk gets the
     format mismatch naming both formats; a route to the FP8 holder is refused, saying why."""
     from mqnc.serving import Requester
     from mqnc.serving.records import ChunkInfo
-    from mqnc.transport import LoopbackFabric
+    from mqnc.transport import INBOX, REPLY, LoopbackFabric, wire
 
     corpus, entries = _fp8_corpus()
     fab = LoopbackFabric(2, corpus.slot_bytes(8), lanes=1)
@@ -370,6 +371,15 @@ def test_holder_keeps_fp8_chunks_and_a_requester_of_another_format_is_told_both(
         q = torch.randn(1, 4, D_C + D_R).to(torch.bfloat16)
         with pytest.raises(Exception, match="keeps an fp8_e4m3 cache, and the kernels that"):
             req.route(1, q, 0)
+        # a raw FETCH of chunk 1: the holder answers with its FP8 entries, 656 B a token-layer
+        t, g8 = req.transport, corpus.geometry
+        raw = wire.pack_fetch(request_id=7, seq=1000, chunk_id=1, geometry=g8)
+        t.put_signal(1, t.layout.slot(INBOX, 0, 0), raw, 1000)
+        t.wait_signal(t.layout.slot(REPLY, 1, 0), 1000, 10.0)
+        buf = wire.read_message(t, t.layout.slot(REPLY, 1, 0))
+        h, kv = wire.unpack_chunk(buf, geometry=g8)
+        assert h.payload_bytes == g8.layers * 16 * 656 == g8.chunk_bytes(16)
+        assert h.position == 16 and torch.equal(kv, entries[:, 16:32])
     finally:
         holder.stop()
     assert holder.failure is None
