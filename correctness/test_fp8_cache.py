@@ -4,6 +4,8 @@ input named."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -150,11 +152,17 @@ def _bad_entries() -> list:
 def test_bad_input_is_named(backend):
     ops = backend_ops(backend)
     x = _rows(torch.float32, n=3)
-    for value in (float("nan"), float("inf"), -float("inf")):
+    limit = r"magnitude < 3\.29649e\+38 \(248 \* 2\*\*120: from there e4m3 rounds to 2\*\*128"
+    for value in (float("nan"), float("inf"), -float("inf"), 248 * 2.0**120, -3.3e38):
         bad = x.clone()
         bad[1, 3] = value
-        with pytest.raises(ValueError, match=rf"x: expected finite cache values, got {value}"):
+        got = re.escape(f"{bad[1, 3].item()} at [1, 3]")
+        with pytest.raises(ValueError, match=rf"x: expected finite cache values of {limit}.*{got}"):
             ops.fp8_quantize(bad, D_C)
+    edge = x.clone()
+    edge[1, 3] = -247.9 * 2.0**120  # the largest magnitudes: rounded down to 240, finite back
+    back = ops.fp8_dequantize(ops.fp8_quantize(edge, D_C), D_C, D_R, torch.float32)
+    assert back[1, 3].item() == -240 * 2.0**120
     with pytest.raises(TypeError, match="x: expected a bfloat16 or float32 tensor"):
         ops.fp8_quantize(x.half(), D_C)
     with pytest.raises(ValueError, match="d_c"):

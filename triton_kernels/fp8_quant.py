@@ -57,6 +57,10 @@ GROUP = 128
 BLOCK_T = 16
 """Rows per program."""
 _IN_DTYPES = (torch.bfloat16, torch.float32)
+X_LIMIT = 248.0 * 2.0**120
+"""Largest magnitude (excluded) a cache value may have: the scale is at most 2**120 (that of
+float32's largest values), and ``x / 2**120 >= 248`` rounds to 256 in e4m3, whose product with
+the scale, 2**128, is past float32's range."""
 _SCALE_FLOOR_BITS = tl.constexpr(0x38D1B717)  # float32(1e-4), FlashMLA's clamp of amax / 448
 
 
@@ -193,10 +197,13 @@ def check_rows(x: object, d_c: object) -> int:
         raise ValueError(f"x: expected rows wider than d_c {d_c}, got shape {tuple(x.shape)}")
     d_r = x.shape[-1] - d_c
     _check_widths("x", d_c, d_r)
-    finite = torch.isfinite(x)
-    if not bool(finite.all()):
-        bad = (~finite).nonzero()[0].tolist()
-        raise ValueError(f"x: expected finite cache values, got {x[tuple(bad)].item()} at {bad}")
+    ok = x.abs() < X_LIMIT  # False for NaN too: one pass checks both
+    if not bool(ok.all()):
+        bad = (~ok).nonzero()[0].tolist()
+        raise ValueError(
+            f"x: expected finite cache values of magnitude < {X_LIMIT:.6g} (248 * 2**120: from "
+            f"there e4m3 rounds to 2**128, past float32), got {x[tuple(bad)].item()} at {bad}"
+        )
     return d_r
 
 

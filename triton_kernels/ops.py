@@ -774,8 +774,10 @@ def fp8_quantize(x: Tensor, d_c: int) -> Tensor:
     Parameters
     ----------
     x : torch.Tensor
-        ``[..., d_c + d_r]`` bfloat16 or float32 cache rows (latent first), finite (checked: one
-        host sync), unit stride on the last dim; ``d_r`` a power of two >= 16 for the kernel.
+        ``[..., d_c + d_r]`` bfloat16 or float32 cache rows (latent first), finite and of
+        magnitude below ``248 * 2**120`` (~3.3e38: from there the dequantized value overflows
+        float32; checked: one host sync), unit stride on the last dim; ``d_r`` a power of two
+        >= 16 for the kernel.
     d_c : int
         Latent width, a multiple of 128.
 

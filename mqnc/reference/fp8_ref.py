@@ -32,6 +32,7 @@ __all__ = ["fp8_quantize_reference", "fp8_dequantize_reference", "E4M3_MAX", "SC
 
 E4M3_MAX = 448.0
 SCALE_FLOOR = 1e-4
+X_LIMIT = 248.0 * 2.0**120  # from |x| = 248 * 2**120 on, e4m3 rounds x / 2**120 to 256: 2**128
 _IN_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -67,7 +68,8 @@ def fp8_quantize_reference(x: torch.Tensor, d_c: int, group: int = 128) -> torch
     Parameters
     ----------
     x : torch.Tensor
-        ``[..., d_c + d_r]`` bf16 or float32 cache rows (latent first, RoPE last), finite.
+        ``[..., d_c + d_r]`` bf16 or float32 cache rows (latent first, RoPE last), finite and
+        of magnitude below ``248 * 2**120`` (~3.3e38; above, the dequantized value overflows).
     d_c : int
         Latent width (a multiple of ``group``).
     group : int
@@ -83,9 +85,13 @@ def fp8_quantize_reference(x: torch.Tensor, d_c: int, group: int = 128) -> torch
         raise TypeError(f"x: expected a bfloat16 or float32 tensor, got {got}")
     d_r = x.shape[-1] - d_c if x.dim() else 0
     _check_layout(d_c, d_r, group)
-    if not bool(torch.isfinite(x).all()):
-        bad = (~torch.isfinite(x)).nonzero()[0].tolist()
-        raise ValueError(f"x: expected finite cache values, got {x[tuple(bad)].item()} at {bad}")
+    ok = x.abs() < X_LIMIT  # False for NaN too
+    if not bool(ok.all()):
+        bad = (~ok).nonzero()[0].tolist()
+        raise ValueError(
+            f"x: expected finite cache values of magnitude < {X_LIMIT:.6g} (248 * 2**120: from "
+            f"there e4m3 rounds to 2**128, past float32), got {x[tuple(bad)].item()} at {bad}"
+        )
     lead = x.shape[:-1]
     lat = x[..., :d_c].double().reshape(*lead, d_c // group, group)
     s_inv = (lat.abs().amax(-1) / E4M3_MAX).float().double()
