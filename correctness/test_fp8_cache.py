@@ -1,6 +1,7 @@
 """The FP8 cache (DeepSeek-V3.2's 656-byte entry): the quantizer against its fp64 reference bit
 for bit, the round trip within the e4m3 bound, the layout against ``mqnc.model.kv_format``, bad
-input named."""
+input named; the cost model's FP8 fetch terms; the pool, the corpus file and the holder keeping
+FP8 entries (the wire's own cases are in test_wire.py)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,16 @@ LAYOUT = FP8_E4M3.layout(D_C, D_R)
 
 def _rows(dtype: torch.dtype, n: int = 19, seed: int = 0) -> torch.Tensor:
     """``n`` rows spanning 2**-24 .. 2**11 in magnitude (one binade a row), a zero group, an
-    fp32-subnormal-sized value and a negative value that rounds to -0."""
+    fp32-subnormal-sized value, a negative value that rounds to -0, a row near 2**112 and one
+    near 2**-120."""
     g = torch.Generator().manual_seed(seed)
     mag = torch.exp2(torch.randint(-24, 12, (n, 1), generator=g).float())
     x = torch.randn(n, D_C + D_R, generator=g) * mag
     x[1, :128] = 0.0
     x[2, 5], x[2, 6] = -1e-30, 2.0**-130
+    if n > 4:
+        x[3] *= 2.0**110  # scales near the largest (2**113)
+        x[4] *= 2.0**-120  # float32 subnormals and e4m3 subnormals under the floor scale
     return x.to(dtype).to(DEVICE)
 
 
