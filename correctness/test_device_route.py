@@ -288,3 +288,25 @@ def test_route_layout_refuses_what_the_kernels_cannot_lay_out():
     assert int(buf.in_sig.sum()) == 0 and int(buf.rep_sig.sum()) == 0  # the first number is 1
     nbytes = sum(t.numel() * t.element_size() for t in vars(buf).values()) // 2
     assert layout.slot_bytes == nbytes
+
+
+def test_an_answered_number_is_skipped_by_every_cta_alike():
+    """A signal equal to the slot's reply signal is answered already: even a CTA that never saw
+    it (here: one whose record is set back, as a CTA of the dense kernel that skipped a sparse
+    request's number) does not serve it, so the next request's arrivals stay whole and it is
+    answered only when every CTA has done its share."""
+    buf, holder, client = _device(slots=1, max_batch=1, ctas=2)
+    q = _randn(7, 1, GEOM.heads, GEOM.d_qk)
+    client.put(0, q, layer=1, chunk=CHUNK)
+    holder.serve_once()
+    first = buf.rep_o[0, :1].clone()
+    state = holder.tables(sparse=False)
+    state.seen[1, 0] = 0  # CTA 1 of the dense kernel: as if it never saw number 1
+    holder.serve_once()  # number 1 again, answered already: nobody serves it
+    assert state.arrive.tolist() == [0] and buf.rep_hdr[0].tolist()[:2] == [1, W.OK]
+    buf.rep_o.fill_(float("nan"))
+    client.put(0, q, layer=1, chunk=CHUNK)
+    holder.serve_once()
+    assert buf.rep_hdr[0].tolist() == [2, W.OK, 0, GEOM.heads]
+    assert state.arrive.tolist() == [0]
+    assert torch.equal(buf.rep_o[0, :1], first)  # every item of it written, the same answer

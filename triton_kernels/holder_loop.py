@@ -18,7 +18,11 @@ last to arrive folds the split partials in split order exactly as ``merge`` does
 reply header (sequence, status, detail, rows) and raises the reply signal (release; on the
 ``NVSHMEM`` backend: the reply's rows, its lse, a fence, then its header with a put-with-signal
 to the requester's PE). A request is answered only after every CTA has seen it, so no CTA can
-miss one: a requester sends its next request on a slot only after the reply of the last.
+miss one: a requester sends its next request on a slot only after the reply of the last. A
+signal equal to the slot's reply signal (this PE's copy on NVSHMEM, where the holder writes it
+too) is answered already: a duplicate, skipped by every CTA alike, so the arrival count of the
+next request stays whole. A number that does not increase is refused once (``ERR_SEQ``); the
+slot then counts from it.
 
 The kernel is compiled per request mode (``SPARSE``): one kernel serves sparse requests, the
 other every other mode (dense, probe, and the error answer of a mode it does not know), each
@@ -336,6 +340,7 @@ def _answer(InHdr, ChunkTokens, SplitsD, SplitsS, RepSig, RepHdr, RepO, RepLse, 
         putmem_signal_nbi_block(rep_at, rep_at, nbytes, (RepSig + s).to(tl.int64),
                                 sig.to(tl.uint64), set_op, pe)  # fmt: skip
         nvshmem_quiet()
+        tl.atomic_xchg(RepSig + s, sig, sem="release", scope=SCOPE)  # answered (this PE's copy)
     else:
         tl.atomic_xchg(RepSig + s, sig, sem="release", scope=SCOPE)
 
@@ -466,7 +471,10 @@ def holder_loop_kernel(
         for s in range(0, n_slots):
             sig = _acquire(InSig + s, SCOPE)
             seen = tl.load(Seen + cta * n_slots + s)
-            new = sig != seen
+            # new: not seen by this CTA and not answered (a number already answered, by either
+            # kernel, is a duplicate for every CTA alike, even one that never saw it)
+            answered = tl.load(RepSig + s, cache_modifier=".cg")
+            new = (sig != seen) & (sig != answered)
             mine = new
             if new:
                 tl.store(Seen + cta * n_slots + s, sig)
