@@ -376,11 +376,13 @@ def _parse_text(page: Path, text: str) -> list[Block]:
 
 def test_make_test_runs_the_suite():
     """What the pages' ``make test`` blocks stand for (the suite cannot run itself): the target
-    runs ``pytest correctness`` in the venv it bootstraps, CI runs it, and the long Hypothesis
-    profile the pages name is registered."""
+    runs ``pytest correctness`` in the venv it bootstraps (``make test-long``: its long tier),
+    CI runs it, and the long Hypothesis profile the pages name is registered."""
     make = (ROOT / "Makefile").read_text()
     recipe = re.search(r"^test: .*\n\t(.*)$", make, re.M)
     assert recipe and "-m pytest correctness" in recipe.group(1), recipe
+    long = re.search(r"^test-long: .*\n\t(.*)$", make, re.M)  # the long tier, where there is one
+    assert long is None or "-m pytest correctness" in long.group(1) and "-m long" in long.group(1)
     assert "make test" in (ROOT / ".ci" / "run").read_text()
     assert 'register_profile(\n    "thorough"' in (ROOT / "correctness" / "conftest.py").read_text()
 
