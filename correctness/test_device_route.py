@@ -310,3 +310,19 @@ def test_an_answered_number_is_skipped_by_every_cta_alike():
     assert buf.rep_hdr[0].tolist() == [2, W.OK, 0, GEOM.heads]
     assert state.arrive.tolist() == [0]
     assert torch.equal(buf.rep_o[0, :1], first)  # every item of it written, the same answer
+
+
+def test_the_merge_refuses_what_the_reply_slots_cannot_hold():
+    _, _, client = _device(slots=1, max_batch=2, max_topk=64, ctas=1)
+    with pytest.raises(ValueError, match="batch"):
+        client.merge([0], 3, GEOM.heads)
+    with pytest.raises(ValueError, match="heads"):
+        client.merge([0], 1, GEOM.heads + 1)
+    with pytest.raises(ValueError, match="slots"):
+        client.merge([1], 1, GEOM.heads)
+    with pytest.raises(ValueError, match="slots"):
+        client.merge([], 1, GEOM.heads)
+    o_loc = torch.zeros(1, GEOM.heads, GEOM.d_v, device=DEVICE)  # fp32, not the cache's bf16
+    lse_loc = torch.zeros(1, GEOM.heads, device=DEVICE)
+    with pytest.raises(ValueError, match=r"local\[0\] \(o\)"):
+        client.merge([0], 1, GEOM.heads, local=(o_loc, lse_loc))

@@ -219,6 +219,26 @@ class RouteClient:
         with any failed slot is NaN. ``out``: the three tensors to write (a captured step)."""
         buf = self.buffers
         dev = buf.rep_o.device
+        check_int("batch", batch, minimum=1, below=buf.max_batch + 1)
+        check_int("heads", heads, minimum=1, below=buf.heads + 1)
+        if not slots:
+            raise ValueError("slots: expected at least one slot to wait for, got none")
+        want = (batch, heads, buf.rep_o.shape[3])
+        for name, t, shape, dtype in (
+            ("local[0] (o)", None if local is None else local[0], want, buf.rep_o.dtype),
+            ("local[1] (lse)", None if local is None else local[1], want[:2], torch.float32),
+        ):
+            bad = t is not None and (
+                tuple(t.shape) != shape
+                or t.dtype != dtype
+                or not t.is_contiguous()
+                or t.device != dev
+            )
+            if bad:
+                raise ValueError(
+                    f"{name}: expected a contiguous {shape} {dtype} tensor on {dev}, got "
+                    f"{tuple(t.shape)} {t.dtype} on {t.device}"
+                )
         if out is None:
             o = torch.empty(batch, heads, buf.rep_o.shape[3], dtype=buf.rep_o.dtype, device=dev)
             lse = torch.empty(batch, heads, dtype=torch.float32, device=dev)
