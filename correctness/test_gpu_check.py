@@ -405,7 +405,7 @@ def test_tile_sweep_dry_run_times_the_16_head_candidates(tiles_dry_run):
 ROUTE_SCRIPT = ROOT / "perf" / "gpu_route.sh"
 
 
-def test_device_route_dry_run_records_probe_and_route_with_host_calls(tmp_path):
+def test_dry_run_of_the_device_route_records_probe_and_route_with_host_calls(tmp_path):
     """``perf/gpu_route.sh --dry-run``: the device route's bench runs its real commands
     interpreted and tiny and records the probe and the route (16 heads with 1 and 2 requesters,
     128 heads), each with the commit, transport ``device-local``, the answer's fp64 check and
