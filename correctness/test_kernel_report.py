@@ -111,9 +111,10 @@ def test_mla_shapes_count_their_bytes_and_join_the_measured_p50(tmp_path):
 
     def rec(p50, device="NVIDIA H200", method="cuda-graph", bench="mla_decode", **extra):
         timing = {"timing": {"method": method}}
+        backend = extra.pop("backend", "triton")
         extra = {"shape": label, **extra, **timing}
         return {
-            **{"bench": bench, "backend": "triton", "p50": p50, "device": device},
+            **{"bench": bench, "backend": backend, "p50": p50, "device": device},
             **{"gbps": extra.pop("gbps", None), "extra": extra},
         }
 
@@ -124,7 +125,10 @@ def test_mla_shapes_count_their_bytes_and_join_the_measured_p50(tmp_path):
         rec(12.9, shape=older),  # a record from before launcher_tile: its tile unknown
         rec(1.0, tile="64x32w8s3"),  # a forced tile of a sweep: not the launcher's
         rec(32.8, bench="mla_sparse", shape=sparse, launcher_tile="1024x16w8s5"),  # another tile
-        *(rec(1.0, bench="copy", gbps=g, shape=None) for g in (2700.0, 2710.0, 9000.0)),
+        *(
+            rec(1.0, bench="copy", gbps=g, shape=None, backend="torch")
+            for g in (2700.0, 2710.0, 9000.0)
+        ),
         rec(3.0, method="host-clock", device="CPU"),  # interpreted on a CPU, last
     ]
     measured.write_text("".join(json.dumps(r) + "\n" for r in recs))
@@ -254,3 +258,25 @@ def test_read_chain_and_ring_read_the_ttgir():
     allocs = ["1x1xi32", "2x64x512xbf16", "2x64x64xbf16", "64x512xbf16"]
     assert ring_depth(allocs, 64, 512) == 2 and ring_depth(["32x512xbf16"], 32, 512) == 1
     assert ring_depth(allocs, 32, 512) == 0
+
+
+def test_measured_ceiling_is_the_read_ceiling_when_recorded(tmp_path):
+    """The report predicts at the device's kernel-measured read ceiling (``perf/bench_copy``'s
+    exact Triton read records, :func:`mqnc.cost.ceilings.memory_ceiling`) when the file has one,
+    at its torch ``copy_`` median when it has none, and names which."""
+    from mqnc.measure.kernel_report import _measured
+
+    def rec(bench, variant, backend, gbps, **extra):
+        extra = {"timing": {"method": "cuda-graph"}, **extra}
+        return dict(bench=bench, variant=variant, backend=backend, gbps=gbps, p50=1.0,
+                    device="NVIDIA H200", extra=extra)  # fmt: skip
+
+    copies = [rec("copy", "d2d", "torch", g) for g in (2700.0, 2710.0, 2720.0)]
+    reads = [rec("ceiling", "read", "triton", g) for g in (4100.0, 4150.0, 4200.0)]
+    wrong = rec("ceiling", "read", "triton", 9000.0, exact=False)  # read wrongly: no ceiling
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in copies))
+    assert _measured(str(path))[1] == (2710.0 / 1e3, "NVIDIA H200's copy records")
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*copies, *reads, wrong]))
+    tbps, source = _measured(str(path))[1]
+    assert tbps == 4150.0 / 1e3 and source == "NVIDIA H200's read ceiling (perf/bench_copy)"

@@ -29,9 +29,11 @@ and options as the real launch; no GPU needed) and reports:
   coordinates or mask come from the one before: 3 for the dense kernel's length, page id, KV
   tile; 2 for the sparse kernel's indices, KV tile), ``TMA`` (above), ``cta_per_sm`` and
   ``grid/SMs``, the grid's CTAs over sm_90's 132 SMs;
-- ``pred_us = MB / ceiling / fill``: the time at the copy ceiling (``--ceiling-tbps``; else the
-  median ``copy`` record of the measured device in ``--measured``, 2.71 TB/s on the H200 that ran
-  it; else 4.3 TB/s, the H200 copy ceiling the goal shapes were set against) when the SMs in use
+- ``pred_us = MB / ceiling / fill``: the time at the memory ceiling (``--ceiling-tbps``; else the
+  measured device's kernel-measured read ceiling in ``--measured``
+  (:func:`mqnc.cost.ceilings.memory_ceiling`: the median of ``perf/bench_copy``'s exact Triton read
+  records), else the median of its torch ``copy`` records (2.71 TB/s on the H200 that ran it);
+  else 4.3 TB/s, the H200 copy ceiling the goal shapes were set against) when the SMs in use
   stream at their share of it (``fill``: the used fraction of the waves' CTA slots, or, for a grid
   of less than one wave, of the 132 SMs, since the CTAs spread one per SM first); a shape's total
   adds ``LAUNCH_US`` (2 us) per
@@ -68,6 +70,7 @@ import sys
 from pathlib import Path
 
 from mqnc.base.runtime import use_compiled_kernels
+from mqnc.cost.ceilings import memory_ceiling
 from mqnc.measure.options import positive_float
 
 DEFAULT_OUT = Path("out") / "kernel_report.jsonl"
@@ -317,10 +320,10 @@ def candidates(
     return rows
 
 
-def _measured(path: str) -> tuple[dict[str, tuple], float | None, str | None]:
-    """``({goal label: (p50, the launcher's tile or None)}, copy ceiling TB/s or None, device or
-    None)`` from a results file (see the module docstring: one device's GPU-timed records at
-    the launcher's own tiles)."""
+def _measured(path: str) -> tuple[dict[str, tuple], tuple[float, str] | None, str | None]:
+    """``({goal label: (p50, the launcher's tile or None)}, (ceiling TB/s, its source) or None,
+    device or None)`` from a results file (see the module docstring: one device's GPU-timed
+    records at the launcher's own tiles)."""
     recs = []
     with open(path) as f:
         for line in f:
@@ -338,9 +341,12 @@ def _measured(path: str) -> tuple[dict[str, tuple], float | None, str | None]:
         extra = rec["extra"]
         if extra.get("shape") and rec.get("backend") == "triton" and "tile" not in extra:
             out[extra["shape"]] = (rec["p50"], extra.get("launcher_tile"))
-    copies = sorted(r["gbps"] / 1e3 for r in recs if r.get("bench") == "copy" and r.get("gbps"))
-    ceiling = copies[len(copies) // 2] if copies else None
-    return out, ceiling, device
+    ceilings = memory_ceiling(recs, device)
+    if ceilings.read_tbps:
+        return out, (ceilings.read_tbps, f"{device}'s read ceiling (perf/bench_copy)"), device
+    if ceilings.torch_copy_tbps:
+        return out, (ceilings.torch_copy_tbps, f"{device}'s copy records"), device
+    return out, None, device
 
 
 def format_table(launches: list[dict], shapes: list[dict], measured: dict | None = None) -> str:
@@ -431,7 +437,8 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         "--ceiling-tbps",
         type=positive_float,
         default=None,
-        help="copy ceiling, TB/s (default: the --measured device's copy records, else 4.3)",
+        help="memory ceiling, TB/s (default: the --measured device's read ceiling, else its copy "
+        "records, else 4.3)",
     )
     ap.add_argument("--measured", default=None, help="benchmark results.jsonl to join")
     ap.add_argument(
@@ -462,8 +469,8 @@ def run(args: argparse.Namespace) -> int:
     if args.measured and not Path(args.measured).is_file():
         print(f"kernel-report: error: --measured: no such file: {args.measured}", file=sys.stderr)
         return 2
-    measured, copy_tbps, device = _measured(args.measured) if args.measured else ({}, None, None)
-    ceiling = args.ceiling_tbps or copy_tbps or DEFAULT_CEILING_TBPS
+    measured, found, device = _measured(args.measured) if args.measured else ({}, None, None)
+    ceiling = args.ceiling_tbps or (found[0] if found else DEFAULT_CEILING_TBPS)
     launches, shapes = report(args.ops, ceiling, args.arch)
     extra = []
     if args.candidates:
@@ -487,8 +494,8 @@ def run(args: argparse.Namespace) -> int:
     source = (
         "--ceiling-tbps"
         if args.ceiling_tbps
-        else f"{device}'s copy records"
-        if copy_tbps
+        else found[1]
+        if found
         else "the goals' H200 copy ceiling"
     )
     print(f"PREDICTIONS (sm_90, triton {launches[0]['triton']}, {ceiling:.3g} TB/s: {source}):")
