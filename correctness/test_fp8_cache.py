@@ -396,3 +396,35 @@ def test_holder_keeps_fp8_chunks_and_a_requester_of_another_format_is_told_both(
     finally:
         holder.stop()
     assert holder.failure is None
+
+
+def test_a_requester_of_an_fp8_geometry_keeps_fetched_entries_bit_for_bit():
+    """A requester whose geometry keeps an fp8_e4m3 cache fetches a chunk at its canonical
+    position into its own pool as 656-byte FP8 entries, bit for bit the holder's; a fetch to
+    another offset (the FP8 splice rotating only the RoPE part is not here yet) is refused by
+    name and keeps no block."""
+    from mqnc.serving import Requester
+    from mqnc.serving.records import ChunkInfo
+    from mqnc.transport import LoopbackFabric
+
+    corpus, entries = _fp8_corpus()
+    fab = LoopbackFabric(2, corpus.slot_bytes(8), lanes=1)
+    holder = corpus.make_holder(fab.endpoint(1), kernels="torch", poll_s=0.02)
+    req = Requester(fab.endpoint(0), corpus.geometry, softmax_scale=corpus.softmax_scale,
+                    rope=corpus.rope, timeout_s=20.0, pool_blocks=8, kernels="torch")  # fmt: skip
+    pool = req.kept.pool
+    assert pool.kv.dtype == torch.uint8 and pool.kv.shape[-1] == 656
+    pool.kv.fill_(0xFF)  # poisoned: 0xFF is a NaN byte in e4m3, a NaN scale and RoPE value
+    req.register(ChunkInfo(1, 16, 16, (1,)))
+    holder.start()
+    try:
+        lc = req.fetch(1)
+        got = pool.gather(lc.blocks, lc.tokens, (0, corpus.geometry.layers))
+        assert torch.equal(got.cpu(), entries[:, 16:32])
+        free = pool.free_blocks
+        with pytest.raises(ValueError, match="delta: this pool keeps FP8 entries"):
+            req.fetch(1, offset=48)
+        assert pool.free_blocks == free
+    finally:
+        holder.stop()
+    assert holder.failure is None

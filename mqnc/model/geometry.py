@@ -154,6 +154,14 @@ class MLAGeometry:
         """Per-head query/key width of the un-absorbed model (sets the softmax scale)."""
         return self.qk_nope_head_dim + self.d_r
 
+    @property
+    def fp8_layout(self):
+        """The FP8 entry layout (:class:`mqnc.model.kv_format.FP8Layout`) of an "fp8_e4m3" cache,
+        ``None`` for a 16/32-bit one: what a pool keeping this geometry's chunks is given."""
+        if self.cache_dtype != FP8_E4M3.name:
+            return None
+        return FP8_E4M3.layout(self.d_c, self.d_r)
+
     # ---- derived byte sizes (§3.2) --------------------------------------------------------------
     @property
     def kv_bytes_per_token_layer(self) -> int:

@@ -47,7 +47,6 @@ from mqnc.base import stamps
 from mqnc.base.checks import check_int, check_number
 from mqnc.base.runtime import kernel_device
 from mqnc.model.geometry import MLAGeometry
-from mqnc.model.kv_format import FP8_E4M3
 from mqnc.serving.batching import HostedChunk, RouteBatcher, RouteJob
 from mqnc.serving.compute import check_kernels
 from mqnc.serving.pool import PagedPool
@@ -255,10 +254,7 @@ class Holder:
             dtype=dtype,
             device=self.device,
             kernels=kernels,
-            # an fp8_e4m3 geometry: the pool keeps FP8 entries (docs/fp8-cache.md)
-            fp8=FP8_E4M3.layout(geometry.d_c, geometry.d_r)
-            if geometry.cache_dtype == FP8_E4M3.name
-            else None,
+            fp8=geometry.fp8_layout,  # an fp8_e4m3 geometry: FP8 entries (docs/fp8-cache.md)
         )
         self.pool = self.pages.kv
         self.chunks: dict[int, HostedChunk] = {}

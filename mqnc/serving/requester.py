@@ -197,6 +197,7 @@ class Requester:
                 dtype=dtype,
                 device=self.device,
                 kernels=kernels,
+                fp8=geometry.fp8_layout,  # fetched FP8 chunks are kept as FP8 entries
             )
             if pool_blocks
             else None
