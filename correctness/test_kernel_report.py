@@ -280,3 +280,19 @@ def test_measured_ceiling_is_the_read_ceiling_when_recorded(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in [*copies, *reads, wrong]))
     tbps, source = _measured(str(path))[1]
     assert tbps == 4150.0 / 1e3 and source == "NVIDIA H200's read ceiling (perf/bench_copy)"
+
+
+def test_sass_mix_counts_instructions_past_address_0xffff():
+    """nvdisasm writes an instruction's address with as many hex digits as it needs: a long
+    kernel's instructions past 0xffff (``/*10a30*/``) count like the first ones."""
+    from mqnc.triton_kernels._compile import sass_mix
+
+    sass = "\n".join(
+        [
+            "        /*0a30*/  HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;",
+            "        /*ffff0*/  @!UP0 UTMALDG.2D [UR8], [UR12] ;",
+            "        /*10a30*/  HGMMA.64x256x16.F32.BF16 R88, gdesc[UR8], R88 ;",
+            "        /*1a3b40*/  LDG.E.128 R4, desc[UR6][R2.64] ;",
+        ]
+    )
+    assert sass_mix(sass) == {"HGMMA": 2, "LDG.128": 1, "UTMALDG": 1}

@@ -168,7 +168,7 @@ def sass_mix(sass: str) -> dict:
     """
     counts: collections.Counter = collections.Counter()
     for line in sass.splitlines():
-        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
         if m is None:
             continue
         op, *mods = m.group(1).split(".")
