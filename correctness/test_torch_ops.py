@@ -16,6 +16,7 @@ shapes (32 + 16 wide rows) keep the interpreter fast.
 from __future__ import annotations
 
 import inspect
+import math
 import types
 
 import pytest
@@ -24,6 +25,8 @@ import torch
 import mqnc.triton_kernels  # noqa: F401  (registers torch.ops.mqnc.*)
 from mqnc.testing import assert_close, default_device, tolerance
 from mqnc.triton_kernels import (
+    fp8_dequantize,
+    fp8_quantize,
     merge_partials,
     merge_partials_into,
     mla_decode_partial,
@@ -31,6 +34,8 @@ from mqnc.triton_kernels import (
     mla_sparse_partial,
     rope_rotate,
     rope_splice,
+    tp_partial_scores,
+    tp_partial_values,
 )
 from mqnc.triton_kernels.ops import OPS
 from mqnc.triton_kernels.splice import PlainRope
@@ -68,6 +73,12 @@ def _op_cases():
     def outs(*shapes):
         return [torch.empty(s, device=DEVICE) for s in shapes]
 
+    slots = torch.tensor([[0, 17, 33, -1], [40, -1, 2, 9]], dtype=torch.int32, device=DEVICE)
+    scores = (
+        torch.randn(2, 3, 4, generator=gen).to(DEVICE).masked_fill(slots[:, None] < 0, -math.inf)
+    )
+    rows = torch.randn(3, 128 + D_PE, generator=gen).to(torch.bfloat16).to(DEVICE)
+
     return {
         "mla_decode_partial": (q, pool, table, lens, SCALE, D_V, 2, True, None, None),
         "mla_decode_partial_csr": csr,
@@ -87,6 +98,12 @@ def _op_cases():
             True,
         ),
         "rope_rotate": (q, None, 9, freq, D_PE, "half"),
+        # a tensor-parallel rank's slice (d_v 32 + d_pe 16 columns) over pool slots, -1 unused
+        "tp_partial_scores": (q.to(torch.bfloat16), pool.to(torch.bfloat16), slots, D_V, True),
+        "tp_partial_values": (scores, pool.to(torch.bfloat16), slots, SCALE, D_V, True),
+        # FP8 entries of 128 latent values (one scale) + 16 RoPE values
+        "fp8_quantize": (rows, 128),
+        "fp8_dequantize": (fp8_quantize(rows, 128), 128, D_PE, "float32"),
         "mla_decode_partial.out": (
             *(q, pool, table, lens, SCALE, D_V, 2, True, None, None),
             outs((2, 3, D_V), (2, 3)),
@@ -159,6 +176,10 @@ PUBLIC = types.SimpleNamespace(
     merge_partials_into=merge_partials_into,
     rope_splice=rope_splice,
     rope_rotate=rope_rotate,
+    tp_partial_scores=tp_partial_scores,
+    tp_partial_values=tp_partial_values,
+    fp8_quantize=fp8_quantize,
+    fp8_dequantize=fp8_dequantize,
 )
 
 

@@ -24,7 +24,6 @@ from mqnc.serving.tp_holder import TPHolder
 from mqnc.serving.tp_requester import TPRequester, payload_bytes
 from mqnc.testing import TOLERANCES, assert_close, default_device
 from mqnc.transport import INBOX, REPLY, LoopbackFabric, PeerLost, slot_bytes_for, wire
-from mqnc.triton_kernels.ops import TP_OPS
 from mqnc.triton_kernels.tp_scores import tp_partial_scores
 from mqnc.triton_kernels.tp_values import tp_partial_values
 
@@ -107,25 +106,6 @@ def test_tp_kernels_refuse_bad_slices():
         tp_partial_scores(q, pool, slots + 32, d_v=256)
     with pytest.raises(TypeError, match="slots: invalid dtype"):
         tp_partial_values(q[..., :4].float(), pool, slots.long(), softmax_scale=0.1, d_v=256)
-
-
-def test_tp_ops_registration():
-    """Schema, fake and functionalisation of the TP ops against their real run (the table of
-    test_torch_ops covers the ops declared before them)."""
-    q, pool = _randn(1, 1, 2, 48, dtype=torch.float32), _randn(2, 2, 16, 48, dtype=torch.float32)
-    slots = torch.tensor([[0, 5, -1, 20]], dtype=torch.int32, device=DEVICE)
-    s = tp_partial_scores(q, pool, slots, d_v=32)
-    cases = {  # (on the torch backend: the fakes' shapes and dtypes are the kernels' too)
-        "tp_partial_scores": (q, pool, slots, 32, True, "torch"),
-        "tp_partial_values": (s, pool, slots, 0.2, 32, True, "torch"),
-    }
-    assert sorted(cases) == sorted(TP_OPS)
-    for name, args in cases.items():
-        torch.library.opcheck(
-            getattr(torch.ops.mqnc, name).default,
-            args,
-            test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
-        )
 
 
 # ---- the partition --------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 
 Every op's public signature is declared once, in ``ops`` (a ``torch.library`` op with its fake,
 through the registry of ``_op``); one op per module (``merge``, ``mla_decode``, ``mla_sparse``,
-``splice``) holds its ``@triton.jit`` kernel, its input checks and a planning function that
-returns its launches as data (``_launch.Launch``), registered as the op's ``"triton"``
-implementation. Private modules, each with one job:
+``splice``, ``tp_scores`` / ``tp_values`` (a tensor-parallel rank's share, §8), ``fp8_quant``
+(the FP8 cache entry)) holds its ``@triton.jit`` kernel, its input checks and a planning
+function that returns its launches as data (``_launch.Launch``), registered as the op's
+``"triton"`` implementation. Private modules, each with one job:
 
 - ``_op``: the op registry (schema, fake, public function and plan function from one
   declared signature; implementations per backend);
@@ -55,6 +56,7 @@ use_interpreter_on_cpu_only_torch()  # before anything here imports triton
 
 from mqnc.triton_kernels import ops  # noqa: F401  (declares the torch.ops.mqnc.* ops)
 from mqnc.triton_kernels._mla_launch import AttentionPlan
+from mqnc.triton_kernels.fp8_quant import fp8_dequantize, fp8_quantize
 from mqnc.triton_kernels.merge import (
     lse_from_base2,
     lse_from_ml,
@@ -71,6 +73,8 @@ from mqnc.triton_kernels.mla_decode import (
 )
 from mqnc.triton_kernels.mla_sparse import mla_sparse_partial, plan_mla_sparse
 from mqnc.triton_kernels.splice import rope_rotate, rope_splice
+from mqnc.triton_kernels.tp_scores import tp_partial_scores
+from mqnc.triton_kernels.tp_values import tp_partial_values
 
 __all__ = [
     "merge_partials",
@@ -88,4 +92,8 @@ __all__ = [
     "AttentionPlan",
     "rope_splice",
     "rope_rotate",
+    "tp_partial_scores",
+    "tp_partial_values",
+    "fp8_quantize",
+    "fp8_dequantize",
 ]

@@ -64,6 +64,10 @@ __all__ = [
     "merge_partials_into",
     "rope_splice",
     "rope_rotate",
+    "tp_partial_scores",
+    "tp_partial_values",
+    "fp8_quantize",
+    "fp8_dequantize",
 ]
 
 Tensor = torch.Tensor
@@ -599,10 +603,6 @@ def rope_rotate(x: Tensor, delta: int | Tensor, rope: RopeFrequencies) -> Tensor
     """
 
 
-OPS = registered_ops()
-"""The ops' names (``torch.ops.mqnc.<name>``), in declaration order."""
-
-
 def register_backend(backend: str, implementations: dict) -> None:
     """Register ``implementations`` (op name -> ``impl(call)``, each taking the op's call: one
     attribute per declared parameter) as the ops' ``backend`` (how ``mqnc.serving.compute``
@@ -619,8 +619,6 @@ def backend_ops(backend: str = "triton") -> OpSet:
 
 
 # ---- tensor-parallel holder ranks (§8) ----------------------------------------------------------
-# Declared after OPS: OPS is the set test_torch_ops opchecks; these two are opchecked by
-# correctness/test_tp.py (TP_OPS), until that test's table takes them in.
 
 
 def _tp_scores_like(call) -> Tensor:
@@ -734,12 +732,7 @@ def tp_partial_values(
     """
 
 
-TP_OPS = ("tp_partial_scores", "tp_partial_values")
-"""The tensor-parallel ops (``torch.ops.mqnc.<name>``), declared after :data:`OPS`."""
-
-
 # ---- the FP8 cache (DeepSeek-V3.2's 656-byte entry, mqnc.model.kv_format) -----------------------
-# Declared after OPS, as the TP ops: correctness/test_fp8_cache.py opchecks them (FP8_OPS).
 
 _FP8_OUT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -833,5 +826,5 @@ def fp8_dequantize(cache: Tensor, d_c: int, d_r: int, dtype: torch.dtype) -> Ten
     """
 
 
-FP8_OPS = ("fp8_quantize", "fp8_dequantize")
-"""The FP8 cache ops (``torch.ops.mqnc.<name>``), declared after :data:`OPS`."""
+OPS = registered_ops()
+"""The ops' names (``torch.ops.mqnc.<name>``), in declaration order."""
