@@ -82,3 +82,20 @@ def test_the_demo_profile_takes_the_read_ceiling_of_its_device_from_the_records(
     assert tbps == 4.1 and source.startswith("measured read ceiling (3 records")
     assert read_ceiling("NVIDIA A100-SXM4-80GB", recs) is None
     assert read_ceiling("", recs) is None
+
+
+def test_decide_prices_the_routed_holder_at_the_profiles_floor():
+    """``decide``'s route term charges the holder ``max(T_compute, floor)`` at the profile's
+    read ceiling: §6.3's constant at c_t 2048, the bytes at the ceiling at c_t 131072 (fp64
+    arithmetic); a profile with no ceiling (the paper's fabrics) keeps the constant."""
+    from mqnc.cost import Request, decide
+
+    fabric = FABRICS["h100-nvlink4"]
+    p = MachineProfile(fabric, read_tbps=4.0, measured_with={"device_name": H200})
+    small = decide(G, p, Request(16, 2048))
+    assert small.route.compute == p.t_compute_us == 15.0
+    big = decide(G, p, Request(16, 131072))
+    assert big.route.compute == pytest.approx((131072 * 1152 + 16 * 2184) / 4.0e6, rel=1e-15)
+    bare = decide(G, MachineProfile(fabric), Request(16, 131072))
+    assert bare.route.compute == 15.0
+    assert big.route.total - bare.route.total == pytest.approx(big.route.compute - 15.0)

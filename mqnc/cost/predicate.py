@@ -273,7 +273,8 @@ def _terms(
         geometry,
         fabric,
         r.m_q,
-        t_compute_us=profile.t_compute_us if r.attention else 0.0,
+        # §6.3's constant, or the holder's memory floor at the profile's read ceiling if larger
+        t_compute_us=profile.holder_compute_us(geometry, r.c_t, r.m_q) if r.attention else 0.0,
         t_merge_us=profile.t_merge_us if r.attention else 0.0,
         congestion=r.congestion,
         tp=r.tp,
