@@ -11,10 +11,11 @@
 - The GPU tier, :data:`GPU_TIER`: the tests a lent GPU's one short run executes
   (``pytest -m gpu``, from ``perf/gpu_check.sh``), marked ``gpu`` here (the marker is
   registered in ``pyproject.toml``), in this order.
-- The long tier, :data:`LONG_TIER`: the GPU scripts' dry runs (minutes each on a 2-core
-  machine), marked ``long``. ``make test`` (``pytest correctness``) deselects them; ``make
-  test-long`` (``-m long``) runs them alone; they run with the rest when ``MQNC_TEST_LONG=1`` or
-  when their file is named on the command line, and under any ``-m`` its expression decides.
+- The long tier, :data:`LONG_TIER`: the tests using the GPU scripts' dry-run fixtures (minutes
+  each on a 2-core machine), marked ``long``. ``make test`` (``pytest correctness``) deselects
+  them; ``make test-long`` (``-m long``) runs them alone; they run with the rest when
+  ``MQNC_TEST_LONG=1`` or when their file is named on the command line, and under any ``-m`` its
+  expression decides.
   ``.ci/run`` runs both; docs/testing-time.md says what is where and why.
 """
 
@@ -78,23 +79,27 @@ GPU_TIER = (
 )
 
 
-# The long tier: entries as in GPU_TIER, or ending in "_" for a name prefix. perf/gpu_check.sh
-# --dry-run and perf/gpu_tiles.sh --dry-run run every step of the GPU check and every tile
-# candidate in the interpreter (their fixtures took 125 s and 153 s in a suite run on this 2-core
-# machine at a load of ~10): they rehearse a GPU run's commands, whose kernels, benches and tier
-# the rest of the suite checks one by one.
+# The long tier: (file, module fixture) pairs; a test of that file using that fixture is long.
+# perf/gpu_check.sh --dry-run (``dry_run``) and perf/gpu_tiles.sh --dry-run (``tiles_dry_run``)
+# run every step of the GPU check and every tile candidate in the interpreter (the fixtures took
+# 125 s and 153 s in a suite run on this 2-core machine at a load of ~10): they rehearse a GPU
+# run's commands, whose kernels, benches and tier the rest of the suite checks one by one.
 LONG_TIER = (
-    "test_gpu_check.py::test_dry_run_",
-    "test_gpu_check.py::test_tile_sweep_dry_run_",
+    ("test_gpu_check.py", "dry_run"),
+    ("test_gpu_check.py", "tiles_dry_run"),
 )
 MQNC_TEST_LONG = "MQNC_TEST_LONG"
 
 
+def _rel(nodeid: str) -> str:
+    return nodeid.split("correctness/", 1)[-1]
+
+
 def _matches(nodeid: str, tier: tuple[str, ...]) -> bool:
-    rel = nodeid.split("correctness/", 1)[-1]
+    rel = _rel(nodeid)
     return any(
         rel.startswith(entry)
-        if entry.endswith(("::", "_"))
+        if entry.endswith("::")
         else rel == entry
         if "[" in entry
         else rel.split("[", 1)[0] == entry
@@ -107,15 +112,17 @@ def in_gpu_tier(nodeid: str) -> bool:
     return _matches(nodeid, GPU_TIER)
 
 
-def in_long_tier(nodeid: str) -> bool:
-    """Whether a test is in :data:`LONG_TIER` (an entry ending in ``_`` is a name prefix)."""
-    return _matches(nodeid, LONG_TIER)
+def long_fixture(item) -> str | None:
+    """The :data:`LONG_TIER` fixture a collected test uses, or None."""
+    here = _rel(item.nodeid).split("::", 1)[0]
+    names = getattr(item, "fixturenames", ())
+    return next((fx for f, fx in LONG_TIER if f == here and fx in names), None)
 
 
 def _runs_long(config, item) -> bool:
-    """Long tests run when asked for: ``MQNC_TEST_LONG=1``, ``-m`` naming ``long``, or their
-    file named on the command line (``pytest correctness/test_gpu_check.py``); under any ``-m``
-    the marker expression decides."""
+    """Long tests run when asked for: ``MQNC_TEST_LONG=1``, or their file named on the command
+    line (``pytest correctness/test_gpu_check.py``); under any ``-m`` (``-m long``, ``-m "not
+    long"``) the marker expression decides."""
     if os.environ.get(MQNC_TEST_LONG, "") not in ("", "0"):
         return True
     if config.getoption("-m"):  # the marker expression decides (-m long, -m "not long")
@@ -138,21 +145,19 @@ def pytest_collection_modifyitems(config, items):
         rel = item.nodeid.split("correctness/", 1)[-1]
         return min((i for i, e in enumerate(GPU_TIER) if rel.startswith(e)), default=len(GPU_TIER))
 
-    files = {item.nodeid.split("correctness/", 1)[-1].split("::", 1)[0] for item in items}
-    for entry in LONG_TIER:  # a renamed test must not leave the tier silently
-        if entry.split("::", 1)[0] in files and not any(
-            _matches(i.nodeid, (entry,)) for i in items
-        ):
-            if not config.getoption("-k"):
-                raise pytest.UsageError(f"conftest LONG_TIER entry {entry!r} names no test")
+    files = {_rel(item.nodeid).split("::", 1)[0] for item in items}
+    used = {long_fixture(item) for item in items}
+    for f, fx in LONG_TIER:  # a renamed fixture must not leave the tier silently
+        if f in files and fx not in used and not config.getoption("-k"):
+            raise pytest.UsageError(f"conftest LONG_TIER: no test of {f} uses {fx!r}")
     kept, long_out = [], []
     for item in items:
         if in_gpu_tier(item.nodeid):
             item.add_marker(pytest.mark.gpu)
-        if in_long_tier(item.nodeid):
+        fixture = long_fixture(item)
+        if fixture:
             item.add_marker(pytest.mark.long)
-            group = next(e for e in LONG_TIER if _matches(item.nodeid, (e,)))
-            item.add_marker(pytest.mark.xdist_group(group))  # --dist loadgroup: one per fixture
+            item.add_marker(pytest.mark.xdist_group(fixture))  # --dist loadgroup: one per fixture
             if not _runs_long(config, item):
                 long_out.append(item)
                 continue
