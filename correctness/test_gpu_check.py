@@ -165,7 +165,8 @@ def test_a_stale_commit_file_is_refused_before_anything_runs(tmp_path):
     file that is not HEAD's commit, and lets HEAD's own through (here to the budget check)."""
     repo = tmp_path / "repo"
     (repo / "perf").mkdir(parents=True)
-    (repo / "perf" / "gpu_check.sh").write_text(SCRIPT.read_text())
+    for script in (SCRIPT, SCRIPT.parent / "gpu_common.sh"):  # the script and its prelude
+        (repo / "perf" / script.name).write_text(script.read_text())
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
     for cmd in (["init", "-q"], ["add", "perf"], ["commit", "-qm", "x"]):
         subprocess.run([*git, *cmd], check=True, capture_output=True)

@@ -37,12 +37,7 @@
 # record carries the commit ($MQNC_COMMIT: given, else the .mqnc-commit file that travels
 # with the copy); per-step logs are packed into $OUT/logs.tgz (the device tool returns at most 8
 # files); printed last: the kernel report, the tests' last lines and $OUT/summary.txt.
-set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT" || exit 1
-DRY=0
-[ "${1:-}" = "--dry-run" ] && DRY=1
-OUT=${OUT:-$(mktemp -d)}
+source "$(dirname "$0")/gpu_common.sh"
 # the interpreter: $PY, else for the dry run the checkout's venv (`make venv`) when there is one
 # (the system python3 of a CPU machine has no torch), else python3 (the GPU image's)
 if [ -z "${PY:-}" ]; then
@@ -51,7 +46,6 @@ if [ -z "${PY:-}" ]; then
 fi
 BUDGET=${BUDGET:-450}
 RESERVE=20 # kept for packing the logs and printing the tables
-SITE=${SITE:-/tmp/mqnc-site}
 
 # ---- every step's cap and arguments, in one place (the GPU run | the dry run) -----------------
 STEPS=(install wheels env copy warmup bench_merge bench_mla bench_splice launch report tests

@@ -40,32 +40,13 @@
 # cache a call, one input set each (twice the L2 is less than one set), 4 kernels x 3 shapes x
 # 23 replays of at most ~2 ms (the default path's 85 TFLOP/s on 146 GFLOP) ~0.5 s, and ~3 s of
 # input generation: about 2 minutes.
-set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT" || exit 1
-DRY=0
-[ "${1:-}" = "--dry-run" ] && DRY=1
-OUT=${OUT:-$(mktemp -d)}
-PY=${PY:-python3}
-((DRY)) && [ "$PY" = python3 ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
-SITE=${SITE:-/tmp/mqnc-site}
+source "$(dirname "$0")/gpu_common.sh"
+gpu_python
 BUDGET_S=${BUDGET_S:-240}
-if ((DRY)); then
-  export TRITON_INTERPRET=1
-else
-  unset TRITON_INTERPRET
-fi
-if [ -z "${MQNC_COMMIT:-}" ]; then
-  MQNC_COMMIT=$( (tr -d '[:space:]' <.mqnc-commit) 2>/dev/null || git rev-parse --short=12 HEAD)
-fi
+gpu_interpreter
+gpu_commit
 export MQNC_COMMIT MQNC_RESULTS="$OUT/results.jsonl" PYTHONUNBUFFERED=1 GLUON_DRY=$DRY
-if ! ((DRY)) && ! "$PY" -c "import mqnc.triton_kernels" 2>/dev/null; then # as gpu_check.sh's
-  "$PY" -m pip install --no-index --no-deps --no-build-isolation -q -e . >/dev/null 2>&1 || {
-    mkdir -p "$SITE/mqnc" && for f in mqnc/*; do ln -sfn "$ROOT/$f" "$SITE/mqnc/"; done &&
-      ln -sfn "$ROOT/triton_kernels" "$SITE/mqnc/triton_kernels"
-    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-  }
-fi
+gpu_install
 echo "commit $MQNC_COMMIT; $( ((DRY)) && echo 'DRY RUN (interpreter, tiny, gluon stood in by tl)' || echo 'GPU run'); budget ${BUDGET_S}s"
 status=0
 # bounded: a kernel that hangs (an mbarrier never completing) ends the check, not the session

@@ -22,33 +22,14 @@
 # points and a probe at 20 samples of 20 graph replays of a 4-layer step (each replay < 1 ms
 # expected: well under 10 s), two holders' set-up (the split tables: ~65 plans each, ~5 s),
 # the proof's 7 tests on the GPU (~20 s), the demo (~60 s).
-set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT" || exit 1
-DRY=0
-[ "${1:-}" = "--dry-run" ] && DRY=1
-OUT=${OUT:-$(mktemp -d)}
-PY=${PY:-python3}
-((DRY)) && [ "$PY" = python3 ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
-SITE=${SITE:-/tmp/mqnc-site}
+source "$(dirname "$0")/gpu_common.sh"
+gpu_python
 BUDGET_S=${BUDGET_S:-240}
 mkdir -p "$OUT/logs"
-if ((DRY)); then
-  export TRITON_INTERPRET=1
-else
-  unset TRITON_INTERPRET
-fi
-if [ -z "${MQNC_COMMIT:-}" ]; then
-  MQNC_COMMIT=$( (tr -d '[:space:]' <.mqnc-commit) 2>/dev/null || git rev-parse --short=12 HEAD)
-fi
+gpu_interpreter
+gpu_commit
 export MQNC_COMMIT PYTHONUNBUFFERED=1
-if ! ((DRY)) && ! "$PY" -c "import mqnc.triton_kernels" 2>/dev/null; then # as gpu_check.sh's install step
-  "$PY" -m pip install --no-index --no-deps --no-build-isolation -q -e . >/dev/null 2>&1 || {
-    mkdir -p "$SITE/mqnc" && for f in mqnc/*; do ln -sfn "$ROOT/$f" "$SITE/mqnc/"; done &&
-      ln -sfn "$ROOT/triton_kernels" "$SITE/mqnc/triton_kernels"
-    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-  }
-fi
+gpu_install
 echo "commit $MQNC_COMMIT; $([ "$DRY" = 1 ] && echo 'DRY RUN (interpreter, tiny sizes)' || echo 'GPU run'); budget ${BUDGET_S}s"
 status=0
 step() { # name, command...: logged to $OUT/logs/<name>.log, one line in $OUT/summary.txt

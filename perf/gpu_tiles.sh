@@ -37,15 +37,8 @@
 # on small shapes (one compile each, ~3 s: ~60 s), the largest inputs (FlashMLA's 604 MB a call;
 # H 16 B 64 c_t 32768, 2.4 GB: one input set each, drawn on the device), 2 copies and 4 process
 # starts (~50 s), the install step (~30 s): about 4 minutes, half the budget.
-set -uo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-cd "$ROOT" || exit 1
-DRY=0
-[ "${1:-}" = "--dry-run" ] && DRY=1
-OUT=${OUT:-$(mktemp -d)}
-PY=${PY:-python3}
-((DRY)) && [ "$PY" = python3 ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
-SITE=${SITE:-/tmp/mqnc-site}
+source "$(dirname "$0")/gpu_common.sh"
+gpu_python
 BUDGET_S=${BUDGET_S:-480}
 if ((DRY)); then
   export TRITON_INTERPRET=1
@@ -64,17 +57,9 @@ else
   MORE_DENSE=${MORE_DENSE:-H=128 B=128 ct=4096}
   DENSE16_SHAPES=${DENSE16_SHAPES:-H=16 B=16 ct=32768,H=16 B=64 ct=32768,H=16 B=1 ct=2048}
 fi
-if [ -z "${MQNC_COMMIT:-}" ]; then
-  MQNC_COMMIT=$( (tr -d '[:space:]' <.mqnc-commit) 2>/dev/null || git rev-parse --short=12 HEAD)
-fi
+gpu_commit
 export MQNC_COMMIT MQNC_RESULTS="$OUT/results.jsonl" PYTHONUNBUFFERED=1
-if ! ((DRY)) && ! "$PY" -c "import mqnc.triton_kernels" 2>/dev/null; then # as gpu_check.sh's install step
-  "$PY" -m pip install --no-index --no-deps --no-build-isolation -q -e . >/dev/null 2>&1 || {
-    mkdir -p "$SITE/mqnc" && for f in mqnc/*; do ln -sfn "$ROOT/$f" "$SITE/mqnc/"; done &&
-      ln -sfn "$ROOT/triton_kernels" "$SITE/mqnc/triton_kernels"
-    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-  }
-fi
+gpu_install
 tiles() { # the candidates of one kind, from _mla_launch.SWEEP_TILES (one list for script and tests)
   "$PY" -c "import sys; from mqnc.triton_kernels._mla_launch import SWEEP_TILES as S
 print(','.join(t.label for t in S[sys.argv[1]]))" "$1"
