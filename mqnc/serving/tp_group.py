@@ -41,7 +41,7 @@ import torch
 
 from mqnc.base.checks import check_int, check_number
 from mqnc.model.geometry import MLAGeometry
-from mqnc.transport.protocol import TransportError
+from mqnc.transport.protocol import Transport, TransportError
 
 __all__ = [
     "GroupLost",
@@ -154,6 +154,41 @@ class TPPartition:
         if len(parts) != self.degree:
             raise ValueError(f"parts: expected {self.degree} slices, got {len(parts)}")
         return torch.cat(parts, dim=-1)
+
+
+def check_tp_fabric(transport: Transport, partition: TPPartition) -> int:
+    """Check that a TP rank's ``transport`` spans whole TP-``degree`` instances.
+
+    Parameters
+    ----------
+    transport : mqnc.transport.protocol.Transport
+        The fabric every rank of every instance is on.
+    partition : TPPartition
+        The instance's column partition.
+
+    Returns
+    -------
+    int
+        The TP degree ``N`` (``partition.degree``).
+
+    Raises
+    ------
+    TypeError
+        ``transport`` is not a Transport or ``partition`` not a TPPartition.
+    ValueError
+        The fabric's world size is not a multiple of ``N``.
+    """
+    if not isinstance(transport, Transport):
+        raise TypeError(f"transport: expected a Transport, got {type(transport).__name__}")
+    if not isinstance(partition, TPPartition):
+        raise TypeError(f"partition: expected a TPPartition, got {type(partition).__name__}")
+    n = partition.degree
+    if transport.world_size % n:
+        raise ValueError(
+            f"transport: a fabric of whole TP-{n} instances needs a world size divisible by "
+            f"{n}, got {transport.world_size}"
+        )
+    return n
 
 
 class GroupReduce:

@@ -46,7 +46,7 @@ import mqnc.triton_kernels.tp_values  # noqa: F401
 from mqnc.base.checks import check_int, check_number
 from mqnc.serving.compute import check_kernels, kernel_ops
 from mqnc.serving.pool import PagedPool
-from mqnc.serving.tp_group import GroupLost, GroupReduce, TPPartition
+from mqnc.serving.tp_group import GroupLost, GroupReduce, TPPartition, check_tp_fabric
 from mqnc.transport import wire
 from mqnc.transport.protocol import (
     INBOX,
@@ -142,18 +142,9 @@ class TPHolder:
         pair_timeout_s: float = 10.0,
         poll_s: float = 0.02,
     ) -> None:
-        if not isinstance(transport, Transport):
-            raise TypeError(f"transport: expected a Transport, got {type(transport).__name__}")
-        if not isinstance(partition, TPPartition):
-            raise TypeError(f"partition: expected a TPPartition, got {type(partition).__name__}")
-        n = partition.degree
+        n = check_tp_fabric(transport, partition)
         if group.size != n:
             raise ValueError(f"group: expected a group of the TP degree {n}, got size {group.size}")
-        if transport.world_size % n:
-            raise ValueError(
-                f"transport: a fabric of whole TP-{n} instances needs a world size divisible by "
-                f"{n}, got {transport.world_size}"
-            )
         if transport.rank % n != group.rank:
             raise ValueError(
                 f"group: global rank {transport.rank} is TP rank {transport.rank % n}, its group "

@@ -31,7 +31,7 @@ from mqnc.base.checks import check_int, check_number
 from mqnc.serving.client import RemoteError
 from mqnc.serving.compute import kernel_ops
 from mqnc.serving.route import check_selection
-from mqnc.serving.tp_group import TPPartition
+from mqnc.serving.tp_group import TPPartition, check_tp_fabric
 from mqnc.transport import wire
 from mqnc.transport.protocol import INBOX, REPLY, PeerLost, Transport, TransportTimeout
 
@@ -62,16 +62,7 @@ class TPRequester:
         timeout_s: float = 30.0,
         lane: int = 0,
     ) -> None:
-        if not isinstance(transport, Transport):
-            raise TypeError(f"transport: expected a Transport, got {type(transport).__name__}")
-        if not isinstance(partition, TPPartition):
-            raise TypeError(f"partition: expected a TPPartition, got {type(partition).__name__}")
-        n = partition.degree
-        if transport.world_size % n:
-            raise ValueError(
-                f"transport: a fabric of whole TP-{n} instances needs a world size divisible by "
-                f"{n}, got {transport.world_size}"
-            )
+        n = check_tp_fabric(transport, partition)
         self.transport, self.partition = transport, partition
         self.degree, self.rank = n, transport.rank % n
         self.geometry = partition.slice_geometry
