@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 
 from mqnc.serving.service import run_rank
 
-__all__ = ["main"]
+__all__ = ["main", "run_then_exit"]
 
 
 def main(argv: list[str]) -> None:
@@ -27,9 +29,21 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m mqnc.serving.holder_process SPEC_JSON")
     spec = json.loads(argv[0])
     torch.set_num_threads(1)  # torch's spinning intra-op workers starve gloo's receive threads
+    run_then_exit(
+        lambda: run_rank(spec.pop("corpus"), None, transport=spec.pop("transport", "gloo"), **spec)
+    )
+
+
+def run_then_exit(call: Callable[[], object]) -> NoReturn:
+    """Run ``call()``, then end the process through ``os._exit`` once its output is flushed.
+
+    The exit status is 0, or 1 when ``call`` raised (its traceback printed to stderr first).
+    Shared by the holder processes here and :mod:`mqnc.serving.tp_process`'s ranks (see the
+    module docstring: gloo's groups must not be destroyed at interpreter exit).
+    """
     rc = 0
     try:
-        run_rank(spec.pop("corpus"), None, transport=spec.pop("transport", "gloo"), **spec)
+        call()
     except BaseException:  # noqa: BLE001 - reported, then the exit status says it
         import traceback
 

@@ -25,6 +25,7 @@ import threading
 import torch
 
 from mqnc.model.geometry import MLAGeometry
+from mqnc.serving.holder_process import run_then_exit
 from mqnc.serving.tp_group import GlooGroup, TPPartition
 from mqnc.serving.tp_holder import TPHolder
 from mqnc.serving.tp_requester import TPRequester
@@ -79,17 +80,7 @@ def main(argv: list[str]) -> None:
     if len(argv) != 1:
         raise SystemExit("usage: python -m mqnc.serving.tp_process SPEC_JSON")
     torch.set_num_threads(1)  # torch's spinning intra-op workers starve gloo's receive threads
-    rc = 0
-    try:
-        serve_rank(json.loads(argv[0]))
-    except BaseException:  # noqa: BLE001 - reported, then the exit status says it
-        import traceback
-
-        traceback.print_exc()
-        rc = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    run_then_exit(lambda: serve_rank(json.loads(argv[0])))
 
 
 class TPCluster:
