@@ -153,16 +153,7 @@ def try_draw(
     import matplotlib.pyplot as plt  # here: an optional dependency, see the package docstring
 
     fig, ax = plt.subplots(figsize=figsize, constrained_layout=True)
-    try:
-        result = draw(ax, *args, **kwargs)
-    except MissingData as exc:
-        plt.close(fig)
-        print(f"{name}: not drawn: {exc}")
-        return None, None
-    path = save(fig, name, fig_dir)
-    if path is not None:
-        print(f"{name}: wrote {path}")
-    return fig, result
+    return _draw_saved(fig, ax, name, draw, args, kwargs, fig_dir)
 
 
 def _title_suffix(records: Sequence[dict]) -> str:
@@ -322,8 +313,18 @@ def try_draw_figure(
     import matplotlib.pyplot as plt  # here: an optional dependency, see the package docstring
 
     fig = plt.figure(figsize=figsize, layout="constrained")
+    return _draw_saved(fig, fig, name, draw, args, kwargs, fig_dir)
+
+
+def _draw_saved(fig, target, name: str, draw: Callable[..., Any], args, kwargs, fig_dir):
+    """``draw(target, *args, **kwargs)``, then ``fig`` saved as ``name`` (:func:`save`); on
+    :class:`MissingData` the figure is closed and what is missing printed instead. Returns
+    ``(fig, what draw returned)`` or ``(None, None)``: :func:`try_draw`'s and
+    :func:`try_draw_figure`'s common end."""
+    import matplotlib.pyplot as plt  # here: an optional dependency, see the package docstring
+
     try:
-        result = draw(fig, *args, **kwargs)
+        result = draw(target, *args, **kwargs)
     except MissingData as exc:
         plt.close(fig)
         print(f"{name}: not drawn: {exc}")
