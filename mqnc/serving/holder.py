@@ -63,11 +63,29 @@ from mqnc.transport.protocol import (
 )
 from mqnc.triton_kernels.fp8_quant import check_entries
 
-__all__ = ["HostedChunk", "Holder", "HolderStats"]
+__all__ = ["HostedChunk", "Holder", "HolderStats", "serve_in_thread"]
 
 
 _KEEP_BATCHES = 10_000  # batch sizes kept (at least; at most twice that)
 _KEEP_ANSWERED = 100_000  # request ids whose answer count is kept
+
+
+def serve_in_thread(server, name: str) -> threading.Thread:
+    """Start ``server.serve_forever()`` in a daemon thread called ``name`` and return it.
+
+    Whatever the loop raises is recorded as ``server.failure`` for its owner (the thread must
+    not die silently). Used by :class:`Holder` and :class:`~mqnc.serving.tp_holder.TPHolder`.
+    """
+
+    def run() -> None:
+        try:
+            server.serve_forever()
+        except BaseException as exc:  # recorded for the owner
+            server.failure = exc
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread
 
 
 @dataclasses.dataclass
@@ -323,16 +341,8 @@ class Holder:
         """Serve in a background thread until :meth:`stop` or a ``SHUTDOWN`` message."""
         if self._thread is not None:
             raise RuntimeError("holder: already started")
-        self._thread = threading.Thread(target=self._run, name=f"holder-{self.transport.rank}")
-        self._thread.daemon = True
-        self._thread.start()
+        self._thread = serve_in_thread(self, f"holder-{self.transport.rank}")
         return self
-
-    def _run(self) -> None:
-        try:
-            self.serve_forever()
-        except BaseException as exc:  # recorded for the owner; the thread must not die silently
-            self.failure = exc
 
     def serve_forever(self) -> None:
         """Serve until :meth:`stop` or a ``SHUTDOWN`` message (in the calling thread).

@@ -45,6 +45,7 @@ import mqnc.triton_kernels.tp_scores  # noqa: F401  (registers the TP ops' trito
 import mqnc.triton_kernels.tp_values  # noqa: F401
 from mqnc.base.checks import check_int, check_number
 from mqnc.serving.compute import check_kernels, kernel_ops
+from mqnc.serving.holder import serve_in_thread
 from mqnc.serving.pool import PagedPool
 from mqnc.serving.tp_group import GroupLost, GroupReduce, TPPartition, check_tp_fabric
 from mqnc.transport import wire
@@ -207,16 +208,8 @@ class TPHolder:
     # ---- the service loop -------------------------------------------------------------------
     def start(self) -> TPHolder:
         """Serve in a background thread until :meth:`stop`."""
-        self._thread = threading.Thread(target=self._run, name=f"tp-holder-{self.transport.rank}")
-        self._thread.daemon = True
-        self._thread.start()
+        self._thread = serve_in_thread(self, f"tp-holder-{self.transport.rank}")
         return self
-
-    def _run(self) -> None:
-        try:
-            self.serve_forever()
-        except BaseException as exc:  # recorded for the owner
-            self.failure = exc
 
     def serve_forever(self) -> None:
         """Serve until :meth:`stop` (every rank of the group must be serving)."""
