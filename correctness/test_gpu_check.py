@@ -30,6 +30,19 @@ def _env(**extra) -> dict:
     return {**env, "PY": sys.executable, **extra}
 
 
+def _script_dry_run(script: Path, out: Path, timeout: float, **env) -> subprocess.CompletedProcess:
+    """``bash script --dry-run`` from the root, its records to ``out`` with the commit
+    ``dryrun0commit``, bounded by ``timeout`` s."""
+    return subprocess.run(
+        ["bash", str(script), "--dry-run"],
+        cwd=ROOT,
+        env=_env(OUT=str(out), MQNC_COMMIT="dryrun0commit", **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def _steps() -> list[str]:
     text = SCRIPT.read_text()
     body = re.search(r"^STEPS=\(([^)]*)\)", text, re.M).group(1)
@@ -230,14 +243,7 @@ TILES_SCRIPT = ROOT / "perf" / "gpu_tiles.sh"
 @pytest.fixture(scope="module")
 def tiles_dry_run(tmp_path_factory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("gpu_tiles")
-    r = subprocess.run(
-        ["bash", str(TILES_SCRIPT), "--dry-run"],
-        cwd=ROOT,
-        env=_env(OUT=str(out), MQNC_COMMIT="dryrun0commit"),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    r = _script_dry_run(TILES_SCRIPT, out, timeout=900)
     print(r.stdout[-6000:])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     return out, r.stdout
@@ -308,14 +314,7 @@ GLUON_SCRIPT = ROOT / "perf" / "gpu_gluon.sh"
 
 
 def _gluon_dry_run(out: Path, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["bash", str(GLUON_SCRIPT), "--dry-run"],
-        cwd=ROOT,
-        env=_env(OUT=str(out), MQNC_COMMIT="dryrun0commit", **env),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return _script_dry_run(GLUON_SCRIPT, out, timeout=600, **env)
 
 
 def test_gluon_check_dry_run_records_each_kernel_against_tl_and_fp64(tmp_path):
@@ -413,14 +412,7 @@ def test_dry_run_of_the_device_route_records_probe_and_route_with_host_calls(tmp
     ``extra.host_calls_per_layer`` counted (every launch a host call in the dry run, which has
     no graph: ``host_free`` false there); the budget line is printed."""
     out = tmp_path / "gpu_route"
-    r = subprocess.run(
-        ["bash", str(ROUTE_SCRIPT), "--dry-run"],
-        cwd=ROOT,
-        env=_env(OUT=str(out), MQNC_COMMIT="dryrun0commit"),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    r = _script_dry_run(ROUTE_SCRIPT, out, timeout=900)
     print(r.stdout[-4000:])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert re.search(r"route run took \d+s of 240s", r.stdout), r.stdout[-2000:]
