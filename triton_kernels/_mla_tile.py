@@ -123,14 +123,25 @@ def _attend_tile(
     s = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
     s = tl.dot(q_pe, tl.trans(kv_pe), acc=s, input_precision=PRECISION)
     s = tl.where(valid[None, :], s * qk_scale, -float("inf"))
+    return _softmax_step(s, kv_lat, m, l, acc, PRECISION)
+
+
+@triton.jit
+def _softmax_step(s, v, m, l, acc, PRECISION: tl.constexpr):
+    """One online-softmax update: scores ``s [BLOCK_H, BLOCK_N]`` (fp32, base 2, already
+    scaled by ``qk_scale``; ``-inf`` where an entry is not attended) against the values
+    ``v [BLOCK_N, D]`` (the dtype ``p`` is cast to for the ``p @ v`` dot). Returns the new
+    ``(m, l, acc)``: running max [BLOCK_H], denominator [BLOCK_H], unnormalised output
+    [BLOCK_H, D], all fp32."""
     m_new = tl.maximum(m, tl.max(s, 1))
-    # A tile with no valid entry (possible for sparse indices) leaves m_new = -inf: shift by 0.
+    # A tile with no valid entry (possible for sparse indices) or -inf scores (from -inf
+    # inputs) leaves m_new = -inf: shift by 0.
     m_shift = tl.where(m_new == -float("inf"), 0.0, m_new)
     alpha = tl.exp2(m - m_shift)
     p = tl.exp2(s - m_shift[:, None])
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(kv_lat.dtype), kv_lat, acc=acc, input_precision=PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=PRECISION)
     return m_new, l, acc
 
 
@@ -191,15 +202,7 @@ def _attend_loaded(
         kv_pe = kv_pe.to(tl.float32)
     s = tl.dot(q_lat, tl.trans(kv_lat), input_precision=PRECISION)
     s = tl.dot(q_pe, tl.trans(kv_pe), acc=s, input_precision=PRECISION) * qk_scale
-    m_new = tl.maximum(m, tl.max(s, 1))
-    # (-inf scores, from -inf inputs, leave m_new = -inf: shift by 0 as _attend_tile does)
-    m_shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_shift)
-    p = tl.exp2(s - m_shift[:, None])
-    l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(kv_lat.dtype), kv_lat, acc=acc, input_precision=PRECISION)
-    return m_new, l, acc
+    return _softmax_step(s, kv_lat, m, l, acc, PRECISION)
 
 
 @triton.jit

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from mqnc.triton_kernels._checks import check_same_device, check_softmax_scale, check_tensor
 from mqnc.triton_kernels._launch import Launch
-from mqnc.triton_kernels._numerics import round_to
+from mqnc.triton_kernels._mla_tile import _softmax_step, _store_partial
 from mqnc.triton_kernels._runtime import (
     bf16_rne_in_software,
     check_launchable,
@@ -96,28 +96,24 @@ def _tp_values_kernel(
         s = tl.where(valid[None, :], s * qk_scale, -float("inf"))
         rows = KV + (slot // PAGE).to(tl.int64) * stride_kb + (slot % PAGE) * stride_kt
         v = tl.load(rows[:, None] + tl.arange(0, D_LAT)[None, :], mask=valid[:, None], other=0.0)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        # a tile with no valid entry leaves m_new = -inf: shift by 0
-        m_shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_shift)
-        p = tl.exp2(s - m_shift[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
         if DOT_FP32:  # (interpreter, bf16: p stays fp32, as in the MLA kernels' tile)
             v = v.to(tl.float32)
-        p = p.to(v.dtype)
-        acc = tl.dot(p, v, acc=acc, input_precision=PRECISION)
-        m = m_new
-    nonempty = l != 0.0  # NaN is "non-empty": it propagates, never reads as "no keys"
-    inv_l = tl.where(nonempty, 1.0 / tl.where(nonempty, l, 1.0), 0.0)
-    o = acc * inv_l[:, None]
-    o_ptrs = O + b.to(tl.int64) * stride_ob + offs_h[:, None] * stride_oh
-    o_ptrs = o_ptrs + tl.arange(0, D_LAT)[None, :]
-    tl.store(o_ptrs, round_to(o, O.dtype.element_ty, BF16_RNE), mask=mask_h[:, None])
-    lse = tl.where(
-        nonempty, (m + tl.log2(tl.where(nonempty, l, 1.0))) * 0.6931471805599453, -float("inf")
+        m, l, acc = _softmax_step(s, v, m, l, acc, PRECISION)
+    _store_partial(
+        O,
+        LSE,
+        b.to(tl.int64) * stride_ob,
+        b.to(tl.int64) * stride_lb,
+        offs_h,
+        mask_h,
+        stride_oh,
+        1,
+        m,
+        l,
+        acc,
+        D_LAT,
+        BF16_RNE,
     )
-    tl.store(LSE + b.to(tl.int64) * stride_lb + offs_h, lse, mask=mask_h)
 
 
 def values_launch(scores, kv_pool, slots, scale: float, d_v: int, o, lse) -> Launch:
