@@ -490,25 +490,36 @@ def test_batcher_stages_rows_of_one_dtype_per_kernel_call():
         assert_close(m + torch.log(l), lse64, TOLERANCES[("mla_lse", "float32")], name="lse")
 
 
-def test_batcher_reuses_output_buffers_each_written_in_full():
-    """The kernels write into output buffers the batcher keeps per batch shape (``out=``: no
-    allocation per call). Poisoned with NaN between two batches of the same shape (dense, then a
-    selection), the buffers come back written in full: each reply is its own rows' fp64
-    attention."""
-    from mqnc.reference import mla_decode_reference, mla_sparse_reference
-    from mqnc.serving.batching import HostedChunk, RouteBatcher, RouteJob
+def _one_chunk_batcher(seed: int, kernels: str):
+    """A :class:`RouteBatcher` over one hosted fp32 chunk (id 7, 64 tokens of layer 0 of
+    ``_chunk(seed)``) in a 2-block pool on ``kernels``. Returns ``(batcher, pool, chunk,
+    replies, table, lens)``: each reply's buffer is appended to ``replies``; ``table [1, 1]``
+    int32 and ``lens [1]`` int32 give the chunk's pages for an fp64 reference."""
+    from mqnc.serving.batching import HostedChunk, RouteBatcher
     from mqnc.serving.holder import HolderStats
     from mqnc.serving.pool import PagedPool
 
-    pool = PagedPool(1, 2, 64, GEOM.d_qk, dtype=torch.float32, device="cpu", kernels="torch")
+    pool = PagedPool(1, 2, 64, GEOM.d_qk, dtype=torch.float32, device="cpu", kernels=kernels)
     blocks = pool.alloc(64)
-    pool.write(blocks, _chunk(5, 64, torch.float32)[:1])
+    pool.write(blocks, _chunk(seed, 64, torch.float32)[:1])
     chunk = HostedChunk(7, 64, 0, torch.tensor(blocks, dtype=torch.int32))
     replies = []
     b = RouteBatcher(
         pool, GEOM, SCALE, HolderStats(), lambda *a: replies.append(a[2]), None, "holder test"
     )
     table, lens = torch.tensor([blocks], dtype=torch.int32), torch.tensor([64], dtype=torch.int32)
+    return b, pool, chunk, replies, table, lens
+
+
+def test_batcher_reuses_output_buffers_each_written_in_full():
+    """The kernels write into output buffers the batcher keeps per batch shape (``out=``: no
+    allocation per call). Poisoned with NaN between two batches of the same shape (dense, then a
+    selection), the buffers come back written in full: each reply is its own rows' fp64
+    attention."""
+    from mqnc.reference import mla_decode_reference, mla_sparse_reference
+    from mqnc.serving.batching import RouteJob
+
+    b, pool, chunk, replies, table, lens = _one_chunk_batcher(5, "torch")
     idx = torch.tensor([[3, -1, 60, 3, 17]], dtype=torch.int32)
     for step, sparse in enumerate((False, False, True, True)):
         q = _q(10 + step, 1, torch.float32)
@@ -549,20 +560,10 @@ def test_batcher_steps_of_one_shape_launch_one_cached_plan():
     plan cache on every later step (new rows each step), each reply its rows' fp64 attention,
     and a repeated step's reply bit-identical to the first's."""
     from mqnc.reference import mla_decode_reference
-    from mqnc.serving.batching import HostedChunk, RouteBatcher, RouteJob
-    from mqnc.serving.holder import HolderStats
-    from mqnc.serving.pool import PagedPool
+    from mqnc.serving.batching import RouteJob
     from mqnc.triton_kernels import mla_decode_partial
 
-    pool = PagedPool(1, 2, 64, GEOM.d_qk, dtype=torch.float32, device="cpu", kernels="triton")
-    blocks = pool.alloc(64)
-    pool.write(blocks, _chunk(6, 64, torch.float32)[:1])
-    chunk = HostedChunk(7, 64, 0, torch.tensor(blocks, dtype=torch.int32))
-    replies = []
-    b = RouteBatcher(
-        pool, GEOM, SCALE, HolderStats(), lambda *a: replies.append(a[2]), None, "holder test"
-    )
-    table, lens = torch.tensor([blocks], dtype=torch.int32), torch.tensor([64], dtype=torch.int32)
+    b, pool, chunk, replies, table, lens = _one_chunk_batcher(6, "triton")
     plans = mla_decode_partial.op.plans
     plans.clear()
     got = []
