@@ -286,13 +286,8 @@ def draw_per_device(
             ax.set_axis_off()
             ax.text(0.5, 0.5, f"{_short_device(dev)}: {exc}", ha="center", wrap=True, fontsize=7)
     if not out:
-        plt.close(fig)
-        print(f"{name}: not drawn: {'; '.join(missing)}")
-        return None, None
-    path = save(fig, name, fig_dir)
-    if path is not None:
-        print(f"{name}: wrote {path}")
-    return fig, out
+        return _not_drawn(fig, name, "; ".join(missing))
+    return _saved(fig, name, fig_dir, out)
 
 
 def try_draw_figure(
@@ -321,14 +316,24 @@ def _draw_saved(fig, target, name: str, draw: Callable[..., Any], args, kwargs, 
     :class:`MissingData` the figure is closed and what is missing printed instead. Returns
     ``(fig, what draw returned)`` or ``(None, None)``: :func:`try_draw`'s and
     :func:`try_draw_figure`'s common end."""
-    import matplotlib.pyplot as plt  # here: an optional dependency, see the package docstring
-
     try:
         result = draw(target, *args, **kwargs)
     except MissingData as exc:
-        plt.close(fig)
-        print(f"{name}: not drawn: {exc}")
-        return None, None
+        return _not_drawn(fig, name, exc)
+    return _saved(fig, name, fig_dir, result)
+
+
+def _not_drawn(fig, name: str, why) -> tuple[None, None]:
+    """Close ``fig`` and print why ``name`` was not drawn; returns ``(None, None)``."""
+    import matplotlib.pyplot as plt  # here: an optional dependency, see the package docstring
+
+    plt.close(fig)
+    print(f"{name}: not drawn: {why}")
+    return None, None
+
+
+def _saved(fig, name: str, fig_dir, result):
+    """Save ``fig`` as ``name`` (:func:`save`), print where; returns ``(fig, result)``."""
     path = save(fig, name, fig_dir)
     if path is not None:
         print(f"{name}: wrote {path}")
