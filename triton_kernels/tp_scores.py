@@ -64,6 +64,18 @@ def head_block(heads: int) -> int:
     return 64 if heads >= 64 else 16
 
 
+@triton.jit
+def _token_heads(H, BLOCK_H: tl.constexpr):
+    """Program ``pid`` of a ``B * ceil(H / BLOCK_H)`` grid axis: ``(b, offs_h, mask_h)``, its
+    query token ``b``, its heads ``offs_h [BLOCK_H]`` and which of them exist ``mask_h``."""
+    head_blocks = tl.cdiv(H, BLOCK_H)
+    pid = tl.program_id(0)
+    b = pid // head_blocks
+    h0 = (pid - b * head_blocks) * BLOCK_H
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    return b, offs_h, offs_h < H
+
+
 @triton.jit(do_not_specialize=["T", "stride_tb", "stride_sb"])
 def _tp_scores_kernel(
     Q,
@@ -89,12 +101,7 @@ def _tp_scores_kernel(
 ):
     """Grid ``(B * ceil(H / BLOCK_H), ceil(T / BLOCK_T))``: scores of one query token's
     ``BLOCK_H`` heads against ``BLOCK_T`` of its entries."""
-    head_blocks = tl.cdiv(H, BLOCK_H)
-    pid = tl.program_id(0)
-    b = pid // head_blocks
-    h0 = (pid - b * head_blocks) * BLOCK_H
-    offs_h = h0 + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
+    b, offs_h, mask_h = _token_heads(H, BLOCK_H)
     row = Q + b.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
     q_lat = tl.load(row + tl.arange(0, D_LAT)[None, :], mask=mask_h[:, None], other=0.0)
     q_pe = tl.load(row + D_LAT + tl.arange(0, D_PE)[None, :], mask=mask_h[:, None], other=0.0)

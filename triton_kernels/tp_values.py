@@ -39,7 +39,12 @@ from mqnc.triton_kernels._runtime import (
     new_output,
 )
 from mqnc.triton_kernels.ops import tp_partial_values
-from mqnc.triton_kernels.tp_scores import check_slice_operands, check_slot_range, head_block
+from mqnc.triton_kernels.tp_scores import (
+    _token_heads,
+    check_slice_operands,
+    check_slot_range,
+    head_block,
+)
 
 __all__ = ["tp_partial_values", "values_launch"]
 
@@ -75,12 +80,7 @@ def _tp_values_kernel(
 ):
     """Grid ``(B * ceil(H / BLOCK_H),)``: one query token's ``BLOCK_H`` heads over all its
     ``T`` entries."""
-    head_blocks = tl.cdiv(H, BLOCK_H)
-    pid = tl.program_id(0)
-    b = pid // head_blocks
-    h0 = (pid - b * head_blocks) * BLOCK_H
-    offs_h = h0 + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
+    b, offs_h, mask_h = _token_heads(H, BLOCK_H)
     m = tl.full([BLOCK_H], -float("inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
