@@ -125,13 +125,9 @@ def _mla_sparse_kernel(
     for k0 in range(k_start, k_end, BLOCK_N):
         k = k0 + offs_n
         idx = tl.load(index_row + k * stride_ik, mask=k < k_end, other=-1)
-        valid = idx >= 0
-        idx = tl.where(valid, idx, 0)
-        kv_rows = KV + (idx // PAGE).to(tl.int64) * stride_kb + (idx % PAGE) * stride_kt
-        if SPLIT:
-            pe_rows = KV_PE + (idx // PAGE).to(tl.int64) * stride_pkb + (idx % PAGE) * stride_pkt
-        else:
-            pe_rows = kv_rows  # (not read: the rope part follows the latent)
+        kv_rows, pe_rows, valid = _sparse_rows(
+            KV, KV_PE, idx, stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, SPLIT
+        )
         m, l, acc = _attend_tile(
             q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
             DOT_FP32, PRECISION,
