@@ -205,17 +205,10 @@ def _mla_decode_kernel(
         table_row = BlockTable + seq.to(tl.int64) * stride_tb
     offs_n = tl.arange(0, BLOCK_N)
     for t0 in range(t_start, t_end, BLOCK_N):
-        t = t0 + offs_n
-        valid = t < t_end
-        page = tl.load(table_row + (t // PAGE) * stride_tj, mask=valid, other=0)
-        kv_rows = KV + page.to(tl.int64) * stride_kb + (t % PAGE) * stride_kt
-        if SPLIT:
-            pe_rows = KV_PE + page.to(tl.int64) * stride_pkb + (t % PAGE) * stride_pkt
-        else:
-            pe_rows = kv_rows  # (not read: the rope part follows the latent)
-        m, l, acc = _attend_tile(
-            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
-            DOT_FP32, PRECISION,
+        m, l, acc = _masked_tile(
+            q_lat, q_pe, KV, KV_PE, table_row, t0, t_end, offs_n, m, l, acc, qk_scale, stride_tj,
+            stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, D_LAT, D_PE, SPLIT, DOT_FP32,
+            PRECISION,
         )  # fmt: skip
 
     o_base = split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
@@ -226,13 +219,14 @@ def _mla_decode_kernel(
 
 
 @triton.jit
-def _masked_tail(
+def _masked_tile(
     q_lat, q_pe, KV, KV_PE, table_row, t0, t_end, offs_n, m, l, acc, qk_scale, stride_tj,
     stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE: tl.constexpr, D_LAT: tl.constexpr,
     D_PE: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """The one masked tile of the restructured loop: entries ``t0 .. t_end`` (fewer than a
-    tile), as the classic kernel attends every tile."""
+    """One masked tile: entries ``t0 .. min(t0 + BLOCK_N, t_end)`` (``offs_n`` is
+    ``arange(BLOCK_N)``) through the sequence's page-table row ``table_row``. The classic
+    kernel attends every tile so; the restructured loop only its last, partial one."""
     t = t0 + offs_n
     valid = t < t_end
     page = tl.load(table_row + (t // PAGE) * stride_tj, mask=valid, other=0)
@@ -240,7 +234,7 @@ def _masked_tail(
     if SPLIT:
         pe_rows = KV_PE + page.to(tl.int64) * stride_pkb + (t % PAGE) * stride_pkt
     else:
-        pe_rows = kv_rows
+        pe_rows = kv_rows  # (not read: the rope part follows the latent)
     return _attend_tile(
         q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
         DOT_FP32, PRECISION,
@@ -303,7 +297,7 @@ def _mla_decode_pipe_kernel(
                                    PRECISION)  # fmt: skip
     t_tail = t_start + n_full * BLOCK_N
     if t_tail < t_end:
-        m, l, acc = _masked_tail(
+        m, l, acc = _masked_tile(
             q_lat, q_pe, KV, KV_PE, table_row, t_tail, t_end, offs_n, m, l, acc, qk_scale,
             stride_tj, stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, D_LAT, D_PE, SPLIT,
             DOT_FP32, PRECISION,
