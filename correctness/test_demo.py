@@ -4,7 +4,7 @@ request still answered correctly through the fallback (and the report saying whi
 when), a holder that fails or dies at start-up ending the run at once, a profile loaded instead
 of recalibrated, every argument checked before any work. Every partial and merged answer inside
 the demo is checked against the fp64 single-instance reference (``run_demo`` raises beyond the
-bounds). No test reads a time: the model's MAPE is a measured figure for the README."""
+bounds). No test reads a time: the model's MAPE is a measured figure for docs/demo.md."""
 
 from __future__ import annotations
 

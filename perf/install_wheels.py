@@ -12,7 +12,7 @@
 It prints each decision and each requirement of the chosen wheels that the machine does not
 meet and no carried wheel does (e.g. the ``cuda-python`` metapackage, whose ``cuda.bindings``
 the image has). Exit status 0 also when nothing is carried (the NVSHMEM steps then skip); 1
-when pip fails. Which wheels to carry and how to download them: README "GPU check".
+when pip fails. Which wheels to carry and how to download them: docs/gpu-check.md.
 """
 
 from __future__ import annotations

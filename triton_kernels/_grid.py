@@ -29,7 +29,7 @@ entries per split), ties to the smaller S. A wave lasts as long as its slowest C
 streams at its share ``ceiling / slots``, so a wave costs ``slots * cta_bytes``: a grid that
 fills whole waves is the cheapest, a short context at B 1 spreads over as many SMs as its
 64-entry splits allow, and splitting stops where the partials' traffic and the combine's launch
-outweigh the SMs it adds. Worked examples (one CTA per SM, 132 SMs) are in README "Kernels".
+outweigh the SMs it adds. Worked examples (one CTA per SM, 132 SMs) are in docs/kernels.md.
 
 A persistent grid is not used: for the uniform lengths of a holder's batch (one chunk) this
 policy fills every wave to within one CTA per SM (>= 96% at the goal shapes, see

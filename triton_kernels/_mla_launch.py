@@ -277,7 +277,7 @@ def tile_config(
 
     Chosen from launch-exact sm_90 compiles of the bf16 kernels (``_variants``, registers and
     spills read with cuobjdump under triton 3.6.0 and 3.9.0; the figures of the launched
-    variants are in ``_sm90_table`` and README "Kernels"):
+    variants are in ``_sm90_table`` and docs/kernels.md, "Kernels on Hopper"):
 
     - dense: 16 heads x 64-entry tiles on 8 warps; 17..32 heads, 32 heads x 32-entry tiles;
     - sparse (the per-entry index arithmetic costs registers): 16 x 32 and 32 x 16;

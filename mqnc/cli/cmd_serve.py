@@ -1,5 +1,5 @@
 """``mqnc serve``: one rank of a holder / requester job started by torchrun
-(:func:`mqnc.serving.run_rank`; the README's "Holders as a service").
+(:func:`mqnc.serving.run_rank`; docs/serving.md, "Holders as a service").
 
 A rank that holds chunks of the corpus file serves them until every requester is done; every
 other rank is a requester and runs its job: ``--generate`` (the default: a Hugging Face model

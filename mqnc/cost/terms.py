@@ -22,7 +22,7 @@ fabric from measured round trips (§4.3).
 The term functions accept Python floats or numpy arrays (broadcasting), so the predicate's
 grids reuse them unchanged. This module imports numpy only (no torch, no triton).
 
-Accounting choices where the paper is silent (see also the README):
+Accounting choices where the paper is silent (see also docs/cost-model.md):
 
 - ``round_trips``: the paper charges one round trip of ``M_q`` rows per (chunk, request) and
   compares it with the all-layer pull (Fig. 1(b), Fig. 6(a), §5.1). A decode step that routes

@@ -10,10 +10,11 @@ Every benchmark is built the same way::
     return finish(args, TARGETS)                 # summary; with --check, 1 on a missed target
 
 Where records go: ``--out FILE``; else ``--record``, the repository's tracked
-``perf/results/results.jsonl`` (the file the README's tables and the notebooks read: commit
-what you record there); else ``$MQNC_RESULTS``; else ``perf/results/local.jsonl`` beside it,
-which git ignores (:func:`mqnc.measure.results_file.output_path`). A quick smoke run therefore never
-changes the repository.
+``perf/results/results.jsonl`` (the file the README's and docs/results.md's tables and the
+notebooks read: commit what you record there); else ``$MQNC_RESULTS``; else
+``perf/results/local.jsonl`` beside it, which git ignores
+(:func:`mqnc.measure.results_file.output_path`). A quick smoke run therefore never changes the
+repository.
 
 Lists are comma-separated everywhere (``--m-q 1,64,1024``); a value that is not valid is an
 argparse error naming the flag (exit status 2).

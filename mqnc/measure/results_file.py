@@ -15,8 +15,9 @@ Two files, found from the repository root (the nearest folder at or above the wo
 directory that has ``perf/results/results.jsonl``: the root when a benchmark runs as
 ``python -m perf.bench_x`` there, or a notebook runs in ``notebooks/``):
 
-- ``perf/results/results.jsonl``, tracked: the records the README's tables and the notebooks
-  read (:func:`results_path`: the path given, else ``$MQNC_RESULTS``, else this file);
+- ``perf/results/results.jsonl``, tracked: the records the README's and docs/results.md's
+  tables and the notebooks read (:func:`results_path`: the path given, else
+  ``$MQNC_RESULTS``, else this file);
 - ``perf/results/local.jsonl``, git-ignored: where records go by default
   (:func:`output_path`: the path given, else the tracked file when asked to ``record``, else
   ``$MQNC_RESULTS``, else this file), so that running a benchmark never changes the repository.

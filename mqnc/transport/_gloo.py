@@ -16,7 +16,7 @@ frame past it. A frame that *claims* more than a slot (or a put or get of a slot
 does not feed) is dropped at the receiver and recorded: it costs that sender's request, never
 the process. What gloo leaves open: a rank that bypasses this module and hands gloo a longer
 message itself (``ProcessGroupGloo.send``) still aborts the receiver; ``torch.distributed``
-authenticates nobody, so the members of a fabric are trusted not to (see the README's
+authenticates nobody, so the members of a fabric are trusted not to (see docs/serving.md's
 "Security and trust model").
 
 :class:`Inbox` is the receiving half: one service thread per peer keeps two receives posted

@@ -31,7 +31,7 @@ Facts this engine is built on (torch 2.13, gloo):
 - ports and addresses: :func:`free_port_store` listens on the address it is given (a socket
   bound there, handed to the ``TCPStore``; the store's own default listens on every
   interface), and ``host=`` binds gloo's pairs to an address (:meth:`TorchDistTransport.connect`
-  passes the store's). ``torch.distributed`` authenticates nobody: see the README's "Security
+  passes the store's). ``torch.distributed`` authenticates nobody: see docs/serving.md, "Security
   and trust model".
 
 The process group is built directly (``ProcessGroupGloo(store, rank, world, options)``), not
@@ -101,7 +101,7 @@ def free_port_store(world_size: int, timeout_s: float = 60.0, host: str = "127.0
 
     The store's own listener binds every interface whatever host it is given; here a socket
     bound to ``host`` is handed to it (``master_listen_fd``), so that nothing outside that
-    address can reach it (a store accepts any client: see the README's trust model).
+    address can reach it (a store accepts any client: see the trust model in docs/serving.md).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
