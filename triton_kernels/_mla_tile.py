@@ -127,6 +127,16 @@ def _attend_tile(
 
 
 @triton.jit
+def _softmax_init(BLOCK_H: tl.constexpr, D_LAT: tl.constexpr):
+    """The online softmax's start ``(m, l, acc)``: running max ``-inf`` [BLOCK_H], denominator
+    0 [BLOCK_H], unnormalised output 0 [BLOCK_H, D_LAT], all fp32."""
+    m = tl.full([BLOCK_H], -float("inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+    return m, l, acc
+
+
+@triton.jit
 def _softmax_step(s, v, m, l, acc, PRECISION: tl.constexpr):
     """One online-softmax update: scores ``s [BLOCK_H, BLOCK_N]`` (fp32, base 2, already
     scaled by ``qk_scale``; ``-inf`` where an entry is not attended) against the values

@@ -49,7 +49,13 @@ import triton.language as tl
 from mqnc.triton_kernels._checks import dtype_name
 from mqnc.triton_kernels._launch import Launch
 from mqnc.triton_kernels._mla_launch import TileConfig, dot_precision, tile_config
-from mqnc.triton_kernels._mla_tile import LOG2E, _attend_tile, _split_range, _store_partial
+from mqnc.triton_kernels._mla_tile import (
+    LOG2E,
+    _attend_tile,
+    _softmax_init,
+    _split_range,
+    _store_partial,
+)
 from mqnc.triton_kernels._numerics import round_to
 from mqnc.triton_kernels._nvshmem_device import fence, putmem_nbi_block, putmem_signal_nbi_block
 from mqnc.triton_kernels._nvshmem_device import quiet as nvshmem_quiet
@@ -165,9 +171,7 @@ def _dense_item(QS, KVL, table_row, tokens, b, h0, split, S, heads, qk_scale, st
     q_lat, q_pe, offs_h, mask_h = _query(
         QS, b, h0, heads, stride_qb, stride_qh, BLOCK_H, D_LAT, D_PE, DOT_FP32
     )
-    m = tl.full([BLOCK_H], -float("inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+    m, l, acc = _softmax_init(BLOCK_H, D_LAT)
     t_start, t_end = _split_range(tokens, S, split, BLOCK_N, MIN_TILES)
     offs_n = tl.arange(0, BLOCK_N)
     for t0 in tl.range(t_start, t_end, BLOCK_N, num_stages=TILE_STAGES):
@@ -195,9 +199,7 @@ def _sparse_item(QS, IdxRow, KVL, table_row, tokens, topk, b, h0, split, S, head
     q_lat, q_pe, offs_h, mask_h = _query(
         QS, b, h0, heads, stride_qb, stride_qh, BLOCK_H, D_LAT, D_PE, DOT_FP32
     )
-    m = tl.full([BLOCK_H], -float("inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+    m, l, acc = _softmax_init(BLOCK_H, D_LAT)
     k_start, k_end = _split_range(topk, S, split, BLOCK_N, MIN_TILES)
     offs_n = tl.arange(0, BLOCK_N)
     nbad = tl.sum(tl.zeros([BLOCK_N], tl.int32), 0)

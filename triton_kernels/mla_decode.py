@@ -86,6 +86,7 @@ from mqnc.triton_kernels._mla_tile import (
     _load_query,
     _merge_if_last,
     _page_descriptors,
+    _softmax_init,
     _split_range,
     _store_partial,
 )
@@ -195,9 +196,7 @@ def _mla_decode_kernel(
         Q, Q_PE, b, h0, H, stride_qb, stride_qh, stride_pqb, stride_pqh, BLOCK_H, D_LAT, D_PE,
         SPLIT, DOT_FP32,
     )  # fmt: skip
-    m = tl.full([BLOCK_H], -float("inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+    m, l, acc = _softmax_init(BLOCK_H, D_LAT)
 
     if CSR:
         table_row = BlockTable + tl.load(Indptr + seq).to(tl.int64) * stride_tj
@@ -272,9 +271,7 @@ def _mla_decode_pipe_kernel(
         Q, Q_PE, b, h0, H, stride_qb, stride_qh, stride_pqb, stride_pqh, BLOCK_H, D_LAT, D_PE,
         SPLIT, DOT_FP32,
     )  # fmt: skip
-    m = tl.full([BLOCK_H], -float("inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+    m, l, acc = _softmax_init(BLOCK_H, D_LAT)
     if CSR:
         table_row = BlockTable + tl.load(Indptr + seq).to(tl.int64) * stride_tj
     else:

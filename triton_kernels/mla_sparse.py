@@ -51,6 +51,7 @@ from mqnc.triton_kernels._mla_tile import (
     LOG2E,
     _attend_tile,
     _load_query,
+    _softmax_init,
     _split_range,
     _store_partial,
 )
@@ -116,9 +117,7 @@ def _mla_sparse_kernel(
         Q, Q_PE, b, h0, H, stride_qb, stride_qh, stride_pqb, stride_pqh, BLOCK_H, D_LAT, D_PE,
         SPLIT, DOT_FP32,
     )  # fmt: skip
-    m = tl.full([BLOCK_H], -float("inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+    m, l, acc = _softmax_init(BLOCK_H, D_LAT)
 
     index_row = Indices + b.to(tl.int64) * stride_ib
     offs_n = tl.arange(0, BLOCK_N)
@@ -182,9 +181,7 @@ def _mla_sparse_pipe_kernel(
         Q, Q_PE, b, h0, H, stride_qb, stride_qh, stride_pqb, stride_pqh, BLOCK_H, D_LAT, D_PE,
         SPLIT, DOT_FP32,
     )  # fmt: skip
-    m = tl.full([BLOCK_H], -float("inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+    m, l, acc = _softmax_init(BLOCK_H, D_LAT)
     index_row = Indices + b.to(tl.int64) * stride_ib
     offs_n = tl.arange(0, BLOCK_N)
     n_full = (k_end - k_start) // BLOCK_N

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from mqnc.triton_kernels._checks import check_same_device, check_softmax_scale, check_tensor
 from mqnc.triton_kernels._launch import Launch
-from mqnc.triton_kernels._mla_tile import _softmax_step, _store_partial
+from mqnc.triton_kernels._mla_tile import _softmax_init, _softmax_step, _store_partial
 from mqnc.triton_kernels._runtime import (
     bf16_rne_in_software,
     check_launchable,
@@ -81,9 +81,7 @@ def _tp_values_kernel(
     """Grid ``(B * ceil(H / BLOCK_H),)``: one query token's ``BLOCK_H`` heads over all its
     ``T`` entries."""
     b, offs_h, mask_h = _token_heads(H, BLOCK_H)
-    m = tl.full([BLOCK_H], -float("inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_LAT], tl.float32)
+    m, l, acc = _softmax_init(BLOCK_H, D_LAT)
     s_row = S + b.to(tl.int64) * stride_sb + offs_h[:, None] * stride_sh
     slot_row = Slots + b.to(tl.int64) * stride_tb
     offs = tl.arange(0, BLOCK_T)
