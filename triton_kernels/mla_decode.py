@@ -198,10 +198,7 @@ def _mla_decode_kernel(
     )  # fmt: skip
     m, l, acc = _softmax_init(BLOCK_H, D_LAT)
 
-    if CSR:
-        table_row = BlockTable + tl.load(Indptr + seq).to(tl.int64) * stride_tj
-    else:
-        table_row = BlockTable + seq.to(tl.int64) * stride_tb
+    table_row = _table_row(BlockTable, Indptr, seq, stride_tb, stride_tj, CSR)
     offs_n = tl.arange(0, BLOCK_N)
     for t0 in range(t_start, t_end, BLOCK_N):
         m, l, acc = _masked_tile(
@@ -215,6 +212,16 @@ def _mla_decode_kernel(
     _store_partial(
         O, LSE, o_base, lse_base, offs_h, mask_h, stride_oh, stride_lh, m, l, acc, D_LAT, BF16_RNE
     )
+
+
+@triton.jit
+def _table_row(BlockTable, Indptr, seq, stride_tb, stride_tj, CSR: tl.constexpr):
+    """Pointer to sequence ``seq``'s first page id: row ``seq`` of the ``[B, max_pages]``
+    block table, or (``CSR``) the flat page list from ``Indptr[seq]``."""
+    if CSR:
+        return BlockTable + tl.load(Indptr + seq).to(tl.int64) * stride_tj
+    else:
+        return BlockTable + seq.to(tl.int64) * stride_tb
 
 
 @triton.jit
@@ -272,10 +279,7 @@ def _mla_decode_pipe_kernel(
         SPLIT, DOT_FP32,
     )  # fmt: skip
     m, l, acc = _softmax_init(BLOCK_H, D_LAT)
-    if CSR:
-        table_row = BlockTable + tl.load(Indptr + seq).to(tl.int64) * stride_tj
-    else:
-        table_row = BlockTable + seq.to(tl.int64) * stride_tb
+    table_row = _table_row(BlockTable, Indptr, seq, stride_tb, stride_tj, CSR)
     if TMA:
         lat_desc, pe_desc = _page_descriptors(
             KV, KV_PE, n_blocks, stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, BLOCK_N,
