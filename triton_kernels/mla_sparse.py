@@ -62,6 +62,21 @@ __all__ = ["mla_sparse_partial", "plan_mla_sparse", "plan_sparse", "sparse_launc
 
 
 # topk and the index rows' stride vary from call to call: not specialised (see mla_decode).
+@triton.jit
+def _sparse_keys(
+    H, topk, NUM_SPLITS, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr
+):
+    """``(b, h0, split, k_start, k_end)`` of this program of the sparse grid: query row ``b``,
+    its first head ``h0``, split ``split`` and that split's index slots ``k_start .. k_end``."""
+    head_blocks = tl.cdiv(H, BLOCK_H)
+    pid = tl.program_id(0)
+    b = pid // head_blocks
+    h0 = (pid - b * head_blocks) * BLOCK_H
+    split = tl.program_id(1)
+    k_start, k_end = _split_range(topk, NUM_SPLITS, split, BLOCK_N, MIN_TILES)
+    return b, h0, split, k_start, k_end
+
+
 @triton.jit(do_not_specialize=["topk", "NUM_SPLITS", "stride_ib"])
 def _mla_sparse_kernel(
     Q,
@@ -105,13 +120,7 @@ def _mla_sparse_kernel(
     """Grid ``(B * ceil(H / BLOCK_H), NUM_SPLITS)``: a row's head blocks adjacent on axis 0 (as
     the dense kernel's); split ``s`` takes a contiguous range of the row's ``topk`` index
     slots, whole tiles each."""
-    head_blocks = tl.cdiv(H, BLOCK_H)
-    pid = tl.program_id(0)
-    b = pid // head_blocks
-    h0 = (pid - b * head_blocks) * BLOCK_H
-    split = tl.program_id(1)
-
-    k_start, k_end = _split_range(topk, NUM_SPLITS, split, BLOCK_N, MIN_TILES)
+    b, h0, split, k_start, k_end = _sparse_keys(H, topk, NUM_SPLITS, BLOCK_H, BLOCK_N, MIN_TILES)
 
     q_lat, q_pe, offs_h, mask_h = _load_query(
         Q, Q_PE, b, h0, H, stride_qb, stride_qh, stride_pqb, stride_pqh, BLOCK_H, D_LAT, D_PE,
@@ -171,12 +180,7 @@ def _mla_sparse_pipe_kernel(
     attended) whose index loads carry no range mask, then the last, partial tile's range mask
     once. The ``-1`` slots stay masked on every tile: which slots are used is data, not
     shape. TMA does not apply: Hopper's TMA has no row gather (Blackwell's ``gather``)."""
-    head_blocks = tl.cdiv(H, BLOCK_H)
-    pid = tl.program_id(0)
-    b = pid // head_blocks
-    h0 = (pid - b * head_blocks) * BLOCK_H
-    split = tl.program_id(1)
-    k_start, k_end = _split_range(topk, NUM_SPLITS, split, BLOCK_N, MIN_TILES)
+    b, h0, split, k_start, k_end = _sparse_keys(H, topk, NUM_SPLITS, BLOCK_H, BLOCK_N, MIN_TILES)
     q_lat, q_pe, offs_h, mask_h = _load_query(
         Q, Q_PE, b, h0, H, stride_qb, stride_qh, stride_pqb, stride_pqh, BLOCK_H, D_LAT, D_PE,
         SPLIT, DOT_FP32,
