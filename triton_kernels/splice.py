@@ -60,7 +60,7 @@ _HALF_PI_LO = 6.123233995736766e-17  # pi/2 - _HALF_PI_HI
 _TWO_OVER_PI = 2.0 / math.pi
 _MAX_ABS_DELTA = 2**31 - 1  # exact float64 angles need |delta| < 2**29; accurate to 2**31
 
-BLOCK_T = 8  # tokens per program (4 warps; registers in README "Kernels", from _sm90_table)
+BLOCK_T = 8  # tokens per program (4 warps; registers in docs/kernels.md, from _sm90_table)
 BLOCK_D = 128  # latent dims per copy step
 NUM_WARPS = 4
 
