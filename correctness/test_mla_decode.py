@@ -57,7 +57,7 @@ def paged_cache(lengths, block_size, dtype, gen, *, spare_blocks=2, values=None)
     dtype=st.sampled_from(DTYPES),
     heads=st.sampled_from([1, 3, 16, 20]),
     block_size=st.sampled_from([16, 32, 64, 128]),
-    lengths=st.lists(st.integers(0, 300), min_size=1, max_size=3),
+    lengths=st.lists(st.integers(0, 200), min_size=1, max_size=3),  # > the largest page
     num_splits=st.sampled_from([None, 1, 2, 3, 7]),
     seed=st.integers(0, 2**16),
 )
@@ -130,7 +130,7 @@ def test_decode_empty_rows(num_splits):
 @settings(max_examples=12)  # up to 9 launches per example: keep the suite's CPU time bounded
 @given(
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    ct=st.integers(64, 320),
+    ct=st.integers(64, 192),  # up to three 64-entry pages, or twelve 16-entry ones
     cuts=st.lists(st.floats(0.0, 1.0), min_size=0, max_size=7),
     block_size=st.sampled_from([16, 64]),
     seed=st.integers(0, 2**16),
@@ -140,7 +140,7 @@ def test_routed_dense_equals_one_call(dtype, ct, cuts, block_size, seed):
     different holder (its own pool and block table), attended per holder and merged with the
     merge kernel, equals one kernel call over the whole cache."""
     gen = torch.Generator().manual_seed(seed)
-    B, H = 2, 16
+    B, H = 1, 16  # (batches: test_decode_matches_fp64_reference)
     # Entries ~ N(0, 0.15^2), q ~ N(0, 1.25^2): scores as with q ~ N(0, 0.19^2) over unit entries
     # (std ~0.7, attention spread over the chunk) and |o| < 0.25, the premise of the project's
     # 2e-3 bf16 bound (one bf16 ulp of |o|; see the tolerance's reason), checked below.

@@ -139,7 +139,7 @@ def test_fp32_tolerance_covers_scores_summed_in_the_gpus_order():
 @settings(max_examples=12)  # up to 9 launches per example: keep the suite's CPU time bounded
 @given(
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    topk=st.integers(64, 256),
+    topk=st.integers(64, 160),  # more than a 64-entry tile, split over up to 8 holders
     holders=st.integers(1, 8),
     seed=st.integers(0, 2**16),
 )
@@ -148,7 +148,7 @@ def test_routed_sparse_equals_one_call(dtype, topk, holders, seed):
     holders; holder i holds only its entries (every other slot of its pool is NaN) and attends
     its part of the selection; the merged partials equal one call over the whole set."""
     gen = torch.Generator().manual_seed(seed)
-    B, H, block_size, num_blocks = 2, 16, 64, 64
+    B, H, block_size, num_blocks = 1, 16, 64, 64  # (batches: test_sparse_* against fp64)
     indices = selection(gen, B, topk, num_blocks * block_size, 0.0)
     # Entries ~ N(0, 0.15^2), q ~ N(0, 1.25^2): |o| < 0.25, the premise of the bf16 bound.
     store = pool_with(indices, num_blocks, block_size, dtype, gen, scale=0.15)
