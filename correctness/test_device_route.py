@@ -7,6 +7,8 @@ reply through exactly and merges a local partial against the fp64 reference."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -326,3 +328,28 @@ def test_the_merge_refuses_what_the_reply_slots_cannot_hold():
     lse_loc = torch.zeros(1, GEOM.heads, device=DEVICE)
     with pytest.raises(ValueError, match=r"local\[0\] \(o\)"):
         client.merge([0], 1, GEOM.heads, local=(o_loc, lse_loc))
+
+
+def test_bench_check_names_the_goal_a_run_missed(tmp_path, capsys):
+    """``perf.bench_device_route --check`` on a GPU: status 1 when this run's probe p50 is over
+    5 us or its M_q 1 (H 16) route p50 over 20 us, naming each; other routes and the records of
+    earlier runs in the file do not count."""
+    from perf.bench_device_route import _missed
+
+    def rec(bench, p50, x=1, heads=16):
+        return dict(bench=bench, x=x, p50=p50, p20=p50, p80=p50, extra=dict(heads=heads))
+
+    out = tmp_path / "r.jsonl"
+    old = [rec("probe", 99.0)]  # an earlier run's miss
+    ok = [
+        rec("probe", 4.0),
+        rec("route", 19.0),
+        rec("route", 90.0, x=16),
+        rec("route", 50.0, heads=128),
+    ]
+    out.write_text("".join(json.dumps(r) + "\n" for r in old + ok))
+    assert _missed(str(out), 1) == 0
+    with out.open("a") as f:
+        f.write(json.dumps(rec("route", 21.5)) + "\n")
+    assert _missed(str(out), 1) == 1
+    assert "route p50 21.50 us > 20.0" in capsys.readouterr().err

@@ -2,7 +2,10 @@
 and H 128), and N requesters at once (the fan-in elbow, §6.3's Fig. 4(b) with the transport in
 it), all through the resident holder kernel (``mqnc.serving.device_holder``).
 
-``python -m perf.bench_device_route [--out FILE] [--reps N] [--dry-run]``
+``python -m perf.bench_device_route [--out FILE | --record] [--reps N] [--dry-run] [--check]``
+(the shared benchmark flags, :func:`mqnc.measure.options.bench_parser`; ``--quick`` is the dry
+run's small sweep; ``--check`` exits with status 1 when, on a GPU, the probe's p50 is over
+5 us or the route's at M_q 1 (H 16) over 20 us: the goals of ``docs/device-route.md``).
 
 What is timed (a GPU): the requester's step for ``--layers`` layers, each layer one put
 (``route_put``) and one wait-then-merge (``route_merge``), captured once in a CUDA graph and
@@ -32,6 +35,8 @@ import time
 
 import torch
 
+from mqnc.cost.results_reader import read_jsonl
+from mqnc.measure.options import bench_parser, parse_bench_args
 from mqnc.model import PRESETS, RopeSpec
 from mqnc.reference import partial_attention_reference
 from mqnc.serving.device_holder import DeviceHolder
@@ -41,15 +46,16 @@ from mqnc.transport.device_route import LocalBackend, RouteClient, RouteLayout, 
 CHUNK = 0
 
 
+TARGETS_US = {"probe": 5.0, "route": 20.0}  # p50 goals on a GPU: probe; route at M_q 1, H 16
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="results file (JSON lines; default stdout only)")
-    ap.add_argument("--reps", type=int, default=20)
+    ap = bench_parser(__doc__, reps=20, warmup=1)
     ap.add_argument("--inner", type=int, default=20, help="graph replays per sample")
     ap.add_argument("--layers", type=int, default=4, help="routed layers per captured step")
     ap.add_argument("--ctas", type=int, default=8, help="CTAs per holder kernel")
-    ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("--commit", default=None)
+    ap.add_argument("--dry-run", action="store_true", help="tiny sizes, interpreted (a CPU)")
+    ap.add_argument("--commit", default=None, help="the commit the records name")
     return ap
 
 
@@ -108,7 +114,7 @@ def _check(bench: Bench, q, outs, B, heads, requesters) -> float:
     return worst
 
 
-def _time(bench: Bench, fn, reps: int, inner: int, trips: int) -> tuple:
+def _time(bench: Bench, fn, reps: int, inner: int, trips: int, warmup: int = 1) -> tuple:
     """p20/p50/p80 microseconds per round trip: a CUDA graph of ``fn`` replayed ``inner``
     times per sample (GPU), or ``fn`` eager once per sample (dry run)."""
     samples = []
@@ -123,7 +129,8 @@ def _time(bench: Bench, fn, reps: int, inner: int, trips: int) -> tuple:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        fn()  # warm (compiled, the holder answering)
+        for _ in range(max(1, warmup)):
+            fn()  # warm (compiled, the holder answering)
     side.synchronize()  # (a stream, never the device: the holder kernels never finish)
     # torch.cuda.graph synchronizes the device when it begins: the resident holder stops for
     # the capture (which runs nothing) and starts again before the replays
@@ -182,15 +189,15 @@ def _sweep(bench: Bench, heads, points, args, commit, c_t) -> None:
         worst = _check(bench, q, bench.step(B, hq, n, q=q), B, hq, n)
         trips = bench.geom.layers * n
         step = functools.partial(bench.step, B, hq, n, q=q)
-        pct, routed, calls = _time(bench, step, args.reps, args.inner, trips)
+        pct, routed, calls = _time(bench, step, args.reps, args.inner, trips, args.warmup)
         extra = dict(heads=heads, query_heads=hq, c_t=c_t, requesters=n, tokens=B,
                      vs_fp64=worst, layers=bench.geom.layers, ctas=args.ctas)  # fmt: skip
         _record(args.out, "route", B * hq, pct, bench, routed, calls, extra, commit)
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    dry = args.dry_run
+    args = parse_bench_args(_parser(), argv)
+    dry = args.dry_run or args.quick
     if not dry and not torch.cuda.is_available():
         print("bench_device_route: needs a GPU (or --dry-run)", file=sys.stderr)
         return 2
@@ -210,13 +217,29 @@ def main(argv=None) -> int:
             if heads == 16:
                 q = [torch.zeros(1, 1, 576, dtype=torch.bfloat16, device=device)]
                 step = functools.partial(bench.step, 1, 1, 1, True, q)
-                pct, routed, calls = _time(bench, step, args.reps, args.inner, bench.geom.layers)
+                pct, routed, calls = _time(
+                    bench, step, args.reps, args.inner, bench.geom.layers, args.warmup
+                )
                 extra = dict(heads=heads, layers=bench.geom.layers, ctas=args.ctas)
                 _record(args.out, "probe", 1, pct, bench, routed, calls, extra, commit)
             _sweep(bench, heads, points, args, commit, c_t)
         finally:
             bench.close()
-    return 0
+    return _missed(args.out, args.results_lines) if args.check and not dry else 0
+
+
+def _missed(out: str, skip: int) -> int:
+    """``--check``: 1 when this run's probe or M_q 1 (H 16) route p50 misses its goal."""
+    missed = []
+    for rec in read_jsonl(out)[skip:]:
+        extra = rec.get("extra") or {}
+        if rec["bench"] == "route" and (rec["x"] != 1 or extra.get("heads") != 16):
+            continue
+        if rec["bench"] in TARGETS_US and rec["p50"] > TARGETS_US[rec["bench"]]:
+            missed.append(f"{rec['bench']} p50 {rec['p50']:.2f} us > {TARGETS_US[rec['bench']]}")
+    for line in missed:
+        print(f"missed: {line}", file=sys.stderr)
+    return 1 if missed else 0
 
 
 if __name__ == "__main__":
