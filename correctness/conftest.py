@@ -138,27 +138,6 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
-HEAVY_FIRST = (
-    "test_hf_generate.py",
-    "test_notebooks.py",
-    "test_compile_sm90.py",
-    "test_demo.py",
-    "test_mla_sparse.py",
-    "test_mla_decode.py",
-    "test_serve.py",
-    "test_kernel_report.py",
-    "test_multiprocess.py",
-    "test_tp.py",
-)
-"""The files that take longest (docs/testing-time.md), run first: a worker given one of them last
-would leave the other idle at the end (the order of the tests inside a file is kept)."""
-
-
-def _heavy_rank(path: str) -> int:
-    name = path.rsplit("/", 1)[-1]
-    return HEAVY_FIRST.index(name) if name in HEAVY_FIRST else len(HEAVY_FIRST)
-
-
 def pytest_collection_modifyitems(config, items):
     import pytest
 
@@ -188,5 +167,3 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
     if config.getoption("-m") == "gpu":  # the tier runs in its listed order: kernels first
         items.sort(key=rank)
-    else:  # the longest files first: xdist deals files to workers in this order (--dist loadfile)
-        items.sort(key=lambda item: _heavy_rank(_rel(item.nodeid).split("::", 1)[0]))
