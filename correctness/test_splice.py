@@ -410,3 +410,107 @@ def test_persistent_splice_writes_the_default_splice_bit_for_bit(
         (chunk.stride(0), chunk.stride(1)), plain.stride()[:3], spec, persistent=True,
     )  # fmt: skip
     assert launch.grid == (splice.PERSISTENT_CTAS_PER_SM,) and launch.name.endswith(",persistent]")
+
+
+# ---- FP8 entries (mqnc.model.kv_format): only the bf16 RoPE part is rotated ----
+W8, PREFIX8 = 656, 528  # one FP8 entry of 512 + 64: latent and scale bytes, then 64 bf16
+
+
+def _fp8_chunk(g, L, ct):
+    """FP8 entries of cache rows with |x| <= 4 (quantized by the reference's recipe)."""
+    from mqnc.triton_kernels.fp8_quant import fp8_quantize
+
+    return fp8_quantize(_entries(g, L, ct, D, dtype=torch.bfloat16, device=device), D_C)
+
+
+def _ff_pool(L, num_blocks, block_size):
+    """An FP8 pool of 0xFF bytes: NaN latent bytes, NaN scales, NaN bf16 RoPE values."""
+    return torch.full((L, num_blocks, block_size, W8), 0xFF, dtype=torch.uint8, device=device)
+
+
+@pytest.mark.parametrize(
+    "ct, layout, delta_kind, layers, persistent",
+    [
+        (13, "interleaved", "int", "stacked", False),
+        (9, "half", "per_token", "stacked", False),
+        (5, "interleaved", "per_token", "list", False),
+        (13, "interleaved", "per_token", "stacked", True),
+    ],
+)
+def test_fp8_splice_copies_latent_and_scales_and_rotates_rope(
+    monkeypatch, ct, layout, delta_kind, layers, persistent
+):
+    """An FP8 chunk spliced by the 16-bit kernel over its bytes read as bf16: latent and
+    scale bytes bit-identical to the source, the RoPE part within the bf16 splice's bound of
+    the fp64 rotation, every other byte of the 0xFF-poisoned pool untouched; stacked or
+    per-layer pools, the persistent grid too (4 programs looping over 2 layers x 2 tiles)."""
+    from mqnc.reference.rope_ref import fp8_splice_reference
+    from mqnc.triton_kernels import splice
+
+    monkeypatch.setattr(splice, "sm_count", lambda device: 1)
+    g = torch.Generator().manual_seed(ct)
+    spec = _spec(layout)
+    L, block_size, num_blocks = 2, 16, 2
+    chunk = _fp8_chunk(g, L, ct)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:ct].to(device)
+    d = 2**31 - 1 if delta_kind == "int" else torch.randint(-(2**30), 2**30, (ct,), generator=g)
+    d = d.to(device) if isinstance(d, torch.Tensor) else d
+    pool = _ff_pool(L, num_blocks, block_size)
+    target = list(pool.unbind(0)) if layers == "list" else pool
+    with splice.persistent_splice(persistent):
+        assert rope_splice(chunk, target, slots, d, spec) is target
+    entries, rotated = fp8_splice_reference(chunk, _ff_pool(L, num_blocks, block_size), slots,
+                                            d, spec)  # fmt: skip
+    assert torch.equal(pool[..., :PREFIX8], entries[..., :PREFIX8])  # bit for bit, 0xFF kept
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    written[slots.cpu()] = True
+    flat = pool.view(L, -1, W8)
+    assert bool((flat[:, ~written.to(device)] == 0xFF).all())  # RoPE bytes of other slots too
+    got = pool[..., PREFIX8:].contiguous().view(torch.bfloat16)
+    assert_close(got, rotated, tolerance("rope", torch.bfloat16), name="rope part")
+
+
+def test_fp8_splice_torch_backend_and_delta_zero():
+    """The torch backend writes the same latent and scale bytes and RoPE values within the
+    bound; at delta 0 the kernel copies whole entries bit for bit."""
+    from mqnc.serving.compute import kernel_ops
+
+    g = torch.Generator().manual_seed(3)
+    spec, L, ct = _spec(), 2, 7
+    chunk = _fp8_chunk(g, L, ct)
+    slots = torch.arange(3, 3 + ct, device=device)
+    kernel, ref = _ff_pool(L, 1, 16), _ff_pool(L, 1, 16)
+    rope_splice(chunk, kernel, slots, -4097, spec)
+    kernel_ops("torch").rope_splice(chunk, ref, slots, -4097, spec)
+    assert torch.equal(kernel[..., :PREFIX8], ref[..., :PREFIX8])
+    assert_close(kernel[..., PREFIX8:].contiguous().view(torch.bfloat16),
+                 ref[..., PREFIX8:].contiguous().view(torch.bfloat16).double(),
+                 tolerance("rope", torch.bfloat16), name="rope part")  # fmt: skip
+    zero = _ff_pool(L, 1, 16)
+    rope_splice(chunk, zero, slots, 0, spec)
+    assert torch.equal(zero[:, 0, 3 : 3 + ct], chunk)
+
+
+@pytest.mark.parametrize(
+    "chunk_width, pool_dtype, exc, match",
+    [
+        (640, torch.uint8, ValueError, r"chunk: expected FP8 entries .* got 640 \(scales missing"),
+        (W8, torch.bfloat16, TypeError, "pool: cache format mismatch.*got a bfloat16 cache"),
+        (None, torch.uint8, TypeError, "chunk: cache format mismatch.*FP8 entries.*got bfloat16"),
+        (W8, "narrow", ValueError, "pool: expected FP8 entries of 656 bytes"),
+    ],
+)
+def test_fp8_splice_rejects_bad_input(chunk_width, pool_dtype, exc, match):
+    chunk = (
+        torch.zeros(2, 4, D, dtype=torch.bfloat16, device=device)
+        if chunk_width is None
+        else torch.zeros(2, 4, chunk_width, dtype=torch.uint8, device=device)
+    )
+    if pool_dtype == "narrow":
+        pool = torch.zeros(2, 1, 16, 640, dtype=torch.uint8, device=device)
+    elif pool_dtype == torch.uint8:
+        pool = _ff_pool(2, 1, 16)
+    else:
+        pool = torch.zeros(2, 1, 16, D, dtype=pool_dtype, device=device)
+    with pytest.raises(exc, match=match):
+        rope_splice(chunk, pool, torch.arange(4, device=device), 5, _spec())

@@ -26,6 +26,16 @@ Frequencies are plain numbers: ``rope`` is any object with the attributes of
 the model layer. The pure ``R(delta)`` carries no YaRN cos/sin factor (it was applied at
 encoding).
 
+FP8 entries (``mqnc.model.kv_format``: ``d_c`` e4m3 latent bytes, ``d_c / 128`` float32
+scales, ``d_r`` bf16 RoPE values; 656 B at 512 + 64) take the same kernel: a uint8 chunk and
+pool are read as bf16 (:func:`fp8_entry_views`), so the latent and the scales are the
+``D_NOPE = 264`` values copied bit for bit (16-bit loads and stores move bit patterns, NaN
+payloads included) and the RoPE part is the 64 bf16 values rotated as in a bf16 cache (the
+same bound). The 328-value rows' strides reach the kernel in 16-byte units (``ROW_ALIGN = 8``)
+so that it keeps 128-bit accesses (the JIT only sees a stride's divisibility by 16 elements);
+the 16-bit variants pass ``ROW_ALIGN = 1`` and compile as before. The persistent grid splices
+FP8 entries alike.
+
 :func:`rope_splice` and :func:`rope_rotate` are declared (signature, docstring, fake) in ``ops``,
 with :class:`RopeFrequencies`; this module is their ``"triton"`` implementation.
 """
@@ -44,6 +54,7 @@ from mqnc.triton_kernels._grid import sm_count
 from mqnc.triton_kernels._launch import Launch
 from mqnc.triton_kernels._numerics import round_to
 from mqnc.triton_kernels._runtime import bf16_rne_in_software, check_launchable, new_output
+from mqnc.triton_kernels.fp8_quant import GROUP, entry_bytes
 from mqnc.triton_kernels.ops import PlainRope, RopeFrequencies, rope_rotate, rope_splice
 
 __all__ = [
@@ -53,12 +64,15 @@ __all__ = [
     "PlainRope",
     "splice_launch",
     "persistent_splice",
+    "fp8_entry_views",
 ]
 
 _HALF_PI_HI = 1.5707963267948966  # float64 nearest pi/2
 _HALF_PI_LO = 6.123233995736766e-17  # pi/2 - _HALF_PI_HI
 _TWO_OVER_PI = 2.0 / math.pi
 _MAX_ABS_DELTA = 2**31 - 1  # exact float64 angles need |delta| < 2**29; accurate to 2**31
+
+_FP8 = "fp8_e4m3"  # the FP8 cache format's name (mqnc.model.kv_format)
 
 BLOCK_T = 8  # tokens per program (4 warps; registers in docs/kernels.md, from _sm90_table)
 BLOCK_D = 128  # latent dims per copy step
@@ -119,13 +133,24 @@ def _splice_tile(
     DELTA_PER_TOKEN: tl.constexpr,
     LAYER_TABLE: tl.constexpr,
     LAYER_ALIGN: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
     BF16_RNE: tl.constexpr,
     HALF_PI_HI: tl.constexpr,
     HALF_PI_LO: tl.constexpr,
     TWO_OVER_PI: tl.constexpr,
 ):
     """Token tile ``pid_t`` of layer ``layer`` (int64): copy D_NOPE dims, rotate D_ROPE dims
-    by delta (what one program of :func:`_rope_splice_kernel` does)."""
+    by delta (what one program of :func:`_rope_splice_kernel` does).
+
+    ``ROW_ALIGN > 1``: the five strides come in units of ROW_ALIGN elements (16 bytes; FP8
+    entries of 656 B, whose 328-element rows the JIT cannot see are 16-byte aligned), so the
+    compiler knows every row's alignment and keeps 128-bit loads and stores."""
+    if ROW_ALIGN > 1:
+        stride_sl = stride_sl * ROW_ALIGN
+        stride_st = stride_st * ROW_ALIGN
+        stride_dl = stride_dl * ROW_ALIGN
+        stride_db = stride_db * ROW_ALIGN
+        stride_ds = stride_ds * ROW_ALIGN
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < T
     if HAS_SLOTS:
@@ -208,6 +233,7 @@ def _rope_splice_kernel(
     DELTA_PER_TOKEN: tl.constexpr,
     LAYER_TABLE: tl.constexpr,
     LAYER_ALIGN: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
     BF16_RNE: tl.constexpr,
     HALF_PI_HI: tl.constexpr,
     HALF_PI_LO: tl.constexpr,
@@ -243,6 +269,7 @@ def _rope_splice_kernel(
         DELTA_PER_TOKEN,
         LAYER_TABLE,
         LAYER_ALIGN,
+        ROW_ALIGN,
         BF16_RNE,
         HALF_PI_HI,
         HALF_PI_LO,
@@ -277,6 +304,7 @@ def _rope_splice_persistent_kernel(
     DELTA_PER_TOKEN: tl.constexpr,
     LAYER_TABLE: tl.constexpr,
     LAYER_ALIGN: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
     BF16_RNE: tl.constexpr,
     HALF_PI_HI: tl.constexpr,
     HALF_PI_LO: tl.constexpr,
@@ -315,6 +343,7 @@ def _rope_splice_persistent_kernel(
             DELTA_PER_TOKEN,
             LAYER_TABLE,
             LAYER_ALIGN,
+            ROW_ALIGN,
             BF16_RNE,
             HALF_PI_HI,
             HALF_PI_LO,
@@ -395,6 +424,8 @@ def splice_launch(
     layer_offsets=None,
     layer_unit: int = 1,
     persistent: bool | None = None,
+    row_unit: int = 1,
+    entries: str | None = None,
 ) -> Launch:
     """The splice kernel's launch (no checks: :func:`rope_splice` / :func:`rope_rotate` check):
     ``T`` tokens of ``L`` layers from ``src`` into ``dst`` at ``slots`` (None: in order), each
@@ -405,8 +436,16 @@ def splice_launch(
     ``persistent`` (None: :func:`persistent_splice`'s process-wide choice, off by default): the
     persistent-grid kernel, at most :data:`PERSISTENT_CTAS_PER_SM` programs per SM of
     ``src``'s device striding over the (token tile, layer) pairs, instead of one program per
-    pair; the same arithmetic per tile (bit-identical pools)."""
+    pair; the same arithmetic per tile (bit-identical pools).
+
+    ``row_unit`` (> 1: every stride a multiple of it): the strides are passed in units of
+    ``row_unit`` elements (the kernel's ``ROW_ALIGN``); ``entries`` names a cache format the
+    bf16 ``src`` / ``dst`` views stand for (``"fp8_e4m3"``: FP8 entries, see
+    :func:`fp8_entry_views`), else the launch is named by ``src``'s dtype."""
     per_token = isinstance(delta, torch.Tensor)
+    if row_unit > 1:
+        strides_src = tuple(x // row_unit for x in strides_src)
+        strides_dst = tuple(x // row_unit for x in strides_dst)
     rows = "slots" if slots is not None else "rows"
     layers = ""
     if layer_offsets is not None:
@@ -422,7 +461,7 @@ def splice_launch(
         kernel, grid, sizes = _rope_splice_kernel, (tiles, L), ()
     return Launch(
         name=(
-            f"splice[{dtype_name(src.dtype)},{rope.layout},{rows},"
+            f"splice[{entries or dtype_name(src.dtype)},{rope.layout},{rows},"
             f"delta={'[T]' if per_token else 'int'},{BLOCK_T}x{BLOCK_D},w{NUM_WARPS}{layers}]"
         ),
         kernel=kernel,
@@ -451,6 +490,7 @@ def splice_launch(
             DELTA_PER_TOKEN=per_token,
             LAYER_TABLE=layer_offsets is not None,
             LAYER_ALIGN=layer_unit,
+            ROW_ALIGN=row_unit,
             BF16_RNE=bf16_rne_in_software(dst.dtype),
             HALF_PI_HI=_HALF_PI_HI,
             HALF_PI_LO=_HALF_PI_LO,
@@ -479,11 +519,14 @@ def persistent_splice(enabled: bool = True):
         _PERSISTENT[0] = before
 
 
-def _launch(*args, layer_offsets=None, layer_unit=1):
+def _launch(*args, layer_offsets=None, layer_unit=1, row_unit=1, entries=None):
     T, L = args[5], args[6]
     if T == 0 or L == 0:
         return
-    splice_launch(*args, layer_offsets=layer_offsets, layer_unit=layer_unit)()
+    splice_launch(
+        *args, layer_offsets=layer_offsets, layer_unit=layer_unit, row_unit=row_unit,
+        entries=entries,
+    )()  # fmt: skip
 
 
 _LAYER_TABLES: dict[tuple, torch.Tensor] = {}
@@ -565,9 +608,67 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
 
 
+def _entry_view(name: str, t: torch.Tensor) -> torch.Tensor:
+    """uint8 FP8 entries ``[..., W]`` as bfloat16 ``[..., W / 2]`` (the same bytes), or a
+    ``ValueError`` naming ``name`` when their strides or offset are odd."""
+    if t.dim() and (t.stride(-1) != 1 or t.storage_offset() % 2 or any(
+        x % 2 for x in t.stride()[:-1]
+    )):  # fmt: skip
+        raise ValueError(
+            f"{name}: expected FP8 entries with unit stride on the last dim and even strides and "
+            f"offset (read as bf16 pairs), got strides {t.stride()}, offset {t.storage_offset()}"
+        )
+    return t.view(torch.bfloat16)
+
+
+def fp8_entry_views(chunk: torch.Tensor, pool, rope) -> tuple[torch.Tensor, object, int]:
+    """An FP8 splice's operands as the bf16 rows the splice kernel moves, and their row unit.
+
+    An FP8 entry (``mqnc.model.kv_format``: ``d_c`` e4m3 latent bytes, ``d_c / 128`` float32
+    scales, then ``d_r`` bf16 RoPE values) read as bfloat16 is ``d_c * 33 / 64`` values that
+    the kernel copies bit for bit (latent and scales: a 16-bit load and store never changes a
+    bit pattern) followed by the ``d_r`` bf16 values it rotates, so the 16-bit splice kernel
+    splices it unchanged (its ``D_NOPE`` = 264 at 512 + 64). Returns ``(chunk [L, ct, W/2],
+    pool [.., W/2] (or the list of per-layer views), row_unit)``: 8 when every stride is a
+    multiple of 16 bytes (the kernel then keeps 128-bit accesses), else 1. ``chunk`` is
+    checked here (uint8, width ``d_c + 4 d_c / 128 + 2 d_r`` for ``d_r = rope.rope_dim``,
+    ``d_c`` a multiple of 128), and every pool must be uint8 of the same width."""
+    check_tensor("chunk", chunk, ndim=3, dtypes=(torch.uint8,), contiguous_last=True)
+    W = chunk.shape[-1]
+    _check_rope(rope, W, "chunk")
+    prefix = W - 2 * rope.rope_dim  # latent and scales: d_c * (1 + 4 / 128) bytes
+    d_c = prefix * GROUP // (GROUP + 4)
+    if prefix <= 0 or d_c % GROUP or entry_bytes(d_c, rope.rope_dim) != W:
+        raise ValueError(
+            f"chunk: expected FP8 entries of d_c + 4 d_c / {GROUP} + 2 d_r bytes (d_c a multiple "
+            f"of {GROUP}, d_r = rope.rope_dim = {rope.rope_dim}) on the last dim, got {W} "
+            "(scales missing?)"
+        )
+    pools = list(pool) if isinstance(pool, (list, tuple)) else [pool]
+    for i, p in enumerate(pools):
+        name = f"pool[{i}]" if isinstance(pool, (list, tuple)) else "pool"
+        check_tensor(name, p)
+        if p.dtype != torch.uint8:
+            raise TypeError(
+                f"{name}: cache format mismatch, expected uint8 FP8 entries (the chunk's "
+                f"format, fp8_e4m3), got a {dtype_name(p.dtype)} cache"
+            )
+        if p.dim() == 0 or p.shape[-1] != W:
+            raise ValueError(
+                f"{name}: expected FP8 entries of {W} bytes (the chunk's) on the last dim, got "
+                f"shape {tuple(p.shape)}"
+            )
+    views = [_entry_view(f"pool[{i}]", p) for i, p in enumerate(pools)]
+    chunk_v = _entry_view("chunk", chunk)
+    strides = [*chunk_v.stride()[:-1], *(x for v in views for x in v.stride()[:-1])]
+    unit = 8 if all(x % 8 == 0 for x in strides) else 1
+    return chunk_v, views if isinstance(pool, (list, tuple)) else views[0], unit
+
+
 @rope_splice.op.implementation("triton")
 def _splice(call) -> None:
-    """:func:`rope_splice` on the splice kernel (one launch for all layers)."""
+    """:func:`rope_splice` on the splice kernel (one launch for all layers); FP8 entries
+    (uint8) through :func:`fp8_entry_views`."""
     chunk, pool, slot_mapping, delta, rope = (
         call.chunk,
         call.pool,
@@ -575,6 +676,16 @@ def _splice(call) -> None:
         call.delta,
         call.rope,
     )
+    given, row_unit, entries = pool, 1, None
+    if isinstance(chunk, torch.Tensor) and chunk.dtype == torch.uint8:
+        chunk, pool, row_unit = fp8_entry_views(chunk, pool, rope)
+        entries = _FP8
+    elif isinstance(pool, torch.Tensor) and pool.dtype == torch.uint8:
+        got = dtype_name(chunk.dtype) if isinstance(chunk, torch.Tensor) else type(chunk).__name__
+        raise TypeError(
+            f"chunk: cache format mismatch, the pool keeps uint8 FP8 entries ({_FP8}), got "
+            f"{got} rows (quantize them with fp8_quantize first)"
+        )
     check_tensor("chunk", chunk, ndim=3, dtypes=FLOAT_DTYPES, contiguous_last=True)
     L, ct, D = chunk.shape
     _check_rope(rope, D, "chunk")
@@ -641,8 +752,10 @@ def _splice(call) -> None:
         rope,
         layer_offsets=_layer_table(dst, layers, unit) if layers else None,
         layer_unit=unit,
+        row_unit=row_unit,
+        entries=entries,
     )
-    return pool
+    return given
 
 
 @rope_rotate.op.implementation("triton")

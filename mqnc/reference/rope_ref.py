@@ -1,6 +1,7 @@
 """fp64 references of RoPE encoding, the delta rotation and the splice (§2.2 of the paper).
 
-Kernels: ``mqnc.triton_kernels.splice`` (:func:`rope_splice`, :func:`rope_rotate`).
+Kernels: ``mqnc.triton_kernels.splice`` (:func:`rope_splice`, :func:`rope_rotate`; FP8 entries
+of ``mqnc.model.kv_format``: :func:`fp8_splice_reference`, only their bf16 RoPE part rotated).
 
 ``R(p)`` rotates pair ``i`` of the ``d_r`` rope dims (pair members per
 :meth:`mqnc.model.RopeSpec.pair_indices`, interleaved or half) by the angle
@@ -33,6 +34,8 @@ __all__ = [
     "rope_delta_reference",
     "rope_rotate_reference",
     "rope_splice_reference",
+    "fp8_rope_rotate_reference",
+    "fp8_splice_reference",
     "interleaved_to_half",
     "half_to_interleaved",
 ]
@@ -149,6 +152,83 @@ def rope_splice_reference(
     rows = rope_rotate_reference(chunk, delta, rope)
     out[:, slot_mapping.long()] = rows
     return out.reshape(L, nb, bs, d)
+
+
+def fp8_rope_rotate_reference(
+    entries: torch.Tensor, delta: torch.Tensor | int, rope: RopeSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rotation of FP8 cache entries (``mqnc.model.kv_format``: latent e4m3 bytes,
+    float32 scales, then ``d_r`` bf16 RoPE values), split where the splice treats it apart.
+
+    Parameters
+    ----------
+    entries : torch.Tensor
+        ``[..., W]`` uint8, ``W = d_c + 4 d_c / 128 + 2 d_r`` (656 for 512 + 64), the RoPE
+        part encoded at the old positions.
+    delta : int or torch.Tensor
+        As in :func:`rope_rotate_reference` (broadcast against ``entries.shape[:-1]``).
+    rope : RopeSpec
+
+    Returns
+    -------
+    prefix : torch.Tensor
+        ``[..., W - 2 d_r]`` uint8: latent and scale bytes, unchanged (a copy).
+    rotated : torch.Tensor
+        ``[..., d_r]`` float64: ``R(delta)`` of the bf16 RoPE values.
+    """
+    if entries.dtype != torch.uint8:
+        raise TypeError(f"entries: expected uint8 FP8 entries, got {entries.dtype}")
+    tail = 2 * rope.rope_dim
+    if entries.dim() == 0 or entries.shape[-1] <= tail:
+        raise ValueError(
+            f"entries: expected more than 2 * rope_dim = {tail} bytes on the last dim, got "
+            f"shape {tuple(entries.shape)}"
+        )
+    x_pe = entries[..., -tail:].contiguous().view(torch.bfloat16)
+    if isinstance(delta, torch.Tensor):
+        delta = delta.reshape(*delta.shape, *([1] * (entries.dim() - 1 - delta.dim())))
+    return entries[..., :-tail].clone(), rope_delta_reference(x_pe, delta, rope)
+
+
+def fp8_splice_reference(
+    chunk: torch.Tensor,
+    pool: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    delta: torch.Tensor | int,
+    rope: RopeSpec,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`mqnc.triton_kernels.splice.rope_splice` over FP8 entries: the pool
+    after the splice, its bytes and its RoPE values.
+
+    Parameters
+    ----------
+    chunk : torch.Tensor
+        ``[L, ct, W]`` uint8 FP8 entries of all layers, RoPE encoded at the old positions.
+    pool : torch.Tensor
+        ``[L, num_blocks, block_size, W]`` uint8 (not modified).
+    slot_mapping, delta, rope
+        As in :func:`rope_splice_reference`.
+
+    Returns
+    -------
+    entries : torch.Tensor
+        ``[L, num_blocks, block_size, W]`` uint8: ``pool`` with the written slots' latent and
+        scale bytes equal to the chunk's (their RoPE bytes left as the pool's: compare those
+        through ``rotated``).
+    rotated : torch.Tensor
+        ``[L, num_blocks, block_size, d_r]`` float64: every slot's RoPE values, ``R(delta[t])``
+        of the chunk's where written, the pool's bf16 values elsewhere.
+    """
+    L, nb, bs, w = pool.shape
+    if isinstance(delta, torch.Tensor):
+        delta = delta.reshape(1, -1)  # one per token, the same for every layer
+    prefix, rows = fp8_rope_rotate_reference(chunk, delta, rope)
+    flat = pool.clone().reshape(L, nb * bs, w)
+    out = flat[..., -2 * rope.rope_dim :].contiguous().view(torch.bfloat16).to(torch.float64)
+    slots = slot_mapping.long()
+    flat[:, slots, : prefix.shape[-1]] = prefix
+    out[:, slots] = rows
+    return flat.reshape(L, nb, bs, w), out.reshape(L, nb, bs, -1)
 
 
 def interleaved_to_half(x: torch.Tensor) -> torch.Tensor:
