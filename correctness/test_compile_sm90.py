@@ -840,3 +840,46 @@ def test_fp8_quantizer_compiles_for_sm90_without_spills():
     assert len(rows) == 4
     assert [row for row in rows if row[2] or row[3] > SM90.shared_per_cta] == []
     assert [row[0] for row in rows if row[4] or row[5] < 4] == []
+
+
+_FP8_SPLICE = """
+import json, re
+import torch
+from mqnc.triton_kernels._compile import compile_launch, resources
+from mqnc.triton_kernels.splice import PlainRope, fp8_entry_views, persistent_splice, splice_launch
+rope = PlainRope(tuple(10000.0 ** (-i / 32) for i in range(32)), 64, "interleaved")
+freq = torch.tensor(rope.inv_freq, dtype=torch.float64)
+L, T, bs = 27, 2048, 64
+chunk = torch.zeros(L, T, 656, dtype=torch.uint8)
+pool = torch.zeros(L, 2 * T // bs, bs, 656, dtype=torch.uint8)
+src, dst, unit = fp8_entry_views(chunk, pool, rope)
+rows = []
+for delta in (7, torch.zeros(T, dtype=torch.int64)):
+    for persistent in (False, True):
+        ln = splice_launch(src, dst, torch.arange(T), delta, freq, T, L, bs, src.stride()[:2],
+                           dst.stride()[:3], rope, persistent=persistent, row_unit=unit,
+                           entries="fp8_e4m3")
+        c = compile_launch(ln.kernel, ln.args, ln.kwargs, grid=ln.grid)
+        r = resources(ln.name, c)
+        v4 = len(re.findall(r"st\\.global(?:\\.\\w+)*\\.v4", c.asm["ptx"]))
+        rows.append([ln.name, unit, r.registers, r.stack + r.local, v4])
+print(json.dumps(rows))
+"""
+
+
+def test_fp8_splice_compiles_for_sm90_without_spills():
+    """The FP8 splice (the 16-bit splice kernel over 656-byte entries read as 328 bf16, its
+    strides passed in 16-byte units) at the goal shape (27 layers x 2048 tokens, one delta and
+    a delta per token, default and persistent grid) compiles for sm_90 without spills, and its
+    latent-and-scale copy keeps 128-bit stores (three per row tile: 264 of the 328 values)."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run(
+        [sys.executable, "-c", _FP8_SPLICE], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, unit, regs, spill, v4 in rows:
+        print(f"triton {triton.__version__} {name}: {regs} regs, {spill} B spilled, {v4} v4 stores")
+        assert name.startswith("splice[fp8_e4m3,") and unit == 8
+        assert spill == 0 and regs <= 64, (name, regs, spill)
+        assert v4 >= 3, (name, v4)

@@ -517,11 +517,18 @@ def rope_splice(
     bit-exactly and its last ``d_r`` rope dims rotated by ``R(delta[t])`` in float32 (angles
     reduced in float64, see the module docstring) and rounded once to the pool dtype.
 
+    FP8 entries (``mqnc.model.kv_format``, DeepSeek-V3.2's 656 bytes: e4m3 latent, float32
+    scales, bf16 RoPE part) are spliced by dtype: a uint8 ``chunk`` ``[L, ct, W]`` and uint8
+    pools of the same ``W`` (``d_c + 4 d_c / 128 + 2 d_r``, ``d_r = rope.rope_dim``); latent
+    and scale bytes are copied bit for bit, only the bf16 RoPE part is rotated (the same
+    kernel over the entries read as bf16: ``splice.fp8_entry_views``).
+
     Parameters
     ----------
     chunk : torch.Tensor
         ``[L, ct, d_c + d_r]`` (576 = 512 + 64 for DeepSeek), bf16 / fp16 / fp32, unit stride on
-        the last dim; rope dims encoded at the chunk's old positions in ``rope.layout``.
+        the last dim; rope dims encoded at the chunk's old positions in ``rope.layout``. Or
+        uint8 FP8 entries ``[L, ct, W]`` (656 for 512 + 64).
     pool : torch.Tensor or sequence of torch.Tensor
         ``[L, num_blocks, block_size, d_c + d_r]``, same dtype and device as ``chunk``, unit
         stride on the last dim. Written in place at the given slots; other slots untouched.

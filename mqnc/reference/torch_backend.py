@@ -24,7 +24,7 @@ import torch
 from mqnc.reference.attention_ref import mla_decode_reference, mla_sparse_reference
 from mqnc.reference.fp8_ref import fp8_dequantize_reference, fp8_quantize_reference
 from mqnc.reference.merge_ref import merge_reference
-from mqnc.reference.rope_ref import rope_rotate_reference
+from mqnc.reference.rope_ref import fp8_rope_rotate_reference, rope_rotate_reference
 from mqnc.reference.tp_ref import tp_scores_reference, tp_values_reference
 
 __all__ = ["IMPLEMENTATIONS", "ROWS_PER_SLICE"]
@@ -161,7 +161,12 @@ def _splice(call) -> None:
     delta = call.delta
     if isinstance(delta, torch.Tensor):
         delta = delta.reshape(1, -1)  # one per token, the same for every layer
-    rows = rope_rotate_reference(call.chunk, delta, call.rope)
+    if call.chunk.dtype == torch.uint8:  # FP8 entries: latent and scales copied, RoPE rotated
+        prefix, rotated = fp8_rope_rotate_reference(call.chunk, delta, call.rope)
+        rotated = rotated.to(torch.bfloat16).view(torch.uint8)
+        rows = torch.cat([prefix, rotated], dim=-1)
+    else:
+        rows = rope_rotate_reference(call.chunk, delta, call.rope)
     slots = call.slot_mapping.long()
     pool = call.pool
     if isinstance(pool, torch.Tensor):
