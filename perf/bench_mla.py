@@ -50,13 +50,17 @@ kernel) and skips shapes whose gathered cache exceeds ~1 GiB.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 from mqnc.base.runtime import use_interpreter_without_cuda
 from mqnc.measure.options import bench_parser, choice_list, finish, parse_bench_args
+from mqnc.model.kv_format import kv_bytes_per_token
 from perf.speed_targets import TARGETS
 
 D_QK, D_V = 576, 512
+FP8_ENTRY = kv_bytes_per_token("fp8_e4m3", D_V, D_QK - D_V)  # 656 B: DeepSeek-V3.2's entry
+KV_DTYPES = {"bf16": ("bf16",), "fp8": ("fp8",), "both": ("bf16", "fp8")}
 SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite with YaRN
 CPU_MAX_GATHER = 1 << 30  # bytes of gathered fp32 cache the CPU path may build
 TINY_B, TINY_CT = 2, 128  # --tiny: the dry run's cut of a goal shape
@@ -74,14 +78,16 @@ def tiny_goals(ops) -> list:
 
 
 def _torch_partial(q, kv, valid):
-    """fp32 torch partial attention: ``q [B, H, d]``, ``kv [B, N, d]``, ``valid [B, N]``."""
+    """fp32 torch partial attention: ``q [B, H, d]``, ``kv [B, N, d]`` (or FP8 entries
+    ``[B, N, 656]`` uint8, dequantized first), ``valid [B, N]``."""
     import torch
 
-    s = torch.einsum("bhd,bnd->bhn", q.float(), kv.float()) * SCALE
+    kv = _rows(kv)
+    s = torch.einsum("bhd,bnd->bhn", q.float(), kv) * SCALE
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse[..., None])
-    return torch.einsum("bhn,bnd->bhd", p, kv[..., :D_V].float()).to(q.dtype), lse
+    return torch.einsum("bhn,bnd->bhd", p, kv[..., :D_V]).to(q.dtype), lse
 
 
 def _randn(shape, dev, dtype, gen):
@@ -93,14 +99,41 @@ def _randn(shape, dev, dtype, gen):
     return torch.randn(shape, generator=gen).to(dtype)
 
 
-def _dense_case(B, H, ct, dev, dtype, shared_chunk, gen):
-    """Pool, table and lengths for B rows of ct entries (own caches, or one shared chunk)."""
+def _as_cache(pool, kv: str, kernel: bool):
+    """The pool in cache format ``kv``: as drawn (``"bf16"``: the 16-bit path, fp32 on the CPU
+    stand-in), or its rows quantized to FP8 entries (``"fp8"``: ``[..., 656]`` uint8, by the
+    Triton quantizer when the kernels run, else by its torch backend, bit-identical)."""
+    if kv != "fp8":
+        return pool
+    if kernel:
+        from mqnc.triton_kernels.fp8_quant import fp8_quantize
+
+        return fp8_quantize(pool, D_V)
+    from mqnc.reference.fp8_ref import fp8_quantize_reference
+
+    return fp8_quantize_reference(pool, D_V)
+
+
+def _rows(kv):
+    """The gathered cache ``kv [..., 576 | 656]`` as fp32 rows (FP8 entries dequantized)."""
+    import torch
+
+    if kv.dtype != torch.uint8:
+        return kv.float()
+    from mqnc.reference.fp8_ref import fp8_dequantize_reference
+
+    return fp8_dequantize_reference(kv, D_V, D_QK - D_V, torch.float32)
+
+
+def _dense_case(B, H, ct, dev, dtype, shared_chunk, gen, kv="bf16", kernel=True):
+    """Pool (cache format ``kv``), table and lengths for B rows of ct entries (own caches, or
+    one shared chunk)."""
     import torch
 
     page = 64
     pages = math.ceil(ct / page)
     nblocks = pages if shared_chunk else B * pages
-    pool = _randn((nblocks, page, D_QK), dev, dtype, gen)
+    pool = _as_cache(_randn((nblocks, page, D_QK), dev, dtype, gen), kv, kernel)
     if shared_chunk:
         table = torch.arange(pages, dtype=torch.int32).repeat(B, 1)
     else:
@@ -123,15 +156,16 @@ def _dense_fn(q, pool, table, lens, kernel):
     ct = int(lens.max())
     t = torch.arange(ct)
     slots = table.long()[:, t // page] * page + (t % page)[None, :]
-    flat = pool.reshape(-1, D_QK)
+    flat = pool.reshape(-1, pool.shape[-1])
     valid = t[None, :] < lens[:, None].long()
     return lambda: _torch_partial(q, flat[slots], valid)
 
 
-def _sparse_case(B, H, topk, corpus, dev, dtype, gen):
+def _sparse_case(B, H, topk, corpus, dev, dtype, gen, kv="bf16", kernel=True):
+    """Pool (cache format ``kv``) of ``corpus`` entries, queries and B rows of top-k indices."""
     import torch
 
-    pool = _randn((corpus // 64, 64, D_QK), dev, dtype, gen)
+    pool = _as_cache(_randn((corpus // 64, 64, D_QK), dev, dtype, gen), kv, kernel)
     q = torch.randn(B, H, D_QK, generator=gen).to(dev, dtype)
     idx = torch.stack([torch.randperm(corpus, generator=gen)[:topk] for _ in range(B)])
     return q, pool, idx.to(torch.int32).to(dev)
@@ -144,13 +178,16 @@ def _sparse_fn(q, pool, idx, kernel):
 
     if kernel:
         return lambda: mla_sparse_partial(q, pool, idx, softmax_scale=SCALE, check_indices=False)
-    kv = pool.reshape(-1, D_QK)
+    kv = pool.reshape(-1, pool.shape[-1])
     valid = torch.ones(idx.shape, dtype=torch.bool)
     return lambda: _torch_partial(q, kv[idx.long()], valid)
 
 
-def _nbytes(distinct_entries, rows, elt):
-    return distinct_entries * D_QK * elt + rows * D_QK * elt + rows * (D_V * elt + 4)
+def _nbytes(distinct_entries, rows, elt, kv="bf16"):
+    """Bytes one call moves once: the distinct cache entries (``576 x elt``, or 656 for an FP8
+    entry), the query rows (``576 x elt``) and the outputs (``o`` + fp32 ``lse``)."""
+    entry = FP8_ENTRY if kv == "fp8" else D_QK * elt
+    return distinct_entries * entry + rows * D_QK * elt + rows * (D_V * elt + 4)
 
 
 TILE_O_TOL, TILE_LSE_TOL = 2.0**-6, 1e-3  # --tiles: a tile against the default tile
@@ -265,6 +302,14 @@ def _parser():
     )
     ap.add_argument("--goals", action="store_true", help="the production goal shapes instead")
     ap.add_argument(
+        "--kv-dtype",
+        choices=tuple(KV_DTYPES),
+        default="bf16",
+        help="the cache format: bf16 (the 16-bit path; fp32 on the CPU stand-in), fp8 "
+        "(DeepSeek-V3.2's 656-byte entry, docs/fp8-cache.md) or both (each shape in bf16, then "
+        "in fp8: the twins the FP8 goals compare)",
+    )
+    ap.add_argument(
         "--tiles",
         type=_tile_list,
         default=None,
@@ -310,6 +355,17 @@ class _Runner:
         self.gen = torch.Generator().manual_seed(0)
         self.l2 = l2_bytes(self.dev)
         self.fp64: dict[tuple, dict] = {}  # --tiles: each tile against fp64, once per op and H
+        self.formats = KV_DTYPES[args.kv_dtype]
+
+    def kv_extra(self, kv: str, cache_tokens: int) -> dict:
+        """The record fields of cache format ``kv``: ``kv_dtype`` (``"fp8"``, or the 16-bit
+        path's dtype, ``"bf16"``; ``"fp32"`` on the CPU stand-in), ``entry_bytes`` (656, 1152)
+        and ``cache_tokens``, the distinct entries a call reads (``timed`` adds
+        ``tokens_per_s`` at the p50)."""
+        if kv == "fp8":
+            return {"kv_dtype": "fp8", "entry_bytes": FP8_ENTRY, "cache_tokens": cache_tokens}
+        name = {2: "bf16", 4: "fp32"}[self.elt]
+        return {"kv_dtype": name, "entry_bytes": D_QK * self.elt, "cache_tokens": cache_tokens}
 
     def too_big(self, entries) -> bool:
         """Whether the CPU path's gathered cache of ``entries`` would exceed its cap."""
@@ -352,6 +408,8 @@ class _Runner:
         )  # fmt: skip
         if "flops" in extra:
             extra = {**extra, "tflops": _tflops(extra["flops"], t.p50)}
+        if "cache_tokens" in extra:
+            extra = {**extra, "tokens_per_s": extra["cache_tokens"] / (t.p50 * 1e-6)}
         rec = record(
             bench,
             variant,
@@ -364,38 +422,61 @@ class _Runner:
             extra={**extra, "dtype": str(self.dtype)[6:], "timing": t.how},
         )
         rate = f", {extra['tflops']:.1f} TFLOP/s" if "tflops" in extra else ""
+        if "tokens_per_s" in extra:
+            rate += f", {extra['tokens_per_s'] / 1e9:.3g} G cache tokens/s"
         print(f"{bench} {variant} {x_name}={x}: p50 {t.p50:.1f} us ({rec['gbps']:.1f} GB/s{rate})")
 
 
+def fp8_label(shape) -> str:
+    """The label an FP8 record of goal shape ``shape`` carries in ``extra.shape``: the shape's
+    own with `` fp8`` appended (the kernel report's FP8 rows carry the same)."""
+    return f"{shape.label} fp8"
+
+
 def _goals(r: _Runner, only, shapes) -> None:
-    """One record per goal shape of the dense and sparse ops (``_variants.GOALS``)."""
+    """One record per goal shape of the dense and sparse ops (``_variants.GOALS``) and cache
+    format (``--kv-dtype``; FP8 records labelled :func:`fp8_label`, variant ``...,fp8``)."""
+    sweep = {"mla_decode": "dense", "mla_sparse": "sparse"}
+    for shape in shapes:
+        if sweep.get(shape.op) not in only:
+            continue
+        if shape.op == "mla_decode" and r.too_big(shape.B * shape.ct):
+            print(f"{shape.label}: skipped on CPU (gather too big)")
+            continue
+        for kv in r.formats:
+            _goal(r, shape, kv)
+
+
+def _goal(r: _Runner, shape, kv: str) -> None:
+    """Time goal ``shape`` over a cache of format ``kv`` and record it."""
     from mqnc.triton_kernels._mla_launch import tile_config
 
     dev, dtype, elt, kernel, gen = r.dev, r.dtype, r.elt, r.kernel, r.gen
-    for shape in shapes:
-        B, H, n = shape.B, shape.H, shape.ct
-        extra = {"B": B, "H": H, "page": 64, "shape": shape.label, "goal": shape.goal}
-        extra["flops"] = mla_flops(B, H, n)
-        if kernel:  # the tile the launcher chose here (it depends on the triton version)
-            sparse = shape.op == "mla_sparse"
-            extra["launcher_tile"] = tile_config(H, sparse=sparse, dtype=dtype).label
-        if shape.op == "mla_decode" and "dense" in only:
-            if r.too_big(B * n):
-                print(f"{shape.label}: skipped on CPU (gather too big)")
-                continue
+    B, H, n = shape.B, shape.H, shape.ct
+    fp8 = kv == "fp8"
+    label = fp8_label(shape) if fp8 else shape.label
+    extra = {"B": B, "H": H, "page": 64, "shape": label, "goal": "" if fp8 else shape.goal}
+    extra["flops"] = mla_flops(B, H, n)
+    if kernel and not fp8:  # the tile the launcher chose here (it depends on the triton version)
+        sparse = shape.op == "mla_sparse"
+        extra["launcher_tile"] = tile_config(H, sparse=sparse, dtype=dtype).label
+    extra.update(r.kv_extra(kv, B * n))
+    variant = f"H={H},B={B}{_suffix(kv)}"
+    nbytes = _nbytes(B * n, B * H, elt, kv)
+    if shape.op == "mla_decode":
 
-            def make(B=B, H=H, n=n):
-                return _dense_fn(*_dense_case(B, H, n, dev, dtype, False, gen), kernel)
+        def make():
+            return _dense_fn(*_dense_case(B, H, n, dev, dtype, False, gen, kv, kernel), kernel)
 
-            r.run("mla_decode", f"H={H},B={B}", n, "ct", make, _nbytes(B * n, B * H, elt), extra)
-        elif shape.op == "mla_sparse" and "sparse" in only:
-            corpus = max(32768 if kernel and dev != "cpu" else 4 * n, n)
+        r.run("mla_decode", variant, n, "ct", make, nbytes, extra)
+        return
+    corpus = max(32768 if kernel and dev != "cpu" else 4 * n, n)
 
-            def make(B=B, H=H, n=n, corpus=corpus):
-                return _sparse_fn(*_sparse_case(B, H, n, corpus, dev, dtype, gen), kernel)
+    def make():
+        return _sparse_fn(*_sparse_case(B, H, n, corpus, dev, dtype, gen, kv, kernel), kernel)
 
-            extra["corpus"] = corpus
-            r.run("mla_sparse", f"H={H},B={B}", n, "topk", make, _nbytes(B * n, B * H, elt), extra)
+    extra["corpus"] = corpus
+    r.run("mla_sparse", variant, n, "topk", make, nbytes, extra)
 
 
 def _goal_shapes(ap, args) -> list:
@@ -411,59 +492,63 @@ def _goal_shapes(ap, args) -> list:
 
 
 def _dense_sweep(r: _Runner, heads, quick: bool) -> None:
-    """``mla_decode``: B tokens x H heads, each over its own ct-entry cache."""
+    """``mla_decode``: B tokens x H heads, each over its own ct-entry cache (each format)."""
     Bs = [1, 8, 64] if not quick else [1, 8]
     cts = [2048, 8192, 32768] if not quick else [2048]
-    for H in heads:
-        for B in Bs:
-            for ct in cts:
-                if r.too_big(B * ct):
-                    print(f"mla_decode H={H} B={B} ct={ct}: skipped on CPU (gather too big)")
-                    continue
+    for H, B, ct, kv in itertools.product(heads, Bs, cts, r.formats):
+        if r.too_big(B * ct):
+            print(f"mla_decode H={H} B={B} ct={ct}: skipped on CPU (gather too big)")
+            continue
 
-                def make(B=B, H=H, ct=ct):
-                    return _dense_fn(*_dense_case(B, H, ct, r.dev, r.dtype, False, r.gen), r.kernel)
+        def make(B=B, H=H, ct=ct, kv=kv):
+            case = _dense_case(B, H, ct, r.dev, r.dtype, False, r.gen, kv, r.kernel)
+            return _dense_fn(*case, r.kernel)
 
-                extra = {"B": B, "H": H, "page": 64}
-                nbytes = _nbytes(B * ct, B * H, r.elt)
-                r.run("mla_decode", f"H={H},B={B}", ct, "ct", make, nbytes, extra)
+        extra = {"B": B, "H": H, "page": 64, **r.kv_extra(kv, B * ct)}
+        nbytes = _nbytes(B * ct, B * H, r.elt, kv)
+        r.run("mla_decode", f"H={H},B={B}{_suffix(kv)}", ct, "ct", make, nbytes, extra)
 
 
 def _sparse_sweep(r: _Runner, heads, quick: bool) -> None:
-    """``mla_sparse``: one token's top-k entries drawn from a corpus."""
+    """``mla_sparse``: one token's top-k entries drawn from a corpus (each format)."""
     topks = [512, 1024, 2048] if not quick else [512, 2048]
     corpora = [2048, 8192, 32768] if not quick else [8192]
-    for H in heads:
-        for corpus in corpora:
-            for topk in topks:
-                if topk > corpus:
-                    continue
+    for H, corpus, topk, kv in itertools.product(heads, corpora, topks, r.formats):
+        if topk > corpus:
+            continue
 
-                def make(H=H, topk=topk, corpus=corpus):
-                    return _sparse_fn(
-                        *_sparse_case(1, H, topk, corpus, r.dev, r.dtype, r.gen), r.kernel
-                    )
+        def make(H=H, topk=topk, corpus=corpus, kv=kv):
+            case = _sparse_case(1, H, topk, corpus, r.dev, r.dtype, r.gen, kv, r.kernel)
+            return _sparse_fn(*case, r.kernel)
 
-                extra = {"H": H, "corpus": corpus, "B": 1}
-                nbytes = _nbytes(topk, H, r.elt)
-                r.run("mla_sparse", f"H={H},corpus={corpus}", topk, "topk", make, nbytes, extra)
+        extra = {"H": H, "corpus": corpus, "B": 1, **r.kv_extra(kv, topk)}
+        nbytes = _nbytes(topk, H, r.elt, kv)
+        variant = f"H={H},corpus={corpus}{_suffix(kv)}"
+        r.run("mla_sparse", variant, topk, "topk", make, nbytes, extra)
 
 
 def _fanin_sweep(r: _Runner, heads, quick: bool) -> None:
-    """``mla_fanin`` (§6.3): N routed requesters batched into one call over one chunk."""
+    """``mla_fanin`` (§6.3): N routed requesters batched into one call over one chunk (each
+    format; the N rows read one chunk: ``cache_tokens`` is its ct entries)."""
     Ns = [1, 2, 4, 8, 16, 32, 64, 128, 256] if not quick else [1, 8, 64]
     ct = 2048
-    for H in heads:
-        for N in Ns:
-            if r.too_big(N * ct):
-                print(f"mla_fanin H={H} N={N}: skipped on CPU (gather too big)")
-                continue
+    for H, N, kv in itertools.product(heads, Ns, r.formats):
+        if r.too_big(N * ct):
+            print(f"mla_fanin H={H} N={N}: skipped on CPU (gather too big)")
+            continue
 
-            def make(N=N, H=H):
-                return _dense_fn(*_dense_case(N, H, ct, r.dev, r.dtype, True, r.gen), r.kernel)
+        def make(N=N, H=H, kv=kv):
+            case = _dense_case(N, H, ct, r.dev, r.dtype, True, r.gen, kv, r.kernel)
+            return _dense_fn(*case, r.kernel)
 
-            extra = {"H": H, "ct": ct, "page": 64}
-            r.run("mla_fanin", f"H={H},ct={ct}", N, "N", make, _nbytes(ct, N * H, r.elt), extra)
+        extra = {"H": H, "ct": ct, "page": 64, **r.kv_extra(kv, ct)}
+        nbytes = _nbytes(ct, N * H, r.elt, kv)
+        r.run("mla_fanin", f"H={H},ct={ct}{_suffix(kv)}", N, "N", make, nbytes, extra)
+
+
+def _suffix(kv: str) -> str:
+    """What a record's variant gains for cache format ``kv``: ``,fp8`` for FP8, else nothing."""
+    return ",fp8" if kv == "fp8" else ""
 
 
 def main(argv=None) -> int:
@@ -471,6 +556,10 @@ def main(argv=None) -> int:
     args = parse_bench_args(ap, argv)
     if (args.tiles or args.shapes or args.dense_shapes) and not (args.goals or args.tiny):
         ap.error("--tiles, --shapes and --dense-shapes: expected with --goals or --tiny")
+    if args.tiles and args.kv_dtype != "bf16":
+        ap.error(
+            f"--tiles: expected --kv-dtype bf16 (FP8 tiles are not swept), got {args.kv_dtype}"
+        )
     use_interpreter_without_cuda()
     r = _Runner(args)
     only = set(args.only)

@@ -7,20 +7,35 @@ neither pass nor fail. A bandwidth goal is the p50 bound its bytes give at that 
 4.8 TB/s HBM spec). Every record with a byte count also carries its TB/s against the device's
 kernel-measured read ceiling and the spec (``extra.pct_of_read``, ``extra.pct_of_spec``:
 :func:`mqnc.measure.results_file.roofline`); no goal is stated against torch's ``copy_``.
+
+Every :class:`~mqnc.measure.targets.Target` holds bf16 records only (``kv_dtype``); the FP8
+cache's goals (:data:`FP8_TARGETS`) are :class:`~mqnc.measure.targets.Speedup` s: an FP8 record
+against its bf16 twin at the same shape in the same records (``perf.bench_mla --kv-dtype both``
+measures both).
+
+``python -m perf.speed_targets RESULTS.jsonl`` prints every target against the records of a
+results file (what ``perf/gpu_check.sh`` prints last, for the whole run).
 """
 
 from __future__ import annotations
 
-from mqnc.measure.targets import Target
+import argparse
+import os
+
+from mqnc.measure.targets import Speedup, Target, check_targets
+from mqnc.model.kv_format import kv_bytes_per_token
 
 D_QK, D_V = 576, 512
 HEADS_16 = 16
+FP8_ENTRY = kv_bytes_per_token("fp8_e4m3", D_V, D_QK - D_V)  # 656 B, DeepSeek-V3.2's entry
 
 
-def dense_bytes(B: int, H: int, ct: int, elt: int = 2) -> int:
+def dense_bytes(B: int, H: int, ct: int, elt: int = 2, entry: int | None = None) -> int:
     """The bytes a dense partial over ``B`` tokens x ``H`` heads x ``ct`` entries moves once, as
-    ``perf.bench_mla`` counts them: the cache entries, the query rows, ``o`` and fp32 ``lse``."""
-    return B * ct * D_QK * elt + B * H * D_QK * elt + B * H * (D_V * elt + 4)
+    ``perf.bench_mla`` counts them: the cache entries (``entry`` bytes each, default ``576 x
+    elt``; :data:`FP8_ENTRY` for the FP8 cache), the query rows, ``o`` and fp32 ``lse``."""
+    entry = D_QK * elt if entry is None else entry
+    return B * ct * entry + B * H * D_QK * elt + B * H * (D_V * elt + 4)
 
 
 def at_tbps(nbytes: int, tbps: float) -> float:
@@ -168,3 +183,54 @@ ROOFLINE_TARGETS = [
     ),
 ]
 TARGETS += ROOFLINE_TARGETS
+
+# The FP8 cache's goals on an H200 (DeepSeek-V3.2's 656-byte entry, docs/fp8-cache.md): FP8
+# records (``extra.kv_dtype`` "fp8") against their bf16 twins at the same shape, both timed by
+# ``perf.bench_mla --kv-dtype both`` (the GPU check: ``--goals`` at the two shapes below).
+FP8_TARGETS = [
+    # memory-bound dense decode: 656 B per token instead of 1152 is at most 1.76x; the goal
+    # leaves 10% of that to the dequantization and the unchanged query and output bytes
+    Speedup(
+        "mla_decode",
+        1.6,
+        "FP8 dense decode (H 16, B >= 16, c_t >= 32768): >= 1.6x the bf16 cache tokens/s",
+        x_min=32768,
+        backend="triton",
+        extra={"H": 16},
+        extra_min={"B": 16},
+    ),
+    # sparse top-2048 at H 128 is bound by its MMAs more than by its bytes: no slower
+    Speedup(
+        "mla_sparse",
+        1.0,
+        "FP8 sparse top-2048 (H 128, B 8): no slower than bf16",
+        x=2048,
+        backend="triton",
+        extra={"H": 128, "B": 8},
+    ),
+]
+TARGETS += FP8_TARGETS
+
+
+def main(argv=None) -> int:
+    """Print every target against the records of a results file; exit status 1 with
+    ``--check`` when one is missed."""
+    from mqnc.measure.results_file import read_results
+
+    ap = argparse.ArgumentParser(description="every speed target against a results file")
+    ap.add_argument("results", help="a results JSON-lines file (perf/gpu_check.sh's)")
+    ap.add_argument("--check", action="store_true", help="exit status 1 when a target is missed")
+    args = ap.parse_args(argv)
+    if not os.path.isfile(args.results):
+        ap.error(f"results: expected a results file, got {args.results!r} (no such file)")
+    recs = read_results(args.results)
+    v = check_targets(recs, TARGETS)
+    print(f"targets against {len(recs)} records of {args.results}:")
+    for line in v.lines:
+        print(line)
+    print(f"{v.checked} checked, {v.missed} missed")
+    return 1 if (args.check and v.missed) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
