@@ -175,3 +175,21 @@ def rows_of(pool):
     from mqnc.reference.fp8_ref import fp8_dequantize_reference
 
     return fp8_dequantize_reference(pool, 512, 64, torch.float32).double()  # exact
+
+
+def test_bench_splice_splices_fp8_entries_and_counts_656_bytes(tmp_path):
+    """``bench_splice --kv-dtype fp8``: every variant (the Triton ones interpreted) splices the
+    same FP8 pool bit for bit in its latent and scales (checked before timing), records
+    variant ``...,fp8``, ``kv_dtype`` fp8 and ``2 L c_t 656`` bytes."""
+    from perf import bench_splice
+
+    out = tmp_path / "s.jsonl"
+    argv = ["--quick", "--c-t", "55", "--layers", "2", "--reps", "1", "--kv-dtype", "fp8"]
+    assert bench_splice.main([*argv, "--out", str(out)]) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["variant"] for r in recs} == {
+        f"{v},fp8" for v in ("one-launch", "per-layer", "persistent", "torch", "torch-per-layer")
+    }
+    for r in recs:
+        assert r["extra"]["kv_dtype"] == "fp8" and r["extra"]["entry_bytes"] == 656
+        assert r["bytes"] == 2 * 2 * 55 * 656

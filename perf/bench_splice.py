@@ -22,6 +22,14 @@ Usage: ``python -m perf.bench_splice [--goals | --tiny] [--c-t 55,2048] [--layer
 flags every benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
 :mod:`mqnc.measure.options`).
 
+``--kv-dtype fp8`` splices FP8 entries instead (DeepSeek-V3.2's 656 bytes, docs/fp8-cache.md:
+the chunk quantized from the same bf16 draw; latent and scales copied bit for bit, only the bf16
+RoPE part rotated), ``both`` each point in bf16 and then in FP8: records carry
+``extra.kv_dtype`` and ``extra.entry_bytes``, their variant gains ``,fp8``, ``bytes`` count 656
+per entry (``2 * L * c_t * 656``), an FP8 goal record's ``extra.shape`` is the goal's label with
+`` fp8``. The torch variants splice the entries read as bf16 (``splice.fp8_entry_views``: the
+prefix is 264 bf16 values copied, the last 64 rotated), the same torch code.
+
 ``--goals`` times the production goal shapes (``_variants.GOALS``: 27 layers x 2048 tokens, one
 int delta for the chunk as the requester's fetch does, and one delta per token), recording
 ``extra.shape`` for ``mqnc/measure/kernel_report.py --measured``; ``--tiny`` (the dry run of
@@ -46,16 +54,26 @@ from mqnc.measure.options import (
     parse_bench_args,
     positive_int,
 )
+from mqnc.model.kv_format import kv_bytes_per_token
 from perf.speed_targets import TARGETS
 
 PAPER_SPLICE_US = {55: 2770.0, 1024: 2780.0, 2048: 2910.0, 4096: 3060.0}  # §7, H100
+D_QK, D_V = 576, 512
+FP8_ENTRY = kv_bytes_per_token("fp8_e4m3", D_V, D_QK - D_V)  # 656 B: DeepSeek-V3.2's entry
+KV_DTYPES = {"bf16": ("bf16",), "fp8": ("fp8",), "both": ("bf16", "fp8")}
 BLOCK_SIZE = 64
 TINY_LAYERS, TINY_CT = 2, 55  # --tiny: the dry run's cut of a goal shape
 
 
 def splice_torch(chunk, pool, slot_mapping, delta, rope, per_layer: bool = False):
-    """The splice in torch ops: float64 angles -> float32 cos/sin, rotate, scatter."""
+    """The splice in torch ops: float64 angles -> float32 cos/sin, rotate, scatter. FP8
+    entries (uint8) are spliced as the bf16 rows they read as (prefix copied, RoPE rotated)."""
     import torch
+
+    if chunk.dtype == torch.uint8:
+        splice_torch(chunk.view(torch.bfloat16), pool.view(torch.bfloat16), slot_mapping, delta,
+                     rope, per_layer)  # fmt: skip
+        return pool
 
     L, ct, D = chunk.shape
     d_c = D - rope.rope_dim
@@ -94,10 +112,12 @@ def run(
     record_results: bool = True,
     delta_kind: str = "[T]",
     shape="",
+    kv: str = "bf16",
     **timing,
 ) -> list[dict]:
-    """Time every variant at each c_t; ``timing``: ``path`` (results file), ``reps``, ``warmup``
-    (None: the defaults in ``_bench_ct``)."""
+    """Time every variant at each c_t over a cache of format ``kv`` (``"bf16"``, ``"fp8"``);
+    ``timing``: ``path`` (results file), ``reps``, ``warmup`` (None: the defaults in
+    ``_bench_ct``)."""
     use_interpreter_without_cuda()
     import torch
 
@@ -109,20 +129,36 @@ def run(
     out = []
     for ct in ct_list:
         out += _bench_ct(
-            ct, layers, quick, record_results, device, cuda, rope, delta_kind, shape, **timing
+            ct, layers, quick, record_results, device, cuda, rope, delta_kind, shape, kv, **timing
         )
     return out
 
 
-def _inputs(ct, layers, device, seed, delta_kind):
-    """One input set: chunk ``[L, ct, 576]`` bf16, pool (twice the blocks), scattered slots,
-    per-token delta (or one int for the chunk, the requester's fetch)."""
+def _fp8(rows, kernel: bool):
+    """Cache rows ``[..., 576]`` as FP8 entries ``[..., 656]`` uint8 (the Triton quantizer when
+    the kernels run, else its fp64 reference: the same bytes)."""
+    if kernel:
+        from mqnc.triton_kernels.fp8_quant import fp8_quantize
+
+        return fp8_quantize(rows, D_V)
+    from mqnc.reference.fp8_ref import fp8_quantize_reference
+
+    return fp8_quantize_reference(rows, D_V)
+
+
+def _inputs(ct, layers, device, seed, delta_kind, kv="bf16", kernel=False):
+    """One input set: chunk ``[L, ct, 576]`` bf16 (``kv`` "fp8": ``[L, ct, 656]`` uint8 FP8
+    entries of the same draw), pool (twice the blocks), scattered slots, per-token delta (or
+    one int for the chunk, the requester's fetch)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     chunk = torch.randn(layers, ct, 576, generator=g).to(torch.bfloat16).to(device)
     num_blocks = 2 * (-(-ct // BLOCK_SIZE))
-    pool = torch.zeros(layers, num_blocks, BLOCK_SIZE, 576, dtype=torch.bfloat16, device=device)
+    if kv == "fp8":
+        chunk = _fp8(chunk, kernel)
+    pool = torch.zeros(layers, num_blocks, BLOCK_SIZE, chunk.shape[-1], dtype=chunk.dtype,
+                       device=device)  # fmt: skip
     slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=g)[:ct].to(device)
     delta = torch.randint(-100_000, 100_000, (ct,), generator=g).to(device)
     if delta_kind == "int":
@@ -172,10 +208,14 @@ def _check_same_pool(variants, inputs) -> None:
         fn(chunk, pool, slots, delta)
         pools[name] = pool.clone()
     ref = pools["torch"]
+    rows = (lambda p: p.view(torch.bfloat16)) if pool.dtype == torch.uint8 else (lambda p: p)
+    keep = rows(ref).shape[-1] - 64  # bf16 values copied: latent (FP8: latent and scales)
     for name, p in pools.items():
-        if not torch.equal(p[..., :512], ref[..., :512]):
-            raise AssertionError(f"{name}: latent dims differ from the torch path")
-        err = (p[..., 512:].float() - ref[..., 512:].float()).abs().max().item()
+        if not torch.equal(
+            rows(p)[..., :keep].view(torch.int16), rows(ref)[..., :keep].view(torch.int16)
+        ):
+            raise AssertionError(f"{name}: latent dims differ from the torch path (bit for bit)")
+        err = (rows(p)[..., keep:].float() - rows(ref)[..., keep:].float()).abs().max().item()
         if err > 0.0625:  # one bf16 ulp at |x| < 8 (two independent roundings)
             raise AssertionError(f"{name}: rope dims differ from the torch path by {err}")
 
@@ -190,6 +230,7 @@ def _bench_ct(
     rope,
     delta_kind="[T]",
     shape="",
+    kv="bf16",
     path=None,
     reps=None,
     warmup=None,
@@ -197,13 +238,14 @@ def _bench_ct(
     from mqnc.base.runtime import kernel_mode
     from mqnc.measure import input_sets, l2_bytes, record, time_kernel
 
-    nbytes = 2 * layers * ct * 576 * 2
+    entry = FP8_ENTRY if kv == "fp8" else 576 * 2
+    nbytes = 2 * layers * ct * entry
     backend = None
     if cuda or ct <= 64:
         backend = "triton" if kernel_mode() == "compiled" else "interpreter"
     variants = _variants(rope, layers, backend)
     n_sets = input_sets(nbytes, l2_bytes(device))
-    sets = [_inputs(ct, layers, device, ct + i, delta_kind) for i in range(n_sets)]
+    sets = [_inputs(ct, layers, device, ct + i, delta_kind, kv, cuda) for i in range(n_sets)]
     _check_same_pool(variants, sets[0])
 
     interp = not cuda
@@ -224,6 +266,8 @@ def _bench_ct(
         extra = {
             "layers": layers,
             "dtype": "bf16",
+            "kv_dtype": kv,
+            "entry_bytes": entry,
             "delta": "per-token" if delta_kind != "int" else "int",
             **({"shape": shape} if shape and name == "one-launch" else {}),
             **({"candidate_of": shape} if shape and name == "persistent" else {}),
@@ -232,13 +276,14 @@ def _bench_ct(
             "paper_us_h100": PAPER_SPLICE_US.get(ct),
             "timing": t.how,
         }
+        variant = name + (",fp8" if kv == "fp8" else "")
         rec = dict(
-            bench="splice", variant=name, x=ct, p=t.percentiles, backend=backend, extra=extra
+            bench="splice", variant=variant, x=ct, p=t.percentiles, backend=backend, extra=extra
         )
         if record_results:
             record(
                 "splice",
-                name,
+                variant,
                 ct,
                 t.percentiles,
                 x_name="ct",
@@ -250,7 +295,7 @@ def _bench_ct(
         out.append(rec)
         gbps = nbytes / (t.p50 * 1e-6) / 1e9
         print(
-            f"ct={ct:5d} L={layers} {name:16s} [{backend:11s}] p50 {t.p50:10.1f} us  "
+            f"ct={ct:5d} L={layers} {variant:20s} [{backend:11s}] p50 {t.p50:10.1f} us  "
             f"{gbps:7.2f} GB/s  x{extra['speedup_vs_per_layer']:.2f} vs per-layer"
         )
     return out
@@ -267,18 +312,26 @@ def main(argv=None) -> int:
     hidden_alias(p, "--ct", "c_t", type=int_list)
     p.add_argument("--layers", type=positive_int, default=27)
     p.add_argument("--goals", action="store_true", help="the production goal shapes instead")
+    p.add_argument(
+        "--kv-dtype",
+        choices=tuple(KV_DTYPES),
+        default="bf16",
+        help="the cache format: bf16, fp8 (DeepSeek-V3.2's 656-byte entries: latent and scales "
+        "copied, RoPE rotated) or both",
+    )
     args = parse_bench_args(p, argv)
     timing = dict(path=args.out, reps=args.reps, warmup=args.warmup)
     use_interpreter_without_cuda()  # before the goal shapes import triton
-    if args.goals or args.tiny:
+    for kv in KV_DTYPES[args.kv_dtype]:
+        if not (args.goals or args.tiny):
+            run(args.c_t, args.layers, args.quick, kv=kv, **timing)
+            continue
         from mqnc.triton_kernels._variants import GOALS
 
         for s in (s for s in GOALS if s.op == "splice"):
             ct, L = (min(s.ct, TINY_CT), min(s.L, TINY_LAYERS)) if args.tiny else (s.ct, s.L)
-            label = "" if args.tiny else s.label
-            run([ct], L, args.quick, delta_kind=s.delta, shape=label, **timing)
-        return finish(args, TARGETS)
-    run(args.c_t, args.layers, args.quick, **timing)
+            label = "" if args.tiny else s.label + (" fp8" if kv == "fp8" else "")
+            run([ct], L, args.quick, delta_kind=s.delta, shape=label, kv=kv, **timing)
     return finish(args, TARGETS)
 
 
