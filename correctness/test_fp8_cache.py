@@ -251,8 +251,9 @@ def test_predict_and_crossover_take_kv_dtype_fp8(tmp_path, capsys):
 def test_fp8_pool_keeps_entries_and_attends_the_dequantized_chunk(kernels):
     """An FP8 pool stores 656-byte entries (16-bit rows quantized on write, entries copied bit
     for bit), gathers them back as written, and attends a chunk exactly as a bf16 pool holding
-    the dequantized rows does (dense and a top-k selection); it refuses a splice at a new
-    offset (not yet) and rows of another format."""
+    the dequantized rows does (dense and a top-k selection); a splice to a new offset copies
+    latent and scale bytes and rotates the RoPE part; entries with a bad scale or a NaN latent
+    byte and rows of another format are refused where they enter, naming them."""
     from mqnc.serving.pool import PagedPool
 
     L, bs, tokens = 2, 16, 20
@@ -278,8 +279,33 @@ def test_fp8_pool_keeps_entries_and_attends_the_dequantized_chunk(kernels):
         o8, lse8 = p8.attend(q, 1, torch.tensor(b8c, dtype=torch.int32), tokens, **kw)
         o16, lse16 = p16.attend(q, 1, torch.tensor(b16, dtype=torch.int32), tokens, **kw)
         assert torch.equal(o8, o16) and torch.equal(lse8, lse16)
-    with pytest.raises(ValueError, match="FP8 splice .* not implemented yet"):
-        p8.splice(b8c, entries.to(DEVICE), 5, None)
+    from mqnc.model import RopeSpec
+    from mqnc.reference.rope_ref import fp8_rope_rotate_reference
+
+    rope = RopeSpec.from_preset("deepseek-v2-lite")
+    p8.free(b8c)
+    p8.splice(b8c, entries.to(DEVICE), 5, rope)
+    spliced = p8.gather(torch.tensor(b8c), tokens, (0, L)).cpu()
+    prefix, rotated = fp8_rope_rotate_reference(entries, 5, rope)
+    assert torch.equal(spliced[..., :528], prefix)
+    got = spliced[..., 528:].contiguous().view(torch.bfloat16).double()
+    # rounded once to bf16 (half an ulp: <= 2**-9 |y|) after an fp32 rotation (a few fp32 ulps
+    # of the entry's largest RoPE value; these rows span 2**-24 .. 2**121), whose two products
+    # may each flush an fp32 subnormal (< 2**-126) to zero
+    amax = entries[..., 528:].contiguous().view(torch.bfloat16).double().abs().amax(-1, True)
+    bound = 2**-8 * rotated.abs() + 2**-20 * amax + 2**-125
+    assert bool(((got - rotated).abs() <= bound).all())
+    for where, value, match in [
+        ((0, 2, slice(516, 520)), torch.tensor([float("nan")]).view(torch.uint8), "scale"),
+        ((1, 0, slice(512, 516)), torch.tensor([0.0]).view(torch.uint8), "scale"),
+        ((1, 4, 7), 0x7F, "NaN latent byte"),
+    ]:
+        bad = entries.clone()
+        bad[where] = value
+        with pytest.raises(ValueError, match=match):
+            p8.write(b8c, bad.to(DEVICE))
+        with pytest.raises(ValueError, match=match):
+            p8.splice(b8c, bad.to(DEVICE), 5, rope)
     with pytest.raises(ValueError, match=r"this pool's format \(fp8_e4m3 entries\)"):
         p8.write(b8c, entries[..., :640].to(DEVICE))
     with pytest.raises(ValueError, match=r"this pool's format \(bfloat16\)"):
@@ -340,7 +366,9 @@ def test_holder_keeps_fp8_chunks_and_a_requester_of_another_format_is_told_both(
     """A holder made from an FP8 corpus keeps its 656-byte entries (bad scales refused when a
     chunk is added) and answers a FETCH with them (656 B a token-layer on the wire); a
     requester whose geometry keeps a bf16 cache asking for a chunk gets the
-    format mismatch naming both formats; a route to the FP8 holder is refused, saying why."""
+    format mismatch naming both formats (the holder refuses the FETCH: the requester's
+    format rides in its flags), and so does its route (the requester's format rides
+    in the ROUTE's flags)."""
     from mqnc.serving import Requester
     from mqnc.serving.records import ChunkInfo
     from mqnc.transport import INBOX, REPLY, LoopbackFabric, wire
@@ -360,11 +388,18 @@ def test_holder_keeps_fp8_chunks_and_a_requester_of_another_format_is_told_both(
     req.register(ChunkInfo(1, 16, 16, (1,)))
     holder.start()
     try:
-        with pytest.raises(ValueError, match=r"the CHUNK carries fp8_e4m3 entries \(656 B a token"
-                           r"\), geometry .* keeps a bf16 cache"):  # fmt: skip
+        with pytest.raises(
+            ValueError,
+            match=r"cache format mismatch: the FETCH comes from a requester keeping a bf16 "
+            r"cache, geometry .* keeps a fp8_e4m3 cache",
+        ):
             req.fetch(1)
         q = torch.randn(1, 4, D_C + D_R).to(torch.bfloat16)
-        with pytest.raises(Exception, match="keeps an fp8_e4m3 cache, and the kernels that"):
+        with pytest.raises(
+            Exception,
+            match=r"cache format mismatch: the ROUTE comes from a "
+            r"requester keeping a bf16 cache, geometry .* keeps a fp8_e4m3 cache",
+        ):
             req.route(1, q, 0)
         # a raw FETCH of chunk 1: the holder answers with its FP8 entries, 656 B a token-layer
         t, g8 = req.transport, corpus.geometry
@@ -383,8 +418,8 @@ def test_holder_keeps_fp8_chunks_and_a_requester_of_another_format_is_told_both(
 def test_a_requester_of_an_fp8_geometry_keeps_fetched_entries_bit_for_bit():
     """A requester whose geometry keeps an fp8_e4m3 cache fetches a chunk at its canonical
     position into its own pool as 656-byte FP8 entries, bit for bit the holder's; a fetch to
-    another offset (the FP8 splice rotating only the RoPE part is not here yet) is refused by
-    name and keeps no block."""
+    another offset splices them (latent and scale bytes the holder's, the RoPE part rotated;
+    the attention over it is checked in test_fp8_route.py)."""
     from mqnc.serving import Requester
     from mqnc.serving.records import ChunkInfo
     from mqnc.transport import LoopbackFabric
@@ -403,10 +438,10 @@ def test_a_requester_of_an_fp8_geometry_keeps_fetched_entries_bit_for_bit():
         lc = req.fetch(1)
         got = pool.gather(lc.blocks, lc.tokens, (0, corpus.geometry.layers))
         assert torch.equal(got.cpu(), entries[:, 16:32])
-        free = pool.free_blocks
-        with pytest.raises(ValueError, match="delta: this pool keeps FP8 entries"):
-            req.fetch(1, offset=48)
-        assert pool.free_blocks == free
+        lc = req.fetch(1, offset=48)
+        got = pool.gather(lc.blocks, lc.tokens, (0, corpus.geometry.layers))
+        assert torch.equal(got[..., :528].cpu(), entries[:, 16:32, :528])
+        assert not torch.equal(got[..., 528:].cpu(), entries[:, 16:32, 528:])  # rotated
     finally:
         holder.stop()
     assert holder.failure is None

@@ -9,10 +9,11 @@ d_qk]`` view. Blocks are taken from a free list; nothing here knows about chunks
 A pool may keep FP8 entries (``fp8=`` the layout of ``mqnc.model.kv_format``: DeepSeek-V3.2's
 656-byte entry): its storage is then ``[L, num_blocks, block_size, b_KV]`` uint8, 16-bit rows
 written to it are quantized (``fp8_quantize``), FP8 entries (a fetched chunk) copied bit for
-bit. Not yet: kernels that attend FP8 entries directly and an FP8 splice. Until then an FP8
-pool attends a chunk by dequantizing its entries (``fp8_dequantize``, exact) into a
-``dtype`` scratch pool and running the 16-bit kernel over it (the FP8 read saving is not had),
-and it splices only at ``delta == 0``.
+bit (their scales and latent bytes checked), and a splice to a new offset rotates only the
+entries' bf16 RoPE part (``rope_splice`` over uint8 entries). Not yet: kernels that attend
+FP8 entries directly. Until then an FP8 pool attends a chunk by dequantizing its entries
+(``fp8_dequantize``, exact) into a ``dtype`` scratch pool and running the 16-bit kernel over
+it (the FP8 read saving is not had).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from mqnc.base.checks import check_int
 from mqnc.model.kv_format import FP8Layout
 from mqnc.serving.compute import kernel_ops
 from mqnc.serving.records import ChunkInfo, LocalChunk
+from mqnc.triton_kernels.fp8_quant import check_entries
 
 __all__ = ["PagedPool", "LocalChunks", "flag_dropped"]
 
@@ -121,7 +123,9 @@ class PagedPool:
         flat[:, self.slots(blocks, kv.shape[1])] = self._stored(kv.to(self.device))
 
     def _stored(self, kv: torch.Tensor) -> torch.Tensor:
-        """``kv`` as this pool stores it: an FP8 pool quantizes float rows, copies entries."""
+        """``kv`` as this pool stores it: an FP8 pool quantizes float rows and copies entries
+        whose scales are finite and > 0 and whose latent bytes are no NaN (checked here, where
+        a chunk enters: one host sync)."""
         if self.fp8 is None or kv.dtype == torch.uint8:
             if kv.shape[-1] != self.width or (kv.dtype == torch.uint8) != (self.fp8 is not None):
                 fmt = "fp8_e4m3 entries" if self.fp8 is not None else str(self.kv.dtype)[6:]
@@ -129,24 +133,23 @@ class PagedPool:
                     f"kv: expected [L, tokens, {self.width}] rows in this pool's format ({fmt}), "
                     f"got {tuple(kv.shape)} {str(kv.dtype)[6:]}"
                 )
+            if self.fp8 is not None:
+                check_entries(kv, self.fp8.d_c, self.fp8.d_r)
             return kv
         return self.ops.fp8_quantize(kv.contiguous(), self.fp8.d_c)
 
     def splice(self, blocks: list[int], kv: torch.Tensor, delta: int, rope) -> None:
         """Write ``kv [L, tokens, width]`` re-homed by ``delta`` positions (§2.2): a plain copy
-        for ``delta == 0``, else :func:`mqnc.triton_kernels.rope_splice` (one launch)."""
+        for ``delta == 0``, else :func:`mqnc.triton_kernels.rope_splice` (one launch; an FP8
+        pool's entries keep their latent and scale bytes, only the bf16 RoPE part rotates)."""
         if delta == 0:
             self.write(blocks, kv)
             return
-        if self.fp8 is not None:
-            raise ValueError(
-                f"delta: this pool keeps FP8 entries, and the FP8 splice (rotating only their "
-                f"RoPE part) is not implemented yet: write FP8 chunks at delta 0, got {delta}"
-            )
         if rope is None:
             raise ValueError("rope: splicing at a new offset needs rope= (a RopeSpec)")
+        kv = self._stored(kv.to(self.device))
         slots = self.slots(blocks, kv.shape[1])
-        self.ops.rope_splice(kv.to(self.device).contiguous(), self.kv, slots, int(delta), rope)
+        self.ops.rope_splice(kv.contiguous(), self.kv, slots, int(delta), rope)
 
     def gather(self, blocks: torch.Tensor, tokens: int, layers: tuple[int, int]) -> torch.Tensor:
         """A chunk's entries ``[hi - lo, tokens, width]`` of layers ``[lo, hi)``."""

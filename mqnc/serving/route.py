@@ -123,12 +123,13 @@ def route_request(
     qb = _row_bytes(qr, B) if host else None
     idxb = None if idx is None else idx.numpy()
     dtype, chunk_id = q.dtype, info.chunk_id
+    flags = wire.format_flags(geometry)  # the holder refuses a route from another cache format
 
     def make(rid: int, seq: int) -> np.ndarray:
         return wire.pack_query_arrays(
             qb if host else _row_bytes(qr.cpu(), B),  # (a copy to the host is transfer time)
             idxb, dtype=dtype, heads=H, width=geometry.d_qk, request_id=rid, seq=seq,
-            chunk_id=chunk_id, layer=layer, crc=crc,
+            chunk_id=chunk_id, layer=layer, crc=crc, flags=flags,
             array=True,  # put as it is: no torch call on the way to the engine
         )  # fmt: skip
 

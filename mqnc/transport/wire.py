@@ -43,8 +43,9 @@ starts 16-byte aligned): magic ``b"MQNC"``, version, kind, dtype code, flags, re
 batch (u32), heads (u32), width (u32), layer_lo / layer_hi (u16, the half-open layer range),
 topk (u32), payload bytes (u64), position (i64), holder nanoseconds (u64: the holder's compute
 time, reported in a ``PARTIAL`` for the requester's cost record), payload CRC-32 (u32, when
-flag bit 0 is set) and header CRC-32 (u32, over the header with this field zeroed, padding
-included).
+flag bit 0 is set; flag bits 1-3 say, on a ``ROUTE`` or ``FETCH``, the requester's cache
+format: :func:`format_flags`, refused by a holder of another format) and header CRC-32 (u32,
+over the header with this field zeroed, padding included).
 
 Checksums. The header CRC is always written and always checked. The payload CRC is written
 by default for host buffers (``crc=None``); a sender whose bytes never leave the process (the
@@ -87,6 +88,8 @@ __all__ = [
     "HEADER_FORMAT",
     "HEADER_BYTES",
     "FLAG_PAYLOAD_CRC",
+    "CACHE_FORMAT_CODES",
+    "format_flags",
     "Kind",
     "Header",
     "WireError",
@@ -132,6 +135,12 @@ _CRC_OFFSET = _STRUCT.size - 4  # header CRC is the last field
 _PAYLOAD_OFFSET = 14  # index of payload_bytes in the unpacked struct
 _ZERO4 = bytes(4)
 FLAG_PAYLOAD_CRC = 1
+#: Flag bits 1-3: the cache format of the requester that sent a ``ROUTE`` or ``FETCH`` (0: not
+#: said; 1 bf16, 2 fp16, 3 fp32, 4 fp8_e4m3), checked against the holder's geometry.
+FORMAT_SHIFT = 1
+_FORMAT_MASK = 0b111 << FORMAT_SHIFT
+CACHE_FORMAT_CODES = {"bf16": 1, "fp16": 2, "fp32": 3, "fp8_e4m3": 4}
+_FORMAT_NAMES = {v: k for k, v in CACHE_FORMAT_CODES.items()}
 
 if _STRUCT.size > HEADER_BYTES:  # pragma: no cover - layout invariant
     raise ImportError(f"wire header struct is {_STRUCT.size} B, more than {HEADER_BYTES}")
@@ -647,6 +656,8 @@ def _check_geometry(h: Header, g: MLAGeometry) -> None:
     if h.kind == Kind.CHUNK:
         _check_chunk_format(h, g)
         want = g.kv_bytes_per_token_layer if h.dtype is torch.uint8 else want
+    elif h.kind in (Kind.ROUTE, Kind.FETCH):
+        _check_request_format(h, g)
     if want is not None and h.width != want:
         raise WireError(
             f"buf: {h.kind.name} row width {h.width} does not fit geometry {g.name!r} "
@@ -656,6 +667,32 @@ def _check_geometry(h: Header, g: MLAGeometry) -> None:
         raise WireError(
             f"buf: layer range [{h.layer_lo}, {h.layer_hi}) outside geometry {g.name!r} "
             f"({g.layers} layers)"
+        )
+
+
+def format_flags(geometry: MLAGeometry | None) -> int:
+    """The header flag bits that say a requester's cache format (``geometry.cache_dtype``;
+    None: not said, 0): a ``ROUTE`` or ``FETCH`` carries them, and a holder whose geometry
+    keeps another format refuses the request naming both."""
+    if geometry is None:
+        return 0
+    return CACHE_FORMAT_CODES.get(geometry.cache_dtype, 0) << FORMAT_SHIFT
+
+
+def _check_request_format(h: Header, g: MLAGeometry) -> None:
+    """A ``ROUTE`` or ``FETCH`` from a requester that said its cache format (flag bits 1-3)
+    must come from one that keeps the geometry's: an error naming both otherwise."""
+    code = (h.flags & _FORMAT_MASK) >> FORMAT_SHIFT
+    if not code:
+        return  # not said (a packer given no geometry)
+    sent = _FORMAT_NAMES.get(code)
+    if sent is None:
+        raise WireError(f"buf: unknown cache format code {code} in the {h.kind.name} flags")
+    if (sent == _FP8) != (g.cache_dtype == _FP8):
+        raise WireError(
+            f"buf: cache format mismatch: the {h.kind.name} comes from a requester keeping a "
+            f"{sent} cache, geometry {g.name!r} keeps a {g.cache_dtype} cache (holder and "
+            "requester must keep one format)"
         )
 
 
@@ -867,7 +904,8 @@ def pack_query(
     B, H, D = q.shape
     topk = 0 if indices is None else _check_indices(indices, q)
     nbytes = query_payload_bytes(B, H, D, topk, q.dtype)
-    h = Header(Kind.ROUTE, q.dtype, 0, request_id, seq, chunk_id, B, H, D, lo, hi, topk, nbytes)
+    flags = format_flags(geometry)
+    h = Header(Kind.ROUTE, q.dtype, flags, request_id, seq, chunk_id, B, H, D, lo, hi, topk, nbytes)
     parts = (q, indices) if topk else (q,)
     if array:
         if not q.is_cpu:
@@ -889,13 +927,15 @@ def pack_query_arrays(
     layer: int,
     crc: bool | None,
     array: bool = False,
+    flags: int = 0,
 ) -> torch.Tensor | np.ndarray:
     """The requester's fast path of :func:`pack_query` (as :func:`pack_partial_arrays` is the
     holder's): ``q`` as the uint8 bytes of ``[B, heads, width]`` rows in ``dtype`` (shape
     ``[B, heads * width * itemsize]``), ``indices`` ``[B, topk]`` int32 or None, on the host.
     The values of the rows and of the selection were checked by the caller
     (:func:`mqnc.serving.route.route_request`); their arrays' dtypes and sizes, the ids and the
-    layer are checked here; ``array`` as in :func:`pack_probe`."""
+    layer are checked here; ``array`` as in :func:`pack_probe`; ``flags`` the requester's
+    :func:`format_flags`."""
     if not (_plain_ids(request_id, seq, chunk_id) and type(layer) is int and layer < 2**16 - 1):
         _check_ids(request_id=request_id, seq=seq, chunk_id=chunk_id, layer=layer)
     if not 0 <= layer < 2**16 - 1:  # the header's range is [layer, layer + 1), u16
@@ -917,8 +957,8 @@ def pack_query_arrays(
     if topk:
         a[end:].view(np.int32)[:] = indices.reshape(-1)
     h = Header(
-        Kind.ROUTE, dtype, 0, request_id, seq, chunk_id, B, heads, width, layer, layer + 1, topk,
-        nbytes,
+        Kind.ROUTE, dtype, flags & _FORMAT_MASK, request_id, seq, chunk_id, B, heads, width,
+        layer, layer + 1, topk, nbytes,
     )  # fmt: skip
     _seal_host(a, h, crc)
     return a if array else torch.from_numpy(a)
@@ -1252,13 +1292,15 @@ def pack_fetch(
     array: bool = False,
 ) -> torch.Tensor | np.ndarray:
     """A ``FETCH`` request for layers ``[lo, hi)`` of a chunk (default: all ``L``, §2.2);
-    ``array`` as in :func:`pack_probe`."""
+    ``array`` as in :func:`pack_probe`. A ``geometry`` given says the requester's cache format
+    (:func:`format_flags`): a holder keeping another refuses the fetch naming both."""
     g = _geometry(geometry)
     _check_ids(request_id=request_id, seq=seq, chunk_id=chunk_id)
     lo, hi = _check_layers((0, g.layers) if layers is None else layers, g)
     h = Header(
-        Kind.FETCH, request_id=request_id, seq=seq, chunk_id=chunk_id, layer_lo=lo, layer_hi=hi
-    )
+        Kind.FETCH, flags=format_flags(geometry), request_id=request_id, seq=seq,
+        chunk_id=chunk_id, layer_lo=lo, layer_hi=hi,
+    )  # fmt: skip
     return _header_only(h, device, array)
 
 
