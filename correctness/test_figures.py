@@ -346,6 +346,27 @@ def test_model_figures_render_readably(tmp_path):
             plt.close(fig)
 
 
+def test_cost_vs_chunk_draws_the_fp8_fetch_beside_bf16(tmp_path):
+    """``fp8_fetch=True``: a dashed fetch line over the FP8 entry (656 B per token-layer)
+    beside the bf16 one (1152 B), each the cost model's ``t_fetch`` of its geometry, the
+    FP8 one below at every chunk size (less to pull, the same splice profile)."""
+    from mqnc.cost import load_fabric, t_fetch
+
+    fabric, c = load_fabric("h100-ibgda"), np.geomspace(16, 8192, 24)
+    fig, ax = plt.subplots()
+    try:
+        plots.cost_vs_chunk(ax, V2, fabric, c_t_axis=c, fp8_fetch=True)
+        bf16 = _line(ax, label="fetch (all-layer pull + splice, 1152 B/token-layer)")
+        fp8 = _line(ax, label="fetch, FP8 cache (656 B/token-layer)")
+        g8 = V2.replace(cache_dtype="fp8_e4m3")
+        assert np.array_equal(fp8.get_ydata(), t_fetch(g8, fabric, c, bw_gbps=70.0).total)
+        assert np.array_equal(bf16.get_ydata(), t_fetch(V2, fabric, c, bw_gbps=70.0).total)
+        assert (fp8.get_ydata() < bf16.get_ydata()).all() and fp8.get_linestyle() == "--"
+        assert_readable(fig, tmp_path / "fig1b_fp8.png")
+    finally:
+        plt.close(fig)
+
+
 # ---- one panel per device, the demo's figure, the committed figures ------------------------------
 
 

@@ -89,6 +89,7 @@ def cost_vs_chunk(
     bw_gbps: float | None = 70.0,
     c_t_axis: Sequence[float] | np.ndarray | None = None,
     splice=None,
+    fp8_fetch: bool = False,
     **route_kwargs: Any,
 ):
     """Fig. 1(b): cost of route, fetch and local against chunk size (§4.2, §5.1).
@@ -111,6 +112,11 @@ def cost_vs_chunk(
         Chunk sizes (default 16 .. 8192, log-spaced).
     splice : SpliceProfile or None
         Default :data:`mqnc.cost.SPLICE_PAPER` (measured on H100, §7).
+    fp8_fetch : bool
+        Also draw fetch over the other cache format, dashed: the FP8 entry (DeepSeek-V3.2's
+        656 B per token-layer at 512 + 64, ``cache_dtype="fp8_e4m3"``) beside a 16-bit
+        geometry, or bf16 beside an FP8 one; the same splice profile (the measured bf16 one: a
+        prediction for FP8). Needs ``d_c`` a multiple of 128.
     route_kwargs
         Passed to :func:`mqnc.cost.t_route` (``t_compute_us``, ``t_merge_us``, ...).
     """
@@ -120,7 +126,15 @@ def cost_vs_chunk(
     fetch = t_fetch(geometry, fabric, c, splice=splice, bw_gbps=bw_gbps).total
     lo, hi = t_local_range(geometry, c)
     ax.plot(c, np.full_like(c, route), color=COLORS["route"], lw=2, label=f"route (M_q={m_q:g})")
-    ax.plot(c, fetch, color=COLORS["fetch"], lw=2, label="fetch (all-layer pull + splice)")
+    own = f", {geometry.kv_bytes_per_token_layer} B/token-layer" if fp8_fetch else ""
+    ax.plot(c, fetch, color=COLORS["fetch"], lw=2, label=f"fetch (all-layer pull + splice{own})")
+    if fp8_fetch:
+        other = "bf16" if geometry.cache_dtype == "fp8_e4m3" else "fp8_e4m3"
+        g2 = geometry.replace(cache_dtype=other)
+        fetch2 = t_fetch(g2, fabric, c, splice=splice, bw_gbps=bw_gbps).total
+        name = "FP8" if other == "fp8_e4m3" else other
+        label = f"fetch, {name} cache ({g2.kv_bytes_per_token_layer} B/token-layer)"
+        ax.plot(c, fetch2, color=COLORS["fetch"], lw=1.5, ls="--", label=label)
     ax.fill_between(c, lo, hi, color=COLORS["local"], alpha=0.25, label="local band (c 0.5-1.5)")
     ax.plot(c, t_local(geometry, c), color=COLORS["local"], lw=1.5, label="local (c = 1 us)")
     a, b = local_band_tokens(geometry, fabric, splice=splice, bw_gbps=bw_gbps)
