@@ -19,6 +19,7 @@ import torch
 import triton
 
 from mqnc.triton_kernels._checks import FLOAT_DTYPES, check_tensor, dtype_name
+from mqnc.triton_kernels._fp8_cache import as_bytes, check_fp8_layout, fp8_rope_view, is_fp8_pool
 from mqnc.triton_kernels._grid import (
     MIN_TOKENS_PER_SPLIT,
     Occupancy,
@@ -32,7 +33,12 @@ from mqnc.triton_kernels._op import (
     plan_context,
     written_into,  # noqa: F401  (re-exported)
 )
-from mqnc.triton_kernels._runtime import interpreting, new_output, poisoning
+from mqnc.triton_kernels._runtime import (
+    bf16_rne_in_software,
+    interpreting,
+    new_output,
+    poisoning,
+)
 from mqnc.triton_kernels.merge import merge_launch
 
 __all__ = [
@@ -43,6 +49,7 @@ __all__ = [
     "mla_operands",
     "check_block_size",
     "dot_precision",
+    "fp8_flags",
     "variant_name",
     "split_outputs",
     "split_strides",
@@ -268,10 +275,23 @@ def _major_minor(version: str) -> tuple[int, int]:
 # under 3.6.0, the least of every fp32 tile tried (16 x 16 and 16 x 32 on 4, 8 or 16 warps, 3
 # to 5 stages: 8 to 200 B under 3.6.0).
 _FP32 = TileConfig(16, 16, 16, 5)
+# FP8 caches (16-bit queries): the entries are dequantized into a bf16 tile in registers, which
+# the dots read through shared memory (``BLOCK_N x 512`` bf16 beside the uint8 ring), so the
+# 16-bit tiles do not fit: dense 16 x 64 needs 234,496 B of shared memory (a CTA may have
+# 232,448), 32 x 32 and 32 x 16 spill 440-528 B under triton 3.6.0 and 3.9.0. Launch-exact
+# sm_90 compiles (no GPU has run them: no speed claimed) give, at 5 stages (a 2-deep uint8
+# ring, copy groups in flight): 16 x 32 on 8 warps for every head count under 3.9.0 and up
+# to 32 heads under 3.6.0 (dense 233 / sparse 244 registers under 3.6.0, 126,464 B shared, no
+# spills); above 32 heads under 3.6.0, 64 x 16 on 8 warps (HGMMA; dense 242 / sparse 254
+# registers, 131,072 B, no spills; under 3.9.0 it spills 264-280 B). 64 x 32 at 5 stages also
+# compiles spill-free under 3.6.0 (255 registers, 153,088 B) and at 3-4 stages leaves its ring
+# single-buffered: sweep candidates, not defaults, until a GPU measures them.
+_FP8 = TileConfig(16, 32, 8, 5)
+_FP8_WIDE = {(3, 6): TileConfig(64, 16, 8, 5)}
 
 
 def tile_config(
-    heads: int, *, sparse: bool = False, dtype: torch.dtype = torch.bfloat16
+    heads: int, *, sparse: bool = False, dtype: torch.dtype = torch.bfloat16, fp8: bool = False
 ) -> TileConfig:
     """The tile configuration for ``heads`` query heads per token.
 
@@ -292,12 +312,18 @@ def tile_config(
     An fp32 cache (``dtype``: the cache's; 4-byte elements) runs 16 heads x 16 entries on 16
     warps for every head count, dense and sparse: the 16-bit tiles exceed sm_90's shared memory
     or spill there.
+
+    An FP8 cache (``fp8``; ``dtype`` the query's, the dequantized operands' type) runs its own
+    tiles (``_FP8``, ``_FP8_WIDE``: dense and sparse alike), an fp32 query the fp32 tile.
     """
     if dtype.itemsize == 4:
         return _FP32
     forced = _FORCED.get("sparse" if sparse else "dense")
     if forced is not None:
         return forced
+    if fp8:
+        wide = _FP8_WIDE.get(_triton_minor()) if heads > 32 else None
+        return _FP8 if wide is None else wide
     if heads > 32:
         return _WIDE.get(_triton_minor(), _WIDE_ELSE)[1 if sparse else 0]
     table = _SPARSE if sparse else _DENSE
@@ -346,6 +372,8 @@ class MlaOperands:
     d_v: int
     d_pe: int
     split: bool
+    # ``kv`` holds FP8 entries (uint8, ``_fp8_cache``); ``kv_pe`` then the bf16 RoPE rows
+    fp8: bool = False
 
 
 def _check_width(name: str, width: int, d_qk: int, d_v: int) -> None:
@@ -388,6 +416,8 @@ def mla_operands(
     else:
         d_pe = width - d_v
     d_qk = d_v + d_pe
+    if is_fp8_pool(kv_pool):
+        return _fp8_operands(q, q_pe, as_bytes(kv_pool), kpe_pool, d_v, d_pe)
     check_tensor("kv_pool", kv_pool, ndim=3, dtypes=(q.dtype,), contiguous_last=True)
     if kpe_pool is None and kv_pool.shape[2] != d_qk:
         raise ValueError(
@@ -413,6 +443,24 @@ def mla_operands(
     for name, t in (("q", q), ("q_pe", q_pe), ("kv_pool", kv_pool), ("kpe_pool", kpe_pool)):
         _check_inner_offsets(name, t)
     return MlaOperands(q, q_pe, kv_pool, kpe_pool, d_v, d_pe, split)
+
+
+def _fp8_operands(q, q_pe, kv, kpe_pool, d_v: int, d_pe: int) -> MlaOperands:
+    """:func:`mla_operands` for an FP8 ``kv_pool`` (``kv``: its uint8 view): entries of the
+    FP8 width (``_fp8_cache.check_fp8_layout``), a bf16 ``kpe_pool`` when split; the query in
+    any float dtype (the entries are dequantized to it)."""
+    check_fp8_layout(kv, kpe_pool, d_v, d_pe)
+    for name, w in (("d_v", d_v), ("d_qk - d_v", d_pe)):
+        _check_width(name, w, d_v + d_pe, d_v)
+    split = q_pe is not None or kpe_pool is not None
+    if split:
+        q_pe = q[..., d_v:] if q_pe is None else q_pe
+        kpe_pool = fp8_rope_view(kv, d_v) if kpe_pool is None else kpe_pool
+    else:
+        q_pe, kpe_pool = q, kv
+    for name, t in (("q", q), ("q_pe", q_pe), ("kv_pool", kv), ("kpe_pool", kpe_pool)):
+        _check_inner_offsets(name, t)
+    return MlaOperands(q, q_pe, kv, kpe_pool, d_v, d_pe, split, fp8=True)
 
 
 _INT32_MAX = 2**31 - 1
@@ -446,6 +494,20 @@ def check_block_size(block_size: int) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision: full fp32 for fp32 inputs (never tf32); 16-bit ignore it."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def fp8_flags(ops: MlaOperands, cfg: TileConfig) -> dict:
+    """The classic kernels' FP8 constexprs: ``FP8`` (the pool holds FP8 entries) and
+    ``FP8_RNE`` (bf16 dequantized values rounded in software: the interpreter); none for a
+    restructured tile, which reads 16-bit caches only (refused for FP8 here)."""
+    if not cfg.kernel:
+        return dict(FP8=ops.fp8, FP8_RNE=ops.fp8 and bf16_rne_in_software(ops.q.dtype))
+    if ops.fp8:
+        raise ValueError(
+            f"tile: expected a classic tile for an FP8 cache (the restructured loops read "
+            f"16-bit caches only), got {cfg.label!r}"
+        )
+    return {}
 
 
 def variant_name(

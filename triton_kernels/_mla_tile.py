@@ -32,6 +32,7 @@ import triton.language as tl
 from mqnc.triton_kernels._numerics import round_to
 
 LOG2E = 1.4426950408889634
+FP8_GROUP = tl.constexpr(128)  # latent values per fp32 scale of an FP8 entry (kv_format)
 
 
 @triton.jit
@@ -117,6 +118,19 @@ def _attend_tile(
     else:
         pe_at = kv_rows[:, None] + D_LAT + tl.arange(0, D_PE)[None, :]
     kv_pe = tl.load(pe_at, mask=valid[:, None], other=0.0)
+    return _attend_masked(
+        q_lat, q_pe, kv_lat, kv_pe, valid, m, l, acc, qk_scale, DOT_FP32, PRECISION
+    )
+
+
+@triton.jit
+def _attend_masked(
+    q_lat, q_pe, kv_lat, kv_pe, valid, m, l, acc, qk_scale, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The scores and the online-softmax step of a loaded tile ``kv_lat [BLOCK_N, D_LAT]``,
+    ``kv_pe [BLOCK_N, D_PE]`` (the dot dtype) whose entries ``valid`` [BLOCK_N] are attended
+    (the others score ``-inf``); ``m``, ``l``, ``acc`` as in :func:`_attend_tile`."""
     if DOT_FP32:
         kv_lat = kv_lat.to(tl.float32)
         kv_pe = kv_pe.to(tl.float32)
@@ -124,6 +138,57 @@ def _attend_tile(
     s = tl.dot(q_pe, tl.trans(kv_pe), acc=s, input_precision=PRECISION)
     s = tl.where(valid[None, :], s * qk_scale, -float("inf"))
     return _softmax_step(s, kv_lat, m, l, acc, PRECISION)
+
+
+@triton.jit
+def _load_fp8_tile(
+    kv_rows, pe_rows, valid, D_LAT: tl.constexpr, D_PE: tl.constexpr, SPLIT: tl.constexpr,
+    DT: tl.constexpr, RNE: tl.constexpr,
+):  # fmt: skip
+    """Load and dequantize ``BLOCK_N`` FP8 entries: ``(kv_lat [BLOCK_N, D_LAT], kv_pe
+    [BLOCK_N, D_PE])`` in ``DT`` (the query's dtype, the dots' operand type).
+
+    ``kv_rows`` [BLOCK_N] are uint8 pointers to the entries' first byte: ``D_LAT`` e4m3fn
+    bytes, then ``D_LAT / 128`` float32 scales, then (fused, not ``SPLIT``) ``D_PE`` bf16 RoPE
+    values; ``SPLIT``: ``pe_rows`` [BLOCK_N] point to the bf16 RoPE rows of FlashInfer's
+    ``kpe`` cache. A latent value is ``fp32(e4m3(byte)) * scale`` (one fp32 multiply, exact for
+    a power-of-two scale) rounded once to ``DT`` (nearest even; ``RNE``: by integer arithmetic,
+    the interpreter's bf16 cast truncates); the RoPE part is converted from bf16 to ``DT``.
+    Rows not ``valid`` are not read (0)."""
+    cols = tl.arange(0, D_LAT)
+    raw = tl.load(kv_rows[:, None] + cols[None, :], mask=valid[:, None], other=0)
+    lat = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    scale_at = (kv_rows + D_LAT).to(tl.pointer_type(tl.float32), bitcast=True)
+    group = (cols // FP8_GROUP)[None, :]
+    scale = tl.zeros_like(lat)
+    for g in tl.static_range(D_LAT // FP8_GROUP):
+        s_g = tl.load(scale_at + g, mask=valid, other=0.0)
+        scale = tl.where(group == g, s_g[:, None], scale)
+    kv_lat = round_to(lat * scale, DT, RNE)
+    if SPLIT:
+        pe_at = pe_rows[:, None] + tl.arange(0, D_PE)[None, :]
+    else:
+        rope = kv_rows + D_LAT + 4 * (D_LAT // FP8_GROUP)
+        pe_at = rope.to(tl.pointer_type(tl.bfloat16), bitcast=True)[:, None]
+        pe_at = pe_at + tl.arange(0, D_PE)[None, :]
+    kv_pe = tl.load(pe_at, mask=valid[:, None], other=0.0).to(DT)
+    return kv_lat, kv_pe
+
+
+@triton.jit
+def _attend_tile_fp8(
+    q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT: tl.constexpr,
+    D_PE: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DT: tl.constexpr, RNE: tl.constexpr,
+):  # fmt: skip
+    """:func:`_attend_tile` over FP8 entries (``kv_rows``: uint8 pointers to each entry's
+    first byte; ``pe_rows``: the ``kpe`` rows when ``SPLIT``), dequantized in registers by
+    :func:`_load_fp8_tile` to ``DT`` before the dots; the value is the same dequantized
+    latent."""
+    kv_lat, kv_pe = _load_fp8_tile(kv_rows, pe_rows, valid, D_LAT, D_PE, SPLIT, DT, RNE)
+    return _attend_masked(
+        q_lat, q_pe, kv_lat, kv_pe, valid, m, l, acc, qk_scale, DOT_FP32, PRECISION
+    )
 
 
 @triton.jit

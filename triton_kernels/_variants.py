@@ -50,7 +50,8 @@ class Shape:
     ``split`` latent / rope tensors, ``s_q`` query tokens per sequence (``B`` sequences),
     ``causal``; a splice into ``layers="list"`` (one cache per layer); a merge with a ``mask``
     and base-2 lse (``base2``); an MLA cache and query ``dtype`` other than bf16 (a torch dtype
-    name)."""
+    name); ``fp8``: the cache holds FP8 entries (656 B, ``mqnc.model.kv_format``; the query
+    stays ``dtype``)."""
 
     op: str
     B: int = 1
@@ -69,6 +70,7 @@ class Shape:
     mask: bool = False
     base2: bool = False
     dtype: str = "bfloat16"
+    fp8: bool = False
 
     @property
     def label(self) -> str:
@@ -84,6 +86,7 @@ class Shape:
                 ("mask", self.mask),
                 ("base2", self.base2),
                 (self.dtype, self.dtype != "bfloat16"),
+                ("fp8", self.fp8),
             )
             if on
         )
@@ -171,6 +174,15 @@ def _mla_inputs(shape: Shape, device):
     dtype = getattr(torch, shape.dtype)
     page = shape.page
     blocks = max(2, 128 // page)  # a few pages (the compile sees strides only)
+    if shape.fp8:  # FP8 entries (uint8): latent + scales, and the bf16 RoPE part (fused or kpe)
+        latent = D_V + 4 * (D_V // 128)
+        width = latent if shape.split else latent + 2 * (D_QK - D_V)
+        kv = torch.zeros(blocks, page, width, dtype=torch.uint8, device=device)
+        if not shape.split:
+            return torch.zeros(rows, shape.H, D_QK, dtype=dtype, device=device), kv, None, None
+        kpe = torch.zeros(blocks, page, D_QK - D_V, dtype=torch.bfloat16, device=device)
+        q = torch.zeros(rows, shape.H, D_V, dtype=dtype, device=device)
+        return q, kv, torch.zeros(rows, shape.H, D_QK - D_V, dtype=dtype, device=device), kpe
     if not shape.split:
         q = torch.zeros(rows, shape.H, D_QK, dtype=dtype, device=device)
         return q, torch.zeros(blocks, page, D_QK, dtype=dtype, device=device), None, None

@@ -21,9 +21,16 @@ attend (``o = 0, lse = -inf``). With ``causal=False`` every token attends all
 conversion); planning (:func:`plan_mla_with_kvcache`, FlashMLA's ``get_mla_metadata``)
 returns a plan object whose ``run`` takes the same tensors as the call; the cache may be
 ``[num_blocks, page, 1, d]`` (FlashMLA's, one KV head) or ``[num_blocks, page, d]``, with any
-power-of-two page. FP8 caches are not supported (so the sparse call reads a bf16 / fp16 /
-fp32 cache, not FlashMLA's packed FP8 one); heads are ``d_v`` + a rope part (576 = 512 + 64),
-FlashMLA's rope-less ``d = 512`` is refused by name (``q``).
+power-of-two page; heads are ``d_v`` + a rope part (576 = 512 + 64), FlashMLA's rope-less
+``d = 512`` is refused by name (``q``).
+
+**FP8 caches** (``is_fp8_kvcache=True``, FlashMLA's flag): ``k_cache`` holds DeepSeek-V3.2's
+656-byte entries (512 e4m3 latent bytes, 4 float32 scales, 64 bf16 RoPE values;
+``mqnc.model.kv_format``) as ``[num_blocks, page, 1, 656]`` float8_e4m3fn (FlashMLA's) or
+uint8, read in place by the same kernels (dequantized in registers to the query's dtype); the
+dense call (paged, ``s_q``, causal) and the sparse one take it. The flag must agree with the
+cache's dtype (an FP8 dtype with the flag off, or a 16-bit cache with it on, is an error
+naming ``is_fp8_kvcache``). FlashMLA's sparse decode takes only FP8 caches; here both.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from mqnc.triton_kernels._checks import (
     check_same_device,
     check_tensor,
 )
+from mqnc.triton_kernels._fp8_cache import as_bytes, check_fp8_entries, is_fp8_pool
 from mqnc.triton_kernels._mla_launch import AttentionPlan
 from mqnc.triton_kernels.mla_decode import PagedLayout, checked_plan
 from mqnc.triton_kernels.mla_sparse import check_index_range, plan_mla_sparse
@@ -51,9 +59,16 @@ __all__ = [
 ]
 
 
-def _cache_3d(k_cache: torch.Tensor) -> torch.Tensor:
-    """``[num_blocks, page, 1, d]`` (FlashMLA's) or ``[num_blocks, page, d]`` as the latter."""
+def _cache_3d(k_cache: torch.Tensor, is_fp8_kvcache: bool = False) -> torch.Tensor:
+    """``[num_blocks, page, 1, d]`` (FlashMLA's) or ``[num_blocks, page, d]`` as the latter;
+    ``is_fp8_kvcache`` checked against the cache's dtype."""
     check_tensor("k_cache", k_cache)
+    check_flags(is_fp8_kvcache=is_fp8_kvcache)
+    if is_fp8_kvcache != is_fp8_pool(k_cache):
+        raise ValueError(
+            f"is_fp8_kvcache: expected {not is_fp8_kvcache} for a k_cache of dtype "
+            f"{k_cache.dtype} (FP8 entries are uint8 or float8_e4m3fn), got {is_fp8_kvcache}"
+        )
     if k_cache.dim() == 4:
         if k_cache.shape[2] != 1:
             raise ValueError(
@@ -176,7 +191,7 @@ class FlashMLAPlan:
             raise ValueError(f"q: expected shape ({b}, {s_q}, h_q, d) (as planned), got {got}")
         q2 = q.reshape(b * s_q, q.shape[2], q.shape[3])
         kv = k_cache[:, :, 0] if k_cache.dim() == 4 else k_cache
-        o, lse = self.plan.run(q2, kv, block_table, cache_seqlens)
+        o, lse = self.plan.run(q2, kv, block_table, cache_seqlens)  # (an FP8 cache: viewed)
         return _flashmla_outputs(o, lse, b, s_q, contiguous=True)
 
 
@@ -191,6 +206,7 @@ def plan_mla_with_kvcache(
     causal: bool = False,
     num_splits: int | None = None,
     check_inputs: bool = True,
+    is_fp8_kvcache: bool = False,
 ) -> FlashMLAPlan:
     """Plan :func:`mla_decode_with_kvcache` for these tensors' shapes: every check and the split
     choice once; then ``plan.run(q, k_cache, block_table, cache_seqlens)``."""
@@ -200,7 +216,7 @@ def plan_mla_with_kvcache(
     with argument_names(_NAMES):
         plan, _ = checked_plan(
             rows,
-            _cache_3d(k_cache),
+            _cache_3d(k_cache, is_fp8_kvcache),
             block_table,
             cache_seqlens,
             None,
@@ -226,6 +242,7 @@ def mla_decode_with_kvcache(
     causal: bool = False,
     num_splits: int | None = None,
     check_inputs: bool = True,
+    is_fp8_kvcache: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial attention in FlashMLA's layout (the holder's compute, §3.3, for ``s_q`` tokens).
 
@@ -236,7 +253,8 @@ def mla_decode_with_kvcache(
         on the last dim.
     k_cache : torch.Tensor
         ``[num_blocks, page, 1, d]`` (FlashMLA's) or ``[num_blocks, page, d]``, same dtype;
-        ``page`` any power of two (FlashMLA's is 64).
+        ``page`` any power of two (FlashMLA's is 64). With ``is_fp8_kvcache``: FP8 entries
+        ``[num_blocks, page, 1, 656]`` (float8_e4m3fn or uint8; module docstring).
     block_table : torch.Tensor
         ``[b, max_blocks]`` int32, one row per sequence (shared by its ``s_q`` tokens).
     cache_seqlens : torch.Tensor
@@ -249,7 +267,10 @@ def mla_decode_with_kvcache(
         FlashMLA's rule (module docstring): token ``i`` attends the first
         ``cache_seqlens[b] - s_q + i + 1`` entries.
     num_splits, check_inputs
-        As in :func:`mqnc.triton_kernels.mla_decode_partial`.
+        As in :func:`mqnc.triton_kernels.mla_decode_partial` (``check_inputs`` also checks the
+        scales and latent bytes of the FP8 entries attended).
+    is_fp8_kvcache : bool
+        FlashMLA's flag: ``k_cache`` holds FP8 entries (must agree with its dtype).
 
     Returns
     -------
@@ -269,6 +290,7 @@ def mla_decode_with_kvcache(
         causal=causal,
         num_splits=num_splits,
         check_inputs=check_inputs,
+        is_fp8_kvcache=is_fp8_kvcache,
     )
     return plan.run(q, k_cache, block_table, cache_seqlens)
 
@@ -283,6 +305,7 @@ def mla_sparse_with_kvcache(
     topk_length: torch.Tensor | None = None,
     num_splits: int | None = None,
     check_indices: bool = True,
+    is_fp8_kvcache: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse top-k partial attention in FlashMLA's layout: ``q [b, s_q, h_q, d]``, ``indices
     [b, s_q, topk]`` int32 into the flattened cache (``-1`` unused; each query token has its
@@ -290,9 +313,10 @@ def mla_sparse_with_kvcache(
     the leftmost ``topk_length[i]`` indices of sequence ``i`` count (the rest are read as
     ``-1``: a masked copy of ``indices``). Returns ``o [b, s_q, h_q, head_dim_v]`` and
     natural-log ``lse [b, h_q, s_q]`` (a transposed view, as FlashMLA's sparse call). The cache
-    is bf16 / fp16 / fp32 ``[num_blocks, page, (1,) d]``: FlashMLA's sparse kernels read its
-    packed FP8 cache, which mqnc does not. Other arguments as in
-    :func:`mqnc.triton_kernels.mla_sparse_partial`."""
+    is bf16 / fp16 / fp32 ``[num_blocks, page, (1,) d]`` or, with ``is_fp8_kvcache``
+    (FlashMLA's sparse decode's only format), FP8 entries ``[num_blocks, page, (1,) 656]``
+    (float8_e4m3fn or uint8; ``check_indices`` then also checks the selected entries' scales
+    and latent bytes). Other arguments as in :func:`mqnc.triton_kernels.mla_sparse_partial`."""
     rows = _rows(q)
     b, s_q = q.shape[:2]
     check_tensor("indices", indices, ndim=3, shape=(b, s_q, None))
@@ -301,7 +325,7 @@ def mla_sparse_with_kvcache(
         keep = torch.arange(indices.shape[2], device=indices.device) < topk_length[:, None, None]
         indices = torch.where(keep, indices, -1)
     idx = indices.reshape(b * s_q, indices.shape[2])
-    kv = _cache_3d(k_cache)
+    kv = _cache_3d(k_cache, is_fp8_kvcache)
     with argument_names(_NAMES):
         plan = plan_mla_sparse(
             rows,
@@ -314,5 +338,8 @@ def mla_sparse_with_kvcache(
         )
     if check_indices:  # after every other check, on the caller's [b, s_q, topk] (its places)
         check_index_range(indices, kv.shape[0] * kv.shape[1])
+        if is_fp8_kvcache:
+            with argument_names(_NAMES):
+                check_fp8_entries(as_bytes(kv), idx[idx >= 0], head_dim_v)
     o, lse = plan.run(rows, kv, idx)
     return _flashmla_outputs(o, lse, b, s_q, contiguous=False)

@@ -63,6 +63,7 @@ from mqnc.triton_kernels._checks import (
     check_softmax_scale,
     check_tensor,
 )
+from mqnc.triton_kernels._fp8_cache import as_bytes, check_fp8_entries, dense_slots, fp8_rope_view
 from mqnc.triton_kernels._launch import Launch
 from mqnc.triton_kernels._mla_launch import (
     AttentionPlan,
@@ -71,6 +72,7 @@ from mqnc.triton_kernels._mla_launch import (
     TileConfig,
     check_block_size,
     dot_precision,
+    fp8_flags,
     meta_output,
     mla_operands,
     plan_mla,
@@ -82,6 +84,7 @@ from mqnc.triton_kernels._mla_tile import (
     LOG2E,
     _attend_loaded,
     _attend_tile,
+    _attend_tile_fp8,
     _load_full_tile,
     _load_query,
     _merge_if_last,
@@ -184,11 +187,14 @@ def _mla_decode_kernel(
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     BF16_RNE: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_RNE: tl.constexpr,
 ):
     """Grid ``(B * SEQ_Q * ceil(H / BLOCK_H), NUM_SPLITS)``: one program per (query row, head
     block) and split, a row's head blocks adjacent on axis 0 (axis 0 holds 2**31 - 1 programs;
     rows on axis 2 stopped at 65,535); query row ``b`` belongs to sequence ``b // SEQ_Q`` (its
-    pages and length)."""
+    pages and length). ``FP8``: ``KV`` holds FP8 entries (uint8; ``_mla_tile._load_fp8_tile``),
+    dequantized to ``Q``'s dtype (``FP8_RNE``: bf16 rounded in software, the interpreter)."""
     b, h0, split, seq, t_start, t_end = _program_keys(
         SeqLens, H, NUM_SPLITS, SEQ_Q, BLOCK_H, BLOCK_N, MIN_TILES, MULTI_Q, CAUSAL
     )
@@ -204,7 +210,7 @@ def _mla_decode_kernel(
         m, l, acc = _masked_tile(
             q_lat, q_pe, KV, KV_PE, table_row, t0, t_end, offs_n, m, l, acc, qk_scale, stride_tj,
             stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, D_LAT, D_PE, SPLIT, DOT_FP32,
-            PRECISION,
+            PRECISION, FP8, Q.dtype.element_ty, FP8_RNE,
         )  # fmt: skip
 
     o_base = split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
@@ -229,10 +235,12 @@ def _masked_tile(
     q_lat, q_pe, KV, KV_PE, table_row, t0, t_end, offs_n, m, l, acc, qk_scale, stride_tj,
     stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE: tl.constexpr, D_LAT: tl.constexpr,
     D_PE: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    FP8: tl.constexpr, DT: tl.constexpr, FP8_RNE: tl.constexpr,
 ):  # fmt: skip
     """One masked tile: entries ``t0 .. min(t0 + BLOCK_N, t_end)`` (``offs_n`` is
     ``arange(BLOCK_N)``) through the sequence's page-table row ``table_row``. The classic
-    kernel attends every tile so; the restructured loop only its last, partial one."""
+    kernel attends every tile so; the restructured loop only its last, partial one. ``FP8``:
+    the entries are FP8 (uint8 ``KV``), dequantized to ``DT``."""
     t = t0 + offs_n
     valid = t < t_end
     page = tl.load(table_row + (t // PAGE) * stride_tj, mask=valid, other=0)
@@ -241,10 +249,16 @@ def _masked_tile(
         pe_rows = KV_PE + page.to(tl.int64) * stride_pkb + (t % PAGE) * stride_pkt
     else:
         pe_rows = kv_rows  # (not read: the rope part follows the latent)
-    return _attend_tile(
-        q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
-        DOT_FP32, PRECISION,
-    )  # fmt: skip
+    if FP8:
+        return _attend_tile_fp8(
+            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
+            DOT_FP32, PRECISION, DT, FP8_RNE,
+        )  # fmt: skip
+    else:
+        return _attend_tile(
+            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
+            DOT_FP32, PRECISION,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NUM_SPLITS", "SEQ_Q", "stride_tb", "n_blocks"])
@@ -301,7 +315,7 @@ def _mla_decode_pipe_kernel(
         m, l, acc = _masked_tile(
             q_lat, q_pe, KV, KV_PE, table_row, t_tail, t_end, offs_n, m, l, acc, qk_scale,
             stride_tj, stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, D_LAT, D_PE, SPLIT,
-            DOT_FP32, PRECISION,
+            DOT_FP32, PRECISION, False, Q.dtype.element_ty, False,
         )  # fmt: skip
     o_base = split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
     lse_base = split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
@@ -456,20 +470,24 @@ def _checked_capacity(table, lens, indptr, layout, check_inputs, max_kv_len, kv_
     return max_kv_len
 
 
-def _binder(layout: PagedLayout, split: bool, d_v: int, page: int):
+def _binder(layout: PagedLayout, split: bool, d_v: int, page: int, fp8: bool = False):
     """``bind(*run's arguments) -> the kernel's seven tensors`` of a dense plan's ``run`` (the
     positional tensors of :func:`plan_mla_decode`, or with CSR of :func:`plan_mla_decode_csr`,
-    plus ``q_pe`` / ``kpe_pool``), and the names its errors give them."""
+    plus ``q_pe`` / ``kpe_pool``), and the names its errors give them. ``fp8``: ``kv_pool``
+    holds FP8 entries, bound as uint8 (a float8_e4m3fn pool viewed)."""
 
     def rope_parts(q, kv_pool, q_pe, kpe_pool):
         if not split:
             return q, kv_pool
         q_pe = q[..., d_v:] if q_pe is None else q_pe
-        return q_pe, kv_pool[..., d_v:] if kpe_pool is None else kpe_pool
+        if kpe_pool is None:
+            kpe_pool = fp8_rope_view(kv_pool, d_v) if fp8 else kv_pool[..., d_v:]
+        return q_pe, kpe_pool
 
     if layout.csr:
 
         def bind(q, kv_pool, kv_indptr, kv_indices, kv_lens=None, *, q_pe=None, kpe_pool=None):
+            kv_pool = as_bytes(kv_pool) if fp8 else kv_pool
             q_pe, kpe_pool = rope_parts(q, kv_pool, q_pe, kpe_pool)
             if kv_lens is None:
                 kv_lens = (kv_indptr[1:] - kv_indptr[:-1]) * page
@@ -478,6 +496,7 @@ def _binder(layout: PagedLayout, split: bool, d_v: int, page: int):
         return bind, ("kv_indices", "kv_indptr", "kv_lens")
 
     def bind(q, kv_pool, block_table, cache_seqlens, *, q_pe=None, kpe_pool=None):
+        kv_pool = as_bytes(kv_pool) if fp8 else kv_pool
         q_pe, kpe_pool = rope_parts(q, kv_pool, q_pe, kpe_pool)
         # (Indptr is not read without CSR: any pointer does)
         return (q, q_pe, kv_pool, kpe_pool, block_table, cache_seqlens, cache_seqlens)
@@ -515,6 +534,8 @@ def checked_plan(
     scale = check_softmax_scale(softmax_scale)
     check_num_splits(num_splits)
     max_kv_len = _checked_capacity(table, lens, indptr, layout, check_inputs, max_kv_len, kv_pool)
+    if ops.fp8 and check_inputs:
+        _check_fp8_attended(ops.kv, table, lens, indptr, layout, d_v)
     template = plan_decode(
         q,
         kv_pool,
@@ -529,7 +550,7 @@ def checked_plan(
         max_kv_len=max_kv_len,
         alloc=meta_output,
     )
-    bind, names = _binder(layout, ops.split, d_v, kv_pool.shape[1])
+    bind, names = _binder(layout, ops.split, d_v, kv_pool.shape[1], ops.fp8)
     if layout.csr:
         planned = bind(q, kv_pool, indptr, table, lens, q_pe=q_pe, kpe_pool=kpe_pool)
     else:
@@ -537,6 +558,21 @@ def checked_plan(
     names = ("q", "q_pe", "kv_pool", "kpe_pool") + names
     plan = AttentionPlan(template, bind, n_inputs=7, device=q.device, planned=planned, names=names)
     return plan, ops
+
+
+def _check_fp8_attended(kv, table, lens, indptr, layout: PagedLayout, d_v: int) -> None:
+    """The FP8 entries a dense call attends (a row's first ``lens`` tokens through its pages;
+    CSR without ``kv_lens``: every entry of its pages) have valid scales and latent bytes
+    (``_fp8_cache.check_fp8_entries``; one host sync)."""
+    block_size = kv.shape[1]
+    if layout.csr:
+        starts = indptr[:-1]
+        lens = (indptr[1:] - indptr[:-1]) * block_size if lens is None else lens
+        pages = table
+    else:
+        starts = torch.arange(table.shape[0], device=table.device) * table.shape[1]
+        pages = table.reshape(-1)
+    check_fp8_entries(kv, dense_slots(pages, starts, lens, block_size), d_v)
 
 
 def _dense_options(call) -> dict:
@@ -621,7 +657,7 @@ def plan_decode(
     split choice (default: the table's capacity); ``alloc``: how outputs are made."""
     ops = ops or MlaOperands(q, q, kv_pool, kv_pool, d_v, q.shape[2] - d_v, False)
     layout = layout or PagedLayout()
-    cfg = tile_config(q.shape[1], dtype=q.dtype)
+    cfg = tile_config(q.shape[1], dtype=q.dtype, fp8=ops.fp8)
     page = kv_pool.shape[1]
     lens = cache_seqlens if cache_seqlens is not None else indptr  # (CSR: derived per run)
 
@@ -711,7 +747,9 @@ def decode_launch(
         fused = restructured["FUSED"]
         args += (kv.shape[0], *fused_workspace(R, H, ops.d_v, num_splits, q.device, fused))
     return Launch(
-        name=variant_name("mla_decode", q.dtype, cfg, split, feats),
+        name=variant_name(
+            "mla_decode-fp8" if ops.fp8 else "mla_decode", q.dtype, cfg, split, feats
+        ),
         kernel=_mla_decode_pipe_kernel if cfg.kernel else _mla_decode_kernel,
         grid=(R * triton.cdiv(H, cfg.block_h), num_splits),
         args=args,
@@ -730,6 +768,7 @@ def decode_launch(
             PRECISION=dot_precision(q.dtype),
             BF16_RNE=bf16_rne_in_software(o_part.dtype),
             **restructured,
+            **fp8_flags(ops, cfg),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
             maxnreg=cfg.reg_cap,

@@ -32,6 +32,7 @@ from mqnc.triton_kernels._checks import (
     check_softmax_scale,
     check_tensor,
 )
+from mqnc.triton_kernels._fp8_cache import as_bytes, check_fp8_entries, fp8_rope_view
 from mqnc.triton_kernels._launch import Launch
 from mqnc.triton_kernels._mla_launch import (
     AttentionPlan,
@@ -40,6 +41,7 @@ from mqnc.triton_kernels._mla_launch import (
     TileConfig,
     check_block_size,
     dot_precision,
+    fp8_flags,
     meta_output,
     mla_operands,
     plan_mla,
@@ -50,6 +52,7 @@ from mqnc.triton_kernels._mla_launch import (
 from mqnc.triton_kernels._mla_tile import (
     LOG2E,
     _attend_tile,
+    _attend_tile_fp8,
     _load_query,
     _softmax_init,
     _split_range,
@@ -116,10 +119,13 @@ def _mla_sparse_kernel(
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
     BF16_RNE: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_RNE: tl.constexpr,
 ):
     """Grid ``(B * ceil(H / BLOCK_H), NUM_SPLITS)``: a row's head blocks adjacent on axis 0 (as
     the dense kernel's); split ``s`` takes a contiguous range of the row's ``topk`` index
-    slots, whole tiles each."""
+    slots, whole tiles each. ``FP8``: ``KV`` holds FP8 entries (uint8), dequantized to ``Q``'s
+    dtype in registers (``_mla_tile._load_fp8_tile``; ``FP8_RNE``: the interpreter's bf16)."""
     b, h0, split, k_start, k_end = _sparse_keys(H, topk, NUM_SPLITS, BLOCK_H, BLOCK_N, MIN_TILES)
 
     q_lat, q_pe, offs_h, mask_h = _load_query(
@@ -136,10 +142,16 @@ def _mla_sparse_kernel(
         kv_rows, pe_rows, valid = _sparse_rows(
             KV, KV_PE, idx, stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, SPLIT
         )
-        m, l, acc = _attend_tile(
-            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
-            DOT_FP32, PRECISION,
-        )  # fmt: skip
+        if FP8:
+            m, l, acc = _attend_tile_fp8(
+                q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
+                DOT_FP32, PRECISION, Q.dtype.element_ty, FP8_RNE,
+            )  # fmt: skip
+        else:
+            m, l, acc = _attend_tile(
+                q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
+                DOT_FP32, PRECISION,
+            )  # fmt: skip
 
     o_base = split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
     lse_base = split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
@@ -259,16 +271,20 @@ def plan_mla_sparse(call) -> AttentionPlan:
     check_num_splits(call.num_splits)
     if call.check_indices:
         check_index_range(indices, num_blocks * block_size)
+        if ops.fp8:
+            check_fp8_entries(ops.kv, indices[indices >= 0], d_v)
     template = plan_sparse(
         q, kv_pool, indices, scale, d_v, call.num_splits, ops=ops, alloc=meta_output
     )
-    split = ops.split
+    split, fp8 = ops.split, ops.fp8
 
     def bind(q, kv_pool, indices, *, q_pe=None, kpe_pool=None):
+        kv_pool = as_bytes(kv_pool) if fp8 else kv_pool
         if not split:
             return (q, q, kv_pool, kv_pool, indices)
         q_pe = q[..., d_v:] if q_pe is None else q_pe
-        kpe_pool = kv_pool[..., d_v:] if kpe_pool is None else kpe_pool
+        if kpe_pool is None:
+            kpe_pool = fp8_rope_view(kv_pool, d_v) if fp8 else kv_pool[..., d_v:]
         return (q, q_pe, kv_pool, kpe_pool, indices)
 
     planned = bind(q, kv_pool, indices, q_pe=q_pe, kpe_pool=kpe_pool)
@@ -292,7 +308,7 @@ def plan_sparse(
     ``occupancy`` if given (see ``_mla_launch.plan_mla``); ``ops`` the checked operands
     (default: fused ``q`` and ``kv_pool``), ``alloc`` how outputs are made."""
     ops = ops or MlaOperands(q, q, kv_pool, kv_pool, d_v, q.shape[2] - d_v, False)
-    cfg = tile_config(q.shape[1], sparse=True, dtype=q.dtype)
+    cfg = tile_config(q.shape[1], sparse=True, dtype=q.dtype, fp8=ops.fp8)
 
     def build(o_part, lse_part, splits):
         return sparse_launch(ops, indices, o_part, lse_part, splits, scale, cfg)
@@ -328,7 +344,7 @@ def sparse_launch(
     page = kv_pool.shape[1]
     feats = () if page == 64 else (f"page={page}",)
     feats += ("split-kv",) if ops.split else ()
-    restructured = {}
+    restructured = fp8_flags(ops, cfg)
     if cfg.kernel:  # the restructured loop (no TMA on Hopper for a gather; no fused combine)
         if cfg.kernel != "pipe" or cfg.fused:
             raise ValueError(
@@ -337,7 +353,9 @@ def sparse_launch(
         feats += ("pipe",)
         restructured = dict(RING=cfg.num_stages)
     return Launch(
-        name=variant_name("mla_sparse", q.dtype, cfg, o_part.dim() == 4, feats),
+        name=variant_name(
+            "mla_sparse-fp8" if ops.fp8 else "mla_sparse", q.dtype, cfg, o_part.dim() == 4, feats
+        ),
         kernel=_mla_sparse_pipe_kernel if cfg.kernel else _mla_sparse_kernel,
         grid=(B * triton.cdiv(H, cfg.block_h), num_splits),
         args=(

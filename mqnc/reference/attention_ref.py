@@ -9,13 +9,78 @@ also the value. For a key set ``K_b``::
     s[b, h, j] = softmax_scale * <q[b, h], kv[j]>          j in K_b
     lse[b, h]  = log(sum_j exp(s[b, h, j]))               natural log; -inf if K_b is empty
     o[b, h]    = sum_j exp(s[b, h, j] - lse[b, h]) * kv[j, :d_v]        0 if K_b is empty
+
+An FP8 cache (``mqnc.model.kv_format``: uint8 entries, or float8_e4m3fn viewed so) is attended
+as its dequantized rows (:func:`dequantized_cache`: ``fp8_ref``'s dequantization, the product
+rounded to float32, then to the query's dtype, the kernels' dot operand), so the references
+above apply unchanged; the quantization error against the original rows is ``fp8_ref``'s
+bound, never part of an attention kernel's.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["partial_attention_reference", "mla_decode_reference", "mla_sparse_reference"]
+from mqnc.reference.fp8_ref import fp8_dequantize_reference
+
+__all__ = [
+    "partial_attention_reference",
+    "mla_decode_reference",
+    "mla_sparse_reference",
+    "dequantized_cache",
+    "is_fp8_cache",
+]
+
+_FP8_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+_GROUP = 128
+
+
+def is_fp8_cache(kv_pool: object) -> bool:
+    """Whether ``kv_pool`` holds FP8 entries (its dtype uint8 or float8_e4m3fn)."""
+    return isinstance(kv_pool, torch.Tensor) and kv_pool.dtype in _FP8_DTYPES
+
+
+def dequantized_cache(
+    kv_pool: torch.Tensor,
+    d_v: int,
+    dtype: torch.dtype,
+    kpe_pool: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The rows an attention kernel attends over an FP8 cache.
+
+    Parameters
+    ----------
+    kv_pool : torch.Tensor
+        ``[..., d_v + 4 d_v / 128 + 2 d_r]`` uint8 (or float8_e4m3fn) FP8 entries; with
+        ``kpe_pool``: ``[..., d_v + 4 d_v / 128]`` (latent and scales only).
+    d_v : int
+        Latent width ``d_c`` (the value width), a multiple of 128.
+    dtype : torch.dtype
+        The query's dtype: each latent value ``fp8 * scale`` is rounded to float32 (exact for
+        a power-of-two scale), then to ``dtype``; the RoPE part converted to ``dtype``.
+    kpe_pool : torch.Tensor or None
+        ``[..., d_r]`` bfloat16 RoPE rows (FlashInfer's split ``kpe``).
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., d_v + d_r]`` in ``dtype``; an entry with a scale that is not finite and > 0 or
+        a NaN latent byte (a pool's unused entry may hold anything) is a row of NaN, which the
+        references never attend unless asked to (the kernels refuse such an entry by name).
+    """
+    entries = kv_pool.view(torch.uint8)
+    if kpe_pool is not None:
+        entries = torch.cat([entries, kpe_pool.contiguous().view(torch.uint8)], dim=-1)
+    G = d_v // _GROUP
+    d_r = (entries.shape[-1] - d_v - 4 * G) // 2
+    scale = entries[..., d_v : d_v + 4 * G].contiguous().view(torch.float32)
+    bad = ~(torch.isfinite(scale) & (scale > 0)).all(-1)
+    bad |= ((entries[..., :d_v] & 0x7F) == 0x7F).any(-1)
+    placeholder = torch.zeros_like(entries[..., :1].expand(entries.shape))
+    placeholder[..., d_v : d_v + 4 * G] = torch.ones(G).view(torch.uint8).to(entries.device)
+    entries = torch.where(bad[..., None], placeholder, entries)
+    rows = fp8_dequantize_reference(entries, d_v, d_r, torch.float32).to(dtype)
+    return rows.masked_fill(bad[..., None], float("nan"))
 
 
 def partial_attention_reference(

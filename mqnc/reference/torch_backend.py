@@ -21,7 +21,12 @@ import math
 
 import torch
 
-from mqnc.reference.attention_ref import mla_decode_reference, mla_sparse_reference
+from mqnc.reference.attention_ref import (
+    dequantized_cache,
+    is_fp8_cache,
+    mla_decode_reference,
+    mla_sparse_reference,
+)
 from mqnc.reference.fp8_ref import fp8_dequantize_reference, fp8_quantize_reference
 from mqnc.reference.merge_ref import merge_reference
 from mqnc.reference.rope_ref import fp8_rope_rotate_reference, rope_rotate_reference
@@ -61,8 +66,11 @@ def _by_rows(call, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _fused(call) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, kv_pool)`` with their rope parts joined back when given apart (``q_pe``,
-    ``kpe_pool``: FlashInfer's split layout)."""
+    ``kpe_pool``: FlashInfer's split layout); an FP8 ``kv_pool`` as the rows the kernels
+    attend (``attention_ref.dequantized_cache``, in the query's dtype)."""
     q = call.q if call.q_pe is None else torch.cat([call.q, call.q_pe], dim=-1)
+    if is_fp8_cache(call.kv_pool):
+        return q, dequantized_cache(call.kv_pool, call.d_v, q.dtype, call.kpe_pool)
     kv = call.kv_pool if call.kpe_pool is None else torch.cat([call.kv_pool, call.kpe_pool], -1)
     return q, kv
 

@@ -1,0 +1,264 @@
+"""The attention kernels over an FP8 cache (DeepSeek-V3.2's 656-byte entries, read in place and
+dequantized in registers): dense paged, CSR, split ``ckv`` / ``kpe`` caches, FlashMLA's MTP
+layout (``s_q`` tokens, causal), split-KV and sparse top-k with ``-1`` slots, each against the
+fp64 reference over the DEQUANTIZED cache (``mqnc.reference.dequantized_cache``; the
+``("mla_fp8", dtype)`` bounds); the quantization error against the original bf16 cache,
+measured separately against the bound derived from ``docs/fp8-cache.md``'s per-value one; the
+``"torch"`` backend equal to the kernels; bad input named.
+
+Outputs are NaN-poisoned (conftest) and every pool entry not attended is all ``0xFF`` bytes
+(NaN latent, NaN scales, NaN RoPE), so a read of an entry that is not attended fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import mqnc.serving.compute  # noqa: F401  (registers the ops' "torch" backend)
+from mqnc.reference import mla_decode_reference, mla_sparse_reference
+from mqnc.reference.attention_ref import dequantized_cache
+from mqnc.testing import assert_close, default_device, tolerance
+from mqnc.triton_kernels import mla_decode_partial, mla_decode_partial_csr, mla_sparse_partial
+from mqnc.triton_kernels._mla_launch import forced_tile
+from mqnc.triton_kernels.flashmla_api import mla_decode_with_kvcache, mla_sparse_with_kvcache
+from mqnc.triton_kernels.fp8_quant import fp8_quantize
+from mqnc.triton_kernels.ops import backend_ops
+
+DEVICE = default_device()
+D_V, D_R, LATENT, ENTRY = 512, 64, 528, 656
+SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite with YaRN
+H = 16
+PAGE, BLOCKS = 16, 10
+
+
+def _pool(gen, used: torch.Tensor, blocks: int = BLOCKS, page: int = PAGE):
+    """``(entries [blocks, page, 656] uint8, rows [blocks, page, 576] bf16)``: N(0, 1) bf16 rows
+    quantized at the flat token slots ``used``; every other entry all 0xFF (NaN bytes)."""
+    rows = torch.randn(blocks * page, D_V + D_R, generator=gen).to(torch.bfloat16)
+    entries = torch.full((blocks * page, ENTRY), 0xFF, dtype=torch.uint8)
+    entries[used] = fp8_quantize(rows[used], D_V)
+    shape = (blocks, page)
+    return entries.reshape(*shape, ENTRY).to(DEVICE), rows.reshape(*shape, -1).to(DEVICE)
+
+
+def _dense_case(seed: int = 0, lens=(45, 0, 17)):
+    """A padded table over shuffled pages, rows of ``lens`` tokens: ``(q, pool, table, lens,
+    original rows)``; only the attended entries are quantized."""
+    gen = torch.Generator().manual_seed(seed)
+    B, width = len(lens), 3
+    table = torch.randperm(BLOCKS, generator=gen)[: B * width].reshape(B, width).to(torch.int32)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    t = torch.arange(width * PAGE)
+    slots = (table.long()[:, t // PAGE] * PAGE + t % PAGE)[t[None, :] < lens_t[:, None]]
+    pool, rows = _pool(gen, slots)
+    q = torch.randn(B, H, D_V + D_R, generator=gen).to(DEVICE)
+    return q, pool, table.to(DEVICE), lens_t.to(DEVICE), rows
+
+
+def _check(o, lse, ref, dtype):
+    assert_close(o, ref[0], tolerance("mla_fp8", dtype), name="o")
+    assert_close(lse, ref[1], tolerance("mla_lse", "float32"), name="lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_dense_paged_matches_fp64_over_the_dequantized_cache(dtype, num_splits):
+    q, pool, table, lens, _ = _dense_case()
+    q = q.to(dtype)
+    o, lse = mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE, num_splits=num_splits)
+    assert o.dtype == dtype and o.shape == (3, H, D_V) and bool(torch.isneginf(lse[1]).all())
+    ref = mla_decode_reference(q, dequantized_cache(pool, D_V, dtype), table, lens, SCALE)
+    _check(o, lse, ref, dtype)
+
+
+def test_fp8_kernel_equals_the_16_bit_kernel_on_the_dequantized_cache():
+    """Power-of-two scales: the dequantized values are bf16 values, so the FP8 kernel attends
+    exactly what the bf16 kernel attends over ``dequantized_cache`` (bit for bit)."""
+    q, pool, table, lens, _ = _dense_case(seed=1)
+    q = q.to(torch.bfloat16)
+    rows = dequantized_cache(pool, D_V, torch.bfloat16).nan_to_num(0.0)
+    with forced_tile("16x32w8s5"):  # (the same tile: the same summation order)
+        got = mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE, num_splits=1)
+        want = mla_decode_partial(q, rows, table, lens, softmax_scale=SCALE, num_splits=1)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_other_scales_round_once_to_the_query_dtype():
+    """A scale that is not a power of two (FlashMLA multiplies by any stored fp32 scale): the
+    product is rounded to fp32, then to bf16, as the reference does; a float8_e4m3fn pool is
+    read as its bytes."""
+    q, pool, table, lens, _ = _dense_case(seed=2, lens=(40, 9, 31))
+    scales = pool[..., D_V:LATENT].contiguous().view(torch.float32) * 0.3
+    pool[..., D_V:LATENT] = scales.contiguous().view(torch.uint8).nan_to_num(0)
+    pool = pool.view(torch.float8_e4m3fn)
+    q = q.to(torch.bfloat16)
+    o, lse = mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE, num_splits=1)
+    ref = mla_decode_reference(q, dequantized_cache(pool, D_V, q.dtype), table, lens, SCALE)
+    _check(o, lse, ref, torch.bfloat16)
+
+
+def test_csr_page_table():
+    q, pool, table, lens, _ = _dense_case(seed=3)
+    q = q.to(torch.bfloat16)
+    indptr = torch.arange(0, 10, 3, dtype=torch.int32, device=DEVICE)
+    o, lse = mla_decode_partial_csr(
+        q, pool, indptr, table.reshape(-1).contiguous(), lens, softmax_scale=SCALE, num_splits=2
+    )
+    ref = mla_decode_reference(q, dequantized_cache(pool, D_V, q.dtype), table, lens, SCALE)
+    _check(o, lse, ref, torch.bfloat16)
+
+
+def test_split_ckv_kpe_caches_and_split_queries():
+    """FlashInfer's layout: ``kv_pool`` latent + scales ``[.., 528]`` uint8 and ``kpe_pool``
+    bf16 ``[.., 64]``, ``q`` / ``q_pe`` apart; dense and sparse."""
+    q, pool, table, lens, _ = _dense_case(seed=4)
+    q = q.to(torch.bfloat16)
+    ckv = pool[..., :LATENT].contiguous()
+    kpe = pool[..., LATENT:].contiguous().view(torch.bfloat16)
+    q_lat, q_pe = q[..., :D_V].contiguous(), q[..., D_V:].contiguous()
+    kw = dict(softmax_scale=SCALE, num_splits=1, q_pe=q_pe, kpe_pool=kpe)
+    o, lse = mla_decode_partial(q_lat, ckv, table, lens, **kw)
+    ref = mla_decode_reference(q, dequantized_cache(pool, D_V, q.dtype), table, lens, SCALE)
+    _check(o, lse, ref, torch.bfloat16)
+    idx = torch.tensor([[5, -1, 3], [-1, -1, -1], [12, 7, -1]], dtype=torch.int32, device=DEVICE)
+    idx = torch.where(idx >= 0, table.long()[0, 0] * PAGE + idx, -1).to(torch.int32)
+    o, lse = mla_sparse_partial(q_lat, ckv, idx, **kw)
+    ref = mla_sparse_reference(q, dequantized_cache(ckv, D_V, q.dtype, kpe), idx, SCALE)
+    _check(o, lse, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_sparse_top_k_with_unused_slots(num_splits):
+    gen = torch.Generator().manual_seed(5)
+    B, topk = 2, 70
+    idx = torch.randperm(BLOCKS * PAGE, generator=gen)[: B * topk].reshape(B, topk)
+    idx[:, ::4] = -1
+    pool, _ = _pool(gen, idx[idx >= 0])
+    q = torch.randn(B, H, D_V + D_R, generator=gen).to(DEVICE, torch.bfloat16)
+    idx = idx.to(torch.int32).to(DEVICE)
+    o, lse = mla_sparse_partial(q, pool, idx, softmax_scale=SCALE, num_splits=num_splits)
+    ref = mla_sparse_reference(q, dequantized_cache(pool, D_V, q.dtype), idx, SCALE)
+    _check(o, lse, ref, torch.bfloat16)
+
+
+def test_flashmla_layout_mtp_causal_and_sparse():
+    """FlashMLA's interface: ``q [b, s_q, h, 576]``, ``k_cache [blocks, page, 1, 656]``
+    float8_e4m3fn with ``is_fp8_kvcache=True``; ``s_q = 2`` causal (token ``i`` attends the
+    first ``len - s_q + i + 1`` entries) and the sparse call with ``indices [b, s_q, topk]``."""
+    q, pool, table, lens, _ = _dense_case(seed=6, lens=(30, 1, 17))
+    b, s_q = 3, 2
+    q4 = torch.randn(b, s_q, H, D_V + D_R, generator=torch.Generator().manual_seed(7))
+    q4 = q4.to(DEVICE, torch.bfloat16)
+    k_cache = pool.view(torch.float8_e4m3fn)[:, :, None]
+    o, lse = mla_decode_with_kvcache(
+        q4, k_cache, table, lens, softmax_scale=SCALE, causal=True, is_fp8_kvcache=True
+    )
+    rows = dequantized_cache(pool, D_V, q4.dtype)
+    for i in range(s_q):
+        lens_i = (lens - s_q + i + 1).clamp_min(0).to(torch.int32)
+        ref = mla_decode_reference(q4[:, i], rows, table, lens_i, SCALE)
+        _check(o[:, i], lse[:, :, i], ref, torch.bfloat16)
+    idx = table.long()[0, 0] * PAGE + torch.arange(12, device=DEVICE).expand(b, 12)
+    idx = torch.stack([idx, torch.where(idx % 3 == 0, -1, idx)], dim=1).to(torch.int32)
+    o, lse = mla_sparse_with_kvcache(q4, k_cache, idx, softmax_scale=SCALE, is_fp8_kvcache=True)
+    for i in range(s_q):
+        ref = mla_sparse_reference(q4[:, i], rows, idx[:, i], SCALE)
+        _check(o[:, i], lse[:, :, i], ref, torch.bfloat16)
+    with pytest.raises(ValueError, match="is_fp8_kvcache"):
+        mla_decode_with_kvcache(q4, k_cache, table, lens, softmax_scale=SCALE)
+
+
+def test_torch_backend_equals_the_kernels():
+    q, pool, table, lens, _ = _dense_case(seed=8)
+    q = q.to(torch.bfloat16)
+    kw = dict(softmax_scale=SCALE, num_splits=1)
+    for ops in (backend_ops("triton"), backend_ops("torch")):
+        o, lse = ops.mla_decode_partial(q, pool, table, lens, **kw)
+        ref = mla_decode_reference(q, dequantized_cache(pool, D_V, q.dtype), table, lens, SCALE)
+        _check(o, lse, ref, torch.bfloat16)
+    idx = (table.long()[0, :2] * PAGE + torch.arange(3, device=DEVICE)[:, None]).reshape(1, 6)
+    idx = idx.expand(3, 6).to(torch.int32)
+    got = [
+        ops.mla_sparse_partial(q, pool, idx, **kw)
+        for ops in (backend_ops("triton"), backend_ops("torch"))
+    ]
+    _check(*got[0], (got[1][0].double(), got[1][1].double()), torch.bfloat16)
+
+
+def _quantization_bound(q, rows, lens, table):
+    """Per (row, head): the bound on ``|lse' - lse|`` and on ``|o' - o|`` (per value dim) of
+    attention over the quantized rows against the original ones, from ``docs/fp8-cache.md``'s
+    per-value bound ``|dx| <= e = max(2**-4 |x|, 2**-10 scale)`` (the RoPE part exact): each
+    score moves by at most ``delta_j = SCALE sum_i |q_i| e_ji``, so ``|dlse| <= max_j delta_j
+    =: d`` and each weight by a factor within ``exp(+-2 d)``: ``|do_c| <= max_j e_jc +
+    (exp(2 d) - 1) max_j |v_jc|``."""
+    x = rows.double()[..., :D_V]
+    amax = x.reshape(*x.shape[:-1], 4, 128).abs().amax(-1)
+    scale = torch.exp2(torch.ceil(torch.log2(torch.clamp(amax / 448, min=1e-4))))
+    e = torch.maximum(x.abs() / 16, scale.repeat_interleave(128, -1) / 1024)
+    out = []
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        t = torch.arange(n)
+        slot = table.long().cpu()[b, t // PAGE] * PAGE + t % PAGE
+        eb, vb = e.reshape(-1, D_V)[slot], x.reshape(-1, D_V)[slot]
+        d = (SCALE * q[b].double().cpu()[:, :D_V].abs() @ eb.T).amax(-1)  # [H]
+        do = eb.amax(0)[None, :] + torch.expm1(2 * d)[:, None] * vb.abs().amax(0)[None, :]
+        out.append((d, do))
+    return out
+
+
+def test_quantization_error_against_the_original_cache_stays_within_its_bound():
+    """Reported apart from the kernels' bound: fp64 attention over the dequantized rows against
+    fp64 attention over the original bf16 rows, within the bound propagated from the format's
+    per-value one (``_quantization_bound``); the measured error is printed."""
+    q, pool, table, lens, rows = _dense_case(seed=9, lens=(45, 33, 17))
+    q = q.to(torch.bfloat16)
+    deq = mla_decode_reference(q, dequantized_cache(pool, D_V, torch.float32), table, lens, SCALE)
+    orig = mla_decode_reference(q, rows, table, lens, SCALE)
+    bounds = _quantization_bound(q, rows.cpu(), lens.cpu(), table)
+    for b, (d, do) in enumerate(bounds):
+        dlse = (deq[1][b] - orig[1][b]).abs().cpu()
+        dout = (deq[0][b] - orig[0][b]).abs().cpu()
+        print(f"row {b}: |dlse| {float(dlse.max()):.2e} (bound {float(d.max()):.2e}), |do| "
+              f"{float(dout.max()):.2e} (bound {float(do.max()):.2e})")  # fmt: skip
+        assert bool((dlse <= d).all()) and bool((dout <= do).all())
+        assert float(dout.max()) > 0  # (the quantization does move the output)
+
+
+def test_bad_fp8_input_is_named():
+    q, pool, table, lens, _ = _dense_case(seed=10)
+    q = q.to(torch.bfloat16)
+    kw = dict(softmax_scale=SCALE, num_splits=1)
+    with pytest.raises(ValueError, match=r"kv_pool: expected FP8 entries of 656 bytes"):
+        mla_decode_partial(q, pool[..., :655], table, lens, **kw)
+    with pytest.raises(ValueError, match=r"kv_pool: expected FP8 entries of 528 bytes"):
+        mla_decode_partial(q, pool, table, lens, kpe_pool=pool[..., :64].half(), **kw)
+    kpe = pool[..., LATENT:].contiguous().view(torch.bfloat16)
+    with pytest.raises(TypeError, match=r"kpe_pool: expected torch.bfloat16"):
+        mla_decode_partial(
+            q, pool[..., :LATENT].contiguous(), table, lens, kpe_pool=kpe.half(), **kw
+        )
+    first = int(table[0, 0])  # row 0's first page: attended
+    for value in (float("nan"), -1.0, 0.0, float("inf")):
+        bad = pool.clone()
+        bad[first, 3, D_V + 4 : D_V + 8] = torch.tensor([value]).view(torch.uint8).to(DEVICE)
+        with pytest.raises(ValueError, match=r"kv_pool: expected every scale .*\(scale 1 of"):
+            mla_decode_partial(q, bad, table, lens, **kw)
+        with pytest.raises(ValueError, match=r"kv_pool: expected every scale"):
+            idx = torch.full((3, 4), first * PAGE + 3, dtype=torch.int32, device=DEVICE)
+            mla_sparse_partial(q, bad, idx, **kw)
+    bad = pool.clone()
+    bad[first, 0, 7] = 0x7F
+    with pytest.raises(ValueError, match=r"kv_pool: expected no NaN latent byte .* byte 7"):
+        mla_decode_partial(q, bad, table, lens, **kw)
+    # Entries not attended may hold anything (they are all 0xFF here): no error
+    unused = pool.clone()
+    unused[int(table[1, 0])] = 0xFF  # row 1 has length 0
+    mla_decode_partial(q, unused, table, lens, **kw)
+    with pytest.raises(ValueError, match=r"tile: expected a classic tile for an FP8 cache"):
+        with forced_tile("16x32w8s2-pipe"):
+            mla_decode_partial(q, pool, table, lens, **kw)

@@ -1,0 +1,141 @@
+"""Host side of the attention kernels' FP8 cache: recognising an FP8 ``kv_pool``, checking its
+layout and (``check_inputs``) the values of the entries a call attends.
+
+An FP8 cache (``mqnc.model.kv_format``, DeepSeek-V3.2's entry as FlashMLA reads it) is a
+``torch.uint8`` tensor (``torch.float8_e4m3fn`` is accepted and viewed as uint8: FlashMLA
+passes its cache so) whose last dim holds one entry per token:
+
+- fused: ``d_c`` e4m3fn latent bytes, ``d_c / 128`` float32 scales, ``d_r`` bfloat16 RoPE
+  values (656 B for 512 + 64);
+- split (FlashInfer's ``ckv`` / ``kpe``): ``kv_pool`` ``[.., d_c + 4 d_c / 128]`` (latent and
+  scales), ``kpe_pool`` bfloat16 ``[.., d_r]``.
+
+The kernels read the entries in place (``_mla_tile._load_fp8_tile``). What they assume, and
+where it is refused: every scale of an attended entry finite and > 0 and no latent byte a NaN
+(``0x7F`` / ``0xFF``: a GPU decodes it as NaN, which the output would carry; Triton 3.9.0's
+interpreter decodes it as 480), checked on the host by :func:`check_fp8_entries` when a call's
+``check_inputs`` / ``check_indices`` is on (one host sync, over the entries the call attends
+only: a pool's unused entries may hold anything). Off, such an entry is attended as read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mqnc.triton_kernels._checks import check_tensor, dtype_name
+
+__all__ = [
+    "FP8_GROUP",
+    "FP8_POOL_DTYPES",
+    "is_fp8_pool",
+    "as_bytes",
+    "fp8_widths",
+    "check_fp8_layout",
+    "fp8_rope_view",
+    "check_fp8_entries",
+    "dense_slots",
+]
+
+FP8_GROUP = 128
+"""Latent values per float32 scale (``kv_format.FP8_E4M3.group``)."""
+
+FP8_POOL_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+
+
+def is_fp8_pool(kv_pool: object) -> bool:
+    """Whether ``kv_pool`` is an FP8 cache (its dtype uint8 or float8_e4m3fn)."""
+    return isinstance(kv_pool, torch.Tensor) and kv_pool.dtype in FP8_POOL_DTYPES
+
+
+def as_bytes(kv_pool: torch.Tensor) -> torch.Tensor:
+    """The uint8 view of an FP8 cache (a float8_e4m3fn tensor viewed; uint8 as is)."""
+    return kv_pool if kv_pool.dtype == torch.uint8 else kv_pool.view(torch.uint8)
+
+
+def fp8_widths(d_c: int, d_r: int) -> tuple[int, int]:
+    """``(latent + scales bytes, fused entry bytes)`` of a ``d_c + d_r`` entry."""
+    latent = d_c + 4 * (d_c // FP8_GROUP)
+    return latent, latent + 2 * d_r
+
+
+def check_fp8_layout(kv: torch.Tensor, kpe_pool, d_v: int, d_pe: int) -> None:
+    """``kv`` (uint8 view of ``kv_pool``): 3 dims, unit stride inside an entry, entries of the
+    FP8 width (fused, or latent + scales when ``kpe_pool`` is given), strides and offset in
+    whole 4-byte words (the scales are float32, read in place); ``kpe_pool``: bf16
+    ``[num_blocks, block_size, d_pe]``."""
+    check_tensor("kv_pool", kv, ndim=3, contiguous_last=True)
+    if d_v % FP8_GROUP:
+        raise ValueError(
+            f"d_v: expected a multiple of {FP8_GROUP} for an FP8 cache (one float32 scale per "
+            f"{FP8_GROUP} latent values), got {d_v}"
+        )
+    latent, fused = fp8_widths(d_v, d_pe)
+    want = latent if kpe_pool is not None else fused
+    if kv.shape[2] != want:
+        parts = f"{d_v} e4m3 latent bytes, {d_v // FP8_GROUP} float32 scales"
+        parts += "" if kpe_pool is not None else f", {d_pe} bf16 RoPE values"
+        raise ValueError(
+            f"kv_pool: expected FP8 entries of {want} bytes ({parts}) on the last dim, got "
+            f"shape {tuple(kv.shape)} (scales missing, or a 16-bit cache stored as bytes?)"
+        )
+    if kv.stride(0) % 4 or kv.stride(1) % 4 or kv.storage_offset() % 4:
+        raise ValueError(
+            f"kv_pool: expected strides and storage offset in whole 4-byte words (the float32 "
+            f"scales are read in place), got strides {kv.stride()}, offset {kv.storage_offset()}"
+        )
+    if kpe_pool is not None:
+        check_tensor("kpe_pool", kpe_pool, ndim=3, contiguous_last=True)
+        if kpe_pool.dtype != torch.bfloat16:
+            raise TypeError(
+                f"kpe_pool: expected torch.bfloat16 RoPE rows beside an FP8 cache (the entry's "
+                f"RoPE part is never quantized), got {dtype_name(kpe_pool.dtype)}"
+            )
+        check_tensor("kpe_pool", kpe_pool, shape=(*kv.shape[:2], d_pe))
+
+
+def fp8_rope_view(kv: torch.Tensor, d_v: int) -> torch.Tensor:
+    """The bf16 RoPE part of fused FP8 entries ``kv [.., 656]`` as a view ``[.., d_r]``."""
+    return kv[..., fp8_widths(d_v, 0)[0] :].view(torch.bfloat16)
+
+
+def dense_slots(
+    pages: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """The flat token slots (``page * block_size + offset``) a dense call attends: row ``r``'s
+    token ``t < lens[r]`` lives in page ``pages[starts[r] + t // block_size]`` (a padded
+    table flattened: ``starts = r * width``; CSR: ``kv_indptr[:-1]``)."""
+    lens = lens.long()
+    total = int(lens.sum())
+    row = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+    first = torch.cumsum(lens, 0) - lens
+    t = torch.arange(total, device=lens.device) - first[row]
+    page = pages.long()[starts.long()[row] + t // block_size]
+    return page * block_size + t % block_size
+
+
+def check_fp8_entries(kv: torch.Tensor, slots: torch.Tensor, d_v: int) -> None:
+    """The entries ``kv.reshape(-1, width)[slots]`` a call attends (``slots`` flat token ids,
+    in range): every scale finite and > 0, no latent byte a NaN. One host sync; a
+    ``ValueError`` naming ``kv_pool``, the token slot and the scale or byte."""
+    if slots.numel() == 0:
+        return
+    slots = slots.long()
+    G = d_v // FP8_GROUP
+    flat = kv.reshape(-1, kv.shape[-1])
+    entries = flat[slots]
+    scale = entries[:, d_v : d_v + 4 * G].contiguous().view(torch.float32)
+    bad = ~(torch.isfinite(scale) & (scale > 0))
+    if bool(bad.any()):
+        i, g = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(
+            f"kv_pool: expected every scale of an attended FP8 entry finite and > 0, got "
+            f"{scale[i, g].item()} (scale {g} of token slot {int(slots[i])}, "
+            f"{int(bad.any(1).sum())} entries bad)"
+        )
+    nan = (entries[:, :d_v] & 0x7F) == 0x7F
+    if bool(nan.any()):
+        i, j = (int(x) for x in nan.nonzero()[0])
+        raise ValueError(
+            f"kv_pool: expected no NaN latent byte (0x7F / 0xFF) in an attended FP8 entry, got "
+            f"{int(entries[i, j]):#04x} at byte {j} of token slot {int(slots[i])}"
+        )
