@@ -22,6 +22,7 @@ __all__ = [
     "rope_spec_of",
     "geometry_of",
     "random_model",
+    "random_weights",
     "check_model",
     "attention_modules",
     "prefill_entries",
@@ -30,20 +31,23 @@ __all__ = [
 ]
 
 ATTN_IMPLEMENTATION = "mqnc"
-MODEL_KINDS = {"deepseek_v2": "interleaved", "deepseek_v3": "half"}
+MODEL_KINDS = {"deepseek_v2": "interleaved", "deepseek_v3": "half", "deepseek_v32": "half"}
+"""``model_type`` -> the pair layout of the ``k_pe`` its cache holds. ``deepseek_v32`` (DSA: the
+indexer's top-k selection) attends through :mod:`mqnc.integrations.hf_v32`, not
+:class:`~mqnc.integrations.hf_session.HFSession`."""
 
 
 # ---- the model ----------------------------------------------------------------------------------
 
 
 def check_model(model) -> str:
-    """The model's ``model_type`` if it is a transformers DeepSeek-V2 / V3 causal LM, else a
-    ``TypeError`` naming what it got."""
+    """The model's ``model_type`` if it is a transformers DeepSeek-V2 / V3 / V3.2 causal LM,
+    else a ``TypeError`` naming what it got."""
     kind = getattr(getattr(model, "config", None), "model_type", None)
     if kind not in MODEL_KINDS or not hasattr(model, "generate"):
         raise TypeError(
-            "model: expected a transformers DeepseekV2ForCausalLM or DeepseekV3ForCausalLM, got "
-            f"{type(model).__name__} (model_type {kind!r})"
+            "model: expected a transformers DeepseekV2ForCausalLM, DeepseekV3ForCausalLM or "
+            f"DeepseekV32ForCausalLM, got {type(model).__name__} (model_type {kind!r})"
         )
     return kind
 
@@ -114,8 +118,8 @@ def random_model(kind: str = "deepseek_v2", *, seed: int = 0, dtype=torch.float3
         DeepseekV3ForCausalLM,
     )
 
-    if kind not in MODEL_KINDS:
-        raise ValueError(f"kind: expected one of {sorted(MODEL_KINDS)}, got {kind!r}")
+    if kind not in ("deepseek_v2", "deepseek_v3"):  # V3.2: hf_v32.random_v32_model
+        raise ValueError(f"kind: expected 'deepseek_v2' or 'deepseek_v3', got {kind!r}")
     lite = PRESET_CONFIGS["deepseek-v2-lite"]  # the published attention dims and RoPE
     attention = {k: lite[k] for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")}
     cfg = dict(
@@ -149,6 +153,12 @@ def random_model(kind: str = "deepseek_v2", *, seed: int = 0, dtype=torch.float3
     config = (DeepseekV2Config if kind == "deepseek_v2" else DeepseekV3Config)(**cfg)
     torch.manual_seed(seed)
     model = (DeepseekV2ForCausalLM if kind == "deepseek_v2" else DeepseekV3ForCausalLM)(config)
+    return random_weights(model, seed).eval().to(dtype)
+
+
+def random_weights(model, seed: int):
+    """``model`` with weights ``N(0, 1 / fan_in)`` (embeddings ``N(0, 1)``, vectors 1) drawn from
+    ``seed`` in parameter order, in place: activations O(1) as in a trained model."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -158,7 +168,7 @@ def random_model(kind: str = "deepseek_v2", *, seed: int = 0, dtype=torch.float3
                 p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
             else:
                 p.fill_(1.0)
-    return model.eval().to(dtype)
+    return model
 
 
 # ---- the shared context's prefill ---------------------------------------------------------------
@@ -200,12 +210,14 @@ def _token_ids(token_ids, name: str, vocab_size: int) -> torch.Tensor:
     return check_token_ids(ids, vocab_size, name).long()
 
 
-def prefill_entries(model, ids: torch.Tensor, position: int) -> torch.Tensor:
+def prefill_entries(model, ids: torch.Tensor, position: int, cache=None) -> torch.Tensor:
     """HF's own forward over ``ids [C]`` at positions ``position ..``: the latent cache it
-    writes, ``[L, C, d_c + d_r]`` in the model's dtype."""
+    writes, ``[L, C, d_c + d_r]`` in the model's dtype, into ``cache`` (an empty transformers
+    ``Cache``; default a ``DynamicCache``), which the caller may read further (a V3.2 model's
+    indexer keys)."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config) if cache is None else cache
     pos = torch.arange(position, position + ids.numel(), device=model.device)[None]
     with torch.no_grad():
         model.model(
@@ -228,6 +240,7 @@ def prefill_context(
     position: int = 0,
     block_size: int = 64,
     kernels: str = "triton",
+    cache=None,
 ) -> Corpus:
     """Prefill the shared context once with the model's own forward and place it on holders.
 
@@ -253,6 +266,9 @@ def prefill_context(
         field (:meth:`mqnc.model.MLAGeometry.check_triton`: the Triton kernels need
         ``kv_lora_rank`` and ``qk_rope_head_dim`` powers of two >= 16; the torch references run
         any width).
+    cache : transformers Cache or None
+        An empty cache for the forward to write (default a ``DynamicCache``; read afterwards
+        by :func:`mqnc.integrations.hf_v32.prefill_v32_context` for the indexer keys).
 
     Returns
     -------
@@ -279,7 +295,7 @@ def prefill_context(
     if any(isinstance(h, bool) or not isinstance(h, int) or h < 0 for h in holders):
         raise ValueError(f"holders: expected ranks (ints >= 0), got {list(holders)}")
     t0 = time.perf_counter()
-    entries = prefill_entries(model, ids, position)
+    entries = prefill_entries(model, ids, position, cache)
     prefill_us = (time.perf_counter() - t0) * 1e6
     attn = attention_modules(model)[0]
     return Corpus.partition(

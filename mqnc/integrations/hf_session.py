@@ -30,7 +30,7 @@ from mqnc.serving import Corpus, Requester, kernel_ops
 from mqnc.testing import compare
 from mqnc.transport.wire import HEADER_BYTES
 
-__all__ = ["HFSession", "attach"]
+__all__ = ["HFSession", "attach", "local_partial"]
 
 _BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -72,7 +72,8 @@ class _Request:
 
 
 class HFSession:
-    """A transformers DeepSeek model attached to a corpus on holders (see the module docstring).
+    """A transformers DeepSeek-V2 / V3 model attached to a corpus on holders (see the module
+    docstring; a DeepSeek-V3.2 model: :class:`mqnc.integrations.hf_v32.V32Session`).
 
     Parameters
     ----------
@@ -104,6 +105,8 @@ class HFSession:
         ``on_step(step)`` before every forward pass (fault drills: kill a holder at step k).
     """
 
+    _sparse = False  # a DSA session (hf_v32.V32Session) attends the indexer's selection
+
     def __init__(
         self,
         model,
@@ -117,7 +120,9 @@ class HFSession:
         verify: bool = False,
         on_step: Callable[[int], None] | None = None,
     ) -> None:
-        g = _check_arguments(model, corpus, requester, force, steps, verify, on_step)
+        g = _check_arguments(
+            model, corpus, requester, force, steps, verify, on_step, sparse=self._sparse
+        )
         self.model = model
         self.corpus = corpus
         self.requester = requester
@@ -285,6 +290,16 @@ class HFSession:
         return max(1, (self.requester.transport.slot_bytes - HEADER_BYTES) // row)
 
     def _attend(self, module, query, key, value, mask, scaling, kwargs):
+        B, H, T, _ = query.shape
+        layer, rows = self._layer_rows(module, query, key, mask, scaling, kwargs)
+        parts = self._remote(rows, layer)
+        o_m = self._merged(layer, rows, parts, local_partial(query, key, value, mask, scaling))
+        return o_m.view(B, T, H, -1).to(query.device, query.dtype), None
+
+    def _layer_rows(self, module, query, key, mask, scaling, kwargs):
+        """One layer's call checked (positions, scale, padding; a new forward counted at layer
+        0): ``(layer, rows)``, the query ``[B, H, T, qk_nope + d_r]`` as absorbed rows
+        ``[B*T, H, d_c + d_r]`` in the corpus dtype on the requester's device."""
         layer = int(module.layer_idx)
         B, H, T, _ = query.shape
         pos = kwargs.get("position_ids")
@@ -307,18 +322,19 @@ class HFSession:
         dn = w.qk_nope_head_dim
         q_nope, q_pe = query[..., :dn].transpose(1, 2), query[..., dn:].transpose(1, 2)
         rows = absorb_query(q_nope, q_pe, w.w_uk).reshape(B * T, H, -1).to(self.corpus.dtype)
-        rows = rows.to(self.requester.device).contiguous()
-        parts = self._remote(rows, layer)
-        o_loc, lse_loc = (
-            t.to(rows.device) for t in _local_partial(query, key, value, mask, scaling)
-        )
-        w_uv = w.w_uv.float().to(rows.device)
+        return layer, rows.to(self.requester.device).contiguous()
+
+    def _merged(self, layer: int, rows, parts, local) -> torch.Tensor:
+        """The ``M`` latent partials ``[(chunk_id, Partial)]`` through ``W_UV`` merged with the
+        local partial ``(o [B*T, H, d_v], lse [B*T, H])``: ``[B*T, H, d_v]`` float32."""
+        o_loc, lse_loc = (t.to(rows.device) for t in local)
+        w_uv = self.weights[layer].w_uv.float().to(rows.device)
         o = torch.stack([latent_to_heads(p.o.float(), w_uv) for _, p in parts] + [o_loc])
         lse = torch.stack([p.lse.float() for _, p in parts] + [lse_loc])
         o_m, _ = self.ops.merge_partials(o, lse)
         if self.verify:
             self._check(layer, rows, parts, (o_loc, lse_loc), o_m, w_uv)
-        return o_m.view(B, T, H, -1).to(query.device, query.dtype), None
+        return o_m
 
     def _begin_forward(self, B: int, T: int, n_local: int) -> None:
         if self._request is None or n_local == T:  # a fresh local cache: a new request
@@ -329,23 +345,28 @@ class HFSession:
             self.on_step(self.step)
         self.step += 1
 
-    def _remote(self, rows: torch.Tensor, layer: int) -> list[tuple[int, object]]:
-        """``[(chunk_id, Partial)]`` of every chunk for these rows at ``layer``."""
+    def _remote(self, rows: torch.Tensor, layer: int, indices=None) -> list[tuple[int, object]]:
+        """``[(chunk_id, Partial)]`` of every chunk for these rows at ``layer`` (``indices``:
+        None, or ``{chunk_id: [B*T, k] chunk-local selection}`` for the chunks to attend)."""
         req = self.requester
         routed, direct = [], []
-        for cid in sorted(self.corpus.chunks):
+        for cid in sorted(self.corpus.chunks if indices is None else indices):
             local = (cid, self.chunk_offset(cid)) in req.local_chunks
             (routed if self.primitive(cid) == "route" and not local else direct).append(cid)
         parts: dict[int, object] = {}
         if routed:
-            parts.update(self._route_wave(routed, rows, layer))
+            parts.update(self._route_wave(routed, rows, layer, indices))
         for cid in direct:
-            parts[cid] = self._attend_one(cid, rows, layer)
+            parts[cid] = self._attend_one(
+                cid, rows, layer, None if indices is None else indices[cid]
+            )
         return [(cid, parts[cid]) for cid in sorted(parts)]
 
-    def _route_wave(self, chunks: list[int], rows: torch.Tensor, layer: int) -> dict:
+    def _route_wave(self, chunks: list[int], rows: torch.Tensor, layer: int, indices=None) -> dict:
         """Route every chunk's rows at once (the holders batch them, §6.3), in slices of rows
-        that fit a transport slot; a failed wave is redone chunk by chunk with fallback."""
+        that fit a transport slot; a failed wave is redone chunk by chunk with fallback.
+        ``indices``: None (each chunk attended whole) or ``{chunk_id: [B*T, k] chunk-local
+        selection}`` (:mod:`mqnc.integrations.hf_v32`)."""
         req, n = self.requester, self._route_tokens
         slices = [slice(i, min(i + n, rows.shape[0])) for i in range(0, rows.shape[0], n)]
         # each chunk's first holder the transport does not know to be dead (else a replica)
@@ -365,6 +386,7 @@ class HFSession:
                             layer=layer,
                             offset=self.chunk_offset(c),
                             peer=peers[c],
+                            indices=None if indices is None else indices[c][sl],
                         )
                         for c in chunks
                     ],
@@ -373,7 +395,10 @@ class HFSession:
                 for c, p in zip(chunks, got, strict=True):
                     out[c].append(p)
         except Exception:  # noqa: BLE001 - each chunk retried through the fallback order
-            return {c: self._attend_one(c, rows, layer) for c in chunks}
+            return {
+                c: self._attend_one(c, rows, layer, None if indices is None else indices[c])
+                for c in chunks
+            }
         self._note_batches(req.costs[n_before:])
         for c in chunks:
             if peers[c] != req.directory[c].holders[0]:
@@ -403,20 +428,21 @@ class HFSession:
         for r in recs:
             self.batch_work[id(r)] = work[r.peer]
 
-    def _attend_one(self, chunk_id: int, rows: torch.Tensor, layer: int):
-        """One chunk by its primitive, then the others (and replicas) on failure."""
+    def _attend_one(self, chunk_id: int, rows: torch.Tensor, layer: int, indices=None):
+        """One chunk by its primitive, then the others (and replicas) on failure (``indices``:
+        None, or the rows' ``[B*T, k]`` chunk-local selection)."""
         req = self.requester
         chosen = self.primitive(chunk_id)
         order = (chosen, *(p for p in ("route", "fetch", "local") if p != chosen))
-        info = req.directory[chunk_id]
-        # a chunk already fetched or re-prefilled at this offset is attended in place
-        reused = (chunk_id, self.chunk_offset(chunk_id)) in req.local_chunks
+        info, off = req.directory[chunk_id], self.chunk_offset(chunk_id)
+        reused = (chunk_id, off) in req.local_chunks  # fetched / re-prefilled: attended in place
         n = self._route_tokens if chosen == "route" else rows.shape[0]
+        sel = [None if indices is None else indices[i : i + n] for i in range(0, len(rows), n)]
         parts = [
             req.attend(
-                chunk_id, rows[i : i + n], layer, offset=self.chunk_offset(chunk_id), order=order
+                chunk_id, rows[i * n : (i + 1) * n], layer, offset=off, order=order, indices=x
             )
-            for i in range(0, rows.shape[0], n)
+            for i, x in enumerate(sel)
         ]
         part = _concat(parts)
         if not reused and (part.primitive != chosen or part.peer not in (None, info.holders[0])):
@@ -446,9 +472,18 @@ class HFSession:
         self.errors.setdefault("merged", []).append(compare(o_merged, o_ref).max_abs)
 
 
-def _check_arguments(model, corpus, requester, force, steps, verify, on_step) -> MLAGeometry:
-    """:class:`HFSession`'s arguments checked; returns the model's geometry."""
-    check_model(model)
+def _check_arguments(
+    model, corpus, requester, force, steps, verify, on_step, *, sparse: bool = False
+) -> MLAGeometry:
+    """:class:`HFSession`'s arguments checked; returns the model's geometry. ``sparse``: the
+    session attends a DSA model's selection (:mod:`mqnc.integrations.hf_v32`)."""
+    if (check_model(model) == "deepseek_v32") != sparse:
+        raise TypeError(
+            "model: a DeepseekV32ForCausalLM attends its indexer's top-k selection: attach it "
+            "with mqnc.integrations.hf_v32.attach_v32"
+            if not sparse
+            else f"model: expected a DeepseekV32ForCausalLM, got {type(model).__name__}"
+        )
     if not isinstance(corpus, Corpus):
         raise TypeError(f"corpus: expected an mqnc.serving.Corpus, got {type(corpus).__name__}")
     if not isinstance(requester, Requester):
@@ -599,7 +634,7 @@ def _check_unpadded(mask, n_local: int) -> None:
         )
 
 
-def _local_partial(query, key, value, mask, scaling: float):
+def local_partial(query, key, value, mask, scaling: float):
     """The partial over the model's own tokens: HF's expanded keys ``[B, H, N, Dqk]`` and
     values ``[B, H, N, Dv]``, HF's additive mask ``[B, 1, T, N]`` (or None: causal), in fp32.
     Returns ``o [B*T, H, Dv]`` and natural-log ``lse [B*T, H]``, float32."""
