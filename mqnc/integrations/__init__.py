@@ -6,6 +6,8 @@
   prefill), :mod:`~mqnc.integrations.hf_session` (the attention hook and the session),
   :mod:`~mqnc.integrations.hf_predicate` (calibration, route / fetch / local per chunk),
   :mod:`~mqnc.integrations.hf_serve` (``mqnc serve --generate``'s requester job).
+- :mod:`mqnc.integrations.hf_v32`: a DeepSeek-V3.2 (DSA) model: its indexer's top-k selection
+  of every query token routed to the holders of the selected entries (bf16 or FP8 cache).
 - :mod:`mqnc.integrations.hf_exactness`: how close such a run is to transformers' own
   ``generate`` on the whole prompt (tokens, logits, the derived bound).
 

@@ -93,7 +93,8 @@ counts those tokens).
 The parts: :mod:`mqnc.integrations.hf_model` (models, RoPE spec, geometry, the context's
 prefill), :mod:`mqnc.integrations.hf_session` (the attention function and :class:`HFSession`),
 :mod:`mqnc.integrations.hf_predicate` (this machine's constants, route / fetch / local per
-chunk), :mod:`mqnc.integrations.hf_serve` (``mqnc serve --generate``'s requester job);
+chunk), :mod:`mqnc.integrations.hf_serve` (``mqnc serve --generate``'s requester job),
+:mod:`mqnc.integrations.hf_v32` (DeepSeek-V3.2: the indexer's top-k as sparse routes);
 :mod:`mqnc.integrations.hf_exactness` compares a run with transformers' own.
 """
 
