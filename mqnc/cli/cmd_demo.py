@@ -8,7 +8,7 @@ import dataclasses
 import sys
 
 from mqnc.demo import DemoConfig, HFDemoConfig, HolderStartupError, run_demo, run_hf_demo
-from mqnc.demo.config import HF_TRANSPORTS, KERNELS, TRANSPORTS
+from mqnc.demo.config import HF_TRANSPORTS, KERNELS, KV_DTYPES, TRANSPORTS
 from mqnc.demo.preflight import default_kernels
 from mqnc.transport import describe
 
@@ -95,6 +95,9 @@ def _run(args) -> int:
         if args.device_route:
             from mqnc.demo.run import run_device_route
 
+            if args.kv_dtype is not None:
+                raise ValueError("--kv-dtype: applies to the MLA demo only (not --device-route)")
+
             run_device_route(_device_route_config(args))
             return 0
         fields = {f.name for f in dataclasses.fields(DemoConfig)}
@@ -145,6 +148,16 @@ def register(subparsers) -> None:
         help="run every (chunk, agent) through one primitive",
     )
     p.add_argument("--profile", default=None, help="fabric profile JSON (else calibrate at start)")
+    p.add_argument(
+        "--kv-dtype",
+        dest="kv_dtype",
+        choices=tuple(KV_DTYPES),
+        default=None,
+        help="the cache format holders and the requester keep: bf16 rows (1152 B a token-layer) "
+        "or fp8, DeepSeek-V3.2's 656-byte FP8 entries (quantized when a chunk enters a pool; "
+        "answers verified against fp64 over the dequantized cache, the quantization error "
+        f"reported apart; default {d.kv_dtype})",
+    )
     p.add_argument("--out", default=d.out, help="folder for demo.json and the PNG")
     for name in _INT_OPTIONS:
         flag = f"--{name.replace('_', '-')}"

@@ -14,6 +14,7 @@ __all__ = [
     "TRANSPORTS",
     "HF_TRANSPORTS",
     "KERNELS",
+    "KV_DTYPES",
     "HolderStartupError",
     "REQUESTER",
     "LANES",
@@ -22,6 +23,9 @@ __all__ = [
 TRANSPORTS = tuple(sorted(names()))
 """The demo's engines: every engine of the registry (:mod:`mqnc.transport.registry`)."""
 KERNELS = ("triton", "torch")
+KV_DTYPES = {"bf16": "bf16", "fp8": "fp8_e4m3"}
+"""``--kv-dtype`` -> the holders' cache format (``MLAGeometry.cache_dtype``): bf16 rows
+(1152 B a token-layer) or DeepSeek-V3.2's FP8 entries (656 B, ``mqnc.model.kv_format``)."""
 HF_TRANSPORTS = tuple(sorted(names(needs_gpu=False)))
 """The Hugging Face demo's engines: those that run on any machine."""
 REQUESTER = 0
@@ -54,7 +58,12 @@ class DemoConfig:
     scored by its median over the repeats (the table, MAPE, the picture), each single decode's
     MAPE printed beside it (one decode's calls on a loaded 2-core machine spread by about as
     much as the goal allows). None: 5, or 1 under the fault drill (more with the
-    drill is an error: a killed holder stays dead).
+    drill is an error: a killed holder stays dead). ``kv_dtype``: the cache format the holders
+    and the requester's pool keep (:data:`KV_DTYPES`): ``"fp8"`` quantizes every chunk to FP8
+    entries when it enters a pool (fetched chunks move and splice as entries, re-prefilled ones
+    are quantized), the cost model prices ``b_KV`` at 656 B, and answers are verified against
+    fp64 over the dequantized cache with the quantization error reported apart; the agents'
+    own suffixes stay bf16.
     """
 
     layers: int = 4
@@ -84,6 +93,7 @@ class DemoConfig:
     progress: bool = True
     compare: bool | None = None
     repeats: int | None = None
+    kv_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
         for name in ("layers", "chunks", "min_tokens", "holders", "replicas", "steps", "hidden"):
@@ -112,6 +122,7 @@ class DemoConfig:
             device=(None, "cpu", "cuda"),
             kernels=(None, *KERNELS),
             force=(None, "route", "fetch", "local"),
+            kv_dtype=tuple(KV_DTYPES),
         )
         if ENGINES[self.transport].needs_gpu and self.device == "cpu":
             raise ValueError(
@@ -157,6 +168,11 @@ class DemoConfig:
         if self.compare is None:
             return self.force is None and self.kill_holder is None
         return self.compare
+
+    @property
+    def cache_dtype(self) -> str:
+        """The geometry's ``cache_dtype`` of :attr:`kv_dtype`."""
+        return KV_DTYPES[self.kv_dtype]
 
     @property
     def agents(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import statistics
+import textwrap
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ def run(prep: Prepared, progress: Progress) -> dict:
     progress.phase(
         f"mqnc demo: {cfg.chunks} chunks over {cfg.holders} holder {where} ({cfg.transport}), "
         f"{cfg.agents} agents x {cfg.steps} steps x {cfg.layers} layers; device {cfg.device}, "
-        f"kernels {_kernels(cfg)}"
+        f"kernels {_kernels(cfg)}, cache {cfg.cache_dtype}"
     )
     model = build_model(cfg)
     corpus = Corpus(cfg, model)
@@ -95,6 +96,11 @@ def run(prep: Prepared, progress: Progress) -> dict:
         primitives=scored.rows,
         waves=scored.waves,
         geometry=dataclasses.asdict(model.geometry),
+        kv_format=model.geometry.cache_dtype,
+        kv_bytes_per_token_layer=model.geometry.kv_bytes_per_token_layer,
+        # FP8: the fp64 merged answers over the dequantized keys vs over the bf16 ones (what
+        # the format moves an answer; the bounds above are the kernels' alone)
+        quantization_error=max(verifier.quantization, default=None),
         cores=cluster.cpus,
         max_abs_error={k: max(v) for k, v in verifier.errors.items()},
         checked={k: len(v) for k, v in verifier.errors.items()},
@@ -276,7 +282,10 @@ def _write(cfg: DemoConfig, result: dict, errors, decisions, cal) -> None:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = result["primitives"]
-    subtitle = f"{result['device']}\n{cfg.transport}, kernels {result['kernels']}"
+    subtitle = (
+        f"{result['device']}\n{cfg.transport}, kernels {result['kernels']}, cache "
+        f"{result['kv_format']}"
+    )
     result["plot_title"] = plot(rows, out / "measured_vs_predicted.png", subtitle=subtitle)
     with open(out / "demo.json", "w") as f:
         json.dump(result, f, indent=2, default=float)
@@ -291,6 +300,16 @@ def _write(cfg: DemoConfig, result: dict, errors, decisions, cal) -> None:
         result["compare"],
         result["calibration_rounds"],
     )
+    line = (
+        f"cache {result['kv_format']}: {result['kv_bytes_per_token_layer']} B a token-layer "
+        "(the cost model's b_KV)"
+    )
+    if result["quantization_error"] is not None:
+        line += (
+            f"; quantization error of the merged answers (fp64 over the dequantized cache vs "
+            f"over bf16, not in the bounds above): max {result['quantization_error']:.2e}"
+        )
+    print("\n".join(textwrap.wrap(line, 100)))
     print(
         f"\n{result['wall_s']:.0f} s on {result['device']}, {cfg.transport}, kernels "
         f"{result['kernels']}\nwrote demo.json, demo_profile.json (--profile loads it) and "

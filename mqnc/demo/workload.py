@@ -21,8 +21,10 @@ __all__ = ["build_model", "Corpus", "Agent", "Indexer", "make_agents"]
 
 def build_model(cfg: DemoConfig) -> MLAModel:
     """DeepSeek-V2-Lite attention (16 heads, 512 + 64 latent, YaRN RoPE) with ``cfg.layers``
-    layers and seeded weights."""
-    geometry = get_preset("deepseek-v2-lite").replace(layers=cfg.layers)
+    layers and seeded weights; its geometry keeps the cache in ``cfg.kv_dtype``'s format."""
+    geometry = get_preset("deepseek-v2-lite").replace(
+        layers=cfg.layers, cache_dtype=cfg.cache_dtype
+    )
     rope = RopeSpec.from_preset("deepseek-v2-lite")
     return MLAModel.random(geometry, rope, hidden=cfg.hidden, seed=cfg.seed)
 
