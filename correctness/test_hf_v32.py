@@ -41,6 +41,7 @@ from mqnc.integrations.hf_v32 import (  # noqa: E402
     random_v32_model,
 )
 from mqnc.serving import LocalHolders  # noqa: E402
+from mqnc.transport.wire import HEADER_BYTES, query_payload_bytes  # noqa: E402
 
 CONTEXT, PROMPT, STEPS, CHUNK = 24, 4, 6, 8
 
@@ -117,16 +118,25 @@ def test_bf16_route_is_transformers_generate(tiny):
     contacted = [len(x["chunks"]) for x in s.selections]
     assert min(contacted) < len(tiny.context.corpus.chunks)  # a layer skipped a chunk
     assert len(s.records()) == sum(contacted)  # one route per selected chunk and layer
+    g = tiny.context.corpus.geometry  # on the wire: the rows plus 4 B per selected entry
+    sent = [
+        HEADER_BYTES + query_payload_bytes(x["rows"], g.heads, g.d_qk, k, torch.bfloat16)
+        for x in s.selections
+        for k in x["chunks"].values()
+    ]
+    assert sum(r.bytes_sent for r in s.records()) == sum(sent)
 
 
 def test_fp32_logits_within_transformers_own_error(tiny):
     """The same model in fp32 (where transformers' own distance from the float64 model is
-    ~1e-6, not bf16's selection flips): equal tokens and logits within rho * E."""
+    ~1e-6, not bf16's selection flips), a batch of 2 prompts: equal tokens and logits within
+    rho * E."""
     model = random_v32_model(seed=0, dtype=torch.float32)
-    ref = HFReference(model, tiny.ctx, tiny.prompt, max_new_tokens=STEPS)
+    prompts = torch.cat([tiny.prompt, tiny.prompt.flip(1)])  # a batch of 2
+    ref = HFReference(model, tiny.ctx, prompts, max_new_tokens=STEPS)
     context = prefill_v32_context(model, tiny.ctx, chunk_tokens=CHUNK, holders=[1, 2])
     with LocalHolders(context.corpus, kernels="torch") as hs:
-        out, _ = run(model, context, hs, prompt=tiny.prompt)
+        out, _ = run(model, context, hs, prompt=prompts)
     ex = ref.check(out.sequences, out.logits)
     print(ex.line())
     assert ex.ok and ex.tokens_equal and ex.hf_error_max < 1e-4, ex.line()

@@ -271,7 +271,8 @@ class V32Session(HFSession):
         )
         self.token_ids = None  # no local primitive: a re-prefill would need this sparse path
         self.index_keys = _check_index_keys(context.index_keys, model, context.corpus)
-        self.selections: list[dict] = []  # per (forward, layer): chunks contacted, rows
+        # per forward and layer: rows, {chunk contacted: its selection's width k_c}
+        self.selections: list[dict] = []
         self._hooks: list = []
 
     def __enter__(self) -> V32Session:
@@ -341,7 +342,8 @@ class V32Session(HFSession):
         layer, rows = self._layer_rows(module, query, key, mask, scaling, kwargs)
         sel = sel.reshape(B * T, -1).long().cpu()  # over [0, C + N): the context first
         per_chunk = chunk_selections(sel, self.corpus)
-        self.selections.append(dict(layer=layer, chunks=sorted(per_chunk), rows=B * T))
+        widths = {c: int(x.shape[1]) for c, x in sorted(per_chunk.items())}
+        self.selections.append(dict(layer=layer, rows=B * T, chunks=widths))
         parts = self._remote(rows, layer, per_chunk) if per_chunk else []
         local = _selected_local_partial(query, key, value, mask, scaling, sel - self.corpus.tokens)
         o_m = self._merged(layer, rows, parts, local)
