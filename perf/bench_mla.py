@@ -428,9 +428,9 @@ class _Runner:
 
 
 def fp8_label(shape) -> str:
-    """The label an FP8 record of goal shape ``shape`` carries in ``extra.shape``: the shape's
-    own with `` fp8`` appended (the kernel report's FP8 rows carry the same)."""
-    return f"{shape.label} fp8"
+    """The label an FP8 record of goal shape ``shape`` carries in ``extra.shape``: the FP8
+    shape's (``Shape.fp8``: the goal's label with `` fp8``), as the kernel report's FP8 rows."""
+    return dataclasses.replace(shape, fp8=True).label
 
 
 def _goals(r: _Runner, only, shapes) -> None:
@@ -457,9 +457,9 @@ def _goal(r: _Runner, shape, kv: str) -> None:
     label = fp8_label(shape) if fp8 else shape.label
     extra = {"B": B, "H": H, "page": 64, "shape": label, "goal": "" if fp8 else shape.goal}
     extra["flops"] = mla_flops(B, H, n)
-    if kernel and not fp8:  # the tile the launcher chose here (it depends on the triton version)
+    if kernel:  # the tile the launcher chose here (it depends on the triton version)
         sparse = shape.op == "mla_sparse"
-        extra["launcher_tile"] = tile_config(H, sparse=sparse, dtype=dtype).label
+        extra["launcher_tile"] = tile_config(H, sparse=sparse, dtype=dtype, fp8=fp8).label
     extra.update(r.kv_extra(kv, B * n))
     variant = f"H={H},B={B}{_suffix(kv)}"
     nbytes = _nbytes(B * n, B * H, elt, kv)

@@ -1,8 +1,8 @@
 """Static performance report of the kernels at the goal shapes, compiled for sm_90 exactly as
 launched. Every time in it is a PREDICTION, not a measurement.
 
-``mqnc kernel-report [--out FILE] [--ops mla_decode,merge] [--measured RESULTS]`` (or
-``python -m mqnc.measure.kernel_report ...``, the same).
+``mqnc kernel-report [--out FILE] [--ops mla_decode,merge] [--measured RESULTS]
+[--kv-dtype bf16|fp8|both]`` (or ``python -m mqnc.measure.kernel_report ...``, the same).
 
 For each goal shape (``mqnc.triton_kernels._variants.GOALS``) and each launch the op makes there
 (an MLA call: the attention kernel, then the combine when split), it compiles the launch through
@@ -41,6 +41,14 @@ and options as the real launch; no GPU needed) and reports:
   queries, outputs: what the benchmarks' GB/s count, not the split partials) at the ceiling
   over it.
 
+``--kv-dtype fp8`` reports the FP8 cache's shapes instead (:data:`FP8_SHAPES`: the FP8 twins of
+the holder partial, the FP8 goals' shapes and the H 128 ones, each ``fp8`` in its label; the
+launches read 656-byte entries, ``b_KV`` of DeepSeek-V3.2's format, so ``MB`` and ``pred_us``
+count 656 B per cache token), ``--kv-dtype both`` the goal shapes and those, with a table of
+each FP8 shape against its bf16 twin: predicted times and their ratio (the cache tokens per
+second FP8 gains at the read ceiling), and with ``--measured`` the measured ones. The default
+is ``bf16``, the goal shapes alone.
+
 ``--candidates all`` (or a comma list of labels) adds the launch rows of the next sweep's
 candidate tiles (``_mla_launch.SWEEP_TILES``: the restructured ``-pipe`` / ``-tma`` / ``-fused``
 kernels, the 16-head two-CTA tiles) at their kind's shapes (:data:`CANDIDATE_SHAPES`), planned
@@ -72,9 +80,35 @@ from pathlib import Path
 from mqnc.base.runtime import use_compiled_kernels
 from mqnc.cost.ceilings import memory_ceiling
 from mqnc.measure.options import positive_float
+from mqnc.model.kv_format import kv_bytes_per_token
 
 DEFAULT_OUT = Path("out") / "kernel_report.jsonl"
 D_QK, D_V, PAGE = 576, 512, 64
+FP8_ENTRY = kv_bytes_per_token("fp8_e4m3", D_V, D_QK - D_V)  # 656 B: DeepSeek-V3.2's entry
+KV_DTYPES = ("bf16", "fp8", "both")
+
+# The FP8 cache's shapes (``--kv-dtype fp8``): (op, B, H, c_t or top-k, goal). The holder
+# partial, the FP8 goals' shapes (perf/speed_targets.py, FP8_TARGETS) and the H 128 dense one
+# where the bf16 kernel is bound by its MMAs.
+FP8_SHAPES = (
+    ("mla_decode", 1, 16, 2048, ""),
+    ("mla_decode", 16, 16, 32768, ">= 1.6x the bf16 cache tokens/s"),
+    ("mla_decode", 8, 128, 32768, ""),
+    ("mla_sparse", 1, 128, 2048, ""),
+    ("mla_sparse", 8, 128, 2048, "no slower than bf16"),
+)
+
+
+def entry_bytes(shape) -> int:
+    """Bytes of one cache entry of an MLA ``shape``: 656 for FP8 entries, else 576 bf16."""
+    return FP8_ENTRY if getattr(shape, "fp8", False) else D_QK * 2
+
+
+def fp8_shapes() -> list:
+    """:data:`FP8_SHAPES` as ``_variants.Shape`` s (``fp8=True``)."""
+    from mqnc.triton_kernels._variants import Shape
+
+    return [Shape(op, B=B, H=H, ct=n, goal=goal, fp8=True) for op, B, H, n, goal in FP8_SHAPES]
 
 
 def launch_bytes(shape, index: int, launch) -> int:
@@ -90,7 +124,7 @@ def launch_bytes(shape, index: int, launch) -> int:
             return m * part + rows * (D_V * elt + 4)
         index_bytes = B * (n // PAGE if shape.op == "mla_decode" else n) * 4
         out = rows * (D_V * elt + 4) if splits == 1 else splits * part
-        return B * n * D_QK * elt + index_bytes + rows * D_QK * elt + out
+        return B * n * entry_bytes(shape) + index_bytes + rows * D_QK * elt + out
     if shape.op == "merge":
         rows = shape.B * shape.H
         return shape.M * rows * (D_V * elt + 4) + rows * (D_V * elt + 4)
@@ -106,7 +140,7 @@ def essential_bytes(shape) -> int:
     cache entries, the query rows and the outputs, not the split-KV partials."""
     if shape.op in ("mla_decode", "mla_sparse"):
         rows = shape.B * shape.H
-        return shape.B * shape.ct * D_QK * 2 + rows * D_QK * 2 + rows * (D_V * 2 + 4)
+        return shape.B * shape.ct * entry_bytes(shape) + rows * D_QK * 2 + rows * (D_V * 2 + 4)
     return launch_bytes(shape, 0, None)
 
 
@@ -238,11 +272,23 @@ def _launch_row(shape, i: int, launch, compiled: _Compiled, ceiling_tbps: float)
     return row, pred
 
 
-def report(ops=None, ceiling_tbps: float = DEFAULT_CEILING_TBPS, arch: int = 90):
-    """Compile and predict every goal shape; returns (launch rows, shape rows)."""
+def _shapes(kv_dtype: str) -> list:
+    """The shapes of cache format ``kv_dtype``: ``bf16`` the goal shapes, ``fp8``
+    :func:`fp8_shapes`, ``both`` the two lists."""
+    from mqnc.triton_kernels._variants import GOALS
+
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype: expected one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    return [*(GOALS if kv_dtype != "fp8" else ()), *(fp8_shapes() if kv_dtype != "bf16" else ())]
+
+
+def report(
+    ops=None, ceiling_tbps: float = DEFAULT_CEILING_TBPS, arch: int = 90, kv_dtype: str = "bf16"
+):
+    """Compile and predict every shape of cache format ``kv_dtype`` (:func:`_shapes`: the goal
+    shapes by default); returns (launch rows, shape rows)."""
     from mqnc.triton_kernels._grid import LAUNCH_US
     from mqnc.triton_kernels._mla_launch import TileConfig
-    from mqnc.triton_kernels._variants import GOALS
 
     try:
         _check_ops(ops)
@@ -250,7 +296,7 @@ def report(ops=None, ceiling_tbps: float = DEFAULT_CEILING_TBPS, arch: int = 90)
         raise ValueError(f"ops: {exc}") from None
     compiled = _Compiled(arch)
     launches_out, shapes_out = [], []
-    for shape in GOALS:
+    for shape in _shapes(kv_dtype):
         if ops and shape.op not in ops:
             continue
         plan = _plan(shape, compiled)
@@ -271,6 +317,7 @@ def report(ops=None, ceiling_tbps: float = DEFAULT_CEILING_TBPS, arch: int = 90)
                 "bytes": total_bytes,
                 "pred_us": round(total_us, 2),
                 "essential_bytes": essential_bytes(shape),
+                "kv_dtype": "fp8" if getattr(shape, "fp8", False) else "bf16",
                 "pct_of_ceiling": round(
                     100 * essential_bytes(shape) / (ceiling_tbps * 1e6) / total_us, 1
                 ),
@@ -414,7 +461,7 @@ def format_matrix(shapes: list[dict]) -> str:
     """Dense decode at a glance: predicted us (% of the ceiling) per H, B (rows) and c_t."""
     dense = {}
     for s in shapes:
-        if s["op"] == "mla_decode":
+        if s["op"] == "mla_decode" and s.get("kv_dtype", "bf16") == "bf16":
             f = dict(kv.split("=") for kv in s["shape"].split()[1:])
             dense[(int(f["H"]), int(f["B"]), int(f["ct"]))] = s
     cts = sorted({k[2] for k in dense})
@@ -424,6 +471,37 @@ def format_matrix(shapes: list[dict]) -> str:
         cells = [dense.get((H, B, c)) for c in cts]
         vals = [f"{x['pred_us']} us ({x['pct_of_ceiling']:.0f}%)" if x else "-" for x in cells]
         lines.append(f"| {H} | {B} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def _bf16_label(label: str) -> str:
+    """The bf16 twin's label of an FP8 shape's (``... fp8``)."""
+    return label[: -len(" fp8")] if label.endswith(" fp8") else label
+
+
+def format_fp8(shapes: list[dict], measured: dict | None = None) -> str:
+    """Each FP8 shape against its bf16 twin (both in ``shapes``): the predicted times and their
+    ratio (bf16 over FP8: the cache tokens per second FP8 gains), and the measured p50s and
+    their ratio where ``measured`` has both (``-`` where not)."""
+    by_label = {s["shape"]: s for s in shapes}
+    got = measured or {}
+    lines = [
+        "| FP8 shape | goal | bf16 pred us | fp8 pred us | pred ratio | bf16 p50 us | fp8 p50 us "
+        "| measured ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for s in shapes:
+        twin = by_label.get(_bf16_label(s["shape"]))
+        if s.get("kv_dtype") != "fp8" or twin is None:
+            continue
+        ratio = f"{twin['pred_us'] / s['pred_us']:.2f}x"
+        m16, m8 = got.get(twin["shape"]), got.get(s["shape"])
+        cells = [f"{m[0]:.1f}" if m else "-" for m in (m16, m8)]
+        mratio = f"{m16[0] / m8[0]:.2f}x" if m16 and m8 else "-"
+        lines.append(
+            f"| {s['shape']} | {s['goal'] or '-'} | {twin['pred_us']} | {s['pred_us']} | {ratio} "
+            f"| {cells[0]} | {cells[1]} | {mratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -441,6 +519,13 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         "records, else 4.3)",
     )
     ap.add_argument("--measured", default=None, help="benchmark results.jsonl to join")
+    ap.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default="bf16",
+        help="cache format of the MLA shapes: bf16 (the goal shapes), fp8 (the FP8 cache's "
+        "shapes, 656 B per token) or both (and each FP8 shape against its bf16 twin)",
+    )
     ap.add_argument(
         "--candidates",
         default=None,
@@ -471,7 +556,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     measured, found, device = _measured(args.measured) if args.measured else ({}, None, None)
     ceiling = args.ceiling_tbps or (found[0] if found else DEFAULT_CEILING_TBPS)
-    launches, shapes = report(args.ops, ceiling, args.arch)
+    launches, shapes = report(args.ops, ceiling, args.arch, args.kv_dtype)
+    if not shapes:
+        print(
+            f"kernel-report: error: --ops: no shape of --kv-dtype {args.kv_dtype} has op "
+            f"{','.join(sorted(args.ops or ()))} (the FP8 shapes are mla_decode, mla_sparse)",
+            file=sys.stderr,
+        )
+        return 2
     extra = []
     if args.candidates:
         from mqnc.triton_kernels._mla_launch import SWEEP_TILES
@@ -502,9 +594,12 @@ def run(args: argparse.Namespace) -> int:
     if args.measured:
         print(f"measured p50: {len(measured)} goal shapes of {device or 'no GPU-timed record'}")
     print(format_table(launches, shapes, measured))
-    if any(s["op"] == "mla_decode" for s in shapes):
+    if any(s["op"] == "mla_decode" and s["kv_dtype"] == "bf16" for s in shapes):
         print("\nDense decode, predicted us (% of the ceiling):")
         print(format_matrix(shapes))
+    if args.kv_dtype == "both":
+        print("\nFP8 cache against bf16 (predicted at the ceiling; measured p50 where joined):")
+        print(format_fp8(shapes, measured))
     if extra:
         print("\nSweep candidates (forced tiles) at their shapes:")
         print(format_table(extra, []).split("\n\n")[0])
