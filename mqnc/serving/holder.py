@@ -18,6 +18,13 @@ A holder keeps the canonical ``c_KV`` of its chunks at their canonical positions
 
 The batching itself is :mod:`mqnc.serving.batching`, the paged pool :mod:`mqnc.serving.pool`.
 
+A holder of a geometry whose ``cache_dtype`` is ``"fp8_e4m3"`` keeps its chunks as FP8 entries
+(DeepSeek-V3.2's 656 bytes, ``mqnc.model.kv_format``; rows added are quantized, entries added
+are checked): routes (dense and selection) run the same partial-attention kernels over the
+uint8 pool, which read the entries in place; a fetch answers with the entries. A ROUTE or
+FETCH whose requester said another cache format (``wire.format_flags``) is refused naming
+both.
+
 Robustness (a peer may be broken or hostile; no request of one may stop the service for the
 others): every message's header is checked before its payload is used
 (:func:`mqnc.transport.wire.parse_header`; the payload CRC is required whenever the bytes
@@ -61,7 +68,6 @@ from mqnc.transport.protocol import (
     TransportTimeout,
     check_message,
 )
-from mqnc.triton_kernels.fp8_quant import check_entries
 
 __all__ = ["HostedChunk", "Holder", "HolderStats", "serve_in_thread"]
 
@@ -206,7 +212,9 @@ class Holder:
     block_size : int
         Tokens per block (64; a power of two >= 16).
     dtype : torch.dtype
-        Cache dtype (bf16; fp16 / fp32 accepted). Routed rows must arrive in this dtype.
+        Cache dtype (bf16; fp16 / fp32 accepted). Routed rows must arrive in this dtype. With
+        an FP8 geometry the cache keeps FP8 entries and ``dtype`` is the routed rows' (and the
+        partials') dtype.
     device : torch.device or str or None
         Where the pool lives and the kernels run; None: :func:`mqnc.base.kernel_device` (the
         GPU when the kernels are compiled and CUDA exists, else the CPU).
@@ -312,11 +320,13 @@ class Holder:
         fp8 = self.pages.fp8 is not None and kv.dtype == torch.uint8  # FP8 entries, not rows
         width = self.pages.width if fp8 else g.d_qk
         if kv.dim() != 3 or kv.shape[0] != g.layers or kv.shape[2] != width:
+            short = fp8 and kv.dim() == 3 and kv.shape[2] < width
             raise ValueError(
                 f"kv: expected shape ({g.layers}, c_t, {width}), got {tuple(kv.shape)}"
+                + (f" ({g.cache_dtype} entries: scales missing?)" if short else "")
             )
         if fp8:
-            check_entries(kv, g.d_c, g.d_r)  # every scale finite and > 0, no NaN latent byte
+            self.pages.check_entries(kv)  # every scale finite and > 0, no NaN latent byte
         elif kv.dtype != self.dtype:
             raise TypeError(f"kv: invalid dtype, expected {self.dtype}, got {kv.dtype}")
         elif not bool(torch.isfinite(kv).all()):
@@ -469,11 +479,6 @@ class Holder:
             raise KeyError(f"chunk {h.chunk_id} is not hosted here (have {sorted(self.chunks)})")
         if h.dtype != self.dtype:
             raise wire.WireError(f"q: expected {self.dtype} rows, got {h.dtype}")
-        if self.pages.fp8 is not None:
-            raise ValueError(
-                "route: this holder keeps an fp8_e4m3 cache, and the kernels that attend FP8 "
-                "entries are not here yet: fetch its chunks instead (docs/fp8-cache.md)"
-            )
         if not (1 <= h.heads <= self.geometry.heads and h.batch >= 1):
             raise ValueError(
                 f"heads: expected 1 <= heads <= {self.geometry.heads} and batch >= 1, got "

@@ -9,11 +9,10 @@ d_qk]`` view. Blocks are taken from a free list; nothing here knows about chunks
 A pool may keep FP8 entries (``fp8=`` the layout of ``mqnc.model.kv_format``: DeepSeek-V3.2's
 656-byte entry): its storage is then ``[L, num_blocks, block_size, b_KV]`` uint8, 16-bit rows
 written to it are quantized (``fp8_quantize``), FP8 entries (a fetched chunk) copied bit for
-bit (their scales and latent bytes checked), and a splice to a new offset rotates only the
-entries' bf16 RoPE part (``rope_splice`` over uint8 entries). Not yet: kernels that attend
-FP8 entries directly. Until then an FP8 pool attends a chunk by dequantizing its entries
-(``fp8_dequantize``, exact) into a ``dtype`` scratch pool and running the 16-bit kernel over
-it (the FP8 read saving is not had).
+bit (their scales and latent bytes checked), a splice to a new offset rotates only the
+entries' bf16 RoPE part (``rope_splice`` over uint8 entries), and the partial attention reads
+the entries in place (``mla_decode_partial`` / ``mla_sparse_partial`` over the uint8 pool,
+dequantized in registers to the query's dtype).
 """
 
 from __future__ import annotations
@@ -50,7 +49,8 @@ class PagedPool:
     ----------
     kv : torch.Tensor
         ``[layers, num_blocks, block_size, width]`` in ``dtype`` on ``device``; with ``fp8``,
-        ``[layers, num_blocks, block_size, fp8.token_bytes]`` uint8.
+        ``[layers, num_blocks, block_size, fp8.token_bytes]`` uint8 (a fresh pool's zero bytes
+        are no valid entries: zero scales; only written slots are attended).
     """
 
     def __init__(
@@ -129,14 +129,25 @@ class PagedPool:
         if self.fp8 is None or kv.dtype == torch.uint8:
             if kv.shape[-1] != self.width or (kv.dtype == torch.uint8) != (self.fp8 is not None):
                 fmt = "fp8_e4m3 entries" if self.fp8 is not None else str(self.kv.dtype)[6:]
+                short = self.fp8 is not None and kv.shape[-1] < self.width
                 raise ValueError(
                     f"kv: expected [L, tokens, {self.width}] rows in this pool's format ({fmt}), "
                     f"got {tuple(kv.shape)} {str(kv.dtype)[6:]}"
+                    + (" (scales missing?)" if short else "")
                 )
             if self.fp8 is not None:
-                check_entries(kv, self.fp8.d_c, self.fp8.d_r)
+                self.check_entries(kv)
             return kv
         return self.ops.fp8_quantize(kv.contiguous(), self.fp8.d_c)
+
+    def check_entries(self, kv: torch.Tensor, name: str = "kv") -> None:
+        """FP8 entries ``kv [..., b_KV]`` uint8 of this pool's layout whose every scale is
+        finite and > 0 and no latent byte a NaN (``0x7F`` / ``0xFF``), or a ``ValueError``
+        naming ``name``, the entry and the scale (one host sync)."""
+        try:
+            check_entries(kv, self.fp8.d_c, self.fp8.d_r)
+        except ValueError as exc:
+            raise ValueError(name + str(exc).removeprefix("cache")) from None
 
     def splice(self, blocks: list[int], kv: torch.Tensor, delta: int, rope) -> None:
         """Write ``kv [L, tokens, width]`` re-homed by ``delta`` positions (§2.2): a plain copy
@@ -189,10 +200,7 @@ class PagedPool:
         ``[B, topk]`` (:func:`mla_sparse_partial`). Returns ``(o [B, H, d_v], lse [B, H])``,
         natural-log ``lse`` in float32."""
         B = q.shape[0]
-        cache = self.kv[layer]
-        if self.fp8 is not None:  # not yet FP8 kernels: the chunk dequantized, in block order
-            cache = self._dequantized(layer, blocks, tokens)
-            blocks = torch.arange(cache.shape[0], dtype=torch.int32)
+        cache = self.kv[layer]  # an FP8 pool's uint8 entries: the kernels read them in place
         if indices is None:
             table = blocks.to(self.device)[None].expand(B, -1).contiguous()
             lens = torch.full((B,), tokens, dtype=torch.int32, device=self.device)
@@ -207,16 +215,6 @@ class PagedPool:
             )
             keyed = (idx >= 0).any(dim=1).to(lse.device)
         return o, flag_dropped(lse, keyed)
-
-    def _dequantized(self, layer: int, blocks: torch.Tensor, tokens: int) -> torch.Tensor:
-        """An FP8 pool's chunk, ``[n_blocks, block_size, d_c + d_r]`` in ``dtype``: its
-        ``tokens`` entries dequantized in order (token ``t`` at flat slot ``t``), zeros past."""
-        fp8, nb = self.fp8, len(blocks)
-        entries = self.kv[layer].view(-1, self.width)[self.slots(blocks, tokens)]
-        rows = torch.zeros(nb * self.block_size, fp8.d_c + fp8.d_r, dtype=self.dtype,
-                           device=self.device)  # fmt: skip
-        rows[:tokens] = self.ops.fp8_dequantize(entries, fp8.d_c, fp8.d_r, self.dtype)
-        return rows.view(nb, self.block_size, -1)
 
 
 def flag_dropped(lse: torch.Tensor, keyed: torch.Tensor) -> torch.Tensor:

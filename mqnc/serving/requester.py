@@ -133,7 +133,9 @@ class Requester:
         chunks; 0 disables fetch and local.
     block_size : int
     dtype : torch.dtype
-        Query and cache dtype (bf16).
+        Query and cache dtype (bf16). With a geometry whose ``cache_dtype`` is ``"fp8_e4m3"``
+        the pool keeps FP8 entries (fetched ones spliced as entries, re-prefilled rows
+        quantized) and ``dtype`` is the queries' and partials'.
     device : torch.device or str or None
         Where queries, partials and the pool live; None: :func:`mqnc.base.kernel_device` (the
         GPU when the kernels are compiled and CUDA exists, else the CPU).
@@ -435,9 +437,14 @@ class Requester:
             rec.bytes_recv = h.nbytes
             rec.return_us = (t_recv - p.t_sent) * 1e6
             t0 = time.perf_counter()
-            lc = self.kept.put(
-                info, offset, kv, delta=offset - info.position, rope=self.rope, source="fetch"
-            )
+            try:
+                lc = self.kept.put(
+                    info, offset, kv, delta=offset - info.position, rope=self.rope, source="fetch"
+                )
+            except ValueError as exc:  # the holder's entries refused by the pool: name it
+                if not str(exc).startswith("kv"):
+                    raise
+                raise ValueError(f"holder {peer}: chunk {chunk_id}: {exc}") from None
             rec.splice_us = us_since(t0)
             rec.total_us = us_since(p.t0)
         except BaseException as exc:
