@@ -193,3 +193,72 @@ def test_bench_splice_splices_fp8_entries_and_counts_656_bytes(tmp_path):
     for r in recs:
         assert r["extra"]["kv_dtype"] == "fp8" and r["extra"]["entry_bytes"] == 656
         assert r["bytes"] == 2 * 2 * 55 * 656
+
+
+def test_gpu_check_times_each_fp8_goal_shape_in_both_formats():
+    """``perf/gpu_check.sh``'s ``bench_fp8`` step (GPU run) names goal shapes by ``--shapes``;
+    each part matches exactly one goal shape, each FP8 goal selects the FP8 record bench_mla
+    writes at one of them, and the step times bf16 too (``--kv-dtype both``: the twins)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from mqnc.triton_kernels._variants import GOALS
+    from perf.speed_targets import FP8_TARGETS
+
+    script = (Path(__file__).resolve().parent.parent / "perf" / "gpu_check.sh").read_text()
+    gpu_args = re.findall(r"^  FP8_ARGS=\((.*)\)", script, re.M)[-1]  # the GPU run's, second
+    args = shlex.split(gpu_args)
+    assert args[args.index("--kv-dtype") + 1] == "both" and "--goals" in args
+    parts = args[args.index("--shapes") + 1].split(",")
+    shapes = []
+    for part in parts:
+        (shape,) = [s for s in GOALS if part in s.label]
+        shapes.append(shape)
+    for goal in FP8_TARGETS:
+        recs = [
+            _rec(s.op, f"H={s.H},B={s.B},fp8", s.ct, 1.0, "fp8", H=s.H, B=s.B, page=64)
+            for s in shapes
+        ]
+        assert sum(goal.selects(r) for r in recs) == 1, goal.what
+
+
+def test_kernel_report_lists_the_fp8_variants_beside_their_bf16_twins(tmp_path):
+    """``kernel_report --kv-dtype both``: the FP8 shapes' launches are the ``-fp8`` variants,
+    compiled spill-free for sm_90; their bytes count 656 B per cache token; the FP8 table puts
+    each beside its bf16 twin, predicted and (``--measured``) measured, with their ratios."""
+    import os
+    import subprocess
+    import sys
+
+    from mqnc.measure.kernel_report import FP8_SHAPES
+
+    measured = tmp_path / "results.jsonl"
+    base = "mla_sparse H=128 B=8 topk=2048"
+    recs = [  # the bf16 twin and the FP8 record of the sparse FP8 goal, GPU-timed
+        _rec("mla_sparse", "H=128,B=8", 2048, 100.0, "bf16", shape=base),
+        _rec("mla_sparse", "H=128,B=8,fp8", 2048, 80.0, "fp8", shape=base + " fp8"),
+    ]
+    for r in recs:
+        r["extra"]["timing"] = {"method": "cuda-graph"}
+    measured.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "k.jsonl"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    argv = ["--kv-dtype", "both", "--ops", "mla_sparse", "--measured", str(measured)]
+    r = subprocess.run(
+        [sys.executable, "-m", "mqnc.measure.kernel_report", *argv, "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    fp8 = {x["shape"]: x for x in rows if x["kind"] == "shape" and x["kv_dtype"] == "fp8"}
+    labels = {f"mla_sparse H={H} B={B} topk={n} fp8" for op, B, H, n, _ in FP8_SHAPES if "sp" in op}
+    assert set(fp8) == labels
+    for x in rows:
+        if x["kind"] == "launch" and x["shape"] in fp8 and x["variant"].startswith("mla_"):
+            assert "-fp8[" in x["variant"] and x["spill"] == 0, x
+    s = fp8[base + " fp8"]
+    rows_ = 8 * 128
+    assert s["essential_bytes"] == 8 * 2048 * 656 + rows_ * 576 * 2 + rows_ * (512 * 2 + 4)
+    line = [x for x in r.stdout.splitlines() if x.startswith(f"| {base} fp8 | no slower")][-1]
+    assert line.endswith("| 100.0 | 80.0 | 1.25x |"), line

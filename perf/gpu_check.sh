@@ -21,10 +21,14 @@
 #                Triton cache by 16 processes, then every goal shape planned on the GPU
 #   bench_merge, bench_mla, bench_splice   the kernel benchmarks over the production goal shapes
 #                (CUDA-graph replays over L2-rotated inputs; extra.timing says how)
+#   bench_fp8    the FP8 cache's goal shapes (dense H 16 B 16 c_t 32768, sparse top-2048 H 128
+#                B 8), each in bf16 and then FP8 (perf.bench_mla --kv-dtype both): the twins the
+#                FP8 goals compare (perf/speed_targets.py, FP8_TARGETS)
 #   launch       the host time of one launch of the holder's partial (dense H 16 B 1 c_t 2048):
 #                eager call, plan.run, CUDA-graph replays of it and of a routed step
 #                (perf.bench_host --launch)
 #   report       mqnc/measure/kernel_report.py: predictions and the measured p50 in one table
+#                (--kv-dtype both: the FP8 shapes too, each against its bf16 twin)
 #   tests        the GPU test tier (pytest -m gpu: correctness/conftest.py's GPU_TIER list)
 #   holder       Fig. 4(b) holder batching (the Triton kernel) and Fig. 5(b) K-stream staging
 #   nvshmem      two NVSHMEM PEs on the one GPU: probe, route sweep, a routed partial's
@@ -36,7 +40,8 @@
 # the device name by appending them to perf/results/results.jsonl (what --record writes). Every
 # record carries the commit ($MQNC_COMMIT: given, else the .mqnc-commit file that travels
 # with the copy); per-step logs are packed into $OUT/logs.tgz (the device tool returns at most 8
-# files); printed last: the kernel report, the tests' last lines and $OUT/summary.txt.
+# files); printed last: the kernel report, the tests' last lines, every speed target against
+# this run's records (perf.speed_targets, met / MISSED; all in table.txt) and $OUT/summary.txt.
 source "$(dirname "$0")/gpu_common.sh"
 # the interpreter: $PY, else for the dry run the checkout's venv (`make venv`) when there is one
 # (the system python3 of a CPU machine has no torch), else python3 (the GPU image's)
@@ -48,14 +53,16 @@ BUDGET=${BUDGET:-450}
 RESERVE=20 # kept for packing the logs and printing the tables
 
 # ---- every step's cap and arguments, in one place (the GPU run | the dry run) -----------------
-STEPS=(install wheels env copy warmup bench_merge bench_mla bench_splice launch report tests
-  holder nvshmem route fetch)
+STEPS=(install wheels env copy warmup bench_merge bench_mla bench_fp8 bench_splice launch report
+  tests holder nvshmem route fetch)
 # (bench_mla measured 11 s, nvshmem 17 s and tests 32 s of their 60, 60 and 55 on the H200:
 # launch's 20 s and the dry run's margin for env and report on a loaded 2-core machine, where
-# they took 10 s and 30-40 s, come from them)
+# they took 10 s and 30-40 s, come from them; bench_fp8's 20 s and the report's 5 s more for
+# its FP8 shapes (+7 s here) from bench_mla (11 of 40), nvshmem (17 of 40) and bench_splice
+# (6 of 30))
 declare -A CAP=([install]=15 [wheels]=10 [env]=15 [copy]=25 [warmup]=50 [bench_merge]=20
-  [bench_mla]=40 [bench_splice]=30 [launch]=20 [report]=45 [tests]=50 [holder]=25 [nvshmem]=40
-  [route]=20 [fetch]=25)
+  [bench_mla]=25 [bench_fp8]=20 [bench_splice]=25 [launch]=20 [report]=50 [tests]=50 [holder]=25
+  [nvshmem]=35 [route]=20 [fetch]=25)
 if ((DRY)); then
   export TRITON_INTERPRET=1 # every step but the compiling ones (warmup, report: =0) interprets
   PIP_DRY=(--dry-run)
@@ -63,8 +70,9 @@ if ((DRY)); then
   COPY_ARGS=(--gib 0.01)
   WARMUP_ARGS=(--jobs 2 --ops merge)
   BENCH_ARGS=(--goals --tiny)
+  FP8_ARGS=(--goals --tiny --kv-dtype both) # the first goal shape of each op, cut
   LAUNCH_ARGS=(--reps 5 --warmup 1)
-  REPORT_ARGS=()
+  REPORT_ARGS=(--kv-dtype both) # the goal shapes and the FP8 ones, each beside its bf16 twin
   TEST_ARGS=(--collect-only)
   HOLDER_ARGS=(--tiny)
   NVSHMEM_ARGS=(--transport gloo --tiny --timeout 30 --poll-spins 4096,64) # gloo: one run
@@ -78,8 +86,9 @@ else
   COPY_ARGS=(--gib 4)
   WARMUP_ARGS=(--jobs 16)
   BENCH_ARGS=(--goals)
+  FP8_ARGS=(--goals --kv-dtype both --shapes "H=16 B=16 ct=32768,H=128 B=8 topk=2048")
   LAUNCH_ARGS=(--reps 200 --warmup 20)
-  REPORT_ARGS=()
+  REPORT_ARGS=(--kv-dtype both)
   TEST_ARGS=()
   HOLDER_ARGS=()
   # two put paths at 4096 and at 64 rounds per device-side poll (each run ~7 s on the H200;
@@ -193,6 +202,7 @@ step copy "$PY" -m perf.bench_copy "${COPY_ARGS[@]}" --out "$RESULTS"
 step warmup env TRITON_INTERPRET=0 "$PY" -m perf.warmup "${WARMUP_ARGS[@]}"
 step bench_merge "$PY" -m perf.bench_merge "${BENCH_ARGS[@]}" --out "$RESULTS"
 step bench_mla "$PY" -m perf.bench_mla "${BENCH_ARGS[@]}" --out "$RESULTS"
+step bench_fp8 "$PY" -m perf.bench_mla "${FP8_ARGS[@]}" --out "$RESULTS"
 step bench_splice "$PY" -m perf.bench_splice "${BENCH_ARGS[@]}" --out "$RESULTS"
 step launch "$PY" -m perf.bench_host --launch "${LAUNCH_ARGS[@]}" --out "$RESULTS"
 step report env TRITON_INTERPRET=0 "$PY" -m mqnc.measure.kernel_report "${REPORT_ARGS[@]}" \
@@ -225,6 +235,8 @@ for r in recs:
     print(f"{r['bench']:<13}{str(r['variant'])[:25]:<26}{x!s:>10}{r['p50']:>12.1f}{gbps:>9}"
           f"{pct(e, 'pct_of_read'):>7}{pct(e, 'pct_of_spec'):>7}  {where:<9} {how}")
 EOF
+# every speed target against this run's records (met / MISSED / not measured), after the table
+"$PY" -m perf.speed_targets "$RESULTS" >>"$OUT/table.txt" 2>&1
 cp "$LOG/report.log" "$OUT/kernel_report.txt" 2>/dev/null
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOG"
 # the device tool brings back at most 8 files of $OUT: more would be left behind unsaid
@@ -236,9 +248,13 @@ fi
 echo "---- records (first 40 lines; all in table.txt) ----"
 head -n 40 "$OUT/table.txt"
 echo "---- kernel report, shapes (predicted vs measured; all in kernel_report.txt) ----"
-grep -A 80 '^| shape | goal' "$OUT/kernel_report.txt" 2>/dev/null | head -n 80
+grep -A 81 '^| shape | goal' "$OUT/kernel_report.txt" 2>/dev/null | head -n 82
+grep -A 7 '^| FP8 shape' "$OUT/kernel_report.txt" 2>/dev/null
 echo "---- tests (last lines) ----"
 tar xzf "$OUT/logs.tgz" -O logs/tests.log 2>/dev/null | tail -n 5
+echo "---- goals met / MISSED in this run's records (every target in table.txt) ----"
+sed -n '/^targets against /,$p' "$OUT/table.txt" | grep -E '^targets against| (met|MISSED)$|checked, ' |
+  head -n 60
 echo "---- summary: $((SECONDS - T0)) s of a $BUDGET s budget ----"
 cat "$OUT/summary.txt"
 exit $status
