@@ -1,9 +1,9 @@
 """Benchmark the holder's partial absorbed-MLA attention (§6.3): dense paged, sparse top-k, and the
 holder fan-in sweep.
 
-``python -m perf.bench_mla [--goals | --tiny] [--only dense,sparse,fanin]`` with the flags every
-benchmark takes (``--quick --reps --warmup --out FILE | --record --check``,
-:mod:`mqnc.measure.options`).
+``python -m perf.bench_mla [--goals | --tiny] [--only dense,sparse,fanin] [--kv-dtype
+bf16|fp8|both]`` with the flags every benchmark takes (``--quick --reps --warmup --out FILE |
+--record --check``, :mod:`mqnc.measure.options`).
 
 - ``mla_decode``: B query tokens x H heads, each token over its own ct-entry cache (page 64):
   B in {1, 8, 64}, ct in {2048, 8192, 32768}, H in {16, 128};
@@ -45,6 +45,18 @@ memory-bound dense shapes, the fan-in partial at N <= 16 in <= 15 us (H 16) / <=
 the sparse top-2048 H 128 partial in <= 30 us). On the CPU it times a torch fp32 implementation
 of the same math (``backend=torch-reference``; interpreter timings say nothing about the
 kernel) and skips shapes whose gathered cache exceeds ~1 GiB.
+
+The cache format (``--kv-dtype``): ``bf16`` (default; the CPU stand-in's fp32), ``fp8``
+(DeepSeek-V3.2's 656-byte entries, docs/fp8-cache.md: the pool drawn as for bf16, then
+quantized, by the Triton quantizer where the kernels run, else by its fp64 reference, the same
+bytes; the kernels read it in place, the CPU stand-in dequantizes the gathered entries) or
+``both`` (each point in bf16 and right after in FP8: the twins the FP8 goals compare,
+perf/speed_targets.py ``FP8_TARGETS``). Every record carries ``extra.kv_dtype`` (``bf16``,
+``fp32``, ``fp8``), ``extra.entry_bytes`` (1152, 2304, 656), ``extra.cache_tokens`` (distinct
+entries a call reads: B x c_t, B x top-k, the fan-in's one chunk) and ``extra.tokens_per_s``
+at the p50; its bytes count the cache at ``entry_bytes`` per entry. FP8 records' variants end
+in ``,fp8`` and goal records' ``extra.shape`` is the FP8 shape's label (``... fp8``,
+:func:`fp8_label`). ``--tiles`` sweeps bf16 only (refused with FP8: its tiles are not swept).
 """
 
 from __future__ import annotations
