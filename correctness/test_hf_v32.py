@@ -10,8 +10,9 @@ a 24-token context prefilled once by the model's own forward, cut into 3 chunks 
 holders (loopback threads), a 4-token prompt, 6 greedy tokens, so each query token attends 8 of
 its 28..34 visible tokens and a layer's selection leaves chunks out. The holders' and the
 requester's arithmetic runs on the torch references (``kernels="torch"``) except in
-``test_interpreted_kernels_route``, which runs the Triton kernels (interpreted here) for 2 tokens:
-the holders' ``mla_sparse_partial`` and the requester's ``merge_partials``.
+``test_interpreted_kernels_fp8_route``, which runs the Triton kernels (interpreted here) for 2
+tokens over FP8 holders: the holders' ``mla_sparse_partial`` reading FP8 entries and the
+requester's ``merge_partials``.
 
 Oracles: transformers' own ``generate`` on ``context + prompt`` (tokens equal, logits within
 ``rho * E`` of it, ``E`` its own distance from the float64 model:
@@ -144,9 +145,9 @@ def test_fp32_logits_within_transformers_own_error(tiny):
 
 def test_fp8_cache_is_the_fp8_rounded_model(tiny):
     """FP8 entries on holders (656-byte format, here 164 B: 128 latent + 1 scale + 16 RoPE):
-    the tokens of the same model generating through an FP8-rounded cache, by route (its
-    fallback, fetch, where the holders refuse an FP8 route) and by fetch; the FP8 bytes the
-    holders keep dequantize to the very cache the model attended."""
+    the tokens of the same model generating through an FP8-rounded cache, by route (the
+    holders attend their FP8 entries) and by fetch (the requester's FP8 pool); the FP8 bytes
+    the holders keep dequantize to the very cache the model attended."""
     model = tiny.model
     fp8 = prefill_v32_context(
         model, tiny.ctx, chunk_tokens=CHUNK, holders=[1, 2], kernels="torch", fp8=True
@@ -173,19 +174,29 @@ def test_fp8_cache_is_the_fp8_rounded_model(tiny):
             out, s = run(model, fp8, hs, prompt=tiny.prompt, force=force)
             got = out.sequences[:, PROMPT:]
             assert torch.equal(got, want), (force, got, want)
-            assert all(r.ok for r in s.records() if r.primitive == "fetch")
+            assert {r.primitive for r in s.records()} == {force} and not s.fallbacks
+            assert all(r.ok for r in s.records())
     same = int((want == tiny.ref.tokens).sum())
     print(f"FP8 cache: {STEPS}/{STEPS} tokens equal to the FP8-rounded model's; {same}/{STEPS} "
           "equal to transformers' bf16 generate")  # fmt: skip
 
 
-def test_interpreted_kernels_route(tiny):
-    """The Triton kernels (interpreted): the holders' mla_sparse_partial over each chunk's
-    selection and the requester's merge, 2 tokens: transformers' first 2 tokens."""
-    with LocalHolders(tiny.context.corpus, kernels="triton") as hs:
-        out, s = run(tiny.model, tiny.context, hs, prompt=tiny.prompt, steps=2)
-    assert torch.equal(out.sequences[:, PROMPT:], tiny.ref.tokens[:, :2])
+def test_interpreted_kernels_fp8_route(tiny):
+    """The Triton kernels (interpreted) over FP8 holders: the holders' mla_sparse_partial reading
+    each chunk's selected FP8 entries in place, and the requester's merge, 2 tokens: the first
+    2 tokens of the model generating through an FP8-rounded cache."""
+    model = tiny.model
+    fp8 = prefill_v32_context(model, tiny.ctx, chunk_tokens=CHUNK, holders=[1, 2], fp8=True)
+    full = torch.cat([tiny.ctx[None], tiny.prompt], dim=1)
+    with torch.no_grad():
+        want = model.generate(
+            full, max_new_tokens=2, do_sample=False, cache=fp8_rounded_cache(model)
+        )
+    with LocalHolders(fp8.corpus, kernels="triton") as hs:
+        out, s = run(model, fp8, hs, prompt=tiny.prompt, steps=2)
+    assert torch.equal(out.sequences[:, PROMPT:], want[:, CONTEXT + PROMPT :])
     assert s.kernels == "triton" and {r.primitive for r in s.records()} == {"route"}
+    assert not s.fallbacks
 
 
 def test_chunk_selections_split_a_selection_by_chunk(tiny):
