@@ -142,31 +142,25 @@ def _splice_tile(
     """Token tile ``pid_t`` of layer ``layer`` (int64): copy D_NOPE dims, rotate D_ROPE dims
     by delta (what one program of :func:`_rope_splice_kernel` does).
 
-    ``ROW_ALIGN > 1``: the five strides come in units of ROW_ALIGN elements (16 bytes; FP8
-    entries of 656 B, whose 328-element rows the JIT cannot see are 16-byte aligned), so the
-    compiler knows every row's alignment and keeps 128-bit loads and stores."""
-    if ROW_ALIGN > 1:
-        stride_sl = stride_sl * ROW_ALIGN
-        stride_st = stride_st * ROW_ALIGN
-        stride_dl = stride_dl * ROW_ALIGN
-        stride_db = stride_db * ROW_ALIGN
-        stride_ds = stride_ds * ROW_ALIGN
+    The five strides come in units of ``ROW_ALIGN`` elements (16 bytes for FP8 entries of
+    656 B, whose 328-element rows the JIT cannot see are 16-byte aligned; 1 otherwise), so the
+    compiler knows every row's alignment and keeps 128-bit loads and stores; each is scaled
+    after an int64 product (no int32 overflow)."""
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < T
     if HAS_SLOTS:
         slot = tl.load(SLOTS + offs_t, mask=mask_t, other=0).to(tl.int64)
     else:
         slot = offs_t.to(tl.int64)
-    src_row = SRC + layer * stride_sl + offs_t.to(tl.int64) * stride_st
+    src_row = SRC + layer * stride_sl * ROW_ALIGN + offs_t.to(tl.int64) * stride_st * ROW_ALIGN
     if LAYER_TABLE:
         # offsets in units of LAYER_ALIGN elements (16 bytes when the layers allow it): the
         # compiler then knows each row's 16-byte alignment and keeps 128-bit stores
         layer_start = tl.load(LAYER_OFF + layer) * LAYER_ALIGN
     else:
-        layer_start = layer * stride_dl
-    dst_row = DST + (
-        layer_start + (slot // block_size) * stride_db + (slot % block_size) * stride_ds
-    )
+        layer_start = layer * stride_dl * ROW_ALIGN
+    within = (slot // block_size) * stride_db + (slot % block_size) * stride_ds  # int64
+    dst_row = DST + (layer_start + within * ROW_ALIGN)
 
     # The latent c_KV: a bit-exact copy (load and store in the same dtype).
     offs_d = tl.arange(0, BLOCK_D)
@@ -665,6 +659,21 @@ def fp8_entry_views(chunk: torch.Tensor, pool, rope) -> tuple[torch.Tensor, obje
     return chunk_v, views if isinstance(pool, (list, tuple)) else views[0], unit
 
 
+def _operands(chunk, pool, rope) -> tuple:
+    """``(chunk, pool, row_unit, entries)`` the splice kernel moves: 16-bit operands as they
+    are, FP8 entries as bf16 views (:func:`fp8_entry_views`, named ``"fp8_e4m3"``); rows
+    into an FP8 pool are a format mismatch."""
+    if isinstance(chunk, torch.Tensor) and chunk.dtype == torch.uint8:
+        return (*fp8_entry_views(chunk, pool, rope), _FP8)
+    if isinstance(pool, torch.Tensor) and pool.dtype == torch.uint8:
+        got = dtype_name(chunk.dtype) if isinstance(chunk, torch.Tensor) else type(chunk).__name__
+        raise TypeError(
+            f"chunk: cache format mismatch, the pool keeps uint8 FP8 entries ({_FP8}), got "
+            f"{got} rows (quantize them with fp8_quantize first)"
+        )
+    return chunk, pool, 1, None
+
+
 @rope_splice.op.implementation("triton")
 def _splice(call) -> None:
     """:func:`rope_splice` on the splice kernel (one launch for all layers); FP8 entries
@@ -676,16 +685,8 @@ def _splice(call) -> None:
         call.delta,
         call.rope,
     )
-    given, row_unit, entries = pool, 1, None
-    if isinstance(chunk, torch.Tensor) and chunk.dtype == torch.uint8:
-        chunk, pool, row_unit = fp8_entry_views(chunk, pool, rope)
-        entries = _FP8
-    elif isinstance(pool, torch.Tensor) and pool.dtype == torch.uint8:
-        got = dtype_name(chunk.dtype) if isinstance(chunk, torch.Tensor) else type(chunk).__name__
-        raise TypeError(
-            f"chunk: cache format mismatch, the pool keeps uint8 FP8 entries ({_FP8}), got "
-            f"{got} rows (quantize them with fp8_quantize first)"
-        )
+    given = pool
+    chunk, pool, row_unit, entries = _operands(chunk, pool, rope)
     check_tensor("chunk", chunk, ndim=3, dtypes=FLOAT_DTYPES, contiguous_last=True)
     L, ct, D = chunk.shape
     _check_rope(rope, D, "chunk")
