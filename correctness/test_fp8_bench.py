@@ -58,6 +58,9 @@ def test_fp8_goals_compare_each_record_with_its_bf16_twin():
     # the last twin of several is the one compared; another device's or backend's is none
     later = [*recs[:2], _dense(16, 32768, 300.0, "bf16")]
     assert check_targets(later, [dense]).lines[0].endswith("2x (at least 1.6x) met")
+    wrong = _dense(16, 32768, 1.0, "fp8", ok=False)  # fast, but its output failed fp64
+    v = check_targets([recs[0], wrong], [dense])
+    assert (v.checked, v.missed) == (1, 1) and "failed its fp64 check" in v.lines[0]
     for other in (dict(device="NVIDIA H100"), dict(backend="interpreter")):
         twin = _rec("mla_decode", "H=16,B=16", 32768, 240.0, "bf16", **other, H=16, B=16, page=64)
         v = check_targets([twin, recs[1]], [dense])
@@ -262,3 +265,26 @@ def test_kernel_report_lists_the_fp8_variants_beside_their_bf16_twins(tmp_path):
     assert s["essential_bytes"] == 8 * 2048 * 656 + rows_ * 576 * 2 + rows_ * (512 * 2 + 4)
     line = [x for x in r.stdout.splitlines() if x.startswith(f"| {base} fp8 | no slower")][-1]
     assert line.endswith("| 100.0 | 80.0 | 1.25x |"), line
+
+
+def test_fp8_records_are_checked_against_fp64_before_timing(monkeypatch):
+    """The FP8 kernel's check in ``bench_mla`` (``_vs_fp64`` with ``kv="fp8"``, what a GPU run
+    records as ``extra.vs_fp64`` / ``extra.ok`` on FP8 records): the interpreted kernel passes
+    against fp64 over the dequantized cache at ``("mla_fp8", bf16)``; an output off by 1% fails
+    with the error instead of passing."""
+    from perf import bench_mla as b
+
+    monkeypatch.setattr(b, "SMALL_TOPK", 40)  # a partial last tile still; the corpus 2 pages
+    monkeypatch.setattr(b, "SMALL_CORPUS", 128)
+    gen = torch.Generator().manual_seed(0)
+    good = b._vs_fp64("mla_sparse", 16, "cpu", torch.bfloat16, gen, "fp8")
+    assert good["ok"] and good["o_max_abs"] < 3.2e-2, good
+    real = b._sparse_fn
+
+    def off(*args):
+        call = real(*args)
+        return lambda: (lambda o, lse: (o * 1.01, lse))(*call())
+
+    monkeypatch.setattr(b, "_sparse_fn", off)
+    bad = b._vs_fp64("mla_sparse", 16, "cpu", torch.bfloat16, gen, "fp8")
+    assert not bad["ok"] and "o" in bad["error"], bad

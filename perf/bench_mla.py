@@ -222,23 +222,33 @@ def _vs_default(got, ref) -> dict:
 SMALL_CT, SMALL_TOPK, SMALL_CORPUS = 200, 100, 512
 
 
-def _vs_fp64(bench: str, H: int, dev, dtype, gen) -> dict:
-    """The tile in force (``forced_tile``) on a small case against the fp64 references at the
-    tolerance table's bounds: ``{"o_max_abs", "lse_max_abs", "ok"}`` (and ``error``)."""
-    from mqnc.reference.attention_ref import mla_decode_reference, mla_sparse_reference
+def _vs_fp64(bench: str, H: int, dev, dtype, gen, kv: str = "bf16") -> dict:
+    """The tile in force (``forced_tile``) on a small case of cache format ``kv`` against the
+    fp64 references at the tolerance table's bounds (an FP8 cache: the references over its
+    dequantized rows, ``("mla_fp8", dtype)``): ``{"o_max_abs", "lse_max_abs", "ok"}`` (and
+    ``error``)."""
+    from mqnc.reference.attention_ref import (
+        dequantized_cache,
+        mla_decode_reference,
+        mla_sparse_reference,
+    )
     from mqnc.testing import assert_close, tolerance
 
+    def rows(pool):
+        return (dequantized_cache(pool, D_V, dtype) if kv == "fp8" else pool).double()
+
     if bench == "mla_sparse":
-        q, pool, idx = _sparse_case(1, H, SMALL_TOPK, SMALL_CORPUS, dev, dtype, gen)
+        q, pool, idx = _sparse_case(1, H, SMALL_TOPK, SMALL_CORPUS, dev, dtype, gen, kv)
         got = _sparse_fn(q, pool, idx, True)()
-        ref = mla_sparse_reference(q.double(), pool.double(), idx, SCALE)
+        ref = mla_sparse_reference(q.double(), rows(pool), idx, SCALE)
     else:
-        q, pool, table, lens = _dense_case(2, H, SMALL_CT, dev, dtype, False, gen)
+        q, pool, table, lens = _dense_case(2, H, SMALL_CT, dev, dtype, False, gen, kv)
         got = _dense_fn(q, pool, table, lens, True)()
-        ref = mla_decode_reference(q.double(), pool.double(), table, lens, SCALE)
+        ref = mla_decode_reference(q.double(), rows(pool), table, lens, SCALE)
     out = {"o_max_abs": None, "lse_max_abs": None, "ok": True}
     try:
-        so = assert_close(got[0], ref[0], tolerance("mla", dtype), name="o")
+        key = "mla_fp8" if kv == "fp8" else "mla"
+        so = assert_close(got[0], ref[0], tolerance(key, dtype), name="o")
         sl = assert_close(got[1], ref[1], tolerance("mla_lse", "float32"), name="lse")
         out.update(o_max_abs=so.max_abs, lse_max_abs=sl.max_abs)
     except AssertionError as exc:
@@ -388,6 +398,8 @@ class _Runner:
         from mqnc.measure import input_sets
 
         calls = [make() for _ in range(input_sets(nbytes, self.l2))]
+        if self.kernel and extra.get("kv_dtype") == "fp8":  # new kernels: checked before timing
+            extra = {**extra, **self.fp8_check(bench, extra["H"])}
         if not self.args.tiles:
             return self.timed(bench, variant, x, x_name, calls, nbytes, extra)
         from mqnc.triton_kernels._mla_launch import forced_tile
@@ -409,6 +421,17 @@ class _Runner:
                 self.timed(bench, f"{variant}@{tile.label}", x, x_name, calls, nbytes, more)
             if not vs["ok"]:
                 print(f"MISMATCH {bench} {variant}@{tile.label}: {vs}")
+
+    def fp8_check(self, bench: str, H: int) -> dict:
+        """The FP8 kernel of ``bench`` at ``H`` heads on a small case against fp64 over the
+        dequantized cache, once per op and head count: ``{"vs_fp64": ..., "ok": ...}`` for the
+        records (printed MISMATCH when off; an FP8 goal is missed on a record not ``ok``)."""
+        key = (bench, H, "fp8")
+        if key not in self.fp64:
+            self.fp64[key] = _vs_fp64(bench, H, self.dev, self.dtype, self.gen, "fp8")
+            if not self.fp64[key]["ok"]:
+                print(f"MISMATCH vs fp64 {bench} H={H} fp8: {self.fp64[key]}")
+        return {"vs_fp64": self.fp64[key], "ok": self.fp64[key]["ok"]}
 
     def timed(self, bench, variant, x, x_name, calls, nbytes, extra) -> None:
         """Time ``calls`` and append the record to ``--out``."""

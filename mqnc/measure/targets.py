@@ -130,7 +130,8 @@ class Speedup:
     slower"). A record's twin is a record of the baseline format with the same ``bench``,
     ``x``, ``device`` and ``backend`` and the same values of the ``extra`` fields in ``match``
     (the last such record, as the kernel report joins); a selected record without one is
-    reported as not measured, neither met nor missed.
+    reported as not measured, neither met nor missed, and one whose ``extra.ok`` is False (its
+    output failed the benchmark's check against fp64) is missed whatever its speed.
 
     Parameters
     ----------
@@ -186,6 +187,9 @@ class Speedup:
         out = []
         for r in hits:
             head = f"target {self.what}: {r['bench']} {r['variant']} x={r['x']:g}"
+            if (r.get("extra") or {}).get("ok") is False:  # a wrong output's speed counts not
+                out.append((f"{head}: its output failed its fp64 check (extra.ok) MISSED", False))
+                continue
             base = self.twin(r, records)
             if base is None:
                 out.append((f"{head}: not measured (no {self.baseline} twin in this run)", None))
