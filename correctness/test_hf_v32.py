@@ -128,6 +128,23 @@ def test_bf16_route_is_transformers_generate(tiny):
     assert sum(r.bytes_sent for r in s.records()) == sum(sent)
 
 
+def test_a_holder_killed_mid_way_its_replica_answers(tiny):
+    """Every chunk on 2 holders (replicas); holder 1 killed before the third forward: its
+    chunks' selections are routed to their replica on holder 2 (the transport knows holder 1
+    dead, so no route waits for it), same tokens."""
+    context = prefill_v32_context(
+        tiny.model, tiny.ctx, chunk_tokens=CHUNK, holders=[1, 2], replicas=2, kernels="torch"
+    )
+    with LocalHolders(context.corpus, kernels="torch") as hs:
+        kill = lambda step: hs.kill(1) if step == 2 else None  # noqa: E731
+        out, s = run(tiny.model, context, hs, prompt=tiny.prompt, on_step=kill)
+    assert torch.equal(out.sequences[:, PROMPT:], tiny.ref.tokens)
+    assert s.fallbacks and {(f["decided"], f["used"], f["peer"]) for f in s.fallbacks} == {
+        ("route", "route", 2)
+    }
+    assert {f["step"] for f in s.fallbacks} == set(range(2, STEPS))
+
+
 def test_fp32_logits_within_transformers_own_error(tiny):
     """The same model in fp32 (where transformers' own distance from the float64 model is
     ~1e-6, not bf16's selection flips), a batch of 2 prompts: equal tokens and logits within
