@@ -98,6 +98,8 @@ def test_mla_tile_loop_is_double_buffered(compiled, name):
     dtype, tile, _warps, stages = name.split("[")[1].split(",")[:4]
     block_n = tile.split("x")[1]
     elem = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[dtype]
+    if "-fp8[" in name:  # FP8 entries: the ring holds their bytes (bf16 queries, bf16 MMAs)
+        elem = "i8"
     ttgir = res["ttgir"]
     print(f"{name}: buffers {ttgir['local_alloc']}, async_wait nums {ttgir['async_waits']}")
     ring = [
@@ -205,6 +207,21 @@ SCHEDULE: dict[str, dict[str, tuple]] = {
             (0.0, None, 0, 0, 1, 128, 111936, 24),
         "mla_sparse[float32,16x16,w16,s5,out=fp32-split]":
             (0.0, None, 0, 0, 1, 128, 112064, 16),
+        # FP8 caches (656-byte entries, bf16 queries; _variants.FP8)
+        "mla_decode-fp8[bfloat16,16x32,w8,s5,out=fp32-split]":
+            (832.0, 1.529, 0, 0, 1, 233, 126464, 0),
+        "mla_decode-fp8[bfloat16,64x16,w8,s5,out=fp32-split]":
+            (584.0, 1.529, 0, 0, 1, 242, 131072, 0),
+        "mla_decode-fp8[bfloat16,64x16,w8,s5,out=bfloat16]":
+            (584.0, 1.529, 0, 0, 1, 250, 113408, 0),
+        "mla_sparse-fp8[bfloat16,64x16,w8,s5,out=fp32-split]":
+            (584.0, 1.529, 0, 0, 1, 254, 131072, 0),
+        "mla_decode-fp8[bfloat16,16x32,w8,s5,out=fp32-split,page=1,csr,split-kv]":
+            (832.0, 1.529, 0, 0, 1, 238, 126464, 0),
+        "mla_decode-fp8[bfloat16,64x16,w8,s5,out=fp32-split,sq,causal]":
+            (584.0, 1.529, 0, 0, 1, 242, 131072, 0),
+        "mla_sparse-fp8[bfloat16,64x16,w8,s5,out=fp32-split,split-kv]":
+            (584.0, 1.529, 0, 0, 1, 254, 131072, 0),
     },
     "3.9.0": {
         "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split]":
@@ -235,6 +252,19 @@ SCHEDULE: dict[str, dict[str, tuple]] = {
             (0.0, None, 0, 0, 1, 128, 111936, 0),
         "mla_sparse[float32,16x16,w16,s5,out=fp32-split]":
             (0.0, None, 0, 0, 1, 128, 112064, 0),
+        # FP8 caches (656-byte entries, bf16 queries; _variants.FP8)
+        "mla_decode-fp8[bfloat16,16x32,w8,s5,out=fp32-split]":
+            (832.0, 1.529, 0, 0, 1, 226, 126464, 0),
+        "mla_decode-fp8[bfloat16,16x32,w8,s5,out=bfloat16]":
+            (832.0, 1.529, 0, 0, 1, 226, 126464, 0),
+        "mla_sparse-fp8[bfloat16,16x32,w8,s5,out=fp32-split]":
+            (832.0, 1.529, 0, 0, 1, 225, 126720, 0),
+        "mla_decode-fp8[bfloat16,16x32,w8,s5,out=fp32-split,page=1,csr,split-kv]":
+            (832.0, 1.529, 0, 0, 1, 226, 126464, 0),
+        "mla_decode-fp8[bfloat16,16x32,w8,s5,out=fp32-split,sq,causal]":
+            (832.0, 1.529, 0, 0, 1, 226, 126464, 0),
+        "mla_sparse-fp8[bfloat16,16x32,w8,s5,out=fp32-split,split-kv]":
+            (832.0, 1.529, 0, 0, 1, 225, 126720, 0),
     },
 }
 # fmt: on
@@ -598,6 +628,21 @@ READS: dict[str, dict[str, tuple]] = {
             (2, 3, 0, 1),
         "mla_sparse[float32,16x16,w16,s5,out=fp32-split]":
             (2, 2, 0, 1),
+        # FP8 caches (656-byte entries, bf16 queries; _variants.FP8)
+        "mla_decode-fp8[bfloat16,16x32,w8,s5,out=fp32-split]":
+            (2, 3, 0, 1),
+        "mla_decode-fp8[bfloat16,64x16,w8,s5,out=fp32-split]":
+            (2, 3, 0, 1),
+        "mla_decode-fp8[bfloat16,64x16,w8,s5,out=bfloat16]":
+            (2, 3, 0, 1),
+        "mla_sparse-fp8[bfloat16,64x16,w8,s5,out=fp32-split]":
+            (2, 2, 0, 1),
+        "mla_decode-fp8[bfloat16,16x32,w8,s5,out=fp32-split,page=1,csr,split-kv]":
+            (2, 3, 0, 1),
+        "mla_decode-fp8[bfloat16,64x16,w8,s5,out=fp32-split,sq,causal]":
+            (2, 3, 0, 1),
+        "mla_sparse-fp8[bfloat16,64x16,w8,s5,out=fp32-split,split-kv]":
+            (2, 2, 0, 1),
     },
     "3.9.0": {
         "mla_decode[bfloat16,16x64,w8,s5,out=fp32-split]":
@@ -627,6 +672,19 @@ READS: dict[str, dict[str, tuple]] = {
         "mla_decode[float32,16x16,w16,s5,out=fp32-split]":
             (2, 3, 0, 1),
         "mla_sparse[float32,16x16,w16,s5,out=fp32-split]":
+            (2, 2, 0, 1),
+        # FP8 caches (656-byte entries, bf16 queries; _variants.FP8)
+        "mla_decode-fp8[bfloat16,16x32,w8,s5,out=fp32-split]":
+            (2, 3, 0, 1),
+        "mla_decode-fp8[bfloat16,16x32,w8,s5,out=bfloat16]":
+            (2, 3, 0, 1),
+        "mla_sparse-fp8[bfloat16,16x32,w8,s5,out=fp32-split]":
+            (2, 2, 0, 1),
+        "mla_decode-fp8[bfloat16,16x32,w8,s5,out=fp32-split,page=1,csr,split-kv]":
+            (2, 3, 0, 1),
+        "mla_decode-fp8[bfloat16,16x32,w8,s5,out=fp32-split,sq,causal]":
+            (2, 3, 0, 1),
+        "mla_sparse-fp8[bfloat16,16x32,w8,s5,out=fp32-split,split-kv]":
             (2, 2, 0, 1),
     },
 }
@@ -883,3 +941,18 @@ def test_fp8_splice_compiles_for_sm90_without_spills():
         assert name.startswith("splice[fp8_e4m3,") and unit == 8
         assert spill == 0 and regs <= 64, (name, regs, spill)
         assert v4 >= 3, (name, v4)
+
+
+def test_fp8_variants_are_compiled_at_the_goal_heads():
+    """The FP8 cache's launches (``_variants.FP8``: 656-byte entries, bf16 queries) are among
+    the compiled variants (so the spill, double-buffering, schedule and occupancy-table checks
+    above cover them): dense at 16, 64 and 128 heads, sparse top-2048 at 64 and 128."""
+    from mqnc.triton_kernels._variants import FP8
+
+    heads = {(s.op, s.H, s.ct if s.op == "mla_sparse" else None) for s in FP8}
+    for want in (("mla_decode", 16, None), ("mla_decode", 64, None), ("mla_decode", 128, None),
+                 ("mla_sparse", 64, 2048), ("mla_sparse", 128, 2048)):  # fmt: skip
+        assert want in heads, want
+    fp8 = [v for v in production_variants() if "-fp8[" in v.name]
+    assert {v.name.split("[")[0] for v in fp8} == {"mla_decode-fp8", "mla_sparse-fp8"}
+    assert all(v.name in VARIANTS and v.name.split("[")[1].startswith("bfloat16,") for v in fp8)

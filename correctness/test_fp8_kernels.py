@@ -23,6 +23,7 @@ from mqnc.reference.attention_ref import dequantized_cache
 from mqnc.testing import assert_close, default_device, tolerance
 from mqnc.triton_kernels import mla_decode_partial, mla_decode_partial_csr, mla_sparse_partial
 from mqnc.triton_kernels._mla_launch import forced_tile
+from mqnc.triton_kernels.flashinfer_api import mla_paged_attention
 from mqnc.triton_kernels.flashmla_api import mla_decode_with_kvcache, mla_sparse_with_kvcache
 from mqnc.triton_kernels.fp8_quant import fp8_quantize
 from mqnc.triton_kernels.ops import backend_ops
@@ -169,6 +170,38 @@ def test_flashmla_layout_mtp_causal_and_sparse():
         _check(o[:, i], lse[:, :, i], ref, torch.bfloat16)
     with pytest.raises(ValueError, match="is_fp8_kvcache"):
         mla_decode_with_kvcache(q4, k_cache, table, lens, softmax_scale=SCALE)
+
+
+def test_flashinfer_split_layout():
+    """FlashInfer's MLA wrapper: ``ckv_cache`` FP8 latent + scales ``[.., 528]``, ``kpe_cache``
+    bf16, CSR, ``q_nope`` / ``q_pe``; base-2 lse."""
+    q, pool, table, lens, _ = _dense_case(seed=11)
+    q = q.to(torch.bfloat16)
+    ckv = pool[..., :LATENT].contiguous()
+    kpe = pool[..., LATENT:].contiguous().view(torch.bfloat16)
+    indptr = torch.arange(0, 10, 3, dtype=torch.int32, device=DEVICE)
+    o, lse2 = mla_paged_attention(
+        q[..., :D_V].contiguous(), q[..., D_V:].contiguous(), ckv, kpe, indptr,
+        table.reshape(-1).contiguous(), lens, sm_scale=SCALE, return_lse=True, num_splits=1,
+    )  # fmt: skip
+    ref = mla_decode_reference(q, dequantized_cache(pool, D_V, q.dtype), table, lens, SCALE)
+    _check(o, lse2 * math.log(2.0), ref, torch.bfloat16)
+
+
+def test_every_finite_e4m3_byte_decodes_as_torch_does():
+    """One entry whose latent bytes are every finite e4m3 value (subnormals, -0, the largest),
+    scale 1, attended alone: ``o`` is the decoded row exactly (a bf16 value, one weight of 1),
+    on the GPU's conversion and on the interpreter's. (0x7F / 0xFF, NaN, are refused on the
+    host: the interpreter would read them as 480.)"""
+    byte = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    entry = torch.zeros(1, 1, ENTRY, dtype=torch.uint8)
+    entry[0, 0, :D_V] = byte.repeat(3)[:D_V]
+    entry[0, 0, D_V:LATENT] = torch.ones(4).view(torch.uint8)
+    q = torch.zeros(1, H, D_V + D_R, dtype=torch.bfloat16)
+    idx = torch.zeros(1, 1, dtype=torch.int32)
+    o, _ = mla_sparse_partial(q.to(DEVICE), entry.to(DEVICE), idx.to(DEVICE), softmax_scale=1.0)
+    want = entry[0, 0, :D_V].view(torch.float8_e4m3fn).to(torch.bfloat16)
+    assert torch.equal(o.cpu()[0], want.expand(H, D_V))  # (-0 comes back +0: 0 + p * -0)
 
 
 def test_torch_backend_equals_the_kernels():

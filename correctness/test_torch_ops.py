@@ -283,3 +283,26 @@ def test_out_sharing_memory_is_refused(name, backend, kind):
     call, _ = fn.op._call(tuple(args), {})  # (the schema's arguments back to the declared ones)
     with pytest.raises(ValueError, match=pattern):
         fn(**{p.name: getattr(call, p.name) for p in fn.op.params}, out=out)
+
+
+@pytest.mark.parametrize("name", ["mla_decode_partial", "mla_sparse_partial"])
+def test_op_registration_with_an_fp8_pool(name):
+    """The attention ops over an FP8 cache (uint8 entries: 128 e4m3 latent bytes, one float32
+    scale, 16 bf16 RoPE values; bf16 queries): schema, fake and functionalisation against the
+    real run, as for a 16-bit pool."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3, 128 + D_PE, generator=gen).to(DEVICE, torch.bfloat16)
+    rows = torch.randn(3, 16, 128 + D_PE, generator=gen).to(torch.bfloat16)
+    pool = fp8_quantize(rows.to(DEVICE), 128)  # [3, 16, 164] uint8
+    if name == "mla_decode_partial":
+        table = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32, device=DEVICE)
+        lens = torch.tensor([20, 9], dtype=torch.int32, device=DEVICE)
+        args = (q, pool, table, lens, SCALE, 128, 2, True, None, None)
+    else:
+        idx = torch.tensor([[0, 7, 40, -1], [3, -1, 2, 11]], dtype=torch.int32, device=DEVICE)
+        args = (q, pool, idx, SCALE, 128, None, True, None, None)
+    torch.library.opcheck(
+        _overload(name),
+        args,
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
+    )

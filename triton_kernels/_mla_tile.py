@@ -22,6 +22,32 @@ accumulator are fp32; ``tl.dot`` takes the cache dtype (bf16 / fp16 on the tenso
 with ``input_precision="ieee"`` so fp32 inputs are not silently rounded to tf32), except under
 the interpreter with bf16, where ``DOT_FP32`` upcasts the operands (see ``_runtime.dot_in_fp32``).
 The softmax weights ``p`` are rounded to the cache dtype for the PV product, as FlashMLA does.
+
+**FP8 entries** (:func:`_attend_tile_fp8`, :func:`_load_fp8_tile`; DeepSeek-V3.2's 656-byte
+entry, ``mqnc.model.kv_format``), read in place through uint8 pointers and dequantized in
+registers; the kernels select them with an ``FP8`` constexpr, so the 16-bit variants compile
+exactly as before. Decisions:
+
+- **Decoding**: a latent byte is bitcast to ``tl.float8e4nv`` and converted natively to fp32
+  (on sm_90 ``cvt`` from e4m3; Triton 3.9.0's interpreter converts every finite e4m3 byte
+  exactly, which the tests check against torch). The NaN bytes ``0x7F`` / ``0xFF`` are not
+  handled in the kernel: a GPU decodes them as NaN (the output carries it), the interpreter as
+  480; the host refuses them, with every scale not finite and > 0, in the entries a call
+  attends, when its ``check_inputs`` / ``check_indices`` is on (``_fp8_cache``).
+- **Scale**: the group's fp32 scale (``D_LAT / 128`` per entry, read in place at byte
+  ``D_LAT``) multiplies the decoded value in fp32, one multiply, then the product is rounded
+  once to the query's dtype (bf16 for wgmma, as FlashMLA dequantizes to bf16; fp16 / fp32
+  queries take their own dtype). For the quantizer's power-of-two scales every step is exact
+  (an e4m3 value times a power of two is a bf16 value); another finite positive scale rounds
+  twice, ``bf16(fp32(e4m3 * scale))``: within ``(1 + 2^-24)(1 + 2^-8) - 1`` relative (bf16's
+  unit roundoff, plus fp32's), the reference's own rounding (``mqnc.reference.dequantized_cache``). The RoPE part is bf16, converted to the
+  query's dtype (exact for bf16 and fp32).
+- **The value** is the same dequantized latent tile (one read per tile, as for 16-bit caches).
+- **Tiles**: the dequantized bf16 tile goes to shared memory for the dots beside the uint8 copy
+  ring, so FP8 launches take tiles of their own (``_mla_launch.tile_config``: 16 x 32 on 8
+  warps, 64 x 16 above 32 heads under triton 3.6); variant names read ``mla_decode-fp8[...]`` /
+  ``mla_sparse-fp8[...]``. The restructured (``pipe`` / ``tma``) candidates read 16-bit caches
+  only.
 """
 
 from __future__ import annotations

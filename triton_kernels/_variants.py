@@ -11,8 +11,9 @@ launchers' own planning functions (``plan_decode``, ``plan_sparse``, ``merge_lau
 
 :data:`ECOSYSTEM` adds the layouts of the FlashMLA / FlashInfer / SGLang / vLLM adapters (page
 size 1 and CSR page tables, split ``ckv`` / ``kpe`` caches, ``s_q`` query tokens per sequence,
-causal, per-layer splice, masked base-2 merge) at production sizes: compiled and checked for
-spills with the goals (:data:`COMPILED`), not predicted or benchmarked as goals.
+causal, per-layer splice, masked base-2 merge) at production sizes, :data:`FP8` the FP8 cache's
+shapes (``Shape.fp8``: DeepSeek-V3.2's 656-byte entries): compiled and checked for spills with
+the goals (:data:`COMPILED`), not predicted or benchmarked as goals.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = [
     "Shape",
     "GOALS",
     "ECOSYSTEM",
+    "FP8",
     "COMPILED",
     "shape_launches",
     "Variant",
@@ -152,7 +154,33 @@ def _ecosystem() -> tuple[Shape, ...]:
 
 
 ECOSYSTEM = _ecosystem()
-COMPILED = GOALS + ECOSYSTEM
+
+
+def _fp8() -> tuple[Shape, ...]:
+    """The FP8 cache's shapes (DeepSeek-V3.2's 656-byte entries, bf16 queries): dense at 16, 64
+    and 128 heads, sparse top-2048 at 64 and 128 (the FP8 GPU goals' shapes among them: H 16
+    B 16 c_t 32768, sparse H 128 B 8), and the adapters' layouts over FP8 entries."""
+    dense = dict(op="mla_decode", fp8=True)
+    sparse = dict(op="mla_sparse", ct=2048, fp8=True)
+    return (
+        Shape(**dense, B=1, H=16, ct=2048),
+        Shape(**dense, B=16, H=16, ct=32768),
+        Shape(**dense, B=8, H=64, ct=8192),
+        Shape(**dense, B=8, H=128, ct=32768),
+        Shape(**dense, B=64, H=128, ct=8192),
+        Shape(**sparse, B=1, H=64),
+        Shape(**sparse, B=1, H=128),
+        Shape(**sparse, B=8, H=128),
+        # FlashInfer's split ckv (latent + scales, uint8) / kpe (bf16), CSR, page 1
+        Shape(**dense, B=8, H=16, ct=2048, page=1, csr=True, split=True),
+        # FlashMLA's MTP over its FP8 cache: s_q = 2, causal
+        Shape(**dense, B=4, H=128, ct=2048, s_q=2, causal=True),
+        Shape(**sparse, B=1, H=128, split=True),
+    )
+
+
+FP8 = _fp8()
+COMPILED = GOALS + ECOSYSTEM + FP8
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,8 @@
   ``kv_len [B]`` (read in place too: ``CSR``), any page size (1 included). ``N = B * s_q``
   query rows, the ``s_q`` rows of a request consecutive (FlashInfer's ``qo_indptr`` with equal
   steps; ragged query counts are not supported), ``causal`` as FlashMLA's (bottom-right).
+  An FP8 ``ckv_cache`` (uint8 latent bytes + float32 scales, 528 B per token for 512; bf16
+  ``kpe_cache``) is read in place the same way and dequantized in registers.
 - **Merges** (``flashinfer.merge_state``, ``merge_state_in_place``, ``merge_states``):
   base-2 lse, states ``[seq_len, num_states, H, D]`` for ``merge_states``, and the in-place
   ``mask``; all through :func:`mqnc.triton_kernels.merge_partials` /
@@ -31,6 +33,7 @@ from mqnc.triton_kernels._checks import (
     check_same_device,
     check_tensor,
 )
+from mqnc.triton_kernels._fp8_cache import is_fp8_pool
 from mqnc.triton_kernels._mla_launch import AttentionPlan
 from mqnc.triton_kernels.merge import lse_to_base2, merge_partials, merge_partials_into
 from mqnc.triton_kernels.mla_decode import PagedLayout, checked_plan
@@ -113,7 +116,7 @@ def plan_mla_paged_attention(
             kv_len,
             kv_indptr,
             softmax_scale=sm_scale,
-            d_v=ckv_cache.shape[-1],
+            d_v=q_nope.shape[-1] if is_fp8_pool(ckv_cache) else ckv_cache.shape[-1],
             num_splits=num_splits,
             check_inputs=check_inputs,
             q_pe=q_pe,
@@ -151,7 +154,10 @@ def mla_paged_attention(
     q_pe : torch.Tensor
         ``[N, H, d_kpe]`` (64): the rotated rope part, same dtype.
     ckv_cache : torch.Tensor
-        ``[num_pages, page_size, d_ckv]``: the latent cache (also the value), same dtype.
+        ``[num_pages, page_size, d_ckv]``: the latent cache (also the value), same dtype. Or
+        FP8 (uint8 / float8_e4m3fn): ``[num_pages, page_size, d_ckv + 4 d_ckv / 128]``, the
+        e4m3 latent bytes and their float32 scales (528 B for 512; ``mqnc.model.kv_format``),
+        dequantized in registers to the query dtype; ``kpe_cache`` is then bf16.
     kpe_cache : torch.Tensor
         ``[num_pages, page_size, d_kpe]``: the rope cache.
     kv_indptr : torch.Tensor

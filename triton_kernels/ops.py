@@ -210,7 +210,14 @@ def mla_decode_partial(
         the last dim; ``block_size`` a power of two (64 in production, 1 for a token pool). Each
         entry is ``[c_KV (d_v), k_pe (d_qk - d_v)]``, shared by all heads. With ``kpe_pool``
         given: the latent part only, ``[num_blocks, block_size, d_v]`` (FlashInfer's
-        ``ckv_cache``).
+        ``ckv_cache``). **FP8 cache**: a ``torch.uint8`` (or ``torch.float8_e4m3fn``) tensor of
+        DeepSeek-V3.2's entries (``mqnc.model.kv_format``): ``[num_blocks, block_size, d_v +
+        4 d_v / 128 + 2 (d_qk - d_v)]`` (656 for 512 + 64: e4m3 latent bytes, one float32 scale
+        per 128 of them, bf16 RoPE values), or with ``kpe_pool`` (then bf16) the latent and
+        scales ``[.., d_v + 4 d_v / 128]``; read in place and dequantized in registers to
+        ``q``'s dtype (``q`` stays bf16 / fp16 / fp32; ``d_v`` a multiple of 128).
+        ``check_inputs`` then also checks the attended entries' scales (finite, > 0) and latent
+        bytes (no NaN).
     block_table : torch.Tensor
         ``[B, max_blocks]`` int32: token ``t`` of row ``b`` lives at
         ``kv_pool[block_table[b, t // block_size], t % block_size]``. Entries past a row's
@@ -351,7 +358,10 @@ def mla_sparse_partial(
         Cache pool ``[num_blocks, block_size, d_qk]``, same dtype as ``q``, unit stride on the
         last dim, ``block_size`` a power of two (1: a token pool); entry ``j`` of the flattened
         token axis is ``kv_pool[j // block_size, j % block_size]``. Entries ``[c_KV (d_v),
-        k_pe]``, attended at their canonical positions (no rotation).
+        k_pe]``, attended at their canonical positions (no rotation). An FP8 cache (uint8 or
+        float8_e4m3fn entries of 656 bytes for 512 + 64, or latent + scales with a bf16
+        ``kpe_pool``) as in :func:`mla_decode_partial`; ``check_indices`` then also checks the
+        selected entries' scales and latent bytes.
     indices : torch.Tensor
         ``[B, topk]`` int32 into the flattened token axis; ``-1`` marks an unused slot. A row
         with no valid index gives ``o = 0, lse = -inf``.
