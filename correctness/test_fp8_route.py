@@ -299,3 +299,29 @@ def test_bad_fp8_entries_are_refused_where_they_enter(kind, what):
     finally:
         holder.stop()
     assert holder.failure is None
+
+
+def test_requests_say_their_cache_format_in_the_header_flags():
+    """A ROUTE or FETCH packed with a geometry carries its cache format in flag bits 1-3 (the
+    payload CRC bit untouched); a receiver of another format refuses it naming both, one of
+    the same format (or a 16-bit one for a 16-bit holder) accepts it, a request that says
+    nothing (packed without a geometry) is accepted, and an unknown code is refused."""
+    from mqnc.transport import wire
+
+    q = _q(1, 4)
+    route8 = wire.pack_query(q, request_id=1, seq=1, chunk_id=0, layer=0, geometry=G8)
+    h = wire.parse_header(route8, geometry=G8)
+    assert h.flags & ~wire.FLAG_PAYLOAD_CRC == wire.format_flags(G8) == 4 << wire.FORMAT_SHIFT
+    assert h.flags & wire.FLAG_PAYLOAD_CRC
+    with pytest.raises(wire.WireError, match="ROUTE comes from a requester keeping a fp8_e4m3"):
+        wire.parse_header(route8, geometry=G16)
+    fetch16 = wire.pack_fetch(request_id=2, seq=2, chunk_id=0, geometry=G16)
+    assert wire.parse_header(fetch16, geometry=G16.replace(cache_dtype="fp32")).kind.name == "FETCH"
+    with pytest.raises(wire.WireError, match="FETCH comes from a requester keeping a bf16 cache"):
+        wire.parse_header(fetch16, geometry=G8)
+    plain = wire.pack_query(q, request_id=3, seq=3, chunk_id=0, layer=0)  # nothing said
+    assert wire.parse_header(plain, geometry=G8).flags & ~wire.FLAG_PAYLOAD_CRC == 0
+    forged = wire.Header(wire.Kind.FETCH, flags=7 << wire.FORMAT_SHIFT, layer_lo=0, layer_hi=1)
+    raw = torch.frombuffer(bytearray(forged.pack()), dtype=torch.uint8)
+    with pytest.raises(wire.WireError, match="unknown cache format code 7"):
+        wire.parse_header(raw, geometry=G8)
