@@ -422,3 +422,38 @@ def test_combine_pdl_is_opt_in_compiled_only_and_part_of_a_plans_key(monkeypatch
     assert ln.name.endswith(",pdl]")
     assert "launch_pdl" not in merge.merge_launch(o, lse, o_out, lse_out).kwargs
     assert merge.merge_launch(o, lse, o_out, lse_out, pdl=True).kwargs["launch_pdl"] is True
+
+
+def test_device_calls_under_the_interpreter_patch_the_language_once_per_launch(monkeypatch):
+    """``_runtime.skip_repatching_device_calls`` (applied when interpreting): a merge launch
+    patches ``triton.language`` for the interpreter once per module it meets (the kernel's
+    ``tl``, then ``tl.core`` for ``tl.max``), not again at each of its programs' device calls
+    (``_row_max``, ``tl.max``, ``round_to``); and the result is Triton's own, bit for bit."""
+    from mqnc.triton_kernels._runtime import interpreting, skip_repatching_device_calls
+
+    if not interpreting():
+        pytest.skip("the interpreter's patching only exists under the interpreter")
+    from triton.runtime import interpreter as ti
+
+    assert skip_repatching_device_calls()  # applied at import already: idempotent
+    skipping = ti._patch_lang
+    calls = []
+
+    def counted(fn):
+        calls.append(fn.__name__)
+        return triton_own(fn)
+
+    triton_own = skipping.original
+    g = torch.Generator().manual_seed(7)
+    o = torch.randn(3, 2, 4, 64, generator=g).to(torch.bfloat16)  # bf16 stores: round_to
+    lse = torch.randn(3, 2, 4, generator=g)
+    lse[1, 0] = -float("inf")  # an empty partial in some rows
+    monkeypatch.setattr(skipping, "original", counted)
+    got = merge_partials(o, lse)
+    assert 1 <= len(calls) <= 2, calls  # the launch's own patch, then tl.core's
+    monkeypatch.setattr(ti, "_patch_lang", counted)  # Triton's own behaviour
+    calls.clear()
+    want = merge_partials(o, lse)
+    assert len(calls) > 8, calls  # at least one device call per program (8 programs)
+    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+    assert torch.equal(got[1], want[1])

@@ -19,6 +19,9 @@ Environment switches (the only ones the kernels read; parsed in :mod:`mqnc.base.
 ``MQNC_POISON_OUTPUTS=1``
     Fill every output a launcher allocates with NaN before the kernel writes it, so an element a
     kernel forgets to write fails the comparison. The test suite sets it.
+
+Under the interpreter, importing this module also makes device-function calls cheaper
+(:func:`skip_repatching_device_calls`): the same kernels, the same results, less Python.
 """
 
 from __future__ import annotations
@@ -38,9 +41,75 @@ __all__ = [
     "bf16_rne_in_software",
     "new_output",
     "poisoning",
+    "skip_repatching_device_calls",
 ]
 
 _LOCK = threading.RLock()
+_LAUNCHES = threading.local()  # per thread: the language modules each running launch patched
+
+
+class _NothingPatched:
+    """What a skipped patch returns (Triton's own patch returns a scope with ``restore``)."""
+
+    @staticmethod
+    def restore() -> None:
+        pass
+
+
+def skip_repatching_device_calls() -> bool:
+    """Under Triton's interpreter, let a device function (a ``@triton.jit`` function a kernel
+    calls: the package's helpers, ``tl.max``, ``tl.sum`` ...) skip re-patching the language
+    modules its launch has already patched; returns whether it applies (idempotent).
+
+    The interpreter (triton 3.9.0) patches ``triton.language`` and ``triton.language.core`` for
+    interpretation at every launch (and restores them when the grid is done), and again at every
+    device-function call, walking the modules with ``inspect.getmembers`` each time: ~15% of an
+    interpreted kernel's run (~40% of a small merge), re-setting what the launch set already
+    (every builtin it would patch is already patched, every attribute it sets is set to a
+    function that does the same). Here a launch remembers which of the two modules it (and the
+    device functions it called) patched, in its thread, and a device function whose modules are
+    all among them is not patched again; one whose globals hold a module not yet patched is
+    patched as before. Launches, restores and everything the kernels compute are unchanged; a
+    compiled kernel never meets the interpreter, so a GPU run is untouched. With another Triton
+    whose interpreter lacks these hooks nothing is changed.
+    """
+    try:
+        from triton.runtime import interpreter as ti
+
+        patch, run_grid, lang = ti._patch_lang, ti.GridExecutor.__call__, (ti.tl, ti.tl.core)
+    except (ImportError, AttributeError):
+        return False
+    if getattr(patch, "mqnc_skips_repatching", False):
+        return True
+
+    def modules(fn) -> frozenset:
+        # what Triton's patch picks: the globals that are triton.language or its core
+        return frozenset(
+            i for i, m in enumerate(lang) if any(v is m for v in fn.__globals__.values())
+        )
+
+    def patch_lang(fn):
+        stack = getattr(_LAUNCHES, "stack", None)
+        if stack:  # inside a launch (its own patch is the first call, with nothing patched)
+            mods = modules(fn)
+            if mods and mods <= stack[-1]:
+                return _NothingPatched
+            stack[-1].update(mods)
+        return patch_lang.original(fn)
+
+    def grid_call(self, *args, **kwargs):
+        stack = _LAUNCHES.__dict__.setdefault("stack", [])
+        stack.append(set())
+        try:
+            return run_grid(self, *args, **kwargs)
+        finally:
+            stack.pop()
+
+    patch_lang.mqnc_skips_repatching = True
+    patch_lang.original = patch  # Triton's own (the tests compare against it)
+    ti._patch_lang = patch_lang
+    ti.GridExecutor.__call__ = grid_call
+    return True
 
 
 def launch_lock():
@@ -93,3 +162,7 @@ def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if poisoning():
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+if interpreting():
+    skip_repatching_device_calls()
