@@ -259,9 +259,11 @@ SCHEDULE: dict[str, dict[str, tuple]] = {
             (832.0, 1.529, 0, 0, 1, 226, 126464, 0),
         "mla_sparse-fp8[bfloat16,16x32,w8,s5,out=fp32-split]":
             (832.0, 1.529, 0, 0, 1, 225, 126720, 0),
+        "mla_sparse-fp8[bfloat16,16x32,w8,s5,out=bfloat16]":
+            (832.0, 1.529, 0, 0, 1, 224, 126720, 0),
         "mla_decode-fp8[bfloat16,16x32,w8,s5,out=fp32-split,page=1,csr,split-kv]":
             (832.0, 1.529, 0, 0, 1, 226, 126464, 0),
-        "mla_decode-fp8[bfloat16,16x32,w8,s5,out=fp32-split,sq,causal]":
+        "mla_decode-fp8[bfloat16,16x32,w8,s5,out=bfloat16,sq,causal]":
             (832.0, 1.529, 0, 0, 1, 226, 126464, 0),
         "mla_sparse-fp8[bfloat16,16x32,w8,s5,out=fp32-split,split-kv]":
             (832.0, 1.529, 0, 0, 1, 225, 126720, 0),
@@ -680,9 +682,11 @@ READS: dict[str, dict[str, tuple]] = {
             (2, 3, 0, 1),
         "mla_sparse-fp8[bfloat16,16x32,w8,s5,out=fp32-split]":
             (2, 2, 0, 1),
+        "mla_sparse-fp8[bfloat16,16x32,w8,s5,out=bfloat16]":
+            (2, 2, 0, 1),
         "mla_decode-fp8[bfloat16,16x32,w8,s5,out=fp32-split,page=1,csr,split-kv]":
             (2, 3, 0, 1),
-        "mla_decode-fp8[bfloat16,16x32,w8,s5,out=fp32-split,sq,causal]":
+        "mla_decode-fp8[bfloat16,16x32,w8,s5,out=bfloat16,sq,causal]":
             (2, 3, 0, 1),
         "mla_sparse-fp8[bfloat16,16x32,w8,s5,out=fp32-split,split-kv]":
             (2, 2, 0, 1),

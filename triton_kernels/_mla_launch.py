@@ -49,6 +49,7 @@ __all__ = [
     "mla_operands",
     "check_block_size",
     "dot_precision",
+    "fp8_entry_bytes",
     "fp8_flags",
     "variant_name",
     "split_outputs",
@@ -399,6 +400,10 @@ def mla_operands(
     ``kv_pool [num_blocks, block_size, d_v]`` (the latent ``c_KV``, also the value) with
     ``kpe_pool [num_blocks, block_size, d_pe]``. One dtype throughout, unit stride on every last
     dim; ``d_v`` and ``d_pe`` powers of two >= 16.
+
+    An FP8 ``kv_pool`` (uint8 or float8_e4m3fn, ``_fp8_cache``): DeepSeek-V3.2's entries
+    ``[num_blocks, block_size, d_v + 4 d_v / 128 + 2 d_pe]`` (or latent + scales beside a bf16
+    ``kpe_pool``), ``q`` in any float dtype; ``kv`` is then its uint8 view and ``fp8`` True.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, contiguous_last=True)
     if isinstance(d_v, bool) or not isinstance(d_v, int):
@@ -496,6 +501,14 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def fp8_entry_bytes(ops: MlaOperands) -> int | None:
+    """Bytes of one FP8 cache entry as the kernels read it (latent, scales and the bf16 RoPE
+    part, fused or from ``kpe_pool``); None for a 16-bit cache (``d_qk`` in its dtype)."""
+    if not ops.fp8:
+        return None
+    return ops.kv.shape[-1] + (2 * ops.d_pe if ops.split else 0)
+
+
 def fp8_flags(ops: MlaOperands, cfg: TileConfig) -> dict:
     """The classic kernels' FP8 constexprs: ``FP8`` (the pool holds FP8 entries) and
     ``FP8_RNE`` (bf16 dequantized values rounded in software: the interpreter); none for a
@@ -586,6 +599,7 @@ def plan_mla(
     occupancy: Occupancy | None = None,
     d_qk: int | None = None,
     alloc=new_output,
+    entry_bytes: int | None = None,
 ) -> MlaPlan:
     """Plan a partial-MLA call: the split count (given, or the policy's for ``tiles`` tiles
     per row at ``occupancy``, by default the compiled split variant's, see
@@ -593,12 +607,13 @@ def plan_mla(
     ``build(o_part, lse_part, num_splits)`` and, when split, the merge kernel's combine of the
     fp32 partials into the outputs; a ``fused`` tile's split launch is ``build(o, lse,
     num_splits)`` alone (it merges itself). ``d_qk``: the row width (``q``'s last dim by default; a
-    split ``q`` holds only its latent part)."""
+    split ``q`` holds only its latent part); ``entry_bytes``: bytes of one cache entry (default
+    ``d_qk`` in ``q``'s dtype; an FP8 entry's 656)."""
     B, H = q.shape[:2]
     d_qk = q.shape[2] if d_qk is None else d_qk
     device = q.device
     if num_splits is None:
-        num_splits = _policy_splits(build, op, q, d_qk, d_v, cfg, tiles, occupancy)
+        num_splits = _policy_splits(build, op, q, d_qk, d_v, cfg, tiles, occupancy, entry_bytes)
     fused = num_splits > 1 and cfg.fused  # the kernel merges: no fp32 partials here
     o, lse, o_part, lse_part = split_outputs(
         B, H, d_v, q.dtype, device, 1 if fused else num_splits, alloc
@@ -613,7 +628,7 @@ def plan_mla(
     return MlaPlan(o, lse, num_splits, tuple(launches))
 
 
-def _policy_splits(build, op, q, d_qk, d_v, cfg, tiles, occupancy) -> int:
+def _policy_splits(build, op, q, d_qk, d_v, cfg, tiles, occupancy, entry_bytes=None) -> int:
     B, H = q.shape[:2]
     programs = B * triton.cdiv(H, cfg.block_h)
     if programs == 0:
@@ -632,22 +647,26 @@ def _policy_splits(build, op, q, d_qk, d_v, cfg, tiles, occupancy) -> int:
     return choose_num_splits(
         programs,
         tiles,
-        **split_bytes(cfg, d_qk, d_v, q.element_size(), H),
+        **split_bytes(cfg, d_qk, d_v, q.element_size(), H, entry_bytes),
         slots=limits.sms * occupancy.ctas_per_sm(limits),
         sms=limits.sms,
     )
 
 
-def split_bytes(cfg: TileConfig, d_qk: int, d_v: int, elt: int, heads: int) -> dict:
+def split_bytes(
+    cfg: TileConfig, d_qk: int, d_v: int, elt: int, heads: int, entry_bytes: int | None = None
+) -> dict:
     """The DRAM bytes of one program that the split policy weighs (``_grid.split_cost``): the
     ``ceil(heads / BLOCK_H)`` head blocks of a token run side by side and read each tile from
     DRAM once between them (then from L2), so a program's share of a tile is
     ``tile / head_blocks``. A fused combine (``cfg.fused``) is one CTA per program reading its
-    ``S`` partials alone: priced as such, it keeps the policy to fewer splits."""
+    ``S`` partials alone: priced as such, it keeps the policy to fewer splits. A cache entry is
+    ``entry_bytes`` (default ``d_qk * elt``: an FP8 entry is 656 B for 576 dims)."""
     head_blocks = triton.cdiv(heads, cfg.block_h)
+    entry = d_qk * elt if entry_bytes is None else entry_bytes
     return dict(
         min_tiles=cfg.min_tiles,
-        tile_bytes=cfg.block_n * d_qk * elt // head_blocks,
+        tile_bytes=cfg.block_n * entry // head_blocks,
         in_bytes=cfg.block_h * d_qk * elt,
         out_bytes=cfg.block_h * (d_v * elt + 4),
         split_out_bytes=cfg.block_h * (d_v * 4 + 4),

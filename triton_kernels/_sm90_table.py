@@ -236,6 +236,13 @@ SM90_VARIANTS: dict[str, dict] = {
         "stack": 0,
         "local": 0,
     },
+    "mla_sparse-fp8[bfloat16,16x32,w8,s5,out=bfloat16]": {
+        "registers": 224,
+        "num_warps": 8,
+        "shared": 126720,
+        "stack": 0,
+        "local": 0,
+    },
     "mla_decode-fp8[bfloat16,16x32,w8,s5,out=fp32-split,page=1,csr,split-kv]": {
         "registers": 226,
         "num_warps": 8,
@@ -243,7 +250,7 @@ SM90_VARIANTS: dict[str, dict] = {
         "stack": 0,
         "local": 0,
     },
-    "mla_decode-fp8[bfloat16,16x32,w8,s5,out=fp32-split,sq,causal]": {
+    "mla_decode-fp8[bfloat16,16x32,w8,s5,out=bfloat16,sq,causal]": {
         "registers": 226,
         "num_warps": 8,
         "shared": 126464,

@@ -72,6 +72,7 @@ from mqnc.triton_kernels._mla_launch import (
     TileConfig,
     check_block_size,
     dot_precision,
+    fp8_entry_bytes,
     fp8_flags,
     meta_output,
     mla_operands,
@@ -679,6 +680,7 @@ def plan_decode(
         num_splits=num_splits,
         occupancy=occupancy,
         d_qk=d_v + ops.d_pe,
+        entry_bytes=fp8_entry_bytes(ops),
         **extra,
     )
 
