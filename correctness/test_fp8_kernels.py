@@ -305,3 +305,16 @@ def test_bad_fp8_input_is_named():
     with pytest.raises(ValueError, match=r"tile: expected a classic tile for an FP8 cache"):
         with forced_tile("16x32w8s2-pipe"):
             mla_decode_partial(q, pool, table, lens, **kw)
+
+
+def test_the_entry_check_finds_a_bad_entry_in_any_chunk(monkeypatch):
+    """The host check gathers the attended entries a chunk at a time (millions of entries in a
+    production batch): a bad scale in a later chunk is found and named all the same."""
+    from mqnc.triton_kernels import _fp8_cache
+
+    monkeypatch.setattr(_fp8_cache, "_CHUNK", 8)
+    q, pool, table, lens, _ = _dense_case(seed=12)
+    last = int(table[0, 2])  # row 0's third page: tokens 32..44, in its last chunks
+    pool[last, 10, D_V + 12 : D_V + 16] = torch.tensor([-2.0]).view(torch.uint8).to(DEVICE)
+    with pytest.raises(ValueError, match=rf"scale 3 of token slot {last * PAGE + 10}, 1 entries"):
+        mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE, num_splits=1)

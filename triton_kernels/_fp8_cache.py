@@ -113,29 +113,47 @@ def dense_slots(
     return page * block_size + t % block_size
 
 
+_CHUNK = 1 << 16  # entries gathered at a time by the check (43 MB of 656-byte entries)
+
+
+def _bad_entries(flat: torch.Tensor, slots: torch.Tensor, d_v: int) -> torch.Tensor:
+    """``[n]`` bool: which of ``flat[slots]`` has a scale not finite and > 0 or a NaN latent
+    byte; gathered ``_CHUNK`` entries at a time (a batch's attended entries may be millions),
+    without a host sync."""
+    G = d_v // FP8_GROUP
+    bad = torch.empty(slots.numel(), dtype=torch.bool, device=slots.device)
+    for i in range(0, slots.numel(), _CHUNK):
+        entries = flat[slots[i : i + _CHUNK]]
+        scale = entries[:, d_v : d_v + 4 * G].contiguous().view(torch.float32)
+        nan = ((entries[:, :d_v] & 0x7F) == 0x7F).any(1)
+        bad[i : i + _CHUNK] = ~(torch.isfinite(scale) & (scale > 0)).all(1) | nan
+    return bad
+
+
 def check_fp8_entries(kv: torch.Tensor, slots: torch.Tensor, d_v: int) -> None:
     """The entries ``kv.reshape(-1, width)[slots]`` a call attends (``slots`` flat token ids,
-    in range): every scale finite and > 0, no latent byte a NaN. One host sync; a
-    ``ValueError`` naming ``kv_pool``, the token slot and the scale or byte."""
+    in range): every scale finite and > 0, no latent byte a NaN. One host sync (two when one
+    is bad); a ``ValueError`` naming ``kv_pool``, the token slot and the scale or byte."""
     if slots.numel() == 0:
         return
     slots = slots.long()
-    G = d_v // FP8_GROUP
     flat = kv.reshape(-1, kv.shape[-1])
-    entries = flat[slots]
-    scale = entries[:, d_v : d_v + 4 * G].contiguous().view(torch.float32)
-    bad = ~(torch.isfinite(scale) & (scale > 0))
-    if bool(bad.any()):
-        i, g = (int(x) for x in bad.nonzero()[0])
+    bad = _bad_entries(flat, slots, d_v)
+    if not bool(bad.any()):
+        return
+    first = int(bad.nonzero()[0, 0])
+    slot, count = int(slots[first]), int(bad.sum())
+    entry = flat[slot]
+    scale = entry[d_v : d_v + 4 * (d_v // FP8_GROUP)].contiguous().view(torch.float32)
+    wrong = ~(torch.isfinite(scale) & (scale > 0))
+    if bool(wrong.any()):
+        g = int(wrong.nonzero()[0, 0])
         raise ValueError(
             f"kv_pool: expected every scale of an attended FP8 entry finite and > 0, got "
-            f"{scale[i, g].item()} (scale {g} of token slot {int(slots[i])}, "
-            f"{int(bad.any(1).sum())} entries bad)"
+            f"{scale[g].item()} (scale {g} of token slot {slot}, {count} entries bad)"
         )
-    nan = (entries[:, :d_v] & 0x7F) == 0x7F
-    if bool(nan.any()):
-        i, j = (int(x) for x in nan.nonzero()[0])
-        raise ValueError(
-            f"kv_pool: expected no NaN latent byte (0x7F / 0xFF) in an attended FP8 entry, got "
-            f"{int(entries[i, j]):#04x} at byte {j} of token slot {int(slots[i])}"
-        )
+    j = int(((entry[:d_v] & 0x7F) == 0x7F).nonzero()[0, 0])
+    raise ValueError(
+        f"kv_pool: expected no NaN latent byte (0x7F / 0xFF) in an attended FP8 entry, got "
+        f"{int(entry[j]):#04x} at byte {j} of token slot {slot} ({count} entries bad)"
+    )
