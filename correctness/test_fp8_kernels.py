@@ -318,3 +318,23 @@ def test_the_entry_check_finds_a_bad_entry_in_any_chunk(monkeypatch):
     pool[last, 10, D_V + 12 : D_V + 16] = torch.tensor([-2.0]).view(torch.uint8).to(DEVICE)
     with pytest.raises(ValueError, match=rf"scale 3 of token slot {last * PAGE + 10}, 1 entries"):
         mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE, num_splits=1)
+
+
+def test_planning_without_operands_reads_the_pool_as_fp8():
+    """``plan_decode`` / ``plan_sparse`` (the holders' unchecked planning path) given an FP8
+    pool and no checked operands launch the FP8 variants, not a 16-bit read of the bytes."""
+    from mqnc.triton_kernels.mla_decode import plan_decode
+    from mqnc.triton_kernels.mla_sparse import plan_sparse
+
+    q, pool, table, lens, _ = _dense_case(seed=13)
+    q = q.to(torch.bfloat16)
+    o, lse = plan_decode(q, pool, table, lens, SCALE, D_V, 1).run()
+    _check(
+        o,
+        lse,
+        mla_decode_reference(q, dequantized_cache(pool, D_V, q.dtype), table, lens, SCALE),
+        torch.bfloat16,
+    )
+    idx = (table.long()[0, 0] * PAGE + torch.arange(5, device=DEVICE)).expand(3, 5)
+    plan = plan_sparse(q, pool, idx.to(torch.int32), SCALE, D_V, 1)
+    assert plan.launches[0].name.startswith("mla_sparse-fp8[")

@@ -63,7 +63,13 @@ from mqnc.triton_kernels._checks import (
     check_softmax_scale,
     check_tensor,
 )
-from mqnc.triton_kernels._fp8_cache import as_bytes, check_fp8_entries, dense_slots, fp8_rope_view
+from mqnc.triton_kernels._fp8_cache import (
+    as_bytes,
+    check_fp8_entries,
+    dense_slots,
+    fp8_rope_view,
+    is_fp8_pool,
+)
 from mqnc.triton_kernels._launch import Launch
 from mqnc.triton_kernels._mla_launch import (
     AttentionPlan,
@@ -656,7 +662,11 @@ def plan_decode(
     (default: ``q`` and ``kv_pool`` fused); ``layout``: the page table and query layout
     (default: padded table, one query token per row); ``max_kv_len``: the longest row, for the
     split choice (default: the table's capacity); ``alloc``: how outputs are made."""
-    ops = ops or MlaOperands(q, q, kv_pool, kv_pool, d_v, q.shape[2] - d_v, False)
+    if ops is None:  # fused rows; an FP8 pool's operands (its uint8 view) checked as such
+        fp8 = is_fp8_pool(kv_pool)
+        ops = mla_operands(q, kv_pool, d_v) if fp8 else MlaOperands(
+            q, q, kv_pool, kv_pool, d_v, q.shape[2] - d_v, False
+        )  # fmt: skip
     layout = layout or PagedLayout()
     cfg = tile_config(q.shape[1], dtype=q.dtype, fp8=ops.fp8)
     page = kv_pool.shape[1]

@@ -32,7 +32,7 @@ from mqnc.triton_kernels._checks import (
     check_softmax_scale,
     check_tensor,
 )
-from mqnc.triton_kernels._fp8_cache import as_bytes, check_fp8_entries, fp8_rope_view
+from mqnc.triton_kernels._fp8_cache import as_bytes, check_fp8_entries, fp8_rope_view, is_fp8_pool
 from mqnc.triton_kernels._launch import Launch
 from mqnc.triton_kernels._mla_launch import (
     AttentionPlan,
@@ -308,7 +308,11 @@ def plan_sparse(
     """The launches of one :func:`mla_sparse_partial` call for valid inputs (unchecked), at
     ``occupancy`` if given (see ``_mla_launch.plan_mla``); ``ops`` the checked operands
     (default: fused ``q`` and ``kv_pool``), ``alloc`` how outputs are made."""
-    ops = ops or MlaOperands(q, q, kv_pool, kv_pool, d_v, q.shape[2] - d_v, False)
+    if ops is None:  # fused rows; an FP8 pool's operands (its uint8 view) checked as such
+        fp8 = is_fp8_pool(kv_pool)
+        ops = mla_operands(q, kv_pool, d_v) if fp8 else MlaOperands(
+            q, q, kv_pool, kv_pool, d_v, q.shape[2] - d_v, False
+        )  # fmt: skip
     cfg = tile_config(q.shape[1], sparse=True, dtype=q.dtype, fp8=ops.fp8)
 
     def build(o_part, lse_part, splits):
