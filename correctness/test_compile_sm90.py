@@ -960,3 +960,42 @@ def test_fp8_variants_are_compiled_at_the_goal_heads():
     fp8 = [v for v in production_variants() if "-fp8[" in v.name]
     assert {v.name.split("[")[0] for v in fp8} == {"mla_decode-fp8", "mla_sparse-fp8"}
     assert all(v.name in VARIANTS and v.name.split("[")[1].startswith("bfloat16,") for v in fp8)
+
+
+_FP8_SWEEP = """
+import json
+from mqnc.triton_kernels._compile import compile_launch, resources
+from mqnc.triton_kernels._mla_launch import FP8_SWEEP_TILES, forced_tile
+from mqnc.triton_kernels._variants import Shape, shape_launches
+rows = []
+for kind, tiles in FP8_SWEEP_TILES.items():
+    sparse = kind == "sparse"
+    op, n = ("mla_sparse", 2048) if sparse else ("mla_decode", 8192)
+    for tile in tiles:
+        for B in (1, 64):  # split (fp32 partials) and unsplit (bf16 out)
+            with forced_tile(tile, sparse=sparse):
+                ln = shape_launches(Shape(op, B=B, H=128, ct=n, fp8=True))[0]
+            r = resources(ln.name, compile_launch(ln.kernel, ln.args, ln.kwargs, grid=ln.grid))
+            rows.append([tile.label, ln.name, r.registers, r.stack + r.local, r.shared])
+print(json.dumps(rows))
+"""
+
+
+def test_fp8_sweep_candidates_compile_without_spills_under_triton_3_6():
+    """Every FP8 candidate of a GPU sweep (``_mla_launch.FP8_SWEEP_TILES``: classic and
+    restructured tiles over 656-byte entries, bf16 queries) compiles for sm_90 under triton 3.6
+    (the GPU's) at 128 heads, split and unsplit, without spills and within a CTA's shared
+    memory. Other tritons skip (as for the 16-bit sweep)."""
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip(f"the sweep runs under triton 3.6 on the GPU, this is {triton.__version__}")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run(
+        [sys.executable, "-c", _FP8_SWEEP], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    for tile, name, regs, spill, shared in rows:
+        print(f"{tile}: {name} {regs} regs, {spill} B spilled, {shared} B shared")
+    assert all("-fp8[" in row[1] for row in rows)
+    assert [row for row in rows if row[3] or row[4] > SM90.shared_per_cta] == []

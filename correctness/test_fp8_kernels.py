@@ -101,6 +101,29 @@ def test_other_scales_round_once_to_the_query_dtype():
     _check(o, lse, ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize(
+    "tile,num_splits", [("16x16w8s2-pipe", 1), ("16x16w8s5-pipe-fused", 2), ("16x32w8s5", 3)]
+)
+def test_restructured_tiles_read_fp8(tile, num_splits):
+    """The sweep's restructured candidates (full tiles unmasked in a pipelined loop, the tail
+    masked once; ``-fused``: the split combine in the kernel) over FP8 entries, dense (pages of
+    16 under 16-entry tiles: one page id per tile) and sparse."""
+    q, pool, table, lens, _ = _dense_case(seed=14)
+    q = q.to(torch.bfloat16)
+    rows = dequantized_cache(pool, D_V, q.dtype)
+    kw = dict(softmax_scale=SCALE, num_splits=num_splits)
+    with forced_tile(tile):
+        o, lse = mla_decode_partial(q, pool, table, lens, **kw)
+    _check(o, lse, mla_decode_reference(q, rows, table, lens, SCALE), torch.bfloat16)
+    idx = table.long()[0, :2, None] * PAGE + torch.arange(PAGE, device=DEVICE)
+    idx = idx.reshape(1, -1).expand(3, -1).clone()
+    idx[:, 5] = -1
+    idx = idx.to(torch.int32)
+    with forced_tile(tile.replace("-fused", ""), sparse=True):
+        o, lse = mla_sparse_partial(q, pool, idx, **kw)
+    _check(o, lse, mla_sparse_reference(q, rows, idx, SCALE), torch.bfloat16)
+
+
 def test_csr_page_table():
     q, pool, table, lens, _ = _dense_case(seed=3)
     q = q.to(torch.bfloat16)
@@ -302,8 +325,8 @@ def test_bad_fp8_input_is_named():
     unused = pool.clone()
     unused[int(table[1, 0])] = 0xFF  # row 1 has length 0
     mla_decode_partial(q, unused, table, lens, **kw)
-    with pytest.raises(ValueError, match=r"tile: expected a classic tile for an FP8 cache"):
-        with forced_tile("16x32w8s2-pipe"):
+    with pytest.raises(ValueError, match=r"tile: expected a classic or '-pipe' tile for an FP8"):
+        with forced_tile("16x32w8s2-tma"):
             mla_decode_partial(q, pool, table, lens, **kw)
 
 

@@ -40,14 +40,15 @@ exactly as before. Decisions:
   queries take their own dtype). For the quantizer's power-of-two scales every step is exact
   (an e4m3 value times a power of two is a bf16 value); another finite positive scale rounds
   twice, ``bf16(fp32(e4m3 * scale))``: within ``(1 + 2^-24)(1 + 2^-8) - 1`` relative (bf16's
-  unit roundoff, plus fp32's), the reference's own rounding (``mqnc.reference.dequantized_cache``). The RoPE part is bf16, converted to the
-  query's dtype (exact for bf16 and fp32).
+  unit roundoff, plus fp32's), the reference's own rounding
+  (``mqnc.reference.attention_ref.dequantized_cache``). The RoPE part is bf16, converted to
+  the query's dtype (exact for bf16 and fp32).
 - **The value** is the same dequantized latent tile (one read per tile, as for 16-bit caches).
 - **Tiles**: the dequantized bf16 tile goes to shared memory for the dots beside the uint8 copy
   ring, so FP8 launches take tiles of their own (``_mla_launch.tile_config``: 16 x 32 on 8
   warps, 64 x 16 above 32 heads under triton 3.6); variant names read ``mla_decode-fp8[...]`` /
-  ``mla_sparse-fp8[...]``. The restructured (``pipe`` / ``tma``) candidates read 16-bit caches
-  only.
+  ``mla_sparse-fp8[...]``. The restructured ``-pipe`` candidates read FP8 entries too
+  (:func:`_load_full_tile_fp8`); ``-tma`` ones 16-bit caches only.
 """
 
 from __future__ import annotations
@@ -366,6 +367,23 @@ def _load_full_tile(
         else:
             kv_pe = tl.load(KV + rows[:, None] + D_LAT + tl.arange(0, D_PE)[None, :])
     return kv_lat, kv_pe
+
+
+@triton.jit
+def _load_full_tile_fp8(
+    KV, KV_PE, table_row, t0, offs_n, stride_tj, stride_kb, stride_kt, stride_pkb, stride_pkt,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, D_LAT: tl.constexpr, D_PE: tl.constexpr,
+    SPLIT: tl.constexpr, DT: tl.constexpr, RNE: tl.constexpr,
+):  # fmt: skip
+    """:func:`_load_full_tile` (pointer loads, no TMA) of FP8 entries: the full tile's page ids
+    (one per tile when ``PAGE >= BLOCK_N``), then its entries dequantized by
+    :func:`_load_fp8_tile` to ``DT``, every row attended (``valid`` all true)."""
+    page, off = _full_tile_pages(table_row, t0, offs_n, stride_tj, PAGE, BLOCK_N)
+    if PAGE >= BLOCK_N:
+        off = off + offs_n
+    kv_rows = KV + page * stride_kb + off * stride_kt
+    pe_rows = KV_PE + page * stride_pkb + off * stride_pkt  # (read when SPLIT)
+    return _load_fp8_tile(kv_rows, pe_rows, offs_n < BLOCK_N, D_LAT, D_PE, SPLIT, DT, RNE)
 
 
 @triton.jit

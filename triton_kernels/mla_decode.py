@@ -93,6 +93,7 @@ from mqnc.triton_kernels._mla_tile import (
     _attend_tile,
     _attend_tile_fp8,
     _load_full_tile,
+    _load_full_tile_fp8,
     _load_query,
     _merge_if_last,
     _page_descriptors,
@@ -279,6 +280,7 @@ def _mla_decode_pipe_kernel(
     D_LAT: tl.constexpr, D_PE: tl.constexpr, SPLIT: tl.constexpr, CSR: tl.constexpr,
     MULTI_Q: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     BF16_RNE: tl.constexpr, TMA: tl.constexpr, RING: tl.constexpr, FUSED: tl.constexpr,
+    FP8: tl.constexpr, FP8_RNE: tl.constexpr,
 ):  # fmt: skip
     """The restructured dense kernel (the ``pipe`` and ``tma`` candidates; grid, arguments and
     outputs as :func:`_mla_decode_kernel`'s, plus ``n_blocks``, the pool's pages, which the
@@ -291,7 +293,8 @@ def _mla_decode_pipe_kernel(
     each split stores its fp32 partial into the plan's workspace ``WO [S, R, H, D_LAT]`` /
     ``WLSE [S, R, H]`` and the split that draws a row's last ticket (``Tickets``, one int32 per
     program of axis 0) merges them (``_mla_tile._merge_if_last``): one launch, no combine
-    kernel. Otherwise ``WO``, ``WLSE``, ``Tickets`` are None and not read."""
+    kernel. Otherwise ``WO``, ``WLSE``, ``Tickets`` are None and not read. ``FP8`` (not with
+    ``TMA``): FP8 entries, as in :func:`_mla_decode_kernel`."""
     b, h0, split, seq, t_start, t_end = _program_keys(
         SeqLens, H, NUM_SPLITS, SEQ_Q, BLOCK_H, BLOCK_N, MIN_TILES, MULTI_Q, CAUSAL
     )
@@ -311,10 +314,18 @@ def _mla_decode_pipe_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     n_full = (t_end - t_start) // BLOCK_N
     for i in tl.range(0, n_full, num_stages=RING):
-        kv_lat, kv_pe = _load_full_tile(
-            KV, KV_PE, lat_desc, pe_desc, table_row, t_start + i * BLOCK_N, offs_n, stride_tj,
-            stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, BLOCK_N, D_LAT, D_PE, SPLIT, TMA,
-        )  # fmt: skip
+        if FP8:
+            kv_lat, kv_pe = _load_full_tile_fp8(
+                KV, KV_PE, table_row, t_start + i * BLOCK_N, offs_n, stride_tj, stride_kb,
+                stride_kt, stride_pkb, stride_pkt, PAGE, BLOCK_N, D_LAT, D_PE, SPLIT,
+                Q.dtype.element_ty, FP8_RNE,
+            )  # fmt: skip
+        else:
+            kv_lat, kv_pe = _load_full_tile(
+                KV, KV_PE, lat_desc, pe_desc, table_row, t_start + i * BLOCK_N, offs_n,
+                stride_tj, stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, BLOCK_N, D_LAT,
+                D_PE, SPLIT, TMA,
+            )  # fmt: skip
         m, l, acc = _attend_loaded(q_lat, q_pe, kv_lat, kv_pe, m, l, acc, qk_scale, DOT_FP32,
                                    PRECISION)  # fmt: skip
     t_tail = t_start + n_full * BLOCK_N
@@ -322,7 +333,7 @@ def _mla_decode_pipe_kernel(
         m, l, acc = _masked_tile(
             q_lat, q_pe, KV, KV_PE, table_row, t_tail, t_end, offs_n, m, l, acc, qk_scale,
             stride_tj, stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, D_LAT, D_PE, SPLIT,
-            DOT_FP32, PRECISION, False, Q.dtype.element_ty, False,
+            DOT_FP32, PRECISION, FP8, Q.dtype.element_ty, FP8_RNE,
         )  # fmt: skip
     o_base = split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
     lse_base = split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb

@@ -143,22 +143,36 @@ def _mla_sparse_kernel(
         kv_rows, pe_rows, valid = _sparse_rows(
             KV, KV_PE, idx, stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, SPLIT
         )
-        if FP8:
-            m, l, acc = _attend_tile_fp8(
-                q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
-                DOT_FP32, PRECISION, Q.dtype.element_ty, FP8_RNE,
-            )  # fmt: skip
-        else:
-            m, l, acc = _attend_tile(
-                q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
-                DOT_FP32, PRECISION,
-            )  # fmt: skip
+        m, l, acc = _attend_rows(
+            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
+            DOT_FP32, PRECISION, FP8, Q.dtype.element_ty, FP8_RNE,
+        )  # fmt: skip
 
     o_base = split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
     lse_base = split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
     _store_partial(
         O, LSE, o_base, lse_base, offs_h, mask_h, stride_oh, stride_lh, m, l, acc, D_LAT, BF16_RNE
     )
+
+
+@triton.jit
+def _attend_rows(
+    q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT: tl.constexpr,
+    D_PE: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    FP8: tl.constexpr, DT: tl.constexpr, FP8_RNE: tl.constexpr,
+):  # fmt: skip
+    """One tile of gathered rows through the online softmax: ``_attend_tile``, or
+    (``FP8``) ``_attend_tile_fp8`` dequantizing FP8 entries to ``DT``."""
+    if FP8:
+        return _attend_tile_fp8(
+            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
+            DOT_FP32, PRECISION, DT, FP8_RNE,
+        )  # fmt: skip
+    else:
+        return _attend_tile(
+            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
+            DOT_FP32, PRECISION,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -185,14 +199,16 @@ def _mla_sparse_pipe_kernel(
     stride_os, stride_ob, stride_oh, stride_ls, stride_lb, stride_lh,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
     D_LAT: tl.constexpr, D_PE: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
-    PRECISION: tl.constexpr, BF16_RNE: tl.constexpr, RING: tl.constexpr,
+    PRECISION: tl.constexpr, BF16_RNE: tl.constexpr, RING: tl.constexpr, FP8: tl.constexpr,
+    FP8_RNE: tl.constexpr,
 ):  # fmt: skip
     """The restructured sparse kernel (the ``pipe`` candidates; grid, arguments and outputs as
     :func:`_mla_sparse_kernel`'s): the split's full tiles in a software-pipelined loop
     (``tl.range(num_stages=RING)``: a later tile's index gather is in flight while this one is
     attended) whose index loads carry no range mask, then the last, partial tile's range mask
     once. The ``-1`` slots stay masked on every tile: which slots are used is data, not
-    shape. TMA does not apply: Hopper's TMA has no row gather (Blackwell's ``gather``)."""
+    shape. TMA does not apply: Hopper's TMA has no row gather (Blackwell's ``gather``).
+    ``FP8``: FP8 entries, as in :func:`_mla_sparse_kernel`."""
     b, h0, split, k_start, k_end = _sparse_keys(H, topk, NUM_SPLITS, BLOCK_H, BLOCK_N, MIN_TILES)
     q_lat, q_pe, offs_h, mask_h = _load_query(
         Q, Q_PE, b, h0, H, stride_qb, stride_qh, stride_pqb, stride_pqh, BLOCK_H, D_LAT, D_PE,
@@ -207,9 +223,9 @@ def _mla_sparse_pipe_kernel(
         kv_rows, pe_rows, valid = _sparse_rows(
             KV, KV_PE, idx, stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, SPLIT
         )
-        m, l, acc = _attend_tile(
+        m, l, acc = _attend_rows(
             q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
-            DOT_FP32, PRECISION,
+            DOT_FP32, PRECISION, FP8, Q.dtype.element_ty, FP8_RNE,
         )  # fmt: skip
     k_tail = k_start + n_full * BLOCK_N
     if k_tail < k_end:
@@ -218,9 +234,9 @@ def _mla_sparse_pipe_kernel(
         kv_rows, pe_rows, valid = _sparse_rows(
             KV, KV_PE, idx, stride_kb, stride_kt, stride_pkb, stride_pkt, PAGE, SPLIT
         )
-        m, l, acc = _attend_tile(
+        m, l, acc = _attend_rows(
             q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
-            DOT_FP32, PRECISION,
+            DOT_FP32, PRECISION, FP8, Q.dtype.element_ty, FP8_RNE,
         )  # fmt: skip
     o_base = split.to(tl.int64) * stride_os + b.to(tl.int64) * stride_ob
     lse_base = split.to(tl.int64) * stride_ls + b.to(tl.int64) * stride_lb
@@ -357,7 +373,7 @@ def sparse_launch(
                 f"tile: expected a classic or '-pipe' tile for the sparse kernel, got {cfg.label!r}"
             )
         feats += ("pipe",)
-        restructured = dict(RING=cfg.num_stages)
+        restructured["RING"] = cfg.num_stages
     return Launch(
         name=variant_name(
             "mla_sparse-fp8" if ops.fp8 else "mla_sparse", q.dtype, cfg, o_part.dim() == 4, feats
