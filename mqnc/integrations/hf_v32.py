@@ -96,9 +96,11 @@ def random_v32_model(*, seed: int = 0, dtype=torch.float32, **overrides):
     """A tiny DeepSeek-V3.2 causal LM with random weights, for demos and tests (no download):
     2 layers (one dense MLP, one MoE of 4 experts), hidden 64, vocabulary 256, 2 heads,
     ``kv_lora_rank`` 128 (one FP8 scale group), ``qk_rope_head_dim`` 16, ``qk_nope_head_dim``
-    32, ``v_head_dim`` 32, ``q_lora_rank`` 32, an indexer of 2 heads x 32 selecting
-    ``index_topk`` 8 entries, plain RoPE (theta 10000). Weights as
-    :func:`mqnc.integrations.hf_model.random_weights`; ``overrides`` go to the config."""
+    32, ``v_head_dim`` 32, ``q_lora_rank`` 32, an indexer of 16 heads x 32 selecting
+    ``index_topk`` 8 entries (16, not fewer: with 2 the index scores tie at 0 often enough that
+    transformers' ``topk`` breaks ties differently for different lengths; docs/huggingface.md),
+    plain RoPE (theta 10000). Weights as :func:`mqnc.integrations.hf_model.random_weights`;
+    ``overrides`` go to the config."""
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
     cfg = dict(
