@@ -186,6 +186,18 @@ def sass_mix(sass: str) -> dict:
 _HMMA_SHAPES = {"16816": 16 * 8 * 16, "1688": 16 * 8 * 8, "884": 8 * 8 * 4}
 
 
+def _at_word_start(pattern: str, text: str) -> list[tuple[str, ...]]:
+    """The groups of every match of ``pattern`` that starts a word (``re.findall`` of
+    ``\\b`` + ``pattern``, as tuples): a pattern that begins with ``\\b`` is tried at every
+    position of the text, one that begins with a literal is searched for (~50x faster over the
+    megabytes of SASS a kernel linked with NVSHMEM has)."""
+    return [
+        m.groups()
+        for m in re.finditer(pattern, text)
+        if m.start() == 0 or not re.match(r"\w", text[m.start() - 1])
+    ]
+
+
 def mma_macs(sass: str, num_warps: int) -> int:
     """Multiply-accumulates the tensor-core instructions of the program text issue per CTA on
     one pass (a loop body counts once): each ``HGMMA.64xNxK`` is ``64 N K`` per warpgroup
@@ -193,9 +205,9 @@ def mma_macs(sass: str, num_warps: int) -> int:
     if not isinstance(num_warps, int) or num_warps < 1:
         raise ValueError(f"num_warps: expected a positive int, got {num_warps!r}")
     total = 0
-    for m, n, k in re.findall(r"\bHGMMA\.(\d+)x(\d+)x(\d+)\.", sass):
+    for m, n, k in _at_word_start(r"HGMMA\.(\d+)x(\d+)x(\d+)\.", sass):
         total += int(m) * int(n) * int(k) * max(1, num_warps // 4)
-    for shape in re.findall(r"\bHMMA\.(\d+)\.", sass):
+    for (shape,) in _at_word_start(r"HMMA\.(\d+)\.", sass):
         if shape not in _HMMA_SHAPES:
             raise ValueError(f"sass: HMMA.{shape} is not a shape this count knows")
         total += _HMMA_SHAPES[shape] * num_warps
