@@ -108,13 +108,11 @@ class Target:
         out = []
         for r in hits:
             value = float(r[self.stat])
-            ok = value <= self.limit
             out.append(
-                (
+                _verdict(
                     f"target {self.what}: {r['bench']} {r['variant']} x={r['x']:g} {self.stat} "
-                    f"{value:.4g} {r.get('unit', 'us')} (limit {self.limit:g}) "
-                    + ("met" if ok else "MISSED"),
-                    ok,
+                    f"{value:.4g} {r.get('unit', 'us')} (limit {self.limit:g})",
+                    value <= self.limit,
                 )
             )
         return out
@@ -195,16 +193,19 @@ class Speedup:
                 out.append((f"{head}: not measured (no {self.baseline} twin in this run)", None))
                 continue
             got = float(base["p50"]) / float(r["p50"])
-            ok = got >= self.ratio
             out.append(
-                (
+                _verdict(
                     f"{head} {self.kv_dtype} p50 {float(r['p50']):.4g} us, {self.baseline} "
-                    f"{float(base['p50']):.4g} us: {got:.3g}x (at least {self.ratio:g}x) "
-                    + ("met" if ok else "MISSED"),
-                    ok,
+                    f"{float(base['p50']):.4g} us: {got:.3g}x (at least {self.ratio:g}x)",
+                    got >= self.ratio,
                 )
             )
         return out
+
+
+def _verdict(text: str, ok: bool) -> tuple[str, bool]:
+    """A target's ``(line, met)``: ``text`` then ``met`` or ``MISSED``."""
+    return f"{text} {'met' if ok else 'MISSED'}", ok
 
 
 @dataclasses.dataclass(frozen=True)
