@@ -3,7 +3,9 @@ what the host-driven ``Holder`` answers (dense with split partials, sparse with 
 bit for bit; bad headers get error words and leave the reply untouched (its NaN poison stays);
 the stop word and the idle bound end the loop; a sequence number that wraps or goes backwards
 is refused; a missing reply is a bounded ``TIMEOUT``; the requester's merge passes a single
-reply through exactly and merges a local partial against the fp64 reference."""
+reply through exactly and merges a local partial against the fp64 reference. Over an FP8
+cache (DeepSeek-V3.2's 656-byte entries) the holder kernel answers the same requests as the
+host holder over the same entries, bit for bit."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from mqnc.transport.device_route import (
 )
 from mqnc.triton_kernels import _route_words as W
 from mqnc.triton_kernels._mla_launch import forced_tile
-from mqnc.triton_kernels.holder_loop import HOLDER_TILE
+from mqnc.triton_kernels.fp8_quant import fp8_quantize
+from mqnc.triton_kernels.holder_loop import HOLDER_TILE, fp8_holder_tile
 
 GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=16)
 SCALE = RopeSpec.from_preset("deepseek-v2-lite").softmax_scale
@@ -49,6 +52,8 @@ def _indices(seed, B, topk):
 
 
 KV = _randn(0, GEOM.layers, TOKENS, GEOM.d_qk)
+GEOM_FP8 = GEOM.replace(cache_dtype="fp8_e4m3")
+KV_FP8 = fp8_quantize(KV, GEOM.d_c)  # [L, TOKENS, 656] uint8: the same entries on both holders
 # (slot, tokens, layer, sparse top-k or None): two dense, two sparse (200 entries: split)
 REQUESTS = [(0, 2, 1, None), (1, 1, 0, None), (2, 2, 0, 40), (3, 1, 1, 200)]
 
@@ -58,35 +63,34 @@ def _route(slot, B, layer, topk):
     return q, (None if topk is None else _indices(20 + slot, B, topk))
 
 
-def _device(slots=4, max_batch=2, max_topk=256, ctas=3):
+def _device(slots=4, max_batch=2, max_topk=256, ctas=3, geom=GEOM, kv=KV):
     buf = allocate(
         RouteLayout(slots, max_batch, GEOM.heads, max_topk=max_topk), LocalBackend("cpu")
     )
     buf.rep_o.fill_(float("nan"))
     buf.rep_lse.fill_(float("nan"))
-    holder = DeviceHolder(buf, GEOM, softmax_scale=SCALE, num_blocks=8, ctas=ctas)
-    holder.add_chunk(CHUNK, KV)
+    holder = DeviceHolder(buf, geom, softmax_scale=SCALE, num_blocks=8, ctas=ctas)
+    holder.add_chunk(CHUNK, kv)
     return buf, holder, RouteClient(buf, LocalBackend(DEVICE), spins=4 if EXACT else 1 << 16)
 
 
-@pytest.fixture(scope="module")
-def host_answers():
+def _host_answers(geom, kv, tile=HOLDER_TILE):
     """The host-driven holder's partial for each request, asked one at a time (one kernel
     call each, so its split count is the plan's for that request alone), its ops planned at
     the holder kernel's tile."""
-    slot = slot_bytes_for(GEOM, max_rows=64, max_topk=256, max_chunk_tokens=256)
+    slot = slot_bytes_for(geom, max_rows=64, max_topk=256, max_chunk_tokens=256)
     fab = LoopbackFabric(2, slot, lanes=1)
     holder = Holder(
-        fab.endpoint(0), GEOM, softmax_scale=SCALE, num_blocks=8, poll_s=0.02, device=DEVICE
+        fab.endpoint(0), geom, softmax_scale=SCALE, num_blocks=8, poll_s=0.02, device=DEVICE
     )
-    holder.add_chunk(CHUNK, KV)
+    holder.add_chunk(CHUNK, kv)
     holder.start()
     out = []
     try:
-        with forced_tile(HOLDER_TILE), forced_tile(HOLDER_TILE, sparse=True):
+        with forced_tile(tile), forced_tile(tile, sparse=True):
             req = Requester(
                 fab.endpoint(1),
-                GEOM,
+                geom,
                 softmax_scale=SCALE,
                 timeout_s=120,
                 pool_blocks=8,
@@ -102,11 +106,10 @@ def host_answers():
     return out
 
 
-@pytest.fixture(scope="module")
-def served():
+def _served(geom, kv):
     """Four requesters' requests (dense and sparse, split and not) served by one one-shot
     launch of the holder kernel."""
-    buf, holder, client = _device()
+    buf, holder, client = _device(geom=geom, kv=kv)
     for slot, B, layer, topk in REQUESTS:
         q, idx = _route(slot, B, layer, topk)
         client.put(slot, q, layer=layer, chunk=CHUNK, indices=idx)
@@ -114,7 +117,38 @@ def served():
     return buf, holder, client
 
 
+@pytest.fixture(scope="module")
+def host_answers():
+    return _host_answers(GEOM, KV)
+
+
+@pytest.fixture(scope="module")
+def served():
+    return _served(GEOM, KV)
+
+
 def test_holder_kernel_answers_bit_identical_to_the_host_holder(served, host_answers):
+    _assert_answers_match(served, host_answers)
+
+
+def test_holder_kernel_over_fp8_entries_answers_bit_identical_to_the_host_holder():
+    """An FP8 geometry: both holders keep the same 656-byte entries (the device holder's pool
+    is uint8, read in place by the kernel's FP8 variant) and answer alike, dense and sparse,
+    split and not; a chunk with a bad scale is refused when added, naming it."""
+    served_fp8 = _served(GEOM_FP8, KV_FP8)
+    holder = served_fp8[1]
+    assert holder.pages.kv.dtype == torch.uint8 and holder.pages.kv.shape[-1] == 656
+    assert torch.equal(holder.pages.gather(holder.chunks[CHUNK].blocks, TOKENS, (0, 2)), KV_FP8)
+    _assert_answers_match(served_fp8, _host_answers(GEOM_FP8, KV_FP8, fp8_holder_tile()))
+    bad = KV_FP8.clone()
+    bad[1, 7, 512:516] = 0  # scale 0 of token 7, layer 1
+    with pytest.raises(ValueError, match="kv.*scale"):
+        holder.add_chunk(CHUNK + 1, bad)
+    with pytest.raises(ValueError, match="scales missing"):
+        holder.add_chunk(CHUNK + 1, KV_FP8[..., :528])
+
+
+def _assert_answers_match(served, host_answers):
     buf, holder, _ = served
     splits = holder.tables().splits_dense[CHUNK]
     assert int(splits[1]) > 1 and int(splits[2]) > 1, "the dense requests must be split"

@@ -48,10 +48,16 @@ import triton.language as tl
 
 from mqnc.triton_kernels._checks import dtype_name
 from mqnc.triton_kernels._launch import Launch
-from mqnc.triton_kernels._mla_launch import TileConfig, dot_precision, tile_config
+from mqnc.triton_kernels._mla_launch import (
+    TileConfig,
+    _triton_minor,
+    dot_precision,
+    tile_config,
+)
 from mqnc.triton_kernels._mla_tile import (
     LOG2E,
     _attend_tile,
+    _attend_tile_fp8,
     _softmax_init,
     _split_range,
     _store_partial,
@@ -95,6 +101,7 @@ __all__ = [
     "HolderTables",
     "HOLDER_TILE",
     "NVSHMEM_TILE",
+    "fp8_holder_tile",
 ]
 
 _HW = tl.constexpr(HEADER_WORDS)
@@ -162,12 +169,34 @@ def _query(QS, b, h0, heads, stride_qb, stride_qh, BLOCK_H: tl.constexpr, D_LAT:
 
 
 @triton.jit
+def _attend(q_lat, q_pe, kv_rows, valid, m, l, acc, qk_scale, D_LAT: tl.constexpr,
+            D_PE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+            FP8: tl.constexpr, DT: tl.constexpr, FP8_RNE: tl.constexpr):  # fmt: skip
+    """One tile of fused entries ``kv_rows`` [BLOCK_N] (``valid`` attended) through the
+    online softmax: ``_mla_tile._attend_tile`` over 16-bit entries, or (``FP8``) its
+    ``_attend_tile_fp8`` over 656-byte FP8 entries (uint8 pointers), dequantized in registers
+    to ``DT`` (the query's dtype; ``FP8_RNE``: rounded in software, the interpreter)."""
+    if FP8:
+        return _attend_tile_fp8(
+            q_lat, q_pe, kv_rows, kv_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, False,
+            DOT_FP32, PRECISION, DT, FP8_RNE,
+        )  # fmt: skip
+    else:
+        return _attend_tile(
+            q_lat, q_pe, kv_rows, kv_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, False,
+            DOT_FP32, PRECISION,
+        )  # fmt: skip
+
+
+@triton.jit
 def _dense_item(QS, KVL, table_row, tokens, b, h0, split, S, heads, qk_scale, stride_qb,
                 stride_qh, stride_kb, stride_kt, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, D_LAT: tl.constexpr,
-                D_PE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                D_PE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+                FP8: tl.constexpr, FP8_RNE: tl.constexpr):  # fmt: skip
     """One dense item: ``mla_decode``'s loop over split ``split`` of ``S`` of the chunk's
-    ``tokens`` entries (page ids from ``table_row``), heads ``h0 ..`` of token ``b``."""
+    ``tokens`` entries (page ids from ``table_row``), heads ``h0 ..`` of token ``b``.
+    ``FP8``: the pool holds FP8 entries (``KVL`` uint8), read by :func:`_attend`."""
     q_lat, q_pe, offs_h, mask_h = _query(
         QS, b, h0, heads, stride_qb, stride_qh, BLOCK_H, D_LAT, D_PE, DOT_FP32
     )
@@ -179,10 +208,8 @@ def _dense_item(QS, KVL, table_row, tokens, b, h0, split, S, heads, qk_scale, st
         valid = t < t_end
         page = tl.load(table_row + t // PAGE, mask=valid, other=0)
         kv_rows = KVL + page.to(tl.int64) * stride_kb + (t % PAGE) * stride_kt
-        m, l, acc = _attend_tile(
-            q_lat, q_pe, kv_rows, kv_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, False,
-            DOT_FP32, PRECISION,
-        )  # fmt: skip
+        m, l, acc = _attend(q_lat, q_pe, kv_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE,
+                            DOT_FP32, PRECISION, FP8, QS.dtype.element_ty, FP8_RNE)  # fmt: skip
     return m, l, acc, offs_h, mask_h
 
 
@@ -191,11 +218,12 @@ def _sparse_item(QS, IdxRow, KVL, table_row, tokens, topk, b, h0, split, S, head
                  stride_qb, stride_qh, stride_kb, stride_kt, PAGE: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
                  D_LAT: tl.constexpr, D_PE: tl.constexpr, DOT_FP32: tl.constexpr,
-                 PRECISION: tl.constexpr):  # fmt: skip
+                 PRECISION: tl.constexpr, FP8: tl.constexpr, FP8_RNE: tl.constexpr):  # fmt: skip
     """One sparse item: ``mla_sparse``'s loop over split ``split`` of ``S`` of the ``topk``
     chunk-local indices at ``IdxRow`` (the pool row of index ``j`` is the chunk's page
     ``j // PAGE``, entry ``j % PAGE``: the host holder's slot map). An index outside
-    ``[-1, tokens)`` is counted in ``nbad`` and never read."""
+    ``[-1, tokens)`` is counted in ``nbad`` and never read. ``FP8`` as in
+    :func:`_dense_item`."""
     q_lat, q_pe, offs_h, mask_h = _query(
         QS, b, h0, heads, stride_qb, stride_qh, BLOCK_H, D_LAT, D_PE, DOT_FP32
     )
@@ -212,10 +240,8 @@ def _sparse_item(QS, IdxRow, KVL, table_row, tokens, topk, b, h0, split, S, head
         j = tl.where(valid, j, 0)
         page = tl.load(table_row + j // PAGE, mask=valid, other=0)
         kv_rows = KVL + page.to(tl.int64) * stride_kb + (j % PAGE) * stride_kt
-        m, l, acc = _attend_tile(
-            q_lat, q_pe, kv_rows, kv_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, False,
-            DOT_FP32, PRECISION,
-        )  # fmt: skip
+        m, l, acc = _attend(q_lat, q_pe, kv_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE,
+                            DOT_FP32, PRECISION, FP8, QS.dtype.element_ty, FP8_RNE)  # fmt: skip
     return m, l, acc, offs_h, mask_h, nbad
 
 
@@ -380,7 +406,8 @@ def _serve(InHdr, InQ, InIdx, RepSig, RepHdr, RepO, RepLse, Arrive, Err, WsO, Ws
            MIN_TILES_D: tl.constexpr, BLOCK_H_S: tl.constexpr, BLOCK_N_S: tl.constexpr,
            MIN_TILES_S: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
            BF16_RNE: tl.constexpr, ELT: tl.constexpr, SPARSE: tl.constexpr,
-           NVSHMEM: tl.constexpr, SCOPE: tl.constexpr):  # fmt: skip
+           NVSHMEM: tl.constexpr, SCOPE: tl.constexpr, FP8: tl.constexpr,
+           FP8_RNE: tl.constexpr):  # fmt: skip
     """This CTA's part of the request signalled ``sig`` on slot ``s``: check its header, run
     its share of the items, arrive; the last to arrive answers (:func:`_answer`)."""
     seq, layer, chunk, batch, heads, mode, topk, tokens, status, detail, S, hb = _request(
@@ -409,7 +436,7 @@ def _serve(InHdr, InQ, InIdx, RepSig, RepHdr, RepO, RepLse, Arrive, Err, WsO, Ws
             m, l, acc, offs_h, mask_h = _dense_item(
                 QS, KVL, table_row, tokens, b, h0, split, S, heads, qk_scale, H * (D_LAT + D_PE),
                 D_LAT + D_PE, stride_kb, stride_kt, PAGE, BLOCK_H_D, BLOCK_N_D, MIN_TILES_D,
-                D_LAT, D_PE, DOT_FP32, PRECISION,
+                D_LAT, D_PE, DOT_FP32, PRECISION, FP8, FP8_RNE,
             )  # fmt: skip
             _store_item(RepO, RepLse, WsO, WsLse, m, l, acc, offs_h, mask_h, s, b, split, S, H,
                         max_batch, ws_rows, D_LAT, BF16_RNE)  # fmt: skip
@@ -419,7 +446,7 @@ def _serve(InHdr, InQ, InIdx, RepSig, RepHdr, RepO, RepLse, Arrive, Err, WsO, Ws
             m, l, acc, offs_h, mask_h, nbad = _sparse_item(
                 QS, IdxRow, KVL, table_row, tokens, topk, b, h0, split, S, heads, qk_scale,
                 H * (D_LAT + D_PE), D_LAT + D_PE, stride_kb, stride_kt, PAGE, BLOCK_H_S,
-                BLOCK_N_S, MIN_TILES_S, D_LAT, D_PE, DOT_FP32, PRECISION,
+                BLOCK_N_S, MIN_TILES_S, D_LAT, D_PE, DOT_FP32, PRECISION, FP8, FP8_RNE,
             )  # fmt: skip
             if nbad > 0:
                 tl.atomic_max(Err + s, _wide(0) + ERR_INDEX, sem="relaxed", scope=SCOPE)
@@ -451,6 +478,7 @@ def holder_loop_kernel(
     BLOCK_H_S: tl.constexpr, BLOCK_N_S: tl.constexpr, MIN_TILES_S: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, BF16_RNE: tl.constexpr, ELT: tl.constexpr,
     SPARSE: tl.constexpr, PERSISTENT: tl.constexpr, NVSHMEM: tl.constexpr, SCOPE: tl.constexpr,
+    FP8: tl.constexpr, FP8_RNE: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(k,)``: CTA ``cta`` polls every slot's signal, serves what it has not seen
     (``Seen [k, n_slots]``, its own row), until the stop word or ``max_idle`` empty polls
@@ -460,7 +488,9 @@ def holder_loop_kernel(
     reply ``RepSig``, ``RepHdr [n_slots, 4]``, ``RepO [n_slots, max_batch, H, D_LAT]``,
     ``RepLse [n_slots, max_batch, H]`` fp32; state ``Stop [1]``, ``Arrive``, ``Err [n_slots]``,
     workspace ``WsO [n_slots, ws_rows, H, D_LAT]`` / ``WsLse [n_slots, ws_rows, H]`` fp32;
-    the pool ``KV [layers, blocks, PAGE, D_LAT + D_PE]`` (strides given), its chunk table
+    the pool ``KV [layers, blocks, PAGE, D_LAT + D_PE]`` in the queries' dtype, or (``FP8``)
+    uint8 ``[layers, blocks, PAGE, 656]`` FP8 entries (``mqnc.model.kv_format``: e4m3 latent,
+    one float32 scale per 128 values, bf16 RoPE; strides in bytes), its chunk table
     ``ChunkBlocks [n_chunks, max_blocks]`` / ``ChunkTokens [n_chunks]`` (-1: not hosted) and
     split tables ``SplitsD [n_chunks, max_batch + 1]`` / ``SplitsS [max_batch + 1,
     sparse_tiles + 1]`` int32; ``SlotPe [n_slots]`` the requester PE of each slot."""
@@ -492,7 +522,7 @@ def holder_loop_kernel(
                        ws_rows, sparse_tiles, qk_scale, stride_kl, stride_kb, stride_kt, PAGE,
                        D_LAT, D_PE, BLOCK_H_D, BLOCK_N_D, MIN_TILES_D, BLOCK_H_S, BLOCK_N_S,
                        MIN_TILES_S, DOT_FP32, PRECISION, BF16_RNE, ELT, SPARSE, NVSHMEM,
-                       SCOPE)  # fmt: skip
+                       SCOPE, FP8, FP8_RNE)  # fmt: skip
                 served += 1
         if PERSISTENT:
             stop = _acquire(Stop, SCOPE)
@@ -508,10 +538,12 @@ def holder_loop_kernel(
 @dataclasses.dataclass(frozen=True)
 class HolderTables:
     """What the holder kernel reads besides the slots: its pool and chunk table, its split
-    tables and state. ``kv [L, blocks, page, d_qk]``; ``chunk_blocks [n_chunks, max_blocks]``
-    int32 (a chunk's pool blocks in token order), ``chunk_tokens [n_chunks]`` int32 (``c_t``,
-    -1: no chunk with that id); ``splits_dense [n_chunks, max_batch + 1]`` and
-    ``splits_sparse [max_batch + 1, sparse_tiles + 1]`` int32; ``slot_pe [slots]`` int32;
+    tables and state. ``kv [L, blocks, page, d_qk]`` in the slots' dtype, or uint8
+    ``[L, blocks, page, b_KV]`` FP8 entries (``b_KV = 656`` for 512 + 64);
+    ``chunk_blocks [n_chunks, max_blocks]`` int32 (a chunk's pool blocks in token order),
+    ``chunk_tokens [n_chunks]`` int32 (``c_t``, -1: no chunk with that id);
+    ``splits_dense [n_chunks, max_batch + 1]`` and ``splits_sparse [max_batch + 1,
+    sparse_tiles + 1]`` int32; ``slot_pe [slots]`` int32;
     ``stop [1]`` int64; ``seen [k, slots]`` int64; ``arrive [slots]`` int32; ``err [slots]``
     int64; workspace ``ws_o [slots, ws_rows, H, d_v]`` / ``ws_lse [slots, ws_rows, H]`` fp32."""
 
@@ -534,7 +566,7 @@ HOLDER_TILE = TileConfig(16, 32, 8, 3)
 32 entries on 8 warps, the KV loop pipelined 3 deep. Inside the resident kernel (its service
 loops' state live beside the attention) the standalone ops' tiles spill under triton 3.6.0: the
 dense 16 x 64 by 56-112 B of stack, the 64-head tiles by over 1 KB; this one compiles to 219
-(dense) and 225 (sparse) registers with no spill (``test_compile_sm90``). 16 x 32 is one of
+(dense) and 246 (sparse) registers with no spill (``test_compile_sm90``). 16 x 32 is one of
 ``mla_decode``'s own sweep tiles (``_mla_launch.forced_tile`` plans the host ops with it)."""
 
 
@@ -544,15 +576,43 @@ beside the attention, 16 x 32 spills (sparse 48-88 B under triton 3.6.0, dense 3
 3.9.0); 16 x 16 does not (``test_compile_sm90``)."""
 
 
+_FP8_HOLDER = {(3, 6): TileConfig(16, 16, 8, 3)}
+_FP8_HOLDER_ELSE = TileConfig(16, 16, 4, 3)
+
+
+def fp8_holder_tile() -> TileConfig:
+    """The holder tile over an FP8 cache (16-bit queries), dense and sparse, both backends: 16
+    heads x 16 entries, on 8 warps under triton 3.6 (the GPU's), 4 under any other. The
+    dequantized bf16 tile goes through shared memory beside the uint8 ring (as in
+    ``mla_decode``'s FP8 variants), and inside the resident kernel wider tiles spill. Launch-exact
+    sm_90 compiles (``test_compile_sm90``), registers dense / sparse, no spill:
+
+    - triton 3.6.0, 16 x 16 on 8 warps: 151 / 159 (local), 193-206 / 222-229 (nvshmem); there
+      16 x 32 spills (8 B at 3 stages, 88 B at 2, 128 B at 1; 280-336 B on 4 warps) and
+      16 x 16 on 4 warps too (16 B, sparse);
+    - triton 3.9.0, 16 x 16 on 4 warps: 213 / 233-235 (local), 229-231 / 244-250 (nvshmem);
+      there 16 x 16 on 8 warps spills (dense capped at 128 registers: 16-88 B), 16 x 32 too
+      with NVSHMEM's puts (24-64 B).
+
+    The block shape is the same under both, so the answers are; the host ops planned with this
+    tile (``forced_tile``) answer as the holder kernel, bit for bit. No GPU has timed it."""
+    return _FP8_HOLDER.get(_triton_minor(), _FP8_HOLDER_ELSE)
+
+
 def holder_tiles(
-    heads: int, dtype: torch.dtype, nvshmem: bool = False
+    heads: int, dtype: torch.dtype, nvshmem: bool = False, fp8: bool = False
 ) -> tuple[TileConfig, TileConfig]:
-    """The dense and sparse tiles the holder kernel runs for ``heads`` heads of ``dtype``:
-    :data:`HOLDER_TILE` for 16-bit caches (:data:`NVSHMEM_TILE` on the ``nvshmem``
-    backend), the ops' own fp32 tile for fp32. The host ops planned with the same
-    tile (``forced_tile``) compute the same partial, bit for bit."""
+    """The dense and sparse tiles the holder kernel runs for ``heads`` heads of ``dtype`` (the
+    queries'; an FP8 cache's entries are dequantized to it): :data:`HOLDER_TILE` for 16-bit
+    queries over a 16-bit cache (:data:`NVSHMEM_TILE` on the ``nvshmem`` backend),
+    the ops' own fp32 tile for fp32; ``fp8`` (16-bit queries over FP8 entries):
+    :func:`fp8_holder_tile`. The host ops planned with the same tile (``forced_tile``) compute
+    the same partial, bit for bit."""
     if dtype.itemsize == 4:
         return tile_config(heads, dtype=dtype), tile_config(heads, sparse=True, dtype=dtype)
+    if fp8:
+        tile = fp8_holder_tile()
+        return tile, tile
     tile = NVSHMEM_TILE if nvshmem else HOLDER_TILE
     return tile, tile
 
@@ -574,11 +634,13 @@ def holder_loop_launch(
     requests (else the one that serves every other mode; each has its own ``seen``, ``arrive``
     and ``err`` in ``tables``). ``nvshmem_lib``: NVSHMEM's device bitcode (the
     ``nvshmem`` backend: replies put with a signal to ``slot_pe``); None: the ``local``
-    backend (replies stored, signal released, in this device's memory)."""
+    backend (replies stored, signal released, in this device's memory). A uint8
+    ``tables.kv`` holds FP8 entries: the kernel compiled with ``FP8`` reads them in place."""
     kv = tables.kv
-    L, _, page, d_qk = kv.shape
-    d_v = buf.rep_o.shape[3]
-    tiles = holder_tiles(buf.heads, kv.dtype, nvshmem=nvshmem_lib is not None)
+    L, _, page, _ = kv.shape
+    d_qk, d_v, qdt = buf.in_q.shape[3], buf.rep_o.shape[3], buf.in_q.dtype
+    fp8 = kv.dtype == torch.uint8  # FP8 entries (the device holder's pool checked their width)
+    tiles = holder_tiles(buf.heads, qdt, nvshmem=nvshmem_lib is not None, fp8=fp8)
     dense, sparse_tile = tiles
     kwargs = dict(
         PAGE=page,
@@ -590,14 +652,16 @@ def holder_loop_launch(
         BLOCK_H_S=sparse_tile.block_h,
         BLOCK_N_S=sparse_tile.block_n,
         MIN_TILES_S=sparse_tile.min_tiles,
-        DOT_FP32=dot_in_fp32(kv.dtype),
-        PRECISION=dot_precision(kv.dtype),
+        DOT_FP32=dot_in_fp32(qdt),
+        PRECISION=dot_precision(qdt),
         BF16_RNE=bf16_rne_in_software(buf.rep_o.dtype),
         ELT=buf.rep_o.element_size(),
         SPARSE=bool(sparse),
         PERSISTENT=bool(persistent),
         NVSHMEM=nvshmem_lib is not None,
         SCOPE="sys" if nvshmem_lib is not None else "gpu",
+        FP8=fp8,
+        FP8_RNE=fp8 and bf16_rne_in_software(qdt),
         num_warps=(sparse and tiles[1] or tiles[0]).num_warps,
         num_stages=1 if persistent else 2,
     )
@@ -615,8 +679,8 @@ def holder_loop_launch(
     mode = "persistent" if persistent else "one-shot"
     backend = "nvshmem" if nvshmem_lib is not None else "local"
     return Launch(
-        name=f"holder_loop[{dtype_name(kv.dtype)},{'sparse' if sparse else 'dense'},{mode},"
-        f"{backend},k={t.seen.shape[0]}]",
+        name=f"holder_loop{'-fp8' if fp8 else ''}[{dtype_name(qdt)},"
+        f"{'sparse' if sparse else 'dense'},{mode},{backend},k={t.seen.shape[0]}]",
         kernel=holder_loop_kernel,
         grid=(t.seen.shape[0],),
         args=args,

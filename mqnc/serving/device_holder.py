@@ -17,6 +17,12 @@ host-driven holder's answer to it alone at that tile, bit for bit (its dispatche
 concurrent requests into one call, whose split count may differ: the same rows, another
 rounding). Chunk ids are indices of the table
 (``0 <= chunk_id < max_chunks``).
+
+A geometry whose ``cache_dtype`` is ``"fp8_e4m3"`` gets a pool of FP8 entries (DeepSeek-V3.2's
+656-byte token, docs/fp8-cache.md), the chunks quantized or copied as entries as the host
+``Holder`` keeps them; the holder kernel then reads them in place (its ``FP8`` variant, the
+attention kernels' ``_mla_tile._attend_tile_fp8``), at the same tile, and answers as the host
+holder over the same entries, bit for bit under the interpreter.
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ class DeviceHolder:
     buffers : RouteBuffers
         The route's slots (``mqnc.transport.device_route.allocate``).
     geometry : MLAGeometry
-        Dims; ``geometry.heads`` must be the slots' heads.
+        Dims; ``geometry.heads`` must be the slots' heads. ``cache_dtype="fp8_e4m3"``: the
+        pool keeps FP8 entries (656 B a token for 512 + 64; docs/fp8-cache.md) that the holder
+        kernel reads in place, dequantized to the slots' dtype in registers.
     softmax_scale : float
     num_blocks, block_size : int
         Pool capacity in blocks of ``block_size`` tokens (per layer).
@@ -82,12 +90,16 @@ class DeviceHolder:
         check_int("max_rows", self.max_rows, minimum=1)
         self.nvshmem_lib = nvshmem_lib
         self.pages = PagedPool(geometry.layers, num_blocks, block_size, geometry.d_qk,
-                               dtype=self.dtype, device=self.device)  # fmt: skip
+                               dtype=self.dtype, device=self.device,
+                               fp8=geometry.fp8_layout)  # fmt: skip
         self.chunks: dict[int, HostedChunk] = {}
         n, dev, B = buffers.slots, self.device, buffers.max_batch
         max_chunks = check_int("max_chunks", max_chunks, minimum=1)
         self._dense_tile, self._sparse_tile = holder_tiles(
-            buffers.heads, self.dtype, nvshmem=nvshmem_lib is not None
+            buffers.heads,
+            self.dtype,
+            nvshmem=nvshmem_lib is not None,
+            fp8=self.pages.fp8 is not None,
         )
         sparse_tiles = triton.cdiv(buffers.max_topk, self._sparse_tile.block_n)
         pe = torch.tensor(slot_pe if slot_pe is not None else [0] * n, dtype=torch.int32)
@@ -116,7 +128,10 @@ class DeviceHolder:
     # ---- the pool and the tables ------------------------------------------------------------
     def add_chunk(self, chunk_id: int, kv: torch.Tensor, position: int = 0) -> HostedChunk:
         """Copy a chunk's cache ``kv [L, c_t, d_qk]`` (canonical positions from ``position``)
-        into free pool blocks and enter it in the kernel's tables (not while it runs)."""
+        into free pool blocks and enter it in the kernel's tables (not while it runs). An FP8
+        geometry's pool quantizes such rows (``fp8_quantize``), or takes FP8 entries
+        ``[L, c_t, b_KV]`` uint8 bit for bit after :meth:`PagedPool.check_entries`, as
+        :meth:`mqnc.serving.Holder.add_chunk` does."""
         g = self.geometry
         check_int("chunk_id", chunk_id, minimum=0, below=self._t["chunk_tokens"].shape[0])
         position = check_int("position", position, minimum=0)
@@ -124,13 +139,19 @@ class DeviceHolder:
             raise RuntimeError("device holder: add chunks before start() or after stop()")
         if not isinstance(kv, torch.Tensor):
             raise TypeError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
-        if kv.dim() != 3 or kv.shape[0] != g.layers or kv.shape[2] != g.d_qk:
+        fp8 = self.pages.fp8 is not None and kv.dtype == torch.uint8  # FP8 entries, not rows
+        width = self.pages.width if fp8 else g.d_qk
+        if kv.dim() != 3 or kv.shape[0] != g.layers or kv.shape[2] != width:
+            short = fp8 and kv.dim() == 3 and kv.shape[2] < width
             raise ValueError(
-                f"kv: expected shape ({g.layers}, c_t, {g.d_qk}), got {tuple(kv.shape)}"
+                f"kv: expected shape ({g.layers}, c_t, {width}), got {tuple(kv.shape)}"
+                + (f" ({g.cache_dtype} entries: scales missing?)" if short else "")
             )
-        if kv.dtype != self.dtype:
+        if fp8:
+            self.pages.check_entries(kv)  # every scale finite and > 0, no NaN latent byte
+        elif kv.dtype != self.dtype:
             raise TypeError(f"kv: invalid dtype, expected {self.dtype}, got {kv.dtype}")
-        if not bool(torch.isfinite(kv).all()):
+        elif not bool(torch.isfinite(kv).all()):
             raise ValueError("kv: expected finite cache entries")
         if chunk_id in self.chunks:
             raise ValueError(f"chunk_id: chunk {chunk_id} is already hosted")

@@ -293,12 +293,16 @@ def _check_rows(buf: RouteBuffers, q: torch.Tensor, indices: torch.Tensor | None
 # ---- the sm_90 compile of the route's kernels ---------------------------------------------------
 
 
-def device_route_launches(heads: int = 16, nvshmem_lib: str | None = None) -> dict:
+def device_route_launches(
+    heads: int = 16, nvshmem_lib: str | None = None, fp8: bool = False
+) -> dict:
     """The route's launches at production values (bf16, page 64, ``heads`` heads: the tiles
     ``mla_decode`` / ``mla_sparse`` launch there) on small CPU tensors (only dtypes, alignment
     and constexprs decide the compiled variant; every runtime int is unspecialised):
     ``{name: Launch}`` for the holder kernel (one-shot and persistent), the put (dense and
-    sparse) and the merge. ``nvshmem_lib``: the NVSHMEM backend's variants."""
+    sparse) and the merge. ``nvshmem_lib``: the NVSHMEM backend's variants. ``fp8``: only the
+    holder kernel's four launches over an FP8 pool (uint8 656-byte entries; the put and the
+    merge move bf16 rows whatever the cache keeps)."""
     from mqnc.triton_kernels.holder_loop import HolderTables, holder_loop_launch
 
     layout = RouteLayout(slots=2, max_batch=2, heads=heads, max_topk=64)
@@ -306,7 +310,8 @@ def device_route_launches(heads: int = 16, nvshmem_lib: str | None = None) -> di
     i32, i64 = torch.int32, torch.int64
     z = torch.zeros
     tables = HolderTables(
-        kv=z(2, 4, 64, 576, dtype=torch.bfloat16), chunk_blocks=z(2, 4, dtype=i32),
+        kv=z(2, 4, 64, 656, dtype=torch.uint8) if fp8 else z(2, 4, 64, 576, dtype=torch.bfloat16),
+        chunk_blocks=z(2, 4, dtype=i32),
         chunk_tokens=z(2, dtype=i32), splits_dense=z(2, 3, dtype=i32),
         splits_sparse=z(3, 5, dtype=i32), slot_pe=z(2, dtype=i32), stop=z(1, dtype=i64),
         seen=z(4, 2, dtype=i64), arrive=z(2, dtype=i32), err=z(2, dtype=i64),
@@ -318,6 +323,8 @@ def device_route_launches(heads: int = 16, nvshmem_lib: str | None = None) -> di
             ln = holder_loop_launch(buf, tables, softmax_scale=0.1, max_rows=32, sparse=sparse,
                                     persistent=persistent, nvshmem_lib=nvshmem_lib)  # fmt: skip
             out[ln.name] = ln
+    if fp8:
+        return out
     q = z(2, heads, 576, dtype=torch.bfloat16)
     seq, arrive = z(2, dtype=i64), z(2, dtype=i32)
     for idx in (None, z(2, 64, dtype=i32)):
@@ -331,9 +338,12 @@ def device_route_launches(heads: int = 16, nvshmem_lib: str | None = None) -> di
     return out
 
 
-def compile_device_route(arch: int = 90, *, heads: int = 16, nvshmem: bool = False) -> dict:
+def compile_device_route(
+    arch: int = 90, *, heads: int = 16, nvshmem: bool = False, fp8: bool = False
+) -> dict:
     """Compile :func:`device_route_launches` for ``sm_<arch>`` exactly as they launch (run with
-    ``TRITON_INTERPRET=0``); ``nvshmem``: against NVSHMEM's device bitcode. Returns, per
+    ``TRITON_INTERPRET=0``); ``nvshmem``: against NVSHMEM's device bitcode; ``fp8``: the
+    holder kernel's FP8 variants. Returns, per
     launch, registers, stack and local bytes (spills), shared bytes, and the NVSHMEM device
     functions its PTX calls."""
     from mqnc.triton_kernels._compile import compile_launch, resources
@@ -346,7 +356,7 @@ def compile_device_route(arch: int = 90, *, heads: int = 16, nvshmem: bool = Fal
     names = ("nvshmemx_putmem_nbi_block", "nvshmemx_putmem_signal_nbi_block", "nvshmem_fence",
              "nvshmem_quiet")  # fmt: skip
     out = {}
-    for name, ln in device_route_launches(heads, lib).items():
+    for name, ln in device_route_launches(heads, lib, fp8).items():
         k = compile_launch(ln.kernel, ln.args, ln.kwargs, grid=ln.grid, arch=arch)
         r = resources(name, k)
         calls = [n for n in names if n in k.asm["ptx"]]
