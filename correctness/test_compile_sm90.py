@@ -865,6 +865,42 @@ def test_device_route_kernels_compile_without_spills_with_and_without_nvshmem():
                 assert {"nvshmemx_putmem_signal_nbi_block", "nvshmem_fence"} <= set(res["calls"])
 
 
+_ROUTE_FP8 = """
+import json
+from mqnc.transport.device_route import compile_device_route
+from mqnc.transport.nvshmem import device_library_path
+out = {"local": compile_device_route(90, fp8=True)}
+try:
+    device_library_path(90)
+except RuntimeError:
+    pass
+else:
+    out["nvshmem"] = compile_device_route(90, nvshmem=True, fp8=True)
+print(json.dumps(out))
+"""
+
+
+def test_device_holder_kernel_over_fp8_entries_compiles_without_spills():
+    """The holder kernel's FP8 variants (656-byte entries read in place, bf16 slots; dense and
+    sparse, one-shot and persistent; ``local`` and, where NVSHMEM's bitcode is installed,
+    ``nvshmem``) compile for sm_90 at their launch values (``holder_loop.fp8_holder_tile``:
+    16 x 16, on 8 warps under triton 3.6, 4 under 3.9) without spills."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run(
+        [sys.executable, "-c", _ROUTE_FP8], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    for kernels in got.values():
+        assert len(kernels) == 4, sorted(kernels)
+        for name, res in kernels.items():
+            print(f"triton {triton.__version__} {name}: {res}")
+            assert name.startswith("holder_loop-fp8[bfloat16,"), name
+            assert res["stack"] == 0 and res["local"] == 0, f"{name} spills: {res}"
+            assert res["registers"] <= 255 and res["shared"] <= SM90.shared_per_cta, res
+
+
 _FP8_QUANT = """
 import json, torch
 from mqnc.triton_kernels._compile import compile_launch, resources
