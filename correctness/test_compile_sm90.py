@@ -39,17 +39,108 @@ KNOWN_SPILLS = {
 }
 
 
+# ---- the compile scripts: one child process each, forked from one preloaded interpreter ------
+# Every script below used to start a Python of its own (torch, Triton and the kernels imported,
+# Triton's source hash computed: ~3 s of a CPU each time). _run_script forks each from one
+# process that has done that once, before any compile: each script still runs alone in a fresh
+# child as ``python -c`` would run it (``__name__ == "__main__"``, its own stdout, stderr, exit
+# status and working directory), with ``TRITON_INTERPRET=0``, nothing compiled before it.
+_FORK_SERVER = r"""
+import json, os, sys, traceback
+import torch, triton
+import mqnc.triton_kernels._compile
+try:
+    from triton.runtime.cache import triton_key
+    triton_key()
+except Exception:
+    pass
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(os.open(req["stdout"], os.O_WRONLY), 1)
+        os.dup2(os.open(req["stderr"], os.O_WRONLY), 2)
+        os.chdir(req["cwd"])
+        sys.argv = ["-c"]
+        status = 0
+        try:
+            exec(compile(req["code"], "<string>", "exec"), {"__name__": "__main__"})
+        except SystemExit as e:
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+            status = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    _, st = os.waitpid(pid, 0)
+    print(json.dumps(os.waitstatus_to_exitcode(st)), flush=True)
+"""
+_SERVER: list = []
+
+
+def _run_script(code: str, *, timeout: float, cwd=None) -> subprocess.CompletedProcess:
+    """Run ``code`` as ``python -c code`` would, in compiled mode (``TRITON_INTERPRET=0``), in a
+    child forked from the preloaded interpreter; ``timeout`` bounds it (the interpreter and the
+    child are killed past it, ``subprocess.TimeoutExpired`` raised)."""
+    import select
+    import signal
+    import tempfile
+
+    if not _SERVER or _SERVER[0].poll() is not None:
+        env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled mode (no launch)
+        env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+        _SERVER[:] = [
+            subprocess.Popen(
+                [sys.executable, "-c", _FORK_SERVER],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+                start_new_session=True,
+            )
+        ]
+    server = _SERVER[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        for path in (out, err):
+            open(path, "w").close()
+        req = dict(code=code, cwd=str(cwd or os.getcwd()), stdout=out, stderr=err)
+        server.stdin.write(json.dumps(req) + "\n")
+        server.stdin.flush()
+        if not select.select([server.stdout], [], [], timeout)[0]:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+            raise subprocess.TimeoutExpired(["python", "-c", code[:60]], timeout)
+        reply = server.stdout.readline()
+        with open(out) as f_out, open(err) as f_err:
+            stdout, stderr = f_out.read(), f_err.read()
+    if not reply:  # the interpreter itself died: say how
+        raise RuntimeError(f"the compile scripts' interpreter exited {server.wait()}: {stderr}")
+    return subprocess.CompletedProcess(["python", "-c"], json.loads(reply), stdout, stderr)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_the_script_server():
+    yield
+    while _SERVER:
+        server = _SERVER.pop()
+        server.stdin.close()
+        server.wait(timeout=60)
+
+
+_COMPILE_ALL = """
+import json
+from mqnc.triton_kernels._compile import compile_all
+print(json.dumps(compile_all(90)))
+"""
+
+
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled mode (no launch), even on a CPU torch
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run(
-        [sys.executable, "-m", "mqnc.triton_kernels._compile", "90"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
+    r = _run_script(_COMPILE_ALL, timeout=900)  # python -m mqnc.triton_kernels._compile 90
     assert r.returncode == 0, r.stderr[-4000:]
     return {k["name"]: k for k in json.loads(r.stdout)}
 
@@ -153,11 +244,7 @@ def test_three_stages_leave_the_kv_tile_single_buffered():
     """The evidence for num_stages = 5: the same launch at Triton's default 3 stages gets one
     KV buffer and waits for every copy group at the loop top (no overlap), because the page-id
     load takes a pipeline stage of its own."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled mode (no launch), even on a CPU torch
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run(
-        [sys.executable, "-c", _THREE_STAGES], capture_output=True, text=True, env=env, timeout=600
-    )
+    r = _run_script(_THREE_STAGES, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     print(f"3 stages: buffers {summary['local_alloc']}, async_wait nums {summary['async_waits']}")
@@ -434,16 +521,8 @@ def test_memory_ceiling_kernels_compile_with_16_byte_accesses_and_no_spills():
     SM's."""
     from pathlib import Path
 
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run(
-        [sys.executable, "-c", _CEILINGS],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        cwd=root,
-    )
+    r = _run_script(_CEILINGS, timeout=600, cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])
     for name, regs, spill, shared, loads, stores in rows:
@@ -542,11 +621,7 @@ def test_tp_kernels_compile_for_sm90_without_spills():
     compile for sm_90 exactly as they launch at TP 2 and 4 (576 / N wide rows, 16 and 128
     heads, 4096 entries, bf16), without spills and within a CTA's shared memory, under this
     triton (3.6.0 is the GPU's: ``.venv-compat``)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run(
-        [sys.executable, "-c", _TP], capture_output=True, text=True, env=env, timeout=600
-    )
+    r = _run_script(_TP, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])
     for name, regs, spill, shared in rows:
@@ -578,10 +653,7 @@ def test_combine_with_programmatic_dependent_launch_compiles_for_sm90():
     partial's combine (32 fp32 partials of 16 heads x 512 into bf16) without spills, launched
     with ``launch_pdl`` and waiting with ``griddepcontrol.wait`` before its loads; the default
     combine has neither."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    r = subprocess.run(
-        [sys.executable, "-c", _COMBINE_PDL], capture_output=True, text=True, env=env, timeout=600
-    )
+    r = _run_script(_COMBINE_PDL, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     (plain, pdl) = json.loads(r.stdout.strip().splitlines()[-1])
     print(f"triton {triton.__version__}: {plain} / {pdl}")
@@ -754,14 +826,7 @@ def test_persistent_splice_compiles_for_sm90_without_spills():
     """The persistent-grid splice candidate (``splice.persistent_splice``) at the goal shape
     (27 layers x 2048 tokens, one delta and a delta per token) compiles for sm_90 at its
     launch values (132 SMs x 4 programs) without spills, like the default splice beside it."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    r = subprocess.run(
-        [sys.executable, "-c", _PERSISTENT_SPLICE],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    r = _run_script(_PERSISTENT_SPLICE, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])
     for name, grid, regs, spill, _shared in rows:
@@ -846,11 +911,7 @@ def test_device_route_kernels_compile_without_spills_with_and_without_nvshmem():
     launches' values without spills, on the ``local`` backend and, where NVSHMEM's device
     bitcode is installed, on the ``nvshmem`` backend, whose variants call NVSHMEM's
     block-scope put (with signal), fence and (persistent holder, put) quiet."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run(
-        [sys.executable, "-c", _ROUTE], capture_output=True, text=True, env=env, timeout=900
-    )
+    r = _run_script(_ROUTE, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     for backend, kernels in got.items():
@@ -926,11 +987,7 @@ def test_fp8_quantizer_compiles_for_sm90_without_spills():
     ``.venv-compat``); the scale's ``amax / 448`` is the IEEE division (``div.rn``: the scale
     must be bit-exact, ``div.full`` is approximate) and the rows are written with 16-byte
     stores."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run(
-        [sys.executable, "-c", _FP8_QUANT], capture_output=True, text=True, env=env, timeout=600
-    )
+    r = _run_script(_FP8_QUANT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])
     for name, regs, spill, shared, _, _ in rows:
@@ -970,10 +1027,7 @@ def test_fp8_splice_compiles_for_sm90_without_spills():
     strides passed in 16-byte units) at the goal shape (27 layers x 2048 tokens, one delta and
     a delta per token, default and persistent grid) compiles for sm_90 without spills, and its
     latent-and-scale copy keeps 128-bit stores (three per row tile: 264 of the 328 values)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    r = subprocess.run(
-        [sys.executable, "-c", _FP8_SPLICE], capture_output=True, text=True, env=env, timeout=600
-    )
+    r = _run_script(_FP8_SPLICE, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])
     for name, unit, regs, spill, v4 in rows:
