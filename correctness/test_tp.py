@@ -456,3 +456,14 @@ def test_serve_layout_refuses_a_degree_that_does_not_fit_the_job():
         _check_layout(corpus, 6, 4)
     with pytest.raises(ValueError, match="holder ids name instances; \\[1\\] do not all exist"):
         _check_layout(corpus, 4, 4)
+
+
+def test_an_fp8_geometry_is_refused_by_name_at_construction():
+    """A TP instance keeps 16-bit column slices: an FP8 cache (DeepSeek-V3.2's 656-byte entry)
+    is refused where every TP holder, requester and cluster starts (each takes a
+    ``TPPartition``), naming ``cache_dtype``, why, and what serves it instead."""
+    fp8 = GEOM.replace(cache_dtype="fp8_e4m3")
+    for degree in (1, 2, 8):  # at 8, d_c / N = 64: a 128-wide scale group spans two ranks
+        with pytest.raises(ValueError, match=r"geometry\.cache_dtype: .*'fp8_e4m3'.*Holder"):
+            TPPartition(fp8, degree)
+    assert TPPartition(GEOM.replace(cache_dtype="fp16"), 2).slice_width == 288

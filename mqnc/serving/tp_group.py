@@ -54,6 +54,7 @@ __all__ = [
 ]
 
 ROPE_LAYOUTS = ("interleaved", "half")
+_SLICE_FORMATS = ("bf16", "fp16", "fp32")  # cache formats a rank's column slice keeps
 
 
 class GroupLost(TransportError):
@@ -67,7 +68,9 @@ class TPPartition:
     Parameters
     ----------
     geometry : MLAGeometry
-        The model's dims (``d_c``, ``d_r``; values read from the latent, ``d_v = d_c``).
+        The model's dims (``d_c``, ``d_r``; values read from the latent, ``d_v = d_c``); a
+        16-bit (or fp32) ``cache_dtype``: an FP8 geometry (``"fp8_e4m3"``) is refused by name
+        (its rank slices are not built; the untensor-parallel holders serve it).
     degree : int
         ``N``, the instance's tensor-parallel ranks (1, 2, 4, ...): ``N`` must divide ``d_c``
         and the ``d_r / 2`` RoPE pairs.
@@ -84,6 +87,15 @@ class TPPartition:
         if not isinstance(g, MLAGeometry):
             raise TypeError(f"geometry: expected an MLAGeometry, got {type(g).__name__}")
         n = check_int("degree", self.degree, minimum=1)
+        if g.cache_dtype not in _SLICE_FORMATS:
+            raise ValueError(
+                f"geometry.cache_dtype: a tensor-parallel instance keeps 16-bit cache slices, "
+                f"expected one of {_SLICE_FORMATS}, got {g.cache_dtype!r}: an FP8 rank slice "
+                f"would be a new entry format (its d_c / N e4m3 bytes with their groups' "
+                f"scales, a 128-wide scale group split across ranks once d_c / N < 128, and its "
+                f"bf16 RoPE pairs) that the TP kernels do not read (not built); serve an FP8 "
+                f"cache with the untensor-parallel Holder or DeviceHolder"
+            )
         if self.rope_layout not in ROPE_LAYOUTS:
             raise ValueError(
                 f"rope_layout: expected one of {ROPE_LAYOUTS}, got {self.rope_layout!r}"
