@@ -29,6 +29,11 @@ other every other mode (dense, probe, and the error answer of a mode it does not
 with its own ``seen`` / ``arrive`` / ``err`` state; with both attention loops in one kernel it
 spilled under triton 3.6.0. A holder runs both (``mqnc.serving.device_holder``).
 
+An FP8 cache (``FP8``: DeepSeek-V3.2's 656-byte entries in a uint8 pool) is read in place by the
+attention kernels' own helper (``_mla_tile._attend_tile_fp8``: latent bytes decoded, times their
+group's float32 scale, rounded once to the queries' dtype), dense and sparse, at its own tile
+(:func:`fp8_holder_tile`); the slots (queries, ``o``, ``lse``) are what they are for 16-bit caches.
+
 Modes: ``PERSISTENT`` loops until the stop word is set or ``max_idle`` polls find nothing (a
 bound, never a hang); otherwise ONE-SHOT: each CTA serves the requests already signalled, then
 returns. One-shot runs under the interpreter, where the grid's programs run one after another
