@@ -22,6 +22,7 @@ import sys
 
 import pytest
 import triton
+from preloaded import Preloaded
 
 from mqnc.triton_kernels._grid import SM90
 from mqnc.triton_kernels._mla_launch import REGISTERS_PER_SM
@@ -40,13 +41,12 @@ KNOWN_SPILLS = {
 
 
 # ---- the compile scripts: one child process each, forked from one preloaded interpreter ------
-# Every script below used to start a Python of its own (torch, Triton and the kernels imported,
-# Triton's source hash computed: ~3 s of a CPU each time). _run_script forks each from one
-# process that has done that once, before any compile: each script still runs alone in a fresh
-# child as ``python -c`` would run it (``__name__ == "__main__"``, its own stdout, stderr, exit
-# status and working directory), with ``TRITON_INTERPRET=0``, nothing compiled before it.
-_FORK_SERVER = r"""
-import json, os, sys, traceback
+# Every script below ran in a Python of its own, which imported torch, Triton and the kernels
+# and hashed Triton's sources before compiling (~3 s of a CPU each time): _run_script forks each
+# from one interpreter that did that once (correctness/preloaded.py), in compiled mode
+# (``TRITON_INTERPRET=0``): each still runs alone, as ``python -c`` runs it, nothing compiled
+# before it.
+_PRELOAD = """
 import torch, triton
 import mqnc.triton_kernels._compile
 try:
@@ -54,81 +54,24 @@ try:
     triton_key()
 except Exception:
     pass
-for line in sys.stdin:
-    req = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        os.dup2(os.open(req["stdout"], os.O_WRONLY), 1)
-        os.dup2(os.open(req["stderr"], os.O_WRONLY), 2)
-        os.chdir(req["cwd"])
-        sys.argv = ["-c"]
-        status = 0
-        try:
-            exec(compile(req["code"], "<string>", "exec"), {"__name__": "__main__"})
-        except SystemExit as e:
-            if isinstance(e.code, str):
-                print(e.code, file=sys.stderr)
-            status = e.code if isinstance(e.code, int) else int(e.code is not None)
-        except BaseException:
-            traceback.print_exc()
-            status = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-    _, st = os.waitpid(pid, 0)
-    print(json.dumps(os.waitstatus_to_exitcode(st)), flush=True)
 """
-_SERVER: list = []
+_SCRIPTS: list = []
 
 
 def _run_script(code: str, *, timeout: float, cwd=None) -> subprocess.CompletedProcess:
-    """Run ``code`` as ``python -c code`` would, in compiled mode (``TRITON_INTERPRET=0``), in a
-    child forked from the preloaded interpreter; ``timeout`` bounds it (the interpreter and the
-    child are killed past it, ``subprocess.TimeoutExpired`` raised)."""
-    import select
-    import signal
-    import tempfile
-
-    if not _SERVER or _SERVER[0].poll() is not None:
+    """``python -c code`` in compiled mode, forked from the preloaded interpreter."""
+    if not _SCRIPTS:
         env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled mode (no launch)
         env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-        _SERVER[:] = [
-            subprocess.Popen(
-                [sys.executable, "-c", _FORK_SERVER],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=env,
-                start_new_session=True,
-            )
-        ]
-    server = _SERVER[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-        for path in (out, err):
-            open(path, "w").close()
-        req = dict(code=code, cwd=str(cwd or os.getcwd()), stdout=out, stderr=err)
-        server.stdin.write(json.dumps(req) + "\n")
-        server.stdin.flush()
-        if not select.select([server.stdout], [], [], timeout)[0]:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-            raise subprocess.TimeoutExpired(["python", "-c", code[:60]], timeout)
-        reply = server.stdout.readline()
-        with open(out) as f_out, open(err) as f_err:
-            stdout, stderr = f_out.read(), f_err.read()
-    if not reply:  # the interpreter itself died: say how
-        raise RuntimeError(f"the compile scripts' interpreter exited {server.wait()}: {stderr}")
-    return subprocess.CompletedProcess(["python", "-c"], json.loads(reply), stdout, stderr)
+        _SCRIPTS.append(Preloaded(_PRELOAD, env))
+    return _SCRIPTS[0].run(code, timeout=timeout, cwd=cwd)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _close_the_script_server():
+def _close_the_preloaded_interpreter():
     yield
-    while _SERVER:
-        server = _SERVER.pop()
-        server.stdin.close()
-        server.wait(timeout=60)
+    while _SCRIPTS:
+        _SCRIPTS.pop().close()
 
 
 _COMPILE_ALL = """
