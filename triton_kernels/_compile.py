@@ -146,6 +146,33 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
         ).stdout
 
 
+def _sass(compiled) -> str:
+    """``cuobjdump -sass`` of a ``CompiledKernel``'s cubin, kept beside the cubin in Triton's
+    cache (the same key: the same source, options, target and Triton, hence the same cubin and
+    the same wheel's ``cuobjdump``), so that a kernel Triton found in its cache is not
+    disassembled again (~0.2-0.5 s each). The entry starts with the cubin's SHA-256 and is
+    used only when that matches; without a cache key it is disassembled every time."""
+    import hashlib
+
+    cubin = compiled.asm["cubin"]
+    key = getattr(compiled, "hash", None)
+    if not key:
+        return _cuobjdump(cubin, "-sass")
+    from triton.runtime.cache import get_cache_manager
+
+    digest = hashlib.sha256(cubin).hexdigest()
+    cache = get_cache_manager(key)
+    path = cache.get_file("mqnc-cuobjdump.sass")
+    if path is not None:
+        with open(path) as f:
+            head, _, sass = f.read().partition("\n")
+        if head == digest:
+            return sass
+    sass = _cuobjdump(cubin, "-sass")
+    cache.put(f"{digest}\n{sass}", "mqnc-cuobjdump.sass", binary=False)
+    return sass
+
+
 # Global loads and stores by width: LDG.E.128 / LDG.E.64 / LDG.E (32) / LDG.E.U16 / LDG.E.U8 ...
 _WIDTH = {"128": 128, "64": 64, "U16": 16, "S16": 16, "U8": 8, "S8": 8}
 
@@ -372,7 +399,7 @@ def resources(name: str, compiled) -> KernelResources:
             raise RuntimeError(f"cuobjdump -res-usage gave no {key} for {name}:\n{usage}")
         return int(m.group(1))
 
-    sass = _cuobjdump(cubin, "-sass")
+    sass = _sass(compiled)
     num_warps = int(compiled.metadata.num_warps)
     return KernelResources(
         name=name,
