@@ -889,11 +889,7 @@ def test_device_holder_kernel_over_fp8_entries_compiles_without_spills():
     sparse, one-shot and persistent; ``local`` and, where NVSHMEM's bitcode is installed,
     ``nvshmem``) compile for sm_90 at their launch values (``holder_loop.fp8_holder_tile``:
     16 x 16, on 8 warps under triton 3.6, 4 under 3.9) without spills."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run(
-        [sys.executable, "-c", _ROUTE_FP8], capture_output=True, text=True, env=env, timeout=600
-    )
+    r = _run_script(_ROUTE_FP8, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     for kernels in got.values():
