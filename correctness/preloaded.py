@@ -116,3 +116,41 @@ class Preloaded:
         else:
             proc.stdin.close()
         proc.wait(timeout=60)
+
+
+# What a compile script imports (``test_compile_sm90``, the kernel report's tests): torch, Triton
+# and the kernels in compiled mode, and Triton's source hash (the cache key's, ~1 s) computed.
+COMPILED_PRELOAD = """
+import torch, triton
+import mqnc.triton_kernels._compile
+try:
+    from triton.runtime.cache import triton_key
+    triton_key()
+except Exception:
+    pass
+"""
+
+
+def compiled_mode() -> Preloaded:
+    """A :class:`Preloaded` of :data:`COMPILED_PRELOAD` under this environment in compiled mode
+    (``TRITON_INTERPRET=0``: the kernels compile, nothing launches; ``TRITON_DEFAULT_FP_FUSION``
+    as the package's compiles set it), so a kernel compiled here has the cache key it has in
+    ``python -m mqnc.triton_kernels._compile``."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    return Preloaded(COMPILED_PRELOAD, env)
+
+
+# ``python -m {module} *argv`` as the code of a ``python -c`` (for :meth:`Preloaded.run`)
+RUN_MODULE = """
+import runpy, sys
+sys.argv = [{module!r}, *{argv!r}]
+runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
+"""
+
+
+def run_module(preloaded: Preloaded, module: str, *args: str, timeout: float, cwd=None):
+    """``python -m module *args`` run in a child of ``preloaded`` (``sys.argv[0]`` is the
+    module's name, not its file's path)."""
+    code = RUN_MODULE.format(module=module, argv=list(args))
+    return preloaded.run(code, timeout=timeout, cwd=cwd)

@@ -10,20 +10,47 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from preloaded import compiled_mode, run_module
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _report(module: str, *args: str, cwd=ROOT, interpret: str | None = "0"):
-    """``python -m <module> <args>`` with ``TRITON_INTERPRET`` set to ``interpret`` (None: unset;
-    "0" is compiled mode, no launch, even on a CPU-only torch)."""
+def _env(interpret: str | None) -> dict[str, str]:
+    """This environment with ``TRITON_INTERPRET`` set to ``interpret`` (None: unset; "0" is
+    compiled mode, no launch, even on a CPU-only torch)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret is not None:
         env["TRITON_INTERPRET"] = interpret
+    return env
+
+
+# The compiled-mode runs: ``python -m`` each, alone in a child forked from one interpreter that
+# imported torch, Triton and the kernels in compiled mode once (correctness/preloaded.py)
+_COMPILED: list = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_the_preloaded_interpreter():
+    yield
+    while _COMPILED:
+        _COMPILED.pop().close()
+
+
+def _report(module: str, *args: str, cwd=ROOT, interpret: str | None = "0"):
+    """``python -m <module> <args>`` with ``TRITON_INTERPRET`` set to ``interpret``: "0" forked
+    from the preloaded compiled-mode interpreter, otherwise a new Python (the mode is chosen at
+    its start)."""
+    if interpret == "0":
+        if not _COMPILED:
+            _COMPILED.append(compiled_mode())
+        module, *sub = module.split()
+        return run_module(_COMPILED[0], module, *sub, *args, timeout=600, cwd=cwd)
     return subprocess.run(
         [sys.executable, "-m", *module.split(), *args],
         capture_output=True,
         text=True,
-        env=env,
+        env=_env(interpret),
         cwd=cwd,
         timeout=600,
     )
@@ -90,7 +117,7 @@ def test_an_unknown_op_is_one_line_before_anything_compiles(tmp_path):
         ),
         ("mqnc.measure.kernel_report", ("--measured", str(missing)), f"no such file: {missing}"),
     ]
-    for module, args, message in cases:
+    for module, args, message in cases:  # (before the kernels' compile, in compiled mode)
         r = _report(module, *args, "--out", str(out), cwd=ROOT)
         assert r.returncode == 2, r.stderr[-2000:]
         assert message in r.stderr, r.stderr[-2000:]

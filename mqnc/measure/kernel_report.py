@@ -175,10 +175,12 @@ def _schedule(shape, index: int, launch, res) -> dict:
 def _check_ops(ops) -> None:
     """``ops``: None (all) or a non-empty set of the goal shapes' op names (a ``ValueError``
     saying which are known)."""
+    if ops is None:  # (no import: the names come from the kernels' module, torch and Triton)
+        return
     from mqnc.triton_kernels._variants import GOALS
 
     known = sorted({s.op for s in GOALS})
-    if ops is not None and (not ops or set(ops) - set(known)):
+    if not ops or set(ops) - set(known):
         raise ValueError(f"expected names out of {','.join(known)}, got {sorted(ops)}")
 
 
@@ -546,13 +548,13 @@ def run(args: argparse.Namespace) -> int:
     if not use_compiled_kernels():
         sys.exit("set TRITON_INTERPRET=0: the report compiles for a GPU target (it never launches)")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    if args.measured and not Path(args.measured).is_file():  # (checked before the kernels load)
+        print(f"kernel-report: error: --measured: no such file: {args.measured}", file=sys.stderr)
+        return 2
     try:
         _check_ops(args.ops)  # before anything compiles or the output file is opened
     except ValueError as exc:
         print(f"kernel-report: error: --ops: {exc}", file=sys.stderr)
-        return 2
-    if args.measured and not Path(args.measured).is_file():
-        print(f"kernel-report: error: --measured: no such file: {args.measured}", file=sys.stderr)
         return 2
     measured, found, device = _measured(args.measured) if args.measured else ({}, None, None)
     ceiling = args.ceiling_tbps or (found[0] if found else DEFAULT_CEILING_TBPS)
