@@ -12,7 +12,8 @@
   (``pytest -m gpu``, from ``perf/gpu_check.sh``), marked ``gpu`` here (the marker is
   registered in ``pyproject.toml``), in this order.
 - The long tier, :data:`LONG_TIER`: the tests using the GPU scripts' dry-run fixtures (minutes
-  each on a 2-core machine), marked ``long``. ``make test`` (``pytest correctness``) deselects
+  each on a 2-core machine) and the sm_90 compiles against NVSHMEM's device bitcode, marked
+  ``long``. ``make test`` (``pytest correctness``) deselects
   them; ``make test-long`` (``-m long``) runs them alone; they run with the rest when
   ``MQNC_TEST_LONG=1`` or when their file is named on the command line, and under any ``-m`` its
   expression decides.
@@ -35,6 +36,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: one core each, subproc
 
     torch.set_num_threads(1)
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
@@ -84,9 +86,16 @@ GPU_TIER = (
 # run every step of the GPU check and every tile candidate in the interpreter (the fixtures took
 # 125 s and 153 s in a suite run on this 2-core machine at a load of ~10): they rehearse a GPU
 # run's commands, whose kernels, benches and tier the rest of the suite checks one by one.
+# ``nvshmem_device_bitcode`` (below): the sm_90 compiles against NVSHMEM's device bitcode, of the
+# opt-in ``nvshmem`` backend that no default path launches (the device route's kernels, the FP8
+# holder kernel's, the engine's put / wait): linking the bitcode costs ~3-5 s of a CPU a kernel,
+# 15 kernels, ~70 s of a loaded run with a cold Triton cache; the same kernels on the ``local``
+# backend stay in ``make test``, and the GPU check's nvshmem step compiles and runs them.
 LONG_TIER = (
     ("test_gpu_check.py", "dry_run"),
     ("test_gpu_check.py", "tiles_dry_run"),
+    ("test_compile_sm90.py", "nvshmem_device_bitcode"),
+    ("test_transport.py", "nvshmem_device_bitcode"),
 )
 MQNC_TEST_LONG = "MQNC_TEST_LONG"
 
@@ -167,3 +176,16 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
     if config.getoption("-m") == "gpu":  # the tier runs in its listed order: kernels first
         items.sort(key=rank)
+
+
+@pytest.fixture(scope="session")
+def nvshmem_device_bitcode() -> str:
+    """Path of NVSHMEM's device bitcode for sm_90 (``libnvshmem_device.bc``, the
+    ``nvidia-nvshmem`` wheel); the test is skipped where it is not installed. A test using it
+    compiles against it: it is in :data:`LONG_TIER`."""
+    from mqnc.transport.nvshmem import device_library_path
+
+    try:
+        return device_library_path(90)
+    except RuntimeError as exc:
+        pytest.skip(f"NVSHMEM's device bitcode is not installed: {exc}")

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 import triton
-from preloaded import Preloaded
+from preloaded import compiled_mode
 
 from mqnc.triton_kernels._grid import SM90
 from mqnc.triton_kernels._mla_launch import REGISTERS_PER_SM
@@ -46,24 +46,13 @@ KNOWN_SPILLS = {
 # from one interpreter that did that once (correctness/preloaded.py), in compiled mode
 # (``TRITON_INTERPRET=0``): each still runs alone, as ``python -c`` runs it, nothing compiled
 # before it.
-_PRELOAD = """
-import torch, triton
-import mqnc.triton_kernels._compile
-try:
-    from triton.runtime.cache import triton_key
-    triton_key()
-except Exception:
-    pass
-"""
 _SCRIPTS: list = []
 
 
 def _run_script(code: str, *, timeout: float, cwd=None) -> subprocess.CompletedProcess:
     """``python -c code`` in compiled mode, forked from the preloaded interpreter."""
     if not _SCRIPTS:
-        env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled mode (no launch)
-        env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-        _SCRIPTS.append(Preloaded(_PRELOAD, env))
+        _SCRIPTS.append(compiled_mode())  # (no launch)
     return _SCRIPTS[0].run(code, timeout=timeout, cwd=cwd)
 
 
@@ -833,72 +822,71 @@ def test_gluon_seesaw_compiles_for_sm90_warp_specialized():
         assert len(row["waits"]) == len(row["ttgir"]["wgmma_pendings"]), row["waits"]
 
 
+# The device route's compile on one backend: ``local``, or ``nvshmem`` against NVSHMEM's device
+# bitcode (linking it costs ~3 s of a CPU a kernel: those compiles, of the opt-in backend no
+# default path launches, are in the long tier, by the ``nvshmem_device_bitcode`` fixture).
 _ROUTE = """
 import json
 from mqnc.transport.device_route import compile_device_route
-from mqnc.transport.nvshmem import device_library_path
-out = {"local": compile_device_route(90)}
-try:
-    device_library_path(90)
-except RuntimeError:
-    pass
-else:
-    out["nvshmem"] = compile_device_route(90, nvshmem=True)
-print(json.dumps(out))
+print(json.dumps(compile_device_route(90, nvshmem={nvshmem}, fp8={fp8})))
 """
 
 
-def test_device_route_kernels_compile_without_spills_with_and_without_nvshmem():
+def _route_compile(*, nvshmem: bool, fp8: bool) -> dict:
+    r = _run_script(_ROUTE.format(nvshmem=nvshmem, fp8=fp8), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _check_route(kernels: dict, nvshmem: bool) -> None:
+    assert len(kernels) == 7, sorted(kernels)
+    for name, res in kernels.items():
+        print(f"{name}: {res}")
+        assert res["stack"] == 0 and res["local"] == 0, f"{name} spills: {res}"
+        assert res["registers"] <= 255 and res["shared"] <= SM90.shared_per_cta, res
+        if not nvshmem:
+            assert res["calls"] == [], name
+        elif not name.startswith("route_merge"):
+            assert {"nvshmemx_putmem_signal_nbi_block", "nvshmem_fence"} <= set(res["calls"])
+
+
+def test_device_route_kernels_compile_without_spills():
     """The device route's kernels (the holder kernel dense and sparse, one-shot and persistent;
     the requester's put, dense and sparse; the wait-then-merge) compile for sm_90 at their
-    launches' values without spills, on the ``local`` backend and, where NVSHMEM's device
-    bitcode is installed, on the ``nvshmem`` backend, whose variants call NVSHMEM's
-    block-scope put (with signal), fence and (persistent holder, put) quiet."""
-    r = _run_script(_ROUTE, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    for backend, kernels in got.items():
-        assert len(kernels) == 7, sorted(kernels)
-        for name, res in kernels.items():
-            print(f"{name}: {res}")
-            assert res["stack"] == 0 and res["local"] == 0, f"{name} spills: {res}"
-            assert res["registers"] <= 255 and res["shared"] <= SM90.shared_per_cta, res
-            if backend == "local":
-                assert res["calls"] == [], name
-            elif not name.startswith("route_merge"):
-                assert {"nvshmemx_putmem_signal_nbi_block", "nvshmem_fence"} <= set(res["calls"])
+    launches' values without spills, on the ``local`` backend (no NVSHMEM call)."""
+    _check_route(_route_compile(nvshmem=False, fp8=False), nvshmem=False)
 
 
-_ROUTE_FP8 = """
-import json
-from mqnc.transport.device_route import compile_device_route
-from mqnc.transport.nvshmem import device_library_path
-out = {"local": compile_device_route(90, fp8=True)}
-try:
-    device_library_path(90)
-except RuntimeError:
-    pass
-else:
-    out["nvshmem"] = compile_device_route(90, nvshmem=True, fp8=True)
-print(json.dumps(out))
-"""
+def test_device_route_kernels_compile_without_spills_over_nvshmem(nvshmem_device_bitcode):
+    """The same seven kernels on the ``nvshmem`` backend (where NVSHMEM's device bitcode is
+    installed): the same bounds, and the variants call NVSHMEM's block-scope put (with signal),
+    fence and (persistent holder, put) quiet. Long tier (the bitcode's link)."""
+    _check_route(_route_compile(nvshmem=True, fp8=False), nvshmem=True)
+
+
+def _check_fp8_holder(kernels: dict) -> None:
+    assert len(kernels) == 4, sorted(kernels)
+    for name, res in kernels.items():
+        print(f"triton {triton.__version__} {name}: {res}")
+        assert name.startswith("holder_loop-fp8[bfloat16,"), name
+        assert res["stack"] == 0 and res["local"] == 0, f"{name} spills: {res}"
+        assert res["registers"] <= 255 and res["shared"] <= SM90.shared_per_cta, res
 
 
 def test_device_holder_kernel_over_fp8_entries_compiles_without_spills():
     """The holder kernel's FP8 variants (656-byte entries read in place, bf16 slots; dense and
-    sparse, one-shot and persistent; ``local`` and, where NVSHMEM's bitcode is installed,
-    ``nvshmem``) compile for sm_90 at their launch values (``holder_loop.fp8_holder_tile``:
-    16 x 16, on 8 warps under triton 3.6, 4 under 3.9) without spills."""
-    r = _run_script(_ROUTE_FP8, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    for kernels in got.values():
-        assert len(kernels) == 4, sorted(kernels)
-        for name, res in kernels.items():
-            print(f"triton {triton.__version__} {name}: {res}")
-            assert name.startswith("holder_loop-fp8[bfloat16,"), name
-            assert res["stack"] == 0 and res["local"] == 0, f"{name} spills: {res}"
-            assert res["registers"] <= 255 and res["shared"] <= SM90.shared_per_cta, res
+    sparse, one-shot and persistent; ``local``) compile for sm_90 at their launch values
+    (``holder_loop.fp8_holder_tile``: 16 x 16, on 8 warps under triton 3.6, 4 under 3.9)
+    without spills."""
+    _check_fp8_holder(_route_compile(nvshmem=False, fp8=True))
+
+
+def test_device_holder_kernel_over_fp8_entries_compiles_without_spills_over_nvshmem(
+    nvshmem_device_bitcode,
+):
+    """The same four FP8 variants on the ``nvshmem`` backend, where NVSHMEM's device bitcode is
+    installed. Long tier (the bitcode's link)."""
+    _check_fp8_holder(_route_compile(nvshmem=True, fp8=True))
 
 
 _FP8_QUANT = """
