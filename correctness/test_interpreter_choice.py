@@ -35,8 +35,8 @@ import doctest, os
 import mqnc.triton_kernels as tk  # chooses the interpreter on a CPU-only torch
 from mqnc.triton_kernels import merge, mla_decode, mla_sparse, splice
 assert os.environ.get("TRITON_INTERPRET") == "1", os.environ.get("TRITON_INTERPRET")
-failed = sum(doctest.testmod(m).failed for m in (merge, mla_decode, mla_sparse, splice))
-tried = sum(doctest.testmod(m).attempted for m in (merge, mla_decode, mla_sparse, splice))
+results = [doctest.testmod(m) for m in (merge, mla_decode, mla_sparse, splice)]  # each once
+failed, tried = sum(r.failed for r in results), sum(r.attempted for r in results)
 print("doctests", tried, "failed", failed)
 raise SystemExit(1 if failed or not tried else 0)
 """
