@@ -12,13 +12,14 @@ import argparse
 import json
 import multiprocessing
 import re
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from mqnc.demo import DemoConfig, HolderStartupError, run_demo
+from mqnc.demo.calibration import counts_for
 from mqnc.demo.report import median_calls, replay_routes, spread_mape
 from mqnc.demo.step import OTHER
 from mqnc.demo.waves import predict_wave
@@ -75,6 +76,34 @@ def test_demo_loopback_decides_executes_and_verifies(tmp_path, capsys):
     assert "decisions per (chunk, agent)" in printed and "MAPE" in printed
     # every constant printed with where it came from
     assert re.search(r"T_probe .* measured this run", printed)
+    # the interpreter's counts, recorded (on a GPU: the compiled kernels, the default counts)
+    counts = on_disk["calibration"]["samples"]["counts"]
+    assert counts == asdict(counts_for(DemoConfig(transport="loopback", kernels="triton")))
+
+
+def test_calibration_counts_are_the_defaults_unless_the_kernels_are_interpreted(monkeypatch):
+    """Only the Triton kernels under the interpreter take :data:`INTERPRETED_COUNTS`: the
+    torch path and compiled kernels (a GPU run, ``mqnc demo``'s default there) keep the
+    defaults, which are the module's constants."""
+    from mqnc.demo.calibration import (
+        ALONE,
+        COUNTS,
+        FETCH_REPS,
+        INTERPRETED_COUNTS,
+        ROUTE_REPS,
+        WAVE_REPS,
+        counts_for,
+    )
+
+    assert asdict(COUNTS) == dict(
+        route_reps=ROUTE_REPS, alone=ALONE, wave_reps=WAVE_REPS, fetch_reps=FETCH_REPS
+    )
+    triton, torch_path = (DemoConfig(transport="loopback", kernels=k) for k in ("triton", "torch"))
+    assert counts_for(torch_path) == COUNTS
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert counts_for(triton) == INTERPRETED_COUNTS and counts_for(torch_path) == COUNTS
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert counts_for(triton) == COUNTS
 
 
 def test_constants_table_fits_its_width_whatever_the_sources():

@@ -10,7 +10,9 @@ touches every size or shape alike, not one end of a line); lines are Theil-Sen f
 move. The probes, the route sweep, the fetches and the merge are timed as the Hugging Face session's
 are (:mod:`mqnc.serving.calibration_samples`, with this module's counts); the waves and the
 re-prefill are the demo's own. The counts are the module's constants (:data:`PROBES` ...); the
-raw samples go to ``demo.json`` (``calibration.samples``).
+Triton kernels under the interpreter repeat the rotating and splicing measurements fewer times
+(:data:`INTERPRETED_COUNTS`: the same terms, sizes and shapes); the raw samples and the counts
+used go to ``demo.json`` (``calibration.samples``).
 
 - the fabric: ``T_probe`` (median of :data:`PROBES` probes after 10 warm-ups), ``BW`` and the
   turnaround (an affine fit, :func:`mqnc.cost.fit`, of isolated routes of 1, 4 and 16 query
@@ -63,7 +65,18 @@ from mqnc.model import MLAGeometry
 from mqnc.serving import ChunkInfo, Requester
 from mqnc.serving.calibration_samples import fetch_samples, merge_times, probe_times, route_sweep
 
-__all__ = ["Calibration", "calibrate", "lacking", "median_rounds", "FABRIC_TERMS", "OWN_TERMS"]
+__all__ = [
+    "Calibration",
+    "calibrate",
+    "lacking",
+    "median_rounds",
+    "FABRIC_TERMS",
+    "OWN_TERMS",
+    "Counts",
+    "COUNTS",
+    "INTERPRETED_COUNTS",
+    "counts_for",
+]
 
 FABRIC_TERMS = ("t_probe_us", "bw_gbps", "turnaround_us", "bulk_bw_gbps")
 """The fabric's terms the demo uses (a profile's, or measured)."""
@@ -96,6 +109,36 @@ FETCH_REPS = 8
 """Rounds of fetches (every size once per round, interleaved) after a warm-up round."""
 MERGE_REPS = 5
 """Merges timed (their median), after a warm-up merge."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Counts:
+    """How many times each measurement repeats (a run's counts: :data:`COUNTS`, or
+    :data:`INTERPRETED_COUNTS` when its kernels run in Triton's interpreter)."""
+
+    route_reps: int = ROUTE_REPS
+    alone: int = ALONE
+    wave_reps: int = WAVE_REPS
+    fetch_reps: int = FETCH_REPS
+
+
+COUNTS = Counts()
+"""The counts above: a compiled run's (GPU) and a torch run's."""
+INTERPRETED_COUNTS = Counts(route_reps=3, alone=5, wave_reps=3, fetch_reps=3)
+"""A run with ``kernels="triton"`` under Triton's CPU interpreter (``TRITON_INTERPRET=1``):
+every rotation and splice there is a Python call per operation per program (~0.3-1 s a call),
+so the default counts made the calibration most of a small run. The same measurements of the
+same terms, sizes and shapes (still medians, the sizes and shapes interleaved, after the same
+warm-ups), three rounds each instead of 5-8: what an interpreted run measures is the
+interpreter, whose spread is not what the counts were sized for."""
+
+
+def counts_for(cfg: DemoConfig) -> Counts:
+    """The counts of ``cfg``'s run: :data:`INTERPRETED_COUNTS` for the Triton kernels under the
+    interpreter, else :data:`COUNTS`."""
+    from mqnc.base.env import interpreting
+
+    return INTERPRETED_COUNTS if cfg.kernels == "triton" and interpreting() else COUNTS
 
 
 @dataclasses.dataclass
@@ -326,6 +369,7 @@ class _Measure:
         self.samples: dict[str, list] = {}
         self.waves: list[tuple[list[WaveCall], list[float]]] = []  # calibration waves, measured
         self.gen = torch.Generator().manual_seed(cfg.seed + 31)
+        self.counts = counts_for(cfg)
         infos = sorted(req.directory.values(), key=lambda i: (i.tokens, i.chunk_id))
         self.small = infos[0]
         # one chunk per size, spread over the corpus' range (both ends included)
@@ -345,6 +389,8 @@ class _Measure:
             got.update(new)
             bar.update(len(new))
 
+        if missing:
+            self.samples["counts"] = dataclasses.asdict(self.counts)
         route_terms = {"t_probe_us", "bw_gbps", "turnaround_us"}
         alone: list[float] = []  # sends of single-token routes with nothing else in flight
         if route_terms & set(missing):
@@ -392,7 +438,7 @@ class _Measure:
             req,
             info.chunk_id,
             ROUTE_SIZES,
-            reps=ROUTE_REPS,
+            reps=self.counts.route_reps,
             warmup=1,
             generator=self.gen,
             offset=info.position + 1,
@@ -455,7 +501,7 @@ class _Measure:
         holder at a time: its core's own speed)."""
         kinds = [False, True] if self.cfg.selection_agents else [False]
         info = self.small
-        while len(alone) < ALONE:  # single-token routes with nothing else in flight
+        while len(alone) < self.counts.alone:  # single-token routes with nothing else in flight
             rec = self.req.route(info.chunk_id, self._q(1), 0, offset=info.position + 1).record
             alone.append(rec.transfer_us)
         # the kernel calls of batches like the run's, not isolated ones
@@ -465,7 +511,7 @@ class _Measure:
         for sparse in kinds:  # a warm-up wave of each kind, not kept
             self._wave(sparse, holders)
         self.waves.clear()
-        for _rep in range(WAVE_REPS):
+        for _rep in range(self.counts.wave_reps):
             for sparse in kinds:
                 for h in holders:
                     recs = self._wave(sparse, [h])
@@ -542,10 +588,9 @@ class _Measure:
         after it (:func:`mqnc.serving.calibration_samples.fetch_samples`)."""
         self.req.clear_local()  # the decodes' copies: the calibration's calls are not the run's
         infos = self.sizes if pull else [self.small]
-        moved = fetch_samples(self.req, [i.chunk_id for i in infos], rounds=FETCH_REPS, warmup=1)
-        at_home = fetch_samples(
-            self.req, [self.small.chunk_id], rounds=FETCH_REPS, warmup=1, moved=False
-        )
+        reps = self.counts.fetch_reps
+        moved = fetch_samples(self.req, [i.chunk_id for i in infos], rounds=reps, warmup=1)
+        at_home = fetch_samples(self.req, [self.small.chunk_id], rounds=reps, warmup=1, moved=False)
         points = [(s.bytes, s.pull_us) for s in moved]
         self.samples["fetch_bytes_us"] = points
         out = dict(
