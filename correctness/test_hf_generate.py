@@ -189,20 +189,20 @@ def test_bf16_context_far_from_where_it_was_prefilled(name, force, offset, kerne
     transformers' own generate with the context at ``offset``: equal tokens at all 16 steps
     and logits within transformers' own error ``rho * E`` (no shift-noise allowance: both runs
     place every token at the same position). Rotating with the config's fp32 frequencies
-    instead drifts with ``offset * (rounded - exact)`` past that bound."""
+    instead drifts with ``offset * (rounded - exact)`` past that bound.
+
+    One free run: its tokens must be transformers' at every step, so its logits are compared at
+    all 16 (a run forced onto those tokens would be the same computation on the same inputs,
+    the same logits: it would only differ where the free run already fails)."""
     model, _, prompt, _ = setup(name, "bf16")
     ref = reference_at(name, "bf16", offset)
     corpus = corpus_of(name, "bf16", holders=2)
     assert corpus.rope.inv_freq == tuple(model.model.rotary_emb.inv_freq.double().tolist())
     with LocalHolders(corpus, kernels=kernels) as hs:
         free, _ = generate(model, corpus, hs, prompt=prompt, force=force, offset=offset)
-        forced, _ = generate(
-            model, corpus, hs, prompt=prompt, force=force, offset=offset, forced_by=ref
-        )
     ex = check(ref, free, offset=offset)
     assert ex.tokens_equal and ex.shift_max == 0, ex.line()
-    ex = check(ref, forced, offset=offset, forced=True)
-    assert ex.tokens_equal and ex.compared_steps == STEPS, ex.line()
+    assert ex.compared_steps == STEPS and not ex.mismatches, ex.line()
 
 
 def test_kernels_route_at_offset_fp32():
