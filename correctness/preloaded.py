@@ -150,7 +150,7 @@ runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
 
 
 def run_module(preloaded: Preloaded, module: str, *args: str, timeout: float, cwd=None):
-    """``python -m module *args`` run in a child of ``preloaded`` (``sys.argv[0]`` is the
-    module's name, not its file's path)."""
+    """``python -m module *args`` run in a child of ``preloaded`` (``runpy``, as ``-m`` runs it:
+    ``__main__``, ``sys.argv[0]`` the module's file)."""
     code = RUN_MODULE.format(module=module, argv=list(args))
     return preloaded.run(code, timeout=timeout, cwd=cwd)
