@@ -266,8 +266,12 @@ class Cluster:
             self._fabric.kill(k)
 
     def close(self, requester: Requester | None) -> None:
-        """Ask every live holder to stop (best effort), wait for it, close the transport; with
-        no requester (start-up failed) the holder processes are killed at once."""
+        """Ask every live holder to stop (best effort), close the transport, wait for the
+        holders; with no requester (start-up failed) the holder processes are killed at once.
+
+        The requester closes its transport before it waits: a holder process, shut down, closes
+        its own, which waits (up to its timeout, 5 s) for every peer's goodbye, the
+        requester's included."""
         for r in range(1, self.world):
             if r == self.cfg.kill_holder or requester is None:
                 continue
@@ -277,6 +281,8 @@ class Cluster:
                 pass
         for h in self._holders:
             h.stop()
+        if self.transport is not None and requester is not None:
+            self.transport.close()
         for p in self._procs:
             if requester is None:
                 p.kill()
@@ -284,7 +290,7 @@ class Cluster:
             if p.is_alive():
                 p.kill()
                 p.join()
-        if self.transport is not None:
+        if self.transport is not None and requester is None:
             self.transport.close()
         if self._procs:
             torch.set_num_threads(self._threads)
