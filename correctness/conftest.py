@@ -97,6 +97,7 @@ LONG_TIER = (
     ("test_gpu_check.py", "tiles_dry_run"),
     ("test_compile_sm90.py", "nvshmem_device_bitcode"),
     ("test_transport.py", "nvshmem_device_bitcode"),
+    ("test_nvshmem_kernels.py", "nvshmem_device_bitcode"),
 )
 MQNC_TEST_LONG = "MQNC_TEST_LONG"
 

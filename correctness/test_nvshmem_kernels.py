@@ -6,7 +6,8 @@ torch; the suite interprets kernels without a GPU) at the edge values of a real 
 and sequence 1, the first put from PE 0 to PE 1, where Triton would turn an int equal to 1 into
 a constexpr. It needs NVSHMEM's
 device bitcode (``nvidia-nvshmem-cu13``, which ``make venv`` installs on a CPU machine through
-the ``sm90`` extra); ``make compat`` reruns this file under triton 3.6.0.
+the ``sm90`` extra); like every compile against that bitcode it is in the long tier (``make
+test-long``; conftest's ``LONG_TIER``); ``make compat`` reruns this file under triton 3.6.0.
 """
 
 from __future__ import annotations
@@ -32,17 +33,10 @@ print(json.dumps([compile_device_kernels(pe=1, seq=1), compile_device_kernels(pe
 """
 
 
-def _bitcode() -> str | None:
-    try:
-        return nvshmem.device_library_path(90)
-    except RuntimeError:
-        return None
-
-
 @pytest.fixture(scope="module")
-def compiled() -> tuple[dict, dict]:
-    if _bitcode() is None:
-        pytest.skip("NVSHMEM device bitcode not installed (pip install 'mqnc[sm90]')")
+def compiled(nvshmem_device_bitcode) -> tuple[dict, dict]:
+    """The engine's kernels compiled against the bitcode (``nvshmem_device_bitcode``: skipped
+    where it is not installed, ``pip install 'mqnc[sm90]'``; in the long tier, conftest)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # compiled mode (no launch), even on a CPU torch
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     r = subprocess.run(
