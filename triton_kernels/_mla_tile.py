@@ -219,6 +219,29 @@ def _attend_tile_fp8(
 
 
 @triton.jit
+def _attend_rows(
+    q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT: tl.constexpr,
+    D_PE: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    FP8: tl.constexpr, DT: tl.constexpr, FP8_RNE: tl.constexpr,
+):  # fmt: skip
+    """One tile of entries (``kv_rows`` / ``pe_rows`` as :func:`_attend_tile`'s) through the
+    online softmax: :func:`_attend_tile` over 16-bit entries, or (``FP8``)
+    :func:`_attend_tile_fp8` over FP8 entries (uint8 pointers) dequantized to ``DT`` (the
+    query's dtype; ``FP8_RNE``: rounded in software). The dense, sparse and holder kernels'
+    one switch between the two; ``DT`` and ``FP8_RNE`` are not read when ``FP8`` is False."""
+    if FP8:
+        return _attend_tile_fp8(
+            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
+            DOT_FP32, PRECISION, DT, FP8_RNE,
+        )  # fmt: skip
+    else:
+        return _attend_tile(
+            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
+            DOT_FP32, PRECISION,
+        )  # fmt: skip
+
+
+@triton.jit
 def _softmax_init(BLOCK_H: tl.constexpr, D_LAT: tl.constexpr):
     """The online softmax's start ``(m, l, acc)``: running max ``-inf`` [BLOCK_H], denominator
     0 [BLOCK_H], unnormalised output 0 [BLOCK_H, D_LAT], all fp32."""

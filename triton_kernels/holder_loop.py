@@ -9,7 +9,7 @@ is answered with an error word, never read past: the chunk table, pool and slot 
 only after the check), and takes its share of the request's work items, one item being one
 (token, head block, split): item ``i`` is CTA ``i mod k``'s. An item runs the partial attention
 of its rows over the chunk's pages with the tile code of ``mla_decode`` / ``mla_sparse``
-(``_mla_tile``: the same ``_split_range``, ``_attend_tile`` and ``_store_partial``; at the host
+(``_mla_tile``: the same ``_split_range``, ``_attend_rows`` and ``_store_partial``; at the host
 ops' split counts and loop bounds for the holder's tile, :data:`HOLDER_TILE`, so the answer is
 the host-driven holder's at that tile, bit for bit under the interpreter): an
 unsplit item writes ``(o, lse)`` (natural log) into the reply slot, a split one its fp32 partial
@@ -61,8 +61,7 @@ from mqnc.triton_kernels._mla_launch import (
 )
 from mqnc.triton_kernels._mla_tile import (
     LOG2E,
-    _attend_tile,
-    _attend_tile_fp8,
+    _attend_rows,
     _softmax_init,
     _split_range,
     _store_partial,
@@ -174,26 +173,6 @@ def _query(QS, b, h0, heads, stride_qb, stride_qh, BLOCK_H: tl.constexpr, D_LAT:
 
 
 @triton.jit
-def _attend(q_lat, q_pe, kv_rows, valid, m, l, acc, qk_scale, D_LAT: tl.constexpr,
-            D_PE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-            FP8: tl.constexpr, DT: tl.constexpr, FP8_RNE: tl.constexpr):  # fmt: skip
-    """One tile of fused entries ``kv_rows`` [BLOCK_N] (``valid`` attended) through the
-    online softmax: ``_mla_tile._attend_tile`` over 16-bit entries, or (``FP8``) its
-    ``_attend_tile_fp8`` over 656-byte FP8 entries (uint8 pointers), dequantized in registers
-    to ``DT`` (the query's dtype; ``FP8_RNE``: rounded in software, the interpreter)."""
-    if FP8:
-        return _attend_tile_fp8(
-            q_lat, q_pe, kv_rows, kv_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, False,
-            DOT_FP32, PRECISION, DT, FP8_RNE,
-        )  # fmt: skip
-    else:
-        return _attend_tile(
-            q_lat, q_pe, kv_rows, kv_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, False,
-            DOT_FP32, PRECISION,
-        )  # fmt: skip
-
-
-@triton.jit
 def _dense_item(QS, KVL, table_row, tokens, b, h0, split, S, heads, qk_scale, stride_qb,
                 stride_qh, stride_kb, stride_kt, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
                 BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr, D_LAT: tl.constexpr,
@@ -213,8 +192,9 @@ def _dense_item(QS, KVL, table_row, tokens, b, h0, split, S, heads, qk_scale, st
         valid = t < t_end
         page = tl.load(table_row + t // PAGE, mask=valid, other=0)
         kv_rows = KVL + page.to(tl.int64) * stride_kb + (t % PAGE) * stride_kt
-        m, l, acc = _attend(q_lat, q_pe, kv_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE,
-                            DOT_FP32, PRECISION, FP8, QS.dtype.element_ty, FP8_RNE)  # fmt: skip
+        m, l, acc = _attend_rows(q_lat, q_pe, kv_rows, kv_rows, valid, m, l, acc, qk_scale,
+                                 D_LAT, D_PE, False, DOT_FP32, PRECISION, FP8,
+                                 QS.dtype.element_ty, FP8_RNE)  # fmt: skip
     return m, l, acc, offs_h, mask_h
 
 
@@ -245,8 +225,9 @@ def _sparse_item(QS, IdxRow, KVL, table_row, tokens, topk, b, h0, split, S, head
         j = tl.where(valid, j, 0)
         page = tl.load(table_row + j // PAGE, mask=valid, other=0)
         kv_rows = KVL + page.to(tl.int64) * stride_kb + (j % PAGE) * stride_kt
-        m, l, acc = _attend(q_lat, q_pe, kv_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE,
-                            DOT_FP32, PRECISION, FP8, QS.dtype.element_ty, FP8_RNE)  # fmt: skip
+        m, l, acc = _attend_rows(q_lat, q_pe, kv_rows, kv_rows, valid, m, l, acc, qk_scale,
+                                 D_LAT, D_PE, False, DOT_FP32, PRECISION, FP8,
+                                 QS.dtype.element_ty, FP8_RNE)  # fmt: skip
     return m, l, acc, offs_h, mask_h, nbad
 
 

@@ -90,8 +90,7 @@ from mqnc.triton_kernels._mla_launch import (
 from mqnc.triton_kernels._mla_tile import (
     LOG2E,
     _attend_loaded,
-    _attend_tile,
-    _attend_tile_fp8,
+    _attend_rows,
     _load_full_tile,
     _load_full_tile_fp8,
     _load_query,
@@ -257,16 +256,10 @@ def _masked_tile(
         pe_rows = KV_PE + page.to(tl.int64) * stride_pkb + (t % PAGE) * stride_pkt
     else:
         pe_rows = kv_rows  # (not read: the rope part follows the latent)
-    if FP8:
-        return _attend_tile_fp8(
-            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
-            DOT_FP32, PRECISION, DT, FP8_RNE,
-        )  # fmt: skip
-    else:
-        return _attend_tile(
-            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
-            DOT_FP32, PRECISION,
-        )  # fmt: skip
+    return _attend_rows(
+        q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
+        DOT_FP32, PRECISION, FP8, DT, FP8_RNE,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["NUM_SPLITS", "SEQ_Q", "stride_tb", "n_blocks"])

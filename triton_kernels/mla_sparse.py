@@ -52,8 +52,7 @@ from mqnc.triton_kernels._mla_launch import (
 )
 from mqnc.triton_kernels._mla_tile import (
     LOG2E,
-    _attend_tile,
-    _attend_tile_fp8,
+    _attend_rows,
     _load_query,
     _softmax_init,
     _split_range,
@@ -153,26 +152,6 @@ def _mla_sparse_kernel(
     _store_partial(
         O, LSE, o_base, lse_base, offs_h, mask_h, stride_oh, stride_lh, m, l, acc, D_LAT, BF16_RNE
     )
-
-
-@triton.jit
-def _attend_rows(
-    q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT: tl.constexpr,
-    D_PE: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-    FP8: tl.constexpr, DT: tl.constexpr, FP8_RNE: tl.constexpr,
-):  # fmt: skip
-    """One tile of gathered rows through the online softmax: ``_attend_tile``, or
-    (``FP8``) ``_attend_tile_fp8`` dequantizing FP8 entries to ``DT``."""
-    if FP8:
-        return _attend_tile_fp8(
-            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
-            DOT_FP32, PRECISION, DT, FP8_RNE,
-        )  # fmt: skip
-    else:
-        return _attend_tile(
-            q_lat, q_pe, kv_rows, pe_rows, valid, m, l, acc, qk_scale, D_LAT, D_PE, SPLIT,
-            DOT_FP32, PRECISION,
-        )  # fmt: skip
 
 
 @triton.jit
