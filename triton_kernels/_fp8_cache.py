@@ -33,6 +33,8 @@ __all__ = [
     "check_fp8_layout",
     "fp8_rope_view",
     "check_fp8_entries",
+    "bad_fp8_entries",
+    "raise_bad_fp8_entry",
     "dense_slots",
 ]
 
@@ -116,44 +118,51 @@ def dense_slots(
 _CHUNK = 1 << 16  # entries gathered at a time by the check (43 MB of 656-byte entries)
 
 
-def _bad_entries(flat: torch.Tensor, slots: torch.Tensor, d_v: int) -> torch.Tensor:
-    """``[n]`` bool: which of ``flat[slots]`` has a scale not finite and > 0 or a NaN latent
-    byte; gathered ``_CHUNK`` entries at a time (a batch's attended entries may be millions),
-    without a host sync."""
-    G = d_v // FP8_GROUP
-    bad = torch.empty(slots.numel(), dtype=torch.bool, device=slots.device)
-    for i in range(0, slots.numel(), _CHUNK):
-        entries = flat[slots[i : i + _CHUNK]]
-        scale = entries[:, d_v : d_v + 4 * G].contiguous().view(torch.float32)
-        nan = ((entries[:, :d_v] & 0x7F) == 0x7F).any(1)
-        bad[i : i + _CHUNK] = ~(torch.isfinite(scale) & (scale > 0)).all(1) | nan
-    return bad
+def bad_fp8_entries(entries: torch.Tensor, d_c: int) -> torch.Tensor:
+    """``[n]`` bool: which of the FP8 entries ``entries [n, width]`` (uint8) has a scale not
+    finite and > 0 or a NaN latent byte (``0x7F`` / ``0xFF``); no host sync. The one value
+    predicate of every FP8 entry check (here, ``fp8_quant.check_entries``, the pools)."""
+    scale = entries[:, d_c : d_c + 4 * (d_c // FP8_GROUP)].contiguous().view(torch.float32)
+    nan = ((entries[:, :d_c] & 0x7F) == 0x7F).any(1)
+    return ~(torch.isfinite(scale) & (scale > 0)).all(1) | nan
+
+
+def raise_bad_fp8_entry(name: str, entry: torch.Tensor, d_c: int, where: str, what: str = ""):
+    """Raise the ``ValueError`` for one entry that :func:`bad_fp8_entries` flags: its first bad
+    scale, else its first NaN latent byte, ``where`` saying which entry (``what``: words after
+    "every scale", e.g. " of an attended FP8 entry")."""
+    scale = entry[d_c : d_c + 4 * (d_c // FP8_GROUP)].contiguous().view(torch.float32)
+    wrong = ~(torch.isfinite(scale) & (scale > 0))
+    if bool(wrong.any()):
+        g = int(wrong.nonzero()[0, 0])
+        raise ValueError(
+            f"{name}: expected every scale{what} finite and > 0, got {scale[g].item()} "
+            f"(scale {g} of {where})"
+        )
+    j = int(((entry[:d_c] & 0x7F) == 0x7F).nonzero()[0, 0])
+    raise ValueError(
+        f"{name}: expected no NaN latent byte (0x7F / 0xFF){what.replace(' of ', ' in ', 1)}, "
+        f"got {int(entry[j]):#04x} at byte {j} of {where}"
+    )
 
 
 def check_fp8_entries(kv: torch.Tensor, slots: torch.Tensor, d_v: int) -> None:
     """The entries ``kv.reshape(-1, width)[slots]`` a call attends (``slots`` flat token ids,
     in range): every scale finite and > 0, no latent byte a NaN. One host sync (two when one
-    is bad); a ``ValueError`` naming ``kv_pool``, the token slot and the scale or byte."""
+    is bad; gathered ``_CHUNK`` entries at a time: a batch's attended entries may be
+    millions); a ``ValueError`` naming ``kv_pool``, the token slot and the scale or byte."""
     if slots.numel() == 0:
         return
     slots = slots.long()
     flat = kv.reshape(-1, kv.shape[-1])
-    bad = _bad_entries(flat, slots, d_v)
+    bad = torch.empty(slots.numel(), dtype=torch.bool, device=slots.device)
+    for i in range(0, slots.numel(), _CHUNK):
+        bad[i : i + _CHUNK] = bad_fp8_entries(flat[slots[i : i + _CHUNK]], d_v)
     if not bool(bad.any()):
         return
     first = int(bad.nonzero()[0, 0])
     slot, count = int(slots[first]), int(bad.sum())
-    entry = flat[slot]
-    scale = entry[d_v : d_v + 4 * (d_v // FP8_GROUP)].contiguous().view(torch.float32)
-    wrong = ~(torch.isfinite(scale) & (scale > 0))
-    if bool(wrong.any()):
-        g = int(wrong.nonzero()[0, 0])
-        raise ValueError(
-            f"kv_pool: expected every scale of an attended FP8 entry finite and > 0, got "
-            f"{scale[g].item()} (scale {g} of token slot {slot}, {count} entries bad)"
-        )
-    j = int(((entry[:d_v] & 0x7F) == 0x7F).nonzero()[0, 0])
-    raise ValueError(
-        f"kv_pool: expected no NaN latent byte (0x7F / 0xFF) in an attended FP8 entry, got "
-        f"{int(entry[j]):#04x} at byte {j} of token slot {slot} ({count} entries bad)"
-    )
+    raise_bad_fp8_entry(
+        "kv_pool", flat[slot], d_v, f"token slot {slot}, {count} entries bad",
+        " of an attended FP8 entry",
+    )  # fmt: skip

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from mqnc.triton_kernels._checks import check_int
+from mqnc.triton_kernels._fp8_cache import FP8_GROUP, bad_fp8_entries, raise_bad_fp8_entry
 from mqnc.triton_kernels._launch import Launch
 from mqnc.triton_kernels._numerics import round_to
 from mqnc.triton_kernels._runtime import (
@@ -52,7 +53,7 @@ __all__ = [
     "BLOCK_T",
 ]
 
-GROUP = 128
+GROUP = FP8_GROUP
 """Latent values per fp32 scale."""
 BLOCK_T = 16
 """Rows per program."""
@@ -207,34 +208,28 @@ def check_rows(x: object, d_c: object) -> int:
     return d_r
 
 
-def check_entries(cache: object, d_c: object, d_r: object) -> None:
+def check_entries(cache: object, d_c: object, d_r: object, name: str = "cache") -> None:
     """``cache [..., entry_bytes(d_c, d_r)]`` uint8 whose scales are finite and > 0 and whose
-    latent bytes are no NaN (one host sync)."""
+    latent bytes are no NaN (one host sync); errors name ``name``."""
     if not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8:
         got = cache.dtype if isinstance(cache, torch.Tensor) else type(cache).__name__
-        raise TypeError(f"cache: expected a uint8 tensor of FP8 entries, got {got}")
+        raise TypeError(f"{name}: expected a uint8 tensor of FP8 entries, got {got}")
     check_int("d_c", d_c, minimum=1)
     check_int("d_r", d_r, minimum=1)
     _check_widths("d_r", d_c, d_r)
     want = entry_bytes(d_c, d_r)
     if cache.dim() == 0 or cache.shape[-1] != want:
         raise ValueError(
-            f"cache: expected entries of {want} bytes ({d_c} FP8 latent, {d_c // GROUP} fp32 "
+            f"{name}: expected entries of {want} bytes ({d_c} FP8 latent, {d_c // GROUP} fp32 "
             f"scales, {d_r} bf16 RoPE values) on the last dim, got shape {tuple(cache.shape)} "
             "(scales missing?)"
         )
-    scale = cache[..., d_c : d_c + 4 * (d_c // GROUP)].contiguous().view(torch.float32)
-    bad = ~(torch.isfinite(scale) & (scale > 0))
+    flat = cache.reshape(-1, want)
+    bad = bad_fp8_entries(flat, d_c)
     if bool(bad.any()):
-        where = bad.nonzero()[0].tolist()
-        raise ValueError(
-            f"cache: expected every scale finite and > 0, got {scale[tuple(where)].item()} "
-            f"(scale {where[-1]} of the entry at {where[:-1]})"
-        )
-    nan = (cache[..., :d_c] & 0x7F) == 0x7F
-    if bool(nan.any()):
-        where = nan.nonzero()[0].tolist()
-        raise ValueError(f"cache: expected no NaN latent byte (0x7F / 0xFF), got one at {where}")
+        first = int(bad.nonzero()[0, 0])
+        at = [int(i) for i in torch.unravel_index(torch.tensor(first), cache.shape[:-1])]
+        raise_bad_fp8_entry(name, flat[first], d_c, f"the entry at {at}")
 
 
 def quantize_launch(x: torch.Tensor, d_c: int, out: torch.Tensor) -> Launch:

@@ -144,10 +144,7 @@ class PagedPool:
         """FP8 entries ``kv [..., b_KV]`` uint8 of this pool's layout whose every scale is
         finite and > 0 and no latent byte a NaN (``0x7F`` / ``0xFF``), or a ``ValueError``
         naming ``name``, the entry and the scale (one host sync)."""
-        try:
-            check_entries(kv, self.fp8.d_c, self.fp8.d_r)
-        except ValueError as exc:
-            raise ValueError(name + str(exc).removeprefix("cache")) from None
+        check_entries(kv, self.fp8.d_c, self.fp8.d_r, name)
 
     def splice(self, blocks: list[int], kv: torch.Tensor, delta: int, rope) -> None:
         """Write ``kv [L, tokens, width]`` re-homed by ``delta`` positions (§2.2): a plain copy
