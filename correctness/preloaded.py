@@ -122,7 +122,7 @@ class Preloaded:
 # and the kernels in compiled mode, and Triton's source hash (the cache key's, ~1 s) computed.
 COMPILED_PRELOAD = """
 import torch, triton
-import mqnc.triton_kernels._compile
+import mqnc.triton_kernels.sm90.compile
 try:
     from triton.runtime.cache import triton_key
     triton_key()
@@ -135,7 +135,7 @@ def compiled_mode() -> Preloaded:
     """A :class:`Preloaded` of :data:`COMPILED_PRELOAD` under this environment in compiled mode
     (``TRITON_INTERPRET=0``: the kernels compile, nothing launches; ``TRITON_DEFAULT_FP_FUSION``
     as the package's compiles set it), so a kernel compiled here has the cache key it has in
-    ``python -m mqnc.triton_kernels._compile``."""
+    ``python -m mqnc.triton_kernels.sm90.compile``."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     return Preloaded(COMPILED_PRELOAD, env)

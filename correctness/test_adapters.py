@@ -34,19 +34,19 @@ from mqnc.triton_kernels import (
     mla_sparse_partial,
     rope_splice,
 )
-from mqnc.triton_kernels.flashinfer_api import (
+from mqnc.triton_kernels.adapters.flashinfer import (
     merge_state,
     merge_state_in_place,
     merge_states,
     mla_paged_attention,
 )
-from mqnc.triton_kernels.flashmla_api import (
+from mqnc.triton_kernels.adapters.flashmla import (
     flashmla_from_partial,
     mla_decode_with_kvcache,
     mla_sparse_with_kvcache,
     partial_from_flashmla,
 )
-from mqnc.triton_kernels.splice import PlainRope
+from mqnc.triton_kernels.splice.rotate import PlainRope
 
 D_QK, D_V = 576, 512
 SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2

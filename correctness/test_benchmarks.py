@@ -481,7 +481,7 @@ def test_goal_targets_match_the_goal_shapes(tmp_path, capsys):
     --goals sweeps record; a CPU run of them is reported as not measured."""
     import re
 
-    from mqnc.triton_kernels._variants import GOALS
+    from mqnc.triton_kernels.sm90.variants import GOALS
     from perf import bench_merge
     from perf.speed_targets import ROOFLINE_TARGETS, TARGETS
 

@@ -2,9 +2,9 @@
 compiles it, with no register spills, without a GPU: the interpreter accepts code the GPU
 compiler rejects, and a hand-written signature compiles a variant that never runs.
 
-What is compiled: every launch of every goal shape (``_variants.GOALS``: bf16, the production
+What is compiled: every launch of every goal shape (``sm90.variants.GOALS``: bf16, the production
 tiles, real tensors of the production geometry), through Triton's own launch path
-(``_compile.compile_launch``: ``JITFunction.warmup`` under a compile-only sm_90 driver), so the
+(``sm90.compile.compile_launch``: ``JITFunction.warmup`` under a compile-only sm_90 driver), so the
 JIT derives the signature, constexprs and 16-byte-divisibility attributes from the real
 arguments. The compile runs in a subprocess with ``TRITON_INTERPRET=0`` (the suite interprets
 kernels when there is no GPU, interpreted functions cannot be compiled, and importing the kernels
@@ -24,10 +24,10 @@ import pytest
 import triton
 from preloaded import compiled_mode
 
-from mqnc.triton_kernels._grid import SM90
-from mqnc.triton_kernels._mla_launch import REGISTERS_PER_SM
-from mqnc.triton_kernels._sm90_table import SM90_VARIANTS, TRITON
-from mqnc.triton_kernels._variants import production_variants
+from mqnc.triton_kernels._core.grid import SM90
+from mqnc.triton_kernels.mla.plan import REGISTERS_PER_SM
+from mqnc.triton_kernels.sm90.table import SM90_VARIANTS, TRITON
+from mqnc.triton_kernels.sm90.variants import production_variants
 
 VARIANTS = [v.name for v in production_variants()]
 # The only spills allowed, by (triton, variant): the fp32-cache tiles under triton 3.6.0 (the GPU
@@ -65,14 +65,14 @@ def _close_the_preloaded_interpreter():
 
 _COMPILE_ALL = """
 import json
-from mqnc.triton_kernels._compile import compile_all
+from mqnc.triton_kernels.sm90.compile import compile_all
 print(json.dumps(compile_all(90)))
 """
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, dict]:
-    r = _run_script(_COMPILE_ALL, timeout=900)  # python -m mqnc.triton_kernels._compile 90
+    r = _run_script(_COMPILE_ALL, timeout=900)  # python -m mqnc.triton_kernels.sm90.compile 90
     assert r.returncode == 0, r.stderr[-4000:]
     return {k["name"]: k for k in json.loads(r.stdout)}
 
@@ -114,7 +114,7 @@ def test_mla_tile_loop_is_double_buffered(compiled, name):
     64 rows); fp32 ones in full fp32 (``ieee``, never tf32).
 
     The one exception is chosen, not fallen into: the dense 64-head tile at 3 stages under
-    triton 3.6 (``_mla_launch._WIDE``), measured the fastest at 128 heads on an H200 (bound by
+    triton 3.6 (``mla.plan._WIDE``), measured the fastest at 128 heads on an H200 (bound by
     its MMAs, not its loads), allocates a 2-deep ring but waits for every copy group (``num =
     0``); checked to be exactly that."""
     res = compiled[name]
@@ -149,9 +149,9 @@ def test_merge_reads_partials_with_16_byte_loads(compiled, name):
 
 
 def test_occupancy_table_matches_a_fresh_compile(compiled):
-    """The checked-in table (``_sm90_table``, what the split policy reads off a GPU) is what
+    """The checked-in table (``sm90.table``, what the split policy reads off a GPU) is what
     this compile gives, under the triton that wrote it (regenerate with
-    ``python -m mqnc.triton_kernels._compile --write-table``)."""
+    ``python -m mqnc.triton_kernels.sm90.compile --write-table``)."""
     if triton.__version__ != TRITON:  # (the tiles above 32 heads differ by version too)
         pytest.skip(f"table written by triton {TRITON}, this is {triton.__version__}")
     assert sorted(SM90_VARIANTS) == sorted(VARIANTS)
@@ -162,8 +162,8 @@ def test_occupancy_table_matches_a_fresh_compile(compiled):
 
 _THREE_STAGES = """
 import dataclasses, json
-from mqnc.triton_kernels._compile import compile_launch, ttgir_summary
-from mqnc.triton_kernels._variants import GOALS, shape_launches
+from mqnc.triton_kernels.sm90.compile import compile_launch, ttgir_summary
+from mqnc.triton_kernels.sm90.variants import GOALS, shape_launches
 shape = next(s for s in GOALS if s.op == "mla_decode" and (s.H, s.B, s.ct) == (16, 1, 2048))
 launch = shape_launches(shape)[0]
 kwargs = {**launch.kwargs, "num_stages": 3}
@@ -186,7 +186,7 @@ def test_three_stages_leave_the_kv_tile_single_buffered():
 
 
 # The static schedule of every MLA attention variant the default path launches, per triton
-# (``_compile.mla_evidence``): (tensor-core instructions per CTA per 64 entries, redundancy =
+# (``sm90.compile.mla_evidence``): (tensor-core instructions per CTA per 64 entries, redundancy =
 # issued over ideal multiply-accumulates, wgmma waits leaving work in flight, TMA loads, CTAs
 # per SM, registers, shared bytes, spilled bytes). Read off a launch-exact compile under each
 # triton; a change that makes any of them worse fails below (an improvement updates its row).
@@ -362,7 +362,7 @@ def test_mma_macs_and_wgmma_waits_read_the_sass():
     """The schedule's counts from SASS text: an HGMMA.64xNxK is 64 N K multiply-accumulates per
     warpgroup, an HMMA.16816 16 8 16 per warp; ``WARPGROUP.DEPBAR.LE gsb0, N`` leaves N wgmma
     groups in flight."""
-    from mqnc.triton_kernels._compile import mma_macs, wgmma_waits
+    from mqnc.triton_kernels.sm90.compile import mma_macs, wgmma_waits
 
     sass = "\n".join(
         [
@@ -384,9 +384,9 @@ def test_mma_macs_and_wgmma_waits_read_the_sass():
 
 _SWEEP = """
 import json
-from mqnc.triton_kernels._compile import compile_launch, resources
-from mqnc.triton_kernels._mla_launch import SWEEP_TILES, forced_tile
-from mqnc.triton_kernels._variants import Shape, shape_launches
+from mqnc.triton_kernels.sm90.compile import compile_launch, resources
+from mqnc.triton_kernels.mla.plan import SWEEP_TILES, forced_tile
+from mqnc.triton_kernels.sm90.variants import Shape, shape_launches
 rows = []
 for kind, tiles in SWEEP_TILES.items():
     sparse = kind == "sparse"
@@ -402,7 +402,7 @@ print(json.dumps(rows))
 
 
 def test_sweep_candidates_compile_without_spills_under_triton_3_6():
-    """Every candidate of the next H200 sweep (``_mla_launch.SWEEP_TILES``) compiles for sm_90
+    """Every candidate of the next H200 sweep (``mla.plan.SWEEP_TILES``) compiles for sm_90
     under triton 3.6 (the GPU's; ``make compat``) at 128 heads, split and unsplit, without
     spills and within a CTA's shared memory. Other tritons skip: there the wide tiles spill,
     which is why the launcher does not choose them."""
@@ -423,7 +423,7 @@ def test_sweep_candidates_compile_without_spills_under_triton_3_6():
 
 _CEILINGS = """
 import json, torch
-from mqnc.triton_kernels._compile import compile_launch, resources
+from mqnc.triton_kernels.sm90.compile import compile_launch, resources
 from perf.bench_copy import BLOCK, copy_launch, programs, read_launch
 n = BLOCK * 64  # (the 4 GiB buffer's 2**30 words specialise alike: divisible by 16)
 src, part = torch.empty(n, dtype=torch.int32), torch.empty(programs(132), dtype=torch.int32)
@@ -474,8 +474,8 @@ def test_memory_ceiling_kernels_compile_with_16_byte_accesses_and_no_spills():
 
 _GLUON = """
 import json
-from mqnc.triton_kernels._compile import mla_evidence, resources
-from mqnc.triton_kernels.mla_decode_gluon import compile_gluon_decode
+from mqnc.triton_kernels.sm90.compile import mla_evidence, resources
+from mqnc.triton_kernels.mla.gluon import compile_gluon_decode
 rows = []
 for block_n, splits in ((64, 2), (64, 1), (128, 2)):
     name, c = compile_gluon_decode(
@@ -488,7 +488,7 @@ print(json.dumps(rows))
 
 
 def test_gluon_decode_compiles_for_sm90_on_its_schedule():
-    """The opt-in Gluon decode kernel (``mla_decode_gluon``) compiles for sm_90 under triton 3.6
+    """The opt-in Gluon decode kernel (``mla.gluon``) compiles for sm_90 under triton 3.6
     (the GPU's) at the production launch (H 128, B 64, c_t 8192: two CTAs a row; split and
     unsplit, and the 128-entry variant) without spills, within 255 registers and a CTA's shared
     memory, one CTA per SM; HGMMA multiply-accumulates equal the ideal tile's (redundancy 1.0:
@@ -526,9 +526,9 @@ def test_gluon_decode_compiles_for_sm90_on_its_schedule():
 _TP = """
 import json
 import torch
-from mqnc.triton_kernels._compile import compile_launch, resources
-from mqnc.triton_kernels.tp_scores import scores_launch
-from mqnc.triton_kernels.tp_values import values_launch
+from mqnc.triton_kernels.sm90.compile import compile_launch, resources
+from mqnc.triton_kernels.tp.scores import scores_launch
+from mqnc.triton_kernels.tp.values import values_launch
 rows = []
 B, T = 8, 4096  # decode: 8 tokens, a 4096-token chunk or top-k
 # 16 heads (V2-Lite: 16-head programs, mma.sync) and 128 (V3: 64-head programs, wgmma); TP 1
@@ -564,8 +564,8 @@ def test_tp_kernels_compile_for_sm90_without_spills():
 
 _COMBINE_PDL = """
 import json, torch
-from mqnc.triton_kernels._compile import compile_launch, resources
-from mqnc.triton_kernels.merge import merge_launch
+from mqnc.triton_kernels.sm90.compile import compile_launch, resources
+from mqnc.triton_kernels.merge.partials import merge_launch
 # the split-KV combine of the holder's partial (H 16, B 1, c_t 2048: 32 splits), fp32 partials
 o, lse = torch.empty(32, 1, 16, 512), torch.empty(32, 1, 16)
 o_out, lse_out = torch.empty(1, 16, 512, dtype=torch.bfloat16), torch.empty(1, 16)
@@ -581,7 +581,7 @@ print(json.dumps(rows))
 
 
 def test_combine_with_programmatic_dependent_launch_compiles_for_sm90():
-    """The opt-in PDL combine (``merge.combine_pdl``) compiles for sm_90 at the holder
+    """The opt-in PDL combine (``merge.partials.combine_pdl``) compiles for sm_90 at the holder
     partial's combine (32 fp32 partials of 16 heads x 512 into bf16) without spills, launched
     with ``launch_pdl`` and waiting with ``griddepcontrol.wait`` before its loads; the default
     combine has neither."""
@@ -595,7 +595,7 @@ def test_combine_with_programmatic_dependent_launch_compiles_for_sm90():
 
 
 # What decides the memory-bound numbers, per default MLA variant and triton
-# (``_compile.mla_evidence``): (KV tiles in the shared-memory ring, the longest chain of
+# (``sm90.compile.mla_evidence``): (KV tiles in the shared-memory ring, the longest chain of
 # dependent global reads, TMA loads, CTAs per SM). Read off a launch-exact compile under each
 # triton; a default variant with a shallower ring, a longer chain, fewer TMA loads or fewer CTAs
 # per SM fails below (an improvement updates its row). The dense chain is 3 (the row's length,
@@ -740,9 +740,9 @@ def test_reads_regressions_names_what_got_worse():
 
 _PERSISTENT_SPLICE = """
 import json
-from mqnc.triton_kernels._compile import compile_launch, resources
-from mqnc.triton_kernels._variants import Shape, shape_launches
-from mqnc.triton_kernels.splice import persistent_splice
+from mqnc.triton_kernels.sm90.compile import compile_launch, resources
+from mqnc.triton_kernels.sm90.variants import Shape, shape_launches
+from mqnc.triton_kernels.splice.rotate import persistent_splice
 rows = []
 for delta in ("int", "[T]"):
     for persistent in (False, True):
@@ -755,7 +755,7 @@ print(json.dumps(rows))
 
 
 def test_persistent_splice_compiles_for_sm90_without_spills():
-    """The persistent-grid splice candidate (``splice.persistent_splice``) at the goal shape
+    """The persistent-grid splice candidate (``splice.rotate.persistent_splice``) at the goal shape
     (27 layers x 2048 tokens, one delta and a delta per token) compiles for sm_90 at its
     launch values (132 SMs x 4 programs) without spills, like the default splice beside it."""
     r = _run_script(_PERSISTENT_SPLICE, timeout=600)
@@ -770,8 +770,8 @@ def test_persistent_splice_compiles_for_sm90_without_spills():
 _SEESAW = """
 import json
 import collections, re
-from mqnc.triton_kernels._compile import _cuobjdump, resources
-from mqnc.triton_kernels.mla_decode_gluon import compile_gluon_decode
+from mqnc.triton_kernels.sm90.compile import _cuobjdump, resources
+from mqnc.triton_kernels.mla.gluon import compile_gluon_decode
 rows = []
 for splits in (2, 1):
     name, c = compile_gluon_decode(
@@ -876,7 +876,7 @@ def _check_fp8_holder(kernels: dict) -> None:
 def test_device_holder_kernel_over_fp8_entries_compiles_without_spills():
     """The holder kernel's FP8 variants (656-byte entries read in place, bf16 slots; dense and
     sparse, one-shot and persistent; ``local``) compile for sm_90 at their launch values
-    (``holder_loop.fp8_holder_tile``: 16 x 16, on 8 warps under triton 3.6, 4 under 3.9)
+    (``route.holder_loop.fp8_holder_tile``: 16 x 16, on 8 warps under triton 3.6, 4 under 3.9)
     without spills."""
     _check_fp8_holder(_route_compile(nvshmem=False, fp8=True))
 
@@ -891,8 +891,8 @@ def test_device_holder_kernel_over_fp8_entries_compiles_without_spills_over_nvsh
 
 _FP8_QUANT = """
 import json, torch
-from mqnc.triton_kernels._compile import compile_launch, resources
-from mqnc.triton_kernels.fp8_quant import dequantize_launch, quantize_launch
+from mqnc.triton_kernels.sm90.compile import compile_launch, resources
+from mqnc.triton_kernels.fp8.quant import dequantize_launch, quantize_launch
 rows = []
 N = 4096  # a 4096-token chunk of one layer, DeepSeek-V3.2's 512 + 64 (656-byte entries)
 for dt in (torch.bfloat16, torch.float32):
@@ -927,8 +927,10 @@ def test_fp8_quantizer_compiles_for_sm90_without_spills():
 _FP8_SPLICE = """
 import json, re
 import torch
-from mqnc.triton_kernels._compile import compile_launch, resources
-from mqnc.triton_kernels.splice import PlainRope, fp8_entry_views, persistent_splice, splice_launch
+from mqnc.triton_kernels.sm90.compile import compile_launch, resources
+from mqnc.triton_kernels.splice.rotate import (
+    PlainRope, fp8_entry_views, persistent_splice, splice_launch,
+)
 rope = PlainRope(tuple(10000.0 ** (-i / 32) for i in range(32)), 64, "interleaved")
 freq = torch.tensor(rope.inv_freq, dtype=torch.float64)
 L, T, bs = 27, 2048, 64
@@ -965,10 +967,10 @@ def test_fp8_splice_compiles_for_sm90_without_spills():
 
 
 def test_fp8_variants_are_compiled_at_the_goal_heads():
-    """The FP8 cache's launches (``_variants.FP8``: 656-byte entries, bf16 queries) are among
+    """The FP8 cache's launches (``sm90.variants.FP8``: 656-byte entries, bf16 queries) are among
     the compiled variants (so the spill, double-buffering, schedule and occupancy-table checks
     above cover them): dense at 16, 64 and 128 heads, sparse top-2048 at 64 and 128."""
-    from mqnc.triton_kernels._variants import FP8
+    from mqnc.triton_kernels.sm90.variants import FP8
 
     heads = {(s.op, s.H, s.ct if s.op == "mla_sparse" else None) for s in FP8}
     for want in (("mla_decode", 16, None), ("mla_decode", 64, None), ("mla_decode", 128, None),
@@ -981,9 +983,9 @@ def test_fp8_variants_are_compiled_at_the_goal_heads():
 
 _FP8_SWEEP = """
 import json
-from mqnc.triton_kernels._compile import compile_launch, resources
-from mqnc.triton_kernels._mla_launch import FP8_SWEEP_TILES, forced_tile
-from mqnc.triton_kernels._variants import Shape, shape_launches
+from mqnc.triton_kernels.sm90.compile import compile_launch, resources
+from mqnc.triton_kernels.mla.plan import FP8_SWEEP_TILES, forced_tile
+from mqnc.triton_kernels.sm90.variants import Shape, shape_launches
 rows = []
 for kind, tiles in FP8_SWEEP_TILES.items():
     sparse = kind == "sparse"
@@ -999,7 +1001,7 @@ print(json.dumps(rows))
 
 
 def test_fp8_sweep_candidates_compile_without_spills_under_triton_3_6():
-    """Every FP8 candidate of a GPU sweep (``_mla_launch.FP8_SWEEP_TILES``: classic and
+    """Every FP8 candidate of a GPU sweep (``mla.plan.FP8_SWEEP_TILES``: classic and
     restructured tiles over 656-byte entries, bf16 queries) compiles for sm_90 under triton 3.6
     (the GPU's) at 128 heads, split and unsplit, without spills and within a CTA's shared
     memory. Other tritons skip (as for the 16-bit sweep)."""

@@ -29,7 +29,7 @@ from mqnc.triton_kernels import (
     rope_rotate,
     rope_splice,
 )
-from mqnc.triton_kernels.mla_decode import plan_decode
+from mqnc.triton_kernels.mla.decode import plan_decode
 
 GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4)
 

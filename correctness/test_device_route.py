@@ -28,10 +28,10 @@ from mqnc.transport.device_route import (
     allocate,
     check_status,
 )
-from mqnc.triton_kernels import _route_words as W
-from mqnc.triton_kernels._mla_launch import forced_tile
-from mqnc.triton_kernels.fp8_quant import fp8_quantize
-from mqnc.triton_kernels.holder_loop import HOLDER_TILE, fp8_holder_tile
+from mqnc.triton_kernels.fp8.quant import fp8_quantize
+from mqnc.triton_kernels.mla.plan import forced_tile
+from mqnc.triton_kernels.route import words as W
+from mqnc.triton_kernels.route.holder_loop import HOLDER_TILE, fp8_holder_tile
 
 GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=16)
 SCALE = RopeSpec.from_preset("deepseek-v2-lite").softmax_scale

@@ -206,7 +206,7 @@ def test_gpu_check_times_each_fp8_goal_shape_in_both_formats():
     import shlex
     from pathlib import Path
 
-    from mqnc.triton_kernels._variants import GOALS
+    from mqnc.triton_kernels.sm90.variants import GOALS
     from perf.speed_targets import FP8_TARGETS
 
     script = (Path(__file__).resolve().parent.parent / "perf" / "gpu_check.sh").read_text()

@@ -14,7 +14,7 @@ import mqnc.serving.compute  # noqa: F401  (registers the ops' "torch" backend)
 from mqnc.model.kv_format import FP8_E4M3
 from mqnc.reference.fp8_ref import fp8_dequantize_reference, fp8_quantize_reference
 from mqnc.testing import default_device
-from mqnc.triton_kernels.fp8_quant import fp8_dequantize, fp8_quantize
+from mqnc.triton_kernels.fp8.quant import fp8_dequantize, fp8_quantize
 from mqnc.triton_kernels.ops import backend_ops
 
 DEVICE = default_device()

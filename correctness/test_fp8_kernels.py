@@ -22,10 +22,10 @@ from mqnc.reference import mla_decode_reference, mla_sparse_reference
 from mqnc.reference.attention_ref import dequantized_cache
 from mqnc.testing import assert_close, default_device, tolerance
 from mqnc.triton_kernels import mla_decode_partial, mla_decode_partial_csr, mla_sparse_partial
-from mqnc.triton_kernels._mla_launch import forced_tile
-from mqnc.triton_kernels.flashinfer_api import mla_paged_attention
-from mqnc.triton_kernels.flashmla_api import mla_decode_with_kvcache, mla_sparse_with_kvcache
-from mqnc.triton_kernels.fp8_quant import fp8_quantize
+from mqnc.triton_kernels.adapters.flashinfer import mla_paged_attention
+from mqnc.triton_kernels.adapters.flashmla import mla_decode_with_kvcache, mla_sparse_with_kvcache
+from mqnc.triton_kernels.fp8.quant import fp8_quantize
+from mqnc.triton_kernels.mla.plan import forced_tile
 from mqnc.triton_kernels.ops import backend_ops
 
 DEVICE = default_device()
@@ -333,9 +333,9 @@ def test_bad_fp8_input_is_named():
 def test_the_entry_check_finds_a_bad_entry_in_any_chunk(monkeypatch):
     """The host check gathers the attended entries a chunk at a time (millions of entries in a
     production batch): a bad scale in a later chunk is found and named all the same."""
-    from mqnc.triton_kernels import _fp8_cache
+    from mqnc.triton_kernels.fp8 import cache as fp8_cache
 
-    monkeypatch.setattr(_fp8_cache, "_CHUNK", 8)
+    monkeypatch.setattr(fp8_cache, "_CHUNK", 8)
     q, pool, table, lens, _ = _dense_case(seed=12)
     last = int(table[0, 2])  # row 0's third page: tokens 32..44, in its last chunks
     pool[last, 10, D_V + 12 : D_V + 16] = torch.tensor([-2.0]).view(torch.uint8).to(DEVICE)
@@ -346,8 +346,8 @@ def test_the_entry_check_finds_a_bad_entry_in_any_chunk(monkeypatch):
 def test_planning_without_operands_reads_the_pool_as_fp8():
     """``plan_decode`` / ``plan_sparse`` (the holders' unchecked planning path) given an FP8
     pool and no checked operands launch the FP8 variants, not a 16-bit read of the bytes."""
-    from mqnc.triton_kernels.mla_decode import plan_decode
-    from mqnc.triton_kernels.mla_sparse import plan_sparse
+    from mqnc.triton_kernels.mla.decode import plan_decode
+    from mqnc.triton_kernels.mla.sparse import plan_sparse
 
     q, pool, table, lens, _ = _dense_case(seed=13)
     q = q.to(torch.bfloat16)

@@ -2,7 +2,7 @@
 against the fp64 references: the kernel part of the GPU tier (``correctness/conftest.py``,
 ``GPU_TIER``), which a GPU run executes on the variants ``perf/warmup.py`` compiled.
 
-Each test launches the very variant its goal shape launches (``_variants.GOALS``): the same
+Each test launches the very variant its goal shape launches (``sm90.variants.GOALS``): the same
 dtypes, tiles and argument specialisation (a splice of 64 tokens compiles to the kernel of 2048,
 whose token count is not specialised), so on a GPU nothing here compiles once the cache is
 warm. Under the interpreter the sizes that are not specialised (entries, tokens, layers, rows)

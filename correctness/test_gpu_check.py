@@ -254,7 +254,7 @@ def test_tile_sweep_dry_run_times_every_candidate_against_default_and_fp64(tiles
     (a goal shape and one added by ``--dense-shapes``, FlashMLA's on the GPU) and the sparse one,
     each record with its tile, its check against the default tile and against fp64, and its
     TFLOP/s from FLOPs per query row 2 H c_t (576 + 512); the budget line is printed."""
-    from mqnc.triton_kernels._mla_launch import SWEEP_TILES
+    from mqnc.triton_kernels.mla.plan import SWEEP_TILES
 
     out, stdout = tiles_dry_run
     recs = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
@@ -351,12 +351,12 @@ def test_gluon_check_fails_a_wrong_kernel(tmp_path):
 
 
 def test_gluon_decode_checks_its_arguments_then_refuses_a_cpu():
-    """``mla_decode_gluon`` names a bad argument (ValueError / TypeError) and, given good ones on
+    """``mla.gluon`` names a bad argument (ValueError / TypeError) and, given good ones on
     a CPU, raises RuntimeError saying Gluon needs a CUDA sm_90 device (Gluon never runs in the
     interpreter); ``import mqnc`` did not import Gluon for it."""
     import torch
 
-    from mqnc.triton_kernels.mla_decode_gluon import mla_decode_gluon
+    from mqnc.triton_kernels.mla.gluon import mla_decode_gluon
 
     q = torch.zeros(2, 1, 16, 576, dtype=torch.bfloat16)
     kv = torch.zeros(4, 64, 1, 576, dtype=torch.bfloat16)
@@ -388,7 +388,7 @@ def test_tile_sweep_dry_run_times_the_16_head_candidates(tiles_dry_run):
     candidate (the two-CTA-per-SM tiles, the fused combine) at the 16-head shape, each record in
     ``results_h16.jsonl`` with its tile, checked against the default tile and fp64, with its
     GB/s and TFLOP/s; the run counts that file's records."""
-    from mqnc.triton_kernels._mla_launch import SWEEP_TILES
+    from mqnc.triton_kernels.mla.plan import SWEEP_TILES
 
     out, stdout = tiles_dry_run
     recs = [json.loads(x) for x in (out / "results_h16.jsonl").read_text().splitlines()]

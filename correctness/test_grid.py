@@ -1,4 +1,4 @@
-"""The split / grid policy (``_grid``) at given occupancy numbers: no GPU, no kernel.
+"""The split / grid policy (``_core.grid``) at given occupancy numbers: no GPU, no kernel.
 
 Occupancy (CTAs per SM from registers, threads and shared memory), the cost search (the chosen
 split count is the cheapest of every allowed one), the worked examples at the goal
@@ -15,7 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mqnc.triton_kernels._grid import (
+from mqnc.triton_kernels._core.grid import (
     MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,
     SM90,
@@ -23,8 +23,8 @@ from mqnc.triton_kernels._grid import (
     choose_num_splits,
     split_cost,
 )
-from mqnc.triton_kernels._mla_launch import _DENSE, _WIDE, TileConfig, split_bytes, tile_config
-from mqnc.triton_kernels._variants import GOALS, shape_launches
+from mqnc.triton_kernels.mla.plan import _DENSE, _WIDE, TileConfig, split_bytes, tile_config
+from mqnc.triton_kernels.sm90.variants import GOALS, shape_launches
 
 
 @pytest.mark.parametrize(
@@ -45,7 +45,7 @@ def test_ctas_per_sm_from_registers_threads_and_shared_memory(regs, threads, sha
 
 
 # The worked examples are for explicit tiles (the launcher's choice above 32 heads depends on the
-# triton version, ``_mla_launch._WIDE``): 16 heads x 64 entries, 32 x 32, and triton 3.6's 64 x 32.
+# triton version, ``mla.plan._WIDE``): 16 heads x 64 entries, 32 x 32, and triton 3.6's 64 x 32.
 TILE_16, TILE_32, TILE_64 = _DENSE[16], _DENSE[32], _WIDE[(3, 6)][0]
 
 
@@ -161,8 +161,8 @@ def test_gpu_occupancy_is_read_from_the_jits_compiled_kernel(monkeypatch):
     by a kernel object with the same interface."""
     import types
 
-    from mqnc.triton_kernels import _grid
-    from mqnc.triton_kernels._launch import Launch
+    from mqnc.triton_kernels._core import grid
+    from mqnc.triton_kernels._core.launch import Launch
 
     calls = []
 
@@ -178,20 +178,20 @@ def test_gpu_occupancy_is_read_from_the_jits_compiled_kernel(monkeypatch):
             calls.append(("warmup", args, grid, kwargs))
             return Compiled()
 
-    monkeypatch.setattr(_grid, "_GPU_OCCUPANCY", {})
+    monkeypatch.setattr(grid, "_GPU_OCCUPANCY", {})
     launch = Launch("v", Kernel(), (1, 2, 3), (1, 2), {"BLOCK": 4, "num_warps": 8})
     cuda = torch.device("cuda", 0)
-    occ = _grid.kernel_occupancy("v", cuda, lambda: launch)
+    occ = grid.kernel_occupancy("v", cuda, lambda: launch)
     assert occ == Occupancy(200, 256, 168960) and occ.ctas_per_sm() == 1
     assert calls[0] == ("warmup", (1, 2), (1, 2, 3), {"BLOCK": 4, "num_warps": 8})
-    assert _grid.kernel_occupancy("v", cuda, lambda: 1 / 0) is occ  # cached: not rebuilt
+    assert grid.kernel_occupancy("v", cuda, lambda: 1 / 0) is occ  # cached: not rebuilt
     assert len(calls) == 2
     # Off a GPU the checked-in table answers, and make_launch is never called.
-    from mqnc.triton_kernels._sm90_table import SM90_VARIANTS
+    from mqnc.triton_kernels.sm90.table import SM90_VARIANTS
 
     name = next(iter(SM90_VARIANTS))
     row = SM90_VARIANTS[name]
-    got = _grid.kernel_occupancy(name, torch.device("cpu"), lambda: 1 / 0)
+    got = grid.kernel_occupancy(name, torch.device("cpu"), lambda: 1 / 0)
     assert got == Occupancy(row["registers"], 32 * row["num_warps"], row["shared"])
 
 
@@ -202,8 +202,8 @@ def test_grids_of_many_query_rows_fit_cudas_limits(op, heads):
     are on grid axis 0 (2**31 - 1 programs), not on axis 2, whose 65,535 a launch would exceed
     ("invalid argument" from the driver; the interpreter accepts any grid). Planned on meta
     tensors: only shapes and strides are read."""
-    from mqnc.triton_kernels.mla_decode import plan_decode
-    from mqnc.triton_kernels.mla_sparse import plan_sparse
+    from mqnc.triton_kernels.mla.decode import plan_decode
+    from mqnc.triton_kernels.mla.sparse import plan_sparse
 
     rows, meta = 70_000, dict(dtype=torch.bfloat16, device="meta")
     q = torch.empty(rows, heads, 576, **meta)
@@ -229,7 +229,7 @@ def test_a_view_whose_inner_offsets_overflow_32_bits_is_refused():
     permuted view whose ``(shape[1] - 1) * stride(1)`` passes 2**31 (a token-major pool of 60K
     blocks transposed) is a ValueError naming it, not a wrapped address on the GPU. Meta
     tensors: nothing is allocated."""
-    from mqnc.triton_kernels._mla_launch import mla_operands
+    from mqnc.triton_kernels.mla.plan import mla_operands
 
     meta = dict(dtype=torch.bfloat16, device="meta")
     q = torch.empty(4, 16, 576, **meta)

@@ -138,7 +138,7 @@ def test_route_rotation_and_fetch_splice_agree_with_keys_at_the_new_position(ker
 def test_route_bf16_matches_reference_over_the_sent_rows():
     """bf16: the routed partial equals the fp64 attention of the rows actually sent (q rotated
     by the splice module's kernel, whose own accuracy test_splice checks) over the chunk."""
-    from mqnc.triton_kernels.splice import rope_rotate
+    from mqnc.triton_kernels.splice.rotate import rope_rotate
 
     kv = _chunk(3, 128)
     s = Setup({7: kv})

@@ -7,7 +7,7 @@ function calls that ``plan.run`` and an eager call make with the kernel launch s
 counted under ``sys.setprofile`` and pinned, so work added to the run path fails here;
 ``perf/bench_host.py --launch`` measures the microseconds. Also: the eager call's plan cache
 (hits, what is never cached, bit-identical results, no tensor kept alive) and the compiled
-fast path of :class:`~mqnc.triton_kernels._launch.LaunchRunner` on a stand-in kernel.
+fast path of :class:`~mqnc.triton_kernels._core.launch.LaunchRunner` on a stand-in kernel.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import weakref
 import pytest
 import torch
 
-from mqnc.triton_kernels import _launch, mla_decode_partial, plan_mla_decode
-from mqnc.triton_kernels._launch import Launch, LaunchRunner
-from mqnc.triton_kernels._mla_launch import forced_tile
+from mqnc.triton_kernels import mla_decode_partial, plan_mla_decode
+from mqnc.triton_kernels._core import launch as _launch
+from mqnc.triton_kernels._core.launch import Launch, LaunchRunner
+from mqnc.triton_kernels.mla.plan import forced_tile
 
 # Python-level calls (``sys.setprofile`` "call" events) of one run, launches stubbed. Raise a
 # pin only with a reason; lower it when the path gets shorter. (The eager call's key asks each
@@ -63,7 +64,7 @@ os.environ.pop("MQNC_POISON_OUTPUTS", None)
 sys.path.insert(0, "correctness")
 from test_host_path import SCALE, _calls, _inputs
 from mqnc.triton_kernels import mla_decode_partial, plan_mla_decode
-from mqnc.triton_kernels._launch import LaunchRunner
+from mqnc.triton_kernels._core.launch import LaunchRunner
 launched = []
 LaunchRunner.__call__ = lambda self, interpreted, *t: launched.append(self.k)
 q, pool, table, lens = _inputs(ct=2048)
@@ -228,7 +229,7 @@ def test_a_plan_that_owns_a_workspace_is_not_shared_between_eager_calls():
     """A fused-combine plan owns its split workspace (partials and tickets, reused run after
     run): the op's plan cache does not keep it (two eager calls on two streams would race on
     it); a plain plan owns nothing and is kept."""
-    from mqnc.triton_kernels._mla_launch import SWEEP_TILES
+    from mqnc.triton_kernels.mla.plan import SWEEP_TILES
 
     fused = [t for tiles in SWEEP_TILES.values() for t in tiles if t.fused]
     if not fused:

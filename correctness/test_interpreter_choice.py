@@ -33,7 +33,10 @@ def _run(code: str, **env_changes) -> subprocess.CompletedProcess:
 _DOCTESTS = """
 import doctest, os
 import mqnc.triton_kernels as tk  # chooses the interpreter on a CPU-only torch
-from mqnc.triton_kernels import merge, mla_decode, mla_sparse, splice
+from mqnc.triton_kernels.merge import partials as merge
+from mqnc.triton_kernels.mla import decode as mla_decode
+from mqnc.triton_kernels.mla import sparse as mla_sparse
+from mqnc.triton_kernels.splice import rotate as splice
 assert os.environ.get("TRITON_INTERPRET") == "1", os.environ.get("TRITON_INTERPRET")
 results = [doctest.testmod(m) for m in (merge, mla_decode, mla_sparse, splice)]  # each once
 failed, tried = sum(r.failed for r in results), sum(r.attempted for r in results)

@@ -202,7 +202,7 @@ def test_mla_shapes_count_their_bytes_and_join_the_measured_p50(tmp_path):
 
 
 def test_mla_rows_show_the_static_schedule(tmp_path):
-    """Each MLA attention launch's row carries its static schedule (``_compile.mla_evidence``):
+    """Each MLA attention launch's row carries its static schedule (``sm90.compile.mla_evidence``):
     tensor-core instructions per 64 entries against the ideal tile's, the redundancy (issued
     over ideal multiply-accumulates, >= 1.0: 1.0 = no recomputed ``QK^T``) and the wgmma waits
     leaving work in flight; the combine's row has none. The table shows them."""
@@ -278,7 +278,7 @@ def test_read_chain_and_ring_read_the_ttgir():
     shared-memory load (length -> page ids -> KV tile: 3), a loop's iter_args start at 0 (its
     body's copy is 1 deep); the ring is the leading dim of the ``<n>x<block_n>x<d_v>``
     allocation."""
-    from mqnc.triton_kernels._compile import read_chain, ring_depth
+    from mqnc.triton_kernels.sm90.compile import read_chain, ring_depth
 
     assert read_chain(_TTGIR) == 3
     assert read_chain("%a = tt.load %p : !tt.ptr<i32>") == 1 and read_chain("") == 0
@@ -312,7 +312,7 @@ def test_measured_ceiling_is_the_read_ceiling_when_recorded(tmp_path):
 def test_sass_mix_counts_instructions_past_address_0xffff():
     """nvdisasm writes an instruction's address with as many hex digits as it needs: a long
     kernel's instructions past 0xffff (``/*10a30*/``) count like the first ones."""
-    from mqnc.triton_kernels._compile import sass_mix
+    from mqnc.triton_kernels.sm90.compile import sass_mix
 
     sass = "\n".join(
         [

@@ -335,7 +335,11 @@ def test_pyproject_installs_every_subpackage():
     folders = {
         ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "mqnc").rglob("__init__.py")
     }
-    assert listed == folders | {"mqnc.triton_kernels"}
+    kernels = {
+        ".".join(("mqnc", *p.parent.relative_to(ROOT).parts))
+        for p in (ROOT / "triton_kernels").rglob("__init__.py")
+    }
+    assert listed == folders | kernels
     assert setuptools["package-dir"] == {"mqnc": "mqnc", "mqnc.triton_kernels": "triton_kernels"}
 
 

@@ -27,7 +27,7 @@ from mqnc.triton_kernels import (
     merge_partials_into,
     ml_from_lse,
 )
-from mqnc.triton_kernels._numerics import round_to
+from mqnc.triton_kernels._core.numerics import round_to
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 INF = float("inf")
@@ -352,7 +352,7 @@ def test_the_compiled_paths_slicing_of_o(dtype, D, block_d):
     """On a GPU a row's o is merged in 16-byte-per-thread slices by several programs (the
     interpreter runs one program per row): the same kernel at the GPU's slice width, a ragged
     last slice, and the lse written once per row, into NaN-poisoned outputs."""
-    from mqnc.triton_kernels.merge import merge_launch
+    from mqnc.triton_kernels.merge.partials import merge_launch
 
     g = torch.Generator().manual_seed(7)
     o = (torch.rand(5, 2, 3, D, generator=g) * 8 - 4).to(DEVICE, dtype)
@@ -376,10 +376,10 @@ def _round_bf16(X, Y, N: tl.constexpr):
 
 
 def test_software_bf16_rounding_keeps_every_nan_a_nan():
-    """``_numerics.round_to`` with ``BF16_RNE`` (the interpreter's store-side cast, shared by
+    """``_core.numerics.round_to`` with ``BF16_RNE`` (the interpreter's store-side cast, shared by
     every kernel's bf16 store): round to nearest even as torch's cast does, and a NaN of any
     payload stays a NaN (the carry once made 0x7F800001 inf and 0x7FFFFFFF -0.0)."""
-    from mqnc.triton_kernels._runtime import interpreting, launch_lock
+    from mqnc.triton_kernels._core.execution import interpreting, launch_lock
 
     if not interpreting():
         pytest.skip("the software rounding runs under the interpreter only")
@@ -401,7 +401,8 @@ def test_combine_pdl_is_opt_in_compiled_only_and_part_of_a_plans_key(monkeypatch
     launches (``launch_pdl``, the kernel's ``gdc_wait`` first) on a GPU; never under the
     interpreter (no grid dependency control there) nor outside the block; the op's plan cache
     plans a call again inside it (the choice is part of every key)."""
-    from mqnc.triton_kernels import merge, mla_decode_partial
+    from mqnc.triton_kernels import mla_decode_partial
+    from mqnc.triton_kernels.merge import partials as merge
 
     o, lse = torch.zeros(2, 1, 16, 512), torch.zeros(2, 1, 16)
     o_out, lse_out = torch.empty(1, 16, 512), torch.empty(1, 16)
@@ -425,11 +426,11 @@ def test_combine_pdl_is_opt_in_compiled_only_and_part_of_a_plans_key(monkeypatch
 
 
 def test_device_calls_under_the_interpreter_patch_the_language_once_per_launch(monkeypatch):
-    """``_runtime.skip_repatching_device_calls`` (applied when interpreting): a merge launch
+    """``_core.execution.skip_repatching_device_calls`` (applied when interpreting): a merge launch
     patches ``triton.language`` for the interpreter once per module it meets (the kernel's
     ``tl``, then ``tl.core`` for ``tl.max``), not again at each of its programs' device calls
     (``_row_max``, ``tl.max``, ``round_to``); and the result is Triton's own, bit for bit."""
-    from mqnc.triton_kernels._runtime import interpreting, skip_repatching_device_calls
+    from mqnc.triton_kernels._core.execution import interpreting, skip_repatching_device_calls
 
     if not interpreting():
         pytest.skip("the interpreter's patching only exists under the interpreter")

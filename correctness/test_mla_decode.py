@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from mqnc.reference import mla_decode_reference
 from mqnc.testing import assert_close, default_device, tolerance
 from mqnc.triton_kernels import merge_partials, mla_decode_partial
-from mqnc.triton_kernels._mla_launch import _WIDE, _WIDE_ELSE, TileConfig, forced_tile
-from mqnc.triton_kernels.mla_decode import plan_decode
+from mqnc.triton_kernels.mla.decode import plan_decode
+from mqnc.triton_kernels.mla.plan import _WIDE, _WIDE_ELSE, TileConfig, forced_tile
 
 D_QK, D_V = 576, 512
 # DeepSeek-V2-Lite's scale with YaRN (factor 40, mscale_all_dim 0.707): 192^-0.5 * mscale^2.
@@ -87,7 +87,7 @@ def test_decode_production_geometry_default_splits():
     assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name="lse")
 
 
-# Every tile chosen above 32 heads, under any triton (``_mla_launch._WIDE``): the 64-head tiles
+# Every tile chosen above 32 heads, under any triton (``mla.plan._WIDE``): the 64-head tiles
 # compile to HGMMA on the GPU; here the interpreter runs the same code at those block shapes.
 WIDE_DENSE = sorted({t[0].label for t in [*_WIDE.values(), _WIDE_ELSE]})
 

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from mqnc.reference import mla_sparse_reference
 from mqnc.testing import assert_close, default_device, tolerance
 from mqnc.triton_kernels import merge_partials, mla_sparse_partial
-from mqnc.triton_kernels._mla_launch import _WIDE, _WIDE_ELSE, TileConfig, forced_tile
-from mqnc.triton_kernels.mla_sparse import plan_sparse
+from mqnc.triton_kernels.mla.plan import _WIDE, _WIDE_ELSE, TileConfig, forced_tile
+from mqnc.triton_kernels.mla.sparse import plan_sparse
 
 D_QK = 576
 SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2  # DeepSeek-V2-Lite with YaRN
@@ -72,7 +72,7 @@ def test_sparse_matches_fp64_reference(
     assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name="lse")
 
 
-# Every sparse tile chosen above 32 heads, under any triton (``_mla_launch._WIDE``).
+# Every sparse tile chosen above 32 heads, under any triton (``mla.plan._WIDE``).
 WIDE_SPARSE = sorted({t[1].label for t in [*_WIDE.values(), _WIDE_ELSE]})
 
 

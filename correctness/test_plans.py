@@ -18,10 +18,10 @@ import math
 import pytest
 import torch
 
-import mqnc.triton_kernels._checks as checks
-import mqnc.triton_kernels._grid as grid
-import mqnc.triton_kernels.mla_decode as mla_decode
-import mqnc.triton_kernels.mla_sparse as mla_sparse
+import mqnc.triton_kernels._core.grid as grid
+import mqnc.triton_kernels._core.validate as checks
+import mqnc.triton_kernels.mla.decode as mla_decode
+import mqnc.triton_kernels.mla.sparse as mla_sparse
 from mqnc.testing import assert_close, default_device, tolerance
 from mqnc.triton_kernels import (
     mla_decode_partial,
@@ -31,8 +31,8 @@ from mqnc.triton_kernels import (
     plan_mla_decode_csr,
     plan_mla_sparse,
 )
-from mqnc.triton_kernels.flashinfer_api import mla_paged_attention, plan_mla_paged_attention
-from mqnc.triton_kernels.flashmla_api import mla_decode_with_kvcache, plan_mla_with_kvcache
+from mqnc.triton_kernels.adapters.flashinfer import mla_paged_attention, plan_mla_paged_attention
+from mqnc.triton_kernels.adapters.flashmla import mla_decode_with_kvcache, plan_mla_with_kvcache
 
 D_QK, D_V = 576, 512
 SCALE = 192**-0.5 * (0.1 * 0.707 * math.log(40) + 1) ** 2
@@ -130,7 +130,7 @@ def test_out_is_written_in_full_like_the_call():
         with pytest.raises((TypeError, ValueError), match=r"out"):
             call(out=(o_ref.double(), lse_ref))
     # what torch.compile's path does with out= (the op's results copied in): checked alike
-    from mqnc.triton_kernels._mla_launch import written_into
+    from mqnc.triton_kernels.mla.plan import written_into
 
     o_ref, lse_ref = calls["decode"]()
     for bad in ((o_ref[:1].clone(), lse_ref), (o_ref, lse_ref.double()), (o_ref,)):

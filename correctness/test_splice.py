@@ -23,7 +23,7 @@ from mqnc.reference.rope_ref import (
     rope_splice_reference,
 )
 from mqnc.testing import assert_close, default_device, tolerance
-from mqnc.triton_kernels.splice import rope_rotate, rope_splice
+from mqnc.triton_kernels.splice.rotate import rope_rotate, rope_splice
 
 D, D_C, D_R = 576, 512, 64
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -376,12 +376,12 @@ def test_rotate_rejects_bad_input():
 def test_persistent_splice_writes_the_default_splice_bit_for_bit(
     monkeypatch, dtype, delta_kind, layers
 ):
-    """The persistent-grid candidate (``splice.persistent_splice``): each program strides over
-    the (token tile, layer) pairs (here 4 programs for 3 layers x 3 tiles, so programs loop),
+    """The persistent-grid candidate (``splice.rotate.persistent_splice``): each program strides
+    over the (token tile, layer) pairs (here 4 programs for 3 layers x 3 tiles, so programs loop),
     doing one default program's arithmetic per pair: the same pool bit for bit (so the latent
     copy is exact and the rotation within the fp64 reference's bound, as the default's), the
     other slots left NaN; stacked or per-layer pools, one or per-token deltas."""
-    from mqnc.triton_kernels import splice
+    from mqnc.triton_kernels.splice import rotate as splice
 
     monkeypatch.setattr(splice, "sm_count", lambda device: 1)
     g = torch.Generator().manual_seed(7)
@@ -418,7 +418,7 @@ W8, PREFIX8 = 656, 528  # one FP8 entry of 512 + 64: latent and scale bytes, the
 
 def _fp8_chunk(g, L, ct):
     """FP8 entries of cache rows with |x| <= 4 (quantized by the reference's recipe)."""
-    from mqnc.triton_kernels.fp8_quant import fp8_quantize
+    from mqnc.triton_kernels.fp8.quant import fp8_quantize
 
     return fp8_quantize(_entries(g, L, ct, D, dtype=torch.bfloat16, device=device), D_C)
 
@@ -445,7 +445,7 @@ def test_fp8_splice_copies_latent_and_scales_and_rotates_rope(
     the fp64 rotation, every other byte of the 0xFF-poisoned pool untouched; stacked or
     per-layer pools, the persistent grid too (4 programs looping over 2 layers x 2 tiles)."""
     from mqnc.reference.rope_ref import fp8_splice_reference
-    from mqnc.triton_kernels import splice
+    from mqnc.triton_kernels.splice import rotate as splice
 
     monkeypatch.setattr(splice, "sm_count", lambda device: 1)
     g = torch.Generator().manual_seed(ct)

@@ -1,4 +1,4 @@
-"""The tile the MLA launchers choose (``_mla_launch.tile_config``), its label, the tuning hook
+"""The tile the MLA launchers choose (``mla.plan.tile_config``), its label, the tuning hook
 that forces one (``forced_tile``), and the next sweep's candidates (``SWEEP_TILES``): the 64 x 64
 ones run here against fp64 (interpreted without a GPU); nothing else launches a kernel.
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 import triton
 
-from mqnc.triton_kernels._mla_launch import (
+from mqnc.triton_kernels.mla.plan import (
     _DENSE,
     _FP32,
     _SPARSE,
@@ -173,7 +173,7 @@ def test_64x64_candidates_match_fp64(tile, heads, lengths, num_splits):
     from mqnc.reference import mla_decode_reference
     from mqnc.testing import assert_close, default_device, tolerance
     from mqnc.triton_kernels import mla_decode_partial
-    from mqnc.triton_kernels.mla_decode import plan_decode
+    from mqnc.triton_kernels.mla.decode import plan_decode
 
     gen = torch.Generator().manual_seed(heads)
     pool, table, lens = _nan_paged_cache(lengths, gen, default_device())
@@ -229,7 +229,7 @@ def test_16_head_and_restructured_candidates_match_fp64(tile, lengths, num_split
 def test_restructured_kernel_names_and_labels():
     """A restructured tile runs the pipelined kernel and says so in its variant name (``pipe``,
     or ``tma`` where a tile lies within a page); its label round-trips through the launch."""
-    from mqnc.triton_kernels.mla_decode import plan_decode
+    from mqnc.triton_kernels.mla.decode import plan_decode
 
     pool = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
     table = torch.zeros(1, 4, dtype=torch.int32)
@@ -282,8 +282,8 @@ def test_the_split_policy_prices_a_fused_combine_as_one_cta():
     """A fused combine merges a program's partials in the one CTA that draws its last ticket:
     the policy prices it so (``merge_ctas`` 1) and, for the one-row holder partial (H 16, B 1,
     c_t 2048), plans fewer splits than for the same tile with the merge kernel's 64 CTAs."""
-    from mqnc.triton_kernels._grid import choose_num_splits
-    from mqnc.triton_kernels._mla_launch import split_bytes
+    from mqnc.triton_kernels._core.grid import choose_num_splits
+    from mqnc.triton_kernels.mla.plan import split_bytes
 
     plain, fused = TileConfig.parse("16x32w8s2-pipe"), TileConfig.parse("16x32w8s2-pipe-fused")
     assert split_bytes(fused, 576, 512, 2, 16)["merge_ctas"] == 1
@@ -330,11 +330,11 @@ def test_restructured_sparse_candidates_match_fp64(tile, num_splits):
 
 def test_a_tma_launch_on_a_gpu_gets_an_allocator():
     """Device-side TMA descriptors need Triton's per-launch scratch: planning a ``-tma`` launch
-    on a CUDA device installs ``mla_decode._scratch`` (torch's allocator) where none is set,
+    on a CUDA device installs ``mla.decode._scratch`` (torch's allocator) where none is set,
     keeps one that is, and does nothing for the interpreter's CPU tensors (no CUDA call here)."""
     from triton.runtime import _allocation
 
-    from mqnc.triton_kernels.mla_decode import _scratch, ensure_allocator
+    from mqnc.triton_kernels.mla.decode import _scratch, ensure_allocator
 
     before = _allocation._allocator.get()
     try:

@@ -93,7 +93,7 @@ def test_holder_batches_call_the_kernels_with_checks_off(monkeypatch):
 
 
 def test_bench_holder_times_the_kernel_with_checks_off(monkeypatch, tmp_path):
-    from mqnc.triton_kernels import mla_decode
+    from mqnc.triton_kernels.mla import decode as mla_decode
     from perf import bench_holder
 
     seen = []

@@ -38,7 +38,7 @@ from mqnc.triton_kernels import (
     tp_partial_values,
 )
 from mqnc.triton_kernels.ops import OPS
-from mqnc.triton_kernels.splice import PlainRope
+from mqnc.triton_kernels.splice.rotate import PlainRope
 
 DEVICE = default_device()
 D_V, D_PE = 32, 16

@@ -24,8 +24,8 @@ from mqnc.serving.tp_holder import TPHolder
 from mqnc.serving.tp_requester import TPRequester, payload_bytes
 from mqnc.testing import TOLERANCES, assert_close, default_device
 from mqnc.transport import INBOX, REPLY, LoopbackFabric, PeerLost, slot_bytes_for, wire
-from mqnc.triton_kernels.tp_scores import tp_partial_scores
-from mqnc.triton_kernels.tp_values import tp_partial_values
+from mqnc.triton_kernels.tp.scores import tp_partial_scores
+from mqnc.triton_kernels.tp.values import tp_partial_values
 
 DEVICE = default_device()
 GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4)

@@ -7,8 +7,10 @@ Layout, bottom to top: a module imports its own subpackage and the layers below 
 above or beside it (``correctness/test_layout.py`` checks every import).
 
 0. ``mqnc.base``: env switches, scalar argument checks, the kernel mode (no torch at import).
-1. ``mqnc.triton_kernels`` (the folder ``triton_kernels/``): the Triton kernels, one op per
-   file (merge, dense and sparse partial attention, splice). ``mqnc.reference``: their fp64
+1. ``mqnc.triton_kernels`` (the folder ``triton_kernels/``): the Triton kernels, one folder
+   per op family with its backends (``mla``: dense and sparse partial attention, tl and Gluon;
+   ``merge``, ``splice``, ``fp8``, ``tp``, ``route``), the adapters to FlashMLA's and
+   FlashInfer's layouts apart (``adapters``). ``mqnc.reference``: their fp64
    references. ``mqnc.testing``: the one comparison helper and its tolerance table.
 2. ``mqnc.model``: MLA geometry and presets, the RoPE spec, absorption helpers and a small MLA
    model (§2, §3.3).

@@ -130,9 +130,9 @@ def programs(sms: int, ctas_per_sm: int = CTAS_PER_SM) -> int:
 
 
 def read_launch(src, partial, *, block: int = BLOCK, num_warps: int = NUM_WARPS):
-    """The read kernel's :class:`~mqnc.triton_kernels._launch.Launch` over ``src`` (int32
+    """The read kernel's :class:`~mqnc.triton_kernels._core.launch.Launch` over ``src`` (int32
     words, contiguous) into ``partial`` (int32, one per program: its length is the grid)."""
-    from mqnc.triton_kernels._launch import Launch
+    from mqnc.triton_kernels._core.launch import Launch
 
     n = src.numel()
     return Launch(
@@ -149,7 +149,7 @@ def read_tma_launch(src, partial, *, num_warps: int = NUM_WARPS):
     :data:`TMA_COLS` of them, 16-byte aligned) into ``partial`` (one int32 per program)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from mqnc.triton_kernels._launch import Launch
+    from mqnc.triton_kernels._core.launch import Launch
 
     view = src.view(-1, TMA_COLS)
     desc = TensorDescriptor.from_tensor(view, [TMA_ROWS, TMA_COLS])
@@ -165,7 +165,7 @@ def read_tma_launch(src, partial, *, num_warps: int = NUM_WARPS):
 def copy_launch(src, dst, grid: int, *, block: int = BLOCK, num_warps: int = NUM_WARPS):
     """The copy kernel's launch: ``src`` to ``dst`` (int32 words, contiguous, one size) on
     ``grid`` programs."""
-    from mqnc.triton_kernels._launch import Launch
+    from mqnc.triton_kernels._core.launch import Launch
 
     n = src.numel()
     return Launch(

@@ -8,7 +8,7 @@ run's small sweep; ``--check`` exits with status 1 when, on a GPU, the probe's p
 5 us or the route's at M_q 1 (H 16) over 20 us: the goals of ``docs/device-route.md``).
 
 What is timed (a GPU): the requester's step for ``--layers`` layers, each layer one put
-(``route_put``) and one wait-then-merge (``route_merge``), captured once in a CUDA graph and
+(``route.put``) and one wait-then-merge (``route.wait_merge``), captured once in a CUDA graph and
 replayed: a replay is the only host call of a step, so ``extra.host_calls_per_layer`` is
 ``1 / layers`` (counted: graph replays over routed layers) and ``extra.host_free`` is true.
 The holder is the two persistent kernels on their own streams (``ctas`` CTAs each), started

@@ -200,7 +200,7 @@ def _batched_call(g, cuda: bool, kernel: bool):
     Triton kernel (compiled on a GPU, interpreted otherwise), else the torch fp32 one."""
     scale = softmax_scale_of(g)
     if kernel:
-        from mqnc.triton_kernels.mla_decode import mla_decode_partial
+        from mqnc.triton_kernels.mla.decode import mla_decode_partial
 
         def call(q, pool, bt, lens):
             return mla_decode_partial(

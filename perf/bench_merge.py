@@ -8,7 +8,7 @@ production Dv = 512. Bytes moved once: M*B*H*(Dv*elt + 4) read + B*H*(Dv*elt + 4
 GPU it times the Triton kernel; on the CPU the torch fp32 reference path
 (``backend=torch-reference``): interpreter timings say nothing about the kernel.
 
-``--goals`` times the production goal shapes instead (``_variants.GOALS``: M 8 over 256 rows,
+``--goals`` times the production goal shapes instead (``sm90.variants.GOALS``: M 8 over 256 rows,
 <= 8 us, and the two-way fold, bf16 ``[M, 16, 16, 512]``), recording ``extra.shape`` for
 ``mqnc/measure/kernel_report.py --measured``; ``--tiny`` (the dry run of ``perf/gpu_check.sh``)
 times the goal shapes cut to 2 of their 16 tokens with the Triton kernel even without a GPU
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     D = 512
     cases = [(M, R, 1, {}) for M in Ms for R in rows]  # (M, B, H, extra): rows as B, H = 1
     if args.goals or args.tiny:
-        from mqnc.triton_kernels._variants import GOALS
+        from mqnc.triton_kernels.sm90.variants import GOALS
 
         cases = [
             (s.M, s.B, s.H, {"shape": s.label, "goal": s.goal}) for s in GOALS if s.op == "merge"

@@ -12,7 +12,7 @@ bf16|fp8|both]`` with the flags every benchmark takes (``--quick --reps --warmup
 - ``mla_fanin`` (§6.3): N routed requesters (N in 1..256, one query token each) batched into one
   call over the same ct = 2048 chunk the holder holds, H in {16, 128}.
 
-``--goals`` sweeps instead the production goal shapes (``mqnc.triton_kernels._variants.GOALS``:
+``--goals`` sweeps instead the production goal shapes (``mqnc.triton_kernels.sm90.variants.GOALS``:
 dense H 16 / 128 x B 1..128 x c_t 2048..65536, sparse top-2048 at H 16 / 128, B 1 / 8), one
 record per shape with ``extra.shape`` set to the shape's label, which
 ``mqnc/measure/kernel_report.py --measured`` joins to its predictions (one GPU run answers each
@@ -22,7 +22,7 @@ B <= 2 and 128 entries and runs the Triton kernels even without a GPU (interpret
 
 Tile sweeps (kernel tuning): ``--tiles 32x32w8s5,64x16w16s5`` times every goal shape once per
 tile (``HxNwWsS``: heads x entries per tile, warps, stages, optionally ``-pipe`` / ``-tma`` and
-``-fused``, the restructured kernels of docs/kernel-schedule.md; ``_mla_launch.forced_tile``), the
+``-fused``, the restructured kernels of docs/kernel-schedule.md; ``mla.plan.forced_tile``), the
 variant named ``H=..,B=..@<tile>`` and ``extra.tile`` set; each tile's output on the first input
 set is first compared with the default tile's (``extra.vs_default``: max |o - o_default| over
 max |o_default|, max |lse - lse_default|; a tile off by more than 2^-6 or 1e-3, or not finite,
@@ -80,7 +80,7 @@ TINY_B, TINY_CT = 2, 128  # --tiny: the dry run's cut of a goal shape
 
 def tiny_goals(ops) -> list:
     """The first goal shape of each op in ``ops``, cut to B <= 2 and ct <= 128 (--tiny)."""
-    from mqnc.triton_kernels._variants import GOALS
+    from mqnc.triton_kernels.sm90.variants import GOALS
 
     out = {}
     for s in GOALS:
@@ -118,7 +118,7 @@ def _as_cache(pool, kv: str, kernel: bool):
     if kv != "fp8":
         return pool
     if kernel:
-        from mqnc.triton_kernels.fp8_quant import fp8_quantize
+        from mqnc.triton_kernels.fp8.quant import fp8_quantize
 
         return fp8_quantize(pool, D_V)
     from mqnc.reference.fp8_ref import fp8_quantize_reference
@@ -275,7 +275,7 @@ def _tile_list(text: str) -> list:
     """``--tiles``: comma-separated ``HxNwWsS`` tiles (``TileConfig.parse``)."""
     import argparse
 
-    from mqnc.triton_kernels._mla_launch import TileConfig
+    from mqnc.triton_kernels.mla.plan import TileConfig
 
     try:
         tiles = [TileConfig.parse(t, "--tiles") for t in text.split(",") if t.strip()]
@@ -288,11 +288,11 @@ def _tile_list(text: str) -> list:
 
 def _dense_shapes(text: str) -> list:
     """``--dense-shapes``: comma-separated ``H=.. B=.. ct=..`` dense shapes (FlashMLA's benchmark
-    shape, H 128 B 128 c_t 4096, is not a goal shape), as ``_variants.Shape``."""
+    shape, H 128 B 128 c_t 4096, is not a goal shape), as ``sm90.variants.Shape``."""
     import argparse
     import re
 
-    from mqnc.triton_kernels._variants import Shape
+    from mqnc.triton_kernels.sm90.variants import Shape
 
     out = []
     for part in (t.strip() for t in text.split(",") if t.strip()):
@@ -402,7 +402,7 @@ class _Runner:
             extra = {**extra, **self.fp8_check(bench, extra["H"])}
         if not self.args.tiles:
             return self.timed(bench, variant, x, x_name, calls, nbytes, extra)
-        from mqnc.triton_kernels._mla_launch import forced_tile
+        from mqnc.triton_kernels.mla.plan import forced_tile
 
         ref = calls[0]()  # the default tile's (the calls plan their tile at each call)
         for tile in self.args.tiles:
@@ -469,7 +469,7 @@ def fp8_label(shape) -> str:
 
 
 def _goals(r: _Runner, only, shapes) -> None:
-    """One record per goal shape of the dense and sparse ops (``_variants.GOALS``) and cache
+    """One record per goal shape of the dense and sparse ops (``sm90.variants.GOALS``) and cache
     format (``--kv-dtype``; FP8 records labelled :func:`fp8_label`, variant ``...,fp8``)."""
     sweep = {"mla_decode": "dense", "mla_sparse": "sparse"}
     for shape in shapes:
@@ -484,7 +484,7 @@ def _goals(r: _Runner, only, shapes) -> None:
 
 def _goal(r: _Runner, shape, kv: str) -> None:
     """Time goal ``shape`` over a cache of format ``kv`` and record it."""
-    from mqnc.triton_kernels._mla_launch import tile_config
+    from mqnc.triton_kernels.mla.plan import tile_config
 
     dev, dtype, elt, kernel, gen = r.dev, r.dtype, r.elt, r.kernel, r.gen
     B, H, n = shape.B, shape.H, shape.ct
@@ -516,7 +516,7 @@ def _goal(r: _Runner, shape, kv: str) -> None:
 
 def _goal_shapes(ap, args) -> list:
     """The goal shapes to time: ``GOALS`` (``--tiny``: cut), kept by ``--shapes``."""
-    from mqnc.triton_kernels._variants import GOALS
+    from mqnc.triton_kernels.sm90.variants import GOALS
 
     shapes = tiny_goals(("mla_decode", "mla_sparse")) if args.tiny else GOALS
     if args.shapes:

@@ -5,9 +5,9 @@ H100 (DeepSeek-V2-Lite, L = 27), ~80% of it a launch-bound per-layer delta-rotat
 This bench times, in the same run and on the same inputs (bf16, 576 = 512 + 64, YaRN
 frequencies, per-token delta, scattered slots):
 
-``one-launch``   :func:`mqnc.triton_kernels.splice.rope_splice` over all L layers.
+``one-launch``   :func:`mqnc.triton_kernels.splice.rotate.rope_splice` over all L layers.
 ``per-layer``    the same kernel launched once per layer (the paper's structure).
-``persistent``   the persistent-grid candidate (:func:`mqnc.triton_kernels.splice.
+``persistent``   the persistent-grid candidate (:func:`mqnc.triton_kernels.splice.rotate.
                  persistent_splice`: SMs x 4 programs striding over the (token tile, layer)
                  pairs), the same pool bit for bit; ``extra.candidate_of`` names the goal shape.
 ``torch``        the torch path (cos/sin table from float64 angles, gather-rotate-scatter),
@@ -27,10 +27,10 @@ the chunk quantized from the same bf16 draw; latent and scales copied bit for bi
 RoPE part rotated), ``both`` each point in bf16 and then in FP8: records carry
 ``extra.kv_dtype`` and ``extra.entry_bytes``, their variant gains ``,fp8``, ``bytes`` count 656
 per entry (``2 * L * c_t * 656``), an FP8 goal record's ``extra.shape`` is the goal's label with
-`` fp8``. The torch variants splice the entries read as bf16 (``splice.fp8_entry_views``: the
+`` fp8``. The torch variants splice the entries read as bf16 (``splice.rotate.fp8_entry_views``: the
 prefix is 264 bf16 values copied, the last 64 rotated), the same torch code.
 
-``--goals`` times the production goal shapes (``_variants.GOALS``: 27 layers x 2048 tokens, one
+``--goals`` times the production goal shapes (``sm90.variants.GOALS``: 27 layers x 2048 tokens, one
 int delta for the chunk as the requester's fetch does, and one delta per token), recording
 ``extra.shape`` for ``mqnc/measure/kernel_report.py --measured``; ``--tiny`` (the dry run of
 ``perf/gpu_check.sh``) cuts them to 2 layers x 55 tokens, where the Triton variants run
@@ -138,7 +138,7 @@ def _fp8(rows, kernel: bool):
     """Cache rows ``[..., 576]`` as FP8 entries ``[..., 656]`` uint8 (the Triton quantizer when
     the kernels run, else its fp64 reference: the same bytes)."""
     if kernel:
-        from mqnc.triton_kernels.fp8_quant import fp8_quantize
+        from mqnc.triton_kernels.fp8.quant import fp8_quantize
 
         return fp8_quantize(rows, D_V)
     from mqnc.reference.fp8_ref import fp8_quantize_reference
@@ -169,7 +169,7 @@ def _inputs(ct, layers, device, seed, delta_kind, kv="bf16", kernel=False):
 def _variants(rope, layers, triton_backend):
     """``{name: (backend, fn(chunk, pool, slots, delta))}``: the Triton variants when
     ``triton_backend`` is given, and the torch ones."""
-    from mqnc.triton_kernels.splice import persistent_splice, rope_splice
+    from mqnc.triton_kernels.splice.rotate import persistent_splice, rope_splice
 
     variants = {}
     if triton_backend:
@@ -326,7 +326,7 @@ def main(argv=None) -> int:
         if not (args.goals or args.tiny):
             run(args.c_t, args.layers, args.quick, kv=kv, **timing)
             continue
-        from mqnc.triton_kernels._variants import GOALS
+        from mqnc.triton_kernels.sm90.variants import GOALS
 
         for s in (s for s in GOALS if s.op == "splice"):
             ct, L = (min(s.ct, TINY_CT), min(s.L, TINY_LAYERS)) if args.tiny else (s.ct, s.L)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Gluon MLA decode kernel's first GPU check (mqnc.triton_kernels.mla_decode_gluon, opt-in and
+# The Gluon MLA decode kernel's first GPU check (mqnc.triton_kernels.mla.gluon, opt-in and
 # unverified until this runs), one prepared call for a lent H200, and its dry run on a CPU:
 #
 #   bash perf/gpu_gluon.sh             on the GPU machine, from the repository root, $OUT set
@@ -58,8 +58,8 @@ use_interpreter_without_cuda()
 from mqnc.measure import input_sets, l2_bytes, record, time_kernel
 from mqnc.reference.attention_ref import mla_decode_reference
 from mqnc.testing import assert_close, default_device, tolerance
-from mqnc.triton_kernels.flashmla_api import mla_decode_with_kvcache
-from mqnc.triton_kernels.mla_decode_gluon import mla_decode_gluon
+from mqnc.triton_kernels.adapters.flashmla import mla_decode_with_kvcache
+from mqnc.triton_kernels.mla.gluon import mla_decode_gluon
 
 DRY, OUT = os.environ["GLUON_DRY"] == "1", sys.argv[1]
 SCALE, dev, gen = 576**-0.5, default_device(), torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@
 # sparse ``-pipe``), and at 16 heads (memory-bound) the two-CTA-per-SM tiles and the fused
 # combine (``-fused``) for the one-row holder partial.
 #
-# Times, once per candidate tile (``_mla_launch.SWEEP_TILES``: the tiles that compile without
+# Times, once per candidate tile (``mla.plan.SWEEP_TILES``: the tiles that compile without
 # spills for sm_90 under triton 3.6.0, the GPU's, 64x64w8s3 among them; perf.bench_mla --tiles),
 # dense H 128 at the goal shapes B 1 / 8 / 64 (c_t 8192 / 32768 / 8192) and FlashMLA's benchmark
 # shape B 128 c_t 4096, and sparse top-2048 H 128 at B 1 / 8, between two copy-ceiling
@@ -61,7 +61,7 @@ gpu_commit
 export MQNC_COMMIT MQNC_RESULTS="$OUT/results.jsonl" PYTHONUNBUFFERED=1
 gpu_install
 tiles() { # the candidates of one kind, from _mla_launch.SWEEP_TILES (one list for script and tests)
-  "$PY" -c "import sys; from mqnc.triton_kernels._mla_launch import SWEEP_TILES as S
+  "$PY" -c "import sys; from mqnc.triton_kernels.mla.plan import SWEEP_TILES as S
 print(','.join(t.label for t in S[sys.argv[1]]))" "$1"
 }
 DENSE_TILES=${DENSE_TILES:-$(tiles dense)}

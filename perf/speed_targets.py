@@ -84,7 +84,8 @@ TARGETS = [
         extra={"layers": 27, "delta": "per-token"},
     ),
     # The production goal shapes, as the benchmarks' --goals sweeps record them (extra.shape is the
-    # shape's label in mqnc.triton_kernels._variants.GOALS, where the kernels branch keeps them).
+    # shape's label in mqnc.triton_kernels.sm90.variants.GOALS, where the kernels branch keeps
+    # them).
     Target(
         "mla_decode",
         15.0,
@@ -139,7 +140,7 @@ TARGETS += [
 ]
 
 # The memory roofline and the microsecond (the H200 goals of the roofline work, docs/roofline.md),
-# tighter than the goal shapes' own goals (``_variants.GOALS``) where both bound one shape:
+# tighter than the goal shapes' own goals (``sm90.variants.GOALS``) where both bound one shape:
 ROOFLINE_TARGETS = [
     Target(
         "mla_decode",

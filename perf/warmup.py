@@ -6,11 +6,11 @@ The first step of ``perf/gpu_check.sh`` after the copy ceiling: a cold cache wou
 put compiles (0.2-3 s per variant, ~10 s for an NVSHMEM kernel linking the device bitcode) into
 the first timed call of every benchmark and test. Two phases:
 
-1. **parallel**: every variant the goal shapes launch (``_variants.production_variants``, once
+1. **parallel**: every variant the goal shapes launch (``sm90.variants.production_variants``, once
    each, planned as on a CPU) and the NVSHMEM engine's put and wait kernels (when the device
    bitcode is found), compiled by ``--jobs`` processes sharing the on-disk cache
    (``~/.triton/cache``). On a GPU each is the JIT's own ``kernel.warmup`` on device tensors;
-   without one (the dry run) ``_compile.compile_launch`` for sm_90, which builds the same cache
+   without one (the dry run) ``sm90.compile.compile_launch`` for sm_90, which builds the same cache
    entry (same source, specialisation, options and target).
 2. **verify** (GPU only): every goal shape planned at the live occupancy
    (``shape_launches(shape, device="cuda")``) and each launch warmed up in this process; a
@@ -44,8 +44,8 @@ def _op(name: str) -> str:
 def _launches() -> dict[str, tuple]:
     """``{variant name: (kernel, args, kwargs, grid)}``, built once per process."""
     if not _CACHE:
-        from mqnc.triton_kernels._variants import production_variants
-        from mqnc.triton_kernels._variants import shape_launches as _  # noqa: F401 - warm import
+        from mqnc.triton_kernels.sm90.variants import production_variants
+        from mqnc.triton_kernels.sm90.variants import shape_launches as _  # noqa: F401 - warm import
 
         for v in production_variants():
             ln = v.launch
@@ -72,7 +72,7 @@ def _compile_one(name: str) -> tuple[str, float, str | None]:
             args = tuple(a.to("cuda") if isinstance(a, torch.Tensor) else a for a in args)
             kernel.warmup(*args, grid=grid, **kwargs)
         else:
-            from mqnc.triton_kernels._compile import compile_launch
+            from mqnc.triton_kernels.sm90.compile import compile_launch
 
             compile_launch(kernel, args, kwargs, grid=grid, arch=90)
         return name, time.perf_counter() - t0, None
@@ -90,7 +90,7 @@ def _cache_entries() -> int:
 def _verify() -> tuple[int, float]:
     """Plan every goal shape at the live occupancy and warm each launch up here: returns
     (new cache entries, seconds); 0 new means phase 1 compiled everything the shapes launch."""
-    from mqnc.triton_kernels._variants import GOALS, shape_launches
+    from mqnc.triton_kernels.sm90.variants import GOALS, shape_launches
 
     before, t0 = _cache_entries(), time.perf_counter()
     for shape in GOALS:

@@ -2,22 +2,22 @@
 ``triton_kernels``, which would shadow Triton's own package of that name).
 
 Every op's public signature is declared once, in ``ops`` (a ``torch.library`` op with its fake,
-through the registry of ``_op``); one op per module (``merge``, ``mla_decode``, ``mla_sparse``,
-``splice``, ``tp_scores`` / ``tp_values`` (a tensor-parallel rank's share, §8), ``fp8_quant``
+through the registry of ``_core.op``); one op per module (``merge``, ``mla.decode``, ``mla.sparse``,
+``splice``, ``tp.scores`` / ``tp.values`` (a tensor-parallel rank's share, §8), ``fp8.quant``
 (the FP8 cache entry)) holds its ``@triton.jit`` kernel, its input checks and a planning
-function that returns its launches as data (``_launch.Launch``), registered as the op's
+function that returns its launches as data (``_core.launch.Launch``), registered as the op's
 ``"triton"`` implementation. Private modules, each with one job:
 
-- ``_op``: the op registry (schema, fake, public function and plan function from one
+- ``_core.op``: the op registry (schema, fake, public function and plan function from one
   declared signature; implementations per backend);
-- ``_checks``: argument validation (every error names the argument, expected and got);
-- ``_runtime``: interpreter mode, the launch lock, NaN-poisoned outputs;
-- ``_numerics``: the store-side round to nearest even;
-- ``_mla_tile`` / ``_mla_launch``: the device / host side shared by the two MLA ops;
-- ``_grid``: occupancy and the split / grid policy (whole waves);
-- ``_variants``: the production (goal) shapes and the launches they make;
-- ``_compile``: launch-exact compiles for sm_90 without a GPU, registers, spills, SASS, TTGIR;
-- ``_sm90_table``: the generated occupancy of every production variant.
+- ``_core.validate``: argument validation (every error names the argument, expected and got);
+- ``_core.execution``: interpreter mode, the launch lock, NaN-poisoned outputs;
+- ``_core.numerics``: the store-side round to nearest even;
+- ``mla.tile`` / ``mla.plan``: the device / host side shared by the two MLA ops;
+- ``_core.grid``: occupancy and the split / grid policy (whole waves);
+- ``sm90.variants``: the production (goal) shapes and the launches they make;
+- ``sm90.compile``: launch-exact compiles for sm_90 without a GPU, registers, spills, SASS, TTGIR;
+- ``sm90.table``: the generated occupancy of every production variant.
 
 Importing this package imports Triton but never touches a GPU; it imports nothing of ``mqnc``
 above the kernel layer. When torch was built without CUDA it chooses Triton's interpreter first
@@ -55,9 +55,8 @@ use_interpreter_on_cpu_only_torch()  # before anything here imports triton
 # ruff: noqa: E402  (the interpreter is chosen above, before triton is imported)
 
 from mqnc.triton_kernels import ops  # noqa: F401  (declares the torch.ops.mqnc.* ops)
-from mqnc.triton_kernels._mla_launch import AttentionPlan
-from mqnc.triton_kernels.fp8_quant import fp8_dequantize, fp8_quantize
-from mqnc.triton_kernels.merge import (
+from mqnc.triton_kernels.fp8.quant import fp8_dequantize, fp8_quantize
+from mqnc.triton_kernels.merge.partials import (
     lse_from_base2,
     lse_from_ml,
     lse_to_base2,
@@ -65,16 +64,17 @@ from mqnc.triton_kernels.merge import (
     merge_partials_into,
     ml_from_lse,
 )
-from mqnc.triton_kernels.mla_decode import (
+from mqnc.triton_kernels.mla.decode import (
     mla_decode_partial,
     mla_decode_partial_csr,
     plan_mla_decode,
     plan_mla_decode_csr,
 )
-from mqnc.triton_kernels.mla_sparse import mla_sparse_partial, plan_mla_sparse
-from mqnc.triton_kernels.splice import rope_rotate, rope_splice
-from mqnc.triton_kernels.tp_scores import tp_partial_scores
-from mqnc.triton_kernels.tp_values import tp_partial_values
+from mqnc.triton_kernels.mla.plan import AttentionPlan
+from mqnc.triton_kernels.mla.sparse import mla_sparse_partial, plan_mla_sparse
+from mqnc.triton_kernels.splice.rotate import rope_rotate, rope_splice
+from mqnc.triton_kernels.tp.scores import tp_partial_scores
+from mqnc.triton_kernels.tp.values import tp_partial_values
 
 __all__ = [
     "merge_partials",

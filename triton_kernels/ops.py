@@ -1,17 +1,18 @@
 """Every kernel's public signature, written once: each is a ``torch.library`` op (namespace
-``mqnc``), declared here with its docstring and its fake, through the registry of ``_op``.
+``mqnc``), declared here with its docstring and its fake, through the registry of ``_core.op``.
 
 ==============================  =========================================================
 ``torch.ops.mqnc.``             the public function (declared here; its module runs it)
 ==============================  =========================================================
-``mla_decode_partial``          :func:`~mqnc.triton_kernels.mla_decode.mla_decode_partial`
-``mla_decode_partial_csr``      :func:`~mqnc.triton_kernels.mla_decode.mla_decode_partial_csr`
-``mla_sparse_partial``          :func:`~mqnc.triton_kernels.mla_sparse.mla_sparse_partial`
-``merge_partials``              :func:`~mqnc.triton_kernels.merge.merge_partials`
-``merge_partials_into``         :func:`~mqnc.triton_kernels.merge.merge_partials_into` (mutates)
-``rope_splice``                 :func:`~mqnc.triton_kernels.splice.rope_splice` (mutates its
+``mla_decode_partial``          :func:`~mqnc.triton_kernels.mla.decode.mla_decode_partial`
+``mla_decode_partial_csr``      :func:`~mqnc.triton_kernels.mla.decode.mla_decode_partial_csr`
+``mla_sparse_partial``          :func:`~mqnc.triton_kernels.mla.sparse.mla_sparse_partial`
+``merge_partials``              :func:`~mqnc.triton_kernels.merge.partials.merge_partials`
+``merge_partials_into``         :func:`~mqnc.triton_kernels.merge.partials.merge_partials_into`
+                                (mutates)
+``rope_splice``                 :func:`~mqnc.triton_kernels.splice.rotate.rope_splice` (mutates its
                                 pools: ``[pool]`` with ``stacked``, or one per layer)
-``rope_rotate``                 :func:`~mqnc.triton_kernels.splice.rope_rotate`
+``rope_rotate``                 :func:`~mqnc.triton_kernels.splice.rotate.rope_rotate`
 ==============================  =========================================================
 
 The public function *is* the op's caller: eager calls and ``torch.compile`` (which traces the
@@ -49,7 +50,14 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from mqnc.triton_kernels._op import Codec, OpSet, kernel_op, kernel_op_named, op_set, registered_ops
+from mqnc.triton_kernels._core.op import (
+    Codec,
+    OpSet,
+    kernel_op,
+    kernel_op_named,
+    op_set,
+    registered_ops,
+)
 
 __all__ = [
     "OPS",
@@ -371,7 +379,7 @@ def mla_sparse_partial(
         Value width (512); ``d_v`` and ``d_qk - d_v`` powers of two >= 16.
     num_splits : int or None
         Splits of each row's index list (split-KV), combined by the merge kernel; None lets the
-        split / grid policy choose (``_grid.choose_num_splits``: whole waves, at least 64
+        split / grid policy choose (``_core.grid.choose_num_splits``: whole waves, at least 64
         slots per split).
     check_indices : bool
         Raise ``ValueError`` on the host (one sync) for an index ``< -1`` or ``>= num_blocks *
@@ -381,7 +389,7 @@ def mla_sparse_partial(
         The rope parts of the query rows ``[B, H, d_qk - d_v]`` and of the cache
         ``[num_blocks, block_size, d_qk - d_v]``, read in place (FlashInfer's split layout); then
         ``q`` / ``kv_pool`` hold the latent part only, as in
-        :func:`mqnc.triton_kernels.mla_decode.mla_decode_partial`.
+        :func:`mqnc.triton_kernels.mla.decode.mla_decode_partial`.
     out : tuple of torch.Tensor or None
         ``(o, lse)`` written instead of new tensors and returned (FlashInfer's ``out`` /
         ``lse``): contiguous, of the shapes and dtypes under Returns, on ``q``'s device (a
@@ -446,7 +454,7 @@ def merge_partials(
         Which axis holds the partials: ``"MBHD"`` (the first; this package's convention) or
         ``"BMHD"`` (the second; FlashInfer's ``merge_states``). A 4-D tensor cannot say which
         it is, so the axis is never guessed: pass ``"BMHD"`` for FlashInfer-layout tensors
-        (or call ``mqnc.triton_kernels.flashinfer_api.merge_states``).
+        (or call ``mqnc.triton_kernels.adapters.flashinfer.merge_states``).
     base2 : bool
         ``lse`` given, and returned, in base 2 (FlashInfer's convention): merged with ``exp2``
         / ``log2``, no conversion.
@@ -462,7 +470,7 @@ def merge_partials(
     Examples
     --------
     >>> import torch
-    >>> from mqnc.triton_kernels.merge import merge_partials
+    >>> from mqnc.triton_kernels.merge.partials import merge_partials
     >>> o, lse = torch.randn(3, 2, 16, 512), torch.randn(3, 2, 16)
     >>> om, lm = merge_partials(o, lse)
     >>> om.shape, lm.shape
@@ -531,7 +539,7 @@ def rope_splice(
     scales, bf16 RoPE part) are spliced by dtype: a uint8 ``chunk`` ``[L, ct, W]`` and uint8
     pools of the same ``W`` (``d_c + 4 d_c / 128 + 2 d_r``, ``d_r = rope.rope_dim``); latent
     and scale bytes are copied bit for bit, only the bf16 RoPE part is rotated (the same
-    kernel over the entries read as bf16: ``splice.fp8_entry_views``).
+    kernel over the entries read as bf16: ``splice.rotate.fp8_entry_views``).
 
     Parameters
     ----------
@@ -569,7 +577,7 @@ def rope_splice(
     --------
     >>> import torch
     >>> from mqnc.model import RopeSpec
-    >>> from mqnc.triton_kernels.splice import rope_splice
+    >>> from mqnc.triton_kernels.splice.rotate import rope_splice
     >>> rope = RopeSpec.from_preset("deepseek-v2-lite")
     >>> chunk = torch.randn(27, 55, 576).to(torch.bfloat16)
     >>> pool = torch.zeros(27, 4, 64, 576, dtype=torch.bfloat16)
@@ -613,7 +621,7 @@ def rope_rotate(x: Tensor, delta: int | Tensor, rope: RopeFrequencies) -> Tensor
     --------
     >>> import torch
     >>> from mqnc.model import RopeSpec
-    >>> from mqnc.triton_kernels.splice import rope_rotate
+    >>> from mqnc.triton_kernels.splice.rotate import rope_rotate
     >>> q = torch.randn(2, 16, 576)
     >>> rope_rotate(q, torch.tensor([-5, 7]), RopeSpec.from_preset("deepseek-v2-lite")).shape
     torch.Size([2, 16, 576])
@@ -681,7 +689,7 @@ def tp_partial_scores(
     Examples
     --------
     >>> import torch
-    >>> from mqnc.triton_kernels.tp_scores import tp_partial_scores
+    >>> from mqnc.triton_kernels.tp.scores import tp_partial_scores
     >>> q, pool = torch.randn(1, 16, 48), torch.randn(2, 16, 48)
     >>> slots = torch.tensor([[0, 5, -1]], dtype=torch.int32)
     >>> s = tp_partial_scores(q, pool, slots, d_v=32)
@@ -740,7 +748,7 @@ def tp_partial_values(
     Examples
     --------
     >>> import torch
-    >>> from mqnc.triton_kernels.tp_values import tp_partial_values
+    >>> from mqnc.triton_kernels.tp.values import tp_partial_values
     >>> s, pool = torch.randn(1, 16, 3), torch.randn(2, 16, 48)
     >>> slots = torch.tensor([[0, 5, -1]], dtype=torch.int32)
     >>> o, lse = tp_partial_values(s, pool, slots, softmax_scale=0.1, d_v=32)
@@ -800,7 +808,7 @@ def fp8_quantize(x: Tensor, d_c: int) -> Tensor:
     Examples
     --------
     >>> import torch
-    >>> from mqnc.triton_kernels.fp8_quant import fp8_quantize
+    >>> from mqnc.triton_kernels.fp8.quant import fp8_quantize
     >>> fp8_quantize(torch.randn(3, 576, dtype=torch.bfloat16), 512).shape
     torch.Size([3, 656])
     """
@@ -836,7 +844,7 @@ def fp8_dequantize(cache: Tensor, d_c: int, d_r: int, dtype: torch.dtype) -> Ten
     Examples
     --------
     >>> import torch
-    >>> from mqnc.triton_kernels.fp8_quant import fp8_dequantize, fp8_quantize
+    >>> from mqnc.triton_kernels.fp8.quant import fp8_dequantize, fp8_quantize
     >>> x = torch.randn(3, 576, dtype=torch.bfloat16)
     >>> fp8_dequantize(fp8_quantize(x, 512), 512, 64, torch.bfloat16).shape
     torch.Size([3, 576])

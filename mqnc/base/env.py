@@ -5,8 +5,8 @@
     suite and the CLI set it when no CUDA device exists, and importing ``mqnc.triton_kernels``
     sets it when torch was built without CUDA, :mod:`mqnc.base.runtime`). The kernels'
     launchers then take one process-wide lock and use their interpreter flags
-    (:mod:`mqnc.triton_kernels._runtime`). ``TRITON_INTERPRET=0`` keeps compiled mode even on a
-    CPU-only torch (the compile-only sm_90 step).
+    (:mod:`mqnc.triton_kernels._core.execution`). ``TRITON_INTERPRET=0`` keeps compiled mode even
+    on a CPU-only torch (the compile-only sm_90 step).
 ``MQNC_POISON_OUTPUTS=1``
     Fill every output a kernel launcher allocates with NaN before the kernel writes it, so an
     element a kernel forgets to write fails the comparison. The test suite sets it.

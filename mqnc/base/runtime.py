@@ -50,7 +50,7 @@ def use_interpreter_on_cpu_only_torch() -> bool:
     as it is imported) and leaves a ``TRITON_INTERPRET`` set by the user as it is. A CUDA build
     of torch on a machine without a GPU is left alone (that would need a GPU probe); its
     launchers then refuse CPU tensors with the one line that says what to set
-    (``mqnc.triton_kernels._runtime.check_launchable``).
+    (``mqnc.triton_kernels._core.execution.check_launchable``).
     """
     if TRITON_INTERPRET not in os.environ and "triton" not in sys.modules:
         import torch  # here, not at the top: see the module docstring

@@ -4,28 +4,28 @@ launched. Every time in it is a PREDICTION, not a measurement.
 ``mqnc kernel-report [--out FILE] [--ops mla_decode,merge] [--measured RESULTS]
 [--kv-dtype bf16|fp8|both]`` (or ``python -m mqnc.measure.kernel_report ...``, the same).
 
-For each goal shape (``mqnc.triton_kernels._variants.GOALS``) and each launch the op makes there
+For each goal shape (``mqnc.triton_kernels.sm90.variants.GOALS``) and each launch the op makes there
 (an MLA call: the attention kernel, then the combine when split), it compiles the launch through
-Triton's own launch path for sm_90 (``_compile.compile_launch``: same specialisation, constexprs
+Triton's own launch path for sm_90 (``sm90.compile.compile_launch``: same specialisation, constexprs
 and options as the real launch; no GPU needed) and reports:
 
 - ``regs`` / ``spill`` (stack + local bytes) / ``smem`` from the cubin (cuobjdump) and metadata;
-- ``cta/sm``: CTAs resident per SM at those resources (``_grid.Occupancy``, sm_90 limits),
+- ``cta/sm``: CTAs resident per SM at those resources (``_core.grid.Occupancy``, sm_90 limits),
   ``ctas`` in the grid the launcher plans at that occupancy, ``waves`` of ``132 * cta/sm``, and
   ``fill``, the fraction of the waves' CTA slots the grid uses;
 - ``MB``: the bytes the launch must move to or from DRAM once (the cache entries a token's
   programs share are counted once: its head blocks run side by side and share them through L2);
 - the load and MMA mix from the SASS: ``LDGSTS`` (cp.async, all widths), ``LDG128`` (16-byte
   loads), ``LDG<128`` (narrower ones), ``TMA`` (UTMALDG), ``HMMA``, ``HGMMA``;
-- an MLA attention launch's schedule (``_compile.mla_evidence``): ``mma/64`` tensor-core
+- an MLA attention launch's schedule (``sm90.compile.mla_evidence``): ``mma/64`` tensor-core
   instructions a CTA issues per 64 cache entries, ``ideal/64`` the ideal tile's (``BLOCK_H x
   BLOCK_N x 576`` for ``QK^T`` plus ``x 512`` for ``PV``, in ``HGMMA.64xNx16`` units),
   ``redund`` issued over ideal multiply-accumulates (1.0: no warpgroup recomputes another's
   ``QK^T``), ``wg_waits`` the wgmma waits leaving work in flight over all of them;
 - what decides the memory-bound numbers, per MLA attention launch: ``ring``, the KV tiles in
-  its shared-memory ring (``_compile.ring_depth``, from the TTGIR's allocations: 2 = one tile
+  its shared-memory ring (``sm90.compile.ring_depth``, from the TTGIR's allocations: 2 = one tile
   in flight while one is attended), ``chain``, the longest chain of dependent global reads
-  (``_compile.read_chain``, counted on the TTGIR's SSA def-use graph, each read whose address,
+  (``sm90.compile.read_chain``, counted on the TTGIR's SSA def-use graph, each read whose address,
   coordinates or mask come from the one before: 3 for the dense kernel's length, page id, KV
   tile; 2 for the sparse kernel's indices, KV tile), ``TMA`` (above), ``cta_per_sm`` and
   ``grid/SMs``, the grid's CTAs over sm_90's 132 SMs;
@@ -50,7 +50,7 @@ second FP8 gains at the read ceiling), and with ``--measured`` the measured ones
 is ``bf16``, the goal shapes alone.
 
 ``--candidates all`` (or a comma list of labels) adds the launch rows of the next sweep's
-candidate tiles (``_mla_launch.SWEEP_TILES``: the restructured ``-pipe`` / ``-tma`` / ``-fused``
+candidate tiles (``mla.plan.SWEEP_TILES``: the restructured ``-pipe`` / ``-tma`` / ``-fused``
 kernels, the 16-head two-CTA tiles) at their kind's shapes (:data:`CANDIDATE_SHAPES`), planned
 inside ``forced_tile`` as the sweep runs them, each ``"candidate": true`` with its ``tile``.
 
@@ -105,8 +105,8 @@ def entry_bytes(shape) -> int:
 
 
 def fp8_shapes() -> list:
-    """:data:`FP8_SHAPES` as ``_variants.Shape`` s (``fp8=True``)."""
-    from mqnc.triton_kernels._variants import Shape
+    """:data:`FP8_SHAPES` as ``sm90.variants.Shape`` s (``fp8=True``)."""
+    from mqnc.triton_kernels.sm90.variants import Shape
 
     return [Shape(op, B=B, H=H, ct=n, goal=goal, fp8=True) for op, B, H, n, goal in FP8_SHAPES]
 
@@ -158,14 +158,14 @@ def _mix(sass: dict) -> dict:
 
 
 def _schedule(shape, index: int, launch, res) -> dict:
-    """An MLA attention launch's static schedule (``_compile.mla_evidence``): tensor-core
+    """An MLA attention launch's static schedule (``sm90.compile.mla_evidence``): tensor-core
     instructions per CTA per 64 entries against the ideal tile's, their redundancy (issued over
     ideal multiply-accumulates: 1.0 = no recomputed ``QK^T``) and the wgmma waits that leave
     work in flight; None for the other launches."""
     keys = ("mma_per_64", "mma_ideal_per_64", "redundancy", "wgmma_waits", "ring", "read_chain")
     if not (shape.op.startswith("mla") and index == 0):
         return dict.fromkeys(keys)
-    from mqnc.triton_kernels._compile import mla_evidence, tile_bodies
+    from mqnc.triton_kernels.sm90.compile import mla_evidence, tile_bodies
 
     kw = launch.kwargs
     ev = mla_evidence(res, kw["BLOCK_H"], kw["BLOCK_N"], D_QK, D_V, tile_bodies(kw))
@@ -177,7 +177,7 @@ def _check_ops(ops) -> None:
     saying which are known)."""
     if ops is None:  # (no import: the names come from the kernels' module, torch and Triton)
         return
-    from mqnc.triton_kernels._variants import GOALS
+    from mqnc.triton_kernels.sm90.variants import GOALS
 
     known = sorted({s.op for s in GOALS})
     if not ops or set(ops) - set(known):
@@ -201,8 +201,8 @@ class _Compiled:
         self._seen: dict[str, tuple] = {}
 
     def __call__(self, launch) -> tuple:
-        from mqnc.triton_kernels._compile import compile_launch, resources
-        from mqnc.triton_kernels._grid import Occupancy
+        from mqnc.triton_kernels._core.grid import Occupancy
+        from mqnc.triton_kernels.sm90.compile import compile_launch, resources
 
         if launch.name not in self._seen:
             k = compile_launch(
@@ -218,8 +218,8 @@ def _plan(shape, compiled: _Compiled) -> list:
     """The shape's launches planned at the occupancy this triton really compiles (not the
     checked-in table): first with the default plan to find the split variant, then again at
     its compiled occupancy."""
-    from mqnc.triton_kernels._grid import Occupancy
-    from mqnc.triton_kernels._variants import shape_launches
+    from mqnc.triton_kernels._core.grid import Occupancy
+    from mqnc.triton_kernels.sm90.variants import shape_launches
 
     first = shape_launches(shape)
     occ = compiled(first[0])[1] if shape.op.startswith("mla") else None
@@ -238,7 +238,7 @@ def _launch_row(shape, i: int, launch, compiled: _Compiled, ceiling_tbps: float)
     """The prediction of the ``i``-th launch of ``shape``: its waves over sm_90's SMs at its
     compiled occupancy, and its bytes at the copy ceiling scaled by the share of SMs it fills.
     Returns ``(row, predicted us unrounded)``."""
-    from mqnc.triton_kernels._grid import SM90, waves
+    from mqnc.triton_kernels._core.grid import SM90, waves
 
     res, o = compiled(launch)
     per_sm = o.ctas_per_sm(SM90)
@@ -277,7 +277,7 @@ def _launch_row(shape, i: int, launch, compiled: _Compiled, ceiling_tbps: float)
 def _shapes(kv_dtype: str) -> list:
     """The shapes of cache format ``kv_dtype``: ``bf16`` the goal shapes, ``fp8``
     :func:`fp8_shapes`, ``both`` the two lists."""
-    from mqnc.triton_kernels._variants import GOALS
+    from mqnc.triton_kernels.sm90.variants import GOALS
 
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype: expected one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
@@ -289,8 +289,8 @@ def report(
 ):
     """Compile and predict every shape of cache format ``kv_dtype`` (:func:`_shapes`: the goal
     shapes by default); returns (launch rows, shape rows)."""
-    from mqnc.triton_kernels._grid import LAUNCH_US
-    from mqnc.triton_kernels._mla_launch import TileConfig
+    from mqnc.triton_kernels._core.grid import LAUNCH_US
+    from mqnc.triton_kernels.mla.plan import TileConfig
 
     try:
         _check_ops(ops)
@@ -330,7 +330,7 @@ def report(
     return launches_out, shapes_out
 
 
-# The shapes each kind of sweep candidate (``_mla_launch.SWEEP_TILES``) is reported at: the
+# The shapes each kind of sweep candidate (``mla.plan.SWEEP_TILES``) is reported at: the
 # 128-head goals (and FlashMLA's benchmark shape), the sparse top-2048 ones, and the 16-head
 # memory-bound ones (B >= 16 at c_t 32768; the one-row holder partial).
 CANDIDATE_SHAPES = {
@@ -348,8 +348,8 @@ def candidates(
     kind's shapes (:data:`CANDIDATE_SHAPES`; ``ops`` keeps those ops only), planned inside
     ``forced_tile`` as the sweep runs them; each row ``"candidate": True`` with its ``tile``
     (the default tile of a shape is among them: its row is the production one)."""
-    from mqnc.triton_kernels._mla_launch import SWEEP_TILES, forced_tile
-    from mqnc.triton_kernels._variants import Shape
+    from mqnc.triton_kernels.mla.plan import SWEEP_TILES, forced_tile
+    from mqnc.triton_kernels.sm90.variants import Shape
 
     compiled = _Compiled(arch)
     rows = []
@@ -568,7 +568,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     extra = []
     if args.candidates:
-        from mqnc.triton_kernels._mla_launch import SWEEP_TILES
+        from mqnc.triton_kernels.mla.plan import SWEEP_TILES
 
         known = {t.label for tiles in SWEEP_TILES.values() for t in tiles}
         wanted = None if args.candidates == "all" else _ops_arg(args.candidates)

@@ -8,7 +8,7 @@ shape, the host time of each way to launch it (:func:`launch_cases`):
     ``mla_decode_partial(..., check_inputs=False)``: the public function, the op dispatcher,
     the plan cache's lookup (one plan per call signature) and the plan's launches;
 ``plan.run``
-    the plan's run path alone (:class:`~mqnc.triton_kernels._mla_launch.AttentionPlan`);
+    the plan's run path alone (:class:`~mqnc.triton_kernels.mla.plan.AttentionPlan`);
 ``graph.replay`` (GPU)
     the same run captured once in a CUDA graph, replayed;
 ``step.replay`` (GPU)
@@ -17,7 +17,7 @@ shape, the host time of each way to launch it (:func:`launch_cases`):
     that replays its step pays per step.
 
 ``eager (stubbed)`` and ``plan.run (stubbed)``: the same with every kernel launch replaced by a
-no-op (:class:`~mqnc.triton_kernels._launch.LaunchRunner`), on any machine: the package's own
+no-op (:class:`~mqnc.triton_kernels._core.launch.LaunchRunner`), on any machine: the package's own
 Python, the part a CPU can measure (``correctness/test_host_path.py`` pins its call counts).
 
 Host time is wall time from the call to its return with the device idle before it
@@ -66,7 +66,7 @@ def _inputs(shape: LaunchShape, device: str, gen: torch.Generator, offset: int =
 @contextlib.contextmanager
 def stubbed_launches():
     """Every plan launch a no-op inside the block (the package's Python alone)."""
-    from mqnc.triton_kernels._launch import LaunchRunner
+    from mqnc.triton_kernels._core.launch import LaunchRunner
 
     real = LaunchRunner.__call__
     LaunchRunner.__call__ = lambda self, interpreted, *tensors: None
@@ -147,12 +147,12 @@ def host_times(cases: dict, *, reps: int, warmup: int) -> dict[str, tuple[float,
 def combine_pdl_times(shape: LaunchShape, *, reps: int, warmup: int) -> dict:
     """GPU only: the device time of the plan's run (attention, then the split-KV combine) at
     ``shape`` with the combine launched plainly and as a programmatic dependent launch
-    (:func:`mqnc.triton_kernels.merge.combine_pdl`), each over rotated input sets in CUDA-graph
-    replays (:func:`mqnc.measure.time_kernel`): ``{"plain" | "pdl": Timed}``. Inputs as in
-    :func:`launch_cases`, one set per plan so that no call finds its cache in L2."""
+    (:func:`mqnc.triton_kernels.merge.partials.combine_pdl`), each over rotated input sets in
+    CUDA-graph replays (:func:`mqnc.measure.time_kernel`): ``{"plain" | "pdl": Timed}``. Inputs
+    as in :func:`launch_cases`, one set per plan so that no call finds its cache in L2."""
     from mqnc.measure.timing import input_sets, l2_bytes, time_kernel
     from mqnc.triton_kernels import plan_mla_decode
-    from mqnc.triton_kernels.merge import combine_pdl
+    from mqnc.triton_kernels.merge.partials import combine_pdl
 
     gen = torch.Generator().manual_seed(1)
     nbytes = shape.B * shape.ct * 576 * 2

@@ -41,7 +41,7 @@ __all__ = [
 
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 # The narrowest tile of the Triton kernels (the MMA's smallest K): d_c and d_r are each a power
-# of two at least this wide (mqnc.triton_kernels._mla_launch.mla_operands; MLAGeometry.check_triton)
+# of two at least this wide (mqnc.triton_kernels.mla.plan.mla_operands; MLAGeometry.check_triton)
 _TRITON_MIN_WIDTH = 16
 
 

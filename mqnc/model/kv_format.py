@@ -18,7 +18,7 @@ A latent value is ``fp8 * scale`` of its group. The scale is FlashMLA's: a power
 smallest one at least ``max(amax / 448, 1e-4)`` (``amax`` the group's largest magnitude, the
 division done in float32; ``2**ceil(log2(.))``), so that ``x / scale`` is exact and at most 448
 (no saturation), and dequantizing is exact in bf16 and fp32. This module is pure data (no
-torch): the quantizer (``mqnc.triton_kernels.fp8_quant``), its fp64 reference
+torch): the quantizer (``mqnc.triton_kernels.fp8.quant``), its fp64 reference
 (``mqnc.reference.fp8_ref``) and :class:`~mqnc.model.MLAGeometry`'s ``b_KV`` are checked
 against it.
 

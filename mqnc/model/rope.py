@@ -20,7 +20,7 @@ float32 torch arithmetic, in this order::
 
 The model runs with these float32 values, so :attr:`RopeSpec.inv_freq` holds them exactly (as
 Python floats); the references then compute angles from them in float64 and the kernels in
-float64 with an exact mod-2π reduction (see :mod:`mqnc.triton_kernels.splice`).
+float64 with an exact mod-2π reduction (see :mod:`mqnc.triton_kernels.splice.rotate`).
 
 A model whose own frequencies are not these values gives them as :attr:`RopeSpec.frequencies`
 (:attr:`~RopeSpec.inv_freq` then returns them): a transformers model cast with

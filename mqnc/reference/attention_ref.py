@@ -1,6 +1,6 @@
 """fp64 references of partial absorbed-MLA attention, dense paged and sparse top-k.
 
-Kernels: ``mqnc.triton_kernels.mla_decode`` and ``mqnc.triton_kernels.mla_sparse``.
+Kernels: ``mqnc.triton_kernels.mla.decode`` and ``mqnc.triton_kernels.mla.sparse``.
 
 Every query row (token ``b``, head ``h``) is ``d_qk = d_c + d_r`` wide (576 for DeepSeek); a
 cache entry is one ``d_qk`` vector per token shared by all heads, whose first ``d_v`` dims are

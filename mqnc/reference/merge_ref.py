@@ -1,4 +1,4 @@
-"""fp64 reference of the online-softmax merge (kernel: ``mqnc.triton_kernels.merge``).
+"""fp64 reference of the online-softmax merge (kernel: ``mqnc.triton_kernels.merge.partials``).
 
 LSE is natural-log throughout. ``-inf`` and ``+inf`` mark an empty partial (FlashMLA writes
 ``+inf`` for empty rows); an all-empty row merges to ``o = 0, lse = -inf``.

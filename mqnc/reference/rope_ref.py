@@ -1,7 +1,8 @@
 """fp64 references of RoPE encoding, the delta rotation and the splice (§2.2 of the paper).
 
-Kernels: ``mqnc.triton_kernels.splice`` (:func:`rope_splice`, :func:`rope_rotate`; FP8 entries
-of ``mqnc.model.kv_format``: :func:`fp8_splice_reference`, only their bf16 RoPE part rotated).
+Kernels: ``mqnc.triton_kernels.splice.rotate`` (:func:`rope_splice`, :func:`rope_rotate`; FP8
+entries of ``mqnc.model.kv_format``: :func:`fp8_splice_reference`, only their bf16 RoPE part
+rotated).
 
 ``R(p)`` rotates pair ``i`` of the ``d_r`` rope dims (pair members per
 :meth:`mqnc.model.RopeSpec.pair_indices`, interleaved or half) by the angle
@@ -102,7 +103,7 @@ def rope_delta_reference(
 def rope_rotate_reference(
     x: torch.Tensor, delta: torch.Tensor | int, rope: RopeSpec
 ) -> torch.Tensor:
-    """Reference of :func:`mqnc.triton_kernels.splice.rope_rotate`, float64.
+    """Reference of :func:`mqnc.triton_kernels.splice.rotate.rope_rotate`, float64.
 
     ``x [..., d_c + d_r]`` (576 wide): the first ``d_c`` dims unchanged, the last ``d_r``
     rotated by ``R(delta)``; ``delta`` an int or integer tensor broadcastable to
@@ -123,7 +124,8 @@ def rope_splice_reference(
     delta: torch.Tensor | int,
     rope: RopeSpec,
 ) -> torch.Tensor:
-    """Reference of :func:`mqnc.triton_kernels.splice.rope_splice`: the pool after the splice.
+    """Reference of :func:`mqnc.triton_kernels.splice.rotate.rope_splice`: the pool after the
+    splice.
 
     Parameters
     ----------
@@ -197,7 +199,7 @@ def fp8_splice_reference(
     delta: torch.Tensor | int,
     rope: RopeSpec,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of :func:`mqnc.triton_kernels.splice.rope_splice` over FP8 entries: the pool
+    """Reference of :func:`mqnc.triton_kernels.splice.rotate.rope_splice` over FP8 entries: the pool
     after the splice, its bytes and its RoPE values.
 
     Parameters

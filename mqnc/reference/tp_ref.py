@@ -1,7 +1,7 @@
 """fp64 references of a tensor-parallel holder rank's attention (§8): partial scores over a
 column slice of the cache, and softmax times a value slice given the group's summed scores.
 
-Kernels: ``mqnc.triton_kernels.tp_scores`` and ``mqnc.triton_kernels.tp_values``.
+Kernels: ``mqnc.triton_kernels.tp.scores`` and ``mqnc.triton_kernels.tp.values``.
 
 A slice row is ``d_v + d_pe`` wide (the rank's latent dims, then its RoPE dims); entries are
 addressed by flat pool slots ``slots [B, T]`` (``-1``: unused)::

@@ -1,5 +1,5 @@
 """The device holder: a pool of canonical chunks served by the resident holder kernel
-(``mqnc.triton_kernels.holder_loop``) over a device route (``mqnc.transport.device_route``),
+(``mqnc.triton_kernels.route.holder_loop``) over a device route (``mqnc.transport.device_route``),
 with no host call per request (§3.1-§3.3, §6.3).
 
 The host's part is set-up only: chunks are copied into a :class:`~mqnc.serving.pool.PagedPool`
@@ -10,8 +10,8 @@ interpreter runs), or once for good by :meth:`DeviceHolder.start` (persistent, o
 stream, until :meth:`DeviceHolder.stop` sets the stop word).
 
 Tiles and split counts are the host ops' for the same call planned at the holder kernel's tile
-(``holder_loop.HOLDER_TILE``, one of ``mla_decode``'s own tiles, forced with
-``_mla_launch.forced_tile``): one request of ``B`` tokens at the holder's heads over the
+(``route.holder_loop.HOLDER_TILE``, one of ``mla.decode``'s own tiles, forced with
+``mla.plan.forced_tile``): one request of ``B`` tokens at the holder's heads over the
 chunk's pages, or its selection width. The holder kernel's answer to a request is then the
 host-driven holder's answer to it alone at that tile, bit for bit (its dispatcher batches
 concurrent requests into one call, whose split count may differ: the same rows, another
@@ -21,7 +21,7 @@ rounding). Chunk ids are indices of the table
 A geometry whose ``cache_dtype`` is ``"fp8_e4m3"`` gets a pool of FP8 entries (DeepSeek-V3.2's
 656-byte token, docs/fp8-cache.md), the chunks quantized or copied as entries as the host
 ``Holder`` keeps them; the holder kernel then reads them in place (its ``FP8`` variant, the
-attention kernels' ``_mla_tile._attend_tile_fp8``), at the same tile, and answers as the host
+attention kernels' ``mla.tile._attend_tile_fp8``), at the same tile, and answers as the host
 holder over the same entries, bit for bit under the interpreter.
 """
 
@@ -34,11 +34,11 @@ from mqnc.base.checks import check_int, check_number
 from mqnc.model.geometry import MLAGeometry
 from mqnc.serving.batching import HostedChunk
 from mqnc.serving.pool import PagedPool
-from mqnc.triton_kernels._mla_launch import forced_tile, meta_output
-from mqnc.triton_kernels._route_words import RouteBuffers
-from mqnc.triton_kernels.holder_loop import HolderTables, holder_loop_launch, holder_tiles
-from mqnc.triton_kernels.mla_decode import plan_decode
-from mqnc.triton_kernels.mla_sparse import plan_sparse
+from mqnc.triton_kernels.mla.decode import plan_decode
+from mqnc.triton_kernels.mla.plan import forced_tile, meta_output
+from mqnc.triton_kernels.mla.sparse import plan_sparse
+from mqnc.triton_kernels.route.holder_loop import HolderTables, holder_loop_launch, holder_tiles
+from mqnc.triton_kernels.route.words import RouteBuffers
 
 __all__ = ["DeviceHolder"]
 
@@ -221,7 +221,7 @@ class DeviceHolder:
     # ---- serving ----------------------------------------------------------------------------
     def launch(self, sparse: bool = False, persistent: bool = False, max_idle: int = 1 << 30):
         """The dense (``sparse``: the sparse) holder kernel's launch
-        (``mqnc.triton_kernels._launch.Launch``)."""
+        (``mqnc.triton_kernels._core.launch.Launch``)."""
         return holder_loop_launch(self.buffers, self.tables(sparse),
                                   softmax_scale=self.softmax_scale, max_rows=self.max_rows,
                                   sparse=sparse, persistent=persistent, max_idle=max_idle,

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import torch
 
-import mqnc.triton_kernels.fp8_quant  # noqa: F401  (registers the FP8 ops' Triton implementation)
+import mqnc.triton_kernels.fp8.quant  # noqa: F401  (registers the FP8 ops' Triton implementation)
 from mqnc.base.checks import check_int
 from mqnc.model.kv_format import FP8Layout
 from mqnc.serving.compute import kernel_ops
 from mqnc.serving.records import ChunkInfo, LocalChunk
-from mqnc.triton_kernels.fp8_quant import check_entries
+from mqnc.triton_kernels.fp8.quant import check_entries
 
 __all__ = ["PagedPool", "LocalChunks", "flag_dropped"]
 

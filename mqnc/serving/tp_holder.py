@@ -41,8 +41,8 @@ import zlib
 import numpy as np
 import torch
 
-import mqnc.triton_kernels.tp_scores  # noqa: F401  (registers the TP ops' triton side)
-import mqnc.triton_kernels.tp_values  # noqa: F401
+import mqnc.triton_kernels.tp.scores  # noqa: F401  (registers the TP ops' triton side)
+import mqnc.triton_kernels.tp.values  # noqa: F401
 from mqnc.base.checks import check_int, check_number
 from mqnc.serving.compute import check_kernels, kernel_ops
 from mqnc.serving.holder import serve_in_thread

@@ -9,7 +9,7 @@ chunk, tokens, heads, mode, top-k), query rows ``[max_batch, H, d_qk]``, a selec
 each a header of ``REPLY_WORDS`` words (sequence, status, detail, rows), the partial ``o
 [max_batch, H, d_v]`` and ``lse [max_batch, H]`` (natural log, float32) and a signal word. A
 signal is raised to the request's sequence number after its payload (release), and read with an
-acquire. Status codes and word indices are ``mqnc.triton_kernels._route_words``'.
+acquire. Status codes and word indices are ``mqnc.triton_kernels.route.words``'.
 
 Two memory backends behind one interface (:class:`LocalBackend`, :class:`NvshmemBackend`): who
 allocates the slots and how a kernel delivers into them.
@@ -33,10 +33,10 @@ import dataclasses
 import torch
 
 from mqnc.base.checks import check_int
-from mqnc.triton_kernels import _route_words as words
-from mqnc.triton_kernels._route_words import HEADER_WORDS, REPLY_WORDS, STATUS_NAMES, RouteBuffers
-from mqnc.triton_kernels.route_merge import route_merge_launch
-from mqnc.triton_kernels.route_put import route_put_launch
+from mqnc.triton_kernels.route import words
+from mqnc.triton_kernels.route.put import route_put_launch
+from mqnc.triton_kernels.route.wait_merge import route_merge_launch
+from mqnc.triton_kernels.route.words import HEADER_WORDS, REPLY_WORDS, STATUS_NAMES, RouteBuffers
 
 __all__ = [
     "RouteLayout",
@@ -297,13 +297,13 @@ def device_route_launches(
     heads: int = 16, nvshmem_lib: str | None = None, fp8: bool = False
 ) -> dict:
     """The route's launches at production values (bf16, page 64, ``heads`` heads: the tiles
-    ``mla_decode`` / ``mla_sparse`` launch there) on small CPU tensors (only dtypes, alignment
+    ``mla.decode`` / ``mla.sparse`` launch there) on small CPU tensors (only dtypes, alignment
     and constexprs decide the compiled variant; every runtime int is unspecialised):
     ``{name: Launch}`` for the holder kernel (one-shot and persistent), the put (dense and
     sparse) and the merge. ``nvshmem_lib``: the NVSHMEM backend's variants. ``fp8``: only the
     holder kernel's four launches over an FP8 pool (uint8 656-byte entries; the put and the
     merge move bf16 rows whatever the cache keeps)."""
-    from mqnc.triton_kernels.holder_loop import HolderTables, holder_loop_launch
+    from mqnc.triton_kernels.route.holder_loop import HolderTables, holder_loop_launch
 
     layout = RouteLayout(slots=2, max_batch=2, heads=heads, max_topk=64)
     buf = allocate(layout, LocalBackend("cpu"))
@@ -346,7 +346,7 @@ def compile_device_route(
     holder kernel's FP8 variants. Returns, per
     launch, registers, stack and local bytes (spills), shared bytes, and the NVSHMEM device
     functions its PTX calls."""
-    from mqnc.triton_kernels._compile import compile_launch, resources
+    from mqnc.triton_kernels.sm90.compile import compile_launch, resources
 
     lib = None
     if nvshmem:

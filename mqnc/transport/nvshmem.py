@@ -378,13 +378,13 @@ def device_kernel_launches(
 
 def compile_device_kernels(arch: int = 90, *, pe: int = 1, seq: int = 1) -> dict[str, dict]:
     """Compile the NVSHMEM engine's device kernels for ``sm_<arch>`` exactly as their launches
-    compile (``mqnc.triton_kernels._compile.compile_launch``: the JIT's own specialisation of
+    compile (``mqnc.triton_kernels.sm90.compile.compile_launch``: the JIT's own specialisation of
     the real argument values, no GPU), against NVSHMEM's device bitcode
     (:func:`device_library_path`). Returns, per kernel, its resources (registers, stack, local:
     spills), the compiled kernel's hash and which NVSHMEM device functions its PTX calls.
     Must run in compiled mode, ``TRITON_INTERPRET=0`` (on a CPU-only torch importing the kernels
     would otherwise choose the interpreter)."""
-    from mqnc.triton_kernels._compile import compile_launch, resources
+    from mqnc.triton_kernels.sm90.compile import compile_launch, resources
 
     names = ("nvshmemx_putmem_signal_nbi_block", "nvshmem_signal_wait_until", "nvshmem_quiet")
     out = {}
