@@ -475,7 +475,7 @@ def test_memory_ceiling_kernels_compile_with_16_byte_accesses_and_no_spills():
 _GLUON = """
 import json
 from mqnc.triton_kernels.sm90.compile import mla_evidence, resources
-from mqnc.triton_kernels.mla.gluon import compile_gluon_decode
+from mqnc.triton_kernels.sm90.gluon_compile import compile_gluon_decode
 rows = []
 for block_n, splits in ((64, 2), (64, 1), (128, 2)):
     name, c = compile_gluon_decode(
@@ -767,11 +767,57 @@ def test_persistent_splice_compiles_for_sm90_without_spills():
     assert [row[1] for row in rows if row[0].endswith(",persistent]")] == [[528], [528]]
 
 
+_SEESAW_DEFAULT = """
+import json
+from mqnc.triton_kernels.sm90.compile import resources
+from mqnc.triton_kernels.sm90.gluon_compile import compile_seesaw
+rows = []
+for kw in (dict(rows=64, heads=128, num_splits=1), dict(rows=8, heads=128, num_splits=4),
+           dict(rows=1, heads=16, num_splits=8), dict(rows=16, heads=16, num_splits=1, page=128),
+           dict(rows=4, heads=128, s_q=2, num_splits=2, csr=True)):
+    for name, c in compile_seesaw(**kw):
+        r = resources(name, c)
+        rows.append([name, r.registers, r.stack + r.local, r.shared, r.num_warps])
+print(json.dumps(rows))
+"""
+
+# The default path's launches on sm_90 (the see-saw and the table kernel of its plan), compiled
+# under triton 3.6.0: name -> (registers at launch, shared bytes, warps). 168 registers x 12
+# warps at launch (the consumers raise theirs to 240, ``setmaxnreg``), one CTA per SM.
+SEESAW_PINS = {
+    "mla_decode_gluon[bfloat16,64x64,seesaw,w4+4+1,out=bf16]": (168, 222608, 12),
+    "mla_decode_gluon[bfloat16,64x64,seesaw,w4+4+1,out=fp32-split]": (168, 222608, 12),
+    "mla_decode_gluon[bfloat16,64x64,seesaw,w4+4+1,out=fp32-split,sq=2,causal]": (168, 222608, 12),
+    "seesaw_table[padded,sub=2]": (13, 0, 4),
+    "seesaw_table[csr,sub=1]": (22, 0, 4),
+}
+
+
+def test_the_default_gluon_launches_compile_for_sm90_pinned():
+    """Every launch the default path makes on an H200 through the see-saw's plan
+    (``mla.gluon_plan``: FlashMLA's 128 heads at B 64 unsplit and B 8 split, the holder's
+    16-head row split 8 ways, pages of 128 through the table kernel, MTP's ``s_q`` 2 causal over
+    a CSR table) compiles for sm_90 under triton 3.6.0 (the GPU's) as a run makes it, without
+    spills, at the pinned registers, shared memory and warps (one CTA per SM for the see-saw)."""
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip(f"the Gluon kernel targets triton 3.6's Gluon API, not {triton.__version__}")
+    r = _run_script(_SEESAW_DEFAULT, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    seen = {}
+    for name, regs, spill, shared, warps in rows:
+        print(f"triton {triton.__version__} {name}: {regs} regs, {spill} B spilled, {shared} B")
+        assert spill == 0, (name, spill)
+        assert shared <= SM90.shared_per_cta, (name, shared)
+        seen[name] = (regs, shared, warps)
+    assert seen == SEESAW_PINS
+
+
 _SEESAW = """
 import json
 import collections, re
 from mqnc.triton_kernels.sm90.compile import _cuobjdump, resources
-from mqnc.triton_kernels.mla.gluon import compile_gluon_decode
+from mqnc.triton_kernels.sm90.gluon_compile import compile_gluon_decode
 rows = []
 for splits in (2, 1):
     name, c = compile_gluon_decode(

@@ -27,10 +27,10 @@ from mqnc.triton_kernels._core.launch import Launch, LaunchRunner
 from mqnc.triton_kernels.mla.plan import forced_tile
 
 # Python-level calls (``sys.setprofile`` "call" events) of one run, launches stubbed. Raise a
-# pin only with a reason; lower it when the path gets shorter. (The eager call's key asks each
-# registered plan context once: the forced tile and the PDL combine, one call each.)
+# pin only with a reason; lower it when the path gets shorter. (An eager call finds its cached
+# plan in the public function itself, without the dispatcher's round trip: 48 calls before.)
 RUN_CALLS = 20
-EAGER_CALLS = 48
+EAGER_CALLS = 36
 SCALE = 0.1
 
 
@@ -118,15 +118,29 @@ def test_eager_calls_reuse_one_plan_per_signature_and_match_a_fresh_plan():
     assert torch.equal(o, o_chk) and torch.equal(lse, lse_chk)
 
 
-def test_what_the_plan_cache_never_reuses():
-    """A call with its host-syncing checks on is planned afresh every time (its checks read
-    values); another signature (a stride, a scale) or a forced tile is another key."""
+def test_a_checked_call_reuses_its_plan_and_still_checks():
+    """A padded-table call with its checks on is cached like one without (its plan does not
+    depend on the values checked), and its checks run before every launch of the cached plan:
+    a length past the table's capacity, or a page out of the pool, is refused on a hit too."""
     kop = mla_decode_partial.op
     kop.plans.clear()
     q, pool, table, lens = _inputs(0)
     for _ in range(2):
         mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE)
-    assert (kop.plans.hits, kop.plans.misses) == (0, 0)
+    assert (kop.plans.hits, kop.plans.misses) == (1, 1)
+    with pytest.raises(ValueError, match=r"cache_seqlens: expected values in \[0, 128\]"):
+        mla_decode_partial(q, pool, table, lens + 1, softmax_scale=SCALE)
+    with pytest.raises(ValueError, match="block_table: expected block ids in"):
+        mla_decode_partial(q, pool, table + 50, lens, softmax_scale=SCALE)
+    assert (kop.plans.hits, kop.plans.misses) == (3, 1)
+
+
+def test_what_the_plan_cache_never_reuses():
+    """Another signature (a stride, a scale) or a forced tile is another key; a CSR call with
+    its checks on is planned afresh (its split choice reads the longest row the checks find)."""
+    kop = mla_decode_partial.op
+    kop.plans.clear()
+    q, pool, table, lens = _inputs(0)
     kw = dict(check_inputs=False)
     mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE, **kw)
     mla_decode_partial(q, pool, table, lens, softmax_scale=2 * SCALE, **kw)
@@ -138,6 +152,14 @@ def test_what_the_plan_cache_never_reuses():
     assert (kop.plans.hits, kop.plans.misses) == (0, 4)
     mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE, **kw)
     assert kop.plans.hits == 1
+    from mqnc.triton_kernels import mla_decode_partial_csr
+
+    csr = mla_decode_partial_csr.op
+    csr.plans.clear()
+    indptr = torch.tensor([0, 2], dtype=torch.int32)
+    for _ in range(2):
+        mla_decode_partial_csr(q, pool, indptr, table[0], softmax_scale=SCALE)
+    assert (csr.plans.hits, csr.plans.misses) == (0, 0)
 
 
 def test_a_plan_keeps_no_tensor_it_was_made_from():
@@ -162,13 +184,19 @@ def test_plan_run_still_refuses_another_signature():
 
 
 class _Compiled:
-    """A stand-in for Triton's CompiledKernel: ``compiled[grid](*args)`` records."""
+    """A stand-in for Triton's CompiledKernel: its launcher ``run`` and ``compiled[grid]``'s
+    wrapper record their calls."""
+
+    function, packed_metadata = "function", "packed"
 
     def __init__(self, log):
         self.log = log
 
+    def run(self, *args):
+        self.log.append(("run", args))
+
     def __getitem__(self, grid):
-        return lambda *args: self.log.append(("fast", grid, args))
+        return lambda *args: self.log.append(("wrapper", grid, args))
 
 
 class _Jit:
@@ -193,9 +221,16 @@ class _Jit:
 
 def test_launch_runner_launches_the_compiled_kernel_directly_after_the_first_call(monkeypatch):
     """Compiled mode: the first call goes through the JIT, later ones call the compiled
-    kernel's launcher with the run's tensors, the fixed arguments and the constexprs in
-    parameter order; a tensor of other 16-byte alignment goes through the JIT again."""
+    kernel's launcher (``CompiledKernel.run``) with the grid, the current stream, the kernel's
+    function and metadata, no launch hooks, then the run's tensors, the fixed arguments and the
+    constexprs in parameter order; a tensor of other 16-byte alignment goes through the JIT
+    again; with a launch hook registered (a profiler's), Triton's own wrapper launches (it
+    calls the hooks)."""
+    import triton
+
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     jit = _Jit()
     runner = LaunchRunner(Launch("k", jit, (4,), (None, None, 7), dict(BLOCK=64, num_warps=4)), 2)
     base = torch.empty(64, dtype=torch.float32)
@@ -204,9 +239,13 @@ def test_launch_runner_launches_the_compiled_kernel_directly_after_the_first_cal
     runner(False, a, b)
     off = base[1:9]  # 4 bytes past a 16-byte boundary
     runner(False, off, b)
-    assert [e[0] for e in jit.log] == ["jit", "fast", "jit"]
+    assert [e[0] for e in jit.log] == ["jit", "run", "jit"]
     assert jit.log[0][2:] == ((a, b, 7), dict(BLOCK=64, num_warps=4))
-    assert jit.log[1][1:] == ((4, 1, 1), (a, b, 7, 64))
+    assert jit.log[1][1] == (4, 1, 1, 1234, "function", "packed", None, None, None, a, b, 7, 64)
+    hook = triton.knobs.runtime.launch_enter_hook
+    monkeypatch.setattr(hook, "calls", [lambda metadata: None])
+    runner(False, off, b)
+    assert jit.log[-1] == ("wrapper", (4, 1, 1), (off, b, 7, 64))
 
 
 def test_interpreted_runs_take_the_launch_lock(monkeypatch):
@@ -252,3 +291,33 @@ def _stubbed_runs():
     from mqnc.measure.launch_host import stubbed_launches
 
     return stubbed_launches()
+
+
+def test_the_eager_path_launches_a_cached_plan_itself_only_in_plain_eager_mode():
+    """A cached plan is launched by the public function itself (no dispatcher round trip) in
+    plain eager mode, with ``out=`` checked as the ``.out`` overload checks it (shared memory
+    refused, the caller's tensors returned); under a torch dispatch mode the call goes through
+    the dispatcher (the mode sees ``mqnc.mla_decode_partial``) and gives the same numbers."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    kw = dict(softmax_scale=SCALE, check_inputs=False)
+    q, pool, table, lens = _inputs(0)
+    want = mla_decode_partial(q, pool, table, lens, **kw)  # (planned and cached)
+    o, lse = torch.empty_like(want[0]), torch.empty_like(want[1])
+    got = mla_decode_partial(q, pool, table, lens, out=(o, lse), **kw)
+    assert got[0] is o and got[1] is lse and torch.equal(o, want[0]) and torch.equal(lse, want[1])
+    with pytest.raises(ValueError, match=r"out\[0\] \(o\) and q.*share memory"):
+        mla_decode_partial(q, pool, table, lens, out=(q[..., :512], lse), **kw)
+    with Seen() as seen:
+        again = mla_decode_partial(q, pool, table, lens, **kw)
+    assert any("mqnc.mla_decode_partial" in op for op in seen.ops), seen.ops
+    assert torch.equal(again[0], want[0]) and torch.equal(again[1], want[1])

@@ -594,7 +594,7 @@ def test_splice_from_results_never_pools_devices_or_backends():
     assert "'NVIDIA H200'" in str(err.value) and "'interpreter'" in str(err.value)
     h200 = dict(device="NVIDIA H200", backend="triton", variant="one-launch")
     s = SpliceProfile.from_results(results, **h200)
-    assert s.tokens == (2048.0,) and abs(s.us[0] - 43.496) < 0.01
+    assert s.tokens == (2048.0,) and abs(s.us[0] - 43.52) < 0.01  # 4 records: 42.5-44.5 us
     assert s.name.startswith("measured: NVIDIA H200, triton backend, variant one-launch, commit")
 
 

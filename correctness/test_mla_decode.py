@@ -211,3 +211,29 @@ def test_decode_requires_softmax_scale():
     q, pool, table, lens = _inputs()
     with pytest.raises(TypeError, match="softmax_scale"):
         mla_decode_partial(q, pool, table, lens)
+
+
+def test_the_paging_check_kernel_flags_what_the_torch_checks_name():
+    """The compiled path's range check (``mla.decode.paging_fault_flag``: one kernel, one sync),
+    run here under the interpreter: good rows pass (lengths 0 .. capacity, pages in the pool,
+    unused entries anything), a length past the capacity, a negative length and a page out of
+    the pool in use each raise the torch checks' own error naming the row and entry; a bad
+    page past a row's length is not in use and passes."""
+    from mqnc.triton_kernels.mla.decode import paging_fault_flag
+
+    table = torch.tensor([[3, 1, -1], [0, 2, 9]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([128, 128], dtype=torch.int32, device=DEVICE)
+    paging_fault_flag(table, lens, 4, 64)  # row 1's page 9 is past its 128 entries
+    paging_fault_flag(table, torch.zeros(2, dtype=torch.int32, device=DEVICE), 4, 64)
+    cases = [
+        (torch.tensor([193, 0]), r"expected values in \[0, 192\].*got 193 at row 0"),
+        (torch.tensor([0, -1]), r"got -1 at row 1"),
+        (
+            torch.tensor([129, 0]),
+            r"block_table: expected block ids in \[0, 4\).*got -1 at \[0, 2\]",
+        ),
+        (torch.tensor([0, 129]), r"got 9 at \[1, 2\]"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            paging_fault_flag(table, bad.to(torch.int32).to(DEVICE), 4, 64)

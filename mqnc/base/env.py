@@ -22,6 +22,11 @@
     The commit every benchmark record carries (:func:`mqnc.measure.results_file.git_commit`), for a
     copy of the repository without ``.git`` (the lent GPU machine: ``perf/gpu_check.sh`` sets it
     from git or from the ``.mqnc-commit`` file that travels with the copy).
+``MQNC_BACKEND=op=backend[,op=backend]``
+    Force a backend for an op, e.g. ``mla_decode=tl`` (the portable kernel on a Hopper GPU too)
+    or ``mla_decode=gluon`` (the Hopper kernel without its GPU evidence): what
+    :func:`mqnc.triton_kernels.dispatch.force_backend` does in code
+    (:mod:`mqnc.triton_kernels.dispatch`: the ops and backends).
 
 Read elsewhere, not by the package: ``HYPOTHESIS_PROFILE`` (``correctness/conftest.py``:
 ``ci`` or ``thorough``), ``MQNC_FIG_DIR`` (the notebooks' figure folder), ``GLOO_SOCKET_IFNAME``
@@ -30,6 +35,7 @@ Read elsewhere, not by the package: ``HYPOTHESIS_PROFILE`` (``correctness/confte
 
 from __future__ import annotations
 
+import functools
 import os
 
 __all__ = [
@@ -38,12 +44,14 @@ __all__ = [
     "MQNC_RESULTS",
     "NVSHMEM_LIB_DIR",
     "MQNC_COMMIT",
+    "MQNC_BACKEND",
     "flag",
     "interpreting",
     "poisoning",
     "results_file",
     "nvshmem_lib_dir",
     "commit",
+    "backend_overrides",
 ]
 
 TRITON_INTERPRET = "TRITON_INTERPRET"
@@ -51,6 +59,7 @@ MQNC_POISON_OUTPUTS = "MQNC_POISON_OUTPUTS"
 MQNC_RESULTS = "MQNC_RESULTS"
 NVSHMEM_LIB_DIR = "NVSHMEM_LIB_DIR"
 MQNC_COMMIT = "MQNC_COMMIT"
+MQNC_BACKEND = "MQNC_BACKEND"
 
 
 def flag(name: str) -> bool:
@@ -81,3 +90,23 @@ def nvshmem_lib_dir() -> str | None:
 def commit() -> str | None:
     """``$MQNC_COMMIT``, or None when unset or empty."""
     return os.environ.get(MQNC_COMMIT) or None
+
+
+def backend_overrides() -> dict[str, str]:
+    """``$MQNC_BACKEND`` as ``{op: backend}`` (empty when unset); a ``ValueError`` naming the
+    variable for a pair without ``=``. The names are checked where they are used."""
+    return dict(_parse_overrides(os.environ.get(MQNC_BACKEND, "")))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_overrides(text: str) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        op, eq, backend = part.partition("=")
+        if not eq or not op.strip() or not backend.strip():
+            raise ValueError(
+                f"{MQNC_BACKEND}: expected op=backend pairs, comma separated (such as "
+                f"mla_decode=tl), got {text!r}"
+            )
+        pairs.append((op.strip(), backend.strip()))
+    return tuple(pairs)

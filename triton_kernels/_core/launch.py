@@ -15,6 +15,7 @@ import inspect
 from typing import Any
 
 import torch
+import triton
 
 from mqnc.triton_kernels._core.execution import launch_lock
 
@@ -62,22 +63,29 @@ class LaunchRunner:
 
     Compiled (on a GPU): the first call goes through Triton's JIT (``kernel[grid](...)``: the
     argument binding, specialisation and cache lookup) and keeps the ``CompiledKernel`` it
-    returns; every later call launches that kernel directly (``compiled[grid](*args)``, the
-    launcher Triton's own JIT calls last), with the fixed arguments and constexprs already in
-    parameter order, as long as the new tensors' 16-byte alignment (the one property of a
-    tensor argument the JIT specialises on that a plan's shape check does not fix) and the
-    current device are those of that first call; otherwise through the JIT again (which may
-    compile another variant, then kept). Interpreted: ``kernel[grid](...)`` under the launch
-    lock every time.
+    returns; every later call launches that kernel through its launcher (``CompiledKernel.run``,
+    what ``compiled[grid](*args)`` calls last: the C launch and its scratch buffers) with the
+    grid, the current stream, the fixed arguments and the constexprs already in parameter
+    order, as long as the new tensors' 16-byte alignment (the one property of a tensor argument
+    the JIT specialises on that a plan's shape check does not fix) and the current device are
+    those of that first call. ``compiled[grid]``'s own wrapper is skipped while no launch hook
+    is registered (``triton.knobs.runtime.launch_enter_hook`` / ``launch_exit_hook``: a
+    profiler's); with one, or with a Triton whose compiled kernel lacks that launcher, the
+    wrapper runs, hooks and all. A different alignment or device goes through the JIT again
+    (which may compile another variant, then kept). Interpreted: ``kernel[grid](...)`` under
+    the launch lock every time.
     """
 
-    __slots__ = ("kernel", "grid", "k", "tail", "kwargs", "_fast", "_align", "_device", "_rest")
+    __slots__ = (
+        "kernel", "grid", "k", "tail", "kwargs", "_fast", "_run", "_head", "_align", "_device",
+        "_rest",
+    )  # fmt: skip
 
     def __init__(self, launch: Launch, k: int) -> None:
         self.kernel, self.grid, self.k = launch.kernel, launch.grid, k
         self.tail = launch.args[k:]
         self.kwargs = launch.kwargs
-        self._fast = self._align = self._device = None
+        self._fast = self._run = self._head = self._align = self._device = None
         self._rest = self._parameter_tail(launch)
 
     def _parameter_tail(self, launch: Launch) -> tuple | None:
@@ -108,17 +116,41 @@ class LaunchRunner:
             with launch_lock():
                 self.kernel[self.grid](*tensors, *self.tail, **self.kwargs)
             return
-        fast = self._fast
-        if fast is not None:
-            align = tuple(t.data_ptr() & 15 == 0 for t in tensors)
-            if align == self._align and torch.cuda.current_device() == self._device:
-                fast(*tensors, *self._rest)
+        if self._fast is not None:
+            device = torch._C._cuda_getDevice()
+            if self.alignment(tensors) == self._align and device == self._device:
+                run = self._run
+                if run is not None and _no_launch_hooks():
+                    stream = torch._C._cuda_getCurrentRawStream(device)
+                    run(*self._head[0], stream, *self._head[1:], None, None, None, *tensors,
+                        *self._rest)  # fmt: skip
+                else:
+                    self._fast(*tensors, *self._rest)
                 return
         compiled = self.kernel[self.grid](*tensors, *self.tail, **self.kwargs)
         if self._rest is not None and hasattr(compiled, "__getitem__"):
-            self._align = tuple(t.data_ptr() & 15 == 0 for t in tensors)
+            self._align = self.alignment(tensors)
             self._device = torch.cuda.current_device()
             self._fast = compiled[_grid3(self.grid)]
+            run, function = getattr(compiled, "run", None), getattr(compiled, "function", None)
+            meta = getattr(compiled, "packed_metadata", None)
+            if callable(run) and function is not None and meta is not None:
+                self._run, self._head = run, (_grid3(self.grid), function, meta)
+
+    @staticmethod
+    def alignment(tensors) -> tuple:
+        """The 16-byte alignment of each of ``tensors`` (a tensor, or a TMA descriptor: its
+        base's), what the JIT specialises a pointer on."""
+        return tuple(getattr(t, "base", t).data_ptr() & 15 == 0 for t in tensors)
+
+
+def _no_launch_hooks() -> bool:
+    """True when no Triton launch hook is registered (a hook chain without calls, or none)."""
+    rt = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if rt is None:  # (a Triton without knobs: its wrapper decides)
+        return False
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    return not (getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
 
 
 def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
+import os
 import re
 import threading
 import types
@@ -39,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from mqnc.base.env import interpreting
+from mqnc.base.env import TRITON_INTERPRET
 
 __all__ = [
     "Call",
@@ -52,7 +53,9 @@ __all__ = [
     "check_out",
     "kernel_op",
     "op_set",
-    "plan_context",
+    "eager_is_plain",
+    "set_plan_context",
+    "plan_context_env",
     "registered_ops",
     "kernel_op_named",
     "written_into",
@@ -322,6 +325,9 @@ class KernelOp:
         self._returns = returns
         self._impls: dict[str, Callable[[Call], object]] = {}
         self._functions: dict[str, Callable] = {}
+        self._eager: PlanCache | None = None  # a planner's cache: the eager fast path
+        self._checks: Callable[[Call], None] | None = None  # value checks apart from the plan
+        self._names = tuple(p.name for p in self.params)
         self._defaults = {"backend": DEFAULT_BACKEND, "out": None}
         names = [n for p in self.params for n, _ in p.fields]
         self._names_default, self._out_names = [*names, "backend"], [*names, "out", "backend"]
@@ -401,7 +407,14 @@ class KernelOp:
         if self._returns is not None:
             returns = [p.name for p in self.params].index(self._returns)
 
+        default = backend == DEFAULT_BACKEND
+
         def run(values, out=None):
+            eager = self._eager
+            if default and eager is not None and eager_is_plain():
+                plan = eager.get(eager.key_of(values), count_miss=False)
+                if plan is not None:  # a cached plan: launched here, no dispatcher round trip
+                    return self._run_cached(plan, values, out)
             args = self._encoded(values)
             if out is not None:
                 out = check_out(out)
@@ -411,6 +424,40 @@ class KernelOp:
             return result if returns is None else values[returns]
 
         return run
+
+    def _run_cached(self, plan, values: tuple, out):
+        """``plan`` (found by ``values``' key) run as the op's planner implementation runs it:
+        its value checks first when a switch of them is on (:meth:`checks_apart`), then the
+        tensor arguments positionally, the keyword-only ones by keyword; ``out`` checked as
+        the ``.out`` overload checks it (pair of tensors, no memory shared with an input)."""
+        if self._checks is not None and self._eager.checking(values):
+            self._checks(self._decoded(values))
+        tensors = self._plan_tensors(values)
+        if out is None:
+            return plan.run_planned(*tensors[0], **tensors[1])
+        out = check_out(out)
+        check_no_overlap(out, dict(zip(self._names, values, strict=True)))
+        plan.run_planned(*tensors[0], **tensors[1], out=out)
+        return out
+
+    def _decoded(self, values: tuple) -> Call:
+        """The call an implementation receives for the declared arguments ``values``."""
+        call = {}
+        for p, v in zip(self.params, values, strict=True):
+            call[p.name] = p.check(v) if p.codec is None else p.codec.decode(*p.encode(v))
+        return Call(**call)
+
+    def checks_apart(self, checks):
+        """Decorator: ``checks(call)`` runs this op's host-syncing value checks (those its
+        switches turn on: :data:`SYNC_CHECKS`) for a call whose plan does not depend on the
+        values checked. A planning op with it caches the plans of calls with their checks on
+        too (a checked call's key differs from an unchecked one's only by the switch), and runs
+        ``checks`` before each such call's cached plan: the checks, not the planning, are then
+        the price of checking. Returns ``checks``."""
+        self._checks = checks
+        if self._eager is not None:
+            self._eager.checks_apart = True
+        return checks
 
     def function(self, backend: str = DEFAULT_BACKEND) -> Callable:
         """The public function that runs this op on ``backend`` (one object per backend)."""
@@ -444,26 +491,32 @@ class KernelOp:
         the tensors it was made from, ``out`` already checked by the op for shared memory."""
         pos = [p.name for p in self.params if p.tensor and not p.kwonly]
         kw = [p.name for p in self.params if p.tensor and p.kwonly]
+        pos_i = [i for i, p in enumerate(self.params) if p.tensor and not p.kwonly]
+        kw_i = [(p.name, i) for i, p in enumerate(self.params) if p.tensor and p.kwonly]
+        self._plan_tensors = lambda values: (
+            [values[i] for i in pos_i],
+            {n: values[i] for n, i in kw_i},
+        )
 
         def plan(values):
-            call = {}
-            for p, v in zip(self.params, values, strict=True):
-                call[p.name] = p.check(v) if p.codec is None else p.codec.decode(*p.encode(v))
-            return build(Call(**call))
+            return build(self._decoded(values))
 
         plans = PlanCache(self.params)
 
         def run(call):
             tensors = {n: getattr(call, n) for n in kw}
             key = plans.key(call)
-            plan = None if key is None else plans.get(key)
+            plan = plans.get(key)
             if plan is None:
                 plan = build(call)
                 if key is not None:
                     plans.put(key, plan)
+            elif self._checks is not None and plans.checking_call(call):
+                self._checks(call)
             return plan.run_planned(*(getattr(call, n) for n in pos), **tensors, out=call.out)
 
         self.plans = plans
+        self._eager = plans
 
         self.implementation(DEFAULT_BACKEND)(run)
         self.function().__module__ = build.__module__
@@ -482,15 +535,42 @@ SYNC_CHECKS = ("check_inputs", "check_indices", "check_lse", "validate")
 """The switches of host-syncing value checks (the ops' own parameters): a call with one of them
 on is planned afresh (its plan may depend on the values it reads, and the check must run)."""
 
-_PLAN_CONTEXT: list[Callable[[], object]] = []
+_CONTEXT: dict[str, object] = {}
+_CONTEXT_KEY = [()]  # _CONTEXT's items, sorted: what every key reads
+_CONTEXT_ENV: list[str] = [TRITON_INTERPRET]
 
 
-def plan_context(hook: Callable[[], object]) -> Callable[[], object]:
-    """Register ``hook() -> a hashable value``: process-wide state that a plan depends on beyond
-    its call's arguments (e.g. a tile forced by a tuning hook), made part of every
-    :class:`PlanCache` key. Returns ``hook``."""
-    _PLAN_CONTEXT.append(hook)
-    return hook
+def set_plan_context(name: str, value: object) -> None:
+    """Record process-wide state that a plan depends on beyond its call's arguments (a tile
+    forced by a tuning hook, a forced backend, the combine's PDL switch): ``value`` (hashable;
+    None: the default) becomes part of every plan's key, so a plan made under one state is
+    never reused under another, and is again once the state is back. Cheap per call: keys read
+    one precomputed tuple."""
+    if value is None:
+        _CONTEXT.pop(name, None)
+    else:
+        _CONTEXT[name] = value
+    _CONTEXT_KEY[0] = tuple(sorted(_CONTEXT.items()))
+
+
+def plan_context_env(name: str) -> str:
+    """Make the environment variable ``name`` part of every plan's key (its raw value, read per
+    call: a plan made under one value is never reused under another). Returns ``name``."""
+    if name not in _CONTEXT_ENV:
+        _CONTEXT_ENV.append(name)
+    return name
+
+
+def eager_is_plain() -> bool:
+    """True when a call runs in plain eager mode: no ``torch.compile`` tracing, no torch
+    function or dispatch mode, no functorch transform (vmap, grad). Only then may a public
+    function launch a cached plan itself instead of going through the dispatcher."""
+    return not (
+        torch.compiler.is_compiling()
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._are_functorch_transforms_active()
+    )
 
 
 class PlanCache:
@@ -500,7 +580,8 @@ class PlanCache:
     key and the plan's launch, not the checks and split search again.
 
     A key is each tensor argument's shape, strides, dtype and device, every other argument's
-    value, the interpreter mode and the registered :func:`plan_context`; a call with a
+    value, the interpreter mode and the plan context (:func:`set_plan_context`,
+    :func:`plan_context_env`); a call with a
     host-syncing check on (:data:`SYNC_CHECKS`) is never cached (its checks read values), nor
     one with an argument that cannot be hashed. What a cached plan skips is what its key fixes:
     the shape, dtype, device and layout checks; the values a plan reads only with those checks
@@ -510,25 +591,63 @@ class PlanCache:
     the plan (``plan_mla_decode(...).run``) to reuse it."""
 
     def __init__(self, params, size: int = 64) -> None:
-        self._tensors = tuple(p.name for p in params if p.tensor)
-        self._values = tuple(p.name for p in params if not p.tensor)
-        self._sync = tuple(n for n in self._values if n in SYNC_CHECKS)
+        params = tuple(params)
+        self._tensors = tuple(i for i, p in enumerate(params) if p.tensor)
+        self._values = tuple((i, p) for i, p in enumerate(params) if not p.tensor)
+        self._sync = tuple(i for i, p in enumerate(params) if p.name in SYNC_CHECKS)
+        self._names = tuple(p.name for p in params)
+        self.checks_apart = False  # (KernelOp.checks_apart: checked calls are cached too)
         self._plans: collections.OrderedDict = collections.OrderedDict()
         self._lock = threading.Lock()
         self.size = size
         self.hits = self.misses = 0
 
+    @classmethod
+    def of(cls, tensors: tuple[str, ...], values: tuple[str, ...], *, checks_apart=False):
+        """A cache for a function that is not an op (a layout adapter): its arguments in the
+        order :meth:`key_of` takes them, ``tensors`` first, then the other ``values`` (used as
+        given: call :meth:`key_of` with ``decoded=True``); ``checks_apart`` as for an op."""
+        params = [types.SimpleNamespace(name=n, tensor=True) for n in tensors]
+        params += [types.SimpleNamespace(name=n, tensor=False, codec=None) for n in values]
+        cache = cls(params)
+        cache.checks_apart = checks_apart
+        return cache
+
+    def checking(self, values: tuple) -> bool:
+        """True when a host-syncing check switch of the call ``values`` is on."""
+        return any(values[i] for i in self._sync)
+
+    def checking_call(self, call: Call) -> bool:
+        """:meth:`checking` of a decoded call."""
+        return any(getattr(call, self._names[i]) for i in self._sync)
+
     def key(self, call: Call) -> tuple | None:
         """``call``'s key, or None when it is not to be cached."""
-        for n in self._sync:
-            if getattr(call, n):
+        return self.key_of(tuple(getattr(call, n) for n in self._names), decoded=True)
+
+    def key_of(self, values: tuple, *, decoded: bool = False) -> tuple | None:
+        """The key of a call given as its declared arguments in order (``decoded``: as an
+        implementation receives them; else as a caller passed them, each checked as the
+        public function checks it first, so both give one key); None when the call is not to
+        be cached, or a tensor argument is not a plain ``torch.Tensor`` (a subclass goes
+        through the dispatcher)."""
+        if not self.checks_apart and self.checking(values):
+            return None
+        parts = [_CONTEXT_KEY[0]]
+        parts += map(os.environ.get, _CONTEXT_ENV)
+        for i in self._tensors:
+            t = values[i]
+            if t is None:
+                parts.append(None)
+            elif type(t) is torch.Tensor:
+                parts.append((t.shape, t.stride(), t.dtype, t.device))
+            else:
                 return None
-        parts = [interpreting(), *(hook() for hook in _PLAN_CONTEXT)]
-        for n in self._tensors:
-            t = getattr(call, n)
-            parts.append(None if t is None else (t.shape, t.stride(), t.dtype, t.device))
-        for n in self._values:
-            parts.append(getattr(call, n))
+        for i, p in self._values:
+            v = values[i]
+            if not decoded:
+                v = p.check(v) if p.codec is None else p.codec.decode(*p.encode(v))
+            parts.append(v)
         key = tuple(parts)
         try:
             hash(key)
@@ -536,11 +655,15 @@ class PlanCache:
             return None
         return key
 
-    def get(self, key: tuple):
+    def get(self, key: tuple | None, *, count_miss: bool = True):
+        """The plan kept under ``key`` (None: none, or no key); a hit is counted, a miss only
+        with ``count_miss`` (the eager path's lookup leaves its misses to the op's own)."""
+        if key is None:
+            return None
         with self._lock:
             plan = self._plans.get(key)
             if plan is None:
-                self.misses += 1
+                self.misses += count_miss
             else:
                 self.hits += 1
                 self._plans.move_to_end(key)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from mqnc.triton_kernels._core.op import PlanCache, eager_is_plain
 from mqnc.triton_kernels._core.validate import (
     argument_names,
     check_flags,
@@ -45,7 +46,7 @@ from mqnc.triton_kernels._core.validate import (
     check_tensor,
 )
 from mqnc.triton_kernels.fp8.cache import as_bytes, check_fp8_entries, is_fp8_pool
-from mqnc.triton_kernels.mla.decode import PagedLayout, checked_plan
+from mqnc.triton_kernels.mla.decode import PagedLayout, checked_plan, padded_value_checks
 from mqnc.triton_kernels.mla.plan import AttentionPlan
 from mqnc.triton_kernels.mla.sparse import check_index_range, plan_mla_sparse
 
@@ -189,9 +190,17 @@ class FlashMLAPlan:
         if not isinstance(q, torch.Tensor) or q.dim() != 4 or tuple(q.shape[:2]) != (b, s_q):
             got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
             raise ValueError(f"q: expected shape ({b}, {s_q}, h_q, d) (as planned), got {got}")
+        return self._run(self.plan.run, q, k_cache, block_table, cache_seqlens)
+
+    def run_planned(self, q, k_cache, block_table, cache_seqlens):
+        """:meth:`run` on tensors of the very signature planned (a cached plan's own call)."""
+        return self._run(self.plan.run_planned, q, k_cache, block_table, cache_seqlens)
+
+    def _run(self, run, q, k_cache, block_table, cache_seqlens):
+        b, s_q = self._b, self._s_q
         q2 = q.reshape(b * s_q, q.shape[2], q.shape[3])
         kv = k_cache[:, :, 0] if k_cache.dim() == 4 else k_cache
-        o, lse = self.plan.run(q2, kv, block_table, cache_seqlens)  # (an FP8 cache: viewed)
+        o, lse = run(q2, kv, block_table, cache_seqlens)  # (an FP8 cache: viewed)
         return _flashmla_outputs(o, lse, b, s_q, contiguous=True)
 
 
@@ -280,19 +289,37 @@ def mla_decode_with_kvcache(
         ``[b, h_q, s_q]`` float32, natural log, contiguous (as FlashMLA's); ``-inf`` for a
         token with nothing to attend.
     """
-    plan = plan_mla_with_kvcache(
-        q,
-        k_cache,
-        block_table,
-        cache_seqlens,
-        head_dim_v,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        num_splits=num_splits,
-        check_inputs=check_inputs,
-        is_fp8_kvcache=is_fp8_kvcache,
-    )
-    return plan.run(q, k_cache, block_table, cache_seqlens)
+    args = (q, k_cache, block_table, cache_seqlens)
+    options = (head_dim_v, softmax_scale, causal, num_splits, check_inputs, is_fp8_kvcache)
+    key = _PLANS.key_of(args + options, decoded=True) if eager_is_plain() else None
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = plan_mla_with_kvcache(
+            *args,
+            head_dim_v,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            num_splits=num_splits,
+            check_inputs=check_inputs,
+            is_fp8_kvcache=is_fp8_kvcache,
+        )
+        if key is not None:
+            _PLANS.put(key, plan)
+        return plan.run(*args)
+    if check_inputs:  # (the plan does not depend on the values checked)
+        with argument_names(_NAMES):
+            padded_value_checks(_cache_3d(k_cache, is_fp8_kvcache), block_table, cache_seqlens,
+                                head_dim_v)  # fmt: skip
+    return plan.run_planned(*args)
+
+
+_PLANS = PlanCache.of(
+    ("q", "k_cache", "block_table", "cache_seqlens"),
+    ("head_dim_v", "softmax_scale", "causal", "num_splits", "check_inputs", "is_fp8_kvcache"),
+    checks_apart=True,
+)
+"""The plans of :func:`mla_decode_with_kvcache`'s eager calls, one per call signature (as the
+ops' own: ``_core.op.PlanCache``); a checked call runs its value checks before the plan."""
 
 
 def mla_sparse_with_kvcache(

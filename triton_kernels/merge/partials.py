@@ -43,7 +43,7 @@ from mqnc.triton_kernels._core.execution import (
 )
 from mqnc.triton_kernels._core.launch import Launch
 from mqnc.triton_kernels._core.numerics import round_to
-from mqnc.triton_kernels._core.op import plan_context
+from mqnc.triton_kernels._core.op import set_plan_context
 from mqnc.triton_kernels._core.validate import (
     FLOAT_DTYPES,
     check_same_device,
@@ -276,13 +276,12 @@ def combine_pdl(enabled: bool = True):
     keep it. The plan cache keys on it."""
     before = _PDL[0]
     _PDL[0] = bool(enabled)
+    set_plan_context("combine_pdl", _PDL[0] or None)
     try:
         yield
     finally:
         _PDL[0] = before
-
-
-plan_context(lambda: _PDL[0])
+        set_plan_context("combine_pdl", before or None)
 
 
 def _launch(o, lse, o_out, lse_out, mask=None, base2=False) -> None:

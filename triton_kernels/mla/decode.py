@@ -56,7 +56,12 @@ import torch
 import triton
 import triton.language as tl
 
-from mqnc.triton_kernels._core.execution import bf16_rne_in_software, check_launchable, dot_in_fp32
+from mqnc.triton_kernels._core.execution import (
+    bf16_rne_in_software,
+    check_launchable,
+    dot_in_fp32,
+    interpreting,
+)
 from mqnc.triton_kernels._core.launch import Launch
 from mqnc.triton_kernels._core.validate import (
     check_int,
@@ -65,6 +70,7 @@ from mqnc.triton_kernels._core.validate import (
     check_softmax_scale,
     check_tensor,
 )
+from mqnc.triton_kernels.dispatch import Case, Choice, Target, choose
 from mqnc.triton_kernels.fp8.cache import (
     as_bytes,
     check_fp8_entries,
@@ -72,6 +78,7 @@ from mqnc.triton_kernels.fp8.cache import (
     fp8_rope_view,
     is_fp8_pool,
 )
+from mqnc.triton_kernels.mla.gluon_plan import plan_seesaw, tma_rows
 from mqnc.triton_kernels.mla.plan import (
     AttentionPlan,
     MlaOperands,
@@ -362,10 +369,74 @@ class PagedLayout:
         self.causal = causal and s_q > 1  # one query token: causal changes nothing
 
 
+@triton.jit(do_not_specialize=["stride_tb", "stride_tj", "cap", "num_blocks", "block_size"])
+def _paging_check_kernel(
+    Table, Lens, Flag, stride_tb, stride_tj, cap, num_blocks, block_size, BLOCK: tl.constexpr
+):
+    """Row ``b``: its length in ``[0, cap]`` and every page it uses (its first
+    ``ceil(len / block_size)`` table entries) in ``[0, num_blocks)``; ``Flag`` set to 1 if not
+    (every program that finds a fault writes the same 1)."""
+    b = tl.program_id(0)
+    n = tl.load(Lens + b)
+    bad = (n < 0) | (n > cap)
+    used = tl.cdiv(tl.minimum(tl.maximum(n, 0), cap), block_size)
+    row = Table + b.to(tl.int64) * stride_tb
+    for j0 in range(0, used, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        page = tl.load(row + j * stride_tj, mask=j < used, other=0)
+        bad = bad | (tl.max(((page < 0) | (page >= num_blocks)).to(tl.int32), 0) > 0)
+    if bad:
+        tl.store(Flag, 1)
+
+
 def _check_paging(
     block_table: torch.Tensor, cache_seqlens: torch.Tensor, num_blocks: int, block_size: int
 ) -> None:
-    """Host-side range checks (one sync): lengths fit the table, used pages exist."""
+    """Host-side range checks: lengths fit the table, used pages exist. Compiled: one small
+    kernel over the rows and one host sync on its flag (:func:`paging_fault_flag`); only a
+    fault runs the torch checks, which name the first faulty row and entry. Interpreted: the
+    torch checks alone (the interpreter runs a kernel far slower than torch's few ops)."""
+    S = cache_seqlens.shape[0]
+    if S == 0:
+        return
+    if interpreting():
+        _describe_paging_fault(block_table, cache_seqlens, num_blocks, block_size)
+        return
+    paging_fault_flag(block_table, cache_seqlens, num_blocks, block_size)
+
+
+def paging_fault_flag(
+    block_table: torch.Tensor, cache_seqlens: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
+    """:func:`_check_paging` on the device: the check kernel, one sync on its flag, the torch
+    checks (naming the fault) only when it is set."""
+    S = cache_seqlens.shape[0]
+    flag = torch.zeros(1, dtype=torch.int32, device=cache_seqlens.device)
+    Launch(
+        name="paging_check",
+        kernel=_paging_check_kernel,
+        grid=(S,),
+        args=(
+            block_table,
+            cache_seqlens,
+            flag,
+            *block_table.stride(),
+            block_table.shape[1] * block_size,
+            num_blocks,
+            block_size,
+        ),
+        kwargs=dict(BLOCK=64, num_warps=1),
+    )()
+    if flag.item():
+        _describe_paging_fault(block_table, cache_seqlens, num_blocks, block_size)
+        raise RuntimeError("the paging check kernel found a fault the torch check did not")
+
+
+def _describe_paging_fault(
+    block_table: torch.Tensor, cache_seqlens: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
+    """The torch form of :func:`_check_paging`: a ``ValueError`` naming the first faulty row
+    (a length past the table's capacity) or entry (a page id out of the pool)."""
     cap = block_table.shape[1] * block_size
     lens = cache_seqlens.long()
     bad = (lens < 0) | (lens > cap)
@@ -547,28 +618,72 @@ def checked_plan(
     max_kv_len = _checked_capacity(table, lens, indptr, layout, check_inputs, max_kv_len, kv_pool)
     if ops.fp8 and check_inputs:
         _check_fp8_attended(ops.kv, table, lens, indptr, layout, d_v)
-    template = plan_decode(
-        q,
-        kv_pool,
-        table,
-        lens,
-        scale,
-        d_v,
-        num_splits,
-        ops=ops,
-        indptr=indptr,
-        layout=layout,
-        max_kv_len=max_kv_len,
-        alloc=meta_output,
-    )
+    choice = dense_choice(q, kv_pool, table, ops, layout)
+    attend = None
+    if choice.backend == "gluon":
+        template, attend = plan_seesaw(
+            q,
+            kv_pool,
+            table,
+            lens,
+            indptr,
+            scale=scale,
+            num_splits=num_splits,
+            s_q=layout.s_q,
+            causal=layout.causal,
+            csr=layout.csr,
+            max_kv_len=max_kv_len,
+        )
+    else:
+        template = plan_decode(
+            q,
+            kv_pool,
+            table,
+            lens,
+            scale,
+            d_v,
+            num_splits,
+            ops=ops,
+            indptr=indptr,
+            layout=layout,
+            max_kv_len=max_kv_len,
+            alloc=meta_output,
+        )
     bind, names = _binder(layout, ops.split, d_v, kv_pool.shape[1], ops.fp8)
     if layout.csr:
         planned = bind(q, kv_pool, indptr, table, lens, q_pe=q_pe, kpe_pool=kpe_pool)
     else:
         planned = bind(q, kv_pool, table, lens, q_pe=q_pe, kpe_pool=kpe_pool)
     names = ("q", "q_pe", "kv_pool", "kpe_pool") + names
-    plan = AttentionPlan(template, bind, n_inputs=7, device=q.device, planned=planned, names=names)
+    plan = AttentionPlan(
+        template,
+        bind,
+        n_inputs=7,
+        device=q.device,
+        planned=planned,
+        names=names,
+        attend=attend,
+        backend=choice.backend,
+    )
     return plan, ops
+
+
+def dense_choice(q, kv_pool, table, ops: MlaOperands, layout: PagedLayout) -> Choice:
+    """The dispatch table's backend for a checked dense call (``dispatch.choose``)."""
+    page = kv_pool.shape[1]
+    entries = table.shape[0] * (q.shape[0] // layout.s_q) * (page // 64) if layout.csr else 0
+    case = Case.of_dtypes(
+        "mla_decode",
+        q.dtype,
+        None if ops.fp8 else kv_pool.dtype,
+        split_cache=ops.split,
+        d_qk=ops.d_v + ops.d_pe,
+        d_v=ops.d_v,
+        page=page,
+        tma_rows=tma_rows(kv_pool),
+        table_entries=entries,
+    )
+    return choose(case, Target.of(q.device))
 
 
 def _check_fp8_attended(kv, table, lens, indptr, layout: PagedLayout, d_v: int) -> None:
@@ -624,6 +739,26 @@ def plan_mla_decode(call) -> AttentionPlan:
     table, lens = call.block_table, call.cache_seqlens
     options = _dense_options(call)
     return checked_plan(call.q, call.kv_pool, table, lens, None, **options, layout=PagedLayout())[0]
+
+
+@mla_decode_partial.op.checks_apart
+def _padded_value_checks(call) -> None:
+    """A padded-table call's host-syncing checks (``check_inputs``), run before its cached
+    plan: its plan does not depend on the values they read (the split choice reads the table's
+    capacity, never ``cache_seqlens``)."""
+    if call.check_inputs:
+        padded_value_checks(call.kv_pool, call.block_table, call.cache_seqlens, call.d_v)
+
+
+def padded_value_checks(kv_pool, block_table, cache_seqlens, d_v: int) -> None:
+    """The value checks of a dense call over a padded block table: the lengths fit the table,
+    the pages in use exist (:func:`_check_paging`: one small kernel, one sync) and, for an FP8
+    pool, the entries attended are valid (one more sync)."""
+    num_blocks, block_size = kv_pool.shape[:2]
+    _check_paging(block_table, cache_seqlens, num_blocks, block_size)
+    if is_fp8_pool(kv_pool):
+        kv = as_bytes(kv_pool)
+        _check_fp8_attended(kv, block_table, cache_seqlens, None, PagedLayout(), d_v)
 
 
 @mla_decode_partial_csr.op.planner

@@ -97,8 +97,12 @@ __all__ = [
     "mla_decode_gluon",
     "gluon_decode_launches",
     "gluon_supported",
-    "compile_gluon_decode",
+    "choose_splits",
+    "descriptor_layout",
+    "seesaw_kernel",
+    "BLOCK_H",
     "BLOCK_NS",
+    "LOG2E",
     "SCHEDULES",
     "PAGE",
     "D_QK",
@@ -200,7 +204,7 @@ def _check(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_s
     return _Checked(q3, kv2, block_table, cache_seqlens, b, s_q, scale)
 
 
-def _choose_splits(
+def choose_splits(
     rows: int, heads: int, max_blocks: int, block_n: int, device, min_tiles: int = 1
 ) -> int:
     """The split count: ``_core.grid.choose_num_splits`` for this kernel at one CTA per SM (its
@@ -222,11 +226,18 @@ def _choose_splits(
     )
 
 
-def _descriptors(q3: torch.Tensor, kv2: torch.Tensor):
+def descriptor_layout():
+    """The shared-memory layout of every TMA box the kernels read: 64 bf16 wide (128 bytes), the
+    128-byte swizzle."""
     from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
+def _descriptors(q3: torch.Tensor, kv2: torch.Tensor):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    layout = descriptor_layout()
     R, H, _ = q3.shape
     q_desc = TensorDescriptor(q3, [R * H, D_QK], [q3.stride(1), 1], [BLOCK_H, 64], layout)
     kv_desc = TensorDescriptor(kv2, list(kv2.shape), list(kv2.stride()), [64, 64], layout)
@@ -238,8 +249,7 @@ def _kernel(schedule: str, block_n: int, out: str):
     from mqnc.triton_kernels.mla import gluon_kernels
 
     if schedule == "seesaw":
-        name = f"mla_decode_gluon[bfloat16,64x64,seesaw,w4+4+1,out={out}]"
-        return gluon_kernels.gluon_mla_seesaw_kernel, name, dict(num_warps=4)
+        return seesaw_kernel(out)
     st = _stages(block_n)
     name = f"mla_decode_gluon[bfloat16,64x{block_n},w8,s{st},out={out}]"
     return (
@@ -247,6 +257,17 @@ def _kernel(schedule: str, block_n: int, out: str):
         name,
         dict(BLOCK_N=block_n, STAGES=st, num_warps=8),
     )
+
+
+def seesaw_kernel(out: str, s_q: int = 1, causal: bool = False):
+    """The see-saw kernel, its launch name (``out``: ``"bf16"`` unsplit, ``"fp32-split"``;
+    ``s_q`` query tokens a sequence and ``causal``, constexprs of the kernel, named when not the
+    default) and its options."""
+    from mqnc.triton_kernels.mla import gluon_kernels
+
+    extra = (f",sq={s_q}" if s_q > 1 else "") + (",causal" if causal else "")
+    name = f"mla_decode_gluon[bfloat16,64x64,seesaw,w4+4+1,out={out}{extra}]"
+    return gluon_kernels.gluon_mla_seesaw_kernel, name, dict(num_warps=4)
 
 
 def gluon_decode_launches(
@@ -260,7 +281,7 @@ def gluon_decode_launches(
     max_blocks = c.table.shape[1]
     if num_splits is None:
         pair = 2 if schedule == "seesaw" else 1
-        num_splits = _choose_splits(R, H, max_blocks, block_n, c.q3.device, pair)
+        num_splits = choose_splits(R, H, max_blocks, block_n, c.q3.device, pair)
     o, lse, o_part, lse_part = split_outputs(R, H, D_V, c.q3.dtype, c.q3.device, num_splits)
     if R * H == 0:
         return o, lse, []
@@ -381,38 +402,3 @@ def mla_decode_gluon(
     h = q.shape[2]
     o4 = o.view(c.b, c.s_q, h, D_V)
     return o4, lse.view(c.b, c.s_q, h).transpose(1, 2).contiguous()
-
-
-def compile_gluon_decode(
-    *,
-    batch: int,
-    heads: int,
-    max_blocks: int,
-    num_splits: int,
-    block_n: int = 64,
-    schedule: str = "sync",
-):
-    """Compile the Gluon kernel for sm_90 exactly as a launch at these values would (the
-    launch's own arguments through ``JITFunction.warmup`` under ``sm90.compile``'s compile-only
-    driver; CPU tensors stand in, only their dtypes, shapes and alignment matter). Returns
-    ``(launch name, CompiledKernel)``. Needs ``TRITON_INTERPRET=0`` and triton 3.6's Gluon."""
-    from mqnc.triton_kernels.sm90.compile import _compile_only
-
-    num_pages = max(batch * max_blocks, 1)
-    c = _check(
-        torch.empty(batch, 1, heads, D_QK, dtype=torch.bfloat16),
-        torch.empty(num_pages, PAGE, 1, D_QK, dtype=torch.bfloat16),
-        torch.zeros(batch, max_blocks, dtype=torch.int32),
-        torch.zeros(batch, dtype=torch.int32),
-        D_QK**-0.5,
-        False,
-        num_splits,
-        block_n,
-        schedule,
-    )
-    _, _, launches = gluon_decode_launches(
-        c, causal=False, num_splits=num_splits, block_n=block_n, schedule=schedule
-    )
-    ln = launches[0]
-    with _compile_only(90):
-        return ln.name, ln.kernel.warmup(*ln.args, grid=ln.grid, **ln.kwargs)

@@ -34,7 +34,7 @@ from mqnc.triton_kernels._core.grid import (
 from mqnc.triton_kernels._core.launch import Launch, LaunchRunner
 from mqnc.triton_kernels._core.op import (
     check_no_overlap,
-    plan_context,
+    set_plan_context,
     written_into,  # noqa: F401  (re-exported)
 )
 from mqnc.triton_kernels._core.validate import FLOAT_DTYPES, check_tensor, dtype_name
@@ -362,6 +362,7 @@ def forced_tile(tile: TileConfig | str, *, sparse: bool = False):
     kind = "sparse" if sparse else "dense"
     before = _FORCED.get(kind)
     _FORCED[kind] = cfg
+    set_plan_context(f"tile:{kind}", cfg)  # (a forced tile changes what a call plans to)
     try:
         yield cfg
     finally:
@@ -369,6 +370,7 @@ def forced_tile(tile: TileConfig | str, *, sparse: bool = False):
             _FORCED.pop(kind, None)
         else:
             _FORCED[kind] = before
+        set_plan_context(f"tile:{kind}", before)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -738,8 +740,11 @@ class AttentionPlan:
         device: torch.device,
         planned: tuple[torch.Tensor, ...],
         names: tuple[str, ...],
+        attend=None,
+        backend: str = "tl",
     ) -> None:
         self.num_splits = template.num_splits
+        self.backend = backend  # the dispatch table's choice (mqnc.triton_kernels.dispatch)
         # what run() compares: each bound tensor's shape, strides, dtype and device; ``names``
         # are what its errors call them (a layout adapter sets its own arguments' names)
         self.names = names
@@ -750,13 +755,17 @@ class AttentionPlan:
         self._device = device
         self._o = (tuple(template.o.shape), template.o.dtype)
         self._lse = tuple(template.lse.shape)
-        parts = self.launches[0].args[n_inputs : n_inputs + 2] if self.launches else ()
-        self._part = tuple(tuple(t.shape) for t in parts)  # the split workspaces' shapes
         self._split = len(self.launches) > 1
-        # the kernels as they run: the attention on the bound tensors and its two outputs; the
-        # combine on (partials, outputs, the unread mask stand-in: merge_launch's tensors)
-        self._attend = LaunchRunner(self.launches[0], n_inputs + 2) if self.launches else None
-        self._combine = LaunchRunner(self.launches[1], 5) if self._split else None
+        # the kernels as they run: the attention on the bound tensors and its two outputs (the
+        # backend's own runner when it has one: the Gluon kernel's reads TMA descriptors made
+        # per run); the combine on (partials, outputs, the unread mask stand-in: merge_launch's
+        # tensors), its first two arguments the split workspaces
+        if attend is None and self.launches:
+            attend = LaunchRunner(self.launches[0], n_inputs + 2)
+        self._attend = attend if self.launches else None
+        self._combine = LaunchRunner(self.launches[-1], 5) if self._split else None
+        parts = self.launches[-1].args[:2] if self._split else ()
+        self._part = tuple(tuple(t.shape) for t in parts)  # the split workspaces' shapes
         self._interpreted = interpreting()  # (the launches' constexprs were chosen for it)
         # a buffer a launch owns (the fused combine's workspace, wrapped, not a torch tensor):
         # two runs of this plan on two streams at once would race on it, so the op's plan
@@ -862,7 +871,3 @@ def _without_tensors(launch: Launch) -> Launch:
         for a in launch.args
     )
     return dataclasses.replace(launch, args=args)
-
-
-# A tile forced by the tuning hook changes what a call plans to: part of every cached plan's key.
-plan_context(lambda: tuple(sorted(_FORCED.items())))

@@ -1,0 +1,296 @@
+"""The dense decode's plan on the Gluon see-saw: what the default path runs on sm_90.
+
+The dispatch table (:mod:`mqnc.triton_kernels.dispatch`) sends a dense call here when the see-saw
+(:mod:`mqnc.triton_kernels.mla.gluon`) can serve it and its GPU evidence holds; the call's
+checks, its outputs, its ``out=``, its plan cache and its CUDA-graph capture are the ``tl``
+path's own (``mla.decode.checked_plan``, :class:`~mqnc.triton_kernels.mla.plan.AttentionPlan`):
+only the attention step differs (:class:`SeesawAttend`), and the split-KV combine is the same
+merge kernel.
+
+What the kernel reads, and what a run adapts first (each on the device, no host sync):
+
+- **Page tables.** The kernel reads a padded ``[S, W]`` table of 64-entry pages. A padded
+  table of 64-entry pages with unit stride along a row is read as given. Otherwise a small
+  ``tl`` kernel (:func:`_seesaw_table_kernel`) writes one per run: pages of ``64 k`` entries
+  become ``k`` consecutive 64-entry pages (page ``p``'s ``i``-th is ``k p + i`` of the pool
+  viewed as 64-entry pages), and FlashInfer's CSR table (``kv_indptr`` / ``kv_indices``, with or
+  without ``kv_lens``) becomes a padded table ``nnz k`` wide (wide enough for any row a run may
+  bring: the plan fixes ``nnz``, not the rows' lengths), with the rows' lengths (``kv_lens``,
+  or whole pages). Its ``S x nnz k`` entries are why the table caps CSR at
+  :data:`CSR_TABLE_ENTRIES`.
+- **Query rows**, ``q [R, H, 576]``, are read by TMA as ``[R H, 576]`` rows: in place when the
+  plan's strides allow it (unit stride along the row, heads 16 bytes apart, tokens ``H`` heads
+  apart), else copied per run (the small query, never the cache); a query whose base is not
+  16-byte aligned is copied too.
+- **The cache** is read in place as ``[pages x page, 576]`` rows (``dispatch.Case.tma_rows``);
+  its descriptor is rebuilt only when the pool's storage changes.
+- **Split-KV**: the see-saw's split rule (``ceil(ceil(n / 64) / S)`` blocks a split, pages
+  paired) and the split policy at one CTA per SM; ``S > 1`` writes fp32 partials that the plan's
+  combine merges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from mqnc.triton_kernels._core.launch import Launch, LaunchRunner
+from mqnc.triton_kernels.merge.partials import merge_launch
+from mqnc.triton_kernels.mla.gluon import (
+    BLOCK_H,
+    D_QK,
+    D_V,
+    LOG2E,
+    PAGE,
+    choose_splits,
+    descriptor_layout,
+    seesaw_kernel,
+)
+from mqnc.triton_kernels.mla.plan import MlaPlan, meta_output, split_outputs, split_strides
+
+__all__ = ["SeesawAttend", "plan_seesaw", "tma_rows", "table_launch"]
+
+_TABLE_BLOCK = 256
+
+
+def tma_rows(kv_pool: torch.Tensor) -> bool:
+    """True when ``kv_pool [pages, page, 576]``'s entries are rows of one 2-D tensor that a TMA
+    descriptor reads in place: unit stride along an entry, entries a multiple of 8 elements
+    (16 bytes) apart, pages ``page`` entries apart, the base 16-byte aligned."""
+    if kv_pool.dim() != 3:
+        return False
+    sp, se, sd = kv_pool.stride()
+    return sd == 1 and se % 8 == 0 and sp == kv_pool.shape[1] * se and kv_pool.data_ptr() % 16 == 0
+
+
+@triton.jit(do_not_specialize=["stride_tb", "stride_tj", "W", "page"])
+def _seesaw_table_kernel(
+    Table,
+    Indptr,
+    Lens,
+    Out,
+    OutLens,
+    stride_tb,
+    stride_tj,
+    W,
+    page,
+    SUB: tl.constexpr,
+    CSR: tl.constexpr,
+    HAS_LENS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Row ``seq`` of the padded table of 64-entry pages, entries ``[BLOCK j, BLOCK (j + 1))``:
+    entry ``e`` is sub-page ``e % SUB`` of the row's page ``e // SUB`` (CSR: of its pages in
+    ``Table`` from ``Indptr[seq]``); entries past the row's pages are 0 (never read: past its
+    length). CSR: block 0 also writes the row's length (``Lens``, else its whole pages)."""
+    seq = tl.program_id(0)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    src = e // SUB
+    if CSR:
+        start = tl.load(Indptr + seq)
+        count = tl.load(Indptr + seq + 1) - start
+        pid = tl.load(Table + start + src, mask=(src < count) & (e < W), other=0)
+    else:
+        pid = tl.load(Table + seq * stride_tb + src * stride_tj, mask=e < W, other=0)
+    tl.store(Out + seq.to(tl.int64) * W + e, pid * SUB + e % SUB, mask=e < W)
+    if CSR:
+        if tl.program_id(1) == 0:
+            if HAS_LENS:
+                n = tl.load(Lens + seq)
+            else:
+                n = count * page
+            tl.store(OutLens + seq, n)
+
+
+def table_launch(table, indptr, lens, out, out_lens, *, page: int, csr: bool) -> Launch:
+    """The table kernel's launch: ``table`` (``[S, W0]`` padded, or CSR's ``kv_indices [nnz]``
+    with ``indptr [S + 1]`` and ``lens [S]`` or None) into ``out [S, W]`` int32 (and, CSR,
+    ``out_lens [S]``), pages of ``page`` entries as 64-entry ones."""
+    S, W = out.shape
+    sub = page // PAGE
+    strides = (0, 0) if csr else table.stride()
+    return Launch(
+        name=f"seesaw_table[{'csr' if csr else 'padded'},sub={sub}]",
+        kernel=_seesaw_table_kernel,
+        grid=(S, triton.cdiv(max(W, 1), _TABLE_BLOCK)),
+        args=(
+            table,
+            indptr if indptr is not None else table,  # (not read without CSR)
+            lens if lens is not None else out_lens,  # (not read without HAS_LENS)
+            out,
+            out_lens,
+            *strides,
+            W,
+            page,
+        ),
+        kwargs=dict(SUB=sub, CSR=csr, HAS_LENS=lens is not None, BLOCK=_TABLE_BLOCK, num_warps=4),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """What a see-saw plan fixes: ``R`` query rows of ``H`` heads, ``S`` sequences (``s_q``
+    rows each), the padded table's width ``W`` in 64-entry pages, the pool's page ``page``,
+    CSR or not, ``copy_q`` (the planned strides are not TMA's)."""
+
+    R: int
+    H: int
+    S: int
+    s_q: int
+    W: int
+    page: int
+    csr: bool
+    convert: bool
+    copy_q: bool
+
+
+class SeesawAttend:
+    """The attention step of an :class:`~mqnc.triton_kernels.mla.plan.AttentionPlan` on the
+    see-saw: called as a ``LaunchRunner`` is, with the plan's seven bound tensors ``(q, q_pe,
+    kv_pool, kpe_pool, table, indptr, lens)`` then ``(o_part, lse_part)``. It writes the table of
+    64-entry pages when the plan needs one, makes the TMA descriptors and launches the kernel
+    (its compiled launcher after the first run, as ``LaunchRunner`` does)."""
+
+    def __init__(self, shape: _Shape, kernel: Launch, table: Launch | None) -> None:
+        self.shape = shape
+        self._kernel = LaunchRunner(kernel, 6)
+        self._table = LaunchRunner(table, 5) if table is not None else None
+        self._layout = None
+        self._kv_key = self._kv_desc = self._q_template = None
+
+    def _descriptor(self, base: torch.Tensor, shape, strides, block):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        if self._layout is None:
+            self._layout = descriptor_layout()
+        return TensorDescriptor(base, list(shape), list(strides), list(block), self._layout)
+
+    def _q(self, q: torch.Tensor):
+        """``q``'s descriptor: the planned one with ``q`` as its base (the plan fixed its
+        shape, strides and dtype: Triton's own checks of them need not run again)."""
+        s = self.shape
+        if s.copy_q:
+            q = q.contiguous()
+        elif q.data_ptr() % 16:  # (a view off the planned alignment: a copy, its own strides)
+            q = q.clone(memory_format=torch.contiguous_format)
+            return self._descriptor(q, (s.R * s.H, D_QK), (q.stride(1), 1), (BLOCK_H, 64))
+        template = self._q_template
+        if template is None:
+            template = self._q_template = self._descriptor(
+                q, (s.R * s.H, D_QK), (q.stride(1), 1), (BLOCK_H, 64)
+            )
+            return template
+        desc = object.__new__(type(template))
+        desc.__dict__.update(template.__dict__, base=q)
+        return desc
+
+    def _kv(self, kv_pool: torch.Tensor):
+        """The cache's descriptor, rebuilt only when its storage changes."""
+        key = kv_pool.data_ptr()
+        if key != self._kv_key:
+            if key % 16:
+                raise ValueError(
+                    f"kv_pool: expected a 16-byte aligned base (the Gluon kernel reads it by "
+                    f"TMA, as planned), got address {key:#x}"
+                )
+            n, page, _ = kv_pool.shape
+            self._kv_desc = self._descriptor(
+                kv_pool, (n * page, D_QK), (kv_pool.stride(1), 1), (64, 64)
+            )
+            self._kv_key = key
+        return self._kv_desc
+
+    def __call__(self, interpreted, q, q_pe, kv_pool, kpe_pool, table, indptr, lens, o_part,
+                 lse_part):  # fmt: skip
+        s = self.shape
+        if s.convert:
+            device = q.device
+            out = torch.empty((s.S, s.W), dtype=torch.int32, device=device)
+            out_lens = torch.empty((s.S,), dtype=torch.int32, device=device) if s.csr else lens
+            self._table(False, table, indptr, lens, out, out_lens)
+            table, lens = out, out_lens
+        self._kernel(False, self._q(q), self._kv(kv_pool), table, lens, o_part, lse_part)
+
+
+def plan_seesaw(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    table: torch.Tensor,
+    lens: torch.Tensor | None,
+    indptr: torch.Tensor | None,
+    *,
+    scale: float,
+    num_splits: int | None,
+    s_q: int,
+    causal: bool,
+    csr: bool,
+    max_kv_len: int | None,
+) -> tuple[MlaPlan, SeesawAttend | None]:
+    """The template plan (outputs as stand-ins, the kernel's launch with its descriptors left
+    out, the combine when split) and the attention step of a dense call on the see-saw, for
+    checked inputs: ``q [R, H, 576]`` bf16, ``kv_pool [pages, page, 576]`` bf16 (``page`` a
+    multiple of 64, :func:`tma_rows`), ``table`` a padded ``[S, W0]`` block table or (``csr``)
+    ``kv_indices [nnz]`` with ``indptr [S + 1]``; ``lens [S]`` (None: CSR's whole pages);
+    ``max_kv_len``: the longest row the split policy plans for (None: the table's capacity)."""
+    R, H, _ = q.shape
+    page = kv_pool.shape[1]
+    sub = page // PAGE
+    S = R // s_q
+    if csr:
+        W = table.shape[0] * sub
+        capacity = table.shape[0] * page
+    else:
+        W = table.shape[1] * sub
+        capacity = table.shape[1] * page
+    convert = csr or sub != 1 or (table.shape[1] > 1 and table.stride(1) != 1)
+    row_stride = W if convert else table.stride(0)
+    qs = q.stride()
+    copy_q = not (qs[2] == 1 and qs[1] % 8 == 0 and qs[0] == H * qs[1])
+    shape = _Shape(R, H, S, s_q, W, page, csr, convert, copy_q)
+    longest = capacity if max_kv_len is None else min(max_kv_len, capacity)
+    if num_splits is None:
+        num_splits = choose_splits(R, H, triton.cdiv(longest, PAGE), PAGE, q.device, 2)
+    o, lse, o_part, lse_part = split_outputs(R, H, D_V, q.dtype, q.device, num_splits, meta_output)
+    if R * H == 0:
+        return MlaPlan(o, lse, num_splits, ()), None
+    fn, name, options = seesaw_kernel("fp32-split" if num_splits > 1 else "bf16", s_q, causal)
+    meta = torch.device("meta")
+    kernel = Launch(
+        name=name,
+        kernel=fn,
+        grid=(R * triton.cdiv(H, BLOCK_H), num_splits),
+        args=(
+            None,  # q's TMA descriptor, made per run
+            None,  # the cache's
+            torch.empty((S, W), dtype=torch.int32, device=meta) if convert else table,
+            lens if lens is not None else torch.empty((S,), dtype=torch.int32, device=meta),
+            o_part,
+            lse_part,
+            H,
+            W,
+            row_stride,
+            num_splits,
+            *split_strides(o_part, lse_part),
+            scale * LOG2E,
+        ),
+        kwargs=dict(S_Q=s_q, CAUSAL=causal, **options),
+    )
+    conv = None
+    if convert:
+        out = torch.empty((S, W), dtype=torch.int32, device=meta)
+        out_lens = torch.empty((S,), dtype=torch.int32, device=meta)
+        conv = table_launch(table, indptr, lens, out, out_lens, page=page, csr=csr)
+    launches = [kernel]
+    if num_splits > 1:
+        launches.append(merge_launch(o_part, lse_part, o, lse))
+    template = MlaPlan(o, lse, num_splits, tuple(launches))
+    return template, SeesawAttend(shape, _without_outputs(kernel), conv)
+
+
+def _without_outputs(kernel: Launch) -> Launch:
+    """The kernel's launch as its runner keeps it: its first six arguments (descriptors, table,
+    lengths, outputs) come with every run."""
+    return dataclasses.replace(kernel, args=(None,) * 6 + kernel.args[6:])
