@@ -350,6 +350,48 @@ def test_gluon_check_fails_a_wrong_kernel(tmp_path):
     assert [rec["extra"]["ok"] for rec in recs] == [True, False, False, False]
 
 
+FASTPATH_SCRIPT = ROOT / "perf" / "gpu_fastpath.sh"
+
+
+def test_fastpath_dry_run_records_every_part(tmp_path):
+    """``perf/gpu_fastpath.sh --dry-run``: the warm-up, then every exactness case through the
+    public default path against fp64 (each naming its backend: the interpreter's ``tl``), the
+    goal shapes timed (FLOPs ``2 B H c_t (576 + 512)``, bytes, the fp64 check of the first
+    set) and the user's loop per call (host and CPU microseconds), each record with the
+    commit; the fast-path targets printed (not measured off a GPU)."""
+    r = _script_dry_run(FASTPATH_SCRIPT, tmp_path, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert re.search(r"fast-path check took \d+s of 300s", r.stdout), r.stdout[-1000:]
+    assert "warm: 1 cases, 0 failed" in r.stdout and "not measured in this run" in r.stdout
+    recs = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    by = {b: [x for x in recs if x["bench"] == b] for b in ("fastpath_exact", "fastpath",
+                                                            "host_loop")}  # fmt: skip
+    assert len(by["fastpath_exact"]) == 10 and len(by["fastpath"]) == 2
+    assert len(by["host_loop"]) == 5
+    for rec in recs:
+        e = rec["extra"]
+        assert rec["commit"] == "dryrun0commit" and e["backend"] == "tl" and e["triton"]
+        assert e.get("ok", True), rec
+    for rec in by["fastpath"]:
+        e = rec["extra"]
+        assert e["flops"] == 2 * e["B"] * e["H"] * rec["x"] * (576 + 512)
+        assert e["vs_fp64"]["ok"] and e["tflops"] == pytest.approx(e["flops"] / (rec["p50"] * 1e6))
+    for rec in by["host_loop"]:
+        assert rec["p20"] <= rec["p50"] <= rec["p80"] and len(rec["extra"]["cpu_us"]) == 3
+    kinds = {rec["extra"]["spec"]["kind"] for rec in by["fastpath_exact"]}
+    assert kinds == {"partial", "flashmla", "csr", "plan", "out"}
+
+
+def test_fastpath_check_fails_a_wrong_answer(tmp_path):
+    """The fast path's fp64 comparisons catch an output 1% off (the dry run's outputs scaled by
+    ``$FASTPATH_DRY_OFF``): every exactness case MISMATCHes and the run fails."""
+    r = _script_dry_run(FASTPATH_SCRIPT, tmp_path, timeout=600, FASTPATH_DRY_OFF="1.01")
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "MISMATCH partial" in r.stdout and "MISMATCHED" in r.stdout, r.stdout[-2000:]
+    recs = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert not any(x["extra"]["ok"] for x in recs if x["bench"] == "fastpath_exact")
+
+
 def test_gluon_decode_checks_its_arguments_then_refuses_a_cpu():
     """``mla.gluon`` names a bad argument (ValueError / TypeError) and, given good ones on
     a CPU, raises RuntimeError saying Gluon needs a CUDA sm_90 device (Gluon never runs in the

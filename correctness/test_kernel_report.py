@@ -86,6 +86,8 @@ def test_mqnc_kernel_report_subcommand(tmp_path):
     r = _report("mqnc kernel-report", *args, cwd=tmp_path, interpret=None)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "PREDICTIONS" in r.stdout and "| rotate rows=256 delta=int |" in r.stdout
+    assert "Which backend serves which case on sm_90" in r.stdout
+    assert "mla_decode  gluon  mla_decode_gluon[seesaw]" in r.stdout
     assert {json.loads(x)["shape"] for x in out.read_text().splitlines()} == {
         "rotate rows=256 delta=int",
         "rotate rows=256 delta=[T]",

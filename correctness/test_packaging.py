@@ -63,6 +63,13 @@ def test_mqnc_env_reports_versions_and_mode():
 
     if not torch.cuda.is_available():
         assert info["kernels"] == "interpreted"
+    # the dispatch table on this device: every op's backends, the dense decode's Gluon kernel
+    # with its evidence and whether this device runs it
+    rows = {(r["op"], r["backend"]): r for r in info["dispatch"]}
+    assert ("mla_decode", "gluon") in rows and ("mla_decode", "tl") in rows
+    assert {"mla_sparse", "merge", "splice"} <= {op for op, _ in rows}
+    if not torch.cuda.is_available():
+        assert "not on this device" in rows["mla_decode", "gluon"]["status"]
 
 
 def test_wheel_ships_type_markers_and_an_spdx_license(tmp_path):

@@ -213,6 +213,44 @@ FP8_TARGETS = [
 TARGETS += FP8_TARGETS
 
 
+def at_tflops(B: int, H: int, ct: int, tflops: float) -> float:
+    """Microseconds that a dense partial's ``2 B H c_t (576 + 512)`` flops take at ``tflops``."""
+    return 2 * B * H * ct * (D_QK + D_V) / (tflops * 1e6)
+
+
+def _fast(H: int, B: int, ct: int, limit: float, what: str) -> Target:
+    return Target("fastpath", limit, what, variant=f"H={H},B={B}", x=ct, backend="triton")
+
+
+def _loop(case: str, limit: float, what: str) -> Target:
+    return Target("host_loop", limit, what, variant=f"{case} *", backend="triton")
+
+
+# The default path on an H200 (perf.bench_fastpath: the dispatch table's choice, each case
+# checked against fp64 first, CUDA-graph timed over inputs larger than twice the L2; the host
+# loop of a user's 200 back-to-back calls). FlashMLA reports 660 TFLOP/s on an H800, whose
+# tensor cores are the H200's.
+FASTPATH_TARGETS = [
+    _fast(128, 64, 8192, at_tflops(64, 128, 8192, 600), "H 128 B 64 c_t 8192 >= 600 TFLOP/s"),
+    _fast(128, 8, 32768, at_tflops(8, 128, 32768, 540), "H 128 B 8 c_t 32768 >= 540 TFLOP/s"),
+    _fast(128, 128, 4096, at_tflops(128, 128, 4096, 580), "H 128 B 128 c_t 4096 >= 580 TFLOP/s"),
+    _fast(64, 32, 8192, at_tflops(32, 64, 8192, 420), "H 64 B 32 c_t 8192 >= 420 TFLOP/s"),
+    _fast(
+        16, 16, 32768, at_tbps(dense_bytes(16, 16, 32768), 4.2), "H 16 B 16 c_t 32768 >= 4.2 TB/s"
+    ),
+    _fast(
+        16, 64, 32768, at_tbps(dense_bytes(64, 16, 32768), 4.2), "H 16 B 64 c_t 32768 >= 4.2 TB/s"
+    ),
+    _fast(16, 1, 2048, 8.0, "H 16 B 1 c_t 2048 decode + combine <= 8 us"),
+    _loop("mla_decode_with_kvcache checks=off", 30.0, "FlashMLA's call, eager, <= 30 us of host"),
+    _loop("mla_decode_partial checks=off", 30.0, "mla_decode_partial, eager, <= 30 us of host"),
+    _loop("plan.run", 10.0, "plan.run <= 10 us of host"),
+    _loop("mla_decode_with_kvcache checks=on", 60.0, "checks on <= 2 x the 30 us goal"),
+    _loop("mla_decode_partial checks=on", 60.0, "checks on <= 2 x the 30 us goal"),
+]
+TARGETS += FASTPATH_TARGETS
+
+
 def main(argv=None) -> int:
     """Print every target against the records of a results file; exit status 1 with
     ``--check`` when one is missed."""

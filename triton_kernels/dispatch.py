@@ -74,6 +74,12 @@ class Target:
         index = device.index if device.index is not None else torch.cuda.current_device()
         return _target("cuda", _arch(index))
 
+    @classmethod
+    def sm90(cls) -> Target:
+        """An sm_90 CUDA device (Hopper: the H100, H200) under the Triton in use: what the
+        table would choose there (``mqnc kernel-report``, a CPU asking about a GPU)."""
+        return _target("cuda", "sm_90")
+
 
 @functools.cache
 def _arch(index: int) -> str:

@@ -48,6 +48,10 @@ def collect() -> dict:
         major, minor = torch.cuda.get_device_capability()
         info["capability"] = f"sm_{major}{minor}"
         info["cuda"] = torch.version.cuda
+    from mqnc.triton_kernels.dispatch import Target, table_rows
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    info["dispatch"] = table_rows(Target.of(device))
     return info
 
 
@@ -56,9 +60,14 @@ def _run(args) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
     else:
+        rows = info.pop("dispatch")
         width = max(map(len, info))
         for key, value in info.items():
             print(f"{key:<{width}}  {value if value is not None else '-'}")
+        print("\nbackends on this device (mqnc.triton_kernels.dispatch; force one with "
+              "MQNC_BACKEND=op=backend):")  # fmt: skip
+        for row in rows:
+            print(f"  {row['op']:<11} {row['backend']:<6} {row['kernel']}: {row['status']}")
     return 0
 
 

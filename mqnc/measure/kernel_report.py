@@ -605,6 +605,13 @@ def run(args: argparse.Namespace) -> int:
     if extra:
         print("\nSweep candidates (forced tiles) at their shapes:")
         print(format_table(extra, []).split("\n\n")[0])
+    from mqnc.triton_kernels.dispatch import Target, table_text
+
+    print(
+        "\nWhich backend serves which case on sm_90 under this triton "
+        "(mqnc.triton_kernels.dispatch; the predictions above are the tl kernels'):"
+    )
+    print(table_text(Target.sm90()))
     return 0
 
 

@@ -16,8 +16,15 @@ shape, the host time of each way to launch it (:func:`launch_cases`):
     two, ``check_lse=False``) captured in a CUDA graph, replayed: what a holder or a requester
     that replays its step pays per step.
 
-``eager (stubbed)`` and ``plan.run (stubbed)``: the same with every kernel launch replaced by a
-no-op (:class:`~mqnc.triton_kernels._core.launch.LaunchRunner`), on any machine: the package's own
+``flashmla``
+    FlashMLA's call, ``mla_decode_with_kvcache(..., check_inputs=False)`` (its own plan cache);
+``checked``
+    ``mla_decode_partial`` with its checks on (the default): the cached plan after the checks
+    (compiled: one check kernel and one host sync);
+
+``eager (stubbed)``, ``plan.run (stubbed)``, ``flashmla (stubbed)``, ``checked (stubbed)``: the
+same with every kernel launch replaced by a no-op
+(:class:`~mqnc.triton_kernels._core.launch.LaunchRunner`), on any machine: the package's own
 Python, the part a CPU can measure (``correctness/test_host_path.py`` pins its call counts).
 
 Host time is wall time from the call to its return with the device idle before it
@@ -93,6 +100,7 @@ def _captured(fn: Callable[[], object]) -> Callable[[], None]:
 def launch_cases(shape: LaunchShape, device: str) -> dict[str, tuple[Callable, bool]]:
     """``{case: (callable, stubbed)}`` at ``shape`` on ``device`` (module docstring)."""
     from mqnc.triton_kernels import merge_partials, mla_decode_partial, plan_mla_decode
+    from mqnc.triton_kernels.adapters.flashmla import mla_decode_with_kvcache
 
     gen = torch.Generator().manual_seed(0)
     q, pool, table, lens = _inputs(shape, device, gen)
@@ -105,10 +113,24 @@ def launch_cases(shape: LaunchShape, device: str) -> dict[str, tuple[Callable, b
     def run():
         return plan.run(q, pool, table, lens)
 
-    cases = {"eager (stubbed)": (eager, True), "plan.run (stubbed)": (run, True)}
+    def checked():
+        return mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE)
+
+    q4, cache4 = q.view(shape.B, 1, shape.H, 576), pool[:, :, None]
+
+    def flashmla():
+        return mla_decode_with_kvcache(q4, cache4, table, lens, **kw)
+
+    cases = {
+        "eager (stubbed)": (eager, True),
+        "plan.run (stubbed)": (run, True),
+        "flashmla (stubbed)": (flashmla, True),
+        "checked (stubbed)": (checked, True),
+    }
     if device != "cuda":
         return cases
     cases.update({"eager": (eager, False), "plan.run": (run, False)})
+    cases.update({"flashmla": (flashmla, False), "checked": (checked, False)})
     cases["graph.replay"] = (_captured(run), False)
     _, pool_b, table_b, lens_b = _inputs(shape, device, gen, offset=1)
     plan_b = plan_mla_decode(q, pool_b, table_b, lens_b, **kw)

@@ -194,7 +194,17 @@ _SPARSE = {16: TileConfig(16, 32, 8, 5), 32: TileConfig(32, 16, 8, 5)}
 # spill-free tiles measured. Every one of these tiles is checked against fp64 in the interpreter
 # (test_mla_decode / test_mla_sparse, ``forced_tile``); test_compile_sm90 compiles each under the
 # triton that chooses it (the 3.6 tiles in ``make compat``).
-_WIDE = {(3, 6): (TileConfig(64, 32, 8, 3), TileConfig(64, 16, 8, 5))}  # (dense, sparse)
+# The second H200 sweep (records at 933b242, triton 3.6.0, the restructured kernels, each checked
+# against the default tile's output), p50 us: dense H 128, B 1 c_t 8192 / B 8 c_t 32768 / B 64
+# c_t 8192 / B 128 c_t 4096: 64x32w8s3 30.4 / 453.8 / 874.8 / 868.9; 64x64w8s2-tma 25.8 / 268.6
+# / 498.2 / 504.1 (293 TFLOP/s at B 64); 64x64w8s2-pipe 25.6 / 273.5 / 512.2 / 509.8. Sparse
+# top-2048 H 128, B 1 / B 8: 64x16w8s5 24.0 / 55.5; 64x32w8s2-pipe 22.1 / 47.6; 16x32w8s5-pipe
+# 19.8 / 84.1. So under triton 3.6 the tl defaults above 32 heads are 64x64w8s2-tma (dense, 1.7-
+# 1.8x 64x32w8s3 from B 8) and 64x32w8s2-pipe (sparse, the fastest at B 8, second at B 1). On
+# sm_90 the dense bf16 cases with fused 576-wide entries run the Gluon see-saw
+# (``mqnc.triton_kernels.dispatch``); these tiles serve the rest there (fp16, split caches,
+# pages under 64) and the sparse kernel.
+_WIDE = {(3, 6): (TileConfig.parse("64x64w8s2-tma"), TileConfig.parse("64x32w8s2-pipe"))}
 _WIDE_ELSE = (_DENSE[32], _SPARSE[16])
 # The candidates of the next H200 sweep at 128 heads (``perf/gpu_tiles.sh``): every tile of the
 # first sweep that compiles without spills for sm_90 under triton 3.6.0 (the GPU's), and 64 heads
