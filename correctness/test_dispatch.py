@@ -36,7 +36,7 @@ SEESAW = "mla_decode_gluon[seesaw]"
         (Case("mla_decode", q_dtype="fp16", kv="fp16"), SM90, "tl", "not fp16 / fp16"),
         (Case("mla_decode", kv="fp8"), SM90, "tl", "not bf16 / fp8"),
         (Case("mla_decode", q_dtype="fp32", kv="fp32"), SM90, "tl", "bf16 queries"),
-        (Case("mla_decode", split_cache=True), SM90, "tl", "split ckv / kpe"),
+        (Case("mla_decode", split_cache=True), SM90, "tl", "no GPU record"),
         (Case("mla_decode", d_qk=192, d_v=128), SM90, "tl", "576 = 512 + 64"),
         (Case("mla_decode", page=32), SM90, "tl", "not pages of 32"),
         (Case("mla_decode", page=1), SM90, "tl", "not pages of 1"),
@@ -94,8 +94,8 @@ def test_every_default_gluon_kernel_is_the_code_a_gpu_verified():
     fingerprint its GPU record verified. A change to its device code fails here until a GPU run
     (``perf/gpu_fastpath.sh``) verifies the new code against fp64 and its fingerprint is
     recorded in ``evidence.VERIFIED``."""
-    gluon_rules = [r for r in dispatch.TABLE if r.evidence is not None]
-    assert gluon_rules, "no Gluon rule in the table"
+    gluon_rules = [r for r in dispatch.TABLE if r.evidence in evidence.VERIFIED]
+    assert [r.kernel for r in gluon_rules] == [SEESAW], gluon_rules
     for rule in gluon_rules:
         e = evidence.VERIFIED[rule.evidence]
         now = evidence.fingerprint(evidence.kernel_source(e.module), e.function)
@@ -105,6 +105,25 @@ def test_every_default_gluon_kernel_is_the_code_a_gpu_verified():
             f"record the new fingerprint with its records"
         )
         assert evidence.verified(rule.evidence, e.triton)
+
+
+def test_a_gluon_kernel_without_gpu_evidence_is_opt_in():
+    """The see-saw's split-cache variant (FlashInfer's ``ckv`` / ``kpe``) has no GPU record:
+    the table serves split caches with ``tl`` on an H200 and says why; forced, ``gluon`` picks
+    the split variant for a split cache and the see-saw for a fused one; every Gluon kernel of
+    the table has a fingerprint to record (``evidence.KERNELS``)."""
+    split = Case("mla_decode", split_cache=True)
+    choice = choose(split, SM90)
+    assert choice.backend == "tl" and "seesaw-split] has no GPU record" in choice.why, choice
+    with force_backend("mla_decode", "gluon"):
+        assert choose(split, SM90).kernel == "mla_decode_gluon[seesaw-split]"
+        assert choose(Case("mla_decode"), SM90).kernel == SEESAW
+        with pytest.raises(ValueError, match="not fp16 / fp16"):
+            choose(Case("mla_decode", q_dtype="fp16", kv="fp16", split_cache=True), SM90)
+    for rule in dispatch.TABLE:
+        if rule.evidence is not None:
+            assert len(evidence.current_fingerprint(rule.evidence)) == 64
+    assert "opt-in: mla_decode_gluon[seesaw-split] has no GPU record" in dispatch.table_text()
 
 
 def test_a_changed_gluon_source_is_no_longer_a_default(monkeypatch):
@@ -333,3 +352,31 @@ def test_the_seesaw_plan_launches_what_the_kernel_reads(rows, heads, s_q, page, 
     assert ("fp32-split" in kernel.name) == (template.num_splits > 1)
     assert len(template.launches) == (2 if template.num_splits > 1 else 1)
     assert template.o.shape == (rows, heads, 512) and template.o.dtype == torch.bfloat16
+
+
+def test_the_split_cache_plan_reads_two_descriptors_and_joins_a_split_query():
+    """FlashInfer's layout on the see-saw (the split-cache variant, forced where a GPU runs it):
+    the kernel takes the query's descriptor, then the latent and rope caches' (seven leading
+    run arguments, not six), its name says ``seesaw-split``; a query given as ``q_nope`` /
+    ``q_pe`` is joined per run (``split_q``), never copied at plan time."""
+    q = torch.randn(4, 128, 512, dtype=torch.bfloat16)
+    q_pe = torch.randn(4, 128, 64, dtype=torch.bfloat16)
+    ckv = torch.empty(16, 64, 512, dtype=torch.bfloat16)
+    kpe = torch.empty(16, 64, 64, dtype=torch.bfloat16)
+    table = torch.zeros(4, 4, dtype=torch.int32)
+    lens = torch.full((4,), 200, dtype=torch.int32)
+    template, attend = plan_seesaw(
+        q, ckv, table, lens, None, scale=SCALE, num_splits=2, s_q=1, causal=False, csr=False,
+        max_kv_len=None, q_pe=q_pe, kpe_pool=kpe,
+    )  # fmt: skip
+    kernel = template.launches[0]
+    assert (
+        "seesaw-split" in kernel.name and kernel.kernel.__name__ == "gluon_mla_seesaw_split_kernel"
+    )
+    assert kernel.args[:3] == (None, None, None) and kernel.args[7:11] == (128, 4, 4, 2)
+    assert attend.shape.split_q and attend.shape.split_cache and not attend.shape.copy_q
+    from mqnc.triton_kernels.mla.gluon_plan import tma_rows
+
+    odd_rows = torch.empty(16, 64, 66, dtype=torch.bfloat16)[..., :64]  # rows 132 B apart
+    odd_base = torch.empty(16 * 64 * 64 + 1, dtype=torch.bfloat16)[1:].view(16, 64, 64)
+    assert tma_rows(ckv, kpe) and not tma_rows(ckv, odd_rows) and not tma_rows(ckv, odd_base)

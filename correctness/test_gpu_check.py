@@ -366,7 +366,7 @@ def test_fastpath_dry_run_records_every_part(tmp_path):
     recs = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     by = {b: [x for x in recs if x["bench"] == b] for b in ("fastpath_exact", "fastpath",
                                                             "host_loop")}  # fmt: skip
-    assert len(by["fastpath_exact"]) == 10 and len(by["fastpath"]) == 2
+    assert len(by["fastpath_exact"]) == 11 and len(by["fastpath"]) == 2
     assert len(by["host_loop"]) == 5
     for rec in recs:
         e = rec["extra"]
@@ -379,7 +379,7 @@ def test_fastpath_dry_run_records_every_part(tmp_path):
     for rec in by["host_loop"]:
         assert rec["p20"] <= rec["p50"] <= rec["p80"] and len(rec["extra"]["cpu_us"]) == 3
     kinds = {rec["extra"]["spec"]["kind"] for rec in by["fastpath_exact"]}
-    assert kinds == {"partial", "flashmla", "csr", "plan", "out"}
+    assert kinds == {"partial", "flashmla", "csr", "plan", "out", "flashinfer"}
 
 
 def test_fastpath_check_fails_a_wrong_answer(tmp_path):

@@ -14,7 +14,9 @@ the flags every benchmark takes (``--reps --warmup --out FILE | --record --check
    a plan's ``run``, ``out=``, a CUDA-graph replay of a plan), compared with the fp64 reference
    (``mqnc.testing``'s ``("mla", bf16)`` / ``("mla_lse", fp32)`` bounds): 128 heads over lengths
    1 / 65 / 200, split and unsplit; 16, 64 and 100 heads (partial head blocks); FlashMLA's
-   ``s_q`` 2 causal; CSR tables with and without ``kv_lens``; pages of 128. Pools hold NaN past
+   ``s_q`` 2 causal; CSR tables with and without ``kv_lens``; pages of 128; FlashInfer's split
+   ``ckv`` / ``kpe`` layout by the table's choice and with the see-saw's split-cache variant
+   forced (opt-in until such a record verifies it). Pools hold NaN past
    each length and tables -1 past each row's pages. Each record says the backend the dispatch
    table chose (``extra.backend``: ``gluon`` on an sm_90 with its evidence, else ``tl``), the
    kernel, and for the Gluon kernel its source fingerprint (``extra.fingerprint``, what
@@ -118,9 +120,10 @@ def _facts(plan) -> dict:
 
     backend = getattr(plan, "backend", "tl")
     facts = {"backend": backend, "triton": triton.__version__}
-    if backend == "gluon":
-        facts["kernel"] = "mla_decode_gluon[seesaw]"
-        facts["fingerprint"] = evidence.current_fingerprint("mla_decode_gluon[seesaw]")
+    kernel = getattr(plan, "kernel", None)
+    if backend == "gluon" and kernel in evidence.KERNELS:
+        facts["kernel"] = kernel
+        facts["fingerprint"] = evidence.current_fingerprint(kernel)
     return facts
 
 
@@ -140,6 +143,10 @@ def exact_specs(dry: bool, cuda: bool) -> list[dict]:
         dict(kind="plan", H=H, lengths=lengths),
         dict(kind="out", H=H, lengths=lengths),
     ]
+    # FlashInfer's layout (split ckv / kpe, CSR): the table's choice, then the see-saw's split
+    # variant forced (opt-in until these records verify it: they carry its fingerprint)
+    for forced in (None, "gluon") if cuda else (None,):  # (the dry run has no Gluon to force)
+        specs.append(dict(kind="flashinfer", H=H, lengths=(130, 64, 1), forced=forced))
     if cuda:
         specs.append(dict(kind="graph", H=H, lengths=lengths))
     return specs
@@ -148,7 +155,7 @@ def exact_specs(dry: bool, cuda: bool) -> list[dict]:
 def label(spec: dict) -> str:
     """A case's name in the records."""
     parts = [spec["kind"], f"H={spec['H']}", "lens=" + ",".join(map(str, spec["lengths"]))]
-    for key in ("splits", "page", "s_q", "kv_lens"):
+    for key in ("splits", "page", "s_q", "kv_lens", "forced"):
         if key in spec:
             parts.append(f"{key}={spec[key]}")
     return " ".join(parts)
@@ -189,6 +196,8 @@ def build(spec: dict, device, gen):
             return o.reshape(R, H, 512), lse.transpose(1, 2).reshape(R, H)
 
         return flashmla, ref, plan
+    if kind == "flashinfer":
+        return _flashinfer_case(q, pool, table, lens, spec.get("forced"), device)
     if kind == "csr":
         counts = [math.ceil(n / 64) for n in lengths]
         indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
@@ -207,6 +216,33 @@ def build(spec: dict, device, gen):
                torch.empty(R, H, dtype=torch.float32, device=device))  # fmt: skip
         return lambda: plan.run(q2, pool, table, lens, out=out), ref, plan
     return _graph_case(plan, q, q2, pool, table, lens), ref, plan
+
+
+def _flashinfer_case(q, pool, table, lens, forced, device):
+    """FlashInfer's MLA call over the pool split into ``ckv`` / ``kpe`` (own tensors, not views)
+    and a CSR table, the query as ``q_nope`` / ``q_pe``; ``forced``: the backend forced while
+    planning (None: the table's)."""
+    import contextlib
+
+    import torch
+
+    from mqnc.triton_kernels.adapters.flashinfer import plan_mla_paged_attention
+    from mqnc.triton_kernels.dispatch import force_backend
+
+    counts = [math.ceil(int(n) / 64) for n in lens.tolist()]
+    indptr = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    indices = torch.cat([table[b, :c].cpu() for b, c in enumerate(counts)]).to(torch.int32)
+    indptr, indices = indptr.to(device), indices.to(device)
+    ckv, kpe = pool[..., :512].contiguous(), pool[..., 512:].contiguous()
+    q_nope, q_pe = q[..., :512].contiguous(), q[..., 512:].contiguous()
+    ref = _reference(q, pool, table, lens)
+    with force_backend("mla_decode", forced) if forced else contextlib.nullcontext():
+        fplan = plan_mla_paged_attention(
+            q_nope, q_pe, ckv, kpe, indptr, indices, lens, sm_scale=SCALE, return_lse=True,
+            return_lse_base_on_e=True,
+        )  # fmt: skip
+    run = lambda: fplan.run(q_nope, q_pe, ckv, kpe, indptr, indices, lens)  # noqa: E731
+    return run, ref, fplan.plan
 
 
 def _graph_case(plan, q, q2, pool, table, lens):

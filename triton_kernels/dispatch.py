@@ -109,7 +109,8 @@ class Case:
     """What a call is, as the table reads it. ``op``: the op's name (``mla_decode``,
     ``mla_sparse``, ``merge``, ``splice``, ...); for the attention ops: ``q_dtype`` (``"bf16"``,
     ``"fp16"``, ``"fp32"``), ``kv`` (the cache's element: the same names, or ``"fp8"`` for
-    656-byte entries), ``split_cache`` (FlashInfer's ``ckv`` / ``kpe`` tensors), ``d_qk`` /
+    656-byte entries), ``split_cache`` (FlashInfer's ``ckv`` / ``kpe`` tensors; a query's
+    rope part apart is joined per run, never a case of its own), ``d_qk`` /
     ``d_v`` (576 / 512 for DeepSeek's MLA), ``page`` (entries per page), ``tma_rows`` (the
     cache's entries are 16-byte aligned rows of one 2-D tensor, a multiple of 8 elements
     apart: what a TMA descriptor reads in place), ``table_entries`` (a CSR table's expansion
@@ -180,7 +181,20 @@ def _seesaw_serves(case: Case, target: Target) -> str | None:
     if case.q_dtype != "bf16" or case.kv != "bf16":
         return f"the Gluon kernel reads bf16 queries and caches, not {case.q_dtype} / {case.kv}"
     if case.split_cache:
-        return "the Gluon kernel reads fused 576-wide entries, not split ckv / kpe tensors"
+        return "the Gluon see-saw reads fused 576-wide entries, not split ckv / kpe tensors"
+    return _seesaw_layout(case)
+
+
+def _seesaw_split_serves(case: Case, target: Target) -> str | None:
+    """None when the see-saw's split-cache variant can run ``case``, else why not."""
+    why = _seesaw_serves(dataclasses.replace(case, split_cache=False), target)
+    if why is None and not case.split_cache:
+        return "the split-cache see-saw reads split ckv / kpe tensors, the cache is fused"
+    return why
+
+
+def _seesaw_layout(case: Case) -> str | None:
+    """What both see-saws need of the layout (None: they can read it)."""
     if (case.d_qk, case.d_v) != (576, 512):
         return f"the Gluon kernel is written for 576 = 512 + 64, not {case.d_qk} = {case.d_v} + .."
     if case.page % 64:
@@ -205,6 +219,15 @@ TABLE: tuple[Rule, ...] = (
         "split-KV, out=, plans and CUDA graphs",
         _seesaw_serves,
         evidence="mla_decode_gluon[seesaw]",
+    ),
+    Rule(
+        "mla_decode",
+        "gluon",
+        "mla_decode_gluon[seesaw-split]",
+        "as the see-saw, over FlashInfer's split ckv [.., 512] / kpe [.., 64] cache (read in "
+        "place through two TMA descriptors)",
+        _seesaw_split_serves,
+        evidence="mla_decode_gluon[seesaw-split]",
     ),
     Rule("mla_decode", "tl", "mla_decode", "every other case (any device Triton runs on)", _always),
     Rule("mla_sparse", "tl", "mla_sparse", "every case", _always),
@@ -270,11 +293,14 @@ def choose(case: Case, target: Target) -> Choice:
         raise ValueError(f"op: expected one of {OPS}, got {case.op!r}")
     forced = forced_backend(case.op)
     if forced is not None:
-        rule = next(r for r in rules if r.backend == forced)
-        why = rule.serves(case, target)
-        if why is not None:
-            raise ValueError(f"backend {forced!r} forced for {case.op}, but {why}")
-        return Choice(rule.backend, rule.kernel, f"forced ({forced})")
+        whys = []
+        for rule in (r for r in rules if r.backend == forced):
+            why = rule.serves(case, target)
+            if why is None:
+                return Choice(rule.backend, rule.kernel, f"forced ({forced})")
+            whys.append(why)
+        whys = "; ".join(dict.fromkeys(whys))
+        raise ValueError(f"backend {forced!r} forced for {case.op}, but {whys}")
     passed = []
     for rule in rules:
         why = rule.serves(case, target)

@@ -32,7 +32,16 @@ import functools
 import hashlib
 from pathlib import Path
 
-__all__ = ["Evidence", "VERIFIED", "fingerprint", "kernel_source", "verified", "why_unverified"]
+__all__ = [
+    "Evidence",
+    "KERNELS",
+    "VERIFIED",
+    "current_fingerprint",
+    "fingerprint",
+    "kernel_source",
+    "verified",
+    "why_unverified",
+]
 
 _HERE = Path(__file__).resolve().parent
 
@@ -81,6 +90,14 @@ VERIFIED: dict[str, Evidence] = {
 checked against fp64 (128 heads over lengths 1 / 65 / 200, split and unsplit; 16 heads; ``s_q``
 2 causal; pages past each length NaN, unused table entries -1) and timed at 506-578 TFLOP/s
 (H 128) by ``perf/gpu_gluon.sh`` on an H200 under triton 3.6.0 at commit 933b242."""
+
+
+KERNELS: dict[str, tuple[str, str]] = {
+    "mla_decode_gluon[seesaw]": ("mla/gluon_kernels.py", "gluon_mla_seesaw_kernel"),
+    "mla_decode_gluon[seesaw-split]": ("mla/gluon_kernels.py", "gluon_mla_seesaw_split_kernel"),
+}
+"""Every Gluon kernel the dispatch table names, by name: ``(module, function)`` of its device
+code (what :func:`current_fingerprint` hashes; a GPU run records it beside its results)."""
 
 
 def kernel_source(module: str) -> str:
@@ -144,8 +161,8 @@ def fingerprint(source: str, function: str) -> str:
 def current_fingerprint(kernel: str) -> str:
     """The fingerprint of ``kernel``'s device code as it is in this tree (cached per process:
     the source does not change under a running program)."""
-    e = VERIFIED[kernel]
-    return fingerprint(kernel_source(e.module), e.function)
+    module, function = KERNELS[kernel]
+    return fingerprint(kernel_source(module), function)
 
 
 def why_unverified(kernel: str, triton_version: tuple[int, int] | None = None) -> str | None:
@@ -153,7 +170,10 @@ def why_unverified(kernel: str, triton_version: tuple[int, int] | None = None) -
     why not, in one sentence."""
     e = VERIFIED.get(kernel)
     if e is None:
-        return f"{kernel} has no GPU record against fp64"
+        return (
+            f"{kernel} has no GPU record against fp64 yet (perf/gpu_fastpath.sh checks it, "
+            f"forced, and records its fingerprint)"
+        )
     now = current_fingerprint(kernel)
     if now != e.fingerprint:
         return (

@@ -618,7 +618,7 @@ def checked_plan(
     max_kv_len = _checked_capacity(table, lens, indptr, layout, check_inputs, max_kv_len, kv_pool)
     if ops.fp8 and check_inputs:
         _check_fp8_attended(ops.kv, table, lens, indptr, layout, d_v)
-    choice = dense_choice(q, kv_pool, table, ops, layout)
+    choice = dense_choice(q, kv_pool, table, ops, layout, kpe_pool)
     attend = None
     if choice.backend == "gluon":
         template, attend = plan_seesaw(
@@ -633,6 +633,8 @@ def checked_plan(
             causal=layout.causal,
             csr=layout.csr,
             max_kv_len=max_kv_len,
+            q_pe=q_pe,
+            kpe_pool=kpe_pool,
         )
     else:
         template = plan_decode(
@@ -664,23 +666,25 @@ def checked_plan(
         names=names,
         attend=attend,
         backend=choice.backend,
+        kernel=choice.kernel,
     )
     return plan, ops
 
 
-def dense_choice(q, kv_pool, table, ops: MlaOperands, layout: PagedLayout) -> Choice:
-    """The dispatch table's backend for a checked dense call (``dispatch.choose``)."""
+def dense_choice(q, kv_pool, table, ops: MlaOperands, layout: PagedLayout, kpe_pool=None) -> Choice:
+    """The dispatch table's backend for a checked dense call (``dispatch.choose``): the cache
+    split when ``kpe_pool`` is given (a query's rope part apart is not a case of its own)."""
     page = kv_pool.shape[1]
     entries = table.shape[0] * (q.shape[0] // layout.s_q) * (page // 64) if layout.csr else 0
     case = Case.of_dtypes(
         "mla_decode",
         q.dtype,
         None if ops.fp8 else kv_pool.dtype,
-        split_cache=ops.split,
+        split_cache=kpe_pool is not None,
         d_qk=ops.d_v + ops.d_pe,
         d_v=ops.d_v,
         page=page,
-        tma_rows=tma_rows(kv_pool),
+        tma_rows=tma_rows(kv_pool, kpe_pool),
         table_entries=entries,
     )
     return choose(case, Target.of(q.device))

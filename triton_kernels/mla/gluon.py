@@ -259,15 +259,20 @@ def _kernel(schedule: str, block_n: int, out: str):
     )
 
 
-def seesaw_kernel(out: str, s_q: int = 1, causal: bool = False):
+def seesaw_kernel(out: str, s_q: int = 1, causal: bool = False, split_cache: bool = False):
     """The see-saw kernel, its launch name (``out``: ``"bf16"`` unsplit, ``"fp32-split"``;
     ``s_q`` query tokens a sequence and ``causal``, constexprs of the kernel, named when not the
-    default) and its options."""
+    default) and its options; ``split_cache``: the variant over FlashInfer's ``ckv`` / ``kpe``
+    (``gluon_mla_seesaw_split_kernel``, opt-in until a GPU verifies it)."""
     from mqnc.triton_kernels.mla import gluon_kernels
 
     extra = (f",sq={s_q}" if s_q > 1 else "") + (",causal" if causal else "")
-    name = f"mla_decode_gluon[bfloat16,64x64,seesaw,w4+4+1,out={out}{extra}]"
-    return gluon_kernels.gluon_mla_seesaw_kernel, name, dict(num_warps=4)
+    schedule = "seesaw-split" if split_cache else "seesaw"
+    name = f"mla_decode_gluon[bfloat16,64x64,{schedule},w4+4+1,out={out}{extra}]"
+    fn = gluon_kernels.gluon_mla_seesaw_split_kernel if split_cache else (
+        gluon_kernels.gluon_mla_seesaw_kernel
+    )  # fmt: skip
+    return fn, name, dict(num_warps=4)
 
 
 def gluon_decode_launches(

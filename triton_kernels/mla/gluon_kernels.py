@@ -580,3 +580,104 @@ def gluon_mla_seesaw_kernel(
     gl.warp_specialize(
         [(_ss_first, args), (_ss_second, args), (_ss_loader, args)], [4, 1], [240, 24]
     )
+
+
+# ---- the see-saw over a split cache (FlashInfer's ckv / kpe): opt-in until a GPU verifies it --
+
+
+@gluon.jit
+def _ss_loader_split(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_splits, q_lat,
+                     q_pe, kv_lat, kv_pe, bars, boxes, stats, O, LSE, o_strides, l_strides,
+                     qk_scale, S_Q: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+    """``_ss_loader`` over a split cache: ``kv_desc`` is the pair ``(ckv_desc, kpe_desc)``, the
+    eight latent boxes of a page from the first (``[pages x 64, 512]``), its rope box from the
+    second (``[pages x 64, 64]``), each box on its own mbarrier as there."""
+    ckv_desc, kpe_desc = kv_desc
+    r, h0, seq, n, split, blk0, n_iter = _row_range(
+        LENS, H, n_blocks_row, num_splits, S_Q, CAUSAL, 64
+    )
+    _load_query(q_desc, r * H + h0, bars.index(0), q_lat.index(0), q_pe.index(0))
+    table_row = TABLE + seq.to(gl.int64) * stride_tb
+    for i in range(n_iter):
+        buf = i % 2
+        mbarrier.wait(bars.index(1 + buf), ((i // 2) & 1) ^ 1)  # (a fresh barrier passes)
+        row = gl.load(table_row + blk0 + i) * BOX
+        for c in gl.static_range(D_V // BOX):
+            ready = boxes.index(buf * 9 + c)
+            mbarrier.expect(ready, ckv_desc.block_type.nbytes)
+            dst = kv_lat.index(buf).slice(c * BOX, BOX, dim=1)
+            tma.async_copy_global_to_shared(ckv_desc, [row, c * BOX], ready, dst)
+        ready = boxes.index(buf * 9 + D_V // BOX)
+        mbarrier.expect(ready, kpe_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kpe_desc, [row, 0], ready, kv_pe.index(buf))
+
+
+@gluon.jit
+def gluon_mla_seesaw_split_kernel(
+    q_desc,
+    ckv_desc,
+    kpe_desc,
+    TABLE,
+    LENS,
+    O,
+    LSE,
+    H,
+    n_blocks_row,
+    stride_tb,
+    num_splits,
+    stride_os,
+    stride_ob,
+    stride_oh,
+    stride_ls,
+    stride_lb,
+    stride_lh,
+    qk_scale,
+    S_Q: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """:func:`gluon_mla_seesaw_kernel` over FlashInfer's split cache: the same consumers
+    (``_ss_first``, ``_ss_second``: the same shared memory, barriers and arithmetic), the TMA
+    warp reading latent and rope boxes from their own descriptors (``_ss_loader_split``). Its
+    body repeats the see-saw kernel's set-up rather than sharing a helper with it: the see-saw's
+    device code is the code its GPU evidence verified (``mqnc.triton_kernels.evidence``), so it
+    changes only with a new GPU record."""
+    smem: gl.constexpr = q_desc.layout
+    q_lat = gl.allocate_shared_memory(gl.bfloat16, [1, 64, D_V], smem)
+    q_pe = gl.allocate_shared_memory(gl.bfloat16, [1, 64, BOX], smem)
+    kv_lat = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D_V], smem)
+    kv_pe = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BOX], smem)
+    stats = gl.allocate_shared_memory(gl.float32, [4, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(5):
+        mbarrier.init(bars.index(i), count=2 if i == 1 or i == 2 else 1)
+    boxes = gl.allocate_shared_memory(gl.int64, [18, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(18):
+        mbarrier.init(boxes.index(i), count=1)
+    args = (
+        q_desc,
+        (ckv_desc, kpe_desc),
+        TABLE,
+        LENS,
+        H,
+        n_blocks_row,
+        stride_tb,
+        num_splits,
+        q_lat,
+        q_pe,
+        kv_lat,
+        kv_pe,
+        bars,
+        boxes,
+        stats,
+        O,
+        LSE,
+        (stride_os, stride_ob, stride_oh),
+        (stride_ls, stride_lb, stride_lh),
+        qk_scale,
+        S_Q,
+        CAUSAL,
+    )
+    gl.warp_specialize(
+        [(_ss_first, args), (_ss_second, args), (_ss_loader_split, args)], [4, 1], [240, 24]
+    )

@@ -23,7 +23,11 @@ What the kernel reads, and what a run adapts first (each on the device, no host 
   apart), else copied per run (the small query, never the cache); a query whose base is not
   16-byte aligned is copied too.
 - **The cache** is read in place as ``[pages x page, 576]`` rows (``dispatch.Case.tma_rows``);
-  its descriptor is rebuilt only when the pool's storage changes.
+  its descriptor is rebuilt only when the pool's storage changes. FlashInfer's split cache
+  (``ckv [.., 512]`` + ``kpe [.., 64]``) is read in place through two descriptors by the
+  split variant of the kernel (``gluon_mla_seesaw_split_kernel``: opt-in until a GPU run
+  verifies it); a query given as ``q_nope`` + ``q_pe`` is joined per run (a copy of the small
+  query, never of the cache).
 - **Split-KV**: the see-saw's split rule (``ceil(ceil(n / 64) / S)`` blocks a split, pages
   paired) and the split policy at one CTA per SM; ``S > 1`` writes fp32 partials that the plan's
   combine merges.
@@ -56,10 +60,13 @@ __all__ = ["SeesawAttend", "plan_seesaw", "tma_rows", "table_launch"]
 _TABLE_BLOCK = 256
 
 
-def tma_rows(kv_pool: torch.Tensor) -> bool:
-    """True when ``kv_pool [pages, page, 576]``'s entries are rows of one 2-D tensor that a TMA
-    descriptor reads in place: unit stride along an entry, entries a multiple of 8 elements
-    (16 bytes) apart, pages ``page`` entries apart, the base 16-byte aligned."""
+def tma_rows(kv_pool: torch.Tensor, kpe_pool: torch.Tensor | None = None) -> bool:
+    """True when ``kv_pool [pages, page, d]``'s entries (and ``kpe_pool``'s, FlashInfer's rope
+    part, when given) are rows of one 2-D tensor that a TMA descriptor reads in place: unit
+    stride along an entry, entries a multiple of 8 elements (16 bytes) apart, pages ``page``
+    entries apart, the base 16-byte aligned."""
+    if kpe_pool is not None and not tma_rows(kpe_pool):
+        return False
     if kv_pool.dim() != 3:
         return False
     sp, se, sd = kv_pool.stride()
@@ -134,7 +141,9 @@ def table_launch(table, indptr, lens, out, out_lens, *, page: int, csr: bool) ->
 class _Shape:
     """What a see-saw plan fixes: ``R`` query rows of ``H`` heads, ``S`` sequences (``s_q``
     rows each), the padded table's width ``W`` in 64-entry pages, the pool's page ``page``,
-    CSR or not, ``copy_q`` (the planned strides are not TMA's)."""
+    CSR or not, ``copy_q`` (the planned strides are not TMA's), ``split_q`` (the query's rope
+    part comes apart: the two are joined per run) and ``split_cache`` (FlashInfer's ``ckv`` /
+    ``kpe``: the split kernel, two cache descriptors)."""
 
     R: int
     H: int
@@ -145,6 +154,8 @@ class _Shape:
     csr: bool
     convert: bool
     copy_q: bool
+    split_q: bool = False
+    split_cache: bool = False
 
 
 class SeesawAttend:
@@ -156,7 +167,7 @@ class SeesawAttend:
 
     def __init__(self, shape: _Shape, kernel: Launch, table: Launch | None) -> None:
         self.shape = shape
-        self._kernel = LaunchRunner(kernel, 6)
+        self._kernel = LaunchRunner(kernel, 7 if shape.split_cache else 6)
         self._table = LaunchRunner(table, 5) if table is not None else None
         self._layout = None
         self._kv_key = self._kv_desc = self._q_template = None
@@ -187,20 +198,23 @@ class SeesawAttend:
         desc.__dict__.update(template.__dict__, base=q)
         return desc
 
-    def _kv(self, kv_pool: torch.Tensor):
-        """The cache's descriptor, rebuilt only when its storage changes."""
-        key = kv_pool.data_ptr()
+    def _kv(self, kv_pool: torch.Tensor, kpe_pool: torch.Tensor) -> tuple:
+        """The cache's descriptors (one; two for a split cache), rebuilt only when its storage
+        changes."""
+        pools = (kv_pool, kpe_pool) if self.shape.split_cache else (kv_pool,)
+        key = tuple(t.data_ptr() for t in pools)
         if key != self._kv_key:
-            if key % 16:
-                raise ValueError(
-                    f"kv_pool: expected a 16-byte aligned base (the Gluon kernel reads it by "
-                    f"TMA, as planned), got address {key:#x}"
-                )
-            n, page, _ = kv_pool.shape
-            self._kv_desc = self._descriptor(
-                kv_pool, (n * page, D_QK), (kv_pool.stride(1), 1), (64, 64)
-            )
-            self._kv_key = key
+            descs = []
+            for name, pool in zip(("kv_pool", "kpe_pool"), pools, strict=False):
+                if pool.data_ptr() % 16:
+                    raise ValueError(
+                        f"{name}: expected a 16-byte aligned base (the Gluon kernel reads it by "
+                        f"TMA, as planned), got address {pool.data_ptr():#x}"
+                    )
+                n, page, width = pool.shape
+                rows = (n * page, width)
+                descs.append(self._descriptor(pool, rows, (pool.stride(1), 1), (64, 64)))
+            self._kv_desc, self._kv_key = tuple(descs), key
         return self._kv_desc
 
     def __call__(self, interpreted, q, q_pe, kv_pool, kpe_pool, table, indptr, lens, o_part,
@@ -212,7 +226,10 @@ class SeesawAttend:
             out_lens = torch.empty((s.S,), dtype=torch.int32, device=device) if s.csr else lens
             self._table(False, table, indptr, lens, out, out_lens)
             table, lens = out, out_lens
-        self._kernel(False, self._q(q), self._kv(kv_pool), table, lens, o_part, lse_part)
+        if s.split_q:  # (the small query joined; the cache is read in place)
+            q = torch.cat((q, q_pe), dim=-1)
+        kv = self._kv(kv_pool, kpe_pool)
+        self._kernel(False, self._q(q), *kv, table, lens, o_part, lse_part)
 
 
 def plan_seesaw(
@@ -228,13 +245,17 @@ def plan_seesaw(
     causal: bool,
     csr: bool,
     max_kv_len: int | None,
+    q_pe: torch.Tensor | None = None,
+    kpe_pool: torch.Tensor | None = None,
 ) -> tuple[MlaPlan, SeesawAttend | None]:
     """The template plan (outputs as stand-ins, the kernel's launch with its descriptors left
     out, the combine when split) and the attention step of a dense call on the see-saw, for
     checked inputs: ``q [R, H, 576]`` bf16, ``kv_pool [pages, page, 576]`` bf16 (``page`` a
     multiple of 64, :func:`tma_rows`), ``table`` a padded ``[S, W0]`` block table or (``csr``)
     ``kv_indices [nnz]`` with ``indptr [S + 1]``; ``lens [S]`` (None: CSR's whole pages);
-    ``max_kv_len``: the longest row the split policy plans for (None: the table's capacity)."""
+    ``max_kv_len``: the longest row the split policy plans for (None: the table's capacity);
+    ``q_pe`` / ``kpe_pool``: the query's and the cache's rope parts when they come apart
+    (``q [R, H, 512]``, ``kv_pool [pages, page, 512]``, FlashInfer's layout)."""
     R, H, _ = q.shape
     page = kv_pool.shape[1]
     sub = page // PAGE
@@ -248,15 +269,17 @@ def plan_seesaw(
     convert = csr or sub != 1 or (table.shape[1] > 1 and table.stride(1) != 1)
     row_stride = W if convert else table.stride(0)
     qs = q.stride()
-    copy_q = not (qs[2] == 1 and qs[1] % 8 == 0 and qs[0] == H * qs[1])
-    shape = _Shape(R, H, S, s_q, W, page, csr, convert, copy_q)
+    split_q, split_cache = q_pe is not None, kpe_pool is not None
+    copy_q = not split_q and not (qs[2] == 1 and qs[1] % 8 == 0 and qs[0] == H * qs[1])
+    shape = _Shape(R, H, S, s_q, W, page, csr, convert, copy_q, split_q, split_cache)
     longest = capacity if max_kv_len is None else min(max_kv_len, capacity)
     if num_splits is None:
         num_splits = choose_splits(R, H, triton.cdiv(longest, PAGE), PAGE, q.device, 2)
     o, lse, o_part, lse_part = split_outputs(R, H, D_V, q.dtype, q.device, num_splits, meta_output)
     if R * H == 0:
         return MlaPlan(o, lse, num_splits, ()), None
-    fn, name, options = seesaw_kernel("fp32-split" if num_splits > 1 else "bf16", s_q, causal)
+    out = "fp32-split" if num_splits > 1 else "bf16"
+    fn, name, options = seesaw_kernel(out, s_q, causal, split_cache)
     meta = torch.device("meta")
     kernel = Launch(
         name=name,
@@ -264,7 +287,8 @@ def plan_seesaw(
         grid=(R * triton.cdiv(H, BLOCK_H), num_splits),
         args=(
             None,  # q's TMA descriptor, made per run
-            None,  # the cache's
+            None,  # the cache's (its latent part's, split)
+            *((None,) if split_cache else ()),  # (split: the rope part's)
             torch.empty((S, W), dtype=torch.int32, device=meta) if convert else table,
             lens if lens is not None else torch.empty((S,), dtype=torch.int32, device=meta),
             o_part,
@@ -287,10 +311,11 @@ def plan_seesaw(
     if num_splits > 1:
         launches.append(merge_launch(o_part, lse_part, o, lse))
     template = MlaPlan(o, lse, num_splits, tuple(launches))
-    return template, SeesawAttend(shape, _without_outputs(kernel), conv)
+    return template, SeesawAttend(shape, _without_outputs(kernel, split_cache), conv)
 
 
-def _without_outputs(kernel: Launch) -> Launch:
-    """The kernel's launch as its runner keeps it: its first six arguments (descriptors, table,
-    lengths, outputs) come with every run."""
-    return dataclasses.replace(kernel, args=(None,) * 6 + kernel.args[6:])
+def _without_outputs(kernel: Launch, split_cache: bool) -> Launch:
+    """The kernel's launch as its runner keeps it: its leading arguments (descriptors, table,
+    lengths, outputs: six, seven with a split cache's second descriptor) come with every run."""
+    k = 7 if split_cache else 6
+    return dataclasses.replace(kernel, args=(None,) * k + kernel.args[k:])

@@ -752,9 +752,11 @@ class AttentionPlan:
         names: tuple[str, ...],
         attend=None,
         backend: str = "tl",
+        kernel: str | None = None,
     ) -> None:
         self.num_splits = template.num_splits
-        self.backend = backend  # the dispatch table's choice (mqnc.triton_kernels.dispatch)
+        # the dispatch table's choice (mqnc.triton_kernels.dispatch): its backend and kernel
+        self.backend, self.kernel = backend, kernel
         # what run() compares: each bound tensor's shape, strides, dtype and device; ``names``
         # are what its errors call them (a layout adapter sets its own arguments' names)
         self.names = names

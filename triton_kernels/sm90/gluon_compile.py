@@ -49,16 +49,26 @@ def compile_gluon_decode(
 
 
 def compile_seesaw(
-    *, rows: int, heads: int, s_q: int = 1, num_splits: int, page: int = PAGE, csr: bool = False
+    *,
+    rows: int,
+    heads: int,
+    s_q: int = 1,
+    num_splits: int,
+    page: int = PAGE,
+    csr: bool = False,
+    split_cache: bool = False,
 ):
     """Compile the default path's launches of a see-saw plan for sm_90, exactly as a run makes
     them (the plan's own launches, its descriptors made as a run makes them; CPU tensors stand
     in, only their dtypes, shapes and alignment matter): ``[(launch name, CompiledKernel)]``,
-    the see-saw kernel, then the table kernel when the plan converts its table. Needs
-    ``TRITON_INTERPRET=0`` and triton 3.6's Gluon."""
+    the see-saw kernel, then the table kernel when the plan converts its table; ``split_cache``:
+    FlashInfer's ``ckv`` / ``kpe`` cache (the split variant). Needs ``TRITON_INTERPRET=0`` and
+    triton 3.6's Gluon."""
     S = rows // s_q
     q = torch.empty(rows, heads, D_QK, dtype=torch.bfloat16)
-    pool = torch.empty(max(S, 1) * 4, page, D_QK, dtype=torch.bfloat16)
+    blocks = max(S, 1) * 4
+    pool = torch.empty(blocks, page, D_V if split_cache else D_QK, dtype=torch.bfloat16)
+    kpe = torch.empty(blocks, page, D_QK - D_V, dtype=torch.bfloat16) if split_cache else None
     lens = torch.zeros(S, dtype=torch.int32)
     if csr:
         indptr, table = torch.zeros(S + 1, dtype=torch.int32), torch.zeros(S * 4, dtype=torch.int32)
@@ -66,16 +76,17 @@ def compile_seesaw(
         indptr, table = None, torch.zeros(S, 4, dtype=torch.int32)
     template, attend = plan_seesaw(
         q, pool, table, lens, indptr, scale=D_QK**-0.5, num_splits=num_splits, s_q=s_q,
-        causal=s_q > 1, csr=csr, max_kv_len=None,
+        causal=s_q > 1, csr=csr, max_kv_len=None, kpe_pool=kpe,
     )  # fmt: skip
     kernel = template.launches[0]
     s = attend.shape
     out_table = torch.zeros((S, s.W), dtype=torch.int32) if s.convert else table
     _, _, o_part, lse_part = split_outputs(rows, heads, D_V, q.dtype, q.device, num_splits)
-    first = (attend._q(q), attend._kv(pool), out_table, lens, o_part, lse_part)
+    first = (attend._q(q), *attend._kv(pool, kpe), out_table, lens, o_part, lse_part)
     out = []
     with _compile_only(90):
-        c = kernel.kernel.warmup(*first, *kernel.args[6:], grid=kernel.grid, **kernel.kwargs)
+        rest = kernel.args[len(first) :]
+        c = kernel.kernel.warmup(*first, *rest, grid=kernel.grid, **kernel.kwargs)
         out.append((kernel.name, c))
         if s.convert:
             conv = table_launch(
