@@ -778,13 +778,18 @@ def test_persistent_splice_compiles_for_sm90_without_spills():
 _SEESAW_DEFAULT = """
 import json
 from mqnc.triton_kernels.sm90.compile import resources
-from mqnc.triton_kernels.sm90.gluon_compile import compile_seesaw
+from mqnc.triton_kernels.sm90.gluon_compile import compile_seesaw, compile_sparse_seesaw
 rows = []
 for kw in (dict(rows=64, heads=128, num_splits=1), dict(rows=8, heads=128, num_splits=4),
            dict(rows=1, heads=16, num_splits=8), dict(rows=16, heads=16, num_splits=1, page=128),
            dict(rows=4, heads=128, s_q=2, num_splits=2, csr=True),
            dict(rows=8, heads=128, num_splits=4, split_cache=True)):
     for name, c in compile_seesaw(**kw):
+        r = resources(name, c)
+        rows.append([name, r.registers, r.stack + r.local, r.shared, r.num_warps])
+for kw in (dict(rows=8, heads=128, topk=2048, num_splits=4), dict(rows=1, heads=128, topk=2048,
+           num_splits=1, page=1)):
+    for name, c in compile_sparse_seesaw(**kw):
         r = resources(name, c)
         rows.append([name, r.registers, r.stack + r.local, r.shared, r.num_warps])
 print(json.dumps(rows))
@@ -798,6 +803,9 @@ SEESAW_PINS = {
     "mla_decode_gluon[bfloat16,64x64,seesaw,w4+4+1,out=fp32-split]": (168, 222608, 12),
     "mla_decode_gluon[bfloat16,64x64,seesaw,w4+4+1,out=fp32-split,sq=2,causal]": (168, 222608, 12),
     "mla_decode_gluon[bfloat16,64x64,seesaw-split,w4+4+1,out=fp32-split]": (168, 222624, 12),
+    "mla_sparse_gluon[bfloat16,64x64,seesaw-gather,w4+4+4,out=fp32-split]": (168, 222624, 12),
+    "mla_sparse_gluon[bfloat16,64x64,seesaw-gather,w4+4+4,out=bf16]": (168, 222624, 12),
+    "sparse_compact": (54, 128, 4),
     "seesaw_table[padded,sub=2]": (13, 0, 4),
     "seesaw_table[csr,sub=1]": (22, 0, 4),
 }
@@ -809,7 +817,9 @@ def test_the_default_gluon_launches_compile_for_sm90_pinned():
     16-head row split 8 ways, pages of 128 through the table kernel, MTP's ``s_q`` 2 causal over
     a CSR table) compiles for sm_90 under triton 3.6.0 (the GPU's) as a run makes it, without
     spills, at the pinned registers, shared memory and warps (one CTA per SM for the see-saw);
-    and the opt-in split-cache variant over FlashInfer's ``ckv`` / ``kpe`` the same way."""
+    and the opt-in split-cache variant over FlashInfer's ``ckv`` / ``kpe`` and the sparse
+    gather variant (top-2048 at 128 heads, split and unsplit, pages of 64 and a token pool) with
+    its compaction kernel the same way."""
     if not triton.__version__.startswith("3.6."):
         pytest.skip(f"the Gluon kernel targets triton 3.6's Gluon API, not {triton.__version__}")
     r = _run_script(_SEESAW_DEFAULT, timeout=900)

@@ -48,7 +48,10 @@ SEESAW = "mla_decode_gluon[seesaw]"
         (Case("mla_decode"), Target("cuda", "sm_100", (3, 6), True), "tl", "not sm_100"),
         (Case("mla_decode"), Target("cuda", "sm_90", (3, 6), False), "tl", "no triton.exp"),
         (Case("mla_decode"), Target("cuda", "sm_90", (3, 9), True), "tl", "under triton 3.6"),
-        (Case("mla_sparse"), SM90, "tl", "every case"),
+        (Case("mla_sparse"), SM90, "tl", "mla_sparse_gluon[seesaw] has no GPU record"),
+        (Case("mla_sparse", page=1), SM90, "tl", "mla_sparse_gluon[seesaw] has no GPU record"),
+        (Case("mla_sparse", split_q=True), SM90, "tl", "not q_nope / q_pe"),
+        (Case("mla_sparse", kv="fp8"), SM90, "tl", "not bf16 / fp8"),
         (Case("merge"), SM90, "tl", "every case"),
         (Case("splice"), SM90, "tl", "every case"),
     ],
@@ -108,10 +111,11 @@ def test_every_default_gluon_kernel_is_the_code_a_gpu_verified():
 
 
 def test_a_gluon_kernel_without_gpu_evidence_is_opt_in():
-    """The see-saw's split-cache variant (FlashInfer's ``ckv`` / ``kpe``) has no GPU record:
-    the table serves split caches with ``tl`` on an H200 and says why; forced, ``gluon`` picks
-    the split variant for a split cache and the see-saw for a fused one; every Gluon kernel of
-    the table has a fingerprint to record (``evidence.KERNELS``)."""
+    """The see-saw's split-cache variant (FlashInfer's ``ckv`` / ``kpe``) and its sparse gather
+    variant have no GPU record: the table serves those cases with ``tl`` on an H200 and says
+    why; forced, ``gluon`` picks the split variant for a split cache, the see-saw for a fused
+    one, the gather variant for a sparse call; every Gluon kernel of the table has a
+    fingerprint to record (``evidence.KERNELS``)."""
     split = Case("mla_decode", split_cache=True)
     choice = choose(split, SM90)
     assert choice.backend == "tl" and "seesaw-split] has no GPU record" in choice.why, choice
@@ -120,6 +124,8 @@ def test_a_gluon_kernel_without_gpu_evidence_is_opt_in():
         assert choose(Case("mla_decode"), SM90).kernel == SEESAW
         with pytest.raises(ValueError, match="not fp16 / fp16"):
             choose(Case("mla_decode", q_dtype="fp16", kv="fp16", split_cache=True), SM90)
+    with force_backend("mla_sparse", "gluon"):
+        assert choose(Case("mla_sparse", page=1), SM90).kernel == "mla_sparse_gluon[seesaw]"
     for rule in dispatch.TABLE:
         if rule.evidence is not None:
             assert len(evidence.current_fingerprint(rule.evidence)) == 64

@@ -361,12 +361,12 @@ def test_fastpath_dry_run_records_every_part(tmp_path):
     commit; the fast-path targets printed (not measured off a GPU)."""
     r = _script_dry_run(FASTPATH_SCRIPT, tmp_path, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert re.search(r"fast-path check took \d+s of 300s", r.stdout), r.stdout[-1000:]
+    assert re.search(r"fast-path check took \d+s of 330s", r.stdout), r.stdout[-1000:]
     assert "warm: 1 cases, 0 failed" in r.stdout and "not measured in this run" in r.stdout
     recs = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     by = {b: [x for x in recs if x["bench"] == b] for b in ("fastpath_exact", "fastpath",
                                                             "host_loop")}  # fmt: skip
-    assert len(by["fastpath_exact"]) == 11 and len(by["fastpath"]) == 2
+    assert len(by["fastpath_exact"]) == 13 and len(by["fastpath"]) == 2
     assert len(by["host_loop"]) == 5
     for rec in recs:
         e = rec["extra"]
@@ -379,7 +379,7 @@ def test_fastpath_dry_run_records_every_part(tmp_path):
     for rec in by["host_loop"]:
         assert rec["p20"] <= rec["p50"] <= rec["p80"] and len(rec["extra"]["cpu_us"]) == 3
     kinds = {rec["extra"]["spec"]["kind"] for rec in by["fastpath_exact"]}
-    assert kinds == {"partial", "flashmla", "csr", "plan", "out", "flashinfer"}
+    assert kinds == {"partial", "flashmla", "csr", "plan", "out", "flashinfer", "sparse"}
 
 
 def test_fastpath_check_fails_a_wrong_answer(tmp_path):

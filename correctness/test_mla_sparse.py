@@ -207,3 +207,95 @@ def test_sparse_index_check_can_be_switched_off():
     o_ref, lse_ref = mla_sparse_reference(q, pool, indices, SCALE)
     assert_close(o, o_ref, tolerance("mla", torch.float32), name="o")
     assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name="lse")
+
+
+# ---- the sparse gather see-saw (sm_90; opt-in until a GPU run verifies it) ------------------
+
+
+def test_the_compaction_puts_each_rows_valid_indices_first():
+    """The gather see-saw's compaction (``mla.gluon_plan.compact_launch``, interpreted here):
+    each row's valid indices (``>= 0``) first, in their order, their count as the row's length,
+    over several of the kernel's 1024-index blocks; a row of -1 (and other negatives) only is
+    empty. Entries past a row's count are never read, so not compared."""
+    from mqnc.triton_kernels.mla.gluon_plan import compact_launch
+
+    gen = torch.Generator().manual_seed(5)
+    K = 2500
+    idx = selection(gen, 3, K, 8000, 0.4)
+    idx[1] = -1
+    idx[2, ::7] = -5  # (any negative is unused)
+    idx = idx.to(DEVICE)
+    out = torch.full_like(idx, -(2**31))
+    lens = torch.full((3,), -1, dtype=torch.int32, device=DEVICE)
+    compact_launch(idx, out, lens)()
+    for b in range(3):
+        want = idx[b][idx[b] >= 0].cpu()
+        assert int(lens[b]) == want.numel()
+        assert torch.equal(out[b, : want.numel()].cpu(), want)
+
+
+def test_a_compacted_selection_attends_as_the_original():
+    """What the gather see-saw attends after the compaction (the valid indices first, their
+    count as the row's length) is the call's selection: the ``tl`` kernel over the compacted
+    rows (-1 past each count) equals the fp64 reference over the original ones, -1 slots, an
+    all-empty row and NaN in every unselected slot included."""
+    from mqnc.triton_kernels.mla.gluon_plan import compact_launch
+
+    gen = torch.Generator().manual_seed(6)
+    idx = selection(gen, 3, 300, 40 * 64, 0.5)
+    idx[2] = -1
+    pool = pool_with(idx, 40, 64, torch.float32, gen)
+    q = torch.randn(3, 16, D_QK, generator=gen).to(DEVICE)
+    idx = idx.to(DEVICE)
+    out, lens = torch.empty_like(idx), torch.empty(3, dtype=torch.int32, device=DEVICE)
+    compact_launch(idx, out, lens)()
+    pos = torch.arange(idx.shape[1], device=DEVICE)[None, :]
+    compacted = torch.where(pos < lens[:, None].long(), out, torch.full_like(out, -1))
+    o, lse = mla_sparse_partial(q, pool, compacted, softmax_scale=SCALE)
+    o_ref, lse_ref = mla_sparse_reference(q, pool, idx, SCALE)
+    assert_close(o, o_ref, tolerance("mla", torch.float32), name="o")
+    assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name="lse")
+
+
+def _gluon_sparse_why() -> str | None:
+    from mqnc.triton_kernels.dispatch import Case, Target, choose, force_backend
+
+    if DEVICE.type != "cuda":
+        return "the gather see-saw runs on a CUDA sm_90 device only"
+    with force_backend("mla_sparse", "gluon"):
+        try:
+            choose(Case("mla_sparse"), Target.of(DEVICE))
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+@pytest.mark.parametrize(
+    ("B", "heads", "topk", "unused", "splits"),
+    [(1, 128, 2048, 0.0, None), (3, 128, 2048, 0.3, 4), (2, 16, 300, 0.5, None),
+     (2, 64, 64, 1.0, 1), (4, 100, 700, 0.2, 3)],
+)  # fmt: skip
+def test_the_gather_seesaw_matches_fp64(B, heads, topk, unused, splits):
+    """The sparse gather see-saw, forced (opt-in: no GPU record yet), against fp64 on an sm_90
+    GPU: -1 slots, a partial top-k (trailing -1), an all-empty row, NaN in every unselected
+    slot, split and unsplit, 16 / 64 / 100 / 128 heads. Skipped elsewhere (the kernel is
+    Gluon: no interpreter runs it); ``perf/gpu_fastpath.sh`` runs the same cases."""
+    why = _gluon_sparse_why()
+    if why is not None:
+        pytest.skip(why)
+    from mqnc.triton_kernels.dispatch import force_backend
+
+    gen = torch.Generator().manual_seed(topk + heads)
+    num_blocks = math.ceil(topk / 64) * 2 + 2
+    idx = selection(gen, B, topk, num_blocks * 64, unused)
+    idx[0, topk // 2 :] = -1  # a partial top-k
+    if B > 2:
+        idx[2] = -1  # an all-empty row
+    pool = pool_with(idx, num_blocks, 64, torch.bfloat16, gen)
+    q = torch.randn(B, heads, D_QK, generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
+    idx = idx.to(DEVICE)
+    with force_backend("mla_sparse", "gluon"):
+        o, lse = mla_sparse_partial(q, pool, idx, softmax_scale=SCALE, num_splits=splits)
+    o_ref, lse_ref = mla_sparse_reference(q, pool, idx, SCALE)
+    assert_close(o, o_ref, tolerance("mla", torch.bfloat16), name="o")
+    assert_close(lse, lse_ref, tolerance("mla_lse", "float32"), name="lse")

@@ -28,7 +28,10 @@ the flags every benchmark takes (``--reps --warmup --out FILE | --record --check
    (576 + 512)`` flops); H 16 B 16 / 64 c_t 32768 (TB/s of the bytes moved once); H 16 B 1 c_t
    2048 (decode and its split combine, us). Each timed case is first compared with fp64 on its
    first input set (a subset of rows, ``extra.vs_fp64``).
-3. **host** (bench ``host_loop``): a user's loop, as a user writes it: 200 back-to-back calls on
+3. **sparse** (bench ``fastpath_sparse``, GPU only): top-2048 at H 128, B 1 / 8 / 64, the
+   table's choice and the sparse gather see-saw forced (opt-in until these records verify it),
+   each checked against fp64 on its first token, then CUDA-graph timed.
+4. **host** (bench ``host_loop``): a user's loop, as a user writes it: 200 back-to-back calls on
    the same tensors, no sync between them, the host time per call (wall clock of the loop over
    its calls; the device queue absorbs the launches) and the process CPU time per call, for
    ``mla_decode_with_kvcache`` and ``mla_decode_partial`` with checks off and on, and
@@ -147,6 +150,12 @@ def exact_specs(dry: bool, cuda: bool) -> list[dict]:
     # variant forced (opt-in until these records verify it: they carry its fingerprint)
     for forced in (None, "gluon") if cuda else (None,):  # (the dry run has no Gluon to force)
         specs.append(dict(kind="flashinfer", H=H, lengths=(130, 64, 1), forced=forced))
+    # sparse top-k: the table's choice (tl), then the gather see-saw forced (opt-in): -1 slots,
+    # a partial top-k, an all-empty row, NaN in every unselected slot
+    for forced in (None, "gluon") if cuda else (None,):
+        for sH, topk, sp in ((H, 2048 if not dry else 128, None), (16, 300, 3)):
+            specs.append(dict(kind="sparse", H=sH, lengths=(topk, topk // 2, 0), splits=sp,
+                              forced=forced))  # fmt: skip
     if cuda:
         specs.append(dict(kind="graph", H=H, lengths=lengths))
     return specs
@@ -178,6 +187,8 @@ def build(spec: dict, device, gen):
     )
 
     kind, H, lengths, s_q = spec["kind"], spec["H"], list(spec["lengths"]), spec.get("s_q", 1)
+    if kind == "sparse":
+        return _sparse_case(spec, device, gen)
     pool, table, lens = _pool(lengths, spec.get("page", 64), gen, torch.bfloat16, device)
     R = len(lengths) * s_q
     q = torch.randn(R, H, 576, generator=gen).to(device, torch.bfloat16)
@@ -243,6 +254,48 @@ def _flashinfer_case(q, pool, table, lens, forced, device):
         )  # fmt: skip
     run = lambda: fplan.run(q_nope, q_pe, ckv, kpe, indptr, indices, lens)  # noqa: E731
     return run, ref, fplan.plan
+
+
+def _sparse_selection(B, topk, counts, tokens, gen):
+    """``[B, topk]`` int32 indices drawn without replacement, row ``b``'s first ``counts[b]``
+    valid (the rest -1, with -1 also at every fifth slot: unused slots among the selection)."""
+    import torch
+
+    rows = []
+    for n in counts:
+        idx = torch.randperm(tokens, generator=gen)[:topk]
+        keep = (torch.arange(topk) < n) & (torch.arange(topk) % 5 != 4)
+        rows.append(torch.where(keep, idx, torch.full_like(idx, -1)))
+    return torch.stack(rows).to(torch.int32)
+
+
+def _sparse_case(spec, device, gen):
+    """A sparse top-k call (``lengths``: each row's valid count of a top-k the first length
+    wide), NaN in every unselected slot of the pool; ``forced``: the backend forced."""
+    import contextlib
+
+    import torch
+
+    from mqnc.reference import mla_sparse_reference
+    from mqnc.triton_kernels import plan_mla_sparse
+    from mqnc.triton_kernels.dispatch import force_backend
+
+    counts, H = list(spec["lengths"]), spec["H"]
+    topk = max(counts[0], 1)
+    blocks = math.ceil(topk / 64) * 2 + 2
+    idx = _sparse_selection(len(counts), topk, counts, blocks * 64, gen)
+    flat = torch.full((blocks * 64, 576), float("nan"))
+    sel = idx[idx >= 0].long().unique()
+    flat[sel] = torch.randn(sel.numel(), 576, generator=gen)
+    pool = flat.view(blocks, 64, 576).to(device, torch.bfloat16)
+    q = torch.randn(len(counts), H, 576, generator=gen).to(device, torch.bfloat16)
+    idx = idx.to(device)
+    ref = mla_sparse_reference(q.double(), pool.double(), idx, SCALE)
+    kw = dict(softmax_scale=SCALE, num_splits=spec.get("splits"))
+    forced = spec.get("forced")
+    with force_backend("mla_sparse", forced) if forced else contextlib.nullcontext():
+        plan = plan_mla_sparse(q, pool, idx, **kw)
+    return lambda: plan.run(q, pool, idx), ref, plan
 
 
 def _graph_case(plan, q, q2, pool, table, lens):
@@ -339,6 +392,79 @@ def device_times(args, dev, record) -> bool:
     return ok_all
 
 
+SPARSE = [(128, 1, 2048), (128, 8, 2048), (128, 64, 2048)]  # (H, B, top-k)
+
+
+def _sparse_inputs(B, H, topk, dev, gen):
+    """A sparse call's inputs on ``dev``: each token's ``topk`` entries drawn at random from a
+    pool of ``16 B x topk`` (its own and others')."""
+    import torch
+
+    tokens = 16 * B * topk
+    pool = torch.randn(tokens // 64, 64, 576, device=dev, generator=gen).to(torch.bfloat16)
+    idx = torch.randint(0, tokens, (B, topk), device=dev, generator=gen, dtype=torch.int32)
+    q = torch.randn(B, H, 576, device=dev, generator=gen).to(torch.bfloat16)
+    return q, pool, idx
+
+
+def sparse_times(args, dev, record) -> bool:
+    """Sparse top-2048 at H 128, B 1 / 8 / 64: the table's choice and the gather see-saw forced
+    (opt-in until these records verify it), each first checked against fp64 on its first token,
+    then CUDA-graph timed over input sets larger than twice the L2 (bench ``fastpath_sparse``,
+    variant ``H=..,B=..@default`` / ``@gluon``; FLOPs ``2 B H top-k (576 + 512)``). GPU only:
+    off a GPU there is no Gluon to force, and the default path's sparse kernel is timed by
+    ``perf.bench_mla``."""
+    import contextlib
+
+    import torch
+
+    from mqnc.measure import input_sets, l2_bytes, time_kernel
+    from mqnc.reference import mla_sparse_reference
+    from mqnc.triton_kernels import plan_mla_sparse
+    from mqnc.triton_kernels.dispatch import force_backend
+
+    if dev.type != "cuda":
+        print("sparse: no GPU, nothing to force (the default path is timed by perf.bench_mla)")
+        return True
+    gen = torch.Generator(device=dev).manual_seed(4)
+    ok_all = True
+    for H, B, topk in SPARSE:
+        nbytes = B * topk * 1152 + B * H * (1152 + 1028)
+        sets = [
+            _sparse_inputs(B, H, topk, dev, gen) for _ in range(input_sets(nbytes, l2_bytes(dev)))
+        ]
+        for which in ("default", "gluon"):
+            forcing = (
+                force_backend("mla_sparse", "gluon")
+                if which == "gluon"
+                else contextlib.nullcontext()
+            )
+            with forcing:
+                plans = [
+                    plan_mla_sparse(*s, softmax_scale=SCALE, check_indices=False) for s in sets
+                ]
+            q, pool, idx = sets[0]
+            o, lse = plans[0].run(*sets[0])
+            ref = mla_sparse_reference(q[:1].double(), pool.double(), idx[:1], SCALE)
+            ok, seen = _compare(o[:1], lse[:1], ref)
+            ok_all &= ok
+            calls = [lambda p=p, s=s: p.run(*s) for p, s in zip(plans, sets, strict=True)]
+            t = time_kernel(calls, working_set_bytes=nbytes, warmup=args.warmup, reps=args.reps,
+                            cuda=True, checks="off")  # fmt: skip
+            flops = 2 * B * H * topk * (576 + 512)
+            extra = dict(B=B, H=H, topk=topk, shape=f"H={H} B={B} topk={topk}", flops=flops,
+                         tflops=flops / (t.p50 * 1e6), num_splits=plans[0].num_splits, ok=ok,
+                         vs_fp64=dict(ok=ok, seen=seen), timing=t.how,
+                         **_facts(plans[0]))  # fmt: skip
+            print(f"{'' if ok else 'MISMATCH '}sparse H={H} B={B} top-{topk} @{which} "
+                  f"[{extra['backend']}]: p50 {t.p50:.1f} us, "
+                  f"{extra['tflops']:.1f} TFLOP/s")  # fmt: skip
+            record("fastpath_sparse", f"H={H},B={B}@{which}", topk, t.percentiles, x_name="topk",
+                   nbytes=nbytes, backend="triton", extra=extra)  # fmt: skip
+        del sets, plans, calls
+    return ok_all
+
+
 def host_cases(H, B, ct, dev, gen) -> tuple[dict, object]:
     """The calls a user's loop makes at one shape (module docstring), and the plan they use."""
     from mqnc.triton_kernels import mla_decode_partial, plan_mla_decode
@@ -411,6 +537,8 @@ def warm_specs(dry: bool, cuda: bool) -> list[dict]:
     dense = DENSE if not dry else [(16, 1, 128, "us")]
     specs += [dict(kind="dense", H=H, B=B, ct=ct) for H, B, ct, _ in dense]
     specs += [dict(kind="host", H=H, B=B, ct=ct) for H, B, ct in (HOST if not dry else [])]
+    if cuda:  # (the sparse timing's plans, both backends)
+        specs += [dict(kind="sparse_timing", H=H, B=B, topk=k) for H, B, k in SPARSE]
     return specs
 
 
@@ -431,6 +559,15 @@ def warm_one(spec: dict) -> tuple[str, float, str | None]:
         elif spec["kind"] == "host":
             for fn in host_cases(spec["H"], spec["B"], spec["ct"], dev, gen)[0].values():
                 fn()
+        elif spec["kind"] == "sparse_timing":
+            from mqnc.triton_kernels import plan_mla_sparse
+            from mqnc.triton_kernels.dispatch import force_backend
+
+            args = _sparse_inputs(spec["B"], spec["H"], spec["topk"], dev, gen)
+            plan_mla_sparse(*args, softmax_scale=SCALE, check_indices=False).run(*args)
+            with force_backend("mla_sparse", "gluon"):
+                plan = plan_mla_sparse(*args, softmax_scale=SCALE, check_indices=False)
+            plan.run(*args)
         else:
             build(spec, dev, torch.Generator().manual_seed(3))[0]()
         if dev.type == "cuda":
@@ -465,7 +602,7 @@ def warm(args, dev) -> bool:
 def main(argv=None) -> int:
     from mqnc.measure.options import bench_parser, choice_list, finish, parse_bench_args
 
-    parts = ("warm", "exact", "device", "host")
+    parts = ("warm", "exact", "device", "sparse", "host")
     ap = bench_parser(__doc__, reps="20 (device), loops of the host loop; 2 dry", warmup="3")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes, a few repetitions")
     ap.add_argument("--only", type=choice_list(parts), default=list(parts),
@@ -493,6 +630,8 @@ def main(argv=None) -> int:
         ok &= exact(args, dev, rec)
     if "device" in args.only:
         ok &= device_times(args, dev, rec)
+    if "sparse" in args.only:
+        ok &= sparse_times(args, dev, rec)
     if "host" in args.only:
         host_loops(args, dev, rec)
     status = finish(args, FASTPATH_TARGETS)

@@ -17,19 +17,22 @@
 #    H 16 B 16 / 64 c_t 32768 (TB/s), H 16 B 1 c_t 2048 (decode + combine, us): CUDA-graph
 #    replays over input sets larger than twice the L2, each shape's first set checked against
 #    fp64 first;
-# 3. host: a user's loop of 200 back-to-back calls (FlashMLA's call and mla_decode_partial,
+# 3. sparse: top-2048 at H 128, B 1 / 8 / 64, the table's choice and the gather see-saw
+#    forced (opt-in until these records verify it), each checked against fp64 first;
+# 4. host: a user's loop of 200 back-to-back calls (FlashMLA's call and mla_decode_partial,
 #    checks off and on; plan.run) at H 16 B 1 c_t 2048 and H 128 B 8 c_t 32768.
 # Records: $OUT/results.jsonl (with device and commit: $MQNC_COMMIT, else .mqnc-commit, else
 # git); append them to perf/results/results.jsonl. A mismatch prints MISMATCH and fails the run.
 #
-# Budget, 5 minutes on an H200 ($BUDGET_S, 300): install ~30 s; warm ~90 s (16 processes, each
-# ~10 s to start and import, the see-saw's ~8 specialisations at ~30-45 s each in parallel, the
-# tl and merge kernels' in seconds); exact ~20 s (fp64 references on the GPU); device ~40 s (7
-# shapes, 20 replays each, input generation on the GPU); host ~30 s (10 loops of 200 calls, 5
-# cases, 2 shapes; the checked calls sync per call).
+# Budget, 5.5 minutes on an H200 ($BUDGET_S, 330): install ~30 s; warm ~110 s (16 processes,
+# ~30 cases, each process ~10 s to start and import, the see-saws' ~12 specialisations at
+# ~30-45 s each in parallel, the tl and merge kernels' in seconds); exact ~25 s (fp64 references
+# on the GPU); device ~40 s (7 shapes, 20 replays each, input generation on the GPU); sparse
+# ~20 s (3 shapes x 2 backends); host ~30 s (10 loops of 200 calls, 5 cases, 2 shapes; the
+# checked calls sync per call).
 source "$(dirname "$0")/gpu_common.sh"
 gpu_python
-BUDGET_S=${BUDGET_S:-300}
+BUDGET_S=${BUDGET_S:-330}
 gpu_interpreter
 gpu_commit
 export MQNC_COMMIT MQNC_RESULTS="$OUT/results.jsonl" PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1

@@ -114,7 +114,9 @@ class Case:
     ``d_v`` (576 / 512 for DeepSeek's MLA), ``page`` (entries per page), ``tma_rows`` (the
     cache's entries are 16-byte aligned rows of one 2-D tensor, a multiple of 8 elements
     apart: what a TMA descriptor reads in place), ``table_entries`` (a CSR table's expansion
-    to a padded one of 64-entry pages, ``S x nnz x page / 64``; 0 for a padded table)."""
+    to a padded one of 64-entry pages, ``S x nnz x page / 64``; 0 for a padded table),
+    ``split_q`` (the query's rope part in a tensor of its own: the dense see-saws join it per
+    run, the sparse one does not)."""
 
     op: str
     q_dtype: str = "bf16"
@@ -125,6 +127,7 @@ class Case:
     page: int = 64
     tma_rows: bool = True
     table_entries: int = 0
+    split_q: bool = False
 
     @classmethod
     def of_dtypes(cls, op: str, q_dtype: torch.dtype, kv_dtype: torch.dtype | None, **fields):
@@ -193,6 +196,15 @@ def _seesaw_split_serves(case: Case, target: Target) -> str | None:
     return why
 
 
+def _sparse_seesaw_serves(case: Case, target: Target) -> str | None:
+    """None when the see-saw's gather variant can run a sparse ``case`` (it gathers entries, so
+    any page size does), else why not."""
+    why = _seesaw_serves(dataclasses.replace(case, page=64), target)
+    if why is None and case.split_q:
+        return "the gather see-saw reads fused 576-wide query rows, not q_nope / q_pe"
+    return why
+
+
 def _seesaw_layout(case: Case) -> str | None:
     """What both see-saws need of the layout (None: they can read it)."""
     if (case.d_qk, case.d_v) != (576, 512):
@@ -230,7 +242,16 @@ TABLE: tuple[Rule, ...] = (
         evidence="mla_decode_gluon[seesaw-split]",
     ),
     Rule("mla_decode", "tl", "mla_decode", "every other case (any device Triton runs on)", _always),
-    Rule("mla_sparse", "tl", "mla_sparse", "every case", _always),
+    Rule(
+        "mla_sparse",
+        "gluon",
+        "mla_sparse_gluon[seesaw]",
+        "sm_90, bf16 queries and cache, fused 576-wide entries in rows of one 2-D tensor, any "
+        "page size and top-k (blocks of 64 selected entries gathered by cp.async), split-KV",
+        _sparse_seesaw_serves,
+        evidence="mla_sparse_gluon[seesaw]",
+    ),
+    Rule("mla_sparse", "tl", "mla_sparse", "every other case", _always),
     Rule("merge", "tl", "merge", "every case", _always),
     Rule("splice", "tl", "rope_splice / rope_rotate", "every case", _always),
     Rule("fp8_quant", "tl", "fp8_quantize / fp8_dequantize", "every case", _always),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -680,4 +681,129 @@ def gluon_mla_seesaw_split_kernel(
     )
     gl.warp_specialize(
         [(_ss_first, args), (_ss_second, args), (_ss_loader_split, args)], [4, 1], [240, 24]
+    )
+
+
+# ---- the see-saw over a top-k selection: opt-in until a GPU verifies it ---------------------
+# Hopper's TMA has no gather: a 4-warp warpgroup gathers the selected entries into the same
+# buffers with cp.async, 16 bytes a thread a copy, each box's copies tracked by its mbarrier
+# (``cp.async.mbarrier.arrive``, one arrival per gathering thread). The plan compacts each row's
+# selection first (valid indices to the front, their count as the row's length), so the
+# consumers are the dense see-saw's, unchanged: a block of 64 selected entries is a page.
+
+GATHER_WARPS = gl.constexpr(4)
+
+
+@gluon.jit
+def _sp_gather(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_splits, q_lat, q_pe,
+               kv_lat, kv_pe, bars, boxes, stats, O, LSE, o_strides, l_strides, qk_scale,
+               S_Q: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+    """The gather warpgroup: Q's 64 head rows (``q_desc``: the query's base, its token and head
+    strides), then block ``i`` of the split's compacted selection (``TABLE``: a row's valid
+    indices first, ``LENS`` their count; ``kv_desc``: the pool's base and entry stride) into
+    buffer ``i % 2`` as soon as both consumers have released it; rows past the count (and head
+    rows past ``H``) are zero-filled, never read."""
+    Q, stride_qr, stride_qh = q_desc
+    KV, stride_e = kv_desc
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [GATHER_WARPS, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, layout)
+    cols = gl.arange(0, BOX, gl.SliceLayout(0, layout))[None, :]
+    r, h0, seq, n, split, blk0, n_iter = _row_range(
+        LENS, H, n_blocks_row, num_splits, S_Q, CAUSAL, 64
+    )
+    heads = h0 + gl.arange(0, 64, rows_l)
+    q_rows = Q + r.to(gl.int64) * stride_qr + heads.to(gl.int64)[:, None] * stride_qh + cols
+    live = (heads < H)[:, None]
+    for c in gl.static_range(D_V // BOX):
+        dst = q_lat.index(0).slice(c * BOX, BOX, dim=1)
+        async_copy.async_copy_global_to_shared(dst, q_rows + c * BOX, mask=live)
+    async_copy.async_copy_global_to_shared(q_pe.index(0), q_rows + D_V, mask=live)
+    async_copy.mbarrier_arrive(bars.index(0), increment_count=False)
+    table_row = TABLE + seq.to(gl.int64) * stride_tb
+    for i in range(n_iter):
+        buf = i % 2
+        mbarrier.wait(bars.index(1 + buf), ((i // 2) & 1) ^ 1)  # (a fresh barrier passes)
+        pos = (blk0 + i) * 64 + gl.arange(0, 64, rows_l)
+        valid = pos < n
+        idx = gl.load(table_row + pos, mask=valid, other=0)
+        entry = KV + idx.to(gl.int64)[:, None] * stride_e + cols
+        for c in gl.static_range(D_V // BOX):
+            dst = kv_lat.index(buf).slice(c * BOX, BOX, dim=1)
+            async_copy.async_copy_global_to_shared(dst, entry + c * BOX, mask=valid[:, None])
+            async_copy.mbarrier_arrive(boxes.index(buf * 9 + c), increment_count=False)
+        async_copy.async_copy_global_to_shared(kv_pe.index(buf), entry + D_V, mask=valid[:, None])
+        async_copy.mbarrier_arrive(boxes.index(buf * 9 + D_V // BOX), increment_count=False)
+
+
+@gluon.jit
+def gluon_mla_sparse_seesaw_kernel(
+    Q,
+    KV,
+    TABLE,
+    LENS,
+    O,
+    LSE,
+    H,
+    n_blocks_row,
+    stride_tb,
+    num_splits,
+    stride_qr,
+    stride_qh,
+    stride_e,
+    stride_os,
+    stride_ob,
+    stride_oh,
+    stride_ls,
+    stride_lb,
+    stride_lh,
+    qk_scale,
+    S_Q: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The see-saw over a compacted top-k selection (``TABLE [B, n_blocks_row x 64]`` int32:
+    each query row's valid indices into the pool's flattened entries first, ``LENS [B]`` their
+    count): the dense see-saw's consumers (``_ss_first``, ``_ss_second``) and shared memory, a
+    gathering warpgroup (``_sp_gather``) in place of the TMA warp. The set-up repeats the
+    see-saw kernel's (its device code is what its GPU evidence verified)."""
+    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_lat = gl.allocate_shared_memory(gl.bfloat16, [1, 64, D_V], smem)
+    q_pe = gl.allocate_shared_memory(gl.bfloat16, [1, 64, BOX], smem)
+    kv_lat = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D_V], smem)
+    kv_pe = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BOX], smem)
+    stats = gl.allocate_shared_memory(gl.float32, [4, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+    gathering: gl.constexpr = GATHER_WARPS * 32  # (threads: one cp.async arrival each)
+    mbarrier.init(bars.index(0), count=gathering)
+    for i in gl.static_range(1, 5):
+        mbarrier.init(bars.index(i), count=2 if i == 1 or i == 2 else 1)
+    boxes = gl.allocate_shared_memory(gl.int64, [18, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(18):
+        mbarrier.init(boxes.index(i), count=gathering)
+    args = (
+        (Q, stride_qr, stride_qh),
+        (KV, stride_e),
+        TABLE,
+        LENS,
+        H,
+        n_blocks_row,
+        stride_tb,
+        num_splits,
+        q_lat,
+        q_pe,
+        kv_lat,
+        kv_pe,
+        bars,
+        boxes,
+        stats,
+        O,
+        LSE,
+        (stride_os, stride_ob, stride_oh),
+        (stride_ls, stride_lb, stride_lh),
+        qk_scale,
+        S_Q,
+        CAUSAL,
+    )
+    gl.warp_specialize(
+        [(_ss_first, args), (_ss_second, args), (_sp_gather, args)], [4, GATHER_WARPS], [240, 32]
     )

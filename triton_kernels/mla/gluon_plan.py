@@ -319,3 +319,110 @@ def _without_outputs(kernel: Launch, split_cache: bool) -> Launch:
     lengths, outputs: six, seven with a split cache's second descriptor) come with every run."""
     k = 7 if split_cache else 6
     return dataclasses.replace(kernel, args=(None,) * k + kernel.args[k:])
+
+
+# ---- the sparse top-k plan on the see-saw's gather variant (opt-in until a GPU verifies it) --
+
+
+@triton.jit(do_not_specialize=["K", "stride_ib", "stride_ik", "stride_ob"])
+def _compact_kernel(Idx, Out, Lens, K, stride_ib, stride_ik, stride_ob, BLOCK: tl.constexpr):
+    """Row ``b`` of a top-k selection: its valid indices (``>= 0``) written first, in order,
+    to ``Out[b]``, their count to ``Lens[b]``; the rest of ``Out[b]`` is not written (never
+    read: past the row's count)."""
+    b = tl.program_id(0)
+    count = tl.zeros((), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        idx = tl.load(Idx + b.to(tl.int64) * stride_ib + k * stride_ik, mask=k < K, other=-1)
+        valid = (idx >= 0).to(tl.int32)
+        pos = count + tl.cumsum(valid, 0) - 1
+        tl.store(Out + b.to(tl.int64) * stride_ob + pos, idx, mask=valid > 0)
+        count += tl.sum(valid, 0)
+    tl.store(Lens + b, count)
+
+
+def compact_launch(indices: torch.Tensor, out: torch.Tensor, lens: torch.Tensor) -> Launch:
+    """The compaction's launch: ``indices [B, K]`` int32 (``-1``, or any negative: unused) into
+    ``out [B, K]`` (valid first) and ``lens [B]`` (their count)."""
+    B, K = indices.shape
+    return Launch(
+        name="sparse_compact",
+        kernel=_compact_kernel,
+        grid=(B,),
+        args=(indices, out, lens, K, *indices.stride(), out.stride(0)),
+        kwargs=dict(BLOCK=1024, num_warps=4),
+    )
+
+
+class SparseSeesawAttend:
+    """The attention step of a sparse :class:`~mqnc.triton_kernels.mla.plan.AttentionPlan` on
+    the see-saw's gather variant: called as a ``LaunchRunner`` is, with the sparse plan's five
+    bound tensors ``(q, q_pe, kv_pool, kpe_pool, indices)`` then ``(o_part, lse_part)``; it
+    compacts the selection and launches the kernel."""
+
+    def __init__(self, kernel: Launch, compact: Launch) -> None:
+        self._kernel = LaunchRunner(kernel, 6)
+        self._compact = LaunchRunner(compact, 3)
+        self._shape = tuple(compact.args[1].shape)
+
+    def __call__(self, interpreted, q, q_pe, kv_pool, kpe_pool, indices, o_part, lse_part):
+        out = torch.empty(self._shape, dtype=torch.int32, device=q.device)
+        lens = torch.empty(self._shape[:1], dtype=torch.int32, device=q.device)
+        self._compact(False, indices, out, lens)
+        self._kernel(False, q, kv_pool, out, lens, o_part, lse_part)
+
+
+def plan_sparse_seesaw(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    scale: float,
+    num_splits: int | None,
+) -> tuple[MlaPlan, SparseSeesawAttend | None]:
+    """The template plan and the attention step of a sparse call on the gather see-saw, for
+    checked inputs: ``q [B, H, 576]`` bf16, ``kv_pool [pages, page, 576]`` bf16 (its entries
+    rows of one 2-D tensor: :func:`tma_rows`), ``indices [B, K]`` int32 into the flattened
+    entries (``-1`` unused)."""
+    B, H, _ = q.shape
+    K = indices.shape[1]
+    blocks = triton.cdiv(max(K, 1), PAGE)
+    if num_splits is None:
+        num_splits = choose_splits(B, H, blocks, PAGE, q.device, 2)
+    o, lse, o_part, lse_part = split_outputs(B, H, D_V, q.dtype, q.device, num_splits, meta_output)
+    if B * H == 0:
+        return MlaPlan(o, lse, num_splits, ()), None
+    from mqnc.triton_kernels.mla import gluon_kernels
+
+    meta = torch.device("meta")
+    table = torch.empty((B, blocks * PAGE), dtype=torch.int32, device=meta)
+    lens = torch.empty((B,), dtype=torch.int32, device=meta)
+    out = "fp32-split" if num_splits > 1 else "bf16"
+    kernel = Launch(
+        name=f"mla_sparse_gluon[bfloat16,64x64,seesaw-gather,w4+4+4,out={out}]",
+        kernel=gluon_kernels.gluon_mla_sparse_seesaw_kernel,
+        grid=(B * triton.cdiv(H, BLOCK_H), num_splits),
+        args=(
+            q,
+            kv_pool,
+            table,
+            lens,
+            o_part,
+            lse_part,
+            H,
+            blocks,
+            table.stride(0),
+            num_splits,
+            q.stride(0),
+            q.stride(1),
+            kv_pool.stride(1),
+            *split_strides(o_part, lse_part),
+            scale * LOG2E,
+        ),
+        kwargs=dict(S_Q=1, CAUSAL=False, num_warps=4),
+    )
+    launches = [kernel]
+    if num_splits > 1:
+        launches.append(merge_launch(o_part, lse_part, o, lse))
+    template = MlaPlan(o, lse, num_splits, tuple(launches))
+    return template, SparseSeesawAttend(kernel, compact_launch(indices, table, lens))

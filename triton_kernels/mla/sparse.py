@@ -34,7 +34,9 @@ from mqnc.triton_kernels._core.validate import (
     check_softmax_scale,
     check_tensor,
 )
+from mqnc.triton_kernels.dispatch import Case, Target, choose
 from mqnc.triton_kernels.fp8.cache import as_bytes, check_fp8_entries, fp8_rope_view, is_fp8_pool
+from mqnc.triton_kernels.mla.gluon_plan import plan_sparse_seesaw, tma_rows
 from mqnc.triton_kernels.mla.plan import (
     AttentionPlan,
     MlaOperands,
@@ -269,9 +271,29 @@ def plan_mla_sparse(call) -> AttentionPlan:
         check_index_range(indices, num_blocks * block_size)
         if ops.fp8:
             check_fp8_entries(ops.kv, indices[indices >= 0], d_v)
-    template = plan_sparse(
-        q, kv_pool, indices, scale, d_v, call.num_splits, ops=ops, alloc=meta_output
+    choice = choose(
+        Case.of_dtypes(
+            "mla_sparse",
+            q.dtype,
+            None if ops.fp8 else kv_pool.dtype,
+            split_cache=kpe_pool is not None,
+            split_q=q_pe is not None,
+            d_qk=ops.d_v + ops.d_pe,
+            d_v=d_v,
+            page=block_size,
+            tma_rows=tma_rows(kv_pool, kpe_pool),
+        ),
+        Target.of(q.device),
     )
+    attend = None
+    if choice.backend == "gluon":
+        template, attend = plan_sparse_seesaw(
+            q, kv_pool, indices, scale=scale, num_splits=call.num_splits
+        )
+    else:
+        template = plan_sparse(
+            q, kv_pool, indices, scale, d_v, call.num_splits, ops=ops, alloc=meta_output
+        )
     split, fp8 = ops.split, ops.fp8
 
     def bind(q, kv_pool, indices, *, q_pe=None, kpe_pool=None):
@@ -285,7 +307,17 @@ def plan_mla_sparse(call) -> AttentionPlan:
 
     planned = bind(q, kv_pool, indices, q_pe=q_pe, kpe_pool=kpe_pool)
     names = ("q", "q_pe", "kv_pool", "kpe_pool", "indices")
-    return AttentionPlan(template, bind, n_inputs=5, device=q.device, planned=planned, names=names)
+    return AttentionPlan(
+        template,
+        bind,
+        n_inputs=5,
+        device=q.device,
+        planned=planned,
+        names=names,
+        attend=attend,
+        backend=choice.backend,
+        kernel=choice.kernel,
+    )
 
 
 def plan_sparse(

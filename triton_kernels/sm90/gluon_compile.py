@@ -12,7 +12,7 @@ from mqnc.triton_kernels.mla.gluon_plan import plan_seesaw, table_launch
 from mqnc.triton_kernels.mla.plan import split_outputs
 from mqnc.triton_kernels.sm90.compile import _compile_only
 
-__all__ = ["compile_gluon_decode", "compile_seesaw"]
+__all__ = ["compile_gluon_decode", "compile_seesaw", "compile_sparse_seesaw"]
 
 
 def compile_gluon_decode(
@@ -95,3 +95,27 @@ def compile_seesaw(
             )  # fmt: skip
             out.append((conv.name, conv.kernel.warmup(*conv.args, grid=conv.grid, **conv.kwargs)))
     return out
+
+
+def compile_sparse_seesaw(*, rows: int, heads: int, topk: int, num_splits: int, page: int = 64):
+    """Compile the sparse gather see-saw's launches for sm_90 as a run makes them (CPU tensors
+    stand in): ``[(launch name, CompiledKernel)]``, the kernel then the compaction."""
+    from mqnc.triton_kernels.mla.gluon_plan import compact_launch, plan_sparse_seesaw
+
+    q = torch.empty(rows, heads, D_QK, dtype=torch.bfloat16)
+    pool = torch.empty(max(rows, 1) * 4, page, D_QK, dtype=torch.bfloat16)
+    indices = torch.zeros(rows, topk, dtype=torch.int32)
+    template, attend = plan_sparse_seesaw(
+        q, pool, indices, scale=D_QK**-0.5, num_splits=num_splits
+    )
+    kernel = template.launches[0]
+    table = torch.zeros(attend._shape, dtype=torch.int32)
+    lens = torch.zeros(rows, dtype=torch.int32)
+    _, _, o_part, lse_part = split_outputs(rows, heads, D_V, q.dtype, q.device, num_splits)
+    first = (q, pool, table, lens, o_part, lse_part)
+    compact = compact_launch(indices, table, lens)
+    with _compile_only(90):
+        rest = kernel.args[len(first) :]
+        c = kernel.kernel.warmup(*first, *rest, grid=kernel.grid, **kernel.kwargs)
+        k = compact.kernel.warmup(*compact.args, grid=compact.grid, **compact.kwargs)
+    return [(kernel.name, c), (compact.name, k)]
