@@ -256,6 +256,18 @@ def test_a_get_obeys_the_source_rule_of_puts(pair):
     assert t.wait_signal(reply, seq, timeout=60.0) == seq
 
 
+def test_a_peer_that_closes_is_gone(pair):
+    """A peer that closes its endpoint cleanly (a goodbye, not a crash) is no longer alive: a
+    holder waiting for its requesters to be done or gone stops waiting for it (a requester's
+    ``done`` key overwritten by another process must not keep a holder serving forever)."""
+    t = pair.t
+    pair.kill_peer(STOP)
+    deadline = time.monotonic() + 30.0
+    while t.peer_alive(1) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not t.peer_alive(1)
+
+
 def test_a_lost_peer_raises_peer_lost_and_never_hangs(pair):
     """The peer dies: a wait on a slot it feeds raises PeerLost at once (well inside its
     60 s timeout), and the endpoint reports the peer dead. Runs last: it kills the peer."""

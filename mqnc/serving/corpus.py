@@ -68,7 +68,9 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import re
+import stat
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -94,6 +96,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_TOKENS",
     "parse_json",
+    "open_regular",
 ]
 
 FORMAT = "mqnc-corpus"
@@ -104,10 +107,10 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 _DTYPE_CODES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8"}
 _FP8 = "fp8_e4m3"
-_HEADER_LIMIT = 100 * 2**20  # safetensors' own bound on a header
+# a chunks' file header: ~120 B per chunk as the package writes it (name, dtype, shape, offsets),
+# so 8 MiB holds ~70,000 chunks; safetensors' own bound (100 MB) is far past any corpus's
+_HEADER_LIMIT = 8 * 2**20
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 
 
 def dtype_code(dtype: torch.dtype, name: str = "dtype") -> str:
@@ -169,19 +172,25 @@ def _finite_float(text: str) -> float:
 
 
 def parse_json(text: str, what: str) -> Any:
-    """``text`` as JSON nested at most :data:`MAX_DEPTH` deep (counted before the parser
-    recurses) with finite numbers only; a ``ValueError`` naming ``what`` otherwise."""
-    depth = 0
-    for ch in _NOT_BRACKET.sub("", _JSON_STRING.sub('""', text)):
-        depth += 1 if ch in "[{" else -1
-        if depth > MAX_DEPTH:
-            raise ValueError(
-                f"{what} is nested deeper than {MAX_DEPTH} levels (a manifest is shallow)"
-            )
+    """``text`` as JSON nested at most :data:`MAX_DEPTH` deep with finite numbers only; a
+    ``ValueError`` naming ``what`` otherwise. Linear in ``text``: the standard library's
+    parser (its C scanner ends deeper nesting than Python's recursion limit with a
+    ``RecursionError``), then the depth counted over the parsed values without recursion."""
+    too_deep = f"{what} is nested deeper than {MAX_DEPTH} levels (a manifest is shallow)"
     try:
-        return json.loads(text, parse_constant=_non_finite, parse_float=_finite_float)
+        value = json.loads(text, parse_constant=_non_finite, parse_float=_finite_float)
+    except RecursionError:
+        raise ValueError(too_deep) from None
     except ValueError as exc:  # json.JSONDecodeError is one
         raise ValueError(f"{what} is not JSON ({exc})") from None
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth >= MAX_DEPTH:
+                raise ValueError(too_deep)
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return value
 
 
 def _chunk_entry(i: int, entry: Any, version: int) -> tuple[ChunkSpec, str | None]:
@@ -210,19 +219,49 @@ def _chunk_entry(i: int, entry: Any, version: int) -> tuple[ChunkSpec, str | Non
     return ChunkSpec(cid, start, tokens, position, tuple(int(h) for h in holders)), sha
 
 
+def open_regular(path: Path, what: str):
+    """``path`` opened for binary reading, if it is a regular, non-empty file (a symlink to
+    one included); anything else (a FIFO, a device, a directory, an empty file) is a
+    ``ValueError`` naming ``what`` and the kind, raised before any read could block: the file
+    is opened without blocking and its kind read from the open descriptor (no window between a
+    check and the open)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kinds = {stat.S_ISFIFO: "a FIFO", stat.S_ISDIR: "a directory",
+                     stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device",
+                     stat.S_ISSOCK: "a socket"}  # fmt: skip
+            kind = next((k for f, k in kinds.items() if f(st.st_mode)), "not a regular file")
+            raise ValueError(f"{what}: expected a regular file, got {kind} ({str(path)!r})")
+        if st.st_size == 0:
+            raise ValueError(f"{what}: expected a non-empty file, got an empty one ({str(path)!r})")
+        if hasattr(os, "O_NONBLOCK"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _file_header(path: Path) -> tuple[dict, int, int]:
     """A safetensors file's header, where its data starts and the file's size; the header's
     declared length is checked against the file before it is read."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path, "corpus: the chunks' file") as f:
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise ValueError(f"corpus: {path}: {size} bytes, too short for a safetensors file")
             n = int.from_bytes(head, "little")
-            if not 2 <= n <= min(size - 8, _HEADER_LIMIT):
+            if not 2 <= n <= size - 8:
                 raise ValueError(
                     f"corpus: {path}: a header of {n} bytes declared, the file has {size} bytes"
+                )
+            if n > _HEADER_LIMIT:
+                raise ValueError(
+                    f"corpus: {path}: a header of {n} bytes declared, more than the "
+                    f"{_HEADER_LIMIT} bytes a chunks' file's header may have (~120 B a chunk)"
                 )
             text = f.read(n).decode("utf-8")
     except OSError as exc:
@@ -485,7 +524,7 @@ class Corpus:
         path, where = self._tensor_path(), self._where(chunk_id)
         buf = bytearray(hi - lo)  # checked against the file's header and size
         try:
-            with open(path, "rb") as f:
+            with open_regular(path, "corpus: the chunks' file") as f:
                 now = f.seek(0, 2)
                 if now != size:
                     raise ValueError(
@@ -639,7 +678,9 @@ class Corpus:
         """
         path = Path(path)
         try:
-            m = parse_json(path.read_text(), "the text")
+            with open_regular(path, "corpus: the manifest") as f:
+                text = f.read().decode("utf-8")
+            m = parse_json(text, "the text")
         except (OSError, UnicodeDecodeError, ValueError) as exc:
             raise ValueError(
                 f"corpus: cannot read {str(path)!r} as a JSON manifest ({exc})"

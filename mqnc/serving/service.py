@@ -141,9 +141,10 @@ def publish_commitment(store, rank: int) -> str:
 
 
 def publish_done(store, rank: int, secret: str) -> None:
-    """Requester ``rank``'s ``done``: its secret, appended (whatever else was written under the
-    key stays beside it and is ignored)."""
-    store.append(f"{KEY}/done/{rank}", secret + "\n")
+    """Requester ``rank``'s ``done``: its secret, appended on a line of its own (whatever else
+    was written under the key, with or without a line break, stays beside it and is
+    ignored)."""
+    store.append(f"{KEY}/done/{rank}", "\n" + secret + "\n")
 
 
 def read_commitments(store, requesters: list[int], timeout_s: float) -> dict[int, str]:
@@ -216,18 +217,22 @@ def make_transport(
     max_rows: int,
     device: torch.device | str = "cpu",
     host: str | None = None,
+    timeout_s: float = 300.0,
 ) -> Transport:
     """This rank's engine (``kind`` one of :data:`TRANSPORTS`; ``"auto"`` resolved by
     :func:`mqnc.transport.select`), slots sized for routes of up to ``max_rows`` rows and
     fetches of any chunk of ``corpus``. An engine that needs a GPU takes this node's device
     ``LOCAL_RANK`` (modulo the devices it sees); gloo's pairs listen on ``host`` (None:
-    torch's default, ``GLOO_SOCKET_IFNAME`` or the host name's address)."""
+    torch's default, ``GLOO_SOCKET_IFNAME`` or the host name's address) and form within
+    ``timeout_s`` (a rank that passed the handshake and left is then named)."""
     if kind not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {kind!r}")
     kind = select(kind)
     slot, lanes = corpus.slot_bytes(max_rows), lanes_for(corpus)
     local = int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)
-    options = {"host": host} if kind == "gloo" and host is not None else {}
+    options = {"connect_timeout_s": timeout_s} if kind == "gloo" else {}
+    if kind == "gloo" and host is not None:
+        options["host"] = host
     return connect(
         kind, rank, world, store, slot_bytes=slot, lanes=lanes, device=local,
         agree=corpus_terms(corpus), **options,
@@ -439,8 +444,9 @@ def run_rank(
         say(trust_note(rank, kind, master=master, gloo_host=gloo_host))
     secret = None if rank in holders else publish_commitment(store, rank)
     engine = make_transport(
-        kind, rank, world, store, corpus, max_rows=max_rows, device=device, host=gloo_host
-    )
+        kind, rank, world, store, corpus, max_rows=max_rows, device=device, host=gloo_host,
+        timeout_s=timeout_s,
+    )  # fmt: skip
     ids = dict(transport=engine.name, engine=kind)
     try:
         if rank in holders:

@@ -49,7 +49,7 @@ def _connect(spec: dict, rank: int):
     )  # fmt: skip
     tr = TorchDistTransport(
         rank, spec["world"], store, slot_bytes=spec["slot_bytes"], host="127.0.0.1",
-        agree={"tp_degree": spec["degree"]},
+        agree={"tp_degree": spec["degree"]}, connect_timeout_s=spec["timeout_s"],
     )  # fmt: skip
     return tr, store
 

@@ -150,7 +150,7 @@ def run_tp_rank(
     secret = None if instance in holders else publish_commitment(store, rank)
     terms = {**corpus_terms(corpus), "tp_degree": degree}
     host = gloo_bind_host(None, master)  # where gloo's pairs listen (mqnc.serving.service)
-    options = {} if host is None else {"host": host}
+    options = {"connect_timeout_s": timeout_s} | ({} if host is None else {"host": host})
     slot = corpus.slot_bytes(max_rows)
     tr = connect("gloo", rank, world, store, slot_bytes=slot, agree=terms, **options)
     try:

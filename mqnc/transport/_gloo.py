@@ -42,6 +42,7 @@ goodbye, whether this rank is closing), guarded by a condition on the signal boa
 from __future__ import annotations
 
 import collections
+import datetime
 import struct
 import threading
 import time
@@ -131,7 +132,7 @@ class _Reaper:
                     cond.wait()
                 work, _, nbytes = self.q[0]
             try:
-                work.wait()
+                work.wait(self._outbox.idle)
             except Exception as exc:
                 why = f"send failed: {type(exc).__name__}: {exc}"
                 peers.mark_dead(self._peer, why, first_reason=True)
@@ -147,8 +148,11 @@ class _Reaper:
 class Outbox:
     """Framed, asynchronous sends to each peer, reaped by one thread per peer."""
 
-    def __init__(self, pg, rank: int, world_size: int, peers: PeerState, slot_bytes: int) -> None:
+    def __init__(self, pg, rank: int, world_size: int, peers: PeerState, slot_bytes: int,
+                 idle_timeout_s: float = 3600.0) -> None:  # fmt: skip
         self._pg = pg
+        # a send's wait: the idle bound (the process group's own timeout bounds its forming)
+        self.idle = datetime.timedelta(seconds=float(idle_timeout_s))
         self.rank = rank
         self.slot_bytes = slot_bytes  # no frame carries (or asks for) more: the receive's size
         self._world = world_size
@@ -231,6 +235,7 @@ class Inbox:
     def __init__(self, pg, rank: int, world_size: int, layout, slot_bytes: int,
                  peers: PeerState, outbox: Outbox) -> None:  # fmt: skip
         self._pg = pg
+        self._idle = outbox.idle  # a receive's wait on an idle link
         self._rank = rank
         self._peers = peers
         self._outbox = outbox
@@ -277,7 +282,7 @@ class Inbox:
         i = 0
         try:
             while True:
-                works[i].wait()
+                works[i].wait(self._idle)
                 got = bufs[i]
                 op, slot, seq, n, status = _FRAME.unpack_from(got[1], 0)
                 if op == CLOSE:

@@ -54,6 +54,7 @@ class LoopbackFabric:
         self._views = [h.numpy() for h in self._heaps]
         self._boards = [SignalBoard(n) for _ in range(world_size)]
         self._dead: set[int] = set()
+        self._closed: set[int] = set()  # ranks whose endpoint closed (a goodbye: not alive)
         self._barrier = threading.Barrier(world_size)
         self.endpoints = [LoopbackTransport(self, r) for r in range(world_size)]
 
@@ -173,4 +174,9 @@ class LoopbackTransport(Transport):
             ) from None
 
     def peer_alive(self, peer: int) -> bool:
-        return peer not in self._fabric._dead
+        """False once ``peer`` is dead (killed) or its endpoint has closed."""
+        return peer not in self._fabric._dead and peer not in self._fabric._closed
+
+    def close(self) -> None:
+        """This rank says goodbye: the others see it gone (:meth:`peer_alive`)."""
+        self._fabric._closed.add(self.rank)

@@ -51,6 +51,7 @@ NVSHMEM engine (:mod:`mqnc.transport.nvshmem`) is the one-sided path. CUDA tenso
 from __future__ import annotations
 
 import datetime
+import re
 import socket
 import threading
 import time
@@ -122,6 +123,34 @@ def free_port_store(world_size: int, timeout_s: float = 60.0, host: str = "127.0
         sock.close()
 
 
+def _process_group(store, prefix: str, rank: int, world_size: int, host, timeout_s: float):
+    """The gloo process group, formed within ``timeout_s`` (its pairs connecting through the
+    store); a rank that never connects is a ``TransportTimeout`` naming it (the store keys
+    gloo waited for end in the missing ranks)."""
+    timeout = datetime.timedelta(seconds=float(timeout_s))
+    if host is None:
+        opts = timeout
+    else:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    try:
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, opts)
+    except Exception as exc:  # (DistStoreError: "wait timeout ..., keys: /prefix/0/<rank>")
+        keys = re.search(r"keys?:\s*(.*)", str(exc))
+        missing = (
+            sorted({int(k) for k in re.findall(r"/(\d+)\b(?![/\d])", keys.group(1))})
+            if keys
+            else []
+        )
+        who = f"rank(s) {missing}" if missing else "a rank"
+        raise TransportTimeout(
+            f"rank {rank}: the gloo process group did not form within {timeout_s:g} s: "
+            f"{who} passed the handshake and never connected (left, or stalled); "
+            f"gloo: {str(exc).splitlines()[0][:300]}"
+        ) from None
+
+
 class TorchDistTransport(Transport):
     """One rank of the gloo engine.
 
@@ -142,9 +171,13 @@ class TorchDistTransport(Transport):
         Further terms (JSON values) every rank must be built with, checked in the same
         handshake (e.g. the model geometry the slots were sized from).
     idle_timeout_s : float
-        The process group's timeout: the longest a service thread may sit in one ``recv``
-        (an idle link) before gloo gives up on the pair. User-facing waits have their own,
-        short timeouts.
+        The longest a service thread may sit in one ``recv`` (an idle link) or a send may take
+        before the pair is given up. User-facing waits have their own, short timeouts.
+    connect_timeout_s : float
+        The longest the process group may take to form once every rank has passed the
+        handshake (its pairs connecting through the store): a rank that passed it and then left
+        ends the build with a ``TransportTimeout`` naming it, instead of holding every other
+        rank for ``idle_timeout_s``.
     prefix : str
         Store namespace (several engines may share one store).
     host : str or None
@@ -163,6 +196,7 @@ class TorchDistTransport(Transport):
         slot_bytes: int,
         lanes: int = 1,
         idle_timeout_s: float = 3600.0,
+        connect_timeout_s: float = 300.0,
         prefix: str = "mqnc",
         host: str | None = None,
         agree=None,
@@ -185,18 +219,11 @@ class TorchDistTransport(Transport):
                 raise ValueError(f"agree: the engine's own terms {clash} are not the caller's")
             terms.update(agree)
         handshake(dist.PrefixStore(f"{prefix}/handshake", store), rank, world_size, terms)
-        timeout = datetime.timedelta(seconds=float(idle_timeout_s))
-        if host is None:
-            opts = timeout
-        else:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, opts)
+        self._pg = _process_group(store, prefix, rank, world_size, host, connect_timeout_s)
         self._board = SignalBoard(self.num_slots)
         self._peers = PeerState(self._board)
         self._cond = self._peers.cond  # get and barrier waits; signal waits are the board's
-        self._outbox = Outbox(self._pg, rank, world_size, self._peers, slot_bytes)
+        self._outbox = Outbox(self._pg, rank, world_size, self._peers, slot_bytes, idle_timeout_s)
         self._inbox = Inbox(
             self._pg, rank, world_size, self.layout, slot_bytes, self._peers, self._outbox
         )
@@ -348,7 +375,8 @@ class TorchDistTransport(Transport):
                 self._cond.wait(left)
 
     def peer_alive(self, peer: int) -> bool:
-        return peer not in self._peers.dead
+        """False once ``peer`` is dead (its connection broke) or has closed (said goodbye)."""
+        return peer not in self._peers.dead and peer not in self._peers.closed
 
     def close(self, timeout: float = 5.0) -> None:
         """Tell every live peer this rank is leaving and wait (briefly) for theirs."""
