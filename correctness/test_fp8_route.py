@@ -278,7 +278,7 @@ def test_bad_fp8_entries_are_refused_where_they_enter(kind, what):
         holder.add_chunk(7, bad)
     if kind == "nan":
         with pytest.raises(ValueError, match=r"kv: expected shape \(2, c_t, 656\), got \(2, 16, "
-                           r"640\) \(fp8_e4m3 entries: scales missing\?\)"):  # fmt: skip
+                           r"640\) uint8 \(fp8_e4m3 entries: scales missing\?\)"):  # fmt: skip
             holder.add_chunk(7, bad[..., :640].contiguous())
         with pytest.raises(ValueError, match=r"kv: expected shape \(2, c_t, 656\), got \(16, 656"):
             holder.add_chunk(7, bad[0])

@@ -105,3 +105,92 @@ def test_a_corpus_file_that_is_a_fifo_is_refused_without_blocking(tmp_path, whic
     target.unlink()
     kept.rename(target)
     Corpus.load(manifest)
+
+
+# ---- FP8 entries: the RoPE part, overflowing scales, FlashMLA's float8 view ------------------
+
+
+def _fp8_entries(n=8, seed=3):
+    from mqnc.reference.fp8_ref import fp8_quantize_reference
+
+    g = torch.Generator().manual_seed(seed)
+    x = (0.5 * torch.randn(n, 576, generator=g)).to(torch.bfloat16)
+    return fp8_quantize_reference(x, 512)
+
+
+def test_an_fp8_entry_with_a_rope_value_not_finite_is_refused():
+    """The FP8 entry check looked at the scales and latent bytes only: a ``-inf`` (or NaN) in
+    the bf16 RoPE part was accepted, and the token vanished from the answer (its score
+    ``-inf``), status ok; a bf16 holder refuses the same value. Now the pools' check, the
+    kernels' attended-entry check (dense and sparse) and a split cache's ``kpe_pool`` refuse
+    it, naming the RoPE value."""
+    from mqnc.triton_kernels import mla_decode_partial, mla_sparse_partial
+    from mqnc.triton_kernels.fp8.quant import check_entries
+
+    entries = _fp8_entries()
+    bad = entries.clone()
+    bad[5, 528 + 2 * 7 : 528 + 2 * 8] = torch.tensor([float("-inf")], dtype=torch.bfloat16).view(
+        torch.uint8
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"cache: expected finite RoPE values .* got -inf at RoPE value 7 of the entry "
+        r"at \[5\]",
+    ):
+        check_entries(bad, 512, 64)
+    check_entries(entries, 512, 64)
+    q = torch.randn(1, 16, 576).to(torch.bfloat16)
+    pool = bad.view(1, 8, 656)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    lens = torch.tensor([8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"kv_pool: expected finite RoPE values .* token slot 5"):
+        mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE)
+    with pytest.raises(ValueError, match=r"kv_pool: expected finite RoPE values .* token slot 5"):
+        mla_sparse_partial(q, pool, torch.arange(8, dtype=torch.int32)[None], softmax_scale=SCALE)
+    # FlashInfer's split layout: latent + scales in kv_pool, bf16 RoPE in kpe_pool
+    kv = entries[:, :528].contiguous().view(1, 8, 528)
+    kpe = torch.randn(1, 8, 64).to(torch.bfloat16)
+    kpe[0, 2, 9] = float("nan")
+    with pytest.raises(ValueError, match=r"kpe_pool: expected finite RoPE values .* token slot 2"):
+        mla_decode_partial(q[..., :512].contiguous(), kv, table, lens, softmax_scale=SCALE,
+                           q_pe=q[..., 512:].contiguous(), kpe_pool=kpe)  # fmt: skip
+
+
+def test_an_fp8_scale_whose_values_overflow_float32_is_refused():
+    """Scales of 2^127 (up to 3.4e38) passed the check; dequantizing gave inf and a later
+    route NaN. An entry whose latent value times its scale overflows float32 is refused where
+    it enters (the pools, the kernels' check), naming the group; the largest values the
+    quantizer writes (below 248 * 2^120) pass, so the check and the quantizer agree."""
+    from mqnc.triton_kernels.fp8.quant import X_LIMIT, check_entries, fp8_quantize
+
+    entries = _fp8_entries()
+    big = entries.clone()
+    big[2, 512 + 4 : 512 + 8] = torch.tensor([2.0**127]).view(torch.uint8)  # group 1's scale
+    big[2, 128] = 0x7E  # 448 in group 1
+    with pytest.raises(
+        ValueError, match=r"latent value times its scale finite .*group 1 of the entry at \[2\]"
+    ):
+        check_entries(big, 512, 64)
+    x = torch.zeros(2, 576)
+    x[0, :512] = float(X_LIMIT) * (1 - 2**-20)  # the quantizer's largest accepted value
+    x[1, 3] = -float(X_LIMIT) * 0.999
+    check_entries(fp8_quantize(x, 512), 512, 64)
+
+
+def test_a_holder_takes_fp8_entries_as_float8_e4m3fn_too():
+    """``Holder.add_chunk`` and ``DeviceHolder.add_chunk`` took FP8 entries as uint8 only: the
+    ``float8_e4m3fn`` view (FlashMLA's, which the kernels accept) was refused as "expected shape
+    (1, c_t, 576), got (1, 32, 656)". The view is taken, bit for bit; a wrong dtype is named."""
+    from mqnc.serving import Holder
+    from mqnc.transport import LoopbackFabric, slot_bytes_for
+
+    g8 = GEOM.replace(layers=1, cache_dtype="fp8_e4m3")
+    fab = LoopbackFabric(1, slot_bytes_for(g8, max_rows=8, max_chunk_tokens=32))
+    holder = Holder(fab.endpoint(0), g8, softmax_scale=SCALE, num_blocks=4, kernels="torch")
+    entries = _fp8_entries(32).view(1, 32, 656)
+    holder.add_chunk(1, entries.view(torch.float8_e4m3fn))
+    assert torch.equal(holder.chunk_kv(1).cpu(), entries)
+    with pytest.raises(
+        TypeError, match=r"kv: invalid dtype, expected torch.bfloat16, got torch.float16"
+    ):
+        holder.add_chunk(2, torch.zeros(1, 8, 576, dtype=torch.float16))

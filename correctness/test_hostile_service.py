@@ -61,3 +61,47 @@ def test_a_rank_that_passes_the_handshake_and_leaves_is_named_within_the_timeout
         TorchDistTransport(0, 2, store, slot_bytes=4096, connect_timeout_s=2.0, host="127.0.0.1")
     assert time.monotonic() - t0 < WAIT
     peer.join(WAIT)
+
+
+def _partitioned(seed):
+    from mqnc.model import PRESETS
+    from mqnc.serving import Corpus
+
+    geom = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4)
+    g = torch.Generator().manual_seed(seed)
+    entries = (0.5 * torch.randn(geom.layers, 64, geom.d_qk, generator=g)).to(torch.bfloat16)
+    return Corpus.partition(entries, geom, 0.1, chunk_tokens=32, holders=[1])
+
+
+def test_two_corpora_with_one_table_and_other_bytes_are_refused_at_the_handshake(tmp_path):
+    """A requester on one corpus and a holder on another with the same chunk table (ids, token
+    ranges, positions, holders) but other bytes agreed before (the handshake left the chunks'
+    checksums out) and attended the wrong document, status ok; the chunks' SHA-256 are now a
+    term of the handshake, which refuses the pair naming it. A corpus in memory and the same
+    corpus saved and loaded give the same digests."""
+    from mqnc.serving import Corpus
+    from mqnc.serving.service import corpus_terms
+    from mqnc.transport.protocol import handshake
+
+    a, b = _partitioned(1), _partitioned(2)
+    assert [c for c in a.chunks.values()] == [c for c in b.chunks.values()]
+    ta, tb = corpus_terms(a), corpus_terms(b)
+    assert ta["chunks"] == tb["chunks"] and ta["chunk_bytes"] != tb["chunk_bytes"]
+    loaded = Corpus.load(a.save(tmp_path / "a.json"))
+    assert corpus_terms(loaded)["chunk_bytes"] == ta["chunk_bytes"]
+    store = free_port_store(2)
+    errors = []
+
+    def rank(r, terms):
+        client = torch.distributed.TCPStore("127.0.0.1", store.port, 2, is_master=False)
+        try:
+            handshake(torch.distributed.PrefixStore("t", client), r, 2, terms)
+        except ValueError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=rank, args=(r, t)) for r, t in ((0, ta), (1, tb))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    assert len(errors) == 2 and all("chunk_bytes" in e for e in errors), errors

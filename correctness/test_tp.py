@@ -266,6 +266,30 @@ def test_paired_route_equals_the_single_rank_route(degree, kernels):
         s.close()
 
 
+def test_a_second_requester_on_the_same_endpoints_gets_its_own_answers():
+    """Request ids and sequence numbers belong to the endpoint: a second ``TPRequester`` on the
+    same endpoints (or one made again after a restart of its object) continues the numbering,
+    so its route over another chunk is answered with that chunk's partial (a fresh one used to
+    number from 1 again and was handed the first requester's earlier reply, status ok)."""
+    chunks = {5: _chunk(21), 6: _chunk(22)}
+    s = _Loopback(2, [chunks], kernels="torch")
+    try:
+        q = _randn(23, 2, GEOM.heads, GEOM.d_qk).cpu()
+        first = s.route(1, 5, q, 0)
+        s.requesters = [TPRequester(s.fabric.endpoint(r), s.part, timeout_s=20.0) for r in range(2)]
+        second = s.route(1, 6, q, 0)
+        assert not any(isinstance(x, Exception) for x in first + second), (first, second)
+        valid = torch.ones(2, TOKENS, dtype=torch.bool)
+        for got, cid in ((first, 5), (second, 6)):  # each the partial of its own chunk
+            o_ref, lse_ref = partial_attention_reference(q, chunks[cid][0], valid, SCALE, GEOM.d_c)
+            o = s.part.join_values([got[r][0] for r in range(2)])
+            assert_close(o, o_ref, TOLERANCES[("merge_wire", "bfloat16")], name=f"o {cid}")
+            for r in range(2):
+                assert_close(got[r][1], lse_ref, TOLERANCES[("mla_lse", "float32")], name="lse")
+    finally:
+        s.close()
+
+
 def test_paired_route_refuses_mismatched_ranks_and_widths():
     """A request whose requester ranks disagree (another selection), one whose pair never
     comes, a slice of another width and a requester rank routing to another holder rank:

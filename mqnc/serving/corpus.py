@@ -493,6 +493,19 @@ class Corpus:
             for _, c in sorted(self.chunks.items())
         ]
 
+    def chunk_digests(self) -> dict[int, str]:
+        """Each chunk's SHA-256 (hex) over its cache bytes, by chunk id: the checksums of the
+        version-2 manifest it was loaded from or saved to, else computed from the chunks (a
+        corpus held in memory, or read from a version-1 manifest: every chunk is read once)."""
+        if set(self._sha256) >= set(self.chunks):
+            return {cid: self._sha256[cid] for cid in sorted(self.chunks)}
+        return {
+            cid: hashlib.sha256(
+                self.chunk_kv(cid).contiguous().cpu().view(torch.uint8).numpy()
+            ).hexdigest()
+            for cid in sorted(self.chunks)
+        }
+
     def _fingerprints(self) -> dict[int, str]:
         ids = self.meta.get("token_ids")
         if not isinstance(ids, list) or len(ids) < max(

@@ -137,22 +137,7 @@ class DeviceHolder:
         position = check_int("position", position, minimum=0)
         if self._streams is not None:
             raise RuntimeError("device holder: add chunks before start() or after stop()")
-        if not isinstance(kv, torch.Tensor):
-            raise TypeError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
-        fp8 = self.pages.fp8 is not None and kv.dtype == torch.uint8  # FP8 entries, not rows
-        width = self.pages.width if fp8 else g.d_qk
-        if kv.dim() != 3 or kv.shape[0] != g.layers or kv.shape[2] != width:
-            short = fp8 and kv.dim() == 3 and kv.shape[2] < width
-            raise ValueError(
-                f"kv: expected shape ({g.layers}, c_t, {width}), got {tuple(kv.shape)}"
-                + (f" ({g.cache_dtype} entries: scales missing?)" if short else "")
-            )
-        if fp8:
-            self.pages.check_entries(kv)  # every scale finite and > 0, no NaN latent byte
-        elif kv.dtype != self.dtype:
-            raise TypeError(f"kv: invalid dtype, expected {self.dtype}, got {kv.dtype}")
-        elif not bool(torch.isfinite(kv).all()):
-            raise ValueError("kv: expected finite cache entries")
+        kv = self.pages.checked_chunk(kv, g.layers, g.d_qk, self.dtype)
         if chunk_id in self.chunks:
             raise ValueError(f"chunk_id: chunk {chunk_id} is already hosted")
         blocks = self.pages.alloc(kv.shape[1])

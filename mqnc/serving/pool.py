@@ -140,6 +140,33 @@ class PagedPool:
             return kv
         return self.ops.fp8_quantize(kv.contiguous(), self.fp8.d_c)
 
+    def checked_chunk(self, kv: object, layers: int, d_qk: int, dtype: torch.dtype) -> torch.Tensor:
+        """A chunk a holder takes in, checked: ``kv [layers, c_t, d_qk]`` rows of ``dtype``
+        (finite), or for an FP8 pool its entries ``[layers, c_t, b_KV]`` as uint8 or
+        ``float8_e4m3fn`` (the kernels' two views of them; checked by :meth:`check_entries`).
+        Returns what :meth:`write` takes; a ``TypeError`` / ``ValueError`` names ``kv``, the
+        shape or dtype expected and the one given."""
+        if not isinstance(kv, torch.Tensor):
+            raise TypeError(f"kv: expected a torch.Tensor, got {type(kv).__name__}")
+        if self.fp8 is not None and kv.dtype == torch.float8_e4m3fn:
+            kv = kv.view(torch.uint8)  # (FlashMLA's view of the same bytes)
+        fp8 = self.fp8 is not None and kv.dtype == torch.uint8  # FP8 entries, not rows
+        width = self.width if fp8 else d_qk
+        if kv.dim() != 3 or kv.shape[0] != layers or kv.shape[2] != width:
+            short = fp8 and kv.dim() == 3 and kv.shape[2] < width
+            raise ValueError(
+                f"kv: expected shape ({layers}, c_t, {width}), got {tuple(kv.shape)} "
+                f"{str(kv.dtype)[6:]}" + (" (fp8_e4m3 entries: scales missing?)" if short else "")
+            )
+        if fp8:
+            self.check_entries(kv)  # scales, NaN latent bytes, overflow, RoPE values
+        elif kv.dtype != dtype:
+            raise TypeError(f"kv: invalid dtype, expected {dtype}, got {kv.dtype}")
+        elif not bool(torch.isfinite(kv).all()):
+            bad = int((~torch.isfinite(kv)).sum())
+            raise ValueError(f"kv: expected finite cache entries, got {bad} NaN or infinite")
+        return kv
+
     def check_entries(self, kv: torch.Tensor, name: str = "kv") -> None:
         """FP8 entries ``kv [..., b_KV]`` uint8 of this pool's layout whose every scale is
         finite and > 0 and no latent byte a NaN (``0x7F`` / ``0xFF``), or a ``ValueError``

@@ -242,19 +242,23 @@ def make_transport(
 def corpus_terms(corpus: Corpus) -> dict:
     """What every rank of a job must agree on about the corpus, checked with the engine's own
     terms (slot size, lanes, frame protocol) when the fabric is built: the model's geometry,
-    the cache dtype, the softmax scale, the pool page and the chunk table (ids, token ranges,
-    canonical positions, holders). Two ranks given another corpus or another model are refused
-    there, naming the term, instead of routing queries a holder would attend wrongly."""
+    the cache dtype, the softmax scale, the pool page, the chunk table (ids, token ranges,
+    canonical positions, holders) and the chunks' bytes (each chunk's SHA-256:
+    :meth:`~mqnc.serving.Corpus.chunk_digests`). Two ranks given another corpus or another
+    model, or the same table over other bytes, are refused there, naming the term, instead of
+    routing queries a holder would attend wrongly."""
     chunks = [
         [c.chunk_id, c.start, c.tokens, c.position, list(c.holders)]
         for _, c in sorted(corpus.chunks.items())
     ]
+    digests = sorted(corpus.chunk_digests().items())
     return {
         "geometry": dataclasses.asdict(corpus.geometry),
         "cache_dtype": str(corpus.dtype).removeprefix("torch."),
         "softmax_scale": float(corpus.softmax_scale),
         "block_size": int(corpus.block_size),
         "chunks": hashlib.sha256(json.dumps(chunks).encode()).hexdigest(),
+        "chunk_bytes": hashlib.sha256(json.dumps(digests).encode()).hexdigest(),
     }
 
 

@@ -11,7 +11,12 @@ partials do (``merge_partials`` on each rank's slice: the weights depend on ``ls
 
 The ranks of a requester instance issue the same routes in the same order (one program, ``N``
 ranks), so their request ids agree: the holder group pairs its ranks' requests by (requester
-instance, request id) and refuses a request whose ranks disagree.
+instance, request id) and refuses a request whose ranks disagree. Request ids and sequence
+numbers belong to the **endpoint**, not to one ``TPRequester`` (as ``client.py``'s lanes do for
+single-rank routes): a second requester on the same endpoints, or one made again after a
+restart of its object, continues where the first left off (a fresh one numbering from 1 again
+was answered with the first one's earlier reply by the holder's duplicate rule), and a lane's
+next sequence number moves past its reply slot's signal.
 
 Faults: a reply that does not come within ``timeout_s`` is a
 :class:`~mqnc.transport.protocol.TransportTimeout`; a holder rank lost mid-route is a
@@ -23,7 +28,9 @@ chunk.
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 
 import torch
 
@@ -36,6 +43,28 @@ from mqnc.transport import wire
 from mqnc.transport.protocol import INBOX, REPLY, PeerLost, Transport, TransportTimeout
 
 __all__ = ["TPRequester", "payload_bytes"]
+
+
+class _EndpointNumbers:
+    """The route ids and each (holder, lane)'s last sequence number of one endpoint."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.route_id = 0  # route ids: the same sequence on every rank of the instance
+        self.probe_id = 2**63  # probe ids, apart from the route ids
+        self.seq: dict[tuple[int, int], int] = {}
+
+
+_ENDPOINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ENDPOINTS_LOCK = threading.Lock()
+
+
+def _numbers_of(transport: Transport) -> _EndpointNumbers:
+    with _ENDPOINTS_LOCK:
+        numbers = _ENDPOINTS.get(transport)
+        if numbers is None:
+            numbers = _ENDPOINTS[transport] = _EndpointNumbers()
+        return numbers
 
 
 class TPRequester:
@@ -70,9 +99,7 @@ class TPRequester:
         self.timeout_s = check_number("timeout_s", timeout_s, positive=True)
         self.lane = check_int("lane", lane, minimum=0, below=transport.layout.lanes)
         self._crc = not transport.in_process
-        self._next_id = 0  # route ids: the same sequence on every rank of the instance
-        self._probe_id = 2**63  # probe ids, apart from the route ids
-        self._seq: dict[int, int] = {}
+        self._numbers = _numbers_of(transport)  # ids and sequence numbers: the endpoint's
         self.last_bytes = (0, 0)  # (sent, received) of the last route, headers included
         self.last_holder_ns = 0  # the holder's time on the last route (its reply's holder_ns)
 
@@ -111,9 +138,7 @@ class TPRequester:
         idx = None
         if indices is not None:
             idx = check_selection(indices, B, 2**31 - 1 if tokens is None else tokens).numpy()
-        self._next_id += 1
-        rid, seq = self._next_id, self._seq.get(peer, 0) + 1
-        self._seq[peer] = seq
+        rid, seq = self._next_numbers(peer, route=True)
         msg = wire.pack_query_arrays(
             q.cpu().contiguous().view(torch.uint8).numpy().reshape(B, -1), idx, dtype=self.dtype,
             heads=H, width=w, request_id=rid, seq=seq, chunk_id=chunk_id, layer=layer,
@@ -136,16 +161,32 @@ class TPRequester:
         """Payload-free round trip (a header-only put and its acknowledgement) to this rank's
         pair in holder instance ``instance``, in microseconds (``T_probe`` of the pair)."""
         peer = self.holder_rank(instance)
-        self._probe_id += 1  # (not a route id: the ranks' route ids stay in step)
-        seq = self._seq.get(peer, 0) + 1
-        self._seq[peer] = seq
-        msg = wire.pack_probe(request_id=self._probe_id, seq=seq, array=True)
+        pid, seq = self._next_numbers(peer, route=False)  # (the route ids stay in step)
+        msg = wire.pack_probe(request_id=pid, seq=seq, array=True)
         t0 = time.perf_counter()
         what = f"probe of holder rank {self.rank} (global {peer})"
         h, buf = self._call(peer, msg, seq, wire.Kind.PROBE_ACK, what)
         if h.kind == wire.Kind.ERROR:
             raise RemoteError(f"{what}: {wire.unpack_error(buf)[1]}")
         return (time.perf_counter() - t0) * 1e6
+
+    def _next_numbers(self, peer: int, *, route: bool) -> tuple[int, int]:
+        """The next request id (a route's, or a probe's) and ``peer``'s lane's next sequence
+        number, from the endpoint's counters: past every number taken on this endpoint and past
+        the reply slot's signal."""
+        n = self._numbers
+        reply = self.transport.layout.slot(REPLY, peer, self.lane)
+        with n.lock:
+            if route:
+                n.route_id += 1
+                rid = n.route_id
+            else:
+                n.probe_id += 1
+                rid = n.probe_id
+            key = (peer, self.lane)
+            seq = max(n.seq.get(key, 0), self.transport.signal(reply)) + 1
+            n.seq[key] = seq
+        return rid, seq
 
     def _call(self, peer: int, msg, seq: int, expect: wire.Kind, what: str):
         """Put ``msg`` in ``peer``'s inbox and wait (bounded) for the reply of sequence
@@ -155,16 +196,16 @@ class TPRequester:
         deadline = time.monotonic() + self.timeout_s
         try:
             tr.put_signal(peer, tr.layout.slot(INBOX, tr.rank, self.lane), msg, seq)
-            while True:
-                tr.wait_signal(reply, seq, max(deadline - time.monotonic(), 1e-3))
-                _, buf = tr.read_message_host(reply)
-                h = wire.parse_header(
-                    buf, geometry=self.geometry, expect=expect, require_payload_crc=self._crc
+            tr.wait_signal(reply, seq, max(deadline - time.monotonic(), 1e-3))
+            _, buf = tr.read_message_host(reply)
+            h = wire.parse_header(
+                buf, geometry=self.geometry, expect=expect, require_payload_crc=self._crc
+            )
+            if h.seq != seq:  # (the slot's signal passed this request's: not its reply)
+                raise RemoteError(
+                    f"{what}: the reply slot holds sequence {h.seq}, this request's is {seq}"
                 )
-                if h.seq == seq:
-                    return h, buf
-                if time.monotonic() > deadline:
-                    raise TransportTimeout(f"{what}: no reply for sequence {seq}")
+            return h, buf
         except PeerLost as exc:
             raise PeerLost(f"{what}: the holder rank was lost mid-route ({exc})") from None
         except TransportTimeout as exc:

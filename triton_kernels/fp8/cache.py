@@ -118,51 +118,101 @@ def dense_slots(
 _CHUNK = 1 << 16  # entries gathered at a time by the check (43 MB of 656-byte entries)
 
 
+def _fields(entries: torch.Tensor, d_c: int):
+    """An ``[n, width]`` uint8 block of FP8 entries as ``(latent [n, G, 128] float32 decoded,
+    scales [n, G] float32, RoPE [n, d_r] bfloat16 or None)``: the RoPE part when the entries
+    carry it (the fused 656-byte format; split caches keep it in ``kpe_pool``)."""
+    groups = d_c // FP8_GROUP
+    end = d_c + 4 * groups
+    lat = entries[:, :d_c].contiguous().view(torch.float8_e4m3fn).float()
+    scale = entries[:, d_c:end].contiguous().view(torch.float32)
+    rope = entries[:, end:].contiguous().view(torch.bfloat16) if entries.shape[1] > end else None
+    return lat.view(-1, groups, FP8_GROUP), scale, rope
+
+
+def _scale_ok(scale: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(scale) & (scale > 0)
+
+
 def bad_fp8_entries(entries: torch.Tensor, d_c: int) -> torch.Tensor:
     """``[n]`` bool: which of the FP8 entries ``entries [n, width]`` (uint8) has a scale not
-    finite and > 0 or a NaN latent byte (``0x7F`` / ``0xFF``); no host sync. The one value
-    predicate of every FP8 entry check (here, ``fp8.quant.check_entries``, the pools)."""
-    scale = entries[:, d_c : d_c + 4 * (d_c // FP8_GROUP)].contiguous().view(torch.float32)
-    nan = ((entries[:, :d_c] & 0x7F) == 0x7F).any(1)
-    return ~(torch.isfinite(scale) & (scale > 0)).all(1) | nan
+    finite and > 0, a NaN latent byte (``0x7F`` / ``0xFF``), a latent value whose product
+    with its scale overflows float32 (past what the quantizer writes: it refuses
+    ``|x| >= 248 * 2**120``) or, when the entry carries its RoPE part, a RoPE value not finite
+    (an infinite ``k_pe`` would make its token vanish from the answer); no host sync. The one
+    value predicate of every FP8 entry check (here, ``fp8.quant.check_entries``, the pools)."""
+    lat, scale, rope = _fields(entries, d_c)
+    amax = lat.abs().amax(2)  # NaN for a NaN byte
+    bad = ~_scale_ok(scale).all(1) | amax.isnan().any(1) | ~torch.isfinite(amax * scale).all(1)
+    if rope is not None:
+        bad |= ~torch.isfinite(rope).all(1)
+    return bad
 
 
 def raise_bad_fp8_entry(name: str, entry: torch.Tensor, d_c: int, where: str, what: str = ""):
     """Raise the ``ValueError`` for one entry that :func:`bad_fp8_entries` flags: its first bad
-    scale, else its first NaN latent byte, ``where`` saying which entry (``what``: words after
-    "every scale", e.g. " of an attended FP8 entry")."""
-    scale = entry[d_c : d_c + 4 * (d_c // FP8_GROUP)].contiguous().view(torch.float32)
-    wrong = ~(torch.isfinite(scale) & (scale > 0))
+    scale, else its first NaN latent byte, else its first group whose values overflow, else
+    its first RoPE value not finite; ``where`` says which entry (``what``: words after "every
+    scale", e.g. " of an attended FP8 entry")."""
+    lat, scale, rope = (x[0] if x is not None else None for x in _fields(entry[None], d_c))
+    wrong = ~_scale_ok(scale)
     if bool(wrong.any()):
         g = int(wrong.nonzero()[0, 0])
         raise ValueError(
             f"{name}: expected every scale{what} finite and > 0, got {scale[g].item()} "
             f"(scale {g} of {where})"
         )
-    j = int(((entry[:d_c] & 0x7F) == 0x7F).nonzero()[0, 0])
+    if bool(lat.isnan().any()):
+        j = int(((entry[:d_c] & 0x7F) == 0x7F).nonzero()[0, 0])
+        raise ValueError(
+            f"{name}: expected no NaN latent byte (0x7F / 0xFF){what.replace(' of ', ' in ', 1)}, "
+            f"got {int(entry[j]):#04x} at byte {j} of {where}"
+        )
+    amax = lat.abs().amax(1)
+    over = ~torch.isfinite(amax * scale)
+    if bool(over.any()):
+        g = int(over.nonzero()[0, 0])
+        raise ValueError(
+            f"{name}: expected every latent value times its scale finite in float32 (the "
+            f"quantizer's values stay below 248 * 2**120), got scale {scale[g].item()} with a "
+            f"latent value {amax[g].item()} (group {g} of {where})"
+        )
+    j = int((~torch.isfinite(rope)).nonzero()[0, 0])
     raise ValueError(
-        f"{name}: expected no NaN latent byte (0x7F / 0xFF){what.replace(' of ', ' in ', 1)}, "
-        f"got {int(entry[j]):#04x} at byte {j} of {where}"
+        f"{name}: expected finite RoPE values (bf16 k_pe){what.replace(' of ', ' in ', 1)}, got "
+        f"{rope[j].item()} at RoPE value {j} of {where}"
     )
 
 
-def check_fp8_entries(kv: torch.Tensor, slots: torch.Tensor, d_v: int) -> None:
+def check_fp8_entries(
+    kv: torch.Tensor, slots: torch.Tensor, d_v: int, kpe: torch.Tensor | None = None
+) -> None:
     """The entries ``kv.reshape(-1, width)[slots]`` a call attends (``slots`` flat token ids,
-    in range): every scale finite and > 0, no latent byte a NaN. One host sync (two when one
-    is bad; gathered ``_CHUNK`` entries at a time: a batch's attended entries may be
-    millions); a ``ValueError`` naming ``kv_pool``, the token slot and the scale or byte."""
+    in range): :func:`bad_fp8_entries` false for each (scales, NaN bytes, overflow, the RoPE
+    part when the entries carry it), and with a split cache the RoPE rows ``kpe`` (bf16
+    ``[.., d_r]``) at those slots finite. One host sync (two when one is bad; gathered
+    ``_CHUNK`` entries at a time: a batch's attended entries may be millions); a
+    ``ValueError`` naming ``kv_pool`` (or ``kpe_pool``), the token slot and the field."""
     if slots.numel() == 0:
         return
     slots = slots.long()
     flat = kv.reshape(-1, kv.shape[-1])
+    rope = None if kpe is None else kpe.reshape(-1, kpe.shape[-1])
     bad = torch.empty(slots.numel(), dtype=torch.bool, device=slots.device)
     for i in range(0, slots.numel(), _CHUNK):
-        bad[i : i + _CHUNK] = bad_fp8_entries(flat[slots[i : i + _CHUNK]], d_v)
+        part = slots[i : i + _CHUNK]
+        bad[i : i + _CHUNK] = bad_fp8_entries(flat[part], d_v)
+        if rope is not None:
+            bad[i : i + _CHUNK] |= ~torch.isfinite(rope[part]).all(1)
     if not bool(bad.any()):
         return
     first = int(bad.nonzero()[0, 0])
     slot, count = int(slots[first]), int(bad.sum())
-    raise_bad_fp8_entry(
-        "kv_pool", flat[slot], d_v, f"token slot {slot}, {count} entries bad",
-        " of an attended FP8 entry",
-    )  # fmt: skip
+    where = f"token slot {slot}, {count} entries bad"
+    if rope is not None and not bool(torch.isfinite(rope[slot]).all()):
+        j = int((~torch.isfinite(rope[slot])).nonzero()[0, 0])
+        raise ValueError(
+            f"kpe_pool: expected finite RoPE values (bf16 k_pe) in an attended entry, got "
+            f"{rope[slot, j].item()} at RoPE value {j} of {where}"
+        )
+    raise_bad_fp8_entry("kv_pool", flat[slot], d_v, where, " of an attended FP8 entry")

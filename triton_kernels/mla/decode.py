@@ -617,7 +617,7 @@ def checked_plan(
     check_num_splits(num_splits)
     max_kv_len = _checked_capacity(table, lens, indptr, layout, check_inputs, max_kv_len, kv_pool)
     if ops.fp8 and check_inputs:
-        _check_fp8_attended(ops.kv, table, lens, indptr, layout, d_v)
+        _check_fp8_attended(ops.kv, table, lens, indptr, layout, d_v, kpe_pool)
     choice = dense_choice(q, kv_pool, table, ops, layout, kpe_pool)
     attend = None
     if choice.backend == "gluon":
@@ -690,7 +690,7 @@ def dense_choice(q, kv_pool, table, ops: MlaOperands, layout: PagedLayout, kpe_p
     return choose(case, Target.of(q.device))
 
 
-def _check_fp8_attended(kv, table, lens, indptr, layout: PagedLayout, d_v: int) -> None:
+def _check_fp8_attended(kv, table, lens, indptr, layout: PagedLayout, d_v: int, kpe=None) -> None:
     """The FP8 entries a dense call attends (a row's first ``lens`` tokens through its pages;
     CSR without ``kv_lens``: every entry of its pages) have valid scales and latent bytes
     (``fp8.cache.check_fp8_entries``; one host sync)."""
@@ -702,7 +702,7 @@ def _check_fp8_attended(kv, table, lens, indptr, layout: PagedLayout, d_v: int) 
     else:
         starts = torch.arange(table.shape[0], device=table.device) * table.shape[1]
         pages = table.reshape(-1)
-    check_fp8_entries(kv, dense_slots(pages, starts, lens, block_size), d_v)
+    check_fp8_entries(kv, dense_slots(pages, starts, lens, block_size), d_v, kpe)
 
 
 def _dense_options(call) -> dict:
@@ -751,10 +751,12 @@ def _padded_value_checks(call) -> None:
     plan: its plan does not depend on the values they read (the split choice reads the table's
     capacity, never ``cache_seqlens``)."""
     if call.check_inputs:
-        padded_value_checks(call.kv_pool, call.block_table, call.cache_seqlens, call.d_v)
+        padded_value_checks(
+            call.kv_pool, call.block_table, call.cache_seqlens, call.d_v, call.kpe_pool
+        )
 
 
-def padded_value_checks(kv_pool, block_table, cache_seqlens, d_v: int) -> None:
+def padded_value_checks(kv_pool, block_table, cache_seqlens, d_v: int, kpe_pool=None) -> None:
     """The value checks of a dense call over a padded block table: the lengths fit the table,
     the pages in use exist (:func:`_check_paging`: one small kernel, one sync) and, for an FP8
     pool, the entries attended are valid (one more sync)."""
@@ -762,7 +764,7 @@ def padded_value_checks(kv_pool, block_table, cache_seqlens, d_v: int) -> None:
     _check_paging(block_table, cache_seqlens, num_blocks, block_size)
     if is_fp8_pool(kv_pool):
         kv = as_bytes(kv_pool)
-        _check_fp8_attended(kv, block_table, cache_seqlens, None, PagedLayout(), d_v)
+        _check_fp8_attended(kv, block_table, cache_seqlens, None, PagedLayout(), d_v, kpe_pool)
 
 
 @mla_decode_partial_csr.op.planner

@@ -270,7 +270,7 @@ def plan_mla_sparse(call) -> AttentionPlan:
     if call.check_indices:
         check_index_range(indices, num_blocks * block_size)
         if ops.fp8:
-            check_fp8_entries(ops.kv, indices[indices >= 0], d_v)
+            check_fp8_entries(ops.kv, indices[indices >= 0], d_v, kpe_pool)
     choice = choose(
         Case.of_dtypes(
             "mla_sparse",

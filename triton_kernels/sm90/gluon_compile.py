@@ -105,9 +105,7 @@ def compile_sparse_seesaw(*, rows: int, heads: int, topk: int, num_splits: int, 
     q = torch.empty(rows, heads, D_QK, dtype=torch.bfloat16)
     pool = torch.empty(max(rows, 1) * 4, page, D_QK, dtype=torch.bfloat16)
     indices = torch.zeros(rows, topk, dtype=torch.int32)
-    template, attend = plan_sparse_seesaw(
-        q, pool, indices, scale=D_QK**-0.5, num_splits=num_splits
-    )
+    template, attend = plan_sparse_seesaw(q, pool, indices, scale=D_QK**-0.5, num_splits=num_splits)
     kernel = template.launches[0]
     table = torch.zeros(attend._shape, dtype=torch.int32)
     lens = torch.zeros(rows, dtype=torch.int32)
