@@ -5,6 +5,7 @@ token, every error names the field, argument or file to fix.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -194,3 +195,49 @@ def test_a_holder_takes_fp8_entries_as_float8_e4m3fn_too():
         TypeError, match=r"kv: invalid dtype, expected torch.bfloat16, got torch.float16"
     ):
         holder.add_chunk(2, torch.zeros(1, 8, 576, dtype=torch.float16))
+
+
+# ---- the splice: entries moved within one pool ----------------------------------------------
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_splice_within_one_pool_over_overlapping_slots_is_a_copy_then_a_splice(fp8):
+    """``rope_splice`` of pool slots 0-31 (a view of the pool) onto slots 16-47 of the same
+    pool gave 16 entries that differ from a copy-then-splice (the kernel's tiles read entries
+    another tile had already written); the chunk is now copied first when it shares memory
+    with the pool: bf16 and FP8 alike, every slot equal to the copy-then-splice."""
+    from mqnc.model import RopeSpec
+    from mqnc.triton_kernels import rope_splice
+
+    rope = RopeSpec.from_preset("deepseek-v2-lite")
+    g = torch.Generator().manual_seed(9)
+    rows = (0.5 * torch.randn(2, 64, 576, generator=g)).to(torch.bfloat16)
+    if fp8:
+        from mqnc.triton_kernels.fp8.quant import fp8_quantize
+
+        rows = fp8_quantize(rows.reshape(-1, 576), 512).view(2, 64, 656)
+    pool = rows.view(2, 4, 16, rows.shape[-1]).clone()
+    slots = torch.arange(16, 48, dtype=torch.int64)
+    want = pool.clone()
+    rope_splice(pool.view(2, 64, -1)[:, :32].clone(), want, slots, 7, rope)
+    rope_splice(pool.view(2, 64, -1)[:, :32], pool, slots, 7, rope)
+    assert torch.equal(pool, want)
+
+
+def test_a_manifest_declaring_more_tokens_than_memory_is_named_before_allocating(tmp_path):
+    """A requester with only the manifest sized its pool from the declared token counts: a
+    chunk of 2^31 - 200 tokens ended in the allocator's "can't allocate 1.2 TB". The pool's
+    size is checked against the device's free memory first, and the error names the manifest's
+    ``tokens`` field of the largest chunk."""
+    from mqnc.serving import Corpus
+    from mqnc.transport import LoopbackFabric
+
+    _, manifest = _corpus_file(tmp_path)
+    m = json.loads(manifest.read_text())
+    m["chunks"][3]["tokens"] = 2**31 - 200 - m["chunks"][3]["start"]
+    manifest.write_text(json.dumps(m))
+    manifest.with_suffix(".safetensors").unlink()  # (a requester has only the manifest)
+    corpus = Corpus.load(manifest)
+    fabric = LoopbackFabric(3, 4096)
+    with pytest.raises(ValueError, match=r"chunks\[3\] \(chunk_id 3\) declares tokens=2147483352"):
+        corpus.make_requester(fabric.endpoint(0))

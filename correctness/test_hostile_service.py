@@ -105,3 +105,58 @@ def test_two_corpora_with_one_table_and_other_bytes_are_refused_at_the_handshake
     for t in threads:
         t.join(WAIT)
     assert len(errors) == 2 and all("chunk_bytes" in e for e in errors), errors
+
+
+def test_a_holder_that_cannot_serve_fails_its_requesters_at_once():
+    """A holder that fails to load its chunks used to exit with a clear message while the
+    requester waited its whole ``--timeout`` (300 s) and then reported a store-key timeout; the
+    holder now publishes why, and the requester's wait ends at once naming the holder and its
+    error. ``run_rank`` itself, over gloo in two threads: the holder's chunks' file is cut."""
+    from mqnc.serving.service import publish_failure, wait_ready
+
+    store = free_port_store(1)
+    publish_failure(store, 4, ValueError("corpus: c.safetensors: 10 bytes, too short"))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"holder rank 4 could not serve: ValueError: corpus"):
+        wait_ready(store, [4], timeout_s=WAIT)
+    assert time.monotonic() - t0 < WAIT
+    with pytest.raises(TimeoutError, match=r"holder ranks \[5\] did not publish ready"):
+        wait_ready(store, [5], timeout_s=0.2)
+
+
+@needs_gloo
+def test_run_rank_requester_fails_promptly_when_its_holder_cannot_load(tmp_path):
+    """``run_rank`` over gloo, one holder and one requester (threads): a byte of the holder's
+    chunks' file is flipped after the manifest was written, so loading its chunks fails (the
+    checksum; the requester reads the manifest and headers only, which pass); the requester
+    fails well inside its timeout, naming holder rank 1 and the error (it used to wait the
+    whole timeout, then name a store key)."""
+    from mqnc.serving.service import run_rank
+
+    corpus = _partitioned(3)
+    path = corpus.save(tmp_path / "c.json")
+    tensors = path.with_suffix(".safetensors")
+    raw = bytearray(tensors.read_bytes())
+    raw[-1] ^= 0xFF  # a flipped byte of the last chunk: the load passes, its checksum does not
+    tensors.write_bytes(bytes(raw))
+    store = free_port_store(2, timeout_s=WAIT)
+    master = f"127.0.0.1:{store.port}"
+    out = {}
+
+    def rank(r):
+        try:
+            out[r] = run_rank(path, lambda ctx: None, transport="gloo", kernels="torch",
+                              timeout_s=WAIT, rank=r, world=2, master=master)  # fmt: skip
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            out[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in (0, 1)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2 * WAIT)
+    assert time.monotonic() - t0 < WAIT, out
+    assert corpus.holder_ranks == [1] and isinstance(out[1], ValueError), out  # the holder
+    assert isinstance(out[0], RuntimeError), out  # the requester: at once, naming it
+    assert "holder rank 1 could not serve: ValueError: corpus" in str(out[0]), out[0]

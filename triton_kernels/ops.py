@@ -549,7 +549,9 @@ def rope_splice(
         uint8 FP8 entries ``[L, ct, W]`` (656 for 512 + 64).
     pool : torch.Tensor or sequence of torch.Tensor
         ``[L, num_blocks, block_size, d_c + d_r]``, same dtype and device as ``chunk``, unit
-        stride on the last dim. Written in place at the given slots; other slots untouched.
+        stride on the last dim. Written in place at the given slots; other slots untouched. A
+        ``chunk`` that is a view of the pool (entries moved within one pool, overlapping slots
+        or not) is copied first: the splice reads it whole before it writes.
         Or one cache per layer, as vLLM and SGLang keep them (a list of ``L`` tensors
         ``[num_blocks, block_size, d_c + d_r]``, ``[num_blocks, block_size, 1, d_c + d_r]`` or
         ``[slots, d_c + d_r]``, one shape and strides for all): still one launch, the kernel

@@ -219,6 +219,20 @@ def _chunk_entry(i: int, entry: Any, version: int) -> tuple[ChunkSpec, str | Non
     return ChunkSpec(cid, start, tokens, position, tuple(int(h) for h in holders)), sha
 
 
+def _free_bytes(device: torch.device) -> int | None:
+    """Bytes free on ``device`` (a CUDA device's, or the host's available memory), None when
+    this system does not say."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:  # Linux: what the kernel says can be allocated without swapping (page cache included)
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def open_regular(path: Path, what: str):
     """``path`` opened for binary reading, if it is a regular, non-empty file (a symlink to
     one included); anything else (a FIFO, a device, a directory, an empty file) is a
@@ -620,12 +634,14 @@ class Corpus:
         twice (fetched and re-prefilled) plus one (``requester_kwargs``: ``timeout_s``,
         ``kernels``, ``device``, ``model``, ...)."""
         blocks = [-(-c.tokens // self.block_size) for c in self.chunks.values()]
+        pool_blocks = 2 * sum(blocks) + max(blocks)
+        self._check_pool_fits(pool_blocks, requester_kwargs.get("device", "cpu"))
         requester_kwargs.setdefault("rope", self.rope)
         req = Requester(
             transport,
             self.geometry,
             softmax_scale=self.softmax_scale,
-            pool_blocks=2 * sum(blocks) + max(blocks),
+            pool_blocks=pool_blocks,
             block_size=self.block_size,
             dtype=self.dtype,
             **requester_kwargs,
@@ -633,6 +649,28 @@ class Corpus:
         for info in self.directory():
             req.register(info)
         return req
+
+    def _check_pool_fits(self, pool_blocks: int, device) -> None:
+        """The requester's pool for ``pool_blocks`` blocks fits the memory ``device`` has free
+        (a manifest's declared token counts size it before any chunk is read); a ``ValueError``
+        naming the largest chunk's ``tokens`` field otherwise. No check where the free memory
+        cannot be read."""
+        g = self.geometry
+        entry = (
+            g.kv_bytes_per_token_layer if g.cache_dtype == _FP8 else g.d_qk * self.dtype.itemsize
+        )
+        need = pool_blocks * self.block_size * g.layers * entry
+        free = _free_bytes(torch.device(device))
+        if free is None or need <= free:
+            return
+        big = max(self.chunks.values(), key=lambda c: c.tokens)
+        i = sorted(self.chunks).index(big.chunk_id)
+        raise ValueError(
+            f"corpus: a requester's pool for these chunks needs {need / 2**30:.3g} GiB (room "
+            f"for every chunk twice plus the largest; chunks[{i}] (chunk_id {big.chunk_id}) "
+            f"declares tokens={big.tokens}), more than the {free / 2**30:.3g} GiB free on "
+            f"{device}: check the manifest's tokens fields"
+        )
 
     # ---- the file ---------------------------------------------------------------------------
     def _tensor_path(self) -> Path:

@@ -79,10 +79,13 @@ __all__ = [
     "run_rank",
     "serve_holder",
     "trust_note",
+    "publish_failure",
+    "wait_ready",
 ]
 
-# the store keys' prefix: KEY/ready/<holder rank>; KEY/commit/<requester rank> (the SHA-256 of
-# its secret, set before the fabric is built), KEY/done/<requester rank> (the secret, appended)
+# the store keys' prefix: KEY/ready/<holder rank>; KEY/failed/<holder rank> (why it could not
+# serve); KEY/commit/<requester rank> (the SHA-256 of its secret, set before the fabric is
+# built), KEY/done/<requester rank> (the secret, appended)
 KEY = "mqnc-serve"
 TRANSPORTS = names(in_process=False, auto=True)
 """What ``transport=`` takes: the engines across processes (:mod:`mqnc.transport.registry`)
@@ -168,6 +171,38 @@ def requester_done(store, rank: int, commitment: str) -> bool:
         return False
     lines = store.get(key).split(b"\n")
     return any(hmac.compare_digest(_digest(line), commitment) for line in lines if line)
+
+
+def publish_failure(store, rank: int, exc: BaseException) -> None:
+    """A holder that cannot serve says why (``KEY/failed/<rank>``), so that the requesters
+    waiting for its ``ready`` fail at once, naming it and its error."""
+    try:
+        store.set(f"{KEY}/failed/{rank}", f"{type(exc).__name__}: {exc}"[:2000])
+    except Exception:  # noqa: BLE001 - the store itself is gone: the requesters time out
+        pass
+
+
+def wait_ready(store, holders: list[int], timeout_s: float, *, poll_s: float = 0.05) -> None:
+    """Wait until every holder rank in ``holders`` has published ``ready``; a holder that
+    published a failure instead ends the wait at once with a ``RuntimeError`` naming it and
+    its error; past ``timeout_s`` a ``TimeoutError`` names the holders not ready."""
+    ready = {h: f"{KEY}/ready/{h}" for h in holders}
+    failed = {h: f"{KEY}/failed/{h}" for h in holders}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for h in holders:
+            if store.check([failed[h]]):
+                why = store.get(failed[h]).decode("utf-8", "replace")
+                raise RuntimeError(f"holder rank {h} could not serve: {why}")
+        waiting = [h for h in holders if not store.check([ready[h]])]
+        if not waiting:
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"holder ranks {waiting} did not publish ready within {timeout_s:g} s "
+                "(--timeout); their logs say why"
+            )
+        time.sleep(poll_s)
 
 
 def serve_holder(
@@ -454,14 +489,18 @@ def run_rank(
     ids = dict(transport=engine.name, engine=kind)
     try:
         if rank in holders:
-            h = serve_holder(
-                corpus, engine, store, requesters, kernels=kernels, device=device,
-                timeout_s=timeout_s,
-            )  # fmt: skip
+            try:
+                h = serve_holder(
+                    corpus, engine, store, requesters, kernels=kernels, device=device,
+                    timeout_s=timeout_s,
+                )  # fmt: skip
+            except BaseException as exc:
+                publish_failure(store, rank, exc)
+                raise
             return dict(role="holder", rank=rank, stats=h.stats, **ids)
         if job is None:
             raise ValueError(f"job: rank {rank} is a requester and needs a job")
-        store.wait([f"{KEY}/ready/{h}" for h in holders], datetime.timedelta(seconds=timeout_s))
+        wait_ready(store, holders, timeout_s)
         try:
             req = corpus.make_requester(engine, timeout_s=timeout_s, kernels=kernels, device=device)
             result = job(ServeContext(rank, world, corpus, req, store, options))

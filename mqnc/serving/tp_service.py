@@ -23,7 +23,6 @@ file (which the requester reads for the check only).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,9 +38,11 @@ from mqnc.serving.service import (
     gloo_bind_host,
     publish_commitment,
     publish_done,
+    publish_failure,
     read_commitments,
     rendezvous,
     requester_done,
+    wait_ready,
 )
 from mqnc.serving.tp_group import GlooGroup, NcclGroup, TPPartition
 from mqnc.serving.tp_holder import TPHolder
@@ -155,14 +156,17 @@ def run_tp_rank(
     tr = connect("gloo", rank, world, store, slot_bytes=slot, agree=terms, **options)
     try:
         if instance in holders:
-            h = _serve_holder(corpus, part, tr, store, instance, requester_ranks,
-                              kernels=kernels, device=device, timeout_s=timeout_s,
-                              host=host)  # fmt: skip
+            try:
+                h = _serve_holder(corpus, part, tr, store, instance, requester_ranks,
+                                  kernels=kernels, device=device, timeout_s=timeout_s,
+                                  host=host)  # fmt: skip
+            except BaseException as exc:
+                publish_failure(store, rank, exc)
+                raise
             return dict(role="holder", rank=rank, stats=dict(h.stats), engine="gloo")
         if job is None:
             raise ValueError(f"job: rank {rank} is a requester and needs a job")
-        ready = [f"{KEY}/ready/{i * degree + r}" for i in holders for r in range(degree)]
-        store.wait(ready, datetime.timedelta(seconds=timeout_s))
+        wait_ready(store, [i * degree + r for i in holders for r in range(degree)], timeout_s)
         try:
             req = TPRequester(tr, part, dtype=corpus.dtype, timeout_s=timeout_s)
             ctx = TPServeContext(rank, world, degree, instance, part, corpus, req, store, options)

@@ -49,6 +49,7 @@ __all__ = [
     "OpSet",
     "PlanCache",
     "SYNC_CHECKS",
+    "byte_range",
     "check_no_overlap",
     "check_out",
     "kernel_op",
@@ -208,7 +209,7 @@ def check_out(out: object) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
-def _bytes(t: torch.Tensor) -> tuple[int, int] | None:
+def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
     """The addresses ``[begin, end)`` that ``t`` can touch (None: none, an empty or meta
     tensor): from its first element to its last by its strides (torch has no negative ones)."""
     n = t.numel()
@@ -242,8 +243,10 @@ def check_no_overlap(out: tuple[torch.Tensor, ...], inputs: dict[str, object]) -
     safe side for strided views (two interleaved views of one buffer count as sharing).
     ``torch._C._overlaps`` is not used: it is private, undocumented, and reports two adjacent,
     disjoint halves of one buffer as overlapping."""
-    outs = [(f"out[{i}] ({'o lse'.split()[i]})", t.device, _bytes(t)) for i, t in enumerate(out)]
-    ins = [(n, t.device, _bytes(t)) for n, t in _tensors(inputs)]
+    outs = [
+        (f"out[{i}] ({'o lse'.split()[i]})", t.device, byte_range(t)) for i, t in enumerate(out)
+    ]
+    ins = [(n, t.device, byte_range(t)) for n, t in _tensors(inputs)]
     pairs = [(o, i) for i in ins for o in outs]
     pairs += [(a, b) for k, a in enumerate(outs) for b in outs[k + 1 :]]
     for (name, device, mine), (other, where, theirs) in pairs:

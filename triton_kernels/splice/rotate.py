@@ -53,6 +53,7 @@ from mqnc.triton_kernels._core.execution import bf16_rne_in_software, check_laun
 from mqnc.triton_kernels._core.grid import sm_count
 from mqnc.triton_kernels._core.launch import Launch
 from mqnc.triton_kernels._core.numerics import round_to
+from mqnc.triton_kernels._core.op import byte_range
 from mqnc.triton_kernels._core.validate import (
     FLOAT_DTYPES,
     check_same_device,
@@ -679,6 +680,18 @@ def _operands(chunk, pool, rope) -> tuple:
     return chunk, pool, 1, None
 
 
+def _shares_memory(chunk: torch.Tensor, pools) -> bool:
+    """True when ``chunk`` and one of ``pools`` can touch the same bytes (address ranges, first
+    to last element: on the safe side for strided views)."""
+    mine = byte_range(chunk)
+    for pool in pools:
+        theirs = byte_range(pool)
+        if mine and theirs and pool.device == chunk.device:
+            if mine[0] < theirs[1] and theirs[0] < mine[1]:
+                return True
+    return False
+
+
 @rope_splice.op.implementation("triton")
 def _splice(call) -> None:
     """:func:`rope_splice` on the splice kernel (one launch for all layers); FP8 entries
@@ -744,6 +757,8 @@ def _splice(call) -> None:
         delta = delta.contiguous()
     if not slot_mapping.is_contiguous():
         slot_mapping = slot_mapping.contiguous()
+    if _shares_memory(chunk, layers if layers else [dst]):
+        chunk = chunk.clone()  # (entries moved within one pool: read whole, then written)
     _launch(
         chunk,
         dst,
