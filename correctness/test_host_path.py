@@ -258,7 +258,7 @@ def test_interpreted_runs_take_the_launch_lock(monkeypatch):
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(_launch, "launch_lock", lambda: Lock())
+    monkeypatch.setattr(_launch, "interpreter_launch", lambda: Lock())
     jit = _Jit()
     LaunchRunner(Launch("k", jit, (1,), (None, None, 3), dict(BLOCK=16)), 2)(True, 1, 2)
     assert held == [True] and jit.log[0][0] == "jit"

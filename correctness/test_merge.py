@@ -416,7 +416,7 @@ def test_combine_pdl_is_opt_in_compiled_only_and_part_of_a_plans_key(monkeypatch
         mla_decode_partial(q, pool, table, lens, softmax_scale=0.1, check_inputs=False)
     mla_decode_partial(q, pool, table, lens, softmax_scale=0.1, check_inputs=False)
     assert (plans.misses, plans.hits) == (2, 0)
-    monkeypatch.setattr(merge, "interpreting", lambda: False)
+    monkeypatch.setattr(merge, "interpreted", lambda device: False)
     with merge.combine_pdl():
         ln = merge.merge_launch(o, lse, o_out, lse_out)
     assert ln.kwargs["PDL"] is True and ln.kwargs["launch_pdl"] is True

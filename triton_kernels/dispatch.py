@@ -29,8 +29,9 @@ from collections.abc import Callable
 
 import torch
 
-from mqnc.base.env import MQNC_BACKEND, backend_overrides, interpreting
+from mqnc.base.env import MQNC_BACKEND, backend_overrides
 from mqnc.triton_kernels import evidence
+from mqnc.triton_kernels._core.execution import interpreted
 from mqnc.triton_kernels._core.op import plan_context_env, set_plan_context
 
 __all__ = [
@@ -67,7 +68,7 @@ class Target:
     def of(cls, device: torch.device) -> Target:
         """The target of tensors on ``device`` (a CUDA device's capability read once)."""
         device = torch.device(device)
-        if interpreting():
+        if interpreted(device):
             return _target("interpreter", None)
         if device.type != "cuda":
             return _target(device.type, None)

@@ -1,12 +1,14 @@
 """Every environment switch mqnc reads, listed and parsed here and nowhere else.
 
-``TRITON_INTERPRET=1``
-    Run kernels under Triton's CPU interpreter (read by Triton when it is imported; the test
-    suite and the CLI set it when no CUDA device exists, and importing ``mqnc.triton_kernels``
-    sets it when torch was built without CUDA, :mod:`mqnc.base.runtime`). The kernels'
-    launchers then take one process-wide lock and use their interpreter flags
-    (:mod:`mqnc.triton_kernels._core.execution`). ``TRITON_INTERPRET=0`` keeps compiled mode even
-    on a CPU-only torch (the compile-only sm_90 step).
+``TRITON_INTERPRET=1`` / ``0`` / unset
+    How a launch runs. Unset (or empty): by its tensors' device, CUDA tensors compiled, any
+    other device (CPU tensors) under Triton's CPU interpreter, whatever was imported first and
+    whichever torch build (:func:`mqnc.triton_kernels._core.execution.interpreted`). ``1``:
+    every launch interpreted (CUDA tensors too); the test suite and the CLI set it when no CUDA
+    device exists, and importing ``mqnc.triton_kernels`` sets it when torch was built without
+    CUDA (:mod:`mqnc.base.runtime`). ``0``: every launch compiled, CPU tensors refused (the
+    compile-only sm_90 step). Interpreted launches take one process-wide lock and use their
+    interpreter flags (:mod:`mqnc.triton_kernels._core.execution`).
 ``MQNC_POISON_OUTPUTS=1``
     Fill every output a kernel launcher allocates with NaN before the kernel writes it, so an
     element a kernel forgets to write fails the comparison. The test suite sets it.
@@ -47,6 +49,7 @@ __all__ = [
     "MQNC_BACKEND",
     "flag",
     "interpreting",
+    "interpret_choice",
     "poisoning",
     "results_file",
     "nvshmem_lib_dir",
@@ -68,8 +71,16 @@ def flag(name: str) -> bool:
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    """True when every launch runs under Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
     return flag(TRITON_INTERPRET)
+
+
+def interpret_choice() -> bool | None:
+    """``TRITON_INTERPRET`` as a choice: True (set, not ``"0"``: interpret every launch), False
+    (``"0"``: compile every launch), None (unset or empty: each launch by its tensors'
+    device)."""
+    value = os.environ.get(TRITON_INTERPRET, "")
+    return None if value == "" else value != "0"
 
 
 def poisoning() -> bool:

@@ -1,5 +1,10 @@
-"""Choose between compiled and interpreted kernels, once, before Triton is imported.
+"""Choose between compiled and interpreted kernels for the whole process, before Triton is
+imported; the device the kernels run on; the device's name.
 
+Without a choice here, each launch chooses by its tensors' device (CUDA tensors compiled, CPU
+tensors under Triton's interpreter: :func:`mqnc.triton_kernels._core.execution.interpreted`),
+whatever was imported first; these functions set ``TRITON_INTERPRET`` for the whole process,
+which also lets Triton build its own helpers interpreted (a little less work per launch).
 Called by the CLI commands that run kernels, the benchmarks and the test suite; never at import
 time of ``mqnc`` (importing the package must not probe the GPU). The functions that ask torch
 about CUDA import it inside their bodies, so that this module (and the torch-free layers
@@ -28,8 +33,9 @@ __all__ = [
 def use_interpreter_without_cuda() -> bool:
     """Set ``TRITON_INTERPRET=1`` when no CUDA device exists; returns whether it is set.
 
-    Must run before ``triton`` is imported to take effect; if Triton is already imported the
-    environment is left as it is and the current mode is returned.
+    Takes effect only before ``triton`` is imported (Triton then builds every ``@triton.jit``
+    function interpreted); if Triton is already imported the environment is left as it is (CPU
+    tensors are interpreted anyway, launch by launch) and the current setting is returned.
     """
     if TRITON_INTERPRET not in os.environ and "triton" not in sys.modules:
         import torch  # here, not at the top: see the module docstring
@@ -44,13 +50,12 @@ def use_interpreter_on_cpu_only_torch() -> bool:
     it is set. Called by ``mqnc.triton_kernels`` as it is imported.
 
     Asks torch's build (``torch.version.cuda`` / ``torch.version.hip``), never the GPU: a CPU-only
-    torch cannot hold CUDA tensors, so compiled kernels could never run in this process and the
-    interpreter is the only choice. Like :func:`use_interpreter_without_cuda` it takes effect only
-    before Triton is imported (Triton's own ``@triton.jit`` helpers, e.g. ``tl.cdiv``, are built
-    as it is imported) and leaves a ``TRITON_INTERPRET`` set by the user as it is. A CUDA build
-    of torch on a machine without a GPU is left alone (that would need a GPU probe); its
-    launchers then refuse CPU tensors with the one line that says what to set
-    (``mqnc.triton_kernels._core.execution.check_launchable``).
+    torch cannot hold CUDA tensors, so every launch in this process is interpreted and Triton may
+    as well build its own helpers that way. Like :func:`use_interpreter_without_cuda` it takes
+    effect only before Triton is imported and leaves a ``TRITON_INTERPRET`` set by the user as
+    it is. Without it (Triton imported first, or a CUDA build of torch on a machine without a
+    GPU) CPU tensors still run, interpreted launch by launch
+    (``mqnc.triton_kernels._core.execution.interpreted``).
     """
     if TRITON_INTERPRET not in os.environ and "triton" not in sys.modules:
         import torch  # here, not at the top: see the module docstring
@@ -61,15 +66,16 @@ def use_interpreter_on_cpu_only_torch() -> bool:
 
 
 def use_compiled_kernels() -> bool:
-    """Set ``TRITON_INTERPRET=0`` unless it is set already or Triton was imported first; returns
-    whether the kernels are compiled (False: the user asked for the interpreter).
+    """Set ``TRITON_INTERPRET=0`` unless it is set already; returns whether the kernels are
+    compiled (False: the user asked for the interpreter).
 
     For the tools that compile kernels for a GPU target and never launch them on this machine
     (``mqnc kernel-report``, ``perf/warmup.py``): compiled mode is the only one they can use,
-    and on a CPU-only torch importing ``mqnc.triton_kernels`` would otherwise choose the
-    interpreter (:func:`use_interpreter_on_cpu_only_torch`).
+    and their launches are built on CPU tensors, which would otherwise choose the interpreter's
+    constexprs (:func:`mqnc.triton_kernels._core.execution.interpreted`). ``0`` is what Triton
+    reads as unset, so it is safe after Triton was imported too.
     """
-    if TRITON_INTERPRET not in os.environ and "triton" not in sys.modules:
+    if not os.environ.get(TRITON_INTERPRET):
         os.environ[TRITON_INTERPRET] = "0"
     return not interpreting()
 

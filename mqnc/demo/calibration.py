@@ -136,9 +136,11 @@ interpreter, whose spread is not what the counts were sized for."""
 def counts_for(cfg: DemoConfig) -> Counts:
     """The counts of ``cfg``'s run: :data:`INTERPRETED_COUNTS` for the Triton kernels under the
     interpreter, else :data:`COUNTS`."""
-    from mqnc.base.env import interpreting
+    from mqnc.base.runtime import kernel_device
+    from mqnc.triton_kernels._core.execution import interpreted
 
-    return INTERPRETED_COUNTS if cfg.kernels == "triton" and interpreting() else COUNTS
+    device = cfg.device or kernel_device()
+    return INTERPRETED_COUNTS if cfg.kernels == "triton" and interpreted(device) else COUNTS
 
 
 @dataclasses.dataclass

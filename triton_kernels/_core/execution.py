@@ -1,26 +1,28 @@
-"""Launch-time helpers shared by every kernel: interpreter mode, the launch lock, output allocation.
+"""Launch-time helpers shared by every kernel: interpreter or compiled, the launch lock, output
+allocation.
 
-Nothing here touches a GPU at import time. Whether kernels run compiled or interpreted is decided
-by ``TRITON_INTERPRET=1``, read by Triton when it is imported: the test suite and the CLI set it
-when no CUDA device exists, and importing ``mqnc.triton_kernels`` sets it when torch was built
-without CUDA (``mqnc.base.runtime.use_interpreter_on_cpu_only_torch``: no GPU probe, the build
-says it). Otherwise a launcher given CPU tensors in compiled mode refuses them at once with the
-one line that says how to interpret (:func:`check_launchable`), instead of Triton's
-"0 active drivers".
+Nothing here touches a GPU at import time. Each launch runs compiled or under Triton's CPU
+interpreter by :func:`interpreted`: with ``TRITON_INTERPRET`` unset, by its tensors' device
+(CUDA tensors compiled, CPU tensors interpreted), whatever was imported first and whichever
+torch build; ``TRITON_INTERPRET=1`` interprets every launch, ``TRITON_INTERPRET=0`` compiles
+every launch (CPU tensors are then refused by :func:`check_launchable`, in one line, instead of
+Triton's "0 active drivers"). A kernel that Triton built compiled (``triton`` imported before
+``TRITON_INTERPRET=1`` was set, or never set) is interpreted on demand
+(:func:`as_interpreted`, :func:`interpreter_launch`).
 
 Environment switches (the only ones the kernels read; parsed in :mod:`mqnc.base.env`):
 
-``TRITON_INTERPRET=1``
-    Run kernels under Triton's CPU interpreter. Launchers then take one process-wide lock (the
-    interpreter is not thread-safe: two threads launching at once fail with "Did you forget to
-    add @triton.jit ?", seen with triton 3.9.0), upcast ``tl.dot`` operands to fp32 (bf16
-    dots are wrong under the interpreter) and round bf16 stores in software (the interpreter's
-    fp32 -> bf16 cast truncates).
+``TRITON_INTERPRET``
+    As above. Interpreted launches take one process-wide lock (the interpreter is not
+    thread-safe: two threads launching at once fail with "Did you forget to add @triton.jit ?",
+    seen with triton 3.9.0), upcast ``tl.dot`` operands to fp32 (bf16 dots are wrong under the
+    interpreter) and round bf16 stores in software (the interpreter's fp32 -> bf16 cast
+    truncates).
 ``MQNC_POISON_OUTPUTS=1``
     Fill every output a launcher allocates with NaN before the kernel writes it, so an element a
     kernel forgets to write fails the comparison. The test suite sets it.
 
-Under the interpreter, importing this module also makes device-function calls cheaper
+Under the interpreter, device-function calls are made cheaper
 (:func:`skip_repatching_device_calls`): the same kernels, the same results, less Python.
 """
 
@@ -31,10 +33,13 @@ import threading
 
 import torch
 
-from mqnc.base.env import interpreting, poisoning
+from mqnc.base.env import interpret_choice, interpreting, poisoning
 
 __all__ = [
+    "as_interpreted",
     "check_launchable",
+    "interpreted",
+    "interpreter_launch",
     "interpreting",
     "launch_lock",
     "dot_in_fp32",
@@ -112,15 +117,91 @@ def skip_repatching_device_calls() -> bool:
     return True
 
 
-def launch_lock():
-    """The process-wide launch lock when interpreting, a no-op context on a GPU."""
-    return _LOCK if interpreting() else contextlib.nullcontext()
+def interpreted(device: torch.device | str | None = None) -> bool:
+    """Whether a launch on ``device`` runs under Triton's interpreter: ``TRITON_INTERPRET=1``
+    always, ``TRITON_INTERPRET=0`` never, unset: any device but CUDA (CPU tensors interpret,
+    CUDA tensors compile). ``device`` None: the process's setting alone (unset: compiled)."""
+    choice = interpret_choice()
+    if choice is not None or device is None:
+        return bool(choice)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    return device.type != "cuda"
+
+
+def launch_lock(device: torch.device | str | None = None):
+    """The process-wide launch lock when a launch on ``device`` is interpreted
+    (:func:`interpreted`), a no-op context for a compiled one."""
+    return _LOCK if interpreted(device) else contextlib.nullcontext()
+
+
+# id of a compiled kernel (Triton's JITFunction) -> (the kernel, kept alive; its interpreted
+# twin); by id: a JITFunction hashes by its cache key, which walks its source and callees
+_INTERPRETED: dict[int, tuple] = {}
+
+
+def as_interpreted(kernel):
+    """``kernel`` as Triton's interpreter runs it: a ``@triton.jit`` function that Triton built
+    compiled (imported without ``TRITON_INTERPRET=1``) gets its interpreted twin (one per
+    kernel, kept); an interpreted one is returned as it is."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(kernel, JITFunction):
+        return kernel
+    kept = _INTERPRETED.get(id(kernel))
+    if kept is None:
+        kept = _INTERPRETED[id(kernel)] = (kernel, InterpretedFunction(kernel.fn))
+    return kept[1]
+
+
+_HOOKED: list[bool] = []  # the interpreter hooks below installed (once per process)
+
+
+@contextlib.contextmanager
+def interpreter_launch():
+    """The scope of one interpreted launch: the process-wide lock held, and every device
+    function the kernel calls that Triton built compiled (the package's helpers, Triton's own
+    ``tl.max``, ``tl.cdiv`` ... when ``triton`` was imported before ``TRITON_INTERPRET=1``, or
+    without it) run by its interpreted twin (:func:`as_interpreted`) instead of raising
+    "Cannot call @triton.jit'd outside of the scope of a kernel". Outside such a scope a
+    compiled device function called from Python raises as Triton has it."""
+    with _LOCK:
+        if not _HOOKED:
+            _calls_compiled_device_functions_interpreted()
+            skip_repatching_device_calls()
+            _HOOKED.append(True)
+        depth = getattr(_LAUNCHES, "interpreting", 0)
+        _LAUNCHES.interpreting = depth + 1
+        try:
+            yield
+        finally:
+            _LAUNCHES.interpreting = depth
+
+
+def _calls_compiled_device_functions_interpreted() -> None:
+    """Let a compiled device function called inside :func:`interpreter_launch` run interpreted
+    (idempotent; Triton's ``JITFunction.__call__`` only ever raises, so outside the scope it is
+    called as before)."""
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.__call__
+    if getattr(original, "mqnc_interprets", False):
+        return
+
+    def call(self, *args, **kwargs):
+        if getattr(_LAUNCHES, "interpreting", 0):
+            return as_interpreted(self)(*args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    call.mqnc_interprets = True
+    JITFunction.__call__ = call
 
 
 def check_launchable(tensor: torch.Tensor, name: str) -> None:
-    """Refuse a tensor the kernels cannot launch on: compiled kernels read only CUDA memory (a CPU
-    tensor's pointer "cannot be accessed from Triton", or "0 active drivers" on a machine
-    without one); under the interpreter any device works.
+    """Refuse a tensor the kernels cannot launch on: compiled kernels read only CUDA memory, so
+    a CPU tensor is refused when ``TRITON_INTERPRET=0`` forces compiled launches (otherwise it
+    is interpreted: :func:`interpreted`).
 
     Public launchers call it once per call (on their first tensor, after the same-device check,
     so one tensor stands for all), at planning time: a plan's ``run`` never does, and the
@@ -128,33 +209,34 @@ def check_launchable(tensor: torch.Tensor, name: str) -> None:
     tensors, so that the sm_90 compile step can build launches without a GPU. The error names
     the argument and says how to fix it, in one line.
     """
-    if tensor.device.type == "cuda" or interpreting():
+    if tensor.device.type == "cuda" or interpreted(tensor.device):
         return
     got = "a CPU tensor" if tensor.device.type == "cpu" else f"a tensor on {tensor.device}"
     raise ValueError(
-        f"{name}: expected a CUDA tensor (the kernels run compiled: TRITON_INTERPRET is not 1), "
-        f"got {got}: move the inputs to the GPU (mqnc.base.kernel_device()), or run the kernels "
-        "interpreted (set TRITON_INTERPRET=1 before importing triton, or call "
-        "mqnc.base.use_interpreter_without_cuda() first)"
+        f"{name}: expected a CUDA tensor (TRITON_INTERPRET=0: every launch compiled), got {got}: "
+        "move the inputs to the GPU (mqnc.base.kernel_device()), or unset TRITON_INTERPRET "
+        "(CPU tensors then run under Triton's interpreter)"
     )
 
 
-def dot_in_fp32(dtype: torch.dtype) -> bool:
+def dot_in_fp32(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Constexpr flag for kernels: upcast ``tl.dot`` operands to fp32.
 
-    Only under the interpreter and only for bf16 (its bf16 dot multiplies raw bit patterns);
-    the compiled GPU path keeps bf16 operands on the tensor cores.
+    Only for an interpreted launch on ``device`` (:func:`interpreted`) and only for bf16 (the
+    interpreter's bf16 dot multiplies raw bit patterns); the compiled GPU path keeps bf16
+    operands on the tensor cores.
     """
-    return interpreting() and dtype == torch.bfloat16
+    return dtype == torch.bfloat16 and interpreted(device)
 
 
-def bf16_rne_in_software(dtype: torch.dtype) -> bool:
+def bf16_rne_in_software(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Constexpr flag for kernels that store bf16: round to nearest even by integer arithmetic.
 
-    Only under the interpreter, whose fp32 -> bf16 cast truncates (triton 3.9.0); see
-    ``mqnc.triton_kernels._core.numerics.round_to``. The compiled path uses the hardware cast.
+    Only for an interpreted launch on ``device`` (:func:`interpreted`), whose fp32 -> bf16 cast
+    truncates (triton 3.9.0); see ``mqnc.triton_kernels._core.numerics.round_to``. The compiled
+    path uses the hardware cast.
     """
-    return interpreting() and dtype == torch.bfloat16
+    return dtype == torch.bfloat16 and interpreted(device)
 
 
 def new_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import triton
 
-from mqnc.triton_kernels._core.execution import launch_lock
+from mqnc.triton_kernels._core.execution import as_interpreted, interpreted, interpreter_launch
 
 __all__ = ["Launch", "LaunchRunner"]
 
@@ -39,9 +39,20 @@ class Launch:
     kwargs: dict
 
     def __call__(self):
-        """Launch (under the interpreter's process-wide lock when interpreting)."""
-        with launch_lock():
-            return self.kernel[self.grid](*self.args, **self.kwargs)
+        """Launch: compiled, or under the interpreter (its process-wide lock held) when its
+        tensors' device says so (:func:`~mqnc.triton_kernels._core.execution.interpreted`)."""
+        if interpreted(self.device):
+            with interpreter_launch():
+                return as_interpreted(self.kernel)[self.grid](*self.args, **self.kwargs)
+        return self.kernel[self.grid](*self.args, **self.kwargs)
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device of the launch's first tensor argument (None: it has none)."""
+        for a in self.args:
+            if isinstance(a, torch.Tensor):
+                return a.device
+        return None
 
     @property
     def programs(self) -> int:
@@ -72,8 +83,8 @@ class LaunchRunner:
     is registered (``triton.knobs.runtime.launch_enter_hook`` / ``launch_exit_hook``: a
     profiler's); with one, or with a Triton whose compiled kernel lacks that launcher, the
     wrapper runs, hooks and all. A different alignment or device goes through the JIT again
-    (which may compile another variant, then kept). Interpreted: ``kernel[grid](...)`` under
-    the launch lock every time.
+    (which may compile another variant, then kept). Interpreted: ``kernel[grid](...)`` in an
+    interpreted launch's scope (the lock held) every time.
     """
 
     __slots__ = (
@@ -113,8 +124,8 @@ class LaunchRunner:
     def __call__(self, interpreted: bool, *tensors) -> None:
         """Launch on ``tensors`` (the first ``k`` arguments); ``interpreted``: the plan's mode."""
         if interpreted:
-            with launch_lock():
-                self.kernel[self.grid](*tensors, *self.tail, **self.kwargs)
+            with interpreter_launch():
+                as_interpreted(self.kernel)[self.grid](*tensors, *self.tail, **self.kwargs)
             return
         if self._fast is not None:
             device = torch._C._cuda_getDevice()

@@ -249,7 +249,7 @@ def quantize_launch(x: torch.Tensor, d_c: int, out: torch.Tensor) -> Launch:
             ENTRY=entry_bytes(d_c, d_r),
             BLOCK_T=BLOCK_T,
             BF16_IN=x.dtype == torch.bfloat16,
-            BF16_RNE=bf16_rne_in_software(torch.bfloat16),
+            BF16_RNE=bf16_rne_in_software(torch.bfloat16, x.device),
             num_warps=4,
         ),
     )
@@ -270,7 +270,7 @@ def dequantize_launch(cache: torch.Tensor, d_c: int, d_r: int, out: torch.Tensor
             GROUP=GROUP,
             ENTRY=entry_bytes(d_c, d_r),
             BLOCK_T=BLOCK_T,
-            BF16_RNE=bf16_rne_in_software(out.dtype),
+            BF16_RNE=bf16_rne_in_software(out.dtype, out.device),
             num_warps=4,
         ),
     )

@@ -38,7 +38,7 @@ import triton.language as tl
 from mqnc.triton_kernels._core.execution import (
     bf16_rne_in_software,
     check_launchable,
-    interpreting,
+    interpreted,
     new_output,
 )
 from mqnc.triton_kernels._core.launch import Launch
@@ -185,8 +185,9 @@ def _check_lse_values(name: str, lse: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected no NaN log-sum-exp values, got {n} NaN entries")
 
 
-def merge_tiles(M: int, D: int, elt: int) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_D, num_warps)`` for ``M`` partials of width ``D`` (``elt`` bytes).
+def merge_tiles(M: int, D: int, elt: int, device: torch.device) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_D, num_warps)`` for ``M`` partials of width ``D`` (``elt`` bytes) on
+    ``device``.
 
     One warp per program, each thread reading 16 bytes of a partial row per load
     (``BLOCK_D = 32 * 16 / elt``: 256 bf16 or 128 fp32 values), fewer for a narrower ``D``;
@@ -197,7 +198,7 @@ def merge_tiles(M: int, D: int, elt: int) -> tuple[int, int, int]:
     """
     block_m = min(triton.next_power_of_2(max(M, 1)), _MAX_BLOCK_M)
     block_d = triton.next_power_of_2(max(D, 1))
-    if not interpreting():
+    if not interpreted(device):
         block_d = min(32 * 16 // elt, block_d)
     return block_m, block_d, 1
 
@@ -221,10 +222,10 @@ def merge_launch(
     before it (None: :func:`combine_pdl`'s process-wide choice, off by default; never under the
     interpreter, which has no grid dependency control)."""
     M, B, H, D = o.shape
-    block_m, default_d, num_warps = merge_tiles(M, D, o.element_size())
+    block_m, default_d, num_warps = merge_tiles(M, D, o.element_size(), o.device)
     block_d = block_d or default_d
     dt = dtype_name(o.dtype)
-    pdl = (_PDL[0] if pdl is None else bool(pdl)) and not interpreting()
+    pdl = (_PDL[0] if pdl is None else bool(pdl)) and not interpreted(o.device)
     extra = (",mask" if mask is not None else "") + (",base2" if base2 else "")
     extra += ",pdl" if pdl else ""
     opts = dict(PDL=True, launch_pdl=True) if pdl else {}
@@ -250,7 +251,7 @@ def merge_launch(
             BLOCK_M=block_m,
             BLOCK_D=block_d,
             LSE_BLOCK=LSE_BLOCK,
-            BF16_RNE=bf16_rne_in_software(o_out.dtype),
+            BF16_RNE=bf16_rne_in_software(o_out.dtype, o_out.device),
             HAS_MASK=mask is not None,
             BASE2=base2,
             num_warps=num_warps,

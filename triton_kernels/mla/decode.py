@@ -60,7 +60,7 @@ from mqnc.triton_kernels._core.execution import (
     bf16_rne_in_software,
     check_launchable,
     dot_in_fp32,
-    interpreting,
+    interpreted,
 )
 from mqnc.triton_kernels._core.launch import Launch
 from mqnc.triton_kernels._core.validate import (
@@ -399,7 +399,7 @@ def _check_paging(
     S = cache_seqlens.shape[0]
     if S == 0:
         return
-    if interpreting():
+    if interpreted(block_table.device):
         _describe_paging_fault(block_table, cache_seqlens, num_blocks, block_size)
         return
     paging_fault_flag(block_table, cache_seqlens, num_blocks, block_size)
@@ -921,9 +921,9 @@ def decode_launch(
             CSR=layout.csr,
             MULTI_Q=layout.s_q > 1,
             CAUSAL=layout.causal,
-            DOT_FP32=dot_in_fp32(q.dtype),
+            DOT_FP32=dot_in_fp32(q.dtype, q.device),
             PRECISION=dot_precision(q.dtype),
-            BF16_RNE=bf16_rne_in_software(o_part.dtype),
+            BF16_RNE=bf16_rne_in_software(o_part.dtype, o_part.device),
             **restructured,
             **fp8_flags(ops, cfg),
             num_warps=cfg.num_warps,

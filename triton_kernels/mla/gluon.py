@@ -80,7 +80,7 @@ import dataclasses
 import torch
 import triton
 
-from mqnc.base.env import interpreting
+from mqnc.triton_kernels._core.execution import interpreted
 from mqnc.triton_kernels._core.grid import choose_num_splits, device_limits
 from mqnc.triton_kernels._core.launch import Launch
 from mqnc.triton_kernels._core.validate import (
@@ -124,7 +124,7 @@ def _stages(block_n: int) -> int:
 
 def gluon_supported(device: torch.device) -> str | None:
     """None when the Gluon kernel can launch on ``device``, else why not (a sentence)."""
-    if interpreting():
+    if interpreted(device):
         return "Gluon kernels need a CUDA sm_90 device; the Triton interpreter runs none"
     if device.type != "cuda":
         return f"Gluon kernels need a CUDA sm_90 device, the tensors are on {device}"

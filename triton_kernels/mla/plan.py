@@ -20,7 +20,7 @@ import triton
 
 from mqnc.triton_kernels._core.execution import (
     bf16_rne_in_software,
-    interpreting,
+    interpreted,
     new_output,
     poisoning,
 )
@@ -545,7 +545,7 @@ def fp8_flags(ops: MlaOperands, cfg: TileConfig) -> dict:
             f"tile: expected a classic or '-pipe' tile for an FP8 cache (TMA boxes of FP8 "
             f"entries are not written), got {cfg.label!r}"
         )
-    return dict(FP8=ops.fp8, FP8_RNE=ops.fp8 and bf16_rne_in_software(ops.q.dtype))
+    return dict(FP8=ops.fp8, FP8_RNE=ops.fp8 and bf16_rne_in_software(ops.q.dtype, ops.q.device))
 
 
 def variant_name(
@@ -778,7 +778,7 @@ class AttentionPlan:
         self._combine = LaunchRunner(self.launches[-1], 5) if self._split else None
         parts = self.launches[-1].args[:2] if self._split else ()
         self._part = tuple(tuple(t.shape) for t in parts)  # the split workspaces' shapes
-        self._interpreted = interpreting()  # (the launches' constexprs were chosen for it)
+        self._interpreted = interpreted(device)  # (the launches' constexprs were chosen for it)
         # a buffer a launch owns (the fused combine's workspace, wrapped, not a torch tensor):
         # two runs of this plan on two streams at once would race on it, so the op's plan
         # cache does not share such a plan between calls (its holder reuses it, one stream)

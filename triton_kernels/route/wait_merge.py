@@ -142,7 +142,7 @@ def route_merge_launch(
         kwargs=dict(
             D_LAT=d_v,
             HAS_LOCAL=local is not None,
-            BF16_RNE=bf16_rne_in_software(o.dtype),
+            BF16_RNE=bf16_rne_in_software(o.dtype, o.device),
             SCOPE="sys" if nvshmem else "gpu",
             num_warps=4,
         ),

@@ -491,7 +491,7 @@ def splice_launch(
             LAYER_TABLE=layer_offsets is not None,
             LAYER_ALIGN=layer_unit,
             ROW_ALIGN=row_unit,
-            BF16_RNE=bf16_rne_in_software(dst.dtype),
+            BF16_RNE=bf16_rne_in_software(dst.dtype, dst.device),
             HALF_PI_HI=_HALF_PI_HI,
             HALF_PI_LO=_HALF_PI_LO,
             TWO_OVER_PI=_TWO_OVER_PI,

@@ -204,7 +204,7 @@ def scores_launch(q: torch.Tensor, kv_pool: torch.Tensor, slots: torch.Tensor, d
             BLOCK_T=BLOCK_T,
             D_LAT=d_v,
             D_PE=q.shape[2] - d_v,
-            DOT_FP32=dot_in_fp32(q.dtype),
+            DOT_FP32=dot_in_fp32(q.dtype, q.device),
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=8 if wide else 4,
             num_stages=2,
