@@ -59,8 +59,10 @@ def _dense_case(seed: int = 0, lens=(45, 0, 17)):
     return q, pool, table.to(DEVICE), lens_t.to(DEVICE), rows
 
 
-def _check(o, lse, ref, dtype):
-    assert_close(o, ref[0], tolerance("mla_fp8", dtype), name="o")
+def _check(o, lse, ref, dtype, backend=None):
+    """``backend``: whose bound (None: the Triton kernels' in this mode; "compiled": the bound
+    every implementation meets, the torch reference backend's)."""
+    assert_close(o, ref[0], tolerance("mla_fp8", dtype, backend=backend), name="o")
     assert_close(lse, ref[1], tolerance("mla_lse", "float32"), name="lse")
 
 
@@ -231,17 +233,17 @@ def test_torch_backend_equals_the_kernels():
     q, pool, table, lens, _ = _dense_case(seed=8)
     q = q.to(torch.bfloat16)
     kw = dict(softmax_scale=SCALE, num_splits=1)
-    for ops in (backend_ops("triton"), backend_ops("torch")):
-        o, lse = ops.mla_decode_partial(q, pool, table, lens, **kw)
+    for name, bound in (("triton", None), ("torch", "compiled")):
+        o, lse = backend_ops(name).mla_decode_partial(q, pool, table, lens, **kw)
         ref = mla_decode_reference(q, dequantized_cache(pool, D_V, q.dtype), table, lens, SCALE)
-        _check(o, lse, ref, torch.bfloat16)
+        _check(o, lse, ref, torch.bfloat16, bound)
     idx = (table.long()[0, :2] * PAGE + torch.arange(3, device=DEVICE)[:, None]).reshape(1, 6)
     idx = idx.expand(3, 6).to(torch.int32)
     got = [
         ops.mla_sparse_partial(q, pool, idx, **kw)
         for ops in (backend_ops("triton"), backend_ops("torch"))
     ]
-    _check(*got[0], (got[1][0].double(), got[1][1].double()), torch.bfloat16)
+    _check(*got[0], (got[1][0].double(), got[1][1].double()), torch.bfloat16, "compiled")
 
 
 def _quantization_bounds(q, x, xq, slot):

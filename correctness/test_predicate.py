@@ -72,20 +72,28 @@ def test_decide_errors():
         pr.decide(V2, IBGDA, np.array([1.0, 2.0]), 2048)
 
 
+# every proper, non-empty subset of the primitives (what ``allow`` restricts a decision to)
+_ALLOWED = [("route", "fetch"), ("route", "local"), ("fetch", "local"), ("route",), ("fetch",),
+            ("local",)]  # fmt: skip
+
+
 @given(
     fab=fabric_names,
     seed=st.integers(0, 2**31 - 1),
     topk=st.sampled_from([None, 512, 2048]),
     holders=st.integers(1, 7),
     factor=st.floats(0.05, 1, **finite),
+    allow=st.sampled_from([None, *_ALLOWED]),
 )
-def test_grid_matches_scalar_decisions(fab, seed, topk, holders, factor):
+def test_grid_matches_scalar_decisions(fab, seed, topk, holders, factor, allow):
     f = FABRICS[fab]
     rng = np.random.default_rng(seed)
     m = np.exp(rng.uniform(0, np.log(1e5), 6))
     c = np.exp(rng.uniform(0, np.log(1e4), 5))
     cong = cm.Congestion(bw_factor=factor, probe_add_us=5.0)
     kw = dict(topk=topk, holders=holders, congestion=cong)
+    if allow is not None:
+        kw["allow"] = allow
     grid = pr.crossover_map(V2, f, m, c, **kw)
     assert grid.choice.shape == (6, 5)
     for i in range(6):
@@ -95,6 +103,26 @@ def test_grid_matches_scalar_decisions(fab, seed, topk, holders, factor):
             assert grid.route_us[i, j] == pytest.approx(d.route.total, rel=1e-12)
             assert grid.fetch_us[i, j] == pytest.approx(d.fetch.total, rel=1e-12)
             assert grid.margin_us[i, j] == pytest.approx(d.margin_us, rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.parametrize("allow", _ALLOWED, ids="+".join)
+def test_a_grid_restricted_by_allow_never_chooses_another_primitive(allow):
+    """``allow`` masks the grid as it masks one decision: over a map where every primitive wins
+    somewhere unrestricted, a restricted grid picks only allowed primitives, each point the
+    cheapest of them, its margin over the allowed runner-up (infinite when one is allowed)."""
+    m, c = np.geomspace(1, 1e5, 9), np.geomspace(16, 1e5, 8)
+    free = pr.crossover_map(V2, IBGDA, m, c, c_us=np.geomspace(1.0, 1e5, 8)[None, :])
+    assert set(free.primitive.ravel()) == set(pr.PRIMITIVES)  # the data can tell
+    grid = pr.crossover_map(V2, IBGDA, m, c, c_us=np.geomspace(1.0, 1e5, 8)[None, :], allow=allow)
+    assert set(grid.primitive.ravel()) <= set(allow)
+    costs = {"route": grid.route_us, "fetch": grid.fetch_us, "local": grid.local_us}
+    allowed = np.stack([costs[p] for p in allow])
+    chosen = np.choose(grid.choice, [grid.route_us, grid.fetch_us, grid.local_us])
+    assert np.array_equal(chosen, allowed.min(0))
+    if len(allow) == 1:
+        assert np.isinf(grid.margin_us).all()
+    else:
+        assert np.allclose(grid.margin_us, np.sort(allowed, 0)[1] - allowed.min(0))
 
 
 def test_bw_sweep_sets_both_bandwidths():

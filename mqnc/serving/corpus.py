@@ -501,7 +501,7 @@ class Corpus:
         of the model's ``model_type`` and ``name_or_path`` and the token ids up to the chunk's
         end (a chunk's cache depends on every token before it). It tells two corpora of other
         tokens apart; two models of one name with other weights look alike."""
-        prints = self._fingerprints()
+        prints = _fingerprints(self)
         return [
             ChunkInfo(c.chunk_id, c.tokens, c.position, c.holders, prints.get(c.chunk_id))
             for _, c in sorted(self.chunks.items())
@@ -519,23 +519,6 @@ class Corpus:
             ).hexdigest()
             for cid in sorted(self.chunks)
         }
-
-    def _fingerprints(self) -> dict[int, str]:
-        ids = self.meta.get("token_ids")
-        if not isinstance(ids, list) or len(ids) < max(
-            c.start + c.tokens for c in self.chunks.values()
-        ):
-            return {}
-        h = hashlib.sha256(
-            json.dumps([self.meta.get("model_type"), self.meta.get("name_or_path")]).encode()
-        )
-        out, done = {}, 0
-        for c in sorted(self.chunks.values(), key=lambda c: c.start + c.tokens):
-            end = c.start + c.tokens
-            h.update(json.dumps(ids[done:end]).encode())
-            done = end
-            out[c.chunk_id] = h.copy().hexdigest()
-        return out
 
     def chunk_kv(self, chunk_id: int) -> torch.Tensor:
         """The cache of one chunk, ``[L, c_t, d_qk]`` in :attr:`dtype` (FP8: its entries
@@ -635,7 +618,7 @@ class Corpus:
         ``kernels``, ``device``, ``model``, ...)."""
         blocks = [-(-c.tokens // self.block_size) for c in self.chunks.values()]
         pool_blocks = 2 * sum(blocks) + max(blocks)
-        self._check_pool_fits(pool_blocks, requester_kwargs.get("device", "cpu"))
+        _check_pool_fits(self, pool_blocks, requester_kwargs.get("device", "cpu"))
         requester_kwargs.setdefault("rope", self.rope)
         req = Requester(
             transport,
@@ -649,28 +632,6 @@ class Corpus:
         for info in self.directory():
             req.register(info)
         return req
-
-    def _check_pool_fits(self, pool_blocks: int, device) -> None:
-        """The requester's pool for ``pool_blocks`` blocks fits the memory ``device`` has free
-        (a manifest's declared token counts size it before any chunk is read); a ``ValueError``
-        naming the largest chunk's ``tokens`` field otherwise. No check where the free memory
-        cannot be read."""
-        g = self.geometry
-        entry = (
-            g.kv_bytes_per_token_layer if g.cache_dtype == _FP8 else g.d_qk * self.dtype.itemsize
-        )
-        need = pool_blocks * self.block_size * g.layers * entry
-        free = _free_bytes(torch.device(device))
-        if free is None or need <= free:
-            return
-        big = max(self.chunks.values(), key=lambda c: c.tokens)
-        i = sorted(self.chunks).index(big.chunk_id)
-        raise ValueError(
-            f"corpus: a requester's pool for these chunks needs {need / 2**30:.3g} GiB (room "
-            f"for every chunk twice plus the largest; chunks[{i}] (chunk_id {big.chunk_id}) "
-            f"declares tokens={big.tokens}), more than the {free / 2**30:.3g} GiB free on "
-            f"{device}: check the manifest's tokens fields"
-        )
 
     # ---- the file ---------------------------------------------------------------------------
     def _tensor_path(self) -> Path:
@@ -804,3 +765,44 @@ def _from_manifest(m: dict, path: Path, version: int) -> tuple[Corpus, dict[int,
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{bad} ({exc})") from None
     return corpus, {c.chunk_id: sha for c, sha in parsed if sha is not None}
+
+
+def _check_pool_fits(corpus: Corpus, pool_blocks: int, device) -> None:
+    """A requester's pool of ``pool_blocks`` blocks for ``corpus``'s chunks fits the memory
+    ``device`` has free (a manifest's declared token counts size it before any chunk is read);
+    a ``ValueError`` naming the largest chunk's ``tokens`` field otherwise. No check where the
+    free memory cannot be read."""
+    g = corpus.geometry
+    entry = g.kv_bytes_per_token_layer if g.cache_dtype == _FP8 else g.d_qk * corpus.dtype.itemsize
+    need = pool_blocks * corpus.block_size * g.layers * entry
+    free = _free_bytes(torch.device(device))
+    if free is None or need <= free:
+        return
+    big = max(corpus.chunks.values(), key=lambda c: c.tokens)
+    i = sorted(corpus.chunks).index(big.chunk_id)
+    raise ValueError(
+        f"corpus: a requester's pool for these chunks needs {need / 2**30:.3g} GiB (room "
+        f"for every chunk twice plus the largest; chunks[{i}] (chunk_id {big.chunk_id}) "
+        f"declares tokens={big.tokens}), more than the {free / 2**30:.3g} GiB free on "
+        f"{device}: check the manifest's tokens fields"
+    )
+
+
+def _fingerprints(corpus: Corpus) -> dict[int, str]:
+    """Each chunk's prompt fingerprint (a SHA-256 over the model's name and the token ids up
+    to the chunk's end), by chunk id; none when the corpus's meta lacks the token ids."""
+    ids = corpus.meta.get("token_ids")
+    if not isinstance(ids, list) or len(ids) < max(
+        c.start + c.tokens for c in corpus.chunks.values()
+    ):
+        return {}
+    h = hashlib.sha256(
+        json.dumps([corpus.meta.get("model_type"), corpus.meta.get("name_or_path")]).encode()
+    )
+    out, done = {}, 0
+    for c in sorted(corpus.chunks.values(), key=lambda c: c.start + c.tokens):
+        end = c.start + c.tokens
+        h.update(json.dumps(ids[done:end]).encode())
+        done = end
+        out[c.chunk_id] = h.copy().hexdigest()
+    return out

@@ -651,7 +651,7 @@ def holder_loop_launch(
         NVSHMEM=nvshmem_lib is not None,
         SCOPE="sys" if nvshmem_lib is not None else "gpu",
         FP8=fp8,
-        FP8_RNE=fp8 and bf16_rne_in_software(qdt),
+        FP8_RNE=fp8 and bf16_rne_in_software(qdt, kv.device),
         num_warps=(sparse and tiles[1] or tiles[0]).num_warps,
         num_stages=1 if persistent else 2,
     )

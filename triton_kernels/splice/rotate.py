@@ -680,16 +680,38 @@ def _operands(chunk, pool, rope) -> tuple:
     return chunk, pool, 1, None
 
 
-def _shares_memory(chunk: torch.Tensor, pools) -> bool:
-    """True when ``chunk`` and one of ``pools`` can touch the same bytes (address ranges, first
-    to last element: on the safe side for strided views)."""
+def _check_slot_values(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Every slot in the pool's ``num_blocks x block_size`` and no slot twice (a ``ValueError``
+    naming ``slot_mapping`` and the first offenders otherwise)."""
+    n_slots = num_blocks * block_size
+    lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+    if lo < 0 or hi >= n_slots:
+        bad = slot_mapping[(slot_mapping < 0) | (slot_mapping >= n_slots)][:5].tolist()
+        raise ValueError(
+            f"slot_mapping: expected slots in [0, {n_slots}) (num_blocks {num_blocks} x "
+            f"block_size {block_size}), got out-of-range slots {bad}"
+        )
+    ct = slot_mapping.numel()
+    uniq = torch.unique(slot_mapping)
+    if uniq.numel() != ct:
+        vals, counts = torch.unique(slot_mapping, return_counts=True)
+        raise ValueError(
+            f"slot_mapping: expected distinct slots, got {ct - uniq.numel()} duplicates "
+            f"(e.g. {vals[counts > 1][:5].tolist()})"
+        )
+
+
+def _apart_from(chunk: torch.Tensor, pools) -> torch.Tensor:
+    """``chunk``, or a copy of it when it and one of ``pools`` can touch the same bytes (entries
+    moved within one pool: read whole, then written; address ranges, first to last element: on
+    the safe side for strided views)."""
     mine = byte_range(chunk)
     for pool in pools:
         theirs = byte_range(pool)
         if mine and theirs and pool.device == chunk.device:
             if mine[0] < theirs[1] and theirs[0] < mine[1]:
-                return True
-    return False
+                return chunk.clone()
+    return chunk
 
 
 @rope_splice.op.implementation("triton")
@@ -736,29 +758,14 @@ def _splice(call) -> None:
     check_launchable(chunk, "chunk")
     unit = layer_align(dst, layers) if layers else 1
     if call.validate and ct:
-        n_slots = num_blocks * block_size
-        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
-        if lo < 0 or hi >= n_slots:
-            bad = slot_mapping[(slot_mapping < 0) | (slot_mapping >= n_slots)][:5].tolist()
-            raise ValueError(
-                f"slot_mapping: expected slots in [0, {n_slots}) (num_blocks {num_blocks} x "
-                f"block_size {block_size}), got out-of-range slots {bad}"
-            )
-        uniq = torch.unique(slot_mapping)
-        if uniq.numel() != ct:
-            vals, counts = torch.unique(slot_mapping, return_counts=True)
-            raise ValueError(
-                f"slot_mapping: expected distinct slots, got {ct - uniq.numel()} duplicates "
-                f"(e.g. {vals[counts > 1][:5].tolist()})"
-            )
+        _check_slot_values(slot_mapping, num_blocks, block_size)
         if isinstance(delta, torch.Tensor):
             _check_delta_values(delta)
     if delta is not None and isinstance(delta, torch.Tensor) and not delta.is_contiguous():
         delta = delta.contiguous()
     if not slot_mapping.is_contiguous():
         slot_mapping = slot_mapping.contiguous()
-    if _shares_memory(chunk, layers if layers else [dst]):
-        chunk = chunk.clone()  # (entries moved within one pool: read whole, then written)
+    chunk = _apart_from(chunk, layers if layers else [dst])
     _launch(
         chunk,
         dst,
