@@ -65,7 +65,7 @@ def _route(slot, B, layer, topk):
 
 def _device(slots=4, max_batch=2, max_topk=256, ctas=3, geom=GEOM, kv=KV):
     buf = allocate(
-        RouteLayout(slots, max_batch, GEOM.heads, max_topk=max_topk), LocalBackend("cpu")
+        RouteLayout(slots, max_batch, GEOM.heads, max_topk=max_topk), LocalBackend(DEVICE)
     )
     buf.rep_o.fill_(float("nan"))
     buf.rep_lse.fill_(float("nan"))
@@ -319,7 +319,7 @@ def test_route_layout_refuses_what_the_kernels_cannot_lay_out():
     with pytest.raises(TypeError, match="dtype"):
         RouteLayout(1, 1, 16, dtype=torch.int8)
     layout = RouteLayout(2, 4, 16, max_topk=64)
-    buf = allocate(layout, LocalBackend("cpu"))
+    buf = allocate(layout, LocalBackend(DEVICE))
     assert buf.in_q.shape == (2, 4, 16, 576) and buf.rep_o.shape == (2, 4, 16, 512)
     assert buf.in_hdr.shape == (2, W.HEADER_WORDS) and buf.rep_hdr.shape == (2, W.REPLY_WORDS)
     assert int(buf.in_sig.sum()) == 0 and int(buf.rep_sig.sum()) == 0  # the first number is 1

@@ -21,6 +21,8 @@ from mqnc.serving import ChunkInfo, Holder, RemoteError, Requester
 from mqnc.testing import TOLERANCES, assert_close, default_device
 from mqnc.transport import INBOX, REPLY, LoopbackFabric, slot_bytes_for, wire
 
+DEVICE = default_device()  # where the kernels run: the GPU when there is one
+
 GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4)
 ROPE = RopeSpec.from_preset("deepseek-v2-lite")
 SCALE = ROPE.softmax_scale
@@ -374,7 +376,7 @@ def test_pool_keeps_no_blocks_for_a_failed_or_replaced_chunk():
 
     kv = _chunk(3, 40, torch.float32)
     info = ChunkInfo(7, 40, 0, (0,))
-    pool = PagedPool(GEOM.layers, 4, 16, GEOM.d_qk, dtype=torch.float32, device="cpu")
+    pool = PagedPool(GEOM.layers, 4, 16, GEOM.d_qk, dtype=torch.float32, device=DEVICE)
     kept = LocalChunks(pool)
     with pytest.raises(ValueError, match="needs rope"):
         kept.put(info, 9, kv, delta=9, rope=None, source="fetch")
@@ -460,11 +462,11 @@ def test_batcher_stages_rows_of_one_dtype_per_kernel_call():
     from mqnc.serving.holder import HolderStats
     from mqnc.serving.pool import PagedPool
 
-    pool = PagedPool(1, 2, 64, GEOM.d_qk, dtype=torch.float32, device="cpu", kernels="torch")
+    pool = PagedPool(1, 2, 64, GEOM.d_qk, dtype=torch.float32, device=DEVICE, kernels="torch")
     kv = _chunk(3, 64, torch.float32)[:1]
     blocks = pool.alloc(64)
     pool.write(blocks, kv)
-    chunk = HostedChunk(7, 64, 0, torch.tensor(blocks, dtype=torch.int32))
+    chunk = HostedChunk(7, 64, 0, torch.tensor(blocks, dtype=torch.int32, device=DEVICE))
     replies = {}
 
     def reply(src, lane, buf, seq):
@@ -499,10 +501,10 @@ def _one_chunk_batcher(seed: int, kernels: str):
     from mqnc.serving.holder import HolderStats
     from mqnc.serving.pool import PagedPool
 
-    pool = PagedPool(1, 2, 64, GEOM.d_qk, dtype=torch.float32, device="cpu", kernels=kernels)
+    pool = PagedPool(1, 2, 64, GEOM.d_qk, dtype=torch.float32, device=DEVICE, kernels=kernels)
     blocks = pool.alloc(64)
     pool.write(blocks, _chunk(seed, 64, torch.float32)[:1])
-    chunk = HostedChunk(7, 64, 0, torch.tensor(blocks, dtype=torch.int32))
+    chunk = HostedChunk(7, 64, 0, torch.tensor(blocks, dtype=torch.int32, device=DEVICE))
     replies = []
     b = RouteBatcher(
         pool, GEOM, SCALE, HolderStats(), lambda *a: replies.append(a[2]), None, "holder test"

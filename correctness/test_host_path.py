@@ -21,10 +21,13 @@ import weakref
 import pytest
 import torch
 
+from mqnc.testing import default_device
 from mqnc.triton_kernels import mla_decode_partial, plan_mla_decode
 from mqnc.triton_kernels._core import launch as _launch
 from mqnc.triton_kernels._core.launch import Launch, LaunchRunner
 from mqnc.triton_kernels.mla.plan import forced_tile
+
+DEVICE = default_device()
 
 # Python-level calls (``sys.setprofile`` "call" events) of one run, launches stubbed. Raise a
 # pin only with a reason; lower it when the path gets shorter. (An eager call finds its cached
@@ -36,10 +39,10 @@ SCALE = 0.1
 
 def _inputs(seed: int = 0, B: int = 1, H: int = 16, ct: int = 128):
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, 576, generator=gen).to(torch.bfloat16)
-    pool = torch.randn(B * ct // 64 + 1, 64, 576, generator=gen).to(torch.bfloat16)
-    table = torch.arange(B * ct // 64, dtype=torch.int32).reshape(B, ct // 64)
-    lens = torch.full((B,), ct, dtype=torch.int32)
+    q = torch.randn(B, H, 576, generator=gen).to(DEVICE, torch.bfloat16)
+    pool = torch.randn(B * ct // 64 + 1, 64, 576, generator=gen).to(DEVICE, torch.bfloat16)
+    table = torch.arange(B * ct // 64, dtype=torch.int32, device=DEVICE).reshape(B, ct // 64)
+    lens = torch.full((B,), ct, dtype=torch.int32, device=DEVICE)
     return q, pool, table, lens
 
 
@@ -108,7 +111,7 @@ def test_eager_calls_reuse_one_plan_per_signature_and_match_a_fresh_plan():
     mla_decode_partial(q, pool, table, lens, **kw)
     hits = kop.plans.hits
     q2, pool2, table2, lens2 = _inputs(1)
-    lens2 = torch.tensor([77], dtype=torch.int32)
+    lens2 = torch.tensor([77], dtype=torch.int32, device=DEVICE)
     o, lse = mla_decode_partial(q2, pool2, table2, lens2, **kw)
     assert kop.plans.hits == hits + 1
     o_ref, lse_ref = plan_mla_decode(q2, pool2, table2, lens2, **kw).run(q2, pool2, table2, lens2)
@@ -144,7 +147,7 @@ def test_what_the_plan_cache_never_reuses():
     kw = dict(check_inputs=False)
     mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE, **kw)
     mla_decode_partial(q, pool, table, lens, softmax_scale=2 * SCALE, **kw)
-    wide = torch.empty(1, 16, 640, dtype=torch.bfloat16)[..., :576]
+    wide = torch.empty(1, 16, 640, dtype=torch.bfloat16, device=DEVICE)[..., :576]
     wide.copy_(q)
     mla_decode_partial(wide, pool, table, lens, softmax_scale=SCALE, **kw)
     with forced_tile("32x32w8s5"):
@@ -156,7 +159,7 @@ def test_what_the_plan_cache_never_reuses():
 
     csr = mla_decode_partial_csr.op
     csr.plans.clear()
-    indptr = torch.tensor([0, 2], dtype=torch.int32)
+    indptr = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
     for _ in range(2):
         mla_decode_partial_csr(q, pool, indptr, table[0], softmax_scale=SCALE)
     assert (csr.plans.hits, csr.plans.misses) == (0, 0)
