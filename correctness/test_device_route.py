@@ -5,7 +5,11 @@ the stop word and the idle bound end the loop; a sequence number that wraps or g
 is refused; a missing reply is a bounded ``TIMEOUT``; the requester's merge passes a single
 reply through exactly and merges a local partial against the fp64 reference. Over an FP8
 cache (DeepSeek-V3.2's 656-byte entries) the holder kernel answers the same requests as the
-host holder over the same entries, bit for bit."""
+host holder over the same entries, bit for bit. Sequence numbers are the slot's (a second or
+restarted client is answered, never handed another request's reply); the merge refuses rows a
+reply did not answer and checks its ``out`` tensors; a row whose every score overflows is NaN,
+as on the host route. Every test runs on ``mqnc.testing.default_device()`` (compiled on a
+GPU)."""
 
 from __future__ import annotations
 
@@ -74,10 +78,13 @@ def _device(slots=4, max_batch=2, max_topk=256, ctas=3, geom=GEOM, kv=KV):
     return buf, holder, RouteClient(buf, LocalBackend(DEVICE), spins=4 if EXACT else 1 << 16)
 
 
-def _host_answers(geom, kv, tile=HOLDER_TILE):
-    """The host-driven holder's partial for each request, asked one at a time (one kernel
-    call each, so its split count is the plan's for that request alone), its ops planned at
-    the holder kernel's tile."""
+def _host_answers(geom, kv, tile=HOLDER_TILE, routes=None):
+    """The host-driven holder's partial for each request (``routes``: ``(q, indices, layer)``
+    each; default :data:`REQUESTS`'), asked one at a time (one kernel call each, so its split
+    count is the plan's for that request alone), its ops planned at the holder kernel's
+    tile."""
+    if routes is None:
+        routes = [(*_route(s, B, layer, topk), layer) for s, B, layer, topk in REQUESTS]
     slot = slot_bytes_for(geom, max_rows=64, max_topk=256, max_chunk_tokens=256)
     fab = LoopbackFabric(2, slot, lanes=1)
     holder = Holder(
@@ -97,8 +104,7 @@ def _host_answers(geom, kv, tile=HOLDER_TILE):
                 device=DEVICE,
             )
             req.register(ChunkInfo(CHUNK, TOKENS, 0, (0,)))
-            for slot_, B, layer, topk in REQUESTS:
-                q, idx = _route(slot_, B, layer, topk)
+            for q, idx, layer in routes:
                 p = req.route(CHUNK, q, layer, indices=idx)
                 out.append((p.o, p.lse))
     finally:
@@ -157,7 +163,7 @@ def _assert_answers_match(served, host_answers, bound=("mla", "bfloat16")):
     assert int(holder.tables().splits_sparse[1, -(-200 // tile)]) > 1, "top-200 must be split"
     for (slot, B, _, topk), (o_ref, lse_ref) in zip(REQUESTS, host_answers, strict=True):
         hdr = buf.rep_hdr[slot].tolist()
-        assert hdr == [1, W.OK, 0, B * GEOM.heads], (slot, hdr)
+        assert hdr == [1, W.OK, 0, B * GEOM.heads, GEOM.heads], (slot, hdr)
         assert int(buf.rep_sig[slot]) == 1
         what = f"slot {slot} ({'dense' if topk is None else f'top-{topk}'})"
         if EXACT:
@@ -224,22 +230,24 @@ def test_an_index_outside_the_chunk_is_refused_and_never_read():
 
 def test_sequence_numbers_that_wrap_or_go_backwards_are_refused():
     buf, holder, client = _device(slots=2, ctas=2)
-    client.seq[0] = 2**63 - 1  # the next put's number wraps to -2**63
+    buf.in_hdr[0, int(W.H_SEQ)] = (
+        2**63 - 1
+    )  # the slot's last number: the next put's wraps to -2**63
     client.put(0, _randn(2, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, probe=True)
     client.put(1, _randn(3, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, probe=True)
     holder.serve_once()
     assert int(client.seq[0]) == -(2**63)
     assert buf.rep_hdr[0].tolist()[:2] == [-(2**63), W.ERR_SEQ]
-    assert buf.rep_hdr[1].tolist() == [1, W.OK, 0, 0]  # the probe: a header-only answer
-    client.seq[1] = -6  # a requester whose numbers went backwards: -5 after 1
+    assert buf.rep_hdr[1].tolist() == [1, W.OK, 0, 0, 0]  # the probe: a header-only answer
+    buf.in_hdr[1, int(W.H_SEQ)] = -6  # a slot whose numbers went backwards: -5 after 1
     client.put(1, _randn(3, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, probe=True)
     holder.serve_once()
     assert buf.rep_hdr[1].tolist()[:2] == [-5, W.ERR_SEQ]
-    client.seq[1] = -6  # the same number again: a duplicate, never answered twice
+    buf.in_hdr[1, int(W.H_SEQ)] = -6  # the same number again: a duplicate, never answered twice
     buf.rep_hdr[1] = 0
     client.put(1, _randn(3, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, probe=True)
     holder.serve_once()
-    assert buf.rep_hdr[1].tolist() == [0, 0, 0, 0]
+    assert buf.rep_hdr[1].tolist() == [0, 0, 0, 0, 0]
 
 
 def test_stop_word_and_idle_bound_end_the_persistent_loop_and_missing_replies_time_out():
@@ -248,7 +256,7 @@ def test_stop_word_and_idle_bound_end_the_persistent_loop_and_missing_replies_ti
     holder.tables().stop.fill_(1)  # stopped before it starts: one pass, then it returns
     holder.launch(persistent=True)()
     holder.launch(sparse=True, persistent=True)()
-    assert buf.rep_hdr[0].tolist() == [1, W.OK, 0, 0]
+    assert buf.rep_hdr[0].tolist() == [1, W.OK, 0, 0, 0]
     holder.tables().stop.fill_(0)
     holder.launch(persistent=True, max_idle=2)()  # nothing to serve: returns after 2 polls
     holder.launch(sparse=True, persistent=True, max_idle=2)()
@@ -344,7 +352,7 @@ def test_an_answered_number_is_skipped_by_every_cta_alike():
     buf.rep_o.fill_(float("nan"))
     client.put(0, q, layer=1, chunk=CHUNK)
     holder.serve_once()
-    assert buf.rep_hdr[0].tolist() == [2, W.OK, 0, GEOM.heads]
+    assert buf.rep_hdr[0].tolist() == [2, W.OK, 0, GEOM.heads, GEOM.heads]
     assert state.arrive.tolist() == [0]
     assert torch.equal(buf.rep_o[0, :1], first)  # every item of it written, the same answer
 
@@ -388,3 +396,164 @@ def test_bench_check_names_the_goal_a_run_missed(tmp_path, capsys):
         f.write(json.dumps(rec("route", 21.5)) + "\n")
     assert _missed(str(out), 1) == 1
     assert "route p50 21.50 us > 20.0" in capsys.readouterr().err
+
+
+def _same(got, want, what):
+    """Bit for bit where both run the interpreter's arithmetic (NaN where the other is NaN);
+    within the bf16 bound where compiled."""
+    if EXACT:
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=what)
+    else:
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), f"{what}: NaN rows differ"
+        ok = ~torch.isnan(want)
+        assert_close(got[ok], want[ok], TOLERANCES[("mla", "bfloat16")], name=what)
+
+
+def test_sequence_numbers_belong_to_the_slot_not_the_client():
+    """A second client on a slot (made before either puts) and one made after the routes (a
+    restarted requester) number their requests after the slot's last one: each is answered
+    (not skipped as a duplicate of the other's) and each merge takes its own request's
+    answer. A client whose number the slot has passed never merges the newer reply as its
+    own."""
+    buf, holder, first = _device(slots=1, max_batch=1, ctas=2)
+    second = RouteClient(buf, LocalBackend(DEVICE), spins=first.spins)
+    qa, qb = _randn(7, 1, GEOM.heads, GEOM.d_qk), _randn(8, 1, GEOM.heads, GEOM.d_qk)
+    answers = []
+    for q in (qa, qb):  # each alone on fresh slots: the reference answers
+        _, h, c = _device(slots=1, max_batch=1, ctas=2)
+        c.put(0, q, layer=1, chunk=CHUNK)
+        h.serve_once()
+        o, lse, status = c.merge([0], 1, GEOM.heads)
+        check_status(status, [0])
+        answers.append((o, lse))
+    first.put(0, qa, layer=1, chunk=CHUNK)
+    holder.serve_once()
+    o, lse, status = first.merge([0], 1, GEOM.heads)
+    check_status(status, [0])
+    _same(o, answers[0][0], "first o")
+    second.put(0, qb, layer=1, chunk=CHUNK)
+    holder.serve_once()
+    assert buf.rep_hdr[0].tolist()[:2] == [2, W.OK], "the second request was not answered"
+    o, lse, status = second.merge([0], 1, GEOM.heads)
+    check_status(status, [0])
+    _same(o, answers[1][0], "second o")
+    _same(lse, answers[1][1], "second lse")
+    _, lse, status = first.merge([0], 1, GEOM.heads)  # its number 1 is passed: not its reply
+    assert status.tolist() == [int(W.TIMEOUT)] and bool(torch.isnan(lse).all())
+    restarted = RouteClient(buf, LocalBackend(DEVICE), spins=first.spins)
+    restarted.put(0, qa, layer=1, chunk=CHUNK)
+    holder.serve_once()
+    assert buf.rep_hdr[0].tolist()[:2] == [3, W.OK] and int(restarted.seq[0]) == 3
+    o, lse, status = restarted.merge([0], 1, GEOM.heads)
+    check_status(status, [0])
+    _same(o, answers[0][0], "restarted o")
+    _same(lse, answers[0][1], "restarted lse")
+
+
+def test_the_merge_refuses_rows_the_reply_did_not_answer():
+    """A merge of more tokens or heads than the request carried: refused on the host when this
+    client put it (``ValueError`` naming the argument); on the device the reply's rows and
+    heads words decide (a probe answers no row; a reply answering fewer rows than the merge
+    reads): status ``unanswered``, the step NaN, never stale rows as a partial."""
+    buf, holder, client = _device(slots=2, max_batch=2, ctas=2)
+    q = _randn(9, 1, 8, GEOM.d_qk)  # one token of 8 heads
+    client.put(0, q, layer=0, chunk=CHUNK)
+    client.put(1, q, layer=0, chunk=CHUNK, probe=True)
+    holder.serve_once()
+    with pytest.raises(ValueError, match=r"batch: .*slot 0.* 1 token.* got 2"):
+        client.merge([0], 2, 8)
+    assert buf.rep_hdr[0].tolist() == [1, W.OK, 0, 8, 8]  # rows answered, heads answered
+    assert buf.rep_hdr[1].tolist() == [1, W.OK, 0, 0, 0]
+    with pytest.raises(ValueError, match=r"heads: .*slot 0.* 8 heads.* got 16"):
+        client.merge([0], 1, GEOM.heads)
+    with pytest.raises(ValueError, match=r"slots: .*no request.* slot 1"):
+        RouteClient(buf, LocalBackend(DEVICE)).merge([1], 1, 8)
+    o, lse, status = client.merge([0], 1, 8)
+    check_status(status, [0])
+    assert torch.equal(o, buf.rep_o[0, :1, :8]) and torch.equal(lse, buf.rep_lse[0, :1, :8])
+    _, lse, status = client.merge([1], 1, 1)  # the probe's reply: no row to merge
+    assert status.tolist() == [int(W.UNANSWERED)] and bool(torch.isnan(lse).all())
+    with pytest.raises(RouteFailed, match="slot 1: unanswered"):
+        check_status(status, [1])
+    buf.rep_hdr[0, int(W.R_ROWS)] = 4  # a reply that answered 4 heads of the token only
+    buf.rep_hdr[0, int(W.R_HEADS)] = 4
+    o, lse, status = client.merge([0], 1, 8)
+    assert status.tolist() == [int(W.UNANSWERED)]
+    assert bool(torch.isnan(lse).all()) and bool(torch.isnan(o.float()).all())
+    buf.rep_hdr[0, int(W.R_ROWS)] = 8
+    buf.rep_hdr[0, int(W.R_HEADS)] = 8
+    buf.rep_hdr[0, int(W.R_SEQ)] = 7  # the signal is this request's, the header another's
+    _, lse, status = client.merge([0], 1, 8)
+    assert status.tolist() == [int(W.ERR_SEQ)] and bool(torch.isnan(lse).all())
+
+
+def test_the_merge_checks_its_out_tensors():
+    """``merge(out=(o, lse, status))`` checks each tensor's type, shape, dtype, device and
+    layout on the host before the launch (a short ``status`` would be written out of bounds,
+    an ``o`` of another width or batch merged wrongly as ``OK``), naming it."""
+    buf, holder, client = _device(slots=1, max_batch=2, ctas=1)
+    client.put(0, _randn(11, 2, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK)
+    holder.serve_once()
+    H, d_v, bf16, i64 = GEOM.heads, GEOM.d_v, torch.bfloat16, torch.int64
+
+    def e(*shape, dtype=torch.float32, device=DEVICE):
+        return torch.empty(*shape, dtype=dtype, device=device)
+
+    o, lse, status = e(2, H, d_v, dtype=bf16), e(2, H), e(1, dtype=i64)
+    O, L, S = r"out\[0\] \(o\)", r"out\[1\] \(lse\)", r"out\[2\] \(status\)"
+    bad = [
+        ((e(2, H, d_v // 2, dtype=bf16), lse, status), ValueError, O + r".*got \(2, 16, 256\)"),
+        ((e(1, H, d_v, dtype=bf16), lse, status), ValueError, O + r".*got \(1, 16, 512\)"),
+        ((e(2, H, d_v), lse, status), TypeError, O + r".*bfloat16.*got torch.float32"),
+        ((e(2, d_v, H, dtype=bf16).transpose(1, 2), lse, status), ValueError, O + ".*contiguous"),
+        ((o, e(2, H, device="meta"), status), ValueError, L + ".*meta"),
+        ((o, e(2, H, dtype=bf16), status), TypeError, L + r".*float32.*got torch.bfloat16"),
+        ((o, lse, e(1, dtype=torch.int32)), TypeError, S + r".*int64.*got torch.int32"),
+        ((o, lse), TypeError, r"out: expected a tuple of three tensors"),
+        ((o, lse, [0]), TypeError, S + r".*Tensor.*got list"),
+        ((o, lse, e(0, dtype=i64)), ValueError, S + r".*\(1,\).*got \(0,\)"),
+    ]  # fmt: skip
+    for out, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            client.merge([0], 2, H, out=out)
+    got = client.merge([0], 2, H, out=(o, lse, status))
+    assert got[0] is o and got[1] is lse and got[2] is status
+    check_status(status, [0])
+    assert torch.equal(o, buf.rep_o[0]) and torch.equal(lse, buf.rep_lse[0])
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_a_row_whose_every_score_overflows_is_nan_as_on_the_host_route():
+    """A query row whose every score overflows to ``-inf`` (``q . k`` below float32's range)
+    has keys but no finite ``lse``: the host route answers it NaN (never an empty partial),
+    and so does the device route (the reply's ``lse`` NaN, its ``o`` what the kernel wrote),
+    dense split and sparse; the merge gives that row NaN (``o`` and ``lse``), status ``OK``,
+    the other rows their answers."""
+    kv = KV.clone()
+    kv[..., 0] = 2.0**126  # every entry's first latent value: 2^126
+    qd = _randn(30, 2, GEOM.heads, GEOM.d_qk)
+    qd[..., 0] = 0.0
+    qd[1, 3, 0] = -(2.0**126)  # token 1, head 3: every score -2^252 -> -inf
+    qs = _randn(31, 1, GEOM.heads, GEOM.d_qk)
+    qs[..., 0] = 0.0
+    qs[0, 12, 0] = -(2.0**126)
+    idx = _indices(32, 1, 200)
+    host = _host_answers(GEOM, kv, routes=[(qd, None, 1), (qs, idx, 0)])
+    for (_, lse_ref), (b, h) in zip(host, [(1, 3), (0, 12)], strict=True):
+        assert bool(torch.isnan(lse_ref[b, h])), "the host route answers NaN"
+        assert int(torch.isnan(lse_ref).sum()) == 1
+    buf, holder, client = _device(slots=2, max_batch=2, kv=kv)
+    assert int(holder.tables().splits_dense[CHUNK][2]) > 1, "the dense request must be split"
+    client.put(0, qd, layer=1, chunk=CHUNK)
+    client.put(1, qs, layer=0, chunk=CHUNK, indices=idx)
+    holder.serve_once()
+    for slot, B, (o_ref, lse_ref) in ((0, 2, host[0]), (1, 1, host[1])):
+        assert buf.rep_hdr[slot].tolist()[:2] == [1, W.OK]
+        _same(buf.rep_lse[slot, :B], lse_ref, f"slot {slot} lse")
+        _same(buf.rep_o[slot, :B], o_ref, f"slot {slot} o")
+    for slot, B, (b, h) in ((0, 2, (1, 3)), (1, 1, (0, 12))):
+        o, lse, status = client.merge([slot], B, GEOM.heads)
+        check_status(status, [slot])
+        assert torch.isnan(lse).nonzero().tolist() == [[b, h]], f"slot {slot}: lse"
+        assert bool(torch.isnan(o[b, h].float()).all()), f"slot {slot}: o of the NaN row"
+        assert int(torch.isnan(o.float()).sum()) == GEOM.d_v, f"slot {slot}: o"

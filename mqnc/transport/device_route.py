@@ -6,7 +6,7 @@ Layout (every word int64; ``docs/device-route.md`` draws it): ``slots`` inbox sl
 holder's side, one per requester lane, each a header of ``HEADER_WORDS`` words (sequence, layer,
 chunk, tokens, heads, mode, top-k), query rows ``[max_batch, H, d_qk]``, a selection
 ``[max_batch, max_topk]`` int32 and a signal word; as many reply slots on the requester's side,
-each a header of ``REPLY_WORDS`` words (sequence, status, detail, rows), the partial ``o
+each a header of ``REPLY_WORDS`` words (sequence, status, detail, rows, heads), the partial ``o
 [max_batch, H, d_v]`` and ``lse [max_batch, H]`` (natural log, float32) and a signal word. A
 signal is raised to the request's sequence number after its payload (release), and read with an
 acquire. Status codes and word indices are ``mqnc.triton_kernels.route.words``'.
@@ -24,6 +24,10 @@ allocates the slots and how a kernel delivers into them.
 The requester's side is :class:`RouteClient` (a put kernel per request, a wait-then-merge kernel
 per step, the sequence numbers in device memory: a step captured in a CUDA graph replays with
 no host call); the holder's is ``mqnc.serving.device_holder.DeviceHolder`` (the resident kernel).
+Sequence numbers belong to the slot, not to a client object: a put numbers its request after
+the slot's last (the inbox header's sequence word), so a second client on a slot, or one
+restarted, is never answered with another request's reply; the merge takes a reply only if
+its header echoes the awaited number and it answered every row the merge reads.
 """
 
 from __future__ import annotations
@@ -163,8 +167,11 @@ def allocate(layout: RouteLayout, backend) -> RouteBuffers:
 
 class RouteClient:
     """The requester's device side of a device route: puts requests, then waits for and merges
-    their replies, all by kernels (sequence numbers ``seq [slots]`` int64 in device memory: the
-    put takes ``seq[slot] + 1``, the merge waits for it).
+    their replies, all by kernels. Sequence numbers are the slot's: a put takes the slot's last
+    number (its inbox header's ``H_SEQ`` word, which every put on the slot writes, whichever
+    client made it) plus one, and records it in ``seq [slots]`` int64 (device memory); the
+    merge waits for that number's reply. Several clients may use one set of buffers (one at a
+    time on a slot: a request's reply is merged before the next request on its slot is put).
 
     Parameters
     ----------
@@ -190,6 +197,8 @@ class RouteClient:
         self.seq = torch.zeros(buffers.slots, dtype=torch.int64, device=dev)
         self._arrive = torch.zeros(buffers.slots, dtype=torch.int32, device=dev)
         self._slot_lists: dict[tuple[int, ...], torch.Tensor] = {}
+        # (tokens, heads) of this client's last request on each slot; None: a probe
+        self._puts: dict[int, tuple[int, int] | None] = {}
         self.launches = 0  # kernel launches made (a captured step's replays make none)
 
     def put(self, slot: int, q: torch.Tensor, *, layer: int, chunk: int,
@@ -209,20 +218,43 @@ class RouteClient:
         )  # fmt: skip
         launch()
         self.launches += 1
+        self._puts[slot] = None if probe else (int(q.shape[0]), int(q.shape[1]))
 
     def merge(self, slots: list[int], batch: int, heads: int, *,
               local: tuple[torch.Tensor, torch.Tensor] | None = None, out=None):  # fmt: skip
-        """Wait for the replies on ``slots`` and merge them (and ``local = (o [B, H, d_v],
-        lse [B, H])``, merged last) into ``(o [batch, heads, d_v], lse [batch, heads],
-        status [len(slots)])``: ``o`` in the cache dtype, ``lse`` natural-log float32,
-        ``status`` int64 per slot (``OK`` = 0, else :data:`STATUS_NAMES`). A row of a step
-        with any failed slot is NaN. ``out``: the three tensors to write (a captured step)."""
+        """Wait for the replies on ``slots`` and merge them (and ``local``, merged last).
+
+        Parameters
+        ----------
+        slots : list of int
+            Slots this client put a request on (its last request on each is awaited).
+        batch, heads : int
+            The rows to merge: tokens ``0 .. batch - 1``, heads ``0 .. heads - 1`` of every
+            reply, at most what each request carried (a ``ValueError`` naming the argument for
+            this client's requests; a reply that answered fewer rows, a probe's among them, is
+            ``UNANSWERED`` on the device).
+        local : (o [batch, heads, d_v], lse [batch, heads]) or None
+            A local partial (``o`` in the cache dtype, ``lse`` float32, natural log).
+        out : (o, lse, status) or None
+            The tensors to write (a captured step), as returned; each checked on the host
+            (type, dtype, shape, device, contiguous) before the launch.
+
+        Returns
+        -------
+        o : ``[batch, heads, d_v]`` in the cache dtype
+        lse : ``[batch, heads]`` float32, natural log
+        status : ``[len(slots)]`` int64 per slot, ``OK`` = 0, else :data:`STATUS_NAMES`'
+            (the holder's error, ``sequence``: the reply's header answers another number,
+            ``unanswered``, ``timeout``). A row of a step with any failed slot is NaN, and so
+            is a row a holder answered NaN (keys, but no finite ``lse``).
+        """
         buf = self.buffers
         dev = buf.rep_o.device
         check_int("batch", batch, minimum=1, below=buf.max_batch + 1)
         check_int("heads", heads, minimum=1, below=buf.heads + 1)
         if not slots:
             raise ValueError("slots: expected at least one slot to wait for, got none")
+        key = tuple(check_int("slots", s, minimum=0, below=buf.slots) for s in slots)
         want = (batch, heads, buf.rep_o.shape[3])
         for name, t, shape, dtype in (
             ("local[0] (o)", None if local is None else local[0], want, buf.rep_o.dtype),
@@ -240,12 +272,32 @@ class RouteClient:
                     f"{tuple(t.shape)} {t.dtype} on {t.device}"
                 )
         if out is None:
-            o = torch.empty(batch, heads, buf.rep_o.shape[3], dtype=buf.rep_o.dtype, device=dev)
-            lse = torch.empty(batch, heads, dtype=torch.float32, device=dev)
-            status = torch.empty(len(slots), dtype=torch.int64, device=dev)
+            o = torch.empty(want, dtype=buf.rep_o.dtype, device=dev)
+            lse = torch.empty(want[:2], dtype=torch.float32, device=dev)
+            status = torch.empty(len(key), dtype=torch.int64, device=dev)
         else:
+            if not isinstance(out, (tuple, list)) or len(out) != 3:
+                got = f"{len(out)} items" if isinstance(out, (tuple, list)) else type(out).__name__
+                raise TypeError(
+                    f"out: expected a tuple of three tensors (o, lse, status), got {got}"
+                )
             o, lse, status = out
-        key = tuple(check_int("slots", s, minimum=0, below=buf.slots) for s in slots)
+            _check_tensor("out[0] (o)", o, want, buf.rep_o.dtype, dev)
+            _check_tensor("out[1] (lse)", lse, want[:2], torch.float32, dev)
+            _check_tensor("out[2] (status)", status, (len(key),), torch.int64, dev)
+        for s in key:
+            if s not in self._puts:
+                raise ValueError(
+                    "slots: expected slots with a request from this client, got one with no "
+                    f"request from it: slot {s}"
+                )
+            carried = self._puts[s]
+            if carried is not None and batch > carried[0]:
+                raise ValueError(f"batch: expected at most what slot {s}'s request carried, "
+                                 f"{carried[0]} token(s), got {batch}")  # fmt: skip
+            if carried is not None and heads > carried[1]:
+                raise ValueError(f"heads: expected at most what slot {s}'s request carried, "
+                                 f"{carried[1]} heads, got {heads}")  # fmt: skip
         idx = self._slot_lists.get(key)  # made once, eagerly: a captured step copies nothing
         if idx is None:
             idx = self._slot_lists[key] = torch.tensor(key, dtype=torch.int64).to(dev)
@@ -263,6 +315,21 @@ def check_status(status: torch.Tensor, slots: list[int]) -> None:
     bad = [f"slot {s}: {STATUS_NAMES.get(c, c)}" for s, c in zip(slots, got, strict=True) if c]
     if bad:
         raise RouteFailed("device route: " + "; ".join(bad))
+
+
+def _check_tensor(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    """A ``TypeError`` / ``ValueError`` naming ``name`` unless ``t`` is a contiguous ``shape``
+    tensor of ``dtype`` on ``device`` (what a kernel writes through a flat pointer)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: invalid dtype, expected {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
 
 
 def _check_rows(buf: RouteBuffers, q: torch.Tensor, indices: torch.Tensor | None) -> None:

@@ -95,6 +95,7 @@ from mqnc.triton_kernels.route.words import (
     MODE_SPARSE,
     OK,
     R_DETAIL,
+    R_HEADS,
     R_ROWS,
     R_SEQ,
     R_STATUS,
@@ -119,6 +120,8 @@ _RW = tl.constexpr(REPLY_WORDS)
 TILE_STAGES = tl.constexpr(3)
 SPARSE_STAGES = tl.constexpr(2)  # (its per-entry index arithmetic: 3 stages spill 32-40 B)
 FOLD_D = tl.constexpr(128)  # columns of o the fold of split partials holds at once
+SCAN_H = tl.constexpr(16)  # heads (lse values) the NaN rule reads at once
+SCAN_K = tl.constexpr(64)  # selected indices the NaN rule reads at once
 
 
 @triton.jit
@@ -307,15 +310,53 @@ def _splits(SplitsD, SplitsS, dense, chunk, batch, topk, n_chunks, max_batch, sp
 
 
 @triton.jit
-def _answer(InHdr, ChunkTokens, SplitsD, SplitsS, RepSig, RepHdr, RepO, RepLse, Arrive, Err,
-            WsO, WsLse, SlotPe, s, sig, seen, n_chunks, layers, H, max_batch, max_rows, max_topk,
-            sparse_tiles, ws_rows, D_LAT: tl.constexpr, BLOCK_H_D: tl.constexpr,
+def _nan_without_finite_lse(InHdr, InIdx, ChunkTokens, RepLse, s, batch, heads, n_chunks, H,
+                            max_batch, max_topk, SPARSE: tl.constexpr):  # fmt: skip
+    """The host route's rule (``mqnc.serving.batching``, ``wire.stat_of_lse``) on slot ``s``'s
+    answered rows ``[batch, heads]`` of ``RepLse [n_slots, max_batch, H]``: a row with keys (a
+    dense request: the chunk has entries; sparse: token ``b``'s selection ``InIdx[s, b,
+    :topk]`` has an index in ``[0, tokens)``) whose ``lse`` is not finite (every score ``-inf``:
+    an overflowing ``q . k``; or a NaN input) gets ``lse = NaN``, never ``-inf``, which the
+    merge would read as an empty partial and drop; its ``o`` stays what the tile wrote (the
+    host route's too). A row without keys stays empty (``lse = -inf``). The chunk's ``tokens``
+    and the selection width are read here again (not kept live across the fold)."""
+    hdr = InHdr + _wide(s) * _HW
+    chunk = tl.load(hdr + H_CHUNK, cache_modifier=".cg")
+    tokens = tl.load(ChunkTokens + tl.minimum(tl.maximum(chunk, 0), n_chunks - 1))
+    offs_h = tl.arange(0, SCAN_H)
+    for b in range(0, batch):
+        if SPARSE:
+            topk = tl.load(hdr + H_TOPK, cache_modifier=".cg")
+            at = InIdx + (_wide(s) * max_batch + b) * max_topk
+            n = tl.sum(tl.zeros([SCAN_K], tl.int32), 0)
+            for k0 in range(0, topk, SCAN_K):
+                ks = k0 + tl.arange(0, SCAN_K)
+                j = tl.load(at + ks, mask=ks < topk, other=-1, cache_modifier=".cg")
+                n += tl.sum(((j >= 0) & (j < tokens)).to(tl.int32), 0)
+            keyed = n > 0
+        else:
+            keyed = tokens > 0
+        base = (_wide(s) * max_batch + b) * H
+        for h0 in range(0, heads, SCAN_H):
+            hs = h0 + offs_h
+            inside = hs < heads
+            x = tl.load(RepLse + base + hs, mask=inside, other=0.0, cache_modifier=".cg")
+            # not finite (-inf, +inf, NaN); (a scalar & a block: int32 under the interpreter)
+            bad = tl.where(keyed, inside & ((x != x) | (tl.abs(x) == float("inf"))), False)
+            tl.store(RepLse + base + hs, tl.full([SCAN_H], float("nan"), tl.float32), mask=bad)
+
+
+@triton.jit
+def _answer(InHdr, InIdx, ChunkTokens, SplitsD, SplitsS, RepSig, RepHdr, RepO, RepLse, Arrive,
+            Err, WsO, WsLse, SlotPe, s, sig, seen, n_chunks, layers, H, max_batch, max_rows,
+            max_topk, sparse_tiles, ws_rows, D_LAT: tl.constexpr, BLOCK_H_D: tl.constexpr,
             BLOCK_H_S: tl.constexpr, BLOCK_N_S: tl.constexpr, BF16_RNE: tl.constexpr,
             ELT: tl.constexpr, SPARSE: tl.constexpr, NVSHMEM: tl.constexpr,
             SCOPE: tl.constexpr):  # fmt: skip
     """The last arriver's part: the request read again (nothing of it is kept live across the
-    items), the index errors the items found, the fold of split partials, the reply header,
-    then the reply signal (release; or put-with-signal to the slot's PE)."""
+    items), the index errors the items found, the fold of split partials, the NaN rule
+    (:func:`_nan_without_finite_lse`), the reply header, then the reply signal (release; or
+    put-with-signal to the slot's PE)."""
     _, _, _, batch, heads, mode, _, _, status, detail, S, _ = _request(
         InHdr, ChunkTokens, SplitsD, SplitsS, s, sig, seen, n_chunks, layers, H, max_batch,
         max_rows, max_topk, sparse_tiles, BLOCK_H_D, BLOCK_H_S, BLOCK_N_S,
@@ -336,11 +377,15 @@ def _answer(InHdr, ChunkTokens, SplitsD, SplitsS, RepSig, RepHdr, RepO, RepLse, 
             else:
                 _fold_splits(WsO, WsLse, RepO, RepLse, ws_row, row * H * D_LAT, row * H, S,
                              heads, H, BLOCK_H_S, D_LAT, BF16_RNE, hblk * BLOCK_H_S)  # fmt: skip
+    if served:
+        _nan_without_finite_lse(InHdr, InIdx, ChunkTokens, RepLse, s, batch, heads, n_chunks, H,
+                                max_batch, max_topk, SPARSE)  # fmt: skip
     rep = RepHdr + s * _RW
     tl.store(rep + R_SEQ, sig)
     tl.store(rep + R_STATUS, _wide(status))
     tl.store(rep + R_DETAIL, detail.to(tl.int64))
     tl.store(rep + R_ROWS, tl.where(served, batch * heads, 0).to(tl.int64))
+    tl.store(rep + R_HEADS, tl.where(served, heads, 0).to(tl.int64))
     tl.atomic_xchg(Arrive + s, 0, sem="relaxed", scope=SCOPE)
     tl.debug_barrier()
     if NVSHMEM:
@@ -446,9 +491,9 @@ def _serve(InHdr, InQ, InIdx, RepSig, RepHdr, RepO, RepLse, Arrive, Err, WsO, Ws
     old = tl.atomic_add(Arrive + s, 1, sem="acq_rel", scope=SCOPE)
     if old == k - 1:
         tl.debug_barrier()
-        _answer(InHdr, ChunkTokens, SplitsD, SplitsS, RepSig, RepHdr, RepO, RepLse, Arrive, Err,
-                WsO, WsLse, SlotPe, s, sig, seen, n_chunks, layers, H, max_batch, max_rows,
-                max_topk, sparse_tiles, ws_rows, D_LAT, BLOCK_H_D, BLOCK_H_S, BLOCK_N_S,
+        _answer(InHdr, InIdx, ChunkTokens, SplitsD, SplitsS, RepSig, RepHdr, RepO, RepLse,
+                Arrive, Err, WsO, WsLse, SlotPe, s, sig, seen, n_chunks, layers, H, max_batch,
+                max_rows, max_topk, sparse_tiles, ws_rows, D_LAT, BLOCK_H_D, BLOCK_H_S, BLOCK_N_S,
                 BF16_RNE, ELT, SPARSE, NVSHMEM, SCOPE)  # fmt: skip
 
 
@@ -555,8 +600,8 @@ HOLDER_TILE = TileConfig(16, 32, 8, 3)
 """The holder kernel's tile, dense and sparse, at every head count of a 16-bit cache: 16 heads x
 32 entries on 8 warps, the KV loop pipelined 3 deep. Inside the resident kernel (its service
 loops' state live beside the attention) the standalone ops' tiles spill under triton 3.6.0: the
-dense 16 x 64 by 56-112 B of stack, the 64-head tiles by over 1 KB; this one compiles to 219
-(dense) and 246 (sparse) registers with no spill (``test_compile_sm90``). 16 x 32 is one of
+dense 16 x 64 by 56-112 B of stack, the 64-head tiles by over 1 KB; this one compiles to 215-221
+(dense) and 254-255 (sparse) registers with no spill (``test_compile_sm90``). 16 x 32 is one of
 ``mla.decode``'s own sweep tiles (``mla.plan.forced_tile`` plans the host ops with it)."""
 
 
@@ -577,10 +622,10 @@ def fp8_holder_tile() -> TileConfig:
     ``mla.decode``'s FP8 variants), and inside the resident kernel wider tiles spill. Launch-exact
     sm_90 compiles (``test_compile_sm90``), registers dense / sparse, no spill:
 
-    - triton 3.6.0, 16 x 16 on 8 warps: 151 / 159 (local), 193-206 / 222-229 (nvshmem); there
-      16 x 32 spills (8 B at 3 stages, 88 B at 2, 128 B at 1; 280-336 B on 4 warps) and
-      16 x 16 on 4 warps too (16 B, sparse);
-    - triton 3.9.0, 16 x 16 on 4 warps: 213 / 233-235 (local), 229-231 / 244-250 (nvshmem);
+    - triton 3.6.0, 16 x 16 on 8 warps: 153-155 / 195-198 (local), 195-206 / 224-236
+      (nvshmem); there 16 x 32 spills (8 B at 3 stages, 88 B at 2, 128 B at 1; 280-336 B on
+      4 warps) and 16 x 16 on 4 warps too (16 B, sparse);
+    - triton 3.9.0, 16 x 16 on 4 warps: 219 / 240 (local), 231-232 / 250 (nvshmem);
       there 16 x 16 on 8 warps spills (dense capped at 128 registers: 16-88 B), 16 x 32 too
       with NVSHMEM's puts (24-64 B).
 

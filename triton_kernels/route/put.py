@@ -4,8 +4,13 @@ no host call (the sequence number comes from device memory, so a captured CUDA g
 
 Grid ``(P,)``: program ``p`` copies query tokens ``p, p + P, ...`` (all their heads, 512 + 64
 wide: ``tl.arange`` needs powers of two) and their selection rows into the slot; the last
-program to arrive on the slot's put counter (acq_rel atomic) takes the next sequence number
-(``Seq[slot] + 1``, stored back), writes the header (``route.words``) and raises the signal:
+program to arrive on the slot's put counter (acq_rel atomic) takes the next sequence number,
+writes the header (``route.words``) and raises the signal. The number is the slot's, not the
+requester object's: the slot's last number (the header's ``H_SEQ`` word in the sender's copy
+of the inbox, written by every put on the slot) plus one, recorded in ``Seq[slot]`` for the
+merge to wait on. A second requester on a slot, or one restarted, so numbers its request after
+the last one the slot carried, never reusing a number the holder has answered (which it would
+skip as a duplicate, leaving the old reply to be taken for the new request's):
 
 - ``local`` backend (``NVSHMEM`` off): the slot is the holder's inbox in this device's memory;
   the signal is a release store;
@@ -91,9 +96,9 @@ def route_put_kernel(
     ELT: tl.constexpr, NVSHMEM: tl.constexpr, SCOPE: tl.constexpr,
 ):  # fmt: skip
     """One request on slot ``slot``: rows and selection copied by every program, then the
-    last to arrive takes the sequence number ``Seq[slot] + 1``, writes the header and signals
-    (see the module docstring). ``PutArrive [slots]`` int32 counts the arrivals (reset by the
-    last)."""
+    last to arrive takes the sequence number (the slot's last, ``InHdr[slot, H_SEQ]``, plus
+    one; stored in ``Seq[slot]``), writes the header and signals (see the module docstring).
+    ``PutArrive [slots]`` int32 counts the arrivals (reset by the last)."""
     slot64 = slot + tl.zeros([], tl.int64)
     _copy_rows(Q, Idx, InQ, InIdx, slot64, batch, heads, topk, max_batch, max_topk, H,
                stride_qb, stride_qh, stride_ib, BLOCK_H, D_LAT, D_PE, BLOCK_K, SPARSE)  # fmt: skip
@@ -101,9 +106,9 @@ def route_put_kernel(
     old = tl.atomic_add(PutArrive + slot64, 1, sem="acq_rel", scope="gpu")
     if old == tl.num_programs(0) - 1:
         tl.debug_barrier()
-        seq = tl.load(Seq + slot64) + 1
-        tl.store(Seq + slot64, seq)
         hdr = InHdr + slot64 * _HW
+        seq = tl.load(hdr + H_SEQ, cache_modifier=".cg") + 1  # the slot's number, not ours
+        tl.store(Seq + slot64, seq)
         tl.store(hdr + H_SEQ, seq)
         tl.store(hdr + H_LAYER, layer + tl.zeros([], tl.int64))
         tl.store(hdr + H_CHUNK, chunk + tl.zeros([], tl.int64))
@@ -149,9 +154,10 @@ def route_put_launch(
 ) -> Launch:
     """The put of ``q [B, heads, d_qk]`` (rows contiguous in their last dim) and, sparse,
     ``indices [B, topk]`` int32 (contiguous rows) as one request on ``slot`` (no checks: the
-    device requester checks). ``seq [slots]`` int64 and ``put_arrive [slots]`` int32 are the
-    requester's; ``mode`` a ``route.words`` mode; ``programs`` CTAs copy the rows;
-    ``nvshmem_lib``: NVSHMEM's device bitcode (then ``pe`` is the holder's PE)."""
+    device requester checks). ``seq [slots]`` int64 (where the number taken is recorded) and
+    ``put_arrive [slots]`` int32 are the requester's; ``mode`` a ``route.words`` mode;
+    ``programs`` CTAs copy the rows; ``nvshmem_lib``: NVSHMEM's device bitcode (then ``pe`` is
+    the holder's PE)."""
     B, heads, d_qk = q.shape
     d_v = buf.rep_o.shape[3]
     sparse = indices is not None

@@ -5,12 +5,18 @@ each reply's status word, and merges the replies (and optionally one local parti
 
 Grid ``(B * H,)``: one program per (token, head) row, the 512-wide latent in one block. Each
 program waits for every awaited slot's reply signal to equal the slot's sequence number
-(``Seq[slot]``, the one the put took), at most ``spins`` polls each; the merge is ``merge``'s
-fold (the max of the lse values first, ``+inf`` read as empty, then the partials in order: the
-replies in ``Slots`` order, the local partial last; an empty partial's ``o`` is never read).
-Program 0 writes each slot's status (``route.words``: ``OK``, the holder's error code, or
-``TIMEOUT``) into ``Status [n]``. A row whose step had any status but ``OK`` is written as NaN
-(``o`` and ``lse``): a failed route is never merged as if it were empty.
+(``Seq[slot]``, the one the put took), at most ``spins`` polls each, then reads the reply's
+header: a header that does not echo that number is not this request's reply (``ERR_SEQ``), and
+a reply that did not answer every row the merge reads (its rows and heads words: ``B`` tokens
+of ``H`` heads need ``H <= heads`` and ``B * heads <= rows``; a probe answers none) is
+``UNANSWERED``. Every program computes the same statuses (they depend on the slot, not the
+row). The merge is ``merge``'s fold (the max of the lse values first, ``+inf`` read as empty,
+then the partials in order: the replies in ``Slots`` order, the local partial last; an empty
+partial's ``o`` is never read); a NaN ``lse`` (a holder's row with keys but no finite ``lse``)
+makes the row NaN. Program 0 writes each slot's status (``route.words``: ``OK``, the holder's
+error code, ``ERR_SEQ``, ``UNANSWERED`` or ``TIMEOUT``) into ``Status [n]``. A row whose step
+had any status but ``OK`` is written as NaN (``o`` and ``lse``): a failed route is never merged
+as if it were empty.
 """
 
 from __future__ import annotations
@@ -23,7 +29,18 @@ from mqnc.triton_kernels._core.execution import bf16_rne_in_software
 from mqnc.triton_kernels._core.launch import Launch
 from mqnc.triton_kernels._core.numerics import round_to
 from mqnc.triton_kernels._core.validate import dtype_name
-from mqnc.triton_kernels.route.words import OK, R_STATUS, REPLY_WORDS, TIMEOUT, RouteBuffers
+from mqnc.triton_kernels.route.words import (
+    ERR_SEQ,
+    OK,
+    R_HEADS,
+    R_ROWS,
+    R_SEQ,
+    R_STATUS,
+    REPLY_WORDS,
+    TIMEOUT,
+    UNANSWERED,
+    RouteBuffers,
+)
 
 __all__ = ["route_merge_kernel", "route_merge_launch"]
 
@@ -31,21 +48,28 @@ _RW = tl.constexpr(REPLY_WORDS)
 
 
 @triton.jit
-def _wait_status(RepSig, RepHdr, want, s, spins, SCOPE: tl.constexpr):
+def _wait_status(RepSig, RepHdr, want, s, spins, B, H, SCOPE: tl.constexpr):
     """Poll slot ``s``'s reply signal (acquire) until it equals ``want`` or ``spins`` polls;
-    the reply's status, or ``TIMEOUT``."""
+    the reply's status, ``ERR_SEQ`` (its header answers another number), ``UNANSWERED`` (it
+    answered fewer than ``B`` tokens of ``H`` heads) or ``TIMEOUT``."""
     got = tl.atomic_add(RepSig + s, 0, sem="acquire", scope=SCOPE)
     t = 0
     while (got != want) & (t < spins):
         got = tl.atomic_add(RepSig + s, 0, sem="acquire", scope=SCOPE)
         t += 1
-    st = tl.load(RepHdr + s * _RW + R_STATUS, cache_modifier=".cg")
+    hdr = RepHdr + s * _RW
+    st = tl.load(hdr + R_STATUS, cache_modifier=".cg")
+    rows = tl.load(hdr + R_ROWS, cache_modifier=".cg")
+    heads = tl.load(hdr + R_HEADS, cache_modifier=".cg")
+    short = (heads < H) | (rows < heads * B)
+    st = tl.where((st == OK) & short, UNANSWERED, st)
+    st = tl.where(tl.load(hdr + R_SEQ, cache_modifier=".cg") != want, ERR_SEQ, st)
     return tl.where(got == want, st, TIMEOUT)
 
 
-@triton.jit(do_not_specialize=["n", "H", "HS", "max_batch", "spins"])
+@triton.jit(do_not_specialize=["n", "B", "H", "HS", "max_batch", "spins"])
 def route_merge_kernel(
-    RepSig, RepHdr, RepO, RepLse, Seq, Slots, OLoc, LseLoc, O, LSE, Status, n, H, HS,
+    RepSig, RepHdr, RepO, RepLse, Seq, Slots, OLoc, LseLoc, O, LSE, Status, n, B, H, HS,
     max_batch, spins, D_LAT: tl.constexpr, HAS_LOCAL: tl.constexpr, BF16_RNE: tl.constexpr,
     SCOPE: tl.constexpr,
 ):  # fmt: skip
@@ -61,7 +85,7 @@ def route_merge_kernel(
     m = -float("inf")
     for i in range(0, n):
         s = tl.load(Slots + i)
-        st = _wait_status(RepSig, RepHdr, tl.load(Seq + s), s, spins, SCOPE)
+        st = _wait_status(RepSig, RepHdr, tl.load(Seq + s), s, spins, B, H, SCOPE)
         if row == 0:
             tl.store(Status + i, st)
         bad += tl.where(st != OK, 1, 0)
@@ -134,6 +158,7 @@ def route_merge_launch(
             lse,
             status,
             slots.shape[0],
+            B,
             H,
             buf.heads,
             buf.max_batch,

@@ -13,7 +13,8 @@ import triton.language as tl
 
 # ---- the inbox header: [slots, HEADER_WORDS] int64 --------------------------------------------
 HEADER_WORDS = 8
-H_SEQ = tl.constexpr(0)  # sequence number, equal to the slot's signal (>= 1, increasing)
+H_SEQ = tl.constexpr(0)  # sequence number, equal to the slot's signal (>= 1, increasing);
+# the slot's last number (the sender's copy): a put takes it + 1, whichever client it is
 H_LAYER = tl.constexpr(1)  # which layer's cache
 H_CHUNK = tl.constexpr(2)  # the holder's chunk id (an index of its chunk table)
 H_BATCH = tl.constexpr(3)  # query tokens B (rows = B * heads)
@@ -22,11 +23,12 @@ H_MODE = tl.constexpr(5)  # MODE_DENSE, MODE_SPARSE or MODE_PROBE
 H_TOPK = tl.constexpr(6)  # selection width (sparse)
 
 # ---- the reply header: [slots, REPLY_WORDS] int64 ---------------------------------------------
-REPLY_WORDS = 4
+REPLY_WORDS = 5
 R_SEQ = tl.constexpr(0)  # the sequence number answered (= the reply signal)
 R_STATUS = tl.constexpr(1)  # OK or an error code below
 R_DETAIL = tl.constexpr(2)  # the offending value of an error (0 when OK)
 R_ROWS = tl.constexpr(3)  # rows answered (B * heads; 0 for an error or a probe)
+R_HEADS = tl.constexpr(4)  # heads answered per token (0 for an error or a probe)
 
 # ---- modes --------------------------------------------------------------------------------------
 MODE_DENSE = tl.constexpr(0)
@@ -36,6 +38,7 @@ MODE_PROBE = tl.constexpr(2)
 # ---- status codes (reply word R_STATUS; the requester's merge adds TIMEOUT) -------------------
 OK = tl.constexpr(0)
 ERR_SEQ = tl.constexpr(1)  # the header's number is not the signal, or the signal went backwards
+# (requester side: a reply header that does not echo the awaited number)
 ERR_MODE = tl.constexpr(2)  # a mode the holder does not serve
 ERR_LAYER = tl.constexpr(3)  # a layer outside [0, layers)
 ERR_CHUNK = tl.constexpr(4)  # a chunk id outside the table, or not hosted
@@ -43,6 +46,7 @@ ERR_ROWS = tl.constexpr(5)  # B < 1, heads outside [1, H], B above the slot, or 
 ERR_TOPK = tl.constexpr(6)  # a selection width outside [1, max_topk]
 ERR_INDEX = tl.constexpr(7)  # a selected index outside [-1, c_t) (never read)
 TIMEOUT = tl.constexpr(8)  # (requester side) no reply within the merge's bounded wait
+UNANSWERED = tl.constexpr(9)  # (requester side) the merge reads rows the reply did not answer
 
 STATUS_NAMES = {
     0: "ok",
@@ -54,6 +58,7 @@ STATUS_NAMES = {
     6: "topk",
     7: "index",
     8: "timeout",
+    9: "unanswered",
 }
 
 
@@ -77,7 +82,8 @@ class RouteBuffers:
     in_q : ``[slots, max_batch, H, d_qk]`` in the cache dtype, the absorbed query rows.
     in_idx : ``[slots, max_batch, max_topk]`` int32, chunk-local selections (-1 unused).
     rep_sig : ``[slots]`` int64, the reply signal words (the answered sequence number).
-    rep_hdr : ``[slots, REPLY_WORDS]`` int64, the reply headers (sequence, status, detail, rows).
+    rep_hdr : ``[slots, REPLY_WORDS]`` int64, the reply headers (sequence, status, detail, rows,
+        heads).
     rep_o : ``[slots, max_batch, H, d_v]`` in the cache dtype, the partial's ``o``.
     rep_lse : ``[slots, max_batch, H]`` float32, the partial's natural-log ``lse``.
     """
