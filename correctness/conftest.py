@@ -37,7 +37,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: one core each, subproc
     torch.set_num_threads(1)
 
 import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
 settings.register_profile(
     "ci",
@@ -53,6 +53,23 @@ settings.register_profile(
     deadline=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+# the long tier's randomized run (test_random_properties.py): new draws each run, four times
+# the ci profile's examples; a failure prints the seed and the blob that reproduce it
+settings.register_profile(
+    "random",
+    max_examples=100,
+    deadline=None,
+    derandomize=False,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+# correctness/planted.py's runs: the ci profile's draws, no shrinking (one failing example is
+# the catch; shrinking an interpreted kernel's input takes minutes)
+settings.register_profile(
+    "planted",
+    parent=settings.get_profile("ci"),
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
@@ -92,13 +109,21 @@ GPU_TIER = (
 # holder kernel's, the engine's put / wait / poll): linking the bitcode costs ~3-5 s of a CPU a
 # kernel, 14 kernels, most of the ~110 s their three tests took in a loaded suite run with a cold
 # Triton cache; the same route and holder kernels on the ``local`` backend stay in ``make test``,
-# and make test-long (CI) compiles the NVSHMEM ones.
+# and make test-long (CI) compiles the NVSHMEM ones. ``planted_run``: every planted defect of
+# correctness/planted.py in a copy of the tree, its tests run there (and once unchanged, the
+# control): minutes of reruns of tests the suite runs anyway, to show they catch each defect.
+# ``suite_dry_run``: perf/gpu_suite.sh --dry-run, the whole suite collected (~30-60 s).
+# ``random_run``: the property tests of the model, the predicate, the wire, the merge and RoPE
+# under the ``random`` Hypothesis profile (new draws each run, 100 examples each).
 LONG_TIER = (
     ("test_gpu_check.py", "dry_run"),
     ("test_gpu_check.py", "tiles_dry_run"),
     ("test_compile_sm90.py", "nvshmem_device_bitcode"),
     ("test_transport.py", "nvshmem_device_bitcode"),
     ("test_nvshmem_kernels.py", "nvshmem_device_bitcode"),
+    ("test_planted_defects.py", "planted_run"),
+    ("test_gpu_check.py", "suite_dry_run"),
+    ("test_random_properties.py", "random_run"),
 )
 MQNC_TEST_LONG = "MQNC_TEST_LONG"
 

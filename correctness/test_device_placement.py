@@ -53,7 +53,7 @@ def _calls():
     return {
         "mla_decode_partial": lambda: mla_decode_partial(q, pool, table, lens, softmax_scale=0.1),
         "mla_sparse_partial": lambda: mla_sparse_partial(q, pool, idx, softmax_scale=0.1),
-        "merge_partials": lambda: merge_partials(o, lse),
+        "merge_partials": lambda: merge_partials(o, lse, layout="MBHD"),
         "merge_partials_into": lambda: merge_partials_into(o[0], lse[0], o[1], lse[1]),
         "rope_splice": lambda: rope_splice(chunk, kv, slots, 3, _rope()),
         "rope_rotate": lambda: rope_rotate(q, 3, _rope()),
@@ -62,19 +62,21 @@ def _calls():
 
 @pytest.mark.parametrize("launcher", list(_calls()))
 def test_launchers_reject_a_cpu_tensor_when_compiled(launcher, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    """``TRITON_INTERPRET=0`` (every launch compiled): a CPU tensor is refused at once, in one
+    line naming the argument and the two ways out (unset: CPU tensors interpret)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError) as info:
         _calls()[launcher]()
     msg = str(info.value)
     assert "\n" not in msg and "CPU tensor" in msg, msg
-    assert "TRITON_INTERPRET=1 before importing triton" in msg
-    assert "mqnc.base.use_interpreter_without_cuda()" in msg
+    assert "TRITON_INTERPRET=0" in msg and "unset TRITON_INTERPRET" in msg
+    assert "mqnc.base.kernel_device()" in msg
 
 
 def test_planning_takes_cpu_tensors_when_compiled(monkeypatch):
     """The sm_90 compile step plans launches on CPU tensors: the refusal is the launchers'
     alone, never the plan's."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # (what the compile step sets)
     q, pool = torch.zeros(1, 16, 576, dtype=torch.bfloat16), torch.zeros(4, 64, 576).bfloat16()
     table, lens = torch.zeros(1, 4, dtype=torch.int32), torch.full((1,), 256, dtype=torch.int32)
     plan = plan_decode(q, pool, table, lens, 0.1, 512, None)
@@ -112,15 +114,15 @@ def test_merge_time_brackets_the_merge_between_device_syncs(monkeypatch):
     events = []
     monkeypatch.setattr(requester, "synchronize", lambda device: events.append("sync"))
 
-    def merge(o, lse, *, check_lse=True):
-        events.append(f"merge check_lse={check_lse}")
+    def merge(o, lse, *, layout, check_lse=True):
+        events.append(f"merge check_lse={check_lse} layout={layout}")
         return o[0], lse[0]
 
     ops = types.SimpleNamespace(merge_partials=merge)
     monkeypatch.setattr(requester, "kernel_ops", lambda kernels: ops)
     parts = [Partial(torch.zeros(1, 4, 512), torch.zeros(1, 4), "route", 0) for _ in range(2)]
     _, _, us = Requester.merge(parts)
-    assert events == ["sync", "merge check_lse=False", "sync"] and us >= 0
+    assert events == ["sync", "merge check_lse=False layout=MBHD", "sync"] and us >= 0
     parts[1].lse[0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         Requester.merge(parts)

@@ -467,3 +467,26 @@ def test_dry_run_of_the_device_route_records_probe_and_route_with_host_calls(tmp
         assert rec["commit"] == "dryrun0commit" and rec["transport"] == "device-local"
         assert e["host_free"] is False and e["host_calls_per_layer"] >= 2, e  # put + merge
         assert rec["bench"] == "probe" or e["vs_fp64"] >= 0.0, e  # checked within the bound
+
+
+@pytest.fixture(scope="module")
+def suite_dry_run(tmp_path_factory) -> Path:
+    """``SHARD=2/3 bash perf/gpu_suite.sh --dry-run``: the tests the GPU run would run."""
+    out = tmp_path_factory.mktemp("suite")
+    r = _script_dry_run(ROOT / "perf" / "gpu_suite.sh", out, 600, SHARD="2/3")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out
+
+
+def test_the_gpu_suite_dry_run_lists_every_test_and_shards_every_file(suite_dry_run):
+    """The whole suite (less the long tier) is what a GPU runs compiled: every test file is in
+    exactly one shard, and the listed tests include the device route's and the merge's (files a
+    GPU once failed for CPU tensors in the tests), not a hand-kept subset."""
+    tests = (suite_dry_run / "suite_tests.txt").read_text().split()
+    files = sorted(p.name for p in (ROOT / "correctness").glob("test_*.py"))
+    shards = [ln.split() for ln in (suite_dry_run / "suite_shards.txt").read_text().splitlines()]
+    assert sorted(f for _, f in shards) == files and {k for k, _ in shards} == {"1", "2", "3"}
+    listed = {t.split("::")[0].split("/")[-1] for t in tests}
+    assert {"test_device_route.py", "test_merge.py", "test_mla_decode.py"} <= listed
+    assert len(tests) > 1000 and len(tests) > 10 * len(GPU_TIER)
+    assert "shard 2/3" in (suite_dry_run / "summary.txt").read_text()

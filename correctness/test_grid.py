@@ -60,10 +60,19 @@ def _bytes(H, cfg: TileConfig | None = None):
     slots=st.sampled_from([132, 264]),
 )
 def test_choice_is_the_cheapest_allowed_split(programs, tiles, heads, slots):
+    """Brute force over the rule as stated, not the search's own bound: a split count is
+    allowed when it is 1, or at most ``MAX_SPLITS`` and every split keeps at least
+    ``MIN_TOKENS_PER_SPLIT`` tokens of the capacity (``tiles // k`` tiles of ``block_n``); the
+    choice is the cheapest allowed, the fewest splits among ties."""
     b = _bytes(heads)
     s = choose_num_splits(programs, tiles, slots=slots, **b)
-    min_tiles = b.pop("min_tiles")
-    allowed = range(1, max(1, min(tiles // min_tiles, MAX_SPLITS)) + 1)
+    b.pop("min_tiles")
+    block_n = tile_config(heads).block_n
+    allowed = [
+        k
+        for k in range(1, MAX_SPLITS + 1)
+        if k == 1 or (tiles // k) * block_n >= MIN_TOKENS_PER_SPLIT
+    ]
     assert s in allowed
     cost = {k: split_cost(k, programs=programs, tiles=tiles, slots=slots, **b) for k in allowed}
     assert cost[s].cost_bytes == min(c.cost_bytes for c in cost.values())

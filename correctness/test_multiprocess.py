@@ -44,9 +44,17 @@ def slot_bytes(max_rows: int = 64, max_chunk_tokens: int = 128) -> int:
 
 
 def spawn_holder(
-    rank: int, world: int, port: int, chunks: dict[int, int], *, seed: int, lanes: int = 2
+    rank: int,
+    world: int,
+    port: int,
+    chunks: dict[int, int],
+    *,
+    seed: int,
+    lanes: int = 2,
+    kernels: str = "triton",
 ) -> subprocess.Popen:
-    """Start a holder process hosting ``chunks`` ({chunk_id: tokens})."""
+    """Start a holder process hosting ``chunks`` ({chunk_id: tokens}), computing its partials
+    with ``kernels``."""
     spec = ",".join(f"{c}:{t}" for c, t in chunks.items())
     env = dict(
         os.environ,
@@ -71,6 +79,8 @@ def spawn_holder(
             str(seed),
             "--lanes",
             str(lanes),
+            "--kernels",
+            kernels,
         ],
         env=env,
     )
@@ -80,7 +90,13 @@ class Cluster:
     """Rank 0 (this process, the requester) plus holder subprocesses over gloo."""
 
     def __init__(
-        self, placement: dict[int, dict[int, int]], *, seed: int, timeout_s: float, lanes: int = 2
+        self,
+        placement: dict[int, dict[int, int]],
+        *,
+        seed: int,
+        timeout_s: float,
+        lanes: int = 2,
+        kernels: str = "triton",
     ) -> None:
         from mqnc.serving import ChunkInfo, Requester
         from mqnc.transport.torchdist import TorchDistTransport, free_port_store
@@ -88,7 +104,9 @@ class Cluster:
         self.world = 1 + len(placement)
         self.store = free_port_store(self.world)
         self.procs = {
-            r: spawn_holder(r, self.world, self.store.port, ch, seed=seed, lanes=lanes)
+            r: spawn_holder(
+                r, self.world, self.store.port, ch, seed=seed, lanes=lanes, kernels=kernels
+            )  # fmt: skip
             for r, ch in placement.items()
         }
         self.transport = TorchDistTransport(
@@ -275,7 +293,8 @@ def _holder_main(args) -> None:
     )
     chunks = {int(a): int(b) for a, b in (x.split(":") for x in args.chunks.split(","))}
     need = sum(-(-n // BLOCK) for n in chunks.values())
-    h = Holder(t, GEOM, softmax_scale=SCALE, num_blocks=max(need, 1), block_size=BLOCK, poll_s=0.2)
+    h = Holder(t, GEOM, softmax_scale=SCALE, num_blocks=max(need, 1), block_size=BLOCK, poll_s=0.2,
+               kernels=args.kernels)  # fmt: skip
     for c, n in chunks.items():
         h.add_chunk(c, corpus_chunk(c, args.seed, n))
     t.barrier(120.0)
@@ -313,5 +332,6 @@ if __name__ == "__main__":
     p.add_argument("--chunks", default="")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lanes", type=int, default=2)
+    p.add_argument("--kernels", choices=["triton", "torch"], default="triton")
     a = p.parse_args()
     _holder_main(a) if a.role == "holder" else _echo_main(a)

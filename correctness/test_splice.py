@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 
 from mqnc.model import ROPE_PRESET_CONFIGS, RopeSpec
 from mqnc.reference.attention_ref import partial_attention_reference
-from mqnc.reference.merge_ref import merge_reference
 from mqnc.reference.rope_ref import (
     rope_encode_reference,
     rope_rotate_reference,
     rope_splice_reference,
 )
 from mqnc.testing import assert_close, default_device, tolerance
+from mqnc.triton_kernels import merge_partials, mla_sparse_partial
 from mqnc.triton_kernels.splice.rotate import rope_rotate, rope_splice
 
 D, D_C, D_R = 576, 512, 64
@@ -276,16 +276,22 @@ def test_rehoming_a_scattered_selection_breaks_attention_canonical_is_exact():
     valid = torch.ones(1, n, dtype=torch.bool)
     o_true, lse_true = partial_attention_reference(q, kv, valid, spec.softmax_scale)
 
-    # Route: three holders each own a disjoint scattered subset, attended in place, merged.
+    # Route: three holders each own a disjoint scattered subset, attended in place by the
+    # package's sparse kernel (fp32), the partials merged by its merge kernel: fp64's answer.
     owner = torch.randint(0, 3, (n,), generator=g)
-    parts = [
-        partial_attention_reference(q, kv, (owner == m)[None], spec.softmax_scale) for m in range(3)
-    ]
-    o_route, lse_route = merge_reference(
-        torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    pool_in_place = kv.float()[None].to(device)  # [1 page, n, D]: the entries where they sit
+    parts = []
+    for m in range(3):
+        idx = torch.full((1, n), -1, dtype=torch.int32)
+        mine = (owner == m).nonzero().flatten()
+        idx[0, : mine.numel()] = mine.to(torch.int32)
+        parts.append(mla_sparse_partial(q.float().to(device), pool_in_place, idx.to(device),
+                                        softmax_scale=spec.softmax_scale))  # fmt: skip
+    o_route, lse_route = merge_partials(
+        torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]), layout="MBHD"
     )
-    assert_close(o_route, o_true, atol=1e-12, name="route o")
-    assert_close(lse_route, lse_true, atol=1e-12, name="route lse")
+    assert_close(o_route, o_true, tolerance("mla_routed", torch.float32), name="route o")
+    assert_close(lse_route, lse_true, tolerance("mla_lse", torch.float32), name="route lse")
 
     # Fetch with re-homing: the scattered entries spliced to contiguous offsets before the query.
     pool = _nan_pool(1, 1, n, torch.float32, device)

@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from mqnc.base.runtime import kernel_device
+from mqnc.base.runtime import interpreted, kernel_device
 
 __all__ = [
     "Tolerance",
@@ -348,8 +348,6 @@ def tolerance(op: str, dtype: torch.dtype | str, *, backend: str | None = None) 
     :data:`TOLERANCES`); None: the kernels' mode on :func:`default_device`."""
     name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
     if backend is None:
-        from mqnc.triton_kernels._core.execution import interpreted
-
         backend = "interpreter" if interpreted(default_device()) else "compiled"
     if backend not in ("interpreter", "compiled"):
         raise ValueError(f"backend: expected 'interpreter', 'compiled' or None, got {backend!r}")

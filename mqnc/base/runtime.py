@@ -17,9 +17,10 @@ import os
 import platform
 import sys
 
-from mqnc.base.env import TRITON_INTERPRET, interpreting
+from mqnc.base.env import TRITON_INTERPRET, interpret_choice, interpreting
 
 __all__ = [
+    "interpreted",
     "use_interpreter_without_cuda",
     "use_interpreter_on_cpu_only_torch",
     "use_compiled_kernels",
@@ -78,6 +79,22 @@ def use_compiled_kernels() -> bool:
     if not os.environ.get(TRITON_INTERPRET):
         os.environ[TRITON_INTERPRET] = "0"
     return not interpreting()
+
+
+def interpreted(device=None) -> bool:
+    """Whether a kernel launch on ``device`` runs under Triton's interpreter: ``TRITON_INTERPRET=1``
+    always, ``TRITON_INTERPRET=0`` never, unset: any device but CUDA (CPU tensors interpret,
+    CUDA tensors compile). ``device`` None: the process's setting alone (unset: compiled).
+    Reads the environment and the device's type, never the GPU."""
+    choice = interpret_choice()
+    if choice is not None or device is None:
+        return bool(choice)
+    kind = getattr(device, "type", None)
+    if kind is None:
+        import torch  # here, not at the top: see the module docstring
+
+        kind = torch.device(device).type
+    return kind != "cuda"
 
 
 def kernel_mode() -> str:

@@ -33,7 +33,8 @@ import threading
 
 import torch
 
-from mqnc.base.env import interpret_choice, interpreting, poisoning
+from mqnc.base.env import interpreting, poisoning
+from mqnc.base.runtime import interpreted
 
 __all__ = [
     "as_interpreted",
@@ -115,18 +116,6 @@ def skip_repatching_device_calls() -> bool:
     ti._patch_lang = patch_lang
     ti.GridExecutor.__call__ = grid_call
     return True
-
-
-def interpreted(device: torch.device | str | None = None) -> bool:
-    """Whether a launch on ``device`` runs under Triton's interpreter: ``TRITON_INTERPRET=1``
-    always, ``TRITON_INTERPRET=0`` never, unset: any device but CUDA (CPU tensors interpret,
-    CUDA tensors compile). ``device`` None: the process's setting alone (unset: compiled)."""
-    choice = interpret_choice()
-    if choice is not None or device is None:
-        return bool(choice)
-    if not isinstance(device, torch.device):
-        device = torch.device(device)
-    return device.type != "cuda"
 
 
 def launch_lock(device: torch.device | str | None = None):
