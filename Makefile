@@ -9,7 +9,10 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.mqnc-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-long demo lint format env clean compat
+.PHONY: venv test test-long demo lint format env clean compat notebooks
+
+# Plain `make` is `make venv`: the environment, with the package and its extras installed.
+.DEFAULT_GOAL := venv
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -45,6 +48,14 @@ demo: $(STAMP)
 
 env: $(STAMP)
 	$(VENV)/bin/mqnc env
+
+# `make notebooks`: execute notebooks/*.ipynb in place, so that they are stored with their outputs
+# (figures as PNG) from the repository's results file and the default model and fabric
+# (correctness/test_notebooks.py checks that the stored outputs are current).
+notebooks: $(STAMP)
+	env -u MQNC_RESULTS -u MQNC_FIG_DIR -u MQNC_MODEL -u MQNC_FABRIC MPLBACKEND=Agg \
+		$(VPY) -m jupyter nbconvert --to notebook --execute --inplace \
+		--ExecutePreprocessor.record_timing=False notebooks/*.ipynb
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -21,7 +21,12 @@ import pytest
 import torch
 
 from mqnc.model import RopeSpec
-from mqnc.reference import mla_decode_reference, rope_splice_reference
+from mqnc.reference import (
+    mla_decode_reference,
+    mla_sparse_reference,
+    partial_attention_reference,
+    rope_splice_reference,
+)
 from mqnc.reference.merge_ref import merge_reference
 from mqnc.testing import assert_close, default_device, tolerance
 from mqnc.triton_kernels import (
@@ -35,13 +40,16 @@ from mqnc.triton_kernels import (
     rope_splice,
 )
 from mqnc.triton_kernels.adapters.flashinfer import (
+    BatchMLAPagedAttentionWrapper,
     merge_state,
     merge_state_in_place,
     merge_states,
     mla_paged_attention,
 )
 from mqnc.triton_kernels.adapters.flashmla import (
+    flash_mla_with_kvcache,
     flashmla_from_partial,
+    get_mla_metadata,
     mla_decode_with_kvcache,
     mla_sparse_with_kvcache,
     partial_from_flashmla,
@@ -234,7 +242,9 @@ def test_flashmla_layout_partials_merge_to_one_call():
 
     one = partial(table, lens)
     parts = [partial(table[:, j : j + 1], (lens - 16 * j).clamp(0, 16)) for j in range(3)]
-    o, lse = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    o, lse = merge_partials(
+        torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]), layout="MBHD"
+    )
     assert_close(o, one[0], tolerance("mla_routed", torch.float32), name="o")
     assert_close(lse, one[1], tolerance("mla_lse", "float32"), name="lse")
 
@@ -365,6 +375,337 @@ def test_flashinfer_mla_call_equals_the_plain_call(s_q, causal):
     same(lse2, lse_to_base2(lse_ref), "lse (base 2)")
 
 
+# ---- the documented flows, unchanged but for the import line ------------------------------
+
+
+def _causal_rows(table, lens, s_q, causal):
+    """The plain call's rows for FlashMLA's ``[b, s_q]`` tokens: the table repeated, and each
+    token's length by FlashMLA's bottom-right rule."""
+    i = torch.arange(s_q, device=DEVICE).repeat(lens.shape[0])
+    row_lens = lens.repeat_interleave(s_q)
+    if causal:
+        row_lens = (row_lens - (s_q - 1 - i)).clamp(min=0)
+    return table.repeat_interleave(s_q, 0), row_lens.to(torch.int32)
+
+
+@pytest.mark.parametrize("s_q", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_flashmla_readme_flow_runs_unchanged(s_q, dtype):
+    """FlashMLA's README, as written: ``get_mla_metadata(cache_seqlens, s_q * h_q // h_kv,
+    h_kv)`` once, then per layer ``flash_mla_with_kvcache(q_i, kvcache_i, block_table,
+    cache_seqlens, dv, tile_scheduler_metadata, num_splits, causal=True)`` with FlashMLA's
+    default scale ``q.shape[-1] ** -0.5``, against fp64 with that scale; the schedule, reused by
+    every layer, refuses a call of another config by the field's name."""
+    gen = torch.Generator().manual_seed(90 + s_q)
+    b, h_q, h_kv, d, dv = 2, 16, 1, D_QK, D_V
+    pool, block_table, cache_seqlens = paged([150, 1], 64, dtype, gen)  # a 1-entry sequence
+    tile_scheduler_metadata, num_splits = get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)
+    rows, row_lens = _causal_rows(block_table, cache_seqlens, s_q, True)
+    for layer in range(2):
+        kvcache_i = pool.roll(layer, -1)[:, :, None]  # another layer's entries, same pages
+        q_i = queries(b * s_q, h_q, dtype, gen).view(b, s_q, h_q, d)
+        o_i, lse_i = flash_mla_with_kvcache(
+            q_i, kvcache_i, block_table, cache_seqlens, dv,
+            tile_scheduler_metadata, num_splits, causal=True,
+        )  # fmt: skip
+        assert o_i.shape == (b, s_q, h_q, dv) and o_i.dtype == dtype
+        assert lse_i.shape == (b, h_q, s_q) and lse_i.dtype == torch.float32
+        assert not o_i.isnan().any() and not lse_i.isnan().any()
+        o64, lse64 = mla_decode_reference(
+            q_i.reshape(b * s_q, h_q, d), kvcache_i[:, :, 0], rows, row_lens, d**-0.5
+        )
+        assert_close(o_i.reshape(b * s_q, h_q, dv), o64, tolerance("mla", dtype), name="o")
+        lse = lse_i.transpose(1, 2).reshape(b * s_q, h_q)
+        assert_close(lse, lse64, tolerance("mla_lse", "float32"), name="lse")
+    if s_q == 2:  # the 1-entry sequence's first token attends nothing: mqnc's -inf
+        assert torch.isneginf(lse_i[1, :, 0]).all() and (o_i[1, 0] == 0).all()
+    config = tile_scheduler_metadata.config
+    assert (config.b, config.s_q, config.h_q, config.page_block_size, config.causal) == (
+        b, s_q, h_q, 64, True,
+    )  # fmt: skip
+    for change, field in (({"h_q": 8}, "h_q"), ({"causal": False}, "causal")):
+        q = q_i[:, :, : change.get("h_q", h_q)]
+        with pytest.raises(ValueError, match=f"tile_scheduler_metadata: expected {field} = "):
+            flash_mla_with_kvcache(
+                q, kvcache_i, block_table, cache_seqlens, dv, tile_scheduler_metadata,
+                num_splits, causal=change.get("causal", True),
+            )  # fmt: skip
+
+
+def _sink_reference(o64, lse64, sink):
+    """FlashMLA's sink in fp64: ``o * exp(lse) / (exp(lse) + exp(sink[h]))``."""
+    keep = torch.sigmoid(lse64 - sink.double())
+    keep = torch.where(torch.isneginf(sink.double()).expand_as(keep), 1.0, keep)
+    return o64 * keep[..., None]
+
+
+def test_flashmla_sparse_flow_with_sink_and_extra_tokens():
+    """FlashMLA's sparse call (``indices``, ``topk_length``, block_table / cache_seqlens None),
+    its ``attn_sink`` (finite, +inf, -inf) and extra tokens from a second cache
+    (``extra_k_cache``, ``extra_indices_in_kvcache``, ``extra_topk_length``: a second partial
+    merged with the first), each against fp64 (the extra tokens: attention over the
+    concatenated rows of both selections); a token with nothing selected gives lse -inf, o 0."""
+    gen = torch.Generator().manual_seed(95)
+    b, s_q, h, topk, extra_topk, page = 2, 2, 16, 40, 24, 64
+    pool = torch.randn(3, page, 1, D_QK, generator=gen).to(DEVICE)
+    extra_pool = torch.randn(2, page, 1, D_QK, generator=gen).to(DEVICE)
+    idx = torch.randint(-1, 3 * page, (b, s_q, topk), generator=gen, dtype=torch.int32)
+    extra = torch.randint(-1, 2 * page, (b, s_q, extra_topk), generator=gen, dtype=torch.int32)
+    idx[0, 0], extra[0, 0] = -1, -1  # token (0, 0): nothing in either selection
+    idx, extra = idx.to(DEVICE), extra.to(DEVICE)
+    length = torch.tensor([13, topk], dtype=torch.int32, device=DEVICE)
+    extra_length = torch.tensor([extra_topk, 9], dtype=torch.int32, device=DEVICE)
+    sink = torch.tensor([0.5, -2.0, 3.0, float("inf"), float("-inf")] + [1.0] * 11).to(DEVICE)
+    q = queries(b * s_q, h, torch.float32, gen).view(b, s_q, h, D_QK)
+    rows = q.reshape(b * s_q, h, D_QK)
+
+    def cut(indices, n):  # the leftmost n[b] indices of sequence b
+        keep = torch.arange(indices.shape[2], device=DEVICE) < n[:, None, None]
+        return torch.where(keep, indices, -1).reshape(b * s_q, -1)
+
+    def check(o, lse, o64, lse64, what):
+        assert_close(o.reshape(b * s_q, h, D_V), o64, tolerance("mla", torch.float32), name=what)
+        lse = lse.transpose(1, 2).reshape(b * s_q, h)
+        assert_close(lse, lse64, tolerance("mla_lse", "float32"), name=f"lse ({what})")
+
+    sched, splits = get_mla_metadata()
+    o, lse = flash_mla_with_kvcache(
+        q, pool, None, None, D_V, sched, splits, softmax_scale=SCALE, indices=idx,
+        topk_length=length,
+    )  # fmt: skip
+    o64, lse64 = mla_sparse_reference(rows, pool[:, :, 0], cut(idx, length), SCALE)
+    check(o, lse, o64, lse64, "sparse")
+    o, lse = flash_mla_with_kvcache(
+        q, pool, None, None, D_V, sched, splits, softmax_scale=SCALE, indices=idx,
+        topk_length=length, attn_sink=sink,
+    )  # fmt: skip
+    check(o, lse, _sink_reference(o64, lse64, sink), lse64, "sparse, sink")
+    assert (o[:, :, 3] == 0).all()  # +inf sink
+
+    sched, splits = get_mla_metadata()
+    o, lse = flash_mla_with_kvcache(
+        q, pool, None, None, D_V, sched, splits, softmax_scale=SCALE, indices=idx,
+        topk_length=length, attn_sink=sink, extra_k_cache=extra_pool,
+        extra_indices_in_kvcache=extra, extra_topk_length=extra_length,
+    )  # fmt: skip
+    assert sched.config.extra_topk == extra_topk and sched.config.extra_page_block_size == page
+    sel, extra_sel = cut(idx, length), cut(extra, extra_length)
+    union = torch.cat(
+        [pool.reshape(-1, D_QK)[sel.clamp(min=0).long()],
+         extra_pool.reshape(-1, D_QK)[extra_sel.clamp(min=0).long()]], dim=1,
+    )  # fmt: skip
+    valid = torch.cat([sel >= 0, extra_sel >= 0], dim=1)
+    o64, lse64 = partial_attention_reference(rows, union, valid, SCALE)
+    check(o, lse, _sink_reference(o64, lse64, sink), lse64, "sparse + extra, sink")
+    assert torch.isneginf(lse[0, :, 0]).all() and (o[0, 0] == 0).all()
+
+
+class FlashMLASchedMeta:  # FlashMLA's own schedule class (another module's), as a caller has it
+    pass
+
+
+def _drop_in_bad_calls():
+    torch.set_default_device(DEVICE)  # every tensor below; reset by the caller
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    q = torch.randn(1, 2, 4, D_QK, generator=gen)
+    cache = torch.randn(2, 16, 1, D_QK, generator=gen)
+    table, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    idx = torch.zeros(1, 2, 3, dtype=torch.int32)
+
+    def mla(*args, **kw):
+        sched = kw.pop("sched") if "sched" in kw else get_mla_metadata()[0]
+        head = (q, cache, table, lens, D_V, sched, kw.pop("num_splits", None))
+        return flash_mla_with_kvcache(*(args or head), **kw)
+
+    def wrapper(**kw):
+        return BatchMLAPagedAttentionWrapper(torch.empty(8, dtype=torch.int8), **kw)
+
+    def planned(s_q_steps=(0, 1, 2), **kw):
+        w = wrapper()
+        plan = dict(
+            qo_indptr=torch.tensor(s_q_steps, dtype=torch.int32),
+            kv_indptr=torch.tensor([0, 1, 2], dtype=torch.int32),
+            kv_indices=torch.tensor([0, 1], dtype=torch.int32),
+            kv_len_arr=torch.tensor([3, 5], dtype=torch.int32),
+            num_heads=4, head_dim_ckv=D_V, head_dim_kpe=64, page_size=16, causal=False,
+            sm_scale=SCALE, q_data_type=torch.float32, kv_data_type=torch.float32,
+        )  # fmt: skip
+        w.plan(**(plan | kw))
+        return w
+
+    qn, qp = torch.zeros(2, 4, D_V), torch.zeros(2, 4, 64)
+    ckv, kpe = cache[:, :, 0, :D_V], cache[:, :, 0, D_V:]
+    return [
+        # FlashMLA's old interface: int32 tensors as the schedule and the split counts
+        (lambda: mla(sched=torch.zeros(8, 8, dtype=torch.int32)), TypeError,
+         r"tile_scheduler_metadata: expected the schedule of mqnc's get_mla_metadata .* got a "
+         r"torch.Tensor of shape \(8, 8\), int32; import get_mla_metadata from "
+         r"mqnc.triton_kernels.adapters.flashmla"),
+        (lambda: mla(num_splits=torch.zeros(2, dtype=torch.int32)), TypeError,
+         r"num_splits: expected None .* got a torch.Tensor of shape \(2,\), int32; pass None"),
+        (lambda: mla(sched=FlashMLASchedMeta()), TypeError,
+         r"tile_scheduler_metadata: .* got a test_adapters.FlashMLASchedMeta; import"),
+        (lambda: mla(q, cache, None, lens, D_V, get_mla_metadata()[0]), ValueError,
+         "block_table: expected a tensor for dense attention"),
+        (lambda: mla(topk_length=lens), ValueError, "topk_length: expected None without indices"),
+        (lambda: mla(q, cache, None, None, D_V, get_mla_metadata()[0], indices=idx, causal=True),
+         ValueError, "causal: expected False with indices"),
+        (lambda: mla(q, cache, None, None, D_V, get_mla_metadata()[0], indices=idx,
+                     extra_k_cache=cache), ValueError,
+         "extra_indices_in_kvcache: expected a tensor with extra_k_cache"),
+        (lambda: mla(q, cache, None, None, D_V, get_mla_metadata()[0], indices=idx,
+                     extra_k_cache=cache, extra_indices_in_kvcache=idx + 99), ValueError,
+         r"extra_indices_in_kvcache: expected -1 \(unused\) or a token id in \[0, 32\)"),
+        (lambda: mla(attn_sink=torch.zeros(3)), ValueError, r"attn_sink: expected shape \(4,\)"),
+        (lambda: mla(attn_sink=torch.zeros(4, dtype=torch.float64)), TypeError,
+         "attn_sink: invalid dtype"),
+        # FlashInfer's wrapper
+        (lambda: planned(s_q_steps=(0, 1, 3)), ValueError,
+         r"qo_indptr: expected equal steps from 0 .* got \[0, 1, 3\]"),
+        (lambda: wrapper(backend="cutlass"), ValueError, "backend: expected one of"),
+        (lambda: planned(use_profiler=True), ValueError, "use_profiler: expected False"),
+        (lambda: planned(sm_scale=-1.0), ValueError, "sm_scale: expected a finite positive"),
+        (lambda: wrapper(use_cuda_graph=True), TypeError,
+         "qo_indptr: expected a torch.Tensor, got NoneType"),
+        (lambda: wrapper().run(qn, qp, ckv, kpe), ValueError, "plan: expected plan"),
+        (lambda: planned().run(qn, qp, ckv, kpe, profiler_buffer=torch.zeros(1)), ValueError,
+         "profiler_buffer: expected None"),
+        (lambda: planned().run(qn, qp, ckv, kpe, kv_len=lens), ValueError,
+         "kv_len: expected None"),
+        (lambda: planned().run(qn[:1], qp, ckv, kpe), ValueError, r"q_nope: expected shape"),
+        (lambda: planned().run(qn, qp, ckv, kpe, out=qn.half()), TypeError, "out: invalid dtype"),
+        (lambda: planned().run(qn, qp, ckv, kpe, lse=torch.zeros(2, 5)), ValueError,
+         r"lse: expected shape \(2, 4\)"),
+        (lambda: planned(page_size=1).run(qn, qp, ckv, kpe), ValueError,
+         "ckv_cache: expected page_size 1"),
+        (lambda: planned(kv_len_arr=torch.tensor([3, 99], dtype=torch.int32)).run(qn, qp, ckv, kpe),
+         ValueError, "kv_len_arr: expected values"),
+    ]  # fmt: skip
+
+
+N_DROP_IN_BAD = 23
+
+
+@pytest.mark.parametrize("i", range(N_DROP_IN_BAD))
+def test_drop_in_flows_fail_in_one_line_naming_the_argument(i):
+    """FlashMLA's old-style int32 schedule / split tensors, its own schedule object, and the
+    arguments mqnc's kernels cannot take: one line (a ValueError / TypeError) naming the
+    argument, what was expected and what was received."""
+    try:
+        calls = _drop_in_bad_calls()
+        assert len(calls) == N_DROP_IN_BAD
+        call, exc, match = calls[i]
+        with pytest.raises(exc, match=match) as caught:
+            call()
+        assert "\n" not in str(caught.value)
+    finally:
+        torch.set_default_device(None)
+
+
+def _flashinfer_case(page_size, s_q, dtype, gen, lengths=(150, 37), heads=16):
+    """FlashInfer's docstring inputs for one batch: ``(qo_indptr, kv_indptr, kv_indices,
+    kv_lens, q_nope, q_pe, ckv, kpe)`` over the pages of :func:`paged`, and the fp64
+    reference's ``(q rows, pool, table, lens)``."""
+    pool, table, lens = paged(list(lengths), 64, dtype, gen)
+    if page_size == 1:
+        kv_indptr, kv_indices = token_slots(table, lens, 64)
+        cache = pool.reshape(-1, 1, D_QK)
+    else:
+        kv_indptr, kv_indices = csr_of(table, lens, 64)
+        cache = pool
+    B = len(lengths)
+    q = queries(B * s_q, heads, dtype, gen)
+    qo_indptr = (torch.arange(0, B + 1) * s_q).int().to(DEVICE)
+    inputs = (
+        qo_indptr, kv_indptr, kv_indices, lens, q[..., :D_V].clone(), q[..., D_V:].clone(),
+        cache[..., :D_V].clone(), cache[..., D_V:].clone(),
+    )  # fmt: skip
+    return inputs, (q, pool, table, lens)
+
+
+@pytest.mark.parametrize(
+    "page_size, causal, s_q, dtype",
+    [(1, False, 1, torch.bfloat16), (64, False, 1, torch.float32), (1, True, 2, torch.float32),
+     (64, True, 2, torch.bfloat16)],
+    ids=["page1-bf16", "page64-fp32", "page1-causal-sq2-fp32", "page64-causal-sq2-bf16"],
+)  # fmt: skip
+def test_flashinfer_wrapper_docstring_flow_runs_unchanged(page_size, causal, s_q, dtype):
+    """FlashInfer's ``BatchMLAPagedAttentionWrapper`` docstring flow (workspace, ``plan`` with
+    ``qo_indptr`` / ``kv_indptr`` / ``kv_indices`` / ``kv_lens`` and the twelve positional
+    arguments, ``run(q_nope, q_pe, ckv, kpe, return_lse=False)``) against fp64; the lse base 2
+    (FlashInfer's) or natural (``return_lse_base_on_e``); ``out=`` / ``lse=`` written in place
+    (contiguous, or strided: copied into)."""
+    gen = torch.Generator().manual_seed(100 + page_size + s_q)
+    (qo_indptr, kv_indptr, kv_indices, kv_lens, q_nope, q_pe, ckv, kpe), ref = _flashinfer_case(
+        page_size, s_q, dtype, gen
+    )
+    num_local_heads, head_dim_ckv, head_dim_kpe, sm_scale = 16, D_V, 64, SCALE
+    mla_wrapper = BatchMLAPagedAttentionWrapper(
+        torch.empty(128 * 1024, dtype=torch.int8).to(DEVICE), backend="fa2"
+    )
+    mla_wrapper.plan(
+        qo_indptr, kv_indptr, kv_indices, kv_lens, num_local_heads, head_dim_ckv, head_dim_kpe,
+        page_size, causal, sm_scale, q_nope.dtype, ckv.dtype,
+    )  # fmt: skip
+    o = mla_wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=False)
+    assert isinstance(o, torch.Tensor) and o.shape == (2 * s_q, 16, D_V) and o.dtype == dtype
+    assert not o.isnan().any()
+    q, pool, table, lens = ref
+    rows, row_lens = _causal_rows(table, lens, s_q, causal)
+    o64, lse64 = mla_decode_reference(q, pool, rows, row_lens, SCALE)
+    assert_close(o, o64, tolerance("mla", dtype), name="o")
+    o2, lse2 = mla_wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True)
+    same(o2, o, "o (return_lse)")
+    assert_close(lse2, lse64 / math.log(2), tolerance("mla_lse", "float32"), name="lse base 2")
+    oe, lse_e = mla_wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True, return_lse_base_on_e=True)
+    assert_close(lse_e, lse64, tolerance("mla_lse", "float32"), name="lse base e")
+    same(lse2, lse_to_base2(lse_e), "lse base 2 vs base e")
+    if page_size == 64:  # in place: contiguous, then strided (copied into)
+        for strided in (False, True):
+            nan = dict(fill_value=float("nan"), device=DEVICE)
+            if strided:
+                out = torch.full((16, 2 * s_q, D_V), dtype=dtype, **nan).transpose(0, 1)
+                lse = torch.full((16, 2 * s_q), **nan).t()
+            else:
+                out, lse = torch.full(o.shape, dtype=dtype, **nan), torch.full(lse2.shape, **nan)
+            got = mla_wrapper.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, return_lse=True)
+            assert got[0] is out and got[1] is lse
+            same(out, o, f"out= (strided {strided})")
+            same(lse, lse2, f"lse= (strided {strided})")
+
+
+def test_flashinfer_wrapper_cuda_graph_buffers_are_read():
+    """``use_cuda_graph=True``: ``plan()`` copies the page table and lengths into the buffers
+    given to the wrapper (as FlashInfer's) and ``run`` reads them there; a second ``plan()``
+    (new lengths, fewer pages) refills them and the next run follows: both equal the plain
+    wrapper's output bit for bit."""
+    gen = torch.Generator().manual_seed(110)
+    (qo, kv_indptr, kv_indices, kv_lens, qn, qp, ckv, kpe), _ = _flashinfer_case(
+        64, 1, torch.float32, gen, lengths=(150, 37), heads=4
+    )
+    bufs = dict(
+        qo_indptr=torch.zeros(3, dtype=torch.int32, device=DEVICE),
+        kv_indptr=torch.zeros(3, dtype=torch.int32, device=DEVICE),
+        kv_indices=torch.full((16,), -1, dtype=torch.int32, device=DEVICE),
+        kv_len_arr=torch.zeros(2, dtype=torch.int32, device=DEVICE),
+    )
+    workspace = torch.empty(1024, dtype=torch.int8, device=DEVICE)
+    graph = BatchMLAPagedAttentionWrapper(workspace, use_cuda_graph=True, **bufs)
+    plain = BatchMLAPagedAttentionWrapper(workspace)
+    short = kv_lens - torch.tensor([100, 0], dtype=torch.int32, device=DEVICE)  # 50 and 37
+    short_indptr = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    short_indices = torch.cat([kv_indices[:1], kv_indices[3:4]])
+    for indptr, indices, lens in ((kv_indptr, kv_indices, kv_lens),
+                                  (short_indptr, short_indices, short)):  # fmt: skip
+        for w in (graph, plain):
+            w.plan(qo, indptr, indices, lens, 4, D_V, 64, 64, False, SCALE, qn.dtype, ckv.dtype)
+        assert torch.equal(bufs["kv_len_arr"], lens) and torch.equal(bufs["kv_indptr"], indptr)
+        assert torch.equal(bufs["kv_indices"][: indices.shape[0]], indices)
+        o = graph.run(qn, qp, ckv, kpe)
+        assert not o.isnan().any()
+        same(o, plain.run(qn, qp, ckv, kpe), f"o, lens {lens.tolist()}")
+
+
 # ---- the splice into one cache per layer (vLLM, SGLang) ------------------------------------
 
 
@@ -415,7 +756,7 @@ def test_merge_layout_names_the_axis_of_the_partials():
     strides: the transposed tensors merged as ``MBHD`` give the same bits."""
     gen = torch.Generator().manual_seed(80)
     o, lse = _partials(gen)
-    ref = merge_partials(o, lse)
+    ref = merge_partials(o, lse, layout="MBHD")
     got = merge_partials(
         o.transpose(0, 1).contiguous(), lse.transpose(0, 1).contiguous(), layout="BMHD"
     )
@@ -641,7 +982,7 @@ def _bad_calls():
             "s_b: expected shape",
         ),
         (
-            lambda: merge_partials(o[..., :0], lse),
+            lambda: merge_partials(o[..., :0], lse, layout="MBHD"),
             ValueError,
             "o: expected D >= 1 values per row",
         ),

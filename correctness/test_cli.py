@@ -108,3 +108,143 @@ def test_presets_lists_what_model_accepts(capsys):
     assert json.loads(out)["models"]["deepseek-v2-lite"]["qp_row_bytes"] == (
         get_preset("deepseek-v2-lite").qp_row_bytes
     )
+
+
+def test_selfcheck_runs_every_check_its_help_lists(capsys, monkeypatch):
+    """``mqnc selfcheck --help`` lists the checks from the table the command runs: each listed
+    check has a function and runs (in the order listed, in float32 and bfloat16), no check runs
+    unlisted; the real run verifies the query rotation too."""
+    from mqnc.cli import cmd_selfcheck, kernel_checks
+
+    assert list(cmd_selfcheck.CHECKS) == list(kernel_checks.CHECKS)
+    rc, help_text, _ = run(capsys, "selfcheck", "--help")
+    listed = re.search(r"Run every kernel \(([^)]*)\)", " ".join(help_text.split()))
+    assert rc == 0 and listed, help_text
+    assert listed.group(1).split(", ") == list(cmd_selfcheck.CHECKS)
+    real = dict(kernel_checks.CHECKS)
+    ran = []
+    for name in real:
+        monkeypatch.setitem(kernel_checks.CHECKS, name, lambda dtype, n=name: ran.append(n) or n)
+    rc, out, _ = run(capsys, "selfcheck")
+    assert rc == 0 and ran == [n for n in cmd_selfcheck.CHECKS for _ in range(2)], (ran, out)
+    with pytest.raises(KeyError, match="names: no such check"):
+        kernel_checks.run_checks(["query rotations"])
+    monkeypatch.setitem(kernel_checks.CHECKS, "query rotation", real["query rotation"])
+    (f32, bf16) = kernel_checks.run_checks(["query rotation"])
+    assert f32.startswith("rope_rotate ") and "float32: latent bit-exact" in f32, f32
+    assert bf16.startswith("rope_rotate ") and "bfloat16" in bf16, bf16
+
+
+@pytest.mark.parametrize("name", sorted(_subparsers()))
+def test_an_unknown_flag_is_the_subcommands_usage_error(name, capsys):
+    """``mqnc <command> --bogus``: that command's usage and its error, exit status 2, never the
+    top-level usage (argparse hands a subparser's leftovers up to the main parser); a flag
+    before the command is the top-level parser's."""
+    rc, _, err = run(capsys, name, "--bogus")
+    assert rc == 2
+    assert f"usage: mqnc {name} " in err and "usage: mqnc [-h]" not in err, err
+    assert re.search(rf"^mqnc {name}: error: ", err, re.M), err
+
+
+def test_predict_names_the_unknown_flag(capsys):
+    """The reported case: the subcommand's usage and the flag it does not know; one given
+    before the subcommand is the top-level parser's."""
+    rc, out, err = run(capsys, "predict", "--bogus", "--m-q", "8")
+    assert rc == 2 and out == ""
+    assert err.splitlines()[0].startswith("usage: mqnc predict [-h]")
+    assert err.splitlines()[-1] == "mqnc predict: error: unrecognized arguments: --bogus"
+    rc, _, err = run(capsys, "--bogus", "predict")
+    assert rc == 2 and err.startswith("usage: mqnc [-h]")
+    assert err.splitlines()[-1] == "mqnc: error: unrecognized arguments: --bogus"
+
+
+def _model_commands() -> list[str]:
+    """The subcommands that take ``--model`` and check it as they parse it (``serve`` checks
+    its model in the requester's job: test_serve_checks_its_model_on_the_requester_only)."""
+    return sorted(
+        name
+        for name, p in _subparsers().items()
+        if any("--model" in a.option_strings for a in p._actions) and name != "serve"
+    )
+
+
+@pytest.fixture
+def hub_calls(monkeypatch):
+    """Every question to the Hugging Face hub, recorded (``model_info``: the one the commands
+    ask; it raises as an unreachable hub does)."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    calls = []
+
+    def model_info(repo_id, **kwargs):
+        calls.append(repo_id)
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "model_info", model_info)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    return calls
+
+
+def _error_line(err: str) -> str:
+    """The one error line of a failed command (after argparse's usage, if any)."""
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if ": error: " in line]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_every_model_option_refuses_a_missing_path_at_once(tmp_path, capsys, hub_calls):
+    """Each command's ``--model`` (a preset or config.json for the cost commands, a Hugging Face
+    model folder or hub id for ``corpus`` / ``serve``) refuses a path that does not exist in
+    one line naming the flag, exit status 2, without asking the hub."""
+    assert {"corpus", "predict", "calibrate", "fit"} <= set(_model_commands())
+    ctx = tmp_path / "ctx.json"
+    ctx.write_text("[1, 2, 3]")
+    for name in _model_commands():
+        for missing in ("./missing_dir", str(tmp_path / "missing"), "models/v2/lite"):
+            rc, _, err = run(capsys, name, "--model", missing)
+            line = _error_line(err)
+            assert rc == 2 and "--model" in line and repr(missing) in line, (name, err)
+    # corpus (and serve's requesters): a file, or a folder without config.json, the same
+    for bad, why in ((ctx, "got the file"), (tmp_path, "which has no config.json")):
+        rc, _, err = run(capsys, "corpus", "--model", str(bad))
+        line = _error_line(err)
+        assert rc == 2 and "argument --model:" in line and why in line, err
+    assert hub_calls == []
+
+
+def test_corpus_asks_the_hub_once_for_a_hub_id_and_honours_offline(
+    tmp_path, capsys, hub_calls, monkeypatch
+):
+    """A bare hub id (``missing_dir``) is neither a path nor in the cache: asked of the hub once
+    (an unreachable hub: one line naming --model, not half a minute of retries and a
+    traceback); with ``HF_HUB_OFFLINE=1`` refused without asking."""
+    ctx = tmp_path / "ctx.json"
+    ctx.write_text("[1, 2, 3]")
+    argv = ("corpus", "--model", "missing_dir", "--context", str(ctx), "--holders", "1")
+    argv += ("--out", str(tmp_path / "c.json"))
+    rc, _, err = run(capsys, *argv)
+    line = _error_line(err)
+    assert rc == 2 and hub_calls == ["missing_dir"]
+    assert line.startswith("mqnc corpus: error: --model: 'missing_dir' is no folder and not")
+    assert "Name or service not known" in line and "HF_HUB_OFFLINE=1" in line
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rc, _, err = run(capsys, *argv)
+    line = _error_line(err)
+    assert rc == 2 and hub_calls == ["missing_dir"]  # (not asked again)
+    assert "--model: 'missing_dir'" in line and "HF_HUB_OFFLINE is set" in line
+
+
+def test_serve_checks_its_model_on_the_requester_only(tmp_path, monkeypatch, hub_calls):
+    """``mqnc serve --generate --model``: a holder's machine needs no model, so the check runs
+    in the requester's job, through the same helper as ``mqnc corpus``: a missing path is a
+    ``ValueError`` naming --model before anything is loaded."""
+    import mqnc.integrations.hf as hf
+    from mqnc.cli.cmd_serve import _job
+
+    monkeypatch.setattr(hf, "serve_generate", lambda ctx, **kw: pytest.fail("loaded"))
+    argv = ["serve", "--corpus", "c.json", "--generate", "--prompts", "p.json"]
+    args = build_parser().parse_args([*argv, "--model", str(tmp_path / "nope")])
+    with pytest.raises(ValueError, match=r"^--model: expected a model folder .*no such folder"):
+        _job(args)(None)
+    assert hub_calls == []

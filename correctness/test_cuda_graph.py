@@ -151,7 +151,9 @@ def test_routed_holder_step_replays_exactly_in_a_cuda_graph(monkeypatch):
     def step():
         o_a, l_a = plans[0].run(q, dense_a[1], dense_a[2], lens_a)
         o_b, l_b = plans[1].run(q, dense_b[1], dense_b[2], lens_b)
-        o, lse = merge_partials(torch.stack([o_a, o_b]), torch.stack([l_a, l_b]), check_lse=False)
+        o, lse = merge_partials(
+            torch.stack([o_a, o_b]), torch.stack([l_a, l_b]), check_lse=False, layout="MBHD"
+        )
         return o, lse, *plans[2].run(q_sel, sparse_a[1], idx)
 
     side = torch.cuda.Stream()  # warm up (compiles, fills the allocator) off the capture stream
@@ -190,7 +192,9 @@ def test_compiled_holder_step_with_cuda_graphs(monkeypatch):
         args = dict(softmax_scale=SCALE, d_v=GEOMETRY.d_v, check_inputs=False)
         o_a, s_a = mla_decode_partial(q, kv_a, t_a, l_a, **args)
         o_b, s_b = mla_decode_partial(q, kv_b, t_b, l_b, **args)
-        return merge_partials(torch.stack([o_a, o_b]), torch.stack([s_a, s_b]), check_lse=False)
+        return merge_partials(
+            torch.stack([o_a, o_b]), torch.stack([s_a, s_b]), check_lse=False, layout="MBHD"
+        )
 
     compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
     gen = torch.Generator().manual_seed(3)

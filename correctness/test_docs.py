@@ -413,3 +413,55 @@ def test_every_relative_link_resolves():
             if "://" not in target and not (page.parent / target).exists():
                 dead.append(f"{page.relative_to(ROOT)}: {target}")
     assert not dead, "links to nothing:\n" + "\n".join(dead)
+
+
+# What README's "Results" quotes from perf/results/results.jsonl: (bench, variant, x, commit,
+# the number as printed). The first record of that bench, variant, x and commit is the one quoted.
+README_QUOTES = (
+    ("mla_decode", "H=16,B=1", 2048, "bb7e891", "12.5"),
+    ("mla_decode", "H=128,B=1", 2048, "bb7e891", "22.6"),
+    ("mla_sparse", "H=128,B=1@64x32w8s2-pipe", 2048, "933b242", "22.1"),
+    ("mla_sparse", "H=128,B=8@64x32w8s2-pipe", 2048, "933b242", "47.6"),
+    ("merge", "M=8", 256, "bb7e891", "3.3"),
+    ("splice", "one-launch", 2048, "bb7e891", "42.5"),
+    ("splice", "per-layer", 2048, "bb7e891", "139"),
+    ("mla_decode", "H=16,B=128", 65536, "bb7e891", "3603"),
+    ("mla_decode_gluon", "H=128,B=64@seesaw", 8192, "933b242", "256"),
+    ("mla_decode", "H=128,B=64@64x64w8s2-tma", 8192, "933b242", "498"),
+    ("mla_decode", "H=16,B=16", 32768, "bb7e891", "240.8"),
+    ("mla_decode", "H=16,B=16", 32768, "933b242", "240.2"),
+    ("mla_decode", "H=16,B=16,fp8", 32768, "933b242", "502.1"),
+    ("mla_sparse", "H=128,B=8", 2048, "933b242", "55.8"),
+    ("mla_sparse", "H=128,B=8", 2048, "bb7e891", "103.5"),
+    ("mla_sparse", "H=128,B=8,fp8", 2048, "933b242", "79.6"),
+    ("probe", "gloo", 1, "e1a0e40", "882"),
+    ("host_ratio", "gloo: route M_q 1 (stub) / probe", 1, "b151e19", "1.32"),
+)
+
+
+def test_readme_results_quote_their_records(capsys):
+    """Each number README's "Results" quotes from a record is that record's p50 as printed, and
+    the command it names for the wire break-even prints both break-evens."""
+    import json
+
+    from mqnc.cli import main as mqnc_main
+
+    readme = (ROOT / "README.md").read_text()
+    results = readme.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+    lines = (ROOT / "perf" / "results" / "results.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    for bench, variant, x, commit, printed in README_QUOTES:
+        found = [
+            r for r in records
+            if (r["bench"], r["variant"], r["x"]) == (bench, variant, x)
+            and r["commit"].startswith(commit)
+        ]  # fmt: skip
+        assert found, f"no record {bench} {variant!r} x={x} at {commit}"
+        decimals = len(printed.partition(".")[2])
+        assert f"{found[0]['p50']:.{decimals}f}" == printed, (bench, variant, found[0]["p50"])
+        assert re.search(rf"(?<![\d.]){re.escape(printed)}(?![\d])", results), printed
+    assert "`mqnc predict` / `mqnc predict --kv-dtype fp8`" in results
+    for argv, rows in ((["predict"], "1080.3"), (["predict", "--kv-dtype", "fp8"], "615.2")):
+        assert mqnc_main(argv) == 0
+        assert f"break-even M_q = {rows}" in capsys.readouterr().out, argv
+        assert f"{rows} rows" in results

@@ -89,7 +89,7 @@ def test_merge_goal_shape(M):
     o = (torch.rand(M, B, 16, 512, generator=gen) * 8 - 4).to(device=DEVICE, dtype=BF16)
     lse = (3 * torch.randn(M, B, 16, generator=gen)).to(DEVICE)
     lse[0, 0, :4] = -math.inf  # empty partials among them
-    o_out, lse_out = merge_partials(o, lse)
+    o_out, lse_out = merge_partials(o, lse, layout="MBHD")
     o_ref, lse_ref = merge_reference(o, lse)
     assert_close(o_out, o_ref, tolerance("merge", BF16), name="o")
     assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")

@@ -25,7 +25,7 @@ import torch
 from mqnc.model import PRESETS
 from mqnc.reference import merge_reference, partial_attention_reference
 from mqnc.serving import ChunkInfo, Holder, RemoteError, Requester, RouteTimeout
-from mqnc.testing import TOLERANCES, assert_close, tolerance
+from mqnc.testing import TOLERANCES, assert_close, default_device, tolerance
 from mqnc.transport import INBOX, REPLY, LoopbackFabric, slot_bytes_for, wire
 
 GEOM = PRESETS["deepseek-v2-lite"].replace(layers=2, heads=4)
@@ -292,25 +292,26 @@ def test_kernels_and_references_propagate_nan():
         mla_sparse_partial,
     )
 
-    kv = _chunk(3)[0].reshape(1, 64, GEOM.d_qk)
-    q = _q(4)
+    dev = default_device()  # the launchers' own device: compiled on a GPU
+    kv = _chunk(3)[0].reshape(1, 64, GEOM.d_qk).to(dev)
+    q = _q(4).to(dev)
     q[1, 2, 0] = float("nan")
-    table = torch.zeros(2, 1, dtype=torch.int32)
-    lens = torch.full((2,), 64, dtype=torch.int32)
+    table = torch.zeros(2, 1, dtype=torch.int32, device=dev)
+    lens = torch.full((2,), 64, dtype=torch.int32, device=dev)
     _, lse = mla_decode_partial(q, kv, table, lens, softmax_scale=SCALE)
     assert torch.isnan(lse[1, 2]) and torch.isfinite(lse[0]).all()
-    idx = torch.tensor([[0, 5, -1], [3, 7, 9]], dtype=torch.int32)
+    idx = torch.tensor([[0, 5, -1], [3, 7, 9]], dtype=torch.int32, device=dev)
     _, lse = mla_sparse_partial(q, kv, idx, softmax_scale=SCALE)
     assert torch.isnan(lse[1, 2]) and torch.isfinite(lse[0]).all()
-    o = torch.randn(2, 1, 1, 512)
-    lse2 = torch.tensor([[[1.0]], [[float("nan")]]])
+    o = torch.randn(2, 1, 1, 512, device=dev)
+    lse2 = torch.tensor([[[1.0]], [[float("nan")]]], device=dev)
     for base2 in (False, True):
-        om, merged = merge_partials(o, lse2, check_lse=False, base2=base2)
+        om, merged = merge_partials(o, lse2, check_lse=False, base2=base2, layout="MBHD")
         assert torch.isnan(merged).all() and torch.isnan(om).all(), base2
     acc_o, acc_lse = o[0].clone(), lse2[0].clone()
     merge_partials_into(acc_o, acc_lse, o[1], lse2[1], check_lse=False)
     assert torch.isnan(acc_lse).all() and torch.isnan(acc_o).all()
-    assert torch.isnan(merge_reference(o, lse2)[1]).all()
+    assert torch.isnan(merge_reference(o.cpu(), lse2.cpu())[1]).all()
 
 
 # ---- 5: selections ------------------------------------------------------------------------
@@ -570,9 +571,9 @@ def test_out_sharing_memory_with_an_input_or_the_other_output_is_refused():
                 sparse(q, pool, idx, out=out, **kw)
         with pytest.raises(ValueError, match=names):
             plan.run(q, pool, idx, out=out)
-        args = (q, pool, idx, 0.2, 32, None, True, None, None, list(out), "torch")
+        kw_op = dict(softmax_scale=0.2, d_v=32, out=list(out), backend="torch")
         with pytest.raises(ValueError, match=names):
-            torch.ops.mqnc.mla_sparse_partial.out(*args)
+            torch.ops.mqnc.mla_sparse_partial.out(q, pool, idx, **kw_op)
     want = mla_sparse_partial(q, pool, idx, **kw)
     got = mla_sparse_partial(q, pool, idx, out=(o, lse), **kw)
     assert got[0] is o and torch.equal(o, want[0]) and torch.equal(lse, want[1])
@@ -782,7 +783,9 @@ def test_geometry_triton_check_is_the_kernels_own_rule():
     from mqnc.serving import kernel_ops
 
     ops = kernel_ops("triton")
-    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    dev = default_device()  # compiled on a GPU: the rule is the launcher's, before any compile
+    table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    lens = torch.tensor([3], dtype=torch.int32, device=dev)
     for d_c, d_r in [(512, 64), (96, 64), (8, 64), (384, 64), (16, 16), (512, 48), (512, 8)]:
         g = GEOM.replace(d_c=d_c, d_r=d_r)
         try:
@@ -790,7 +793,7 @@ def test_geometry_triton_check_is_the_kernels_own_rule():
             accepted = True
         except ValueError:
             accepted = False
-        q, kv = torch.randn(1, 2, d_c + d_r), torch.randn(1, 16, d_c + d_r)
+        q, kv = torch.randn(1, 2, d_c + d_r, device=dev), torch.randn(1, 16, d_c + d_r, device=dev)
         try:
             ops.mla_decode_partial(q, kv, table, lens, softmax_scale=0.1, d_v=d_c)
             ran = True
@@ -1084,7 +1087,7 @@ def test_serve_under_torchrun_ignores_a_foreign_done_and_binds_gloo_where_asked(
     assert got["listen"] and set(got["listen"]) <= LOOPBACK, got  # gloo: 127.0.0.1 only
     assert "gloo's pairs listen on 127.0.0.1 only" in text, text[-4000:]
     assert "torchrun's" in text and "authenticates nobody" in text, text[-4000:]
-    assert text.count("the rendezvous store") == 1  # said once per node
+    assert text.count("rendezvous store") == 1  # said once per job (rank 0)
 
 
 def test_serve_env_rendezvous_store_listens_only_on_master_addr(monkeypatch):

@@ -77,7 +77,7 @@ def _tol(dtype):
 def test_merge_matches_fp64_reference(dtype, data):
     o, lse = data.draw(partials(dtypes=[dtype]))
     o_ref, lse_ref = merge_reference(o, lse)
-    o_out, lse_out = merge_partials(o, lse)
+    o_out, lse_out = merge_partials(o, lse, layout="MBHD")
     assert o_out.dtype == o.dtype and lse_out.dtype == torch.float32
     s = assert_close(o_out, o_ref, _tol(o.dtype), name="o")
     _note(f"reference o {o.dtype}", s.max_abs)
@@ -90,8 +90,8 @@ def test_merge_commutative(p, rnd):
     o, lse = p
     perm = list(range(o.shape[0]))
     rnd.shuffle(perm)
-    a = merge_partials(o, lse)
-    b = merge_partials(o[perm], lse[perm])
+    a = merge_partials(o, lse, layout="MBHD")
+    b = merge_partials(o[perm], lse[perm], layout="MBHD")
     o_ref, lse_ref = merge_reference(o, lse)
     for out in (a, b):
         assert_close(out[0], o_ref, _tol(torch.float32), name="o")
@@ -108,8 +108,13 @@ def test_merge_associative(p, rnd):
     M = o.shape[0]
     cuts = sorted(rnd.sample(range(1, M), rnd.randint(0, M - 1))) if M > 1 else []
     bounds = [0, *cuts, M]
-    subs = [merge_partials(o[a:b], lse[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
-    o2, lse2 = merge_partials(torch.stack([s[0] for s in subs]), torch.stack([s[1] for s in subs]))
+    subs = [
+        merge_partials(o[a:b], lse[a:b], layout="MBHD")
+        for a, b in zip(bounds, bounds[1:], strict=False)
+    ]
+    o2, lse2 = merge_partials(
+        torch.stack([s[0] for s in subs]), torch.stack([s[1] for s in subs]), layout="MBHD"
+    )
     o_ref, lse_ref = merge_reference(o, lse)
     # Two merge levels: besides the single-merge bound per level, each sub-result's lse is
     # rounded to fp32 (relative error 2^-24 of |lse|), which perturbs its weight by that much
@@ -130,8 +135,10 @@ def test_zero_weight_identity(p, n_empty, plus_inf):
     M, B, H, D = o.shape
     e_o = torch.full((n_empty, B, H, D), float("nan"), dtype=o.dtype, device=DEVICE)
     e_lse = torch.full((n_empty, B, H), INF if plus_inf else -INF, device=DEVICE)
-    base = merge_partials(o, lse)
-    with_empty = merge_partials(torch.cat([e_o, o, e_o]), torch.cat([e_lse, lse, e_lse]))
+    base = merge_partials(o, lse, layout="MBHD")
+    with_empty = merge_partials(
+        torch.cat([e_o, o, e_o]), torch.cat([e_lse, lse, e_lse]), layout="MBHD"
+    )
     assert torch.equal(base[0], with_empty[0]) or compare(base[0], with_empty[0]).max_abs == 0.0
     assert torch.equal(base[1], with_empty[1])
 
@@ -139,7 +146,7 @@ def test_zero_weight_identity(p, n_empty, plus_inf):
 def test_all_empty_rows_give_zero_and_neg_inf():
     o = torch.full((3, 2, 4, 64), float("nan"), device=DEVICE)
     lse = torch.tensor([-INF, INF, -INF], device=DEVICE).view(3, 1, 1).expand(3, 2, 4).contiguous()
-    o_out, lse_out = merge_partials(o, lse)
+    o_out, lse_out = merge_partials(o, lse, layout="MBHD")
     assert torch.equal(o_out, torch.zeros_like(o_out))
     assert torch.isneginf(lse_out).all()
 
@@ -167,7 +174,7 @@ def test_partition_invariance(M, n_keys, dtype, seed):
         parts_lse.append(lse_i)
     o = torch.stack(parts_o).to(DEVICE, dtype)  # the partial as it would cross the wire
     lse = torch.stack(parts_lse).to(DEVICE, torch.float32)
-    o_out, lse_out = merge_partials(o, lse)
+    o_out, lse_out = merge_partials(o, lse, layout="MBHD")
     o_ref, lse_ref = partial_attention_reference(
         q, kv, torch.ones(B, n_keys, dtype=torch.bool), scale, d_v
     )
@@ -184,7 +191,7 @@ def test_extreme_lse_gaps(gap):
     o = (torch.rand(3, 2, 2, 128, generator=g) * 2 - 1).to(DEVICE)
     lse = torch.tensor([0.0, -gap, gap], device=DEVICE).view(3, 1, 1).expand(3, 2, 2).contiguous()
     lse[1, 1, 1] = -INF
-    o_out, lse_out = merge_partials(o, lse)
+    o_out, lse_out = merge_partials(o, lse, layout="MBHD")
     o_ref, lse_ref = merge_reference(o, lse)
     assert_close(o_out, o_ref, _tol(torch.float32), name="o")
     # |lse| ~ gap: fp32 carries ~7 digits, so the bound on lse is relative to its size.
@@ -215,7 +222,7 @@ def test_non_contiguous_inputs():
     base = torch.randn(4, 3, 2, 640, generator=g).to(DEVICE)
     o = base.permute(1, 2, 0, 3)[..., :600]  # [M=3, B=2, H=4, D=600], strided
     lse = torch.randn(2, 4, 3, generator=g).to(DEVICE).permute(2, 0, 1)
-    o_out, lse_out = merge_partials(o, lse)
+    o_out, lse_out = merge_partials(o, lse, layout="MBHD")
     o_ref, lse_ref = merge_reference(o, lse)
     assert_close(o_out, o_ref, _tol(torch.float32), name="o")
     assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")
@@ -232,7 +239,7 @@ def test_concurrent_launches_from_threads():
     def work():
         try:
             for _ in range(5):
-                out, _ = merge_partials(o, lse)
+                out, _ = merge_partials(o, lse, layout="MBHD")
                 assert_close(out, o_ref, _tol(torch.float32), name="o")
         except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
             errors.append(exc)
@@ -253,20 +260,43 @@ def test_lse_base_conversions_round_trip():
     assert_close(lse_from_base2(two), lse, atol=1e-5, name="lse round trip")
 
 
-def test_ml_form_is_equivalent():
-    """(o, m, l) wire statistics merge to the same result as the (o, lse) form."""
+def test_ml_form_merges_to_attention_over_the_union():
+    """The wire form (o, m, l) (§3.2) merged is attention over the union of the partials' key
+    sets, computed directly (one fp64 softmax over all keys: not the merge it checks); each
+    partial's (m, l) is taken from its own scores (the max, the exp-sum below it), one partial
+    empty for one token (l = 0); ``lse_from_ml`` / ``ml_from_lse`` agree with a direct
+    log-sum-exp of the scores."""
     g = torch.Generator().manual_seed(4)
-    o = torch.randn(3, 2, 2, 32, generator=g, dtype=torch.float64)
-    m = torch.randn(3, 2, 2, generator=g, dtype=torch.float64)
-    l = torch.rand(3, 2, 2, generator=g, dtype=torch.float64) * 5
-    l[0, 0, 0] = 0.0  # empty
-    lse = lse_from_ml(m, l)
-    o_a, lse_a = merge_reference(o, lse)
+    B, H, N, D, Dv, scale = 2, 2, 60, 48, 32, 0.3
+    q = torch.randn(B, H, D, generator=g, dtype=torch.float64)
+    kv = torch.randn(N, D, generator=g, dtype=torch.float64)
+    part_of = torch.randint(0, 3, (N,), generator=g)  # three disjoint key sets
+    part_of[(part_of == 1) & (torch.arange(N) % 2 == 0)] = 2
+    every = torch.ones(B, N, dtype=torch.bool)
+    valid = torch.stack([every & (part_of == i) for i in range(3)])  # [3, B, N]
+    valid[1, 0] = False  # partial 1 holds nothing for token 0
+    o_union, lse_union = partial_attention_reference(q, kv, valid.any(0), scale, d_v=Dv)
+    scores = scale * torch.einsum("bhd,nd->bhn", q, kv)  # [B, H, N]
+    os, ms, ls = [], [], []
+    for i in range(3):
+        o_i, _ = partial_attention_reference(q, kv, valid[i], scale, d_v=Dv)
+        s_i = scores.masked_fill(~valid[i][:, None, :], -INF)
+        m_i = s_i.max(-1).values
+        empty = torch.isneginf(m_i)
+        m_i = torch.where(empty, torch.zeros_like(m_i), m_i)
+        l_i = torch.exp(s_i - m_i[..., None]).sum(-1)  # 0 for an empty partial
+        os.append(torch.where(empty[..., None], torch.zeros_like(o_i), o_i))
+        ms.append(m_i)
+        ls.append(l_i)
+    o, m, l = torch.stack(os), torch.stack(ms), torch.stack(ls)
+    assert (l[1, 0] == 0).all() and (l > 0).sum() == l.numel() - H
     o_b, m_b, l_b = merge_ml_reference(o, m, l)
-    assert_close(o_b, o_a, atol=1e-12, name="o")
-    assert_close(lse_from_ml(m_b, l_b), lse_a, atol=1e-12, name="lse")
-    m2, l2 = ml_from_lse(lse)
-    assert_close(lse_from_ml(m2, l2), lse, atol=1e-12, name="ml_from_lse")
+    assert_close(o_b, o_union, atol=1e-12, name="o")
+    assert_close(lse_from_ml(m_b, l_b), lse_union, atol=1e-12, name="lse")
+    direct = torch.logsumexp(scores.masked_fill(~valid[0][:, None, :], -INF), -1)
+    assert_close(lse_from_ml(m[0], l[0]), direct, atol=1e-12, name="lse_from_ml")
+    m2, l2 = ml_from_lse(direct)
+    assert_close(lse_from_ml(m2, l2), direct, atol=1e-12, name="ml_from_lse")
 
 
 @pytest.mark.parametrize(
@@ -300,7 +330,38 @@ def test_ml_form_is_equivalent():
 def test_merge_rejects_bad_input(o, lse, err, match):
     o = o.to(DEVICE) if isinstance(o, torch.Tensor) else o
     with pytest.raises(err, match=match):
-        merge_partials(o, lse.to(DEVICE))
+        merge_partials(o, lse.to(DEVICE), layout="MBHD")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_merge_has_no_default_layout(backend):
+    """FlashInfer's ``[seq, num_states, H, D]`` and mqnc's ``[M, B, H, D]`` have the same shapes
+    (``v [3, 2, 16, 512]`` is either), so ``layout`` is required: a call without it is a
+    ``TypeError`` naming ``layout`` and its two values (the public function, a backend's, and
+    the ``torch.ops`` op, whose schema has no default for it); each layout merges its own
+    axis, against the fp64 reference."""
+    from mqnc.serving.compute import kernel_ops
+
+    merge = kernel_ops(backend).merge_partials
+    g = torch.Generator().manual_seed(9)
+    v, s = torch.randn(3, 2, 16, 512, generator=g).to(DEVICE), torch.randn(3, 2, 16).to(DEVICE)
+    with pytest.raises(
+        TypeError,
+        match=r"^layout: expected 'MBHD' \(mqnc's partials stacked first: \[M, B, H, D\]\) or "
+        r"'BMHD' \(FlashInfer's \[B, M, H, D\]\), got no layout",
+    ):
+        merge(v, s)
+    with pytest.raises(TypeError, match="layout: expected 'MBHD'"):
+        merge(v, s, check_lse=False, base2=True)
+    with pytest.raises(RuntimeError, match="missing value for argument 'layout'"):
+        torch.ops.mqnc.merge_partials(v, s, backend=backend)
+    v = v[..., :16]  # (a narrower D: the merge per layout, against fp64)
+    for layout, axis in (("MBHD", 0), ("BMHD", 1)):
+        o_ref, lse_ref = merge_reference(v.movedim(axis, 0), s.movedim(axis, 0))
+        o, lse = merge(v, s, layout=layout)
+        assert o.shape == o_ref.shape == ((2, 16, 16) if axis == 0 else (3, 16, 16))
+        assert_close(o, o_ref, _tol(torch.float32), name=f"o {layout}")
+        assert_close(lse, lse_ref, tolerance("merge_lse", "float32"), name=f"lse {layout}")
 
 
 def test_merge_into_rejects_mismatched_dtype():
@@ -317,27 +378,31 @@ def test_merge_into_given_outputs_in_another_dtype():
     lse = torch.randn(3, 2, 2, generator=g).to(DEVICE)
     o_out = torch.full((2, 2, 64), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     lse_out = torch.full((2, 2), float("nan"), device=DEVICE)
-    got = merge_partials(o, lse, out=(o_out, lse_out))
+    got = merge_partials(o, lse, out=(o_out, lse_out), layout="MBHD")
     assert got[0] is o_out and got[1] is lse_out
     o_ref, lse_ref = merge_reference(o, lse)
     assert_close(o_out, o_ref, _tol(torch.bfloat16), name="o")
     assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")
     with pytest.raises(ValueError, match=r"out\[0\]: expected shape"):
-        merge_partials(o, lse, out=(o_out[:1], lse_out))
+        merge_partials(o, lse, out=(o_out[:1], lse_out), layout="MBHD")
     with pytest.raises(TypeError, match="out: expected a tuple"):
-        merge_partials(o, lse, out=o_out)
+        merge_partials(o, lse, out=o_out, layout="MBHD")
 
 
 def test_many_partials_beyond_one_lse_block():
     """M = 300 > LSE_BLOCK (256): the max runs over two lse blocks and the fold over ten steps
-    of 32 partials; empty partials (NaN o) scattered among them."""
+    of 32 partials; empty partials (NaN o) scattered among them. One row's largest lse (120) is
+    in the second block, far above the first block's (< ~15): a max over the first block alone
+    would overflow ``exp(lse - max)`` there (an inf lse and NaN o), which any shift within a
+    few units of the true max would not show."""
     g = torch.Generator().manual_seed(6)
     o = (torch.rand(300, 1, 2, 64, generator=g) * 8 - 4).to(DEVICE)
     lse = (torch.randn(300, 1, 2, generator=g) * 3).to(DEVICE)
     lse[::7] = -INF
     lse[5::11] = INF
     o[::7] = float("nan")
-    o_out, lse_out = merge_partials(o, lse)
+    lse[281, 0, 1] = 120.0  # (281: not a multiple of 7, nor 5 mod 11: a full partial)
+    o_out, lse_out = merge_partials(o, lse, layout="MBHD")
     o_ref, lse_ref = merge_reference(o, lse)
     assert_close(o_out, o_ref, _tol(torch.float32), name="o")
     assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")
@@ -450,11 +515,11 @@ def test_device_calls_under_the_interpreter_patch_the_language_once_per_launch(m
     lse = torch.randn(3, 2, 4, generator=g)
     lse[1, 0] = -float("inf")  # an empty partial in some rows
     monkeypatch.setattr(skipping, "original", counted)
-    got = merge_partials(o, lse)
+    got = merge_partials(o, lse, layout="MBHD")
     assert 1 <= len(calls) <= 2, calls  # the launch's own patch, then tl.core's
     monkeypatch.setattr(ti, "_patch_lang", counted)  # Triton's own behaviour
     calls.clear()
-    want = merge_partials(o, lse)
+    want = merge_partials(o, lse, layout="MBHD")
     assert len(calls) > 8, calls  # at least one device call per program (8 programs)
     assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
     assert torch.equal(got[1], want[1])

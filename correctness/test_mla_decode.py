@@ -154,7 +154,7 @@ def test_routed_dense_equals_one_call(dtype, ct, cuts, block_size, seed):
         )
         partials.append(mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE))
     o_routed, lse_routed = merge_partials(
-        torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials])
+        torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials]), layout="MBHD"
     )
     pool, table, lens = paged_cache([ct] * B, block_size, dtype, gen, values=entries)
     o_one, lse_one = mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE)
@@ -174,7 +174,7 @@ def _inputs(dtype=torch.float32, B=2, H=4, block_size=16):
     "mutate, exc, match",
     [
         (lambda a: {**a, "q": a["q"].to(torch.float64)}, TypeError, "q: invalid dtype"),
-        (lambda a: {**a, "q": a["q"][..., :512]}, ValueError, "kv_pool: expected entries as wide"),
+        (lambda a: {**a, "q": a["q"][..., :512]}, ValueError, "q: expected .*576 = 512 latent"),
         (lambda a: {**a, "kv_pool": a["kv_pool"].to(torch.float16)}, TypeError, "kv_pool"),
         (
             lambda a: {**a, "kv_pool": a["kv_pool"][:, :12]},
@@ -205,6 +205,50 @@ def test_decode_bad_input_names_the_argument(mutate, exc, match):
             args.pop("cache_seqlens"),
             **args,
         )
+
+
+def _first_mistakes(q, pool):
+    """``(q, kv_pool, exception, message)`` of a new user's three first mistakes with query rows
+    ``q`` (fp32, 576 wide) and ``pool`` (fp32 ``[nb, page, 576]``)."""
+    return [
+        # latent-only query rows (no RoPE part): q is named with the width expected and got
+        (
+            q[..., :512],
+            pool,
+            ValueError,
+            r"q: expected .*d_c \+ d_r wide: 576 = 512 latent \+ 64 RoPE.*got shape \(2, 4, 512\)",
+        ),
+        # FlashMLA's 4-D cache: its layout and the fix
+        (
+            q,
+            pool.unsqueeze(2),
+            ValueError,
+            r"kv_pool: expected 3 dims .*got 4-D shape \(\d+, 16, 1, 576\), FlashMLA's "
+            r"\[num_blocks, page, 1, d\].*k_cache\.squeeze\(2\).*adapters\.flashmla\."
+            r"mla_decode_with_kvcache",
+        ),
+        # fp16 rows over a bf16 pool: the pool must match q, both dtypes given
+        (
+            q.half(),
+            pool.bfloat16(),
+            TypeError,
+            r"kv_pool: invalid dtype, must match q's \(float16\), got bfloat16",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("case", range(3))
+@pytest.mark.parametrize("fn", ["mla_decode_partial", "plan_mla_decode"])
+def test_a_new_users_mistakes_name_the_argument_expected_and_got(fn, case):
+    """The function and its plan (one validation): a 512-wide query blames q (the width
+    expected, d_c + d_r, and received), FlashMLA's [nb, 64, 1, 576] cache is named with its fix,
+    a dtype mismatch says the pool must match q and gives both."""
+    import mqnc.triton_kernels as tk
+
+    q, pool, table, lens = _inputs()
+    q_bad, pool_bad, exc, match = _first_mistakes(q, pool)[case]
+    with pytest.raises(exc, match=match):
+        getattr(tk, fn)(q_bad, pool_bad, table, lens, softmax_scale=SCALE)
 
 
 def test_decode_requires_softmax_scale():

@@ -131,7 +131,9 @@ def test_absorbed_pipeline_reproduces_hf_deepseek_v3(rope_interleave, q_lora_ran
                 )
             )
         o_lat, lse = merge_partials(
-            torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials])
+            torch.stack([p[0] for p in partials]),
+            torch.stack([p[1] for p in partials]),
+            layout="MBHD",
         )
         out = output_projection(w, o_lat.cpu())
     assert torch.isfinite(lse).all()

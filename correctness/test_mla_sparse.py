@@ -163,7 +163,7 @@ def test_routed_sparse_equals_one_call(dtype, topk, holders, seed):
         idx = torch.where(mine[idx.long()], idx, torch.full_like(idx, -1))
         partials.append(mla_sparse_partial(q, held, idx, softmax_scale=SCALE))
     o_routed, lse_routed = merge_partials(
-        torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials])
+        torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials]), layout="MBHD"
     )
     o_one, lse_one = mla_sparse_partial(q, store, indices.to(DEVICE), softmax_scale=SCALE)
     assert float(o_one.abs().max()) < 0.25
@@ -197,6 +197,22 @@ def test_sparse_bad_input_names_the_argument(mutate, exc, match):
     args = mutate(dict(q=q, kv_pool=pool, indices=indices, softmax_scale=SCALE))
     with pytest.raises(exc, match=match):
         mla_sparse_partial(args.pop("q"), args.pop("kv_pool"), args.pop("indices"), **args)
+
+
+@pytest.mark.parametrize("case", range(3))
+@pytest.mark.parametrize("fn", ["mla_sparse_partial", "plan_mla_sparse"])
+def test_a_new_users_mistakes_name_the_argument_expected_and_got(fn, case):
+    """As for the dense op (one validation, ``mla.plan.mla_operands``): a 512-wide query blames
+    q with the width expected and received, FlashMLA's 4-D cache is named with its fix, a dtype
+    mismatch says the pool must match q and gives both."""
+    from test_mla_decode import _first_mistakes
+
+    import mqnc.triton_kernels as tk
+
+    q, pool, indices = _inputs()
+    q_bad, pool_bad, exc, match = _first_mistakes(q, pool)[case]
+    with pytest.raises(exc, match=match):
+        getattr(tk, fn)(q_bad, pool_bad, indices, softmax_scale=SCALE)
 
 
 def test_sparse_index_check_can_be_switched_off():

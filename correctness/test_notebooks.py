@@ -8,8 +8,11 @@ kind the figures read (generated here from the cost model with noise: the figure
 drawn), on one holding only kernel benchmarks (the transport figures must be reported missing
 with the command that produces them) and on the repository's own results file.
 
-Also checked: the notebooks are stored without outputs, and the plotting functions report
-missing data with :class:`mqnc.plots.MissingData`.
+Also checked: the notebooks are stored executed (``make notebooks``), every figure cell with its
+image, each notebook under 1 MB, and their stored text outputs are current: the runs on the
+repository's own results file print, cell by cell, what the stored notebooks hold (images are
+not compared); and the plotting functions report missing data with
+:class:`mqnc.plots.MissingData`.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from mqnc.model import get_preset  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 TIMEOUT_S = 120
+MAX_BYTES = 1_000_000
+NOTEBOOK_NAMES = ["01_cost_model.ipynb", "02_measurements.ipynb"]
 
 MODEL_FIGS = [
     "fig1a_payload",
@@ -212,8 +217,12 @@ def run_notebook(name: str, tmp: Path, *, results: Path | None) -> tuple[Path, s
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     km = _kernel_manager(tmp, env)
     # The default results path must come from the notebook; connection files go to tmp.
-    saved = {k: os.environ.get(k) for k in ("MQNC_RESULTS", "JUPYTER_RUNTIME_DIR")}
-    os.environ.pop("MQNC_RESULTS", None)
+    # The kernel inherits this environment: the notebooks' own variables are unset (defaults),
+    # as when the stored outputs were made.
+    ours = ("MQNC_RESULTS", "MQNC_MODEL", "MQNC_FABRIC", "MQNC_FIG_DIR")
+    saved = {k: os.environ.get(k) for k in (*ours, "JUPYTER_RUNTIME_DIR")}
+    for k in ours:
+        os.environ.pop(k, None)
     os.environ["JUPYTER_RUNTIME_DIR"] = str(tmp / "runtime")
     try:
         client = nbclient.NotebookClient(
@@ -265,6 +274,36 @@ def assert_figure_cells_hold_images(name: str) -> None:
     assert figure_cells >= 4, f"{name}: only {figure_cells} figure cells"
 
 
+_WROTE = re.compile(r"^\S+: wrote .*\n?", re.M)
+"""The line a figure saved to ``MQNC_FIG_DIR`` prints (the stored run sets no folder)."""
+
+
+def _stdout_per_cell(nb) -> list[str]:
+    return [
+        "".join(
+            out.get("text", "")
+            for out in cell.get("outputs", [])
+            if out.get("output_type") == "stream" and out.get("name") == "stdout"
+        )
+        for cell in nb.cells
+        if cell.cell_type == "code"
+    ]
+
+
+def assert_stored_outputs_current(name: str) -> None:
+    """The stored notebook's text outputs are what the last execution of ``name`` (on the
+    repository's results file, default model and fabric) printed, cell by cell, less the lines
+    that name the temporary figure folder; images are not compared."""
+    stored = _stdout_per_cell(nbformat.read(NOTEBOOKS / name, as_version=4))
+    fresh = [_WROTE.sub("", text) for text in _stdout_per_cell(EXECUTED[name])]
+    assert len(stored) == len(fresh), f"{name}: {len(stored)} stored cells, {len(fresh)} run"
+    for i, (old, new) in enumerate(zip(stored, fresh, strict=True)):
+        assert old == new, (
+            f"notebooks/{name} code cell {i}: the stored output is stale; rerun `make notebooks`"
+            f"\n--- stored\n{old}\n--- now\n{new}"
+        )
+
+
 def assert_png(path: Path) -> None:
     """The PNG exists, is not tiny, and is not a blank canvas."""
     import matplotlib.image as mpimg
@@ -284,14 +323,27 @@ def assert_png(path: Path) -> None:
 # ---- tests -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["01_cost_model.ipynb", "02_measurements.ipynb"])
-def test_stored_without_outputs(name):
-    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+@pytest.mark.parametrize("name", NOTEBOOK_NAMES)
+def test_stored_executed_with_their_figures(name):
+    """A reader on the web sees every figure: the notebook is stored executed, top to bottom
+    in one run, without errors, every ``figure`` cell holding an ``image/png``; under
+    :data:`MAX_BYTES`, and naming no clone's absolute path."""
+    path = NOTEBOOKS / name
+    assert path.stat().st_size < MAX_BYTES, f"{name}: {path.stat().st_size} bytes"
+    assert str(ROOT) not in path.read_text(), f"{name}: stores this clone's path"
+    nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            assert cell.outputs == [], f"{name}: a code cell carries outputs"
-            assert cell.execution_count is None, f"{name}: a code cell has an execution count"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    counts = [c.execution_count for c in code]
+    assert counts == list(range(1, len(code) + 1)), f"{name}: not stored executed: {counts}"
+    for i, cell in enumerate(code):
+        kinds = {out.output_type for out in cell.outputs}
+        assert "error" not in kinds, f"{name} code cell {i}: stored with an error"
+        if "figure" in cell.metadata.get("tags", []):
+            images = [
+                out.data["image/png"] for out in cell.outputs if "image/png" in out.get("data", {})
+            ]
+            assert images, f"{name} code cell {i}: a figure cell stored without its image"
 
 
 def test_cost_model_notebook(tmp_path):
@@ -300,6 +352,7 @@ def test_cost_model_notebook(tmp_path):
         assert_png(fig_dir / f"{fig}.png")
     assert "not drawn" not in text
     assert_figure_cells_hold_images("01_cost_model.ipynb")
+    assert_stored_outputs_current("01_cost_model.ipynb")
 
 
 def test_measurements_notebook_draws_every_figure(tmp_path):
@@ -340,7 +393,8 @@ def test_measurements_notebook_on_repository_results(tmp_path):
     it is drawn, every transport figure is drawn or reported missing."""
     records = plots.read_results(ROOT / "perf" / "results" / "results.jsonl")
     fig_dir, text = run_notebook("02_measurements.ipynb", tmp_path, results=None)
-    assert str(ROOT / "perf" / "results" / "results.jsonl") in text
+    # named by its path in the repository, so that the stored outputs name no clone
+    assert f"perf/results/results.jsonl: {len(records)} records" in text
     for bench in plots.benches(records):
         if bench not in plots.TRANSPORT_BENCHES:
             assert_png(fig_dir / f"bench_{bench}.png")
@@ -354,6 +408,41 @@ def test_measurements_notebook_on_repository_results(tmp_path):
                 assert (fig_dir / f"{name}.png").exists() or f"{name}: not drawn" in text
             continue
         assert (fig_dir / f"{fig}.png").exists() or f"{fig}: not drawn" in text
+    assert_stored_outputs_current("02_measurements.ipynb")
+
+
+def test_compact_png_is_a_small_palette_png():
+    """The notebooks' stored figures: a palette PNG of at most 256 colours, smaller than the
+    full-colour one; bad arguments are refused by name."""
+    import base64
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    fig, ax = plt.subplots(figsize=(4, 3))
+    try:
+        x = np.linspace(0, 6, 200)
+        for k in range(6):
+            ax.plot(x, np.sin(x + k), label=f"k={k}")
+        ax.legend()
+        small = base64.b64decode(plots.compact_png(fig, dpi=80))
+        full = io.BytesIO()
+        fig.savefig(full, format="png", dpi=80)
+        with pytest.raises(ValueError, match="colors"):
+            plots.compact_png(fig, colors=300)
+        with pytest.raises(ValueError, match="dpi"):
+            plots.compact_png(fig, dpi=0)
+    finally:
+        plt.close(fig)
+    with Image.open(io.BytesIO(small)) as img:
+        assert img.format == "PNG" and img.mode == "P"
+        assert img.size == (320, 240)
+        assert len(img.getcolors(256) or []) > 8  # the lines' colours survive
+    assert len(small) < len(full.getvalue())
 
 
 def test_plots_missing_data_names_the_command():

@@ -141,3 +141,25 @@ def test_a_checkout_named_mqnc_does_not_impersonate_the_package(tmp_path):
     r = run("import mqnc, mqnc.triton_kernels as k; print(mqnc.__file__, k.__name__)", clone)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [str(clone / "mqnc" / "__init__.py"), "mqnc.triton_kernels"]
+
+
+def test_plain_make_installs_the_environment(tmp_path):
+    """Plain ``make`` on a fresh clone is ``make venv``: a dry run (``make -n``, nothing runs)
+    of the default goal against a venv that does not exist yet creates it *and* installs the
+    package into it, not the bare interpreter alone."""
+    import shutil
+
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("no make on this machine")
+    venv = tmp_path / "venv"
+    r = subprocess.run([make, "-n", "-C", str(ROOT), f"VENV={venv}"],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert f"-m venv {venv}" in r.stdout, r.stdout
+    assert f"{venv}/bin/python -m pip install --quiet -e '.[test," in r.stdout, r.stdout
+    assert f"touch {venv}/.mqnc-installed" in r.stdout, r.stdout
+    assert not venv.exists()  # a dry run
+    db = subprocess.run([make, "-pn", "-C", str(ROOT), f"VENV={venv}"],
+                        capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert ".DEFAULT_GOAL := venv" in db.stdout.splitlines(), db.stdout[-2000:]

@@ -109,6 +109,9 @@ def test_torchrun_two_nodes_holders_and_requesters(tmp_path):
     out = "\n".join((tmp_path / f"node{n}.log").read_text()[-3000:] for n in (0, 1))
     assert rcs == [0, 0], out
     assert "holder 2 done" in full and "holder 3 done" in full, out
+    # the trust note: once per job (rank 0, on node 0), not once per node or per rank
+    assert full.count("authenticates nobody") == 1, out
+    assert "authenticates nobody" in (tmp_path / "node0.log").read_text()
 
     for rank in (0, 1):
         got = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
@@ -195,6 +198,51 @@ def test_serve_command_surface():
     assert "loopback" not in service.TRANSPORTS  # every rank in one process: not a service
     assert mqnc_main(["serve", "--corpus", "x.json", "--job", "a:b", "--generate"]) == 2
     assert mqnc_main(["serve", "--corpus", "x.json", "--run", "a:b", "--job", "a:b"]) == 2
+
+
+def test_trust_note_is_said_once_per_job_in_two_lines(tmp_path, monkeypatch, capsys):
+    """``mqnc serve`` says where the store and gloo listen and where the trust model is written
+    once per job (rank 0, requester or holder, not every rank or every node's first rank), in
+    two short lines pointing to docs/serving.md's "Security and trust model". Each rank runs
+    up to the fabric's build (stopped there: no peers in this test)."""
+    from pathlib import Path
+
+    from mqnc.model import PRESETS
+    from mqnc.serving import Corpus, service
+
+    g = PRESETS["deepseek-v2-lite"].replace(layers=1, heads=4)
+    entries = torch.zeros(g.layers, 16, g.d_qk)
+    path = Corpus.partition(entries, g, 0.1, chunk_tokens=8, holders=[2]).save(tmp_path / "c.json")
+
+    class Built(Exception):
+        """The fabric would be built here."""
+
+    def stop(*args, **kwargs):
+        raise Built
+
+    monkeypatch.setattr(service, "rendezvous", lambda rank, world, **kw: (None, rank, world))
+    monkeypatch.setattr(service, "publish_commitment", lambda store, rank: "secret")
+    monkeypatch.setattr(service, "make_transport", stop)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # this process keeps its own
+    monkeypatch.delenv("LOCAL_RANK", raising=False)  # every rank is its node's first
+    said = {}
+    for rank in range(3):
+        argv = [
+            "serve", "--corpus", str(path), "--transport", "gloo", "--job", "json:dumps",
+            "--rank", str(rank), "--world", "3", "--master", "127.0.0.1:29500",
+        ]  # fmt: skip
+        with pytest.raises(Built):
+            mqnc_main(argv)
+        said[rank] = capsys.readouterr().err
+    assert said[1] == said[2] == "", said  # a requester and a holder that are not rank 0
+    note = said[0].rstrip("\n")
+    assert note == service.trust_note(0, "gloo", master="127.0.0.1:29500", gloo_host="127.0.0.1")
+    lines = note.splitlines()
+    assert len(lines) == 2 and all(len(line) <= 160 for line in lines), lines
+    assert "listen on 127.0.0.1 only" in lines[0] and "authenticates nobody" in lines[1]
+    assert 'docs/serving.md, "Security and trust model"' in lines[1]
+    serving = (Path(__file__).parents[1] / "docs" / "serving.md").read_text()
+    assert "\n## Security and trust model\n" in serving  # the section it points to
 
 
 def _readme_torchrun_commands() -> list[list[str]]:

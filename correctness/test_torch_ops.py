@@ -57,8 +57,9 @@ def _mla(gen):
 
 
 def _op_cases():
-    """``name -> args`` of a real call of each op (``name.out``: its ``out=`` overload, the
-    caller's tensors written in place)."""
+    """``name -> (args, kwargs)`` of a real call of each op, as its schema takes it: the
+    positional parameters positionally, the keyword-only ones (and ``out``, ``backend``) by
+    keyword (``name.out``: its ``out=`` overload, the caller's tensors written in place)."""
     gen = torch.Generator().manual_seed(0)
     q, pool, table, lens, idx = _mla(gen)
     indptr = torch.tensor([0, 2, 3], dtype=torch.int32, device=DEVICE)
@@ -68,52 +69,61 @@ def _op_cases():
     chunk = torch.randn(2, 5, D, generator=gen).to(DEVICE)
     freq = list(ROPE.inv_freq)
     mask = torch.tensor([True, False], device=DEVICE)
-    csr = (q, pool, indptr, indices, lens, SCALE, D_V, None, True, None, None, None)
+    kw = dict(softmax_scale=SCALE, d_v=D_V)
+    dense = ((q, pool, table, lens), dict(**kw, num_splits=2))
+    csr = ((q, pool, indptr, indices, lens), kw)
+    sparse = ((q, pool, idx), kw)
 
     def outs(*shapes):
         return [torch.empty(s, device=DEVICE) for s in shapes]
+
+    def with_out(case, *shapes):
+        return case[0], {**case[1], "out": outs(*shapes)}
 
     slots = torch.tensor([[0, 17, 33, -1], [40, -1, 2, 9]], dtype=torch.int32, device=DEVICE)
     scores = (
         torch.randn(2, 3, 4, generator=gen).to(DEVICE).masked_fill(slots[:, None] < 0, -math.inf)
     )
     rows = torch.randn(3, 128 + D_PE, generator=gen).to(torch.bfloat16).to(DEVICE)
+    merge = ((o, lse), dict(layout="MBHD"))
 
     return {
-        "mla_decode_partial": (q, pool, table, lens, SCALE, D_V, 2, True, None, None),
+        "mla_decode_partial": dense,
         "mla_decode_partial_csr": csr,
-        "mla_sparse_partial": (q, pool, idx, SCALE, D_V, None, True, None, None),
-        "merge_partials": (o, lse, True, "MBHD", False),
-        "merge_partials_into": (o[0].clone(), lse[0].clone(), o[1], lse[1], True, mask, False),
+        "mla_sparse_partial": sparse,
+        "merge_partials": merge,
+        "merge_partials_into": ((o[0].clone(), lse[0].clone(), o[1], lse[1]), dict(mask=mask)),
         "rope_splice": (
-            chunk,
-            [torch.zeros(8, D, device=DEVICE) for _ in range(2)],
-            False,
-            torch.arange(5, device=DEVICE),
-            torch.arange(5, device=DEVICE),
-            0,
-            freq,
-            D_PE,
-            "half",
-            True,
+            (
+                chunk,
+                [torch.zeros(8, D, device=DEVICE) for _ in range(2)],
+                False,
+                torch.arange(5, device=DEVICE),
+                torch.arange(5, device=DEVICE),
+                0,
+                freq,
+                D_PE,
+                "half",
+            ),
+            {},
         ),
-        "rope_rotate": (q, None, 9, freq, D_PE, "half"),
+        "rope_rotate": ((q, None, 9, freq, D_PE, "half"), {}),
         # a tensor-parallel rank's slice (d_v 32 + d_pe 16 columns) over pool slots, -1 unused
-        "tp_partial_scores": (q.to(torch.bfloat16), pool.to(torch.bfloat16), slots, D_V, True),
-        "tp_partial_values": (scores, pool.to(torch.bfloat16), slots, SCALE, D_V, True),
+        "tp_partial_scores": (
+            (q.to(torch.bfloat16), pool.to(torch.bfloat16), slots),
+            dict(d_v=D_V),
+        ),
+        "tp_partial_values": (
+            (scores, pool.to(torch.bfloat16), slots),
+            dict(softmax_scale=SCALE, d_v=D_V),
+        ),
         # FP8 entries of 128 latent values (one scale) + 16 RoPE values
-        "fp8_quantize": (rows, 128),
-        "fp8_dequantize": (fp8_quantize(rows, 128), 128, D_PE, "float32"),
-        "mla_decode_partial.out": (
-            *(q, pool, table, lens, SCALE, D_V, 2, True, None, None),
-            outs((2, 3, D_V), (2, 3)),
-        ),
-        "mla_decode_partial_csr.out": (*csr, outs((2, 3, D_V), (2, 3))),
-        "mla_sparse_partial.out": (
-            *(q, pool, idx, SCALE, D_V, None, True, None, None),
-            outs((2, 3, D_V), (2, 3)),
-        ),
-        "merge_partials.out": (o, lse, True, "MBHD", False, outs((2, 2, D), (2, 2))),
+        "fp8_quantize": ((rows, 128), {}),
+        "fp8_dequantize": ((fp8_quantize(rows, 128), 128, D_PE, "float32"), {}),
+        "mla_decode_partial.out": with_out(dense, (2, 3, D_V), (2, 3)),
+        "mla_decode_partial_csr.out": with_out(csr, (2, 3, D_V), (2, 3)),
+        "mla_sparse_partial.out": with_out(sparse, (2, 3, D_V), (2, 3)),
+        "merge_partials.out": with_out(merge, (2, 2, D), (2, 2)),
     }
 
 
@@ -135,7 +145,7 @@ def test_stacked_splice_through_the_op():
     pool, expected = (torch.zeros(2, 4, 4, D, device=DEVICE) for _ in range(2))
     rope_splice(chunk, expected, slots, -3, ROPE)
     torch.ops.mqnc.rope_splice(
-        chunk, [pool], True, slots, None, -3, list(ROPE.inv_freq), D_PE, "half", True
+        chunk, [pool], True, slots, None, -3, list(ROPE.inv_freq), D_PE, "half", validate=True
     )
     assert_close(pool, expected, tolerance("same_kernel", "float32"), name="pool")
 
@@ -143,11 +153,102 @@ def test_stacked_splice_through_the_op():
 @pytest.mark.parametrize("name", sorted(_op_cases()))
 def test_op_registration(name):
     """Schema, fake and functionalisation of ``torch.ops.mqnc.<name>`` against its real run."""
+    args, kwargs = _op_cases()[name]
     torch.library.opcheck(
         _overload(name),
-        _op_cases()[name],
+        args,
+        kwargs,
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
     )
+
+
+def test_op_schemas_carry_the_declared_defaults():
+    """Each op's schema is its public function's signature: the same parameters keyword-only,
+    the same defaults (``d_v=512``, ``check_inputs=True``, ...; a parameter without one, such
+    as ``merge_partials``' ``layout``, has none in the schema either)."""
+    for name in OPS:
+        fn = getattr(PUBLIC, name)
+        declared = inspect.signature(fn).parameters
+        schema = {a.name: a for a in getattr(torch.ops.mqnc, name).default._schema.arguments}
+        for p in fn.op.params:
+            kwonly = declared[p.name].kind is inspect.Parameter.KEYWORD_ONLY
+            for i, (field, _) in enumerate(p.fields):
+                arg = schema[field]
+                assert arg.kwarg_only == kwonly, (name, field)
+                if p.defaults is None:
+                    assert declared[p.name].default is inspect.Parameter.empty, (name, p.name)
+                    assert not arg.has_default_value(), (name, field)
+                else:
+                    assert arg.default_value == p.defaults[i], (name, field)
+        assert schema["backend"].default_value == "triton"
+    assert torch.ops.mqnc.mla_decode_partial.default._schema.arguments[5].default_value == 512
+
+
+def _default_calls():
+    """``name -> (args, kwargs)``: each op called with only the arguments that have no default
+    (the rows 576 = 512 + 64 wide: ``d_v`` left at 512)."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 2, 576, generator=gen).to(DEVICE)
+    pool = torch.randn(2, 16, 576, generator=gen).to(DEVICE)
+    table = torch.tensor([[0], [1]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([16, 5], dtype=torch.int32, device=DEVICE)
+    idx = torch.tensor([[0, 7, -1], [3, 20, 11]], dtype=torch.int32, device=DEVICE)
+    indptr = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    o = torch.randn(3, 2, 2, D, generator=gen).to(DEVICE)
+    lse = torch.randn(3, 2, 2, generator=gen).to(DEVICE)
+    slots = torch.tensor([[0, 17, -1], [4, -1, 2]], dtype=torch.int32, device=DEVICE)
+    small = torch.randn(3, 16, D, generator=gen).to(DEVICE)
+    return {
+        "mla_decode_partial": ((q, pool, table, lens), dict(softmax_scale=SCALE)),
+        "mla_decode_partial_csr": ((q, pool, indptr, table[:, 0]), dict(softmax_scale=SCALE)),
+        "mla_sparse_partial": ((q, pool, idx), dict(softmax_scale=SCALE)),
+        "merge_partials": ((o, lse), dict(layout="MBHD")),
+        "merge_partials_into": ((o[0].clone(), lse[0].clone(), o[1], lse[1]), {}),
+        "tp_partial_scores": ((q[..., :D], small, slots), dict(d_v=D_V)),
+        "tp_partial_values": (
+            (torch.randn(2, 2, 3, generator=gen).to(DEVICE), small, slots),
+            dict(softmax_scale=SCALE, d_v=D_V),
+        ),
+        "rope_splice": (
+            (
+                small[:1, :5],
+                [torch.zeros(8, D, device=DEVICE)],
+                False,
+                torch.arange(5, device=DEVICE),
+                None,
+                3,
+                list(ROPE.inv_freq),
+                D_PE,
+                "half",
+            ),
+            {},
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_default_calls()))
+def test_an_op_called_without_its_defaulted_arguments_equals_the_public_call(name):
+    """``torch.ops.mqnc.<name>`` without the arguments that have defaults (``d_v``,
+    ``num_splits``, ``check_inputs``, ``kv_lens``, ``check_lse``, ``mask``, ``validate``, ...)
+    runs, and gives what the public function gives for the same call (its own defaults)."""
+    args, kwargs = _default_calls()[name]
+    fn = getattr(PUBLIC, name)
+    # (a mutating op and the function each write their own copy)
+    theirs = [t.clone() if isinstance(t, torch.Tensor) else t for t in args]
+    got = getattr(torch.ops.mqnc, name)(*args, **kwargs)
+    if name == "rope_splice":  # (the function's spec and pool, not the codec's fields)
+        pools = [p.clone() for p in args[1]]
+        fn(args[0], pools, args[3], args[5], ROPE)
+        got, want = args[1], pools
+    else:
+        want = fn(*theirs, **kwargs)
+    if name == "merge_partials_into":
+        got, want = args[:2], theirs[:2]
+    got = got if isinstance(got, (tuple, list)) else (got,)
+    want = want if isinstance(want, (tuple, list)) else (want,)
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_close(g, w, tolerance("same_kernel", "float32"), name=f"{name} output {i}")
 
 
 def _step(ops, q, pool, table, lens, idx, acc, lacc, chunk, caches, slots):
@@ -162,7 +263,9 @@ def _step(ops, q, pool, table, lens, idx, acc, lacc, chunk, caches, slots):
     o3, _ = ops.mla_decode_partial_csr(
         q, pool, indptr, table.flatten()[:3], lens, check_inputs=False, max_kv_len=32, **kw
     )
-    o, lse = ops.merge_partials(torch.stack([o1, o2]), torch.stack([l1, l2]), check_lse=False)
+    o, lse = ops.merge_partials(
+        torch.stack([o1, o2]), torch.stack([l1, l2]), check_lse=False, layout="MBHD"
+    )
     ops.merge_partials_into(acc, lacc, o, lse, check_lse=False)
     ops.rope_splice(chunk, caches, slots, 5, ROPE, validate=False)
     return acc * 1.0, lacc, ops.rope_rotate(q, -5, ROPE), o, o3
@@ -210,7 +313,7 @@ def test_plans_take_their_ops_signature_without_out():
         assert inspect.signature(plan).parameters == params, plan.__name__
     o, lse = torch.zeros(2, 1, 1, 4, device=DEVICE), torch.zeros(2, 1, 1, device=DEVICE)
     with pytest.raises(ValueError, match="backend: expected one of .*'triton'.*got 'cuda'"):
-        torch.ops.mqnc.merge_partials(o, lse, True, "MBHD", False, backend="cuda")
+        torch.ops.mqnc.merge_partials(o, lse, layout="MBHD", backend="cuda")
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -246,18 +349,20 @@ def test_compile_fullgraph_equals_eager(backend):
 
 
 def _overlapping_out(name: str, kind: str):
-    """``(args, out, names)`` of a call of op ``name`` whose ``out=`` shares memory with an
-    input (``kind="input"``: ``o`` is a view into the first tensor argument, ``q`` or the
-    partials ``o``) or with the other output (``kind="lse"``: ``lse`` is a view into ``o``)."""
-    args = _op_cases()[f"{name}.out"]
-    args, (o, lse) = list(args[:-1]), args[-1]
+    """``(args, kwargs, out, names)`` of a call of op ``name`` whose ``out=`` shares memory
+    with an input (``kind="input"``: ``o`` is a view into the first tensor argument, ``q`` or
+    the partials ``o``) or with the other output (``kind="lse"``: ``lse`` is a view into
+    ``o``)."""
+    args, kwargs = _op_cases()[f"{name}.out"]
+    kwargs = dict(kwargs)
+    args, (o, lse) = list(args), kwargs.pop("out")
     first = args[0]
     if kind == "input":  # (a fresh copy: the other cases' tensors stay untouched)
         args[0] = first = first.clone()
         o = first.reshape(-1)[: o.numel()].view(o.shape)
-        return args, (o, lse), ("out[0] (o)", "q" if name != "merge_partials" else "o")
+        return args, kwargs, (o, lse), ("out[0] (o)", "q" if name != "merge_partials" else "o")
     lse = o.reshape(-1)[1 : 1 + lse.numel()].view(lse.shape)
-    return args, (o, lse), ("out[0] (o)", "out[1] (lse)")
+    return args, kwargs, (o, lse), ("out[0] (o)", "out[1] (lse)")
 
 
 @pytest.mark.parametrize("kind", ["input", "lse"])
@@ -275,12 +380,12 @@ def test_out_sharing_memory_is_refused(name, backend, kind):
 
     from mqnc.serving.compute import kernel_ops  # noqa: F401  (registers the torch backend)
 
-    args, out, (a, b) = _overlapping_out(name, kind)
+    args, kwargs, out, (a, b) = _overlapping_out(name, kind)
     pattern = f"{re.escape(a)} and {re.escape(b)}: .*share memory"
     with pytest.raises(ValueError, match=pattern):
-        _overload(f"{name}.out")(*args, list(out), backend)
+        _overload(f"{name}.out")(*args, **kwargs, out=list(out), backend=backend)
     fn = getattr(kernel_ops(backend), name)
-    call, _ = fn.op._call(tuple(args), {})  # (the schema's arguments back to the declared ones)
+    call, _ = fn.op._call(tuple(args), kwargs)  # (the schema's arguments to the declared ones)
     with pytest.raises(ValueError, match=pattern):
         fn(**{p.name: getattr(call, p.name) for p in fn.op.params}, out=out)
 
@@ -297,12 +402,13 @@ def test_op_registration_with_an_fp8_pool(name):
     if name == "mla_decode_partial":
         table = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32, device=DEVICE)
         lens = torch.tensor([20, 9], dtype=torch.int32, device=DEVICE)
-        args = (q, pool, table, lens, SCALE, 128, 2, True, None, None)
+        args, kwargs = (q, pool, table, lens), dict(softmax_scale=SCALE, d_v=128, num_splits=2)
     else:
         idx = torch.tensor([[0, 7, 40, -1], [3, -1, 2, 11]], dtype=torch.int32, device=DEVICE)
-        args = (q, pool, idx, SCALE, 128, None, True, None, None)
+        args, kwargs = (q, pool, idx), dict(softmax_scale=SCALE, d_v=128)
     torch.library.opcheck(
         _overload(name),
         args,
+        kwargs,
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
     )

@@ -45,7 +45,7 @@ def _merge_fn(m: int, m_q: int, geometry):
         lse = torch.randn(m, b, heads, device="cuda")
 
         def run():
-            merge_partials(o, lse, check_lse=False)
+            merge_partials(o, lse, check_lse=False, layout="MBHD")
             torch.cuda.synchronize()
 
         return run, "triton merge"

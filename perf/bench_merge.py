@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     if kernel:
         from mqnc.triton_kernels import merge_partials
 
-        fn = lambda o, l: merge_partials(o, l, check_lse=False)  # noqa: E731
+        fn = lambda o, l: merge_partials(o, l, check_lse=False, layout="MBHD")  # noqa: E731
         backend = "triton" if cuda else "interpreter"
     else:
         fn = lambda o, l: merge_reference(o, l, dtype=torch.float32)  # noqa: E731

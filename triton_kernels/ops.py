@@ -17,9 +17,11 @@
 
 The public function *is* the op's caller: eager calls and ``torch.compile`` (which traces the
 op through its fake) take one path, and the plans (``plan_mla_decode``, ...) take the same
-signature without ``out``. An op's schema takes the declared parameters positionally, in
-declared order (the public function enforces the keyword-only ones), then ``backend``:
-``"triton"`` (the kernels, the default) or ``"torch"`` (the fp64 references of
+signature without ``out``. An op's schema is the declared signature: the same parameters in
+declared order, the same keyword-only ones and the same defaults (``torch.ops.mqnc.
+mla_decode_partial(q, kv_pool, block_table, cache_seqlens, softmax_scale=s)`` is the public
+call, ``d_v=512``), then ``backend`` (keyword-only where the declaration has keyword-only
+parameters): ``"triton"`` (the kernels, the default) or ``"torch"`` (the fp64 references of
 ``mqnc.reference``, registered by ``mqnc.serving.compute``; ``kernel_ops("torch")`` calls
 them). An op with ``out=`` has a second overload ``.out`` that writes the caller's tensors
 (``out: Tensor[]``, before ``backend``) and returns nothing. Arguments that no op schema
@@ -423,14 +425,19 @@ def _merged(call) -> tuple[Tensor, Tensor]:
     return o.new_empty((B, o.shape[2], o.shape[3])), call.lse.new_empty((B, o.shape[2]))
 
 
-@kernel_op(fake=_merged)
+MERGE_LAYOUTS = (
+    "'MBHD' (mqnc's partials stacked first: [M, B, H, D]) or 'BMHD' (FlashInfer's [B, M, H, D])"
+)
+
+
+@kernel_op(fake=_merged, required=dict(layout=MERGE_LAYOUTS))
 def merge_partials(
     o: Tensor,
     lse: Tensor,
     *,
+    layout: str,
     check_lse: bool = True,
     out: Outputs | None = None,
-    layout: str = "MBHD",
     base2: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Merge M partials over disjoint key subsets into the partial over their union.
@@ -444,17 +451,18 @@ def merge_partials(
     lse : torch.Tensor
         Log-sum-exp of each partial's scaled scores, ``o``'s shape without ``Dv``, float32;
         natural log (base 2 with ``base2``). ``-inf`` and ``+inf`` mark an empty partial.
+    layout : str
+        Required, keyword-only: which axis holds the partials, ``"MBHD"`` (the first: mqnc's
+        partials stacked with ``torch.stack``, ``[M, B, H, D]``) or ``"BMHD"`` (the second:
+        FlashInfer's ``merge_states`` input, ``[B, M, H, D]``). A 4-D tensor cannot say which
+        it is (``[3, 2, 16, 512]`` is either), so there is no default and the axis is never
+        guessed; a missing ``layout`` is a ``TypeError`` naming both values.
     check_lse : bool
         Raise on NaN ``lse`` (one host sync); pass False on a hot path.
     out : (torch.Tensor, torch.Tensor) or None
         Write the result into these ``[B, H, Dv]`` (any float dtype: the fp32 accumulator is
         rounded once to it) and ``[B, H]`` float32 tensors instead of new ones (how split-KV
         partials are combined straight into the attention kernels' outputs).
-    layout : str
-        Which axis holds the partials: ``"MBHD"`` (the first; this package's convention) or
-        ``"BMHD"`` (the second; FlashInfer's ``merge_states``). A 4-D tensor cannot say which
-        it is, so the axis is never guessed: pass ``"BMHD"`` for FlashInfer-layout tensors
-        (or call ``mqnc.triton_kernels.adapters.flashinfer.merge_states``).
     base2 : bool
         ``lse`` given, and returned, in base 2 (FlashInfer's convention): merged with ``exp2``
         / ``log2``, no conversion.
@@ -472,7 +480,7 @@ def merge_partials(
     >>> import torch
     >>> from mqnc.triton_kernels.merge.partials import merge_partials
     >>> o, lse = torch.randn(3, 2, 16, 512), torch.randn(3, 2, 16)
-    >>> om, lm = merge_partials(o, lse)
+    >>> om, lm = merge_partials(o, lse, layout="MBHD")
     >>> om.shape, lm.shape
     (torch.Size([2, 16, 512]), torch.Size([2, 16]))
     >>> om2, _ = merge_partials(o.transpose(0, 1), lse.transpose(0, 1), layout="BMHD")

@@ -22,7 +22,7 @@
     (:func:`mqnc.transport.nvshmem.device_library_path`).
 ``MQNC_COMMIT=SHA``
     The commit every benchmark record carries (:func:`mqnc.measure.results_file.git_commit`), for a
-    copy of the repository without ``.git`` (the lent GPU machine: ``perf/gpu_check.sh`` sets it
+    copy of the repository without ``.git`` (a GPU machine's copy: ``perf/gpu_check.sh`` sets it
     from git or from the ``.mqnc-commit`` file that travels with the copy).
 ``MQNC_BACKEND=op=backend[,op=backend]``
     Force a backend for an op, e.g. ``mla_decode=tl`` (the portable kernel on a Hopper GPU too)

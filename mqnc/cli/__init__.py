@@ -7,7 +7,8 @@ neither torch nor triton (``mqnc --help`` stays fast and GPU-free; a test checks
 that runs kernels or transports imports what it runs inside its handler, after choosing the
 kernel mode. Nothing else in the package imports this one.
 
-Errors: a bad option is an argparse error naming the flag (exit status 2); a ``ValueError``,
+Errors: a bad option is an argparse error naming the flag, under the usage of the subcommand
+that was given it (an unknown one too: ``mqnc predict --bogus``; exit status 2); a ``ValueError``,
 ``TypeError`` or missing file raised while the command runs is printed as one line (exit
 status 2), or with ``-v`` / ``--verbose`` as its traceback; ``-v`` also turns on the package's
 log messages (``-vv``: debug).
@@ -41,6 +42,18 @@ SUBCOMMANDS = [
 _VERBOSE_HELP = "show the traceback of an error and log what the command does (-vv: debug)"
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an argument it does not know is its own usage error (its usage
+    and ``mqnc <command>: error: unrecognized arguments: ...``, exit status 2), not the
+    top-level parser's (argparse hands a subparser's leftovers up to ``mqnc``'s usage)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mqnc",
@@ -49,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"mqnc {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help=_VERBOSE_HELP)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
     for module in SUBCOMMANDS:
         importlib.import_module(module).register(sub)
     for p in sub.choices.values():

@@ -12,7 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from mqnc.base.checks import is_int
-from mqnc.measure.options import nonnegative_int, nonnegative_int_list, positive_int
+from mqnc.measure.options import (
+    hf_model_arg,
+    nonnegative_int,
+    nonnegative_int_list,
+    positive_int,
+    resolve_hf_model,
+)
 
 __all__ = ["register", "read_token_ids"]
 
@@ -45,18 +51,27 @@ def read_token_ids(path: str) -> list[int]:
     return ids
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _run(args) -> int:
     # imported here: registering this command must not load torch (``mqnc --help``)
     from mqnc.base.runtime import use_interpreter_without_cuda
 
     use_interpreter_without_cuda()
+    ids = read_token_ids(args.context)
+    source = resolve_hf_model(args.model)  # (at once, in one line: before torch is imported)
     import torch
     from transformers import AutoModelForCausalLM
 
     from mqnc.integrations.hf import prefill_context
 
-    ids = read_token_ids(args.context)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, args.dtype))
+    except OSError as exc:  # (transformers' own: weights missing, a download broken off)
+        raise ValueError(f"--model: cannot load {args.model!r}: {_first_line(exc)}") from None
     corpus = prefill_context(
         model.eval(),
         ids,
@@ -83,7 +98,14 @@ def register(subparsers) -> None:
         "corpus file mqnc serve's holders load",
         description=DESCRIPTION,
     )
-    p.add_argument("--model", required=True, help="Hugging Face model folder (from_pretrained)")
+    p.add_argument(
+        "--model",
+        type=hf_model_arg,
+        required=True,
+        metavar="DIR|HUB_ID",
+        help="Hugging Face model folder (from_pretrained), or a hub id (org/name): a path "
+        "that does not exist is refused without asking the hub; HF_HUB_OFFLINE is honoured",
+    )
     p.add_argument("--context", required=True, help="JSON token ids of the shared context")
     p.add_argument("--chunk-tokens", type=positive_int, default=256, help="default 256")
     p.add_argument(

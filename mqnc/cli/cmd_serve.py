@@ -7,11 +7,11 @@ folder generating from this requester's prompt, :func:`mqnc.integrations.hf.serv
 ``--job module:function`` (called with a :class:`mqnc.serving.ServeContext`). Start it with
 ``torchrun ... -m mqnc serve --corpus corpus.json ...``. (``--run``, the old name of ``--job``,
 still works outside torchrun, with a warning: torchrun's parser takes it for an abbreviation of
-its own ``--run-path`` and refuses the command line as ambiguous.) Every node's first rank says
-where the store and gloo listen and what the trust model is, at start
-(:func:`mqnc.serving.service.trust_note`). With ``--tp N`` the ranks form tensor-parallel
-instances of ``N`` ranks each and route rank to rank (:mod:`mqnc.serving.tp_service`;
-docs/tensor-parallel.md).
+its own ``--run-path`` and refuses the command line as ambiguous.) Rank 0 says, once per job at
+start, where the store and gloo listen and where the trust model is written
+(:func:`mqnc.serving.service.trust_note`: two lines on stderr). With ``--tp N`` the ranks form
+tensor-parallel instances of ``N`` ranks each and route rank to rank
+(:mod:`mqnc.serving.tp_service`; docs/tensor-parallel.md).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 import sys
 import warnings
 
-from mqnc.measure.options import positive_float, positive_int
+from mqnc.measure.options import positive_float, positive_int, resolve_hf_model
 from mqnc.transport import AUTO, ENGINES, describe, names
 
 __all__ = ["register"]
@@ -63,7 +63,7 @@ def _job(args):
             raise ValueError("--generate: needs --model DIR and --prompts FILE")
         return serve_generate(
             ctx,
-            model=args.model,
+            model=resolve_hf_model(args.model),  # (this rank's: a holder needs no model)
             prompts=args.prompts,
             max_new_tokens=args.max_new_tokens,
             force=args.force,
@@ -76,7 +76,7 @@ def _job(args):
 
 
 def _say(note: str) -> None:
-    """The trust note, once per node (its first rank), on stderr."""
+    """The trust note (run_rank says it once per job, on rank 0), on stderr."""
     print(note, file=sys.stderr, flush=True)
 
 
@@ -141,7 +141,7 @@ def _run(args) -> int:
         world=args.world,
         master=args.master,
         options=args,
-        say=_say if os.environ.get("LOCAL_RANK", "0") == "0" else None,
+        say=_say,
     )
     if done["role"] == "holder":
         s = done["stats"]
@@ -214,7 +214,13 @@ def register(subparsers) -> None:
         action="store_true",
         help="requester job: generate with --model from --prompts (the job without --job)",
     )
-    p.add_argument("--model", default=None, help="Hugging Face model folder (from_pretrained)")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR|HUB_ID",
+        help="Hugging Face model folder (from_pretrained) or hub id, read by the requester "
+        "ranks only (a holder's machine needs no model): checked as mqnc corpus checks it",
+    )
     p.add_argument(
         "--prompts", default=None, help='JSON {"prompts": [[ids], ...]}, one per requester'
     )

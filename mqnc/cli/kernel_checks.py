@@ -1,5 +1,7 @@
 """The checks behind ``mqnc selfcheck``: every kernel once against its fp64 reference.
 
+:data:`CHECKS` maps each check's name (``mqnc.cli.cmd_selfcheck.CHECKS``, the list its help
+prints) to its function; :func:`run_checks` runs those names, each in float32 and bfloat16.
 Small shapes, on the device that runs the kernels (:func:`mqnc.base.kernel_device`: the CPU
 interpreter when no GPU exists; the caller chooses the kernel mode before importing this
 module); each check raises ``AssertionError`` beyond its bound from
@@ -16,12 +18,19 @@ from mqnc.reference import (
     merge_reference,
     mla_decode_reference,
     mla_sparse_reference,
+    rope_rotate_reference,
     rope_splice_reference,
 )
 from mqnc.testing import assert_close, tolerance
-from mqnc.triton_kernels import merge_partials, mla_decode_partial, mla_sparse_partial, rope_splice
+from mqnc.triton_kernels import (
+    merge_partials,
+    mla_decode_partial,
+    mla_sparse_partial,
+    rope_rotate,
+    rope_splice,
+)
 
-__all__ = ["run_checks"]
+__all__ = ["CHECKS", "run_checks"]
 
 
 def _dt(dtype: torch.dtype) -> str:
@@ -37,7 +46,7 @@ def _check_merge(dtype):
     lse[:, 1, 0] = float("inf")  # an all-empty row, as FlashMLA marks it
     o, lse = o.to(kernel_device()), lse.to(kernel_device())
     o_ref, lse_ref = merge_reference(o, lse)
-    o_out, lse_out = merge_partials(o, lse)
+    o_out, lse_out = merge_partials(o, lse, layout="MBHD")
     s_o = assert_close(o_out, o_ref, tolerance("merge", dtype), name="o")
     s_l = assert_close(lse_out, lse_ref, tolerance("merge_lse", "float32"), name="lse")
     shape = f"M={M} B={B} H={H} Dv={D} {_dt(dtype)}"
@@ -62,6 +71,20 @@ def _check_splice(dtype):
         f"rope_splice L={L} ct={ct} block_size={block_size} delta=[ct] {_dt(dtype)}: "
         f"latent bit-exact; rope {s}"
     )
+
+
+def _check_rope_rotate(dtype):
+    g = torch.Generator().manual_seed(2)
+    B, H = 3, 16
+    rope = RopeSpec.from_preset("deepseek-v2-lite")
+    q = torch.randn(B, H, 576, generator=g).clamp(-4, 4).to(dtype)
+    delta = torch.tensor([-777, 0, 163_839])  # one per query token
+    q, delta = q.to(kernel_device()), delta.to(kernel_device())
+    out = rope_rotate(q, delta, rope)
+    if not torch.equal(out[..., :512], q[..., :512]):
+        raise AssertionError("rope_rotate: the latent dims were not copied bit-exactly")
+    s = assert_close(out, rope_rotate_reference(q, delta, rope), tolerance("rope", dtype), name="q")
+    return f"rope_rotate B={B} H={H} delta=[B] {_dt(dtype)}: latent bit-exact; rope {s}"
 
 
 def _check_mla_decode(dtype):
@@ -98,10 +121,22 @@ def _check_mla_sparse(dtype):
     return f"mla_sparse_partial B={B} H={H} topk={topk} (1/5 unused) {_dt(dtype)}: o {s_o}"
 
 
-def run_checks() -> list[str]:
-    """Run the checks; returns one line per check, raises AssertionError on the first failure."""
-    lines = []
-    for check in (_check_merge, _check_splice, _check_mla_decode, _check_mla_sparse):
-        for dtype in (torch.float32, torch.bfloat16):
-            lines.append(check(dtype))
-    return lines
+CHECKS = {
+    "merge": _check_merge,
+    "dense partial attention": _check_mla_decode,
+    "sparse partial attention": _check_mla_sparse,
+    "splice": _check_splice,
+    "query rotation": _check_rope_rotate,
+}
+"""Each check by the name ``mqnc selfcheck --help`` lists."""
+
+
+def run_checks(names=None) -> list[str]:
+    """Run the checks ``names`` (default: every one of :data:`CHECKS`), each in float32 and
+    bfloat16; returns one line per check and dtype, raises AssertionError on the first failure
+    and KeyError on a name that is no check."""
+    names = list(CHECKS) if names is None else list(names)
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        raise KeyError(f"names: no such check {unknown}; the checks are {list(CHECKS)}")
+    return [CHECKS[n](dtype) for n in names for dtype in (torch.float32, torch.bfloat16)]

@@ -138,7 +138,9 @@ def launch_cases(shape: LaunchShape, device: str) -> dict[str, tuple[Callable, b
     def step():
         o_a, l_a = plan.run(q, pool, table, lens)
         o_b, l_b = plan_b.run(q, pool_b, table_b, lens_b)
-        return merge_partials(torch.stack([o_a, o_b]), torch.stack([l_a, l_b]), check_lse=False)
+        return merge_partials(
+            torch.stack([o_a, o_b]), torch.stack([l_a, l_b]), check_lse=False, layout="MBHD"
+        )
 
     cases["step.replay"] = (_captured(step), False)
     return cases

@@ -44,6 +44,9 @@ __all__ = [
     "transport_list",
     "choice_list",
     "model_arg",
+    "check_hf_model",
+    "hf_model_arg",
+    "resolve_hf_model",
     "hidden_alias",
     "bench_parser",
     "parse_bench_args",
@@ -140,6 +143,85 @@ def model_arg(text: str) -> MLAGeometry:
         return load_geometry(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("model: ")) from None
+
+
+# A Hugging Face hub id: ``name`` or ``namespace/name`` (letters, digits, ``-``, ``_``, ``.``).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+_FOLDER_OR_ID = "a model folder holding config.json, or a Hugging Face hub id such as org/name"
+
+
+def _path_like(text: str) -> bool:
+    """``text`` names a file system path, never a hub id: it starts with ``.``, ``/`` or ``~``,
+    or holds a path separator in a shape no hub id has (``namespace/name`` is a hub id)."""
+    if text.startswith((".", "/", "~")) or "\\" in text or (os.sep != "/" and os.sep in text):
+        return True
+    return "/" in text and _HUB_ID.fullmatch(text) is None
+
+
+def check_hf_model(model: str, flag: str = "--model") -> str:
+    """A Hugging Face model for ``from_pretrained`` (``mqnc corpus`` / ``mqnc serve
+    --model``): an existing folder holding ``config.json`` (returned, ``~`` expanded), or a hub
+    id (returned as it is; :func:`resolve_hf_model` finds it). Checked without the network: a
+    path-like value (:func:`_path_like`) that is no folder, a file, or a folder without
+    ``config.json`` is a ``ValueError`` naming ``flag``, in one line."""
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(
+                f"{flag}: expected {_FOLDER_OR_ID}, got the folder {model!r}, which has no "
+                f"config.json"
+            )
+        return path
+    if os.path.exists(path):
+        raise ValueError(f"{flag}: expected {_FOLDER_OR_ID}, got the file {model!r}")
+    if _path_like(model) or not _HUB_ID.fullmatch(model):
+        raise ValueError(
+            f"{flag}: expected {_FOLDER_OR_ID}, got {model!r}: no such folder (not looked up "
+            f"on the hub)"
+        )
+    return model
+
+
+def hf_model_arg(text: str) -> str:
+    """:func:`check_hf_model` as an argparse type (its error prefixed ``argument --model:``)."""
+    try:
+        return check_hf_model(text, flag="")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(": ")) from None
+
+
+def _offline() -> bool:
+    """``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) set true, as huggingface_hub reads it."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def resolve_hf_model(model: str, flag: str = "--model") -> str:
+    """``model`` as ``from_pretrained`` will load it, or a ``ValueError`` naming ``flag`` in one
+    line, at once: what :func:`check_hf_model` refuses; an existing folder; a hub id found in the
+    local Hugging Face cache as it is; with ``HF_HUB_OFFLINE`` set, any other id refused without
+    asking the hub; else the hub is asked once (no retries): an id it does not know, or a hub
+    that cannot be reached, is refused (``from_pretrained`` would retry for about half a minute,
+    then raise a traceback)."""
+    model = check_hf_model(model, flag)
+    if os.path.isdir(model):
+        return model
+    import huggingface_hub  # here: registering the commands must not import it
+
+    if isinstance(huggingface_hub.try_to_load_from_cache(model, "config.json"), str):
+        return model
+    where = f"{flag}: {model!r} is no folder and not in the Hugging Face cache"
+    if _offline():
+        raise ValueError(f"{where}, and HF_HUB_OFFLINE is set (the hub is not asked)")
+    try:
+        huggingface_hub.model_info(model, timeout=10)
+    except Exception as exc:  # (the hub's, httpx's: a missing or private id, no network)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"{where}, and the Hugging Face hub did not give it ({type(exc).__name__}: "
+            f"{reason}); pass a model folder, or set HF_HUB_OFFLINE=1 not to ask the hub"
+        ) from None
+    return model
 
 
 def hidden_alias(parser: argparse.ArgumentParser, alias: str, dest: str, **kwargs) -> None:

@@ -110,7 +110,7 @@ def read_results(path: str | os.PathLike | None = None) -> list[dict]:
 
 def git_commit() -> str:
     """The commit a record carries: ``$MQNC_COMMIT`` when set (a copy without ``.git``, e.g.
-    the lent GPU machine's: ``perf/gpu_check.sh`` sets it), else the short commit of the checkout
+    a GPU machine's copy: ``perf/gpu_check.sh`` sets it), else the short commit of the checkout
     holding this package, else ``"unknown"``."""
     given = commit()
     if given:

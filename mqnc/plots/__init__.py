@@ -9,7 +9,8 @@ it is imported inside the drawing functions only, so importing this package cost
 nothing else (no torch: the records are read by :mod:`mqnc.measure.results_file`).
 
 Modules: :mod:`mqnc.plots.cost_figures` (from the model), :mod:`mqnc.plots.measured` (from the
-records), :mod:`mqnc.plots._common` (colours, commands, record selection, saving).
+records), :mod:`mqnc.plots._common` (colours, commands, record selection, saving, and
+:func:`compact_png`: the notebooks' stored figures).
 
 Model figures (§4, §5, §8):
 
@@ -69,6 +70,7 @@ from mqnc.plots._common import (
     MissingData,
     benches,
     compact_number,
+    compact_png,
     draw_per_device,
     fit_legend,
     readable_log_ticks,
@@ -103,6 +105,7 @@ __all__ = [
     "read_results",
     "benches",
     "save",
+    "compact_png",
     "try_draw",
     "try_draw_figure",
     "draw_per_device",

@@ -20,6 +20,7 @@ bound, never part of an attention kernel's.
 from __future__ import annotations
 
 import torch
+from einops import einsum, repeat
 
 from mqnc.reference.fp8_ref import fp8_dequantize_reference
 
@@ -111,16 +112,16 @@ def partial_attention_reference(
     """
     q = q.to(torch.float64)
     kv = kv.to(torch.float64)
-    if kv.dim() == 2:
-        kv = kv.unsqueeze(0).expand(q.shape[0], -1, -1)
+    if kv.dim() == 2:  # one key set for every query token (a view, not a copy)
+        kv = repeat(kv, "n d -> b n d", b=q.shape[0])
     # Masked entries may hold NaN (the tests poison padding): zero them before any product.
     kv = torch.where(valid[..., None], kv, torch.zeros_like(kv))
-    s = torch.einsum("bhd,bnd->bhn", q, kv) * softmax_scale
+    s = einsum(q, kv, "b h d, b n d -> b h n") * softmax_scale
     s = s.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     empty = torch.isneginf(lse)
     p = torch.exp(s - torch.where(empty, torch.zeros_like(lse), lse)[..., None])
-    o = torch.einsum("bhn,bnd->bhd", p, kv[..., :d_v])
+    o = einsum(p, kv[..., :d_v], "b h n, b n d -> b h d")
     return o, lse
 
 

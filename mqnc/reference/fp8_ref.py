@@ -27,6 +27,7 @@ Only the bf16 / fp32 inputs and the uint8 cache of the Triton op are taken; bad 
 from __future__ import annotations
 
 import torch
+from einops import rearrange
 
 __all__ = ["fp8_quantize_reference", "fp8_dequantize_reference", "E4M3_MAX", "SCALE_FLOOR"]
 
@@ -92,11 +93,11 @@ def fp8_quantize_reference(x: torch.Tensor, d_c: int, group: int = 128) -> torch
             f"x: expected finite cache values of magnitude < {X_LIMIT:.6g} (248 * 2**120: from "
             f"there e4m3 rounds to 2**128, past float32), got {x[tuple(bad)].item()} at {bad}"
         )
-    lead = x.shape[:-1]
-    lat = x[..., :d_c].double().reshape(*lead, d_c // group, group)
+    # the latent dims as groups of ``group`` values, each with its own scale
+    lat = rearrange(x[..., :d_c].double(), "... (g k) -> ... g k", k=group)
     s_inv = (lat.abs().amax(-1) / E4M3_MAX).float().double()
     scale = _pow2_ceil(torch.clamp(s_inv, min=torch.tensor(SCALE_FLOOR).float().item()))
-    q = _rne_e4m3(lat / scale[..., None]).reshape(*lead, d_c)
+    q = rearrange(_rne_e4m3(lat / scale[..., None]), "... g k -> ... (g k)")
     parts = (
         q.to(torch.float8_e4m3fn).view(torch.uint8),
         scale.float().contiguous().view(torch.uint8),
@@ -161,8 +162,7 @@ def fp8_dequantize_reference(
     if bool(nan.any()):
         where = nan.nonzero()[0].tolist()
         raise ValueError(f"cache: expected no NaN latent byte (0x7F / 0xFF), got one at {where}")
-    lead = cache.shape[:-1]
-    v = lat.view(torch.float8_e4m3fn).double().reshape(*lead, G, group)
-    v = (v * scale.double()[..., None]).float().reshape(*lead, d_c)  # the product in fp32
+    v = rearrange(lat.view(torch.float8_e4m3fn).double(), "... (g k) -> ... g k", g=G)
+    v = rearrange((v * scale.double()[..., None]).float(), "... g k -> ... (g k)")  # in fp32
     rope = cache[..., d_c + 4 * G :].contiguous().view(torch.bfloat16)
     return torch.cat([v.to(dtype), rope.to(dtype)], dim=-1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from einops import rearrange
 
 if TYPE_CHECKING:  # annotations only: the references never import the model layer at run time
     from mqnc.model.rope import RopeSpec
@@ -147,13 +148,13 @@ def rope_splice_reference(
         float64 copy of ``pool`` with the rows written: first ``d_c`` dims equal to the chunk's,
         last ``d_r`` equal to ``R(delta[t])`` of the chunk's (both in float64).
     """
-    L, nb, bs, d = pool.shape
-    out = pool.to(torch.float64).clone().reshape(L, nb * bs, d)
+    # every layer's pool as one row per slot (block-major), written at the chunk's slots
+    out = rearrange(pool.to(torch.float64).clone(), "l n b d -> l (n b) d")
     if isinstance(delta, torch.Tensor):
         delta = delta.reshape(1, -1)
     rows = rope_rotate_reference(chunk, delta, rope)
     out[:, slot_mapping.long()] = rows
-    return out.reshape(L, nb, bs, d)
+    return rearrange(out, "l (n b) d -> l n b d", n=pool.shape[1])
 
 
 def fp8_rope_rotate_reference(
@@ -237,10 +238,9 @@ def interleaved_to_half(x: torch.Tensor) -> torch.Tensor:
     """Permute rope dims ``[..., d_r]`` from interleaved pairs to halves:
     ``(x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...)`` (what DeepSeek's Hugging Face code
     does before ``rotate_half``)."""
-    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+    return rearrange(x, "... (i pair) -> ... (pair i)", pair=2)
 
 
 def half_to_interleaved(x: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`interleaved_to_half`."""
-    h = x.shape[-1] // 2
-    return torch.stack([x[..., :h], x[..., h:]], dim=-1).flatten(-2)
+    return rearrange(x, "... (pair i) -> ... (i pair)", pair=2)

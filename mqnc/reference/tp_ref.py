@@ -18,6 +18,7 @@ whole path in fp64).
 from __future__ import annotations
 
 import torch
+from einops import einsum
 
 __all__ = ["tp_scores_reference", "tp_values_reference", "tp_route_reference"]
 
@@ -36,7 +37,7 @@ def tp_scores_reference(
     entries at ``slots [B, T]`` (``kv_pool [num_blocks, block_size, width]``); ``-inf`` at
     unused slots."""
     rows, valid = _rows(kv_pool, slots)
-    s = torch.einsum("bhd,btd->bht", q.double(), rows)
+    s = einsum(q.double(), rows, "b h d, b t d -> b h t")
     return s.masked_fill(~valid[:, None, :], float("-inf"))
 
 
@@ -55,7 +56,7 @@ def tp_values_reference(
     lse = torch.logsumexp(s, dim=-1)
     empty = torch.isneginf(lse)
     w = torch.exp(s - torch.where(empty, 0.0, lse)[..., None])
-    o = torch.einsum("bht,btd->bhd", w, rows[..., :d_v])
+    o = einsum(w, rows[..., :d_v], "b h t, b t d -> b h d")
     return o.masked_fill(empty[..., None], 0.0), lse
 
 

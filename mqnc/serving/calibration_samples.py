@@ -289,7 +289,7 @@ def merge_times(
 
     def call() -> float:
         t0 = time.perf_counter()
-        ops.merge_partials(o, lse)
+        ops.merge_partials(o, lse, layout="MBHD")
         return (time.perf_counter() - t0) * 1e6
 
     return sample_rounds({"merge": call}, reps=reps, warmup=warmup)["merge"]

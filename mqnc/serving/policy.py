@@ -4,7 +4,8 @@ silently dropped).
 
 ``route`` and ``fetch`` try each holder of the chunk in turn (holders that failed within
 ``suspect_s`` are skipped unless none is left); ``local`` needs the requester's model. A chunk
-already fetched or re-prefilled at the offset is attended locally at once.
+already fetched or re-prefilled at the offset is attended locally at once (unless the caller
+passes ``held=False``: a route it asked for goes to a holder).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def attend_with_fallback(
     offset: int | None,
     indices: torch.Tensor | None,
     order: Sequence[str],
+    held: bool = True,
 ) -> Partial:
     """:meth:`mqnc.serving.Requester.attend` (see there); ``req`` is the requester."""
     bad = [p for p in order if p not in PRIMITIVES]
@@ -67,7 +69,7 @@ def attend_with_fallback(
         off = info.position
     else:
         off = check_int("offset", offset, minimum=0)
-    if (chunk_id, off) in req.local_chunks:
+    if held and (chunk_id, off) in req.local_chunks:
         return req.attend_local(req.local_chunks[(chunk_id, off)], q, layer, indices=indices)
     peers = req.suspects.healthy(info.holders)
     errors: list[tuple[str, int | None, BaseException]] = []

@@ -399,7 +399,7 @@ class Requester:
             raise ValueError("parts: expected no NaN log-sum-exp values in the partials")
         synchronize(o.device)
         t0 = time.perf_counter()
-        o, lse = kernel_ops(kernels).merge_partials(o, lse, check_lse=False)
+        o, lse = kernel_ops(kernels).merge_partials(o, lse, check_lse=False, layout="MBHD")
         synchronize(o.device)
         return o, lse, us_since(t0)
 
@@ -508,17 +508,20 @@ class Requester:
         offset: int | None = None,
         indices: torch.Tensor | None = None,
         order: Sequence[str] = ("route", "fetch", "local"),
+        held: bool = True,
     ) -> Partial:
         """Attend one chunk by the first primitive in ``order`` that succeeds
         (:mod:`mqnc.serving.policy`).
 
         ``route`` and ``fetch`` try each holder of the chunk in turn (skipping holders that
         failed within ``suspect_s``, unless none is left); ``local`` needs ``model``. A chunk
-        already fetched or re-prefilled at ``offset`` is attended locally at once. Raises
+        already fetched or re-prefilled at ``offset`` is attended locally at once, unless
+        ``held`` is False: then ``order`` is followed (a route goes to a holder; a fetch or a
+        local primitive still attends the copy the pool holds). Raises
         :class:`~mqnc.serving.policy.AllPrimitivesFailed` listing every failure.
         """
         return policy.attend_with_fallback(
-            self, chunk_id, q, layer, offset=offset, indices=indices, order=order
+            self, chunk_id, q, layer, offset=offset, indices=indices, order=order, held=held
         )
 
     def cost_samples(self, primitive: str = "route") -> list[tuple[int, float]]:

@@ -25,7 +25,8 @@ block in indefinitely per peer, which NCCL's stream semantics do not give (see
 ``node_rank * nproc_per_node + local_rank``, so a corpus naming holder ranks 2 and 3 puts them on
 node 1 of a 2 x 2 job.
 
-Addresses and trust (:func:`trust_note`, said at start by ``mqnc serve``): gloo's pairs listen
+Addresses and trust (:func:`trust_note`, said once per job by ``mqnc serve``'s rank 0, in two
+lines that point to docs/serving.md, "Security and trust model"): gloo's pairs listen
 only on the address this rank uses to reach the rendezvous host (``MASTER_ADDR``; 127.0.0.1 for a
 job on one machine), or on ``GLOO_SOCKET_IFNAME``'s interface when that is set, or on ``host=``.
 A store this module opens itself (env:// without torchrun's agent) listens only on
@@ -79,6 +80,7 @@ __all__ = [
     "run_rank",
     "serve_holder",
     "trust_note",
+    "TRUST_DOC",
     "publish_failure",
     "wait_ready",
 ]
@@ -395,22 +397,27 @@ def rendezvous(
     return next(dist.rendezvous("env://", timeout=timeout))
 
 
+TRUST_DOC = 'docs/serving.md, "Security and trust model"'
+"""Where the trust model :func:`trust_note` points to is written out."""
+
+
 def trust_note(
     rank: int, engine: str, *, master: str | None = None, gloo_host: str | None = None
 ) -> str:
-    """What ``mqnc serve`` says at start: where the rendezvous store and the engine's pairs
-    listen, and what a process that reaches them can and cannot do."""
+    """What ``mqnc serve`` says once per job, at start, on rank 0 (``rank``: the rank whose
+    listen addresses it names): two lines, where the rendezvous store and the engine's pairs
+    listen, and that torch.distributed authenticates nobody, pointing to the whole model
+    (:data:`TRUST_DOC`)."""
     if master is not None:
-        store = f"at {master} was opened by whoever started it (not by this job)"
+        store = f"the rendezvous store at {master} was opened outside this job"
     elif dist.is_available() and dist.is_initialized():
-        store = "is the default process group's (not opened by this job)"
+        store = "the rendezvous store is the default process group's (not this job's)"
     else:
         at = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         store = (
-            f"at {at} is torchrun's: its agent opened it before this job ran and torch gives "
-            "it no listen address, so it listens on every interface of node 0"
+            f"torchrun's rendezvous store at {at} listens on every interface of node 0"
             if _agent_store()
-            else f"listens on {at} only (rank 0 of this job opened it there)"
+            else f"the rendezvous store listens on {at} only"
         )
     if engine != "gloo":
         pairs = f"the {engine} engine's fabric is its own (NVLink / InfiniBand)"
@@ -421,12 +428,9 @@ def trust_note(
     else:
         pairs = "gloo's pairs listen on torch's default (the host name's address)"
     return (
-        f"mqnc serve: rank {rank}: the rendezvous store {store}; {pairs}. torch.distributed "
-        "authenticates nobody: whoever reaches the store while the job is being built can join "
-        "it or hijack its rendezvous (run it on a private network or a trusted machine only). "
-        "Once built, the store cannot stop the holders: a requester's done is a secret it "
-        "committed to before the build, so a done key written by anyone else is ignored (a "
-        "process that reaches the store can still delay the job)."
+        f"mqnc serve: rank {rank}: {store}; {pairs}.\n"
+        "mqnc serve: torch.distributed authenticates nobody: run the job on a private network or "
+        f"a trusted cluster only ({TRUST_DOC})."
     )
 
 
@@ -459,8 +463,9 @@ def run_rank(
     are done; a requester runs ``job(ServeContext)`` and publishes ``done``.
 
     ``host``: the address gloo's pairs listen on (default: ``GLOO_SOCKET_IFNAME``'s interface
-    when set, else the local address that reaches the rendezvous host). ``say``: called once,
-    before the fabric is built, with :func:`trust_note` (``mqnc serve`` prints it).
+    when set, else the local address that reaches the rendezvous host). ``say``: called once per
+    job, on rank 0 (no other rank calls it), before the fabric is built, with :func:`trust_note`
+    (``mqnc serve`` prints it).
 
     Returns ``{"role": "holder", "rank", "stats": HolderStats, "transport", "engine"}`` or
     ``{"role": "requester", "rank", "result": job's return value, "transport", "engine"}``
@@ -479,7 +484,7 @@ def run_rank(
     requesters = [r for r in range(world) if r not in holders]
     kind = select(transport) if transport in TRANSPORTS else transport  # else: the error below
     gloo_host = gloo_bind_host(host, master)
-    if say is not None:
+    if say is not None and rank == 0:  # once per job
         say(trust_note(rank, kind, master=master, gloo_host=gloo_host))
     secret = None if rank in holders else publish_commitment(store, rank)
     engine = make_transport(

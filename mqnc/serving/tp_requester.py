@@ -222,7 +222,7 @@ class TPRequester:
         ops = kernel_ops(kernels)
         o = torch.stack([o for o, _ in partials])
         lse = torch.stack([lse for _, lse in partials])
-        return ops.merge_partials(o, lse)
+        return ops.merge_partials(o, lse, layout="MBHD")
 
     def _check_slice(self, q: object) -> torch.Tensor:
         w = self.partition.slice_width

@@ -37,7 +37,7 @@ Facts it is built on (nvshmem4py 0.4.1, NVSHMEM 3.x; see DESIGN.md, "Transport")
 - **two PEs on one GPU time-slice**: they are two processes, two CUDA contexts, and without MPS
   the GPU runs one context at a time, switching at time-slice boundaries. While one PE's wait
   kernel spins, the other PE's put waits for its slice, so probe and route times measured with
-  both PEs on the one lent GPU include context switches: an upper bound on the protocol's cost,
+  both PEs on one GPU include context switches: an upper bound on the protocol's cost,
   not the NVLink / IBGDA latency of §3.2 (kept short by bounding each spin: ``poll_spins``);
 - the device-initiated path (§3.2: "block-scope ``nvshmemx_putmem_signal_nbi_block``") is a
   Triton kernel calling NVSHMEM's device bitcode through ``extern_elementwise``, as PyTorch's

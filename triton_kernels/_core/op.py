@@ -4,16 +4,19 @@ An op is declared by a Python function with no body (its signature, annotations 
 docstring; ``ops.py`` holds them all) under :func:`kernel_op`, its fake beside it. From that
 one signature the registry makes:
 
-- the schema of ``torch.ops.mqnc.<name>`` (``.default``): the declared parameters
-  positionally, in order, then ``backend`` (default ``"triton"``), which picks the
-  implementation; for an op with an ``out=`` parameter a second overload ``.out`` takes
-  ``out`` before ``backend``, writes into the caller's tensors and returns nothing (a custom op
+- the schema of ``torch.ops.mqnc.<name>`` (``.default``): the declared parameters in order,
+  the keyword-only ones keyword-only (after ``*``), each with its declared default, then
+  ``backend`` (default ``"triton"``), which picks the implementation; for an op with an
+  ``out=`` parameter a second overload ``.out`` takes ``out`` (required, by keyword) before
+  ``backend``, writes into the caller's tensors and returns nothing (a custom op
   cannot return an alias of an input). An argument that no schema type carries travels through a
   :class:`Codec` (a RoPE spec as its frequencies, dim and layout; ``int | Tensor`` as a
   tensor-or-None and an int; one tensor or a list of them as a list and a flag);
 - the public function, one per backend (:meth:`KernelOp.function`): the declared signature and
-  docstring; it checks each argument's type (a ``TypeError`` naming it), encodes it and calls
-  the op. Eager calls and ``torch.compile`` take that one path (Dynamo traces the op through its
+  docstring; it checks each argument's type (a ``TypeError`` naming it; a required
+  keyword-only one given ``required=`` is named with what it expects when missing), encodes
+  it and calls the op (positional parameters positionally, keyword-only ones by keyword).
+  Eager calls and ``torch.compile`` take that one path (Dynamo traces the op through its
   fake): there is no ``is_compiling()`` branch anywhere;
 - for an op that plans (:meth:`KernelOp.planner`), the plan function: the same signature
   without ``out``, returning a plan whose ``run`` launches with no dispatcher work (the hot
@@ -160,6 +163,7 @@ class _Param:
     check: Callable[[object], object] | None
     codec: Codec | None
     tensor: bool  # a Tensor or Tensor | None: what a plan's run takes
+    defaults: tuple | None = None  # the declared default as the fields' values (None: required)
 
     def encode(self, value) -> tuple:
         if self.codec is not None:
@@ -176,14 +180,40 @@ def _param(p: inspect.Parameter, tp, codec: Codec | None, mutated: bool) -> _Par
         fields = tuple((n, t.replace("Tensor", "Tensor(!)", 1)) for n, t in fields)
     tensor = codec is None and (tp is torch.Tensor or _optional(tp) is torch.Tensor)
     kwonly = p.kind is inspect.Parameter.KEYWORD_ONLY
-    return _Param(p.name, kwonly, fields, check, codec, tensor)
+    defaults = None
+    if p.default is not inspect.Parameter.empty:
+        defaults = codec.encode(p.name, p.default) if codec is not None else (p.default,)
+    return _Param(p.name, kwonly, fields, check, codec, tensor, defaults)
+
+
+def _literal(value: object) -> str:
+    """A default value as a schema writes it (``None``, ``True``, ``512``, ``0.5``,
+    ``"MBHD"``)."""
+    if value is None or isinstance(value, (bool, int)):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, str) and '"' not in value and "\\" not in value:
+        return f'"{value}"'
+    raise TypeError(f"no schema literal for the default {value!r}")
 
 
 def _schema(params: list[_Param], extra: list[str], returns: str) -> str:
-    """The schema's arguments, all positional in declared order and without defaults (the
-    public function binds keywords and defaults, then passes every argument: a positional
-    schema is the faster call), then ``extra``."""
-    args = [f"{tp} {name}" for p in params for name, tp in p.fields]
+    """The schema's arguments in declared order, as the declaration has them: positional ones
+    first, then (after ``*``) the keyword-only ones, each with the declared default (a
+    codec's parameter: its fields' values of it); then ``extra`` (keyword-only when the
+    declaration has keyword-only parameters)."""
+    args, star = [], False
+    for p in params:
+        if p.kwonly and not star:
+            args.append("*")
+            star = True
+        for i, (name, tp) in enumerate(p.fields):
+            default = "" if p.defaults is None else "=" + _literal(p.defaults[i])
+            args.append(f"{tp} {name}{default}")
+    defaulted = any(p.defaults is not None for p in params)
+    if not star and defaulted and any("=" not in e for e in extra):
+        args.append("*")  # (a required extra, ``out``, after a default: by keyword)
     text = "(" + ", ".join(args + extra) + f") -> {returns}"
     letters = iter("abcdefghijklmnopqrstuvwxyz")
     return re.sub(r"\(!\)", lambda _: f"({next(letters)}!)", text)
@@ -280,23 +310,44 @@ def written_into(out, result: tuple[torch.Tensor, ...]):
     return out
 
 
-def _generated(name: str, signature: inspect.Signature, run, doc: str | None, module: str):
+_MISSING = object()  # a required keyword-only argument with a hint, not given
+
+
+def _generated(
+    name: str,
+    signature: inspect.Signature,
+    run,
+    doc: str | None,
+    module: str,
+    required: dict[str, str] | None = None,
+):
     """A function ``name`` with exactly ``signature`` (Python binds the arguments: a missing or
     unknown one is the usual ``TypeError``) that returns ``run(values)`` (or ``run(values,
-    out)``), ``values`` the arguments in declared order without ``out``."""
-    parts, ns, star = [], {"_run": run}, False
+    out)``), ``values`` the arguments in declared order without ``out``. ``required``:
+    keyword-only parameter -> what it expects; such a parameter missing is a one-line
+    ``TypeError`` naming it and saying that, not Python's bare one."""
+    required = required or {}
+    parts, ns, star, checks = [], {"_run": run, "_MISSING": _MISSING}, False, []
     for p in signature.parameters.values():
         if p.kind is inspect.Parameter.KEYWORD_ONLY and not star:
             parts.append("*")
             star = True
-        if p.default is inspect.Parameter.empty:
+        if p.name in required:
+            ns[f"_m_{p.name}"] = (
+                f"{p.name}: expected {required[p.name]}, got no {p.name} (a required keyword "
+                f"argument of {name})"
+            )
+            parts.append(f"{p.name}=_MISSING")
+            checks.append(f"    if {p.name} is _MISSING:\n        raise TypeError(_m_{p.name})\n")
+        elif p.default is inspect.Parameter.empty:
             parts.append(p.name)
         else:
             ns[f"_d_{p.name}"] = p.default
             parts.append(f"{p.name}=_d_{p.name}")
     names = [n for n in signature.parameters if n != "out"]
     out = ", out" if "out" in signature.parameters else ""
-    source = f"def {name}({', '.join(parts)}):\n    return _run(({', '.join(names)},){out})\n"
+    source = f"def {name}({', '.join(parts)}):\n{''.join(checks)}"
+    source += f"    return _run(({', '.join(names)},){out})\n"
     exec(compile(source, f"<mqnc op {name}>", "exec"), ns)  # noqa: S102  (a signature, no input)
     fn = ns[name]
     fn.__doc__, fn.__module__, fn.__qualname__ = doc, module, name
@@ -310,10 +361,15 @@ class KernelOp:
     Made by :func:`kernel_op` from the declaration; ``fake(call)`` gives the outputs' shapes
     and dtypes (None: the op returns nothing); ``mutates``: the parameters it writes in place;
     ``codecs``: parameter -> :class:`Codec`; ``returns``: the parameter whose argument the
-    function returns (the op itself then returns nothing: ``rope_splice`` returns its pool)."""
+    function returns (the op itself then returns nothing: ``rope_splice`` returns its pool);
+    ``required``: a required keyword-only parameter -> what it expects (the public and plan
+    functions' ``TypeError`` when it is missing says so)."""
 
-    def __init__(self, declaration, *, fake=None, mutates=(), codecs=None, returns=None):
+    def __init__(
+        self, declaration, *, fake=None, mutates=(), codecs=None, returns=None, required=None
+    ):
         self.name = name = declaration.__name__
+        self.required = dict(required or {})
         self.declaration = declaration
         self.signature = inspect.signature(declaration)
         hints = typing.get_type_hints(declaration)
@@ -332,8 +388,14 @@ class KernelOp:
         self._checks: Callable[[Call], None] | None = None  # value checks apart from the plan
         self._names = tuple(p.name for p in self.params)
         self._defaults = {"backend": DEFAULT_BACKEND, "out": None}
+        for p in self.params:  # (the schema's defaults: what a caller of the op may leave out)
+            if p.defaults is not None:
+                self._defaults.update(zip((n for n, _ in p.fields), p.defaults, strict=True))
         names = [n for p in self.params for n, _ in p.fields]
         self._names_default, self._out_names = [*names, "backend"], [*names, "out", "backend"]
+        # the schema's positional arguments, then its keyword-only ones (passed by name)
+        self._n_positional = sum(len(p.fields) for p in self.params if not p.kwonly)
+        self._kw_fields = tuple(n for p in self.params if p.kwonly for n, _ in p.fields)
         self._coded = [p for p in self.params if p.codec is not None]
         backend = f'str backend="{DEFAULT_BACKEND}"'
         ret = "()" if returns else _returns(hints.get("return"))
@@ -396,7 +458,8 @@ class KernelOp:
     # -- the caller's side: the public function of one backend -----------------------------
 
     def _encoded(self, values: tuple) -> list:
-        """The schema's arguments (all positional) of the declared parameters' ``values``."""
+        """The schema's arguments (in order, each field of a codec's) of the declared
+        parameters' ``values``."""
         args = []
         for p, v in zip(self.params, values, strict=True):
             if p.codec is None:
@@ -419,11 +482,13 @@ class KernelOp:
                 if plan is not None:  # a cached plan: launched here, no dispatcher round trip
                     return self._run_cached(plan, values, out)
             args = self._encoded(values)
+            n = self._n_positional
+            kwargs = dict(zip(self._kw_fields, args[n:], strict=True))
             if out is not None:
                 out = check_out(out)
-                self.out_op(*args, list(out), backend)
+                self.out_op(*args[:n], **kwargs, out=list(out), backend=backend)
                 return out
-            result = self.op(*args, backend)
+            result = self.op(*args[:n], **kwargs, backend=backend)
             return result if returns is None else values[returns]
 
         return run
@@ -468,7 +533,9 @@ class KernelOp:
         if fn is None:
             module = self.declaration.__module__
             doc = self.declaration.__doc__
-            fn = _generated(self.name, self.signature, self._caller(backend), doc, module)
+            fn = _generated(
+                self.name, self.signature, self._caller(backend), doc, module, self.required
+            )
             fn.op = self
             self._functions[backend] = fn
         return fn
@@ -527,7 +594,7 @@ class KernelOp:
         sig = self.signature.replace(
             parameters=params, return_annotation=inspect.signature(build).return_annotation
         )
-        return _generated(build.__name__, sig, plan, build.__doc__, build.__module__)
+        return _generated(build.__name__, sig, plan, build.__doc__, build.__module__, self.required)
 
 
 def _no_outputs(*args, **kwargs) -> None:
@@ -689,12 +756,19 @@ class PlanCache:
             self.hits = self.misses = 0
 
 
-def kernel_op(*, fake=None, mutates=(), codecs=None, returns=None):
+def kernel_op(*, fake=None, mutates=(), codecs=None, returns=None, required=None):
     """Declare an op from a function's signature (see :class:`KernelOp`); returns its public
     function (the ``"triton"`` backend's), whose ``.op`` is the :class:`KernelOp`."""
 
     def declare(declaration):
-        kop = KernelOp(declaration, fake=fake, mutates=mutates, codecs=codecs, returns=returns)
+        kop = KernelOp(
+            declaration,
+            fake=fake,
+            mutates=mutates,
+            codecs=codecs,
+            returns=returns,
+            required=required,
+        )
         _REGISTRY[kop.name] = kop
         return kop.function()
 

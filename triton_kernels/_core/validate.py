@@ -16,6 +16,7 @@ __all__ = [
     "argument_names",
     "check_flags",
     "check_tensor",
+    "check_dtype_matches",
     "check_same_device",
     "check_int",
     "check_num_splits",
@@ -59,6 +60,15 @@ def check_tensor(
     if contiguous_last and t.dim() and t.stride(-1) != 1:
         raise ValueError(f"{name}: expected unit stride on the last dim, got strides {t.stride()}")
     return t
+
+
+def check_dtype_matches(name: str, t: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
+    """``t``'s dtype is ``like``'s (a cache and its query rows): a ``TypeError`` naming both."""
+    if t.dtype != like.dtype:
+        raise TypeError(
+            f"{name}: invalid dtype, must match {like_name}'s ({dtype_name(like.dtype)}), got "
+            f"{dtype_name(t.dtype)}"
+        )
 
 
 def check_same_device(**tensors: torch.Tensor) -> torch.device:

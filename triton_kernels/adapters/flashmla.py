@@ -15,14 +15,26 @@ to the bottom right. A length shorter than ``s_q`` leaves the first tokens with 
 attend (``o = 0, lse = -inf``). With ``causal=False`` every token attends all
 ``cache_seqlens[b]`` entries; for ``s_q = 1`` both are the same.
 
-**Differences from FlashMLA**, on purpose: ``softmax_scale`` is required (FlashMLA defaults to
-``d**-0.5``, wrong for DeepSeek with YaRN); an empty row gives ``lse = -inf`` (FlashMLA writes
+**Two entry points.** :func:`flash_mla_with_kvcache` and :func:`get_mla_metadata` take
+FlashMLA's own call as its README writes it (positional ``head_dim_v``,
+``tile_scheduler_metadata``, ``num_splits``; ``softmax_scale`` defaulting to FlashMLA's
+``q.shape[-1] ** -0.5``; dense or sparse by ``indices``; ``attn_sink``; ``extra_k_cache``):
+change the import line, nothing else. The mqnc-named functions (:func:`mla_decode_with_kvcache`,
+:func:`mla_sparse_with_kvcache`, :func:`plan_mla_with_kvcache`) keep ``softmax_scale``
+required (FlashMLA's default ``d**-0.5`` is wrong for DeepSeek with YaRN) and take ``num_splits``
+as an int (the split count) rather than FlashMLA's placeholder.
+
+**Differences from FlashMLA**, on purpose: an empty row gives ``lse = -inf`` (FlashMLA writes
 ``+inf``; mqnc's merge reads both as empty); the lse is the natural log, as FlashMLA's (no
-conversion); planning (:func:`plan_mla_with_kvcache`, FlashMLA's ``get_mla_metadata``)
-returns a plan object whose ``run`` takes the same tensors as the call; the cache may be
-``[num_blocks, page, 1, d]`` (FlashMLA's, one KV head) or ``[num_blocks, page, d]``, with any
-power-of-two page; heads are ``d_v`` + a rope part (576 = 512 + 64), FlashMLA's rope-less
-``d = 512`` is refused by name (``q``).
+conversion); the schedule :func:`get_mla_metadata` returns holds no tile metadata (the split
+choice is mqnc's plan, cached per call signature), only the call's config, which later calls
+with it must agree with (a ``ValueError`` naming the field, where FlashMLA asserts); FlashMLA's
+own schedule object or its old int32 tensors are refused by name, saying to import
+:func:`get_mla_metadata` from this module; :func:`plan_mla_with_kvcache` returns a plan object
+whose ``run`` takes the same tensors as the call; the cache may be ``[num_blocks, page, 1, d]``
+(FlashMLA's, one KV head) or ``[num_blocks, page, d]``, with any power-of-two page; heads are
+``d_v`` + a rope part (576 = 512 + 64), FlashMLA's rope-less ``d = 512`` is refused by name
+(``q``); ``attn_sink`` is taken by the dense call too (FlashMLA: sparse only).
 
 **FP8 caches** (``is_fp8_kvcache=True``, FlashMLA's flag): ``k_cache`` holds DeepSeek-V3.2's
 656-byte entries (512 e4m3 latent bytes, 4 float32 scales, 64 bf16 RoPE values;
@@ -35,8 +47,11 @@ naming ``is_fp8_kvcache``). FlashMLA's sparse decode takes only FP8 caches; here
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from mqnc.triton_kernels._core.execution import new_output
 from mqnc.triton_kernels._core.op import PlanCache, eager_is_plain
 from mqnc.triton_kernels._core.validate import (
     argument_names,
@@ -44,13 +59,18 @@ from mqnc.triton_kernels._core.validate import (
     check_int,
     check_same_device,
     check_tensor,
+    dtype_name,
 )
 from mqnc.triton_kernels.fp8.cache import as_bytes, check_fp8_entries, is_fp8_pool
+from mqnc.triton_kernels.merge.partials import merge_partials
 from mqnc.triton_kernels.mla.decode import PagedLayout, checked_plan, padded_value_checks
 from mqnc.triton_kernels.mla.plan import AttentionPlan
 from mqnc.triton_kernels.mla.sparse import check_index_range, plan_mla_sparse
 
 __all__ = [
+    "flash_mla_with_kvcache",
+    "get_mla_metadata",
+    "FlashMLASchedMeta",
     "mla_decode_with_kvcache",
     "plan_mla_with_kvcache",
     "FlashMLAPlan",
@@ -370,3 +390,430 @@ def mla_sparse_with_kvcache(
                 check_fp8_entries(as_bytes(kv), idx[idx >= 0], head_dim_v)
     o, lse = plan.run(rows, kv, idx)
     return _flashmla_outputs(o, lse, b, s_q, contiguous=False)
+
+
+# ---- FlashMLA's own call: get_mla_metadata + flash_mla_with_kvcache -------------------------
+
+
+class FlashMLASchedMeta:
+    """The schedule :func:`get_mla_metadata` returns (FlashMLA's ``FlashMLASchedMeta``): empty
+    until its first :func:`flash_mla_with_kvcache` call, which records that call's config
+    (:class:`FlashMLASchedMeta.Config`); every later call with the same schedule (the other
+    layers of a step) must agree with it, else a ``ValueError`` naming the field and both values.
+    It holds no tile metadata: mqnc's split choice is its plan, cached per call signature."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        """One call's config, as FlashMLA records it: ``b``, ``s_q``, ``h_q`` from ``q``;
+        ``page_block_size``, ``h_k`` (1) from ``k_cache``; the flags; ``topk`` (the last dim of
+        ``indices``, None when dense); the page size of ``extra_k_cache`` and the last dim of
+        ``extra_indices_in_kvcache`` (None without them)."""
+
+        b: int
+        s_q: int
+        h_q: int
+        page_block_size: int
+        h_k: int
+        causal: bool
+        is_fp8_kvcache: bool
+        topk: int | None
+        extra_page_block_size: int | None
+        extra_topk: int | None
+
+    def __init__(self) -> None:
+        self.have_initialized = False
+        self.config: FlashMLASchedMeta.Config | None = None
+
+    def _agree(self, config: FlashMLASchedMeta.Config) -> None:
+        """``config`` equal to the recorded one, field by field (nothing recorded: nothing to
+        compare)."""
+        if self.config is None:
+            return
+        for field in dataclasses.fields(config):
+            had, got = getattr(self.config, field.name), getattr(config, field.name)
+            if had != got:
+                raise ValueError(
+                    f"tile_scheduler_metadata: expected {field.name} = {had!r} (recorded by this "
+                    f"schedule's first call; later calls must agree with it), got {got!r}; take a "
+                    f"new schedule from get_mla_metadata() for calls of another config"
+                )
+
+    def _record(self, config: FlashMLASchedMeta.Config) -> None:
+        if self.config is None:
+            self.config, self.have_initialized = config, True
+
+
+def get_mla_metadata(*args, **kwargs) -> tuple[FlashMLASchedMeta, None]:
+    """FlashMLA's ``get_mla_metadata``: a new, empty schedule and ``None``.
+
+    As FlashMLA's current interface, the arguments are accepted and ignored (the old interface's
+    ``get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_heads_q=None,
+    is_fp8_kvcache=False, topk=None)`` keeps running); the schedule records its first call's
+    config (:class:`FlashMLASchedMeta`).
+
+    Returns
+    -------
+    tile_scheduler_metadata : FlashMLASchedMeta
+        Pass it to :func:`flash_mla_with_kvcache`, reused by every layer of a step.
+    num_splits : None
+        FlashMLA's placeholder: pass it on (or None).
+    """
+    return FlashMLASchedMeta(), None
+
+
+def _describe(value: object) -> str:
+    """A value as an error message shows it: a tensor's shape and dtype, an object's class."""
+    if isinstance(value, torch.Tensor):
+        return f"a torch.Tensor of shape {tuple(value.shape)}, {dtype_name(value.dtype)}"
+    kind = type(value)
+    if kind.__module__ == "builtins":
+        return f"{kind.__name__} {value!r}"
+    return f"a {kind.__module__}.{kind.__qualname__}"
+
+
+def _check_schedule(tile_scheduler_metadata: object, num_splits: object) -> FlashMLASchedMeta:
+    """This module's schedule and FlashMLA's ``None`` placeholder, else a ``TypeError`` saying
+    which import gives them."""
+    if not isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
+        raise TypeError(
+            f"tile_scheduler_metadata: expected the schedule of mqnc's get_mla_metadata "
+            f"({__name__}.FlashMLASchedMeta), got {_describe(tile_scheduler_metadata)}; import "
+            f"get_mla_metadata from {__name__} (FlashMLA's own schedule and tensors are its "
+            f"CUDA kernels' tile metadata, which these kernels do not read)"
+        )
+    if num_splits is not None:
+        raise TypeError(
+            f"num_splits: expected None (FlashMLA's placeholder, the second value of "
+            f"get_mla_metadata), got {_describe(num_splits)}; pass None or the value that "
+            f"get_mla_metadata from {__name__} returns (FlashMLA's old split tensors are its "
+            f"CUDA kernels' metadata)"
+        )
+    return tile_scheduler_metadata
+
+
+def _not_dense(**extras: object) -> None:
+    """FlashMLA's sparse-only arguments absent from a dense call (``indices`` None)."""
+    for name, value in extras.items():
+        if value is not None:
+            raise ValueError(
+                f"{name}: expected None without indices (it belongs to sparse attention), got "
+                f"{_describe(value)}; pass indices [b, s_q, topk] for a sparse call, or drop "
+                f"{name}"
+            )
+
+
+def _apply_sink(o: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor, dtype) -> torch.Tensor:
+    """``o [b, s_q, h, dv]`` scaled by ``exp(lse) / (exp(lse) + exp(attn_sink[h]))`` (``lse [b,
+    h, s_q]``, natural log) in float32, rounded once to ``dtype``; ``attn_sink = -inf`` leaves a
+    row as it is (an empty row too), ``+inf`` zeroes it."""
+    sink = attn_sink[None, :, None]
+    keep = torch.where(torch.isneginf(sink), 1.0, torch.sigmoid(lse - sink))
+    return (o.float() * keep.transpose(1, 2)[..., None]).to(dtype)
+
+
+def flash_mla_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
+    head_dim_v: int,
+    tile_scheduler_metadata: FlashMLASchedMeta,
+    num_splits: None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    is_fp8_kvcache: bool = False,
+    indices: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_k_cache: torch.Tensor | None = None,
+    extra_indices_in_kvcache: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's ``flash_mla_with_kvcache``, argument for argument, on mqnc's kernels.
+
+    Dense when ``indices`` is None (:func:`mla_decode_with_kvcache`: paged, ``s_q`` tokens,
+    ``causal``), sparse when it is given (:func:`mla_sparse_with_kvcache`). Extra tokens
+    (``extra_k_cache``) are a second sparse partial, merged with the first by
+    :func:`mqnc.triton_kernels.merge_partials` (exact: the merged partial is attention over the
+    union); the sink then scales the result.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[b, s_q, h_q, d]`` (``d = 576``), bf16 / fp16 / fp32.
+    k_cache : torch.Tensor
+        ``[num_blocks, page_block_size, 1, d]`` (or ``[num_blocks, page, d]``), ``q``'s dtype;
+        with ``is_fp8_kvcache``, FP8 entries ``[num_blocks, page, 1, 656]`` (float8_e4m3fn or
+        uint8; module docstring).
+    block_table : torch.Tensor or None
+        ``[b, max_blocks]`` int32; required when dense, unused (may be None) when sparse.
+    cache_seqlens : torch.Tensor or None
+        ``[b]`` int32 entries per sequence; required when dense, unused when sparse.
+    head_dim_v : int
+        Value width (512).
+    tile_scheduler_metadata : FlashMLASchedMeta
+        From this module's :func:`get_mla_metadata` (FlashMLA's own object, or a tensor, is a
+        ``TypeError`` saying so); its first call records the config, later calls must agree.
+    num_splits : None
+        FlashMLA's placeholder (the second value of :func:`get_mla_metadata`); anything else is
+        a ``TypeError``.
+    softmax_scale : float or None
+        None: ``q.shape[-1] ** -0.5`` (FlashMLA's default). DeepSeek with YaRN needs the
+        model's own scale (``192**-0.5 * mscale**2``: ``mqnc.model.RopeSpec.softmax_scale``).
+    causal : bool
+        Dense only (FlashMLA's bottom-right rule, module docstring); must be False when sparse.
+    is_fp8_kvcache : bool
+        ``k_cache`` (and ``extra_k_cache``) hold FP8 entries; must agree with their dtype. The
+        sparse call takes 16-bit caches too (FlashMLA's takes only FP8).
+    indices : torch.Tensor or None
+        ``[b, s_q, topk]`` int32 token ids into the flattened cache (``page_id * page + slot``),
+        ``-1`` unused: sparse attention.
+    attn_sink : torch.Tensor or None
+        ``[h_q]`` float32: the output is scaled by ``exp(lse) / (exp(lse) + exp(attn_sink[h]))``
+        (computed in float32, rounded once to ``q``'s dtype; ``+inf`` gives 0, ``-inf`` leaves
+        ``o`` as it is); the lse is unchanged. Dense or sparse.
+    extra_k_cache, extra_indices_in_kvcache : torch.Tensor or None
+        Sparse only, both or neither: a second cache of ``k_cache``'s format and
+        ``[b, s_q, extra_topk]`` int32 ids into it; those tokens are attended in addition.
+    topk_length, extra_topk_length : torch.Tensor or None
+        Sparse only, ``[b]`` int32: only the leftmost ``topk_length[i]`` of ``indices[i]`` (and
+        ``extra_topk_length[i]`` of ``extra_indices_in_kvcache[i]``) count.
+
+    Returns
+    -------
+    out : torch.Tensor
+        ``[b, s_q, h_q, head_dim_v]`` in ``q``'s dtype.
+    softmax_lse : torch.Tensor
+        ``[b, h_q, s_q]`` float32, natural log (as FlashMLA's); ``-inf`` for a token with
+        nothing to attend, where FlashMLA writes ``+inf`` (mqnc's merge reads both as empty).
+    """
+    sched = _check_schedule(tile_scheduler_metadata, num_splits)
+    _rows(q)  # (q's layout checked before its shape is read)
+    kv = _cache_3d(k_cache, is_fp8_kvcache)
+    check_flags(causal=causal)
+    d = q.shape[3]
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
+    if indices is None:
+        _not_dense(topk_length=topk_length, extra_k_cache=extra_k_cache,
+                   extra_indices_in_kvcache=extra_indices_in_kvcache,
+                   extra_topk_length=extra_topk_length)  # fmt: skip
+        _dense_tables(block_table=block_table, cache_seqlens=cache_seqlens)
+    else:
+        _check_sparse(causal, extra_k_cache, extra_indices_in_kvcache, extra_topk_length)
+    config = _call_config(q, kv, causal, is_fp8_kvcache, indices, extra_k_cache,
+                          extra_indices_in_kvcache)  # fmt: skip
+    sched._agree(config)
+    if attn_sink is not None:
+        _check_sink(attn_sink, q)
+    o, lse = _dense_or_sparse(
+        q, k_cache, block_table, cache_seqlens, indices, topk_length, head_dim_v,
+        softmax_scale=scale, causal=causal, is_fp8_kvcache=is_fp8_kvcache,
+    )  # fmt: skip
+    if extra_k_cache is not None:
+        extra = _extra_partial(
+            q, extra_k_cache, extra_indices_in_kvcache, extra_topk_length, head_dim_v,
+            softmax_scale=scale, is_fp8_kvcache=is_fp8_kvcache,
+        )  # fmt: skip
+        # merged in fp32 when a sink follows (one rounding to q's dtype, after it)
+        o, lse = _merge_two((o, lse), extra, torch.float32 if attn_sink is not None else o.dtype)
+    if attn_sink is not None:
+        o = _apply_sink(o, lse, attn_sink, q.dtype)
+    sched._record(config)
+    return o, lse
+
+
+def _dense_tables(**tables: object) -> None:
+    """The page table and lengths a dense call (``indices`` None) needs, present."""
+    for name, t in tables.items():
+        if t is None:
+            raise ValueError(
+                f"{name}: expected a tensor for dense attention (indices is None), got None; "
+                f"pass it, or indices [b, s_q, topk] for sparse attention"
+            )
+
+
+def _check_sparse(
+    causal: bool,
+    extra_k_cache: object,
+    extra_indices_in_kvcache: object,
+    extra_topk_length: object,
+) -> None:
+    """A sparse call's (``indices`` given) arguments that FlashMLA's sparse path constrains:
+    ``causal`` False; ``extra_k_cache`` and ``extra_indices_in_kvcache`` both or neither;
+    ``extra_topk_length`` only with them. A ``ValueError`` naming the argument."""
+    if causal:
+        raise ValueError(
+            "causal: expected False with indices (a sparse token's selection already says "
+            "what it attends), got True; pass causal=False"
+        )
+    if (extra_k_cache is None) != (extra_indices_in_kvcache is None):
+        names = ("extra_k_cache", "extra_indices_in_kvcache")
+        missing, given = names if extra_k_cache is None else names[::-1]
+        raise ValueError(
+            f"{missing}: expected a tensor with {given} (the extra tokens need both), got "
+            f"None; pass both or neither"
+        )
+    if extra_topk_length is not None and extra_k_cache is None:
+        raise ValueError(
+            f"extra_topk_length: expected None without extra_indices_in_kvcache, got "
+            f"{_describe(extra_topk_length)}; drop it"
+        )
+
+
+def _call_config(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    causal: bool,
+    is_fp8_kvcache: bool,
+    indices: torch.Tensor | None,
+    extra_k_cache: torch.Tensor | None,
+    extra_indices_in_kvcache: torch.Tensor | None,
+) -> FlashMLASchedMeta.Config:
+    """The call's config as its schedule records it (:class:`FlashMLASchedMeta.Config`).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[b, s_q, h_q, d]`` (layout already checked).
+    kv : torch.Tensor
+        ``k_cache`` as ``[num_blocks, page_block_size, d]`` (checked).
+    causal, is_fp8_kvcache : bool
+        The call's flags (checked).
+    indices, extra_k_cache, extra_indices_in_kvcache : torch.Tensor or None
+        The call's; ``extra_k_cache`` is checked here (``is_fp8_kvcache`` against its dtype,
+        its layout), then the index tensors' dims (``[b, s_q, topk]``).
+
+    Returns
+    -------
+    FlashMLASchedMeta.Config
+        ``topk`` None when dense, the extra fields None without extra tokens.
+    """
+    b, s_q, h, _ = q.shape
+    extra_page = None
+    if extra_k_cache is not None:
+        with argument_names({"k_cache": "extra_k_cache"}):
+            extra_page = _cache_3d(extra_k_cache, is_fp8_kvcache).shape[1]
+    return FlashMLASchedMeta.Config(
+        b, s_q, h, kv.shape[1], 1, causal, is_fp8_kvcache,
+        None if indices is None else _last_dim("indices", indices),
+        extra_page,
+        None if extra_k_cache is None else _last_dim("extra_indices_in_kvcache",
+                                                      extra_indices_in_kvcache),
+    )  # fmt: skip
+
+
+def _check_sink(attn_sink: object, q: torch.Tensor) -> None:
+    """``attn_sink`` ``[h_q]`` float32 on ``q``'s device (``q [b, s_q, h_q, d]``)."""
+    check_tensor("attn_sink", attn_sink, ndim=1, dtypes=(torch.float32,), shape=(q.shape[2],))
+    check_same_device(q=q, attn_sink=attn_sink)
+
+
+def _dense_or_sparse(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
+    indices: torch.Tensor | None,
+    topk_length: torch.Tensor | None,
+    head_dim_v: int,
+    *,
+    softmax_scale: float,
+    causal: bool,
+    is_fp8_kvcache: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The main partial: :func:`mla_decode_with_kvcache` when ``indices`` is None (paged,
+    ``causal``), else :func:`mla_sparse_with_kvcache` (``indices``, ``topk_length``).
+
+    Returns
+    -------
+    o : torch.Tensor
+        ``[b, s_q, h_q, head_dim_v]`` in ``q``'s dtype.
+    lse : torch.Tensor
+        ``[b, h_q, s_q]`` float32, natural log (contiguous when dense, a transposed view when
+        sparse).
+    """
+    if indices is None:
+        return mla_decode_with_kvcache(
+            q, k_cache, block_table, cache_seqlens, head_dim_v,
+            softmax_scale=softmax_scale, causal=causal, is_fp8_kvcache=is_fp8_kvcache,
+        )  # fmt: skip
+    return mla_sparse_with_kvcache(
+        q, k_cache, indices, head_dim_v, softmax_scale=softmax_scale, topk_length=topk_length,
+        is_fp8_kvcache=is_fp8_kvcache,
+    )  # fmt: skip
+
+
+# the sparse call's checks, named as FlashMLA's extra-token arguments
+_EXTRA_NAMES = {"k_cache": "extra_k_cache", "indices": "extra_indices_in_kvcache",
+                "topk_length": "extra_topk_length"}  # fmt: skip
+
+
+def _extra_partial(
+    q: torch.Tensor,
+    extra_k_cache: torch.Tensor,
+    extra_indices_in_kvcache: torch.Tensor,
+    extra_topk_length: torch.Tensor | None,
+    head_dim_v: int,
+    *,
+    softmax_scale: float,
+    is_fp8_kvcache: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The extra tokens' sparse partial (:func:`mla_sparse_with_kvcache` over
+    ``extra_k_cache``), its errors naming the extra arguments.
+
+    Returns
+    -------
+    o : torch.Tensor
+        ``[b, s_q, h_q, head_dim_v]`` in ``q``'s dtype.
+    lse : torch.Tensor
+        ``[b, h_q, s_q]`` float32, natural log.
+    """
+    with argument_names(_EXTRA_NAMES):
+        return mla_sparse_with_kvcache(
+            q, extra_k_cache, extra_indices_in_kvcache, head_dim_v, softmax_scale=softmax_scale,
+            topk_length=extra_topk_length, is_fp8_kvcache=is_fp8_kvcache,
+        )  # fmt: skip
+
+
+def _merge_two(
+    first: tuple[torch.Tensor, torch.Tensor],
+    second: tuple[torch.Tensor, torch.Tensor],
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partials in FlashMLA's layout merged into one (attention over the union, exact) by
+    :func:`mqnc.triton_kernels.merge_partials`.
+
+    Parameters
+    ----------
+    first, second : tuple of torch.Tensor
+        ``(o [b, s_q, h_q, d_v], lse [b, h_q, s_q])``, ``o`` in one dtype, ``lse`` float32,
+        natural log.
+    dtype : torch.dtype
+        The merged ``o``'s (float32 when a sink follows: one rounding, after it).
+
+    Returns
+    -------
+    o : torch.Tensor
+        ``[b, s_q, h_q, d_v]`` in ``dtype``.
+    lse : torch.Tensor
+        ``[b, h_q, s_q]`` float32, natural log, contiguous.
+    """
+    s_q = first[0].shape[1]
+    parts = (partial_from_flashmla(*first), partial_from_flashmla(*second))
+    o_m = new_output(parts[0][0].shape, dtype, first[0].device)
+    lse_m = new_output(parts[0][1].shape, torch.float32, first[0].device)
+    merge_partials(
+        torch.stack([p[0] for p in parts]),
+        torch.stack([p[1] for p in parts]),
+        check_lse=False,
+        out=(o_m, lse_m),
+        layout="MBHD",
+    )
+    return flashmla_from_partial(o_m, lse_m, s_q)
+
+
+def _last_dim(name: str, t: object) -> int:
+    """The last dim of a ``[b, s_q, topk]`` index tensor (its other checks are the sparse
+    call's)."""
+    check_tensor(name, t, ndim=3)
+    return t.shape[-1]

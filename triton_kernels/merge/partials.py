@@ -15,8 +15,9 @@ NaN ``lse`` (a partial whose inputs were NaN or overflowed) is never read as emp
 FlashInfer's merges use base-2 LSE: convert with :func:`lse_to_base2` / :func:`lse_from_base2`,
 or merge base-2 states as they are (``base2=True``: the kernel then uses ``exp2`` / ``log2``,
 no conversion). The axis that holds the partials is named, never guessed (a 4-D shape cannot say
-it): ``layout="MBHD"`` (this package's ``[M, B, H, D]``, the default) or ``"BMHD"``
-(FlashInfer's ``merge_states`` input ``[T, M, H, D]``), read in place through strides. A
+it): ``layout=`` is required, ``"MBHD"`` (this package's partials stacked first,
+``[M, B, H, D]``) or ``"BMHD"`` (FlashInfer's ``merge_states`` input ``[T, M, H, D]``), read
+in place through strides. A
 ``mask`` (FlashInfer's ``merge_state_in_place``) leaves the rows it excludes untouched, so a
 CUDA graph captured for a padded batch can skip its padding. The wire carries the equivalent
 statistic ``(o, m, l)`` with ``lse = m + log(l)``: convert with

@@ -37,7 +37,12 @@ from mqnc.triton_kernels._core.op import (
     set_plan_context,
     written_into,  # noqa: F401  (re-exported)
 )
-from mqnc.triton_kernels._core.validate import FLOAT_DTYPES, check_tensor, dtype_name
+from mqnc.triton_kernels._core.validate import (
+    FLOAT_DTYPES,
+    check_dtype_matches,
+    check_tensor,
+    dtype_name,
+)
 from mqnc.triton_kernels.fp8.cache import as_bytes, check_fp8_layout, fp8_rope_view, is_fp8_pool
 from mqnc.triton_kernels.merge.partials import merge_launch
 
@@ -435,6 +440,7 @@ def mla_operands(
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, contiguous_last=True)
     if isinstance(d_v, bool) or not isinstance(d_v, int):
         raise TypeError(f"d_v: expected an int, got {type(d_v).__name__}")
+    check_pool_dims("kv_pool", kv_pool)
     R, H, width = q.shape
     if q_pe is not None:
         if width != d_v:
@@ -442,15 +448,19 @@ def mla_operands(
                 f"q: expected the latent part only (d_v = {d_v} wide) when q_pe is given, got "
                 f"shape {tuple(q.shape)}"
             )
-        check_tensor("q_pe", q_pe, ndim=3, dtypes=(q.dtype,), contiguous_last=True)
+        check_tensor("q_pe", q_pe, ndim=3, contiguous_last=True)
+        check_dtype_matches("q_pe", q_pe, "q", q)
         check_tensor("q_pe", q_pe, shape=(R, H, None))
         d_pe = q_pe.shape[2]
     else:
+        if width <= d_v:
+            raise ValueError(_no_rope_part(q, d_v, kv_pool, kpe_pool))
         d_pe = width - d_v
     d_qk = d_v + d_pe
     if is_fp8_pool(kv_pool):
         return _fp8_operands(q, q_pe, as_bytes(kv_pool), kpe_pool, d_v, d_pe)
-    check_tensor("kv_pool", kv_pool, ndim=3, dtypes=(q.dtype,), contiguous_last=True)
+    check_tensor("kv_pool", kv_pool, ndim=3, contiguous_last=True)
+    check_dtype_matches("kv_pool", kv_pool, "q", q)
     if kpe_pool is None and kv_pool.shape[2] != d_qk:
         raise ValueError(
             f"kv_pool: expected entries as wide as q's rows ({d_qk}), got shape "
@@ -462,7 +472,8 @@ def mla_operands(
                 f"kv_pool: expected the latent part only (d_v = {d_v} wide) when kpe_pool is "
                 f"given, got shape {tuple(kv_pool.shape)}"
             )
-        check_tensor("kpe_pool", kpe_pool, ndim=3, dtypes=(q.dtype,), contiguous_last=True)
+        check_tensor("kpe_pool", kpe_pool, ndim=3, contiguous_last=True)
+        check_dtype_matches("kpe_pool", kpe_pool, "q", q)
         check_tensor("kpe_pool", kpe_pool, shape=(*kv_pool.shape[:2], d_pe))
     for name, w in (("d_v", d_v), ("d_qk - d_v", d_pe)):
         _check_width(name, w, d_qk, d_v)
@@ -475,6 +486,41 @@ def mla_operands(
     for name, t in (("q", q), ("q_pe", q_pe), ("kv_pool", kv_pool), ("kpe_pool", kpe_pool)):
         _check_inner_offsets(name, t)
     return MlaOperands(q, q_pe, kv_pool, kpe_pool, d_v, d_pe, split)
+
+
+def check_pool_dims(name: str, pool: object) -> None:
+    """A 4-D cache ``pool`` is refused by name with its fix: FlashMLA keeps its cache as
+    ``[num_blocks, page, 1, d]`` (one KV head), the kernels take ``[num_blocks, page, d]``."""
+    if not isinstance(pool, torch.Tensor) or pool.dim() != 4:
+        return
+    heads = "" if pool.shape[2] == 1 else " with one KV head (dim 2 = 1: MLA's latent cache)"
+    raise ValueError(
+        f"{name}: expected 3 dims [num_blocks, block_size, d], got 4-D shape "
+        f"{tuple(pool.shape)}, FlashMLA's [num_blocks, page, 1, d] layout{heads}: pass "
+        f"k_cache.squeeze(2), or call FlashMLA's adapter "
+        f"mqnc.triton_kernels.adapters.flashmla.mla_decode_with_kvcache "
+        f"(mla_sparse_with_kvcache for top-k indices), which takes the 4-D cache"
+    )
+
+
+def _no_rope_part(q: torch.Tensor, d_v: int, kv_pool: object, kpe_pool: object) -> str:
+    """The error of query rows ``q`` at most ``d_v`` wide without ``q_pe``: no RoPE part. The
+    width expected is read from the cache when it says (a fused pool's entries, ``kpe_pool``'s
+    rows), else DeepSeek's 576 = 512 + 64 is the example."""
+    d_r = None
+    if isinstance(kpe_pool, torch.Tensor) and kpe_pool.dim():
+        d_r = kpe_pool.shape[-1]
+    elif isinstance(kv_pool, torch.Tensor) and kv_pool.dim() and not is_fp8_pool(kv_pool):
+        d_r = kv_pool.shape[-1] - d_v if kv_pool.shape[-1] > d_v else None
+    if d_r is None:
+        want = "e.g. 576 = 512 latent + 64 RoPE"
+    else:
+        want = f"{d_v + d_r} = {d_v} latent + {d_r} RoPE, as the cache holds"
+    return (
+        f"q: expected a power of two >= 16 RoPE dims after the d_v = {d_v} latent ones (rows "
+        f"d_c + d_r wide: {want}), got shape {tuple(q.shape)}, {q.shape[2]} wide (no RoPE "
+        f"part: pass the rotated q_pe in q's last dims, or as q_pe=)"
+    )
 
 
 def _fp8_operands(q, q_pe, kv, kpe_pool, d_v: int, d_pe: int) -> MlaOperands:
