@@ -2,9 +2,12 @@
 loopback and gloo, the three ``--force`` paths agreeing, a holder killed mid-run with every
 request still answered correctly through the fallback (and the report saying which holder died
 when), a holder that fails or dies at start-up ending the run at once, a profile loaded instead
-of recalibrated, every argument checked before any work. Every partial and merged answer inside
-the demo is checked against the fp64 single-instance reference (``run_demo`` raises beyond the
-bounds). No test reads a time: the model's MAPE is a measured figure for docs/demo.md."""
+of recalibrated, every argument checked before any work; the default workload planned from
+given constants so that each path occurs where the predicate says it wins (and a path that wins
+nowhere named with its numbers), the decisions printed with every path's predicted cost. Every
+partial and merged answer inside the demo is checked against the fp64 single-instance reference
+(``run_demo`` raises beyond the bounds). No test reads a time: the model's MAPE is a measured
+figure for docs/demo.md."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from mqnc.demo import DemoConfig, HolderStartupError, run_demo
 from mqnc.demo.calibration import counts_for
 from mqnc.demo.report import median_calls, replay_routes, spread_mape
 from mqnc.demo.step import OTHER
-from mqnc.demo.waves import predict_wave
+from mqnc.demo.waves import WaveCall, predict_wave
 from mqnc.serving import CostRecord
 
 SMALL = dict(
@@ -74,6 +77,22 @@ def test_demo_loopback_decides_executes_and_verifies(tmp_path, capsys):
     lines = [line for line in _printed_lines(printed) if str(tmp_path) not in line]
     assert max(len(line) for line in lines) <= 100, max(lines, key=len)
     assert "decisions per (chunk, agent)" in printed and "MAPE" in printed
+    # each decision with the explain() table's content (every term of every path), decided for
+    # all the agents reading the chunk at its offset; the plan it came from; and, per path, the
+    # predicate's decode checked against fp64, in demo.json and printed
+    for d in on_disk["decisions"]:
+        assert (
+            d["explain"]["costs"] == d["costs_us"] and d["explain"]["primitive"] == d["predicate"]
+        )
+        assert d["round_trips"] == len(d["readers"]) * SMALL["steps"] * SMALL["layers"]
+        assert set(d["explain"]["route"]) >= {"probe", "turnaround", "transfer", "total"}
+    assert sum(t["size"] for t in on_disk["workload"]["teams"]) == SMALL["whole_agents"]
+    picked = {d["primitive"] for d in on_disk["decisions"]}
+    assert set(on_disk["checked_by_path"]) == picked | {"merged"}
+    assert "per path, the predicate's decode; exact: every partial within one bf16 ulp" in printed
+    for p in picked:
+        n = on_disk["checked_by_path"][p]["count"]
+        assert re.search(rf"\n  {p} +\d+ \(chunk, agent\) decisions +{n} partials", printed), p
     # every constant printed with where it came from
     assert re.search(r"T_probe .* measured this run", printed)
     # the interpreter's counts, recorded (on a GPU: the compiled kernels, the default counts)
@@ -790,3 +809,274 @@ def test_kernels_help_says_each_mode_default():
     text = " ".join(help_text.split())
     assert "triton on cuda, torch on cpu" in text
     assert "--hf: triton on both (on cpu, the Triton interpreter)" in text
+
+
+# ---- the workload planned from the constants, and the decisions printed ------------------------
+
+
+ROUTE_SIDES = dict(
+    send_us=150.0,
+    send_alone_us=60.0,
+    compute_fixed_us=30.0,
+    compute_us_per_row_token=0.002,
+    host_us=200.0,
+)
+"""The routed call's sides the planning tests give (us): a holder kernel call of 30 us + 0.002
+per row x token, host work inside the round trip."""
+
+
+def _planned(**constants) -> tuple:
+    """The default workload (``DemoConfig()``'s agents, chunks and steps) planned on constants
+    of the test's choosing (``t_probe_us``, ``c_us``, ``splice_us_per_token`` and the routed
+    call's sides, :data:`ROUTE_SIDES`), and every (chunk, agent) of it decided as the run
+    decides: ``(cfg, geometry, profile, plan, agents, decisions)``."""
+    from mqnc.cost import FabricProfile
+    from mqnc.demo.calibration import Calibration
+    from mqnc.demo.step import Decisions
+    from mqnc.demo.teams import plan_workload
+    from mqnc.demo.workload import Corpus, build_model, make_agents, readers
+
+    cfg = DemoConfig(progress=False, device="cpu", kernels="torch")  # as preflight resolves
+    model = build_model(cfg)
+    corpus = Corpus(cfg, model)
+    fabric = FabricProfile(
+        "chosen",
+        t_probe_us=constants.get("t_probe_us", 300.0),
+        bw_gbps=1.0,
+        turnaround_us=650.0,
+        bulk_bw_gbps=1.0,
+    )
+    terms = dict(
+        splice_us_per_token=constants.get("splice_us_per_token", 15.0),
+        scatter_us_per_token=2.0,
+        c_us=constants.get("c_us", 2.5),
+        **{k: constants.get(k, v) for k, v in ROUTE_SIDES.items()},
+    )
+    cal = Calibration(fabric, terms, dict.fromkeys(terms, "chosen"))
+    profile = cal.machine_profile(cfg)
+    plan = plan_workload(
+        geometry=model.geometry,
+        profile=profile,
+        lengths=corpus.lengths,
+        whole_agents=cfg.whole_agents,
+        chunks_per_agent=cfg.chunks_per_agent,
+        selection_agents=cfg.selection_agents,
+        steps=cfg.steps,
+        topk=cfg.topk,
+    )
+    agents = make_agents(cfg, corpus, plan)
+    decisions = Decisions(cfg, model, corpus, cal, readers(agents))
+    for agent in agents:
+        for c in agent.chunks:
+            decisions(agent, c)
+    return cfg, model.geometry, profile, plan, agents, decisions
+
+
+def _holder_us(profile, m_q: int, width: int) -> float:
+    """A lone route call's holder side beyond its round trip and its attention, stated here:
+    what the requester's send alone and the holder's host work take beyond the round trip
+    (which otherwise covers them). The attention call itself (``m_q x width`` rows x tokens)
+    is left out: fetch and local run the same kernel on the requester."""
+    fixed = profile.fabric.t_probe_us + profile.fabric.turnaround_us
+    return max(profile.send_alone_us + profile.host_us - fixed, 0.0)
+
+
+def _predicate_picks(cfg, geometry, profile, agents) -> dict:
+    """(agent, chunk) -> the predicate's pick, the request built here from the agents: route
+    pays every agent reading the chunk at that offset ``steps x L`` calls of ``H`` rows, each
+    its round trip and its holder side (:func:`_holder_us`: over the chunk, or a selection's
+    ``topk``-wide index row), fetch (a splice when the chunk moved from its canonical
+    position) and local once, attention and merge left out."""
+    from mqnc.cost import HostOverhead, Request, decide
+    from mqnc.demo.workload import Corpus, build_model
+
+    corpus = Corpus(cfg, build_model(cfg))
+    out = {}
+    for a in agents:
+        for c in a.chunks:
+            n = sum(b.offsets.get(c) == a.offsets[c] for b in agents)
+            req = Request(
+                geometry.heads,
+                corpus.lengths[c],
+                moved=a.offsets[c] != corpus.positions[c],
+                attention=False,
+                round_trips=n * cfg.steps * geometry.layers,
+            )
+            width = cfg.topk if a.kind == "selection" else corpus.lengths[c]
+            host = HostOverhead(_holder_us(profile, geometry.heads, width), 0.0)
+            out[(a.name, c)] = decide(geometry, profile.replace(host=host), req).primitive
+    return out
+
+
+@pytest.mark.parametrize("host_us", [200.0, 2000.0])
+@pytest.mark.parametrize(
+    "tokens, readers, steps, moved, width",
+    [(288, 1, 1, True, None), (509, 2, 2, True, None), (400, 1, 1, False, 256)],
+)
+def test_route_price_is_the_wave_models_call(tokens, readers, steps, moved, width, host_us):
+    """The route cost the decision uses is, call for call, what the report's wave model
+    predicts for the same call on its own (:class:`mqnc.demo.report.Report`, a call in no
+    noted wave, through :func:`mqnc.demo.waves.predict_wave`) less its attention call (the
+    holder runs it for a route, the requester the same kernel for a fetch or a re-prefill:
+    left out of all three): the round trip and, where the send alone and the holder's host
+    work exceed the round trip (``host_us`` 2000 here), the excess, the predicate's host term,
+    so that ``explain()`` shows it."""
+    from mqnc.cost import FabricProfile
+    from mqnc.demo.calibration import Calibration
+    from mqnc.demo.report import Report
+    from mqnc.demo.teams import decide_read
+    from mqnc.demo.workload import Corpus, build_model
+
+    cfg = DemoConfig(progress=False, device="cpu", kernels="torch")
+    model = build_model(cfg)
+    g = model.geometry
+    fabric = FabricProfile(
+        "chosen", t_probe_us=300.0, bw_gbps=1.0, turnaround_us=650.0, bulk_bw_gbps=1.0
+    )
+    terms = dict(
+        send_us=150.0,
+        send_alone_us=60.0,
+        compute_fixed_us=900.0,
+        compute_us_per_row_token=0.2,
+        host_us=host_us,
+        splice_us_per_token=11.0,
+        scatter_us_per_token=1.7,
+        c_us=400.0,
+        fetch_fixed_us=1100.0,
+        merge_us=200.0,
+    )
+    cal = Calibration(fabric, terms, dict.fromkeys(terms, "chosen"))
+    profile = cal.machine_profile(cfg)
+    d = decide_read(g, profile, tokens, moved=moved, readers=readers, steps=steps, width=width)
+    trips = readers * steps * g.layers
+    assert d.inputs["round_trips"] == trips
+    # the report's prediction of the same call: H rows over the chunk (or the index row)
+    corpus = Corpus(cfg, model)
+    corpus.lengths[0] = tokens  # the call's chunk
+    report = Report(cfg, g, corpus, cal, waves={}, deltas={})
+    rec = CostRecord("route", 1, 0, 0, g.heads, 0, 0)
+    if width is None:
+        predicted = report.predict(rec)
+    else:  # a selection's call over its index row
+        (predicted,) = predict_wave(
+            [WaveCall(1, g.heads, g.heads * width, True)], g, cal.fabric, cal.route
+        )
+    lone = predicted["total"] - predicted["compute"]  # the call, its attention left out
+    assert d.route.total == pytest.approx(trips * lone, rel=1e-12)
+    holder = d.route.host / trips
+    assert holder == pytest.approx(_holder_us(profile, g.heads, width or tokens), abs=1e-9)
+    assert holder == pytest.approx(predicted["queue"], abs=1e-9)
+    assert (predicted["queue"] > 0) == (host_us == 2000.0)
+    if holder:
+        assert f"+ host {d.route.host:.1f}" in d.explain()
+    # the round trip is the predicate's own: probe, turnaround, the rows' bytes out and back
+    assert d.route.transport / trips == pytest.approx(
+        predicted["probe"] + predicted["transfer"] + predicted["return_"], rel=1e-12
+    )
+
+
+def test_default_workload_exercises_each_path_where_the_constants_say_it_wins():
+    """On constants where each path wins somewhere (route a round trip of ~1 ms, re-prefill
+    2.5 us a token-layer, a splice of 15 us a token, the pool write 2), the default workload
+    is planned so that route, fetch and local each occur, and every (chunk, agent) is what the
+    predicate decides for it on those constants: agents sharing a context share one fetch or
+    re-prefill and each pays its own route calls."""
+    cfg, g, profile, plan, agents, decisions = _planned()
+    picks = {key: d["primitive"] for key, d in decisions.table.items()}
+    assert set(picks.values()) == {"route", "fetch", "local"}, plan.to_dict()
+    assert picks == _predicate_picks(cfg, g, profile, agents)
+    assert not plan.never and not plan.left_out
+    assert all(d["predicate"] == d["primitive"] for d in decisions.table.values())
+    # the whole-chunk agents: every agent of the default, in teams of the plan
+    assert sum(t.size for t in plan.teams) == cfg.whole_agents
+    assert all(len(t.chunks) == cfg.chunks_per_agent for t in plan.teams)
+    # a team reads its chunks at the same offsets: one decision for all its agents
+    for team_agents in _teams(agents):
+        for c in team_agents[0].chunks:
+            assert len({decisions.table[(a.name, c)]["primitive"] for a in team_agents}) == 1
+    # the route picks' chunks are longer than the other picks' of the same readers (the
+    # crossover falls between them), and the crossover is where the plan says
+    solo = [d for d in decisions.table.values() if d["readers"] == ["whole-0"]]
+    routed = [d["tokens"] for d in solo if d["primitive"] == "route"]
+    other = [d["tokens"] for d in solo if d["primitive"] != "route"]
+    assert routed and other and min(routed) > plan.crossover[1] > max(other)
+
+
+def _teams(agents) -> list[list]:
+    by_offsets: dict = {}
+    for a in agents:
+        if a.kind == "whole":
+            by_offsets.setdefault(tuple(sorted(a.offsets.items())), []).append(a)
+    return list(by_offsets.values())
+
+
+@pytest.mark.parametrize(
+    "constants, path, says",
+    [
+        (dict(c_us=200.0), "local", "us a token (4 layers x 200.0 of re-prefill)"),
+        (dict(t_probe_us=20000.0), "route", "one agent would route a chunk above"),
+    ],
+)
+def test_a_path_that_never_wins_is_named_with_the_numbers(constants, path, says):
+    """Where the constants rule a path out for every chunk and team size, the plan says which
+    and why (each path's unit cost and where it came closest), the printed decisions carry it,
+    and the summary names it; the decisions stay the predicate's."""
+    from mqnc.demo.teams import check_lines, decision_lines
+
+    cfg, g, profile, plan, agents, decisions = _planned(**constants)
+    picks = {key: d["primitive"] for key, d in decisions.table.items()}
+    assert path not in picks.values() and picks == _predicate_picks(cfg, g, profile, agents)
+    assert set(plan.never) == {path}
+    assert plan.never[path].startswith(f"{path} never wins here: ") and says in plan.never[path]
+    printed = " ".join(decision_lines(list(decisions.table.values()), plan.to_dict()))
+    assert " ".join(plan.never[path].split()) in " ".join(printed.split())
+    summary = check_lines(list(decisions.table.values()), {}, plan.to_dict(), 5)
+    assert any(line.split()[0] == path and "never wins here" in line for line in summary[1:])
+
+
+def test_printed_decisions_name_each_path_and_its_predicted_costs():
+    """One line per (chunk, context) read: the chunk, its tokens, who reads it, the route
+    calls, the predicted us of route, fetch and local (``*`` on the pick) and the pick with its
+    margin; the selection agent's like reads on one line with their ranges; the terms each
+    path is priced with above; everything within 100 columns. The summary gives each path's
+    count and its check against fp64."""
+    from mqnc.cost import PRIMITIVES
+    from mqnc.demo.teams import check_lines, decision_lines
+
+    cfg, g, profile, plan, agents, decisions = _planned()
+    table = list(decisions.table.values())
+    lines = decision_lines(table, plan.to_dict())
+    assert all(len(line) <= 100 for line in lines), max(lines, key=len)
+    counts = {p: sum(d["primitive"] == p for d in table) for p in ("route", "fetch", "local")}
+    assert lines[0] == "\ndecisions per (chunk, agent): " + ", ".join(
+        f"{p} {n}" for p, n in counts.items()
+    )
+    for head in ("  route  calls x ", "  fetch  pull ", "  local  re-prefill 4 layers x 2.5 "):
+        assert any(line.startswith(head) for line in lines), head
+    rows = [line.split() for line in lines if re.match(r"^ *\(?\d+\)? +\d+(-\d+)?  \S", line)]
+    for d in table:
+        if not d["readers"][0].startswith("whole"):
+            continue
+        (cells,) = [r for r in rows if r[:2] == [str(d["chunk"]), str(d["tokens"])]
+                    and " ".join(r[2:]).startswith(", ".join(d["readers"]))]  # fmt: skip
+        assert cells[-2] == d["primitive"] and cells[-1] == f"x{d['margin_ratio']:.2f}"
+        costs = [f"{d['costs_us'][p]:,.0f}" + "*" * (p == d["primitive"]) for p in PRIMITIVES]
+        assert cells[-6:-2] == [str(d["round_trips"]), *costs], cells
+    # the selection agent's reads: one line per pick, their count in the chunk column
+    sel = [d for d in table if d["readers"] == ["select-0"]]
+    grouped = [r for r in rows if r[2:5] == ["select-0", "in", "place"]]
+    assert sum(int(r[0].strip("()")) if r[0].startswith("(") else 1 for r in grouped) == len(sel)
+    for r in grouped:
+        assert r[-2] in {d["primitive"] for d in sel} and r[-6] == str(cfg.steps * g.layers)
+    assert "crossover: route wins a chunk read at a new offset by 1 agent above" in " ".join(lines)
+    # the summary: each path, its decisions and its partials against fp64
+    checked = {"route": [1e-3] * 4, "fetch": [2e-3] * 8, "local": [3e-3] * 2}
+    summary = check_lines(table, checked, plan.to_dict(), 5)
+    assert summary[0] == (
+        "\nper path, the predicate's decode (5 repeats); exact: every partial within one bf16 ulp"
+        " of fp64"
+    )
+    for p, errs in checked.items():
+        (line,) = [x for x in summary if x.split()[:1] == [p]]
+        assert f"{counts[p]} (chunk, agent) decisions" in line
+        assert f"{len(errs)} partials, max |err| {max(errs):.2e}: exact" in line

@@ -489,6 +489,55 @@ def test_calibration_leaves_the_pool_as_it_found_it():
             req.evict_local(1, -1)
 
 
+def test_force_is_the_path_taken_even_over_a_held_copy():
+    """A requester keeps the chunks it fetched; a later session forcing ``route`` still routes
+    every chunk (the copy would answer exactly, but not by the path a timing asked for), a
+    forced ``fetch`` fetches again, and a per-chunk ``force`` mapping sends each chunk its own
+    way; the request's decision records the path that answered each chunk (``taken``). The
+    predicate's own decisions use what the pool holds (``held-*``). Tokens agree throughout."""
+    model, ctx = tiny()
+    prompt = torch.randint(0, model.config.vocab_size, (1, 2), generator=torch.Generator())
+    corpus = prefill_context(model, ctx, chunk_tokens=16, holders=[1, 2])
+    chunks = sorted(corpus.chunks)
+
+    def run(req, **kw):
+        with attach(model, corpus, req, **kw) as s:
+            out = s.generate(prompt, max_new_tokens=2, do_sample=False)
+        taken = {c: d["taken"] for c, d in s.requests[-1].decisions.items()}
+        assert not s.fallbacks, s.fallbacks
+        return out, {(r.chunk_id, r.primitive) for r in s.records()}, taken
+
+    with LocalHolders(corpus, transport="loopback", kernels="torch") as hs, torch.no_grad():
+        req = hs.requester()
+        first, calls, taken = run(req, force="fetch")
+        assert calls == {(c, "fetch") for c in chunks}
+        assert all(set(t) == {"fetch"} for t in taken.values()), taken
+        out, calls, taken = run(req, force="route")  # every chunk held: routed all the same
+        assert calls == {(c, "route") for c in chunks}, calls
+        assert all(set(t) == {"route"} for t in taken.values()), taken
+        assert torch.equal(out, first)
+        out, calls, taken = run(req, force="fetch")  # fetched again, not the held copy
+        assert calls == {(c, "fetch") for c in chunks}, calls
+        assert torch.equal(out, first)
+        force = {chunks[0]: "route", chunks[1]: "fetch", chunks[2]: "local"}
+        out, calls, taken = run(req, force=force)
+        assert calls == {(c, p) for c, p in force.items()}, calls
+        assert {c: set(t) for c, t in taken.items()} == {c: {p} for c, p in force.items()}
+        assert torch.equal(out, first)
+        out, _, taken = run(req, fabric="h100-ibgda")  # the predicate: the held copies answer
+        assert all(set(t) <= {"held-fetch", "held-local"} for t in taken.values()), taken
+        assert torch.equal(out, first)
+        for bad, match in (
+            ({99: "route"}, r"force: expected chunk ids of the corpus \(\[0, 1, 2\]\), got 99"),
+            ({True: "route"}, r"force: expected chunk ids \(ints\) as keys, got True"),
+            ({"0": "route"}, r"force: expected chunk ids \(ints\) as keys, got '0'"),
+            ({0: "teleport"}, r"force\[0\]: expected 'route', 'fetch' or 'local', got 'teleport'"),
+            (["route"], r"force: expected None, 'route', 'fetch', 'local' or a mapping"),
+        ):
+            with pytest.raises(ValueError, match=match):
+                attach(model, corpus, req, force=bad)
+
+
 def test_token_ids_are_checked():
     """Context and prompt token ids must be integer ids in the vocabulary: a negative or
     too-large id (an IndexError deep in the embedding), a bool (silently 1/0) or a float id, an

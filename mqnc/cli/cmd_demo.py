@@ -115,10 +115,13 @@ def register(subparsers) -> None:
         "demo",
         help="agentic fan-in over a partitioned corpus: decide, execute, verify, report",
         description="The paper's motivating workload: a corpus of chunks prefilled through a "
-        "small MLA model and partitioned over holders; sub-agents decode through it, the "
-        "predicate picks route, fetch or local per (chunk, agent), the choice is executed, "
-        "every answer is checked against an fp64 reference, and the measured cost of each "
-        "primitive is reported beside the model's prediction (demo.json and a PNG in --out).",
+        "small MLA model and partitioned over holders; sub-agents decode through it (which "
+        "chunks they read, and how many share each, planned from the measured constants: the "
+        "chunks nearest the crossover), the predicate picks route, fetch or "
+        "local per (chunk, agent) and the report prints each pick beside the predicted cost of "
+        "every path, the choice is executed, every answer is checked against an fp64 "
+        "reference, and the measured cost of each primitive is reported beside the model's "
+        "prediction (demo.json and a PNG in --out).",
     )
     p.add_argument(
         "--transport",
@@ -162,6 +165,14 @@ def register(subparsers) -> None:
     for name in _INT_OPTIONS:
         flag = f"--{name.replace('_', '-')}"
         p.add_argument(flag, dest=name, type=int, default=None, help=f"default {getattr(d, name)}")
+    _add_decode_options(p)
+    _add_instead(p)
+    p.set_defaults(func=_run)
+
+
+def _add_decode_options(p) -> None:
+    """The options of how the decodes run: the fault drill, the progress lines, the comparison
+    decode and the repeats."""
     p.add_argument(
         "--kill-holder",
         dest="kill_holder",
@@ -187,8 +198,6 @@ def register(subparsers) -> None:
         "by its median over them; each single decode's MAPE is printed beside (default 5; 1 "
         "in the fault drill)",
     )
-    _add_instead(p)
-    p.set_defaults(func=_run)
 
 
 def _add_instead(p) -> None:

@@ -5,11 +5,18 @@ One immutable document (a "codebase" of ``chunks`` canonical chunks) is prefille
 cache, each chunk on its own at its canonical position (position-independent caching, §1,
 §2.2), and partitioned over ``holders`` holder instances (processes over torch.distributed gloo
 by default, threads over the in-process loopback with ``--transport loopback``). ``agents``
-sub-agents then decode ``steps`` tokens each, through all ``L`` layers of a small real MLA
-model (:class:`mqnc.model.MLAModel`, DeepSeek-V2-Lite attention geometry, YaRN RoPE):
+sub-agents then decode ``steps`` tokens each (one by default), through all ``L`` layers of a
+small real MLA model (:class:`mqnc.model.MLAModel`, DeepSeek-V2-Lite attention geometry, YaRN
+RoPE):
 
-- **whole-chunk agents** (contiguous reuse, §2.2) read a few chunks placed at *new* offsets in
-  their own context, followed by their own suffix;
+- **whole-chunk agents** (contiguous reuse, §2.2) read a few chunks placed at *new* offsets,
+  followed by their own suffix; they come in teams (agents forked from one context, reading the
+  same chunks at the same offsets: one fetch or re-prefill serves the team, each agent pays its
+  own route calls), and the teams and their chunks are planned from this machine's constants
+  (:mod:`~mqnc.demo.teams`) so that the chunks read are those nearest the predicate's
+  crossover (straddling it where the corpus' lengths reach it): a chunk long enough, read by few
+  enough agents, routes; a shorter or shared one is fetched or re-prefilled; a path that wins
+  nowhere is named with the numbers that rule it out;
 - **selection agents** (§5.4) fork the whole corpus as their prefix at its canonical positions
   and attend, per layer and step, a DSA-style top-k selection scattered across the holders
   (the indexer here is exact top-k of a small random projection of the scores; see
@@ -17,8 +24,10 @@ model (:class:`mqnc.model.MLAModel`, DeepSeek-V2-Lite attention geometry, YaRN R
 
 For every (chunk, agent) the closed-form predicate (:func:`mqnc.cost.decide`) picks route,
 fetch or local with this machine's constants (calibrated at start-up by a short probe / route
-sweep and one timed call of each primitive, or loaded with ``--profile``), and the demo executes
-that choice for real: route sends the absorbed query rows (rotated by the opposite delta, §3.2)
+sweep and one timed call of each primitive, or loaded with ``--profile``; the request:
+:func:`mqnc.demo.teams.read_request`), the report prints each decision's predicted cost of every
+path beside its pick (``demo.json`` keeps every term), and the demo executes that choice for
+real: route sends the absorbed query rows (rotated by the opposite delta, §3.2)
 to the holder, which batches all waiting rows into one kernel call (§6.3); fetch pulls all
 layers and splices them into the requester's pool (§2.2); local re-prefills the chunk through
 the model. ``--force`` runs every (chunk, agent) through one primitive. Then (unless
@@ -36,11 +45,14 @@ Every partial and every merged answer is compared with a single-instance fp64 re
 the same keys (the canonical cache, re-homed to the agent's offsets by an exact fp64
 rotation); the demo fails (exit 1) beyond the bounds of :data:`mqnc.testing.TOLERANCES`
 (``demo_partial`` / ``demo_merged``). At the end it prints a table per primitive (count, wire
-bytes, measured time per cost term beside the model's prediction, MAPE, max error), writes
+bytes, measured time per cost term beside the model's prediction, MAPE, max error) and, per
+path, the predicate's decisions and how their partials compared with fp64, writes
 everything as JSON under ``--out`` and draws measured against predicted time as a PNG.
 
 The pieces, one module each: :mod:`~mqnc.demo.config` (what a run depends on),
-:mod:`~mqnc.demo.workload` (model, corpus, agents, indexer), :mod:`~mqnc.demo.cluster` (the
+:mod:`~mqnc.demo.workload` (model, corpus, agents, indexer), :mod:`~mqnc.demo.teams` (the
+whole-chunk agents' teams and chunks from the constants, the decisions as printed),
+:mod:`~mqnc.demo.cluster` (the
 holders and the requester's transport), :mod:`~mqnc.demo.calibration` (this machine's
 constants), :mod:`~mqnc.demo.step` (decide and execute one decode step),
 :mod:`~mqnc.demo.verify` (the fp64 checks), :mod:`~mqnc.demo.report` (table, JSON, PNG) and

@@ -47,7 +47,17 @@ class DemoConfig:
     ``device`` None: ``"cuda"`` when a CUDA device exists, else ``"cpu"``. ``kernels`` None:
     ``"triton"`` (the compiled kernels) on ``"cuda"``, ``"torch"`` (the fp64 references rounded
     once, :mod:`mqnc.serving.compute`) on ``"cpu"``, where the Triton interpreter would time the
-    interpreter, not the method. ``topk``: entries each selection agent attends per layer and
+    interpreter, not the method. ``whole_agents``: agents reading ``chunks_per_agent`` chunks
+    each at new offsets, split into teams (agents forked from one context, reading the same
+    chunks at the same offsets) and given their chunks from the constants
+    (:mod:`mqnc.demo.teams`). ``steps``: tokens every agent decodes; one by default, so that a
+    chunk read by one agent costs route ``L`` calls (the fewest a decode pays: route's best
+    case) and one read by a team of ``n`` agents ``n x L``. On the 2-core CPU of docs/demo.md
+    (a call: a gloo round trip ~0.8-1 ms plus the holder's kernel call, ~0.85 ms and 0.22-0.28
+    us a row x token; a fetch ~13-19 us a token) one reader's crossover falls at thousands of
+    tokens or at none, past the default chunks' 256-512: route wins no read there, and the run
+    names it with the numbers.
+    ``topk``: entries each selection agent attends per layer and
     step, 1 .. ``chunks * min_tokens`` (the smallest corpus); a run without selection agents is
     ``selection_agents=0``. ``kill_after_step``: the step (0 .. ``steps - 1``) before which
     ``kill_holder`` is killed. ``compare``: after the decode, decode once more with every
@@ -77,7 +87,7 @@ class DemoConfig:
     chunks_per_agent: int = 3
     topk: int = 256
     suffix_tokens: int = 16
-    steps: int = 2
+    steps: int = 1
     hidden: int = 256
     seed: int = 0
     transport: str = "gloo"

@@ -401,11 +401,14 @@ def print_table(
     killed: dict | None = None,
     compare: dict | None = None,
     rounds: list | None = None,
+    decided: list[str] | None = None,
 ) -> None:
     """The constants (value and source) and, when they were measured more than once, each
-    round's (``rounds``), the decisions, the fallbacks, one line per primitive (calls, wire
-    bytes, measured and predicted total, MAPE, largest error) and the terms (measured and
-    predicted, summed over the calls); every line fits in 100 columns."""
+    round's (``rounds``), the decisions (``decided``, the lines of
+    :func:`mqnc.demo.teams.decision_lines`, else the count per primitive of ``decisions``), the
+    fallbacks, one line per primitive (calls, wire bytes, measured and predicted total, MAPE,
+    largest error) and the terms (measured and predicted, summed over the calls); every line
+    fits in 100 columns."""
     print()
     print("\n".join(_constants(cal)))
     if rounds and len(rounds) > 1:
@@ -420,11 +423,14 @@ def print_table(
             )
             line = f"  {r['when']:<18} T_probe {r['t_probe_us']:.0f} us{host}; {said}"
             print("\n".join(textwrap.wrap(line, WIDTH, subsequent_indent=" " * 21)))
-    chosen = Counter(d["primitive"] for d in decisions.values())
-    print(
-        "\ndecisions per (chunk, agent): "
-        + ", ".join(f"{k} {v}" for k, v in sorted(chosen.items()))
-    )
+    if decided is not None:
+        print("\n".join(decided))
+    else:
+        chosen = Counter(d["primitive"] for d in decisions.values())
+        print(
+            "\ndecisions per (chunk, agent): "
+            + ", ".join(f"{k} {v}" for k, v in sorted(chosen.items()))
+        )
     for line in _fallback_lines(fallbacks, killed):
         print(line)
     if compare:

@@ -19,10 +19,11 @@ from mqnc.demo.cluster import Cluster
 from mqnc.demo.config import DemoConfig
 from mqnc.demo.preflight import Prepared
 from mqnc.demo.progress import Progress
-from mqnc.demo.report import Report, median_calls, plot, print_table, spread_mape
+from mqnc.demo.report import WIDTH, Report, median_calls, plot, print_table, spread_mape
 from mqnc.demo.step import Decisions, Decoder
+from mqnc.demo.teams import Plan, check_lines, decision_lines, plan_workload
 from mqnc.demo.verify import Verifier
-from mqnc.demo.workload import Corpus, build_model, make_agents
+from mqnc.demo.workload import Corpus, build_model, make_agents, readers
 from mqnc.model import MLAModel
 from mqnc.serving import ChunkInfo, Requester
 from mqnc.transport import ENGINES
@@ -37,7 +38,8 @@ def run(prep: Prepared, progress: Progress) -> dict:
     where = "threads" if ENGINES[cfg.transport].in_process else "processes"
     progress.phase(
         f"mqnc demo: {cfg.chunks} chunks over {cfg.holders} holder {where} ({cfg.transport}), "
-        f"{cfg.agents} agents x {cfg.steps} steps x {cfg.layers} layers; device {cfg.device}, "
+        f"{cfg.agents} agents x {cfg.steps} step{'s' * (cfg.steps != 1)} x {cfg.layers} layers; "
+        f"device {cfg.device}, "
         f"kernels {_kernels(cfg)}, cache {cfg.cache_dtype}"
     )
     model = build_model(cfg)
@@ -73,23 +75,61 @@ def run(prep: Prepared, progress: Progress) -> dict:
 
         measure("before the decodes")
         verifier = Verifier(model, corpus)
-        decisions = Decisions(cfg, model, corpus, cals[0][1])  # decided before any decode
+        # the workload and the decisions from the first constants, before any decode
+        plan, decisions = _plan(cfg, model, corpus, cals[0][1], progress)
         kill = cluster.kill if cfg.kill_holder is not None else None
         runs = _decode(
-            cfg, model, corpus, req, decisions, verifier, kill, progress, measure, n_rounds
+            cfg, model, corpus, req, plan, decisions, verifier, kill, progress, measure, n_rounds
         )
         scored = _score(cfg, model, corpus, cluster.cpus, runs, cals, verifier.errors)
     finally:
         cluster.close(req)
+    result = _result(cfg, model, cluster.cpus, plan, decisions, verifier, runs, scored)
+    result["wall_s"] = progress.elapsed_s
+    _write(cfg, result, verifier.errors, verifier.by_decode["predicate"], scored.cal)
+    return result
+
+
+def _plan(cfg: DemoConfig, model: MLAModel, corpus: Corpus, cal: Calibration, progress):
+    """The workload planned from the calibration ``cal`` (:func:`plan_workload`) and the
+    decisions over its agents, said on the progress line: ``(plan, decisions)``."""
+    plan = plan_workload(
+        geometry=model.geometry,
+        profile=cal.machine_profile(cfg),
+        lengths=corpus.lengths,
+        whole_agents=cfg.whole_agents,
+        chunks_per_agent=cfg.chunks_per_agent,
+        selection_agents=cfg.selection_agents,
+        steps=cfg.steps,
+        topk=cfg.topk,
+    )
+    decisions = Decisions(cfg, model, corpus, cal, readers(make_agents(cfg, corpus, plan)))
+    teams = " + ".join(str(t.size) for t in plan.teams) or "none"
+    progress.phase(
+        f"workload planned from the constants: whole-chunk agents in teams of {teams}"
+        + "".join(f"; {p} never wins here" for p in plan.never)
+    )
+    return plan, decisions
+
+
+def _result(cfg, model, cpus, plan, decisions, verifier, runs, scored) -> dict:
+    """``demo.json``'s content (but ``wall_s``) from the finished decodes ``runs`` and what
+    :func:`_score` made of them."""
     decoder = runs["predicate"][0][0]  # its first repeat: the fault drill's, the final states
-    result = dict(
+    return dict(
         config=dataclasses.asdict(cfg),
         device=device_name(),
         transport=cfg.transport,
         kernels=_kernels(cfg),
         calibration=scored.cal.to_dict(),
         calibration_rounds=scored.rounds,
+        workload=plan.to_dict(),
         decisions=list(decisions.table.values()),
+        # the predicate's decode alone, per path: each partial's and merged answer's max |err|
+        checked_by_path={
+            k: dict(count=len(v), max_abs_error=max(v))
+            for k, v in verifier.by_decode["predicate"].items()
+        },
         fallbacks=[f for d, _ in runs["predicate"] for f in d.fallbacks],
         killed=decoder.killed,
         compare=scored.compare,
@@ -101,15 +141,12 @@ def run(prep: Prepared, progress: Progress) -> dict:
         # FP8: the fp64 merged answers over the dequantized keys vs over the bf16 ones (what
         # the format moves an answer; the bounds above are the kernels' alone)
         quantization_error=max(verifier.quantization, default=None),
-        cores=cluster.cpus,
+        cores=cpus,
         max_abs_error={k: max(v) for k, v in verifier.errors.items()},
         checked={k: len(v) for k, v in verifier.errors.items()},
         # each agent's last hidden state: the --force runs of one config must agree on it
         final_hidden={a.name: a.hidden.flatten().tolist() for a in decoder.agents},
-        wall_s=progress.elapsed_s,
     )
-    _write(cfg, result, verifier.errors, decisions.table, scored.cal)
-    return result
 
 
 def _decode(
@@ -117,6 +154,7 @@ def _decode(
     model: MLAModel,
     corpus: Corpus,
     req: Requester,
+    plan: Plan,
     decisions: Decisions,
     verifier: Verifier,
     kill,
@@ -128,8 +166,8 @@ def _decode(
     ``cfg.decode_repeats`` times from an empty pool, the two interleaved (a slow spell of the
     machine then touches both alike); the fault drill's ``kill`` in the first decode only;
     ``calibrate_again("between")`` after the middle repeat and ``calibrate_again("after")``
-    after the last one when ``rounds`` is three. Returns, per decode (``"predicate"``,
-    ``"other"``), each repeat's decoder and its cost records."""
+    after the last one when ``rounds`` is three; the agents of ``plan``. Returns, per decode
+    (``"predicate"``, ``"other"``), each repeat's decoder and its cost records."""
     passes = [("predicate", decisions)]
     if cfg.comparing:  # each (chunk, agent) through the other primitive
         passes.append(("other", decisions.other()))
@@ -148,7 +186,8 @@ def _decode(
                 for key, picks in passes:
                     req.clear_local()  # nothing fetched before is reused
                     drill = kill if r == 0 and key == "predicate" else None
-                    agents = make_agents(cfg, corpus)
+                    verifier.tag = key
+                    agents = make_agents(cfg, corpus, plan)
                     dec = Decoder(cfg, model, corpus, req, agents, picks, verifier, drill)
                     n = len(req.costs)
                     dec.run(bar)
@@ -276,9 +315,10 @@ def _requester(cfg: DemoConfig, cluster: Cluster, model: MLAModel, corpus: Corpu
     return req
 
 
-def _write(cfg: DemoConfig, result: dict, errors, decisions, cal) -> None:
+def _write(cfg: DemoConfig, result: dict, errors, checked, cal) -> None:
     """The PNG (its title naming the device, transport and kernels), ``demo.json``, the demo
-    profile and the printed tables."""
+    profile and the printed tables; ``checked``: the predicate's decode's errors per path
+    (the summary)."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = result["primitives"]
@@ -293,12 +333,16 @@ def _write(cfg: DemoConfig, result: dict, errors, decisions, cal) -> None:
     print_table(
         rows,
         errors,
-        decisions,
+        {},
         result["fallbacks"],
         result["calibration"],
         result["killed"],
         result["compare"],
         result["calibration_rounds"],
+        decided=decision_lines(result["decisions"], result["workload"], WIDTH),
+    )
+    print(
+        "\n".join(check_lines(result["decisions"], checked, result["workload"], cfg.decode_repeats))
     )
     line = (
         f"cache {result['kv_format']}: {result['kv_bytes_per_token_layer']} B a token-layer "

@@ -9,9 +9,9 @@ from collections import defaultdict
 
 import torch
 
-from mqnc.cost import Request, decide
 from mqnc.demo.calibration import Calibration
 from mqnc.demo.config import LANES, DemoConfig
+from mqnc.demo.teams import decide_read
 from mqnc.demo.verify import Verifier
 from mqnc.demo.waves import WaveCall
 from mqnc.demo.workload import Agent, Corpus, Indexer
@@ -28,7 +28,11 @@ OTHER = {"route": "fetch", "fetch": "route", "local": "route"}
 
 class Decisions:
     """The predicate's choice per (agent, chunk), memoised, with its inputs and costs; with
-    ``first`` (the run's own decisions), :data:`OTHER` of its choice (the comparison decode)."""
+    ``first`` (the run's own decisions), :data:`OTHER` of its choice (the comparison decode).
+
+    ``readers``: ``(chunk, offset)`` -> the agents reading the chunk there
+    (:func:`mqnc.demo.workload.readers`); they share one decision (one fetched or re-prefilled
+    copy, or a route per reader: :func:`mqnc.demo.teams.decide_read`)."""
 
     def __init__(
         self,
@@ -36,26 +40,30 @@ class Decisions:
         model: MLAModel,
         corpus: Corpus,
         cal: Calibration,
+        readers: dict[tuple[int, int], tuple[str, ...]],
         first: Decisions | None = None,
     ):
         self.cfg, self.geometry, self.corpus, self.cal = cfg, model.geometry, corpus, cal
-        self.model, self.first = model, first
+        self.model, self.first, self.readers = model, first, readers
+        self.profile = cal.machine_profile(cfg)
         self.table: dict[tuple[str, int], dict] = {}
+        self._shared: dict[tuple[int, int], dict] = {}  # (chunk, offset) -> its decision
 
     def other(self) -> Decisions:
         """The decisions of the comparison decode: each (chunk, agent) through the other
         primitive."""
-        return Decisions(self.cfg, self.model, self.corpus, self.cal, first=self)
+        return Decisions(self.cfg, self.model, self.corpus, self.cal, self.readers, first=self)
 
     def __call__(self, agent: Agent, chunk: int) -> str:
-        """The choice for (chunk, agent): the agent's whole decode over the chunk is the
-        request (``steps * L`` round trips of ``H`` rows for route; one pull + splice for
-        fetch, one re-prefill for local). The attention compute is left out of the
-        comparison: route pays it on the holder, fetch and local on the requester afterwards.
-        ``--force`` overrides."""
+        """The choice for (chunk, agent): the whole decode of every agent reading the chunk at
+        this agent's offset is the request (:func:`mqnc.demo.teams.read_request`: route
+        ``readers x steps x L`` round trips of ``H`` rows, each with the holder's side of the
+        call, :func:`mqnc.demo.teams.holder_overhead`; fetch one pull + splice, local one
+        re-prefill, shared). The requester's attention and merge are left out of the
+        comparison (every path pays them). ``--force`` overrides."""
         key = (agent.name, chunk)
         if key not in self.table and self.first is None:
-            self.table[key] = self._decide(agent, chunk)
+            self.table[key] = {"agent": agent.name, **self._decide(agent, chunk)}
         elif key not in self.table:
             self.first(agent, chunk)
             chosen = self.first.table[key]
@@ -63,29 +71,37 @@ class Decisions:
         return self.table[key]["primitive"]
 
     def _decide(self, agent: Agent, chunk: int) -> dict:
+        offset = agent.offsets[chunk]
+        if (chunk, offset) in self._shared:
+            return self._shared[(chunk, offset)]
         g, cfg = self.geometry, self.cfg
+        who = self.readers.get((chunk, offset), (agent.name,))
+        # a selection agent attends at canonical positions: its fetch pulls the chunks that
+        # hold the selected entries and only writes them into its pool (no rotation)
         moved = agent.delta(self.corpus, chunk) != 0
-        request = Request(
-            g.heads,
-            self.corpus.lengths[chunk],
-            # a selection agent attends at canonical positions: its fetch pulls the chunks that
-            # hold the selected entries and only writes them into its pool (no rotation)
-            moved=moved,
-            # the partial attention and the merge are paid by every primitive (route: attention
-            # on the holder; fetch / local: on the requester afterwards; the agent merges its
-            # partials either way): they do not enter the comparison
-            attention=False,
-            round_trips=cfg.steps * g.layers,
+        tokens = self.corpus.lengths[chunk]
+        # a selection's route call attends its index row (topk wide), a whole chunk's the chunk
+        width = cfg.topk if agent.kind == "selection" else None
+        d = decide_read(
+            g, self.profile, tokens, moved=moved, readers=len(who), steps=cfg.steps, width=width
         )
-        d = decide(g, self.cal.machine_profile(cfg), request)
-        return dict(
-            agent=agent.name,
+        self._shared[(chunk, offset)] = out = dict(
             chunk=chunk,
+            offset=offset,
+            tokens=tokens,
+            moved=moved,
+            readers=list(who),
+            round_trips=d.inputs["round_trips"],
             primitive=cfg.force or d.primitive,
             predicate=d.primitive,
             costs_us=d.costs,
+            runner_up=d.runner_up,
+            margin_us=d.margin_us,
             margin_ratio=d.margin_ratio,
+            # the explain() table's content: every term of every path, inputs, wire bytes
+            explain=d.to_dict(),
         )
+        return out
 
 
 class Decoder:
@@ -269,6 +285,7 @@ class Decoder:
             o, lse = self.ops.merge_partials(
                 torch.stack([*(p.o for p in partials), o_s]),
                 torch.stack([*(p.lse for p in partials), lse_s]),
+                layout="MBHD",
             )
             self.verifier.check_agent(agent, layer, q, sels[agent.name], partials, suffix, (o, lse))
             states[agent.name] = (h + self.model.attention_output(layer, o.float().cpu()), pos)

@@ -29,13 +29,19 @@ __all__ = ["Verifier"]
 
 class Verifier:
     """Checks an agent's partials and merged answer; keeps the largest error per primitive
-    (``errors["route" | "fetch" | "local" | "merged"]``, one entry per check) and, with an FP8
-    cache, the quantization error of each merged answer (``quantization``)."""
+    (``errors["route" | "fetch" | "local" | "merged"]``, one entry per check), the same per
+    decode (``by_decode[tag]``, ``tag`` set by the run before each decode: ``"predicate"`` or
+    ``"other"``) and, with an FP8 cache, the quantization error of each merged answer
+    (``quantization``)."""
 
     def __init__(self, model: MLAModel, corpus: Corpus) -> None:
         self.model = model
         self.corpus = corpus
         self.errors: dict[str, list[float]] = defaultdict(list)
+        self.tag: str | None = None
+        self.by_decode: dict[str | None, dict[str, list[float]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
         self.quantization: list[float] = []
         self._dequantized: dict[int, torch.Tensor] = {}
 
@@ -119,7 +125,9 @@ class Verifier:
             s = self._check("demo_partial", part.o, ref_parts[c][0], f"{where} o")
             assert_close(part.lse, ref_parts[c][1], lse_tol, name=f"{where} lse")
             self.errors[part.primitive].append(s.max_abs)
+            self.by_decode[self.tag][part.primitive].append(s.max_abs)
         o, lse = merged
         s = self._check("demo_merged", o, o_ref, f"{agent.name} layer {layer} merged o")
         assert_close(lse, lse_ref, lse_tol, name="merged lse")
         self.errors["merged"].append(s.max_abs)
+        self.by_decode[self.tag]["merged"].append(s.max_abs)

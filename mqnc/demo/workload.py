@@ -1,5 +1,6 @@
 """The demo's workload (§1, §5.4): a small real MLA model, one canonical corpus prefilled chunk
-by chunk, and the sub-agents that read it.
+by chunk, and the sub-agents that read it (the whole-chunk agents' teams and chunks planned from
+the constants by :mod:`mqnc.demo.teams`).
 
 Everything derives from the seed, so every process (the requester and each holder) rebuilds
 exactly the model and the chunks it needs.
@@ -14,9 +15,10 @@ from collections import defaultdict
 import torch
 
 from mqnc.demo.config import DemoConfig
+from mqnc.demo.teams import PREAMBLE, Plan
 from mqnc.model import MLAModel, RopeSpec, get_preset
 
-__all__ = ["build_model", "Corpus", "Agent", "Indexer", "make_agents"]
+__all__ = ["build_model", "Corpus", "Agent", "Indexer", "make_agents", "readers"]
 
 
 def build_model(cfg: DemoConfig) -> MLAModel:
@@ -120,20 +122,21 @@ class Indexer:
         return dict(out)
 
 
-def make_agents(cfg: DemoConfig, corpus: Corpus) -> list[Agent]:
-    """``whole_agents`` agents reading ``chunks_per_agent`` random chunks each, at new offsets
-    after a preamble of their own; ``selection_agents`` agents forking the whole corpus at its
-    canonical positions."""
-    g = torch.Generator().manual_seed(cfg.seed + 5)
+def make_agents(cfg: DemoConfig, corpus: Corpus, plan: Plan) -> list[Agent]:
+    """The whole-chunk agents of ``plan`` (:func:`mqnc.demo.teams.plan_workload`), team by team:
+    each team's agents read its chunks at the same new offsets, after a preamble of the team's
+    own (``PREAMBLE * (team + 1)`` tokens); then ``selection_agents`` agents forking the whole
+    corpus at its canonical positions."""
     agents = []
-    for a in range(cfg.whole_agents):
-        chunks = torch.randperm(cfg.chunks, generator=g)[: cfg.chunks_per_agent].tolist()
-        pos = 32 * (a + 1)  # each agent's own preamble before its chunks: a new offset for all
+    for t, team in enumerate(plan.teams):
+        pos = PREAMBLE * (t + 1)  # the team's own preamble before its chunks: a new offset
         offsets = {}
-        for c in chunks:
+        for c in team.chunks:
             offsets[c] = pos
             pos += corpus.lengths[c]
-        agents.append(Agent(f"whole-{a}", "whole", chunks, offsets, pos))
+        for _ in range(team.size):
+            name = f"whole-{len(agents)}"
+            agents.append(Agent(name, "whole", list(team.chunks), dict(offsets), pos))
     for a in range(cfg.selection_agents):
         agents.append(
             Agent(
@@ -145,3 +148,13 @@ def make_agents(cfg: DemoConfig, corpus: Corpus) -> list[Agent]:
             )
         )
     return agents
+
+
+def readers(agents: list[Agent]) -> dict[tuple[int, int], tuple[str, ...]]:
+    """``(chunk, offset)`` -> the agents that read the chunk at that offset (who share one
+    fetched or re-prefilled copy of it)."""
+    out: dict[tuple[int, int], list[str]] = defaultdict(list)
+    for a in agents:
+        for c in a.chunks:
+            out[(c, a.offsets[c])].append(a.name)
+    return {k: tuple(v) for k, v in out.items()}

@@ -45,7 +45,10 @@ What runs per decode step and layer (:meth:`HFSession._attend`)
    :mod:`mqnc.serving.compute`); the result ``[B, T, H, v_head_dim]`` returns to HF.
 
 The primitive per chunk is :func:`mqnc.cost.decide`'s argmin for the request (``B * H``
-rows per step, ``steps * L`` round trips; calibrated constants or a given fabric), or ``force``.
+rows per step, ``steps * L`` round trips; calibrated constants or a given fabric), or ``force``
+(one primitive for every chunk, or a mapping ``chunk_id -> primitive``): a forced primitive is
+the path taken, whatever copies of the chunk the requester's pool holds, and each request
+records the path that answered each chunk (:meth:`HFSession.primitive`).
 
 Positions
 ---------

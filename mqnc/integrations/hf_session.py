@@ -8,7 +8,7 @@ import dataclasses
 import math
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -62,13 +62,58 @@ def _register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
 
 
+PRIMITIVES = ("route", "fetch", "local")
+
+
 @dataclasses.dataclass
 class _Request:
-    """What the predicate decides for: one ``generate`` call (rows per step, steps)."""
+    """What the predicate decides for: one ``generate`` call (rows per step, steps).
+
+    ``decisions[chunk_id]``: the chunk's decision (``primitive``, ``predicate``, ``forced``)
+    and ``taken``, the paths that answered it, counted per layer and forward pass (see
+    :meth:`HFSession.primitive`); ``made``: the chunks whose copy in the requester's pool was
+    fetched or re-prefilled during this request. The bookkeeping of both is here: a decision
+    kept, whether a copy in the pool answers a chunk, which path answered it."""
 
     batch: int
     steps: int
     decisions: dict[int, dict] = dataclasses.field(default_factory=dict)
+    made: set[int] = dataclasses.field(default_factory=set)
+
+    def primitives(self) -> dict[int, str]:
+        """Chunk -> its decided primitive, for the chunks decided so far."""
+        return {k: d["primitive"] for k, d in self.decisions.items()}
+
+    def decided(self, chunk_id: int, record: dict, *, forced: bool) -> str:
+        """Keep ``record`` (``primitive`` and, unless ``forced``, the predicate's terms) as the
+        chunk's decision, with no path taken yet; returns its primitive."""
+        self.decisions[chunk_id] = dict(record, forced=forced, taken={})
+        return record["primitive"]
+
+    def held(self, requester, key: tuple[int, int], primitive: str) -> bool:
+        """Whether ``requester``'s pool answers chunk ``key[0]`` in place (its copy at ``key``,
+        ``(chunk_id, offset)``): a chunk the predicate decided, or one whose forced fetch /
+        re-prefill was made in this request. A copy from before the request is never what a
+        forced primitive asked for: route goes to a holder past it, and a forced fetch / local
+        drops it (the chunk is then fetched / re-prefilled again)."""
+        chunk_id = key[0]
+        if key not in requester.local_chunks:
+            return False
+        if not self.decisions[chunk_id]["forced"]:
+            return True
+        if chunk_id in self.made:
+            return primitive != "route"
+        if primitive != "route":
+            requester.evict_local(*key)
+        return False
+
+    def took(self, chunk_id: int, part) -> None:
+        """Count the path that answered ``chunk_id`` (``part``) in the chunk's record."""
+        path = part.primitive
+        if path != "route" and chunk_id not in self.made:
+            path = f"held-{path}"
+        taken = self.decisions[chunk_id]["taken"]
+        taken[path] = taken.get(path, 0) + 1
 
 
 class HFSession:
@@ -90,11 +135,23 @@ class HFSession:
     offset : int or None
         Position of the context's first token in this requester's sequence (default: where it
         was prefilled). Another offset makes route rotate the query and fetch splice (§2.2).
-    force : {"route", "fetch", "local"} or None
-        Run every chunk through one primitive instead of the predicate's choice.
+    force : {"route", "fetch", "local"}, mapping or None
+        Run every chunk (a str), or the chunks a mapping ``{chunk_id: "route" | "fetch" |
+        "local"}`` names (the others: the predicate's choice), through that primitive instead
+        of the predicate's. A forced primitive is the path taken in every request (a failure
+        still falls back, recorded in :attr:`fallbacks`): ``"route"`` routes even when the
+        requester's pool holds a copy of the chunk (fetched or re-prefilled earlier), and
+        ``"fetch"`` / ``"local"`` drop a copy made before the request and fetch /
+        re-prefill the chunk again at its first layer in each request (the copy then serves
+        the request's other layers and steps; a re-prefill reuses the session's cache of the
+        context's entries when it already reaches the chunk). An unknown chunk id or
+        primitive is a ``ValueError`` naming ``force``. A chunk the predicate decides is
+        answered by a copy the pool holds, whatever it decided (exact, and the cheaper).
+        Which path answered each chunk: :meth:`primitive`'s record, ``taken``.
     fabric : mqnc.cost.FabricProfile, str or None
         The fabric the predicate prices (a profile, a preset name or a JSON path); None:
-        calibrate against the holders on first use (:meth:`calibrate`). Unused with ``force``.
+        calibrate against the holders on first use (:meth:`calibrate`). Unused for forced
+        chunks.
     steps : int
         Decode steps assumed for a ``model.generate`` call that did not go through
         :meth:`generate` (which knows ``max_new_tokens``).
@@ -114,7 +171,7 @@ class HFSession:
         requester,
         *,
         offset: int | None = None,
-        force: str | None = None,
+        force: str | Mapping[int, str] | None = None,
         fabric=None,
         steps: int = 16,
         verify: bool = False,
@@ -128,7 +185,7 @@ class HFSession:
         self.requester = requester
         self.geometry = g
         self.offset = corpus.position if offset is None else check_int("offset", offset, minimum=0)
-        self.force = force
+        self.force = dict(force) if isinstance(force, Mapping) else force
         self.steps = steps
         self.verify = verify
         self.on_step = on_step
@@ -225,18 +282,32 @@ class HFSession:
         """Position of ``chunk_id``'s first token in this requester's sequence."""
         return self.offset + (self.corpus.chunks[chunk_id].position - self.corpus.position)
 
+    def forced(self, chunk_id: int) -> str | None:
+        """The primitive ``force`` sets for ``chunk_id`` (None: the predicate decides)."""
+        if isinstance(self.force, dict):
+            return self.force.get(chunk_id)
+        return self.force
+
     def primitive(self, chunk_id: int) -> str:
         """The primitive of ``chunk_id`` for the current request (``force``, or the predicate's
-        argmin with this session's constants; decided once per request)."""
+        argmin with this session's constants; decided once per request).
+
+        The request's record of the chunk, ``session.requests[i].decisions[chunk_id]``, holds
+        ``primitive``, ``predicate`` (the predicate's terms; None when forced), ``forced`` and
+        ``taken``: the paths that answered the chunk, each counted once per layer and forward
+        pass: ``"route"`` (routed to a holder), ``"fetch"`` / ``"local"`` (attended over a copy
+        fetched / re-prefilled during this request), ``"held-fetch"`` / ``"held-local"`` (over a
+        copy the requester's pool held from before the request)."""
         req = self._request
         if chunk_id in req.decisions:
             return req.decisions[chunk_id]["primitive"]
-        if self.force is not None:
-            req.decisions[chunk_id] = dict(chunk=chunk_id, primitive=self.force, predicate=None)
-            return self.force
+        forced = self.forced(chunk_id)
+        if forced is not None:
+            record = dict(chunk=chunk_id, primitive=forced, predicate=None)
+            return req.decided(chunk_id, record, forced=True)
         if self.fabric is None:
             self.calibrate()
-        req.decisions[chunk_id] = decide_chunk(
+        record = decide_chunk(
             self.corpus,
             self.geometry,
             self.fabric,
@@ -247,11 +318,12 @@ class HFSession:
             steps=req.steps,
             allow_local=self.token_ids is not None,
         )
-        return req.decisions[chunk_id]["primitive"]
+        return req.decided(chunk_id, record, forced=False)
 
-    def _decisions(self) -> dict[int, str]:
-        req = self._request
-        return {} if req is None else {k: d["primitive"] for k, d in req.decisions.items()}
+    def _held(self, chunk_id: int, primitive: str) -> bool:
+        """Whether the requester's pool answers ``chunk_id`` in place (:meth:`_Request.held`)."""
+        key = (chunk_id, self.chunk_offset(chunk_id))
+        return self._request.held(self.requester, key, primitive)
 
     # ---- calibration ----------------------------------------------------------------------------
     def calibrate(self, *, probes: int = 9, reps: int = 2) -> dict:
@@ -280,7 +352,8 @@ class HFSession:
         by the model's own forward over the context's tokens up to the end of this chunk and of
         every chunk the request re-prefills (a long enough prefix already computed at the same
         context offset is reused)."""
-        local = [k for k, d in self._decisions().items() if d == "local"]
+        decided = {} if self._request is None else self._request.primitives()
+        local = [k for k, d in decided.items() if d == "local"]
         return self._reprefills.entries(chunk_id, offset, local)
 
     # ---- one layer of one forward pass ----------------------------------------------------------
@@ -331,9 +404,9 @@ class HFSession:
         w_uv = self.weights[layer].w_uv.float().to(rows.device)
         o = torch.stack([latent_to_heads(p.o.float(), w_uv) for _, p in parts] + [o_loc])
         lse = torch.stack([p.lse.float() for _, p in parts] + [lse_loc])
-        o_m, _ = self.ops.merge_partials(o, lse)
+        o_m, _ = self.ops.merge_partials(o, lse, layout="MBHD")
         if self.verify:
-            self._check(layer, rows, parts, (o_loc, lse_loc), o_m, w_uv)
+            _check_layer(self, layer, rows, parts, (o_loc, lse_loc), o_m, w_uv)
         return o_m
 
     def _begin_forward(self, B: int, T: int, n_local: int) -> None:
@@ -348,11 +421,11 @@ class HFSession:
     def _remote(self, rows: torch.Tensor, layer: int, indices=None) -> list[tuple[int, object]]:
         """``[(chunk_id, Partial)]`` of every chunk for these rows at ``layer`` (``indices``:
         None, or ``{chunk_id: [B*T, k] chunk-local selection}`` for the chunks to attend)."""
-        req = self.requester
         routed, direct = [], []
         for cid in sorted(self.corpus.chunks if indices is None else indices):
-            local = (cid, self.chunk_offset(cid)) in req.local_chunks
-            (routed if self.primitive(cid) == "route" and not local else direct).append(cid)
+            primitive = self.primitive(cid)
+            held = self._held(cid, primitive)
+            (routed if primitive == "route" and not held else direct).append(cid)
         parts: dict[int, object] = {}
         if routed:
             parts.update(self._route_wave(routed, rows, layer, indices))
@@ -360,6 +433,8 @@ class HFSession:
             parts[cid] = self._attend_one(
                 cid, rows, layer, None if indices is None else indices[cid]
             )
+        for cid, part in parts.items():
+            self._request.took(cid, part)
         return [(cid, parts[cid]) for cid in sorted(parts)]
 
     def _route_wave(self, chunks: list[int], rows: torch.Tensor, layer: int, indices=None) -> dict:
@@ -433,43 +508,84 @@ class HFSession:
         None, or the rows' ``[B*T, k]`` chunk-local selection)."""
         req = self.requester
         chosen = self.primitive(chunk_id)
-        order = (chosen, *(p for p in ("route", "fetch", "local") if p != chosen))
+        order = (chosen, *(p for p in PRIMITIVES if p != chosen))
         info, off = req.directory[chunk_id], self.chunk_offset(chunk_id)
-        reused = (chunk_id, off) in req.local_chunks  # fetched / re-prefilled: attended in place
+        # a copy in the pool answers in place, unless this is a forced route (_held)
+        reused = self._held(chunk_id, chosen)
+        existed = (chunk_id, off) in req.local_chunks
         n = self._route_tokens if chosen == "route" else rows.shape[0]
         sel = [None if indices is None else indices[i : i + n] for i in range(0, len(rows), n)]
         parts = [
             req.attend(
-                chunk_id, rows[i * n : (i + 1) * n], layer, offset=off, order=order, indices=x
+                chunk_id,
+                rows[i * n : (i + 1) * n],
+                layer,
+                offset=off,
+                order=order,
+                indices=x,
+                held=reused,
             )
             for i, x in enumerate(sel)
         ]
         part = _concat(parts)
+        if not existed and (chunk_id, off) in req.local_chunks:
+            self._request.made.add(chunk_id)  # fetched / re-prefilled now, for this request
         if not reused and (part.primitive != chosen or part.peer not in (None, info.holders[0])):
             self._fallback(chunk_id, layer, chosen, part.primitive, part.peer)
         return part
 
-    # ---- verification (the demo's table) --------------------------------------------------------
-    def _check(self, layer, rows, parts, local, o_merged, w_uv) -> None:
-        refs_o, refs_lse = [], []
-        q64 = rows.double()
-        for cid, p in parts:
-            c = self.corpus.chunks[cid]
-            kv = self.corpus.chunk_kv(cid)[layer].double()
-            delta = self.chunk_offset(cid) - c.position
-            if delta:
-                kv = rope_rotate_reference(kv, delta, self.rope)
-            valid = torch.ones(q64.shape[0], kv.shape[0], dtype=torch.bool)
-            o_ref, lse_ref = partial_attention_reference(
-                q64, kv, valid, self.corpus.softmax_scale, self.geometry.d_v
-            )
-            self.errors.setdefault(p.primitive, []).append(compare(p.o, o_ref).max_abs)
-            refs_o.append(latent_to_heads(o_ref, w_uv.double()))
-            refs_lse.append(lse_ref)
-        o_ref, _ = merge_reference(
-            torch.stack([*refs_o, local[0].double()]), torch.stack([*refs_lse, local[1].double()])
+
+def _check_layer(session: HFSession, layer, rows, parts, local, o_merged, w_uv) -> None:
+    """The verification of one layer (``verify=True``; the demo's table): each chunk's partial
+    ``[(chunk_id, Partial)]`` against fp64 attention over the chunk's canonical entries (rotated
+    to the session's offset), and the merged answer ``o_merged`` against the fp64 merge of those
+    references through ``w_uv`` with the ``local`` partial; the largest errors go to
+    ``session.errors`` by path and ``"merged"``."""
+    refs_o, refs_lse = [], []
+    q64 = rows.double()
+    for cid, p in parts:
+        c = session.corpus.chunks[cid]
+        kv = session.corpus.chunk_kv(cid)[layer].double()
+        delta = session.chunk_offset(cid) - c.position
+        if delta:
+            kv = rope_rotate_reference(kv, delta, session.rope)
+        valid = torch.ones(q64.shape[0], kv.shape[0], dtype=torch.bool)
+        o_ref, lse_ref = partial_attention_reference(
+            q64, kv, valid, session.corpus.softmax_scale, session.geometry.d_v
         )
-        self.errors.setdefault("merged", []).append(compare(o_merged, o_ref).max_abs)
+        session.errors.setdefault(p.primitive, []).append(compare(p.o, o_ref).max_abs)
+        refs_o.append(latent_to_heads(o_ref, w_uv.double()))
+        refs_lse.append(lse_ref)
+    o_ref, _ = merge_reference(
+        torch.stack([*refs_o, local[0].double()]), torch.stack([*refs_lse, local[1].double()])
+    )
+    session.errors.setdefault("merged", []).append(compare(o_merged, o_ref).max_abs)
+
+
+def _check_force(force, corpus: Corpus) -> None:
+    """``force``: None, a primitive, or a mapping of the corpus' chunk ids to primitives; else
+    a ``ValueError`` naming ``force``."""
+    if force is None or force in PRIMITIVES:
+        return
+    if not isinstance(force, Mapping):
+        raise ValueError(
+            f"force: expected None, 'route', 'fetch', 'local' or a mapping chunk_id -> one of "
+            f"them, got {force!r}"
+        )
+    for chunk_id, primitive in force.items():
+        if isinstance(chunk_id, bool) or not isinstance(chunk_id, int):
+            raise ValueError(
+                f"force: expected chunk ids (ints) as keys, got {chunk_id!r} "
+                f"({type(chunk_id).__name__})"
+            )
+        if chunk_id not in corpus.chunks:
+            raise ValueError(
+                f"force: expected chunk ids of the corpus ({sorted(corpus.chunks)}), got {chunk_id}"
+            )
+        if primitive not in PRIMITIVES:
+            raise ValueError(
+                f"force[{chunk_id}]: expected 'route', 'fetch' or 'local', got {primitive!r}"
+            )
 
 
 def _check_arguments(
@@ -488,8 +604,7 @@ def _check_arguments(
         raise TypeError(f"corpus: expected an mqnc.serving.Corpus, got {type(corpus).__name__}")
     if not isinstance(requester, Requester):
         raise TypeError(f"requester: expected a Requester, got {type(requester).__name__}")
-    if force not in (None, "route", "fetch", "local"):
-        raise ValueError(f"force: expected None, 'route', 'fetch' or 'local', got {force!r}")
+    _check_force(force, corpus)
     if model.dtype != corpus.dtype or requester.dtype != corpus.dtype:
         raise TypeError(
             f"model: expected the corpus dtype {corpus.dtype} for the model and the requester, "
