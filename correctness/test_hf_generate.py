@@ -26,6 +26,7 @@ and ``mla_decode_partial`` in its pool (fetch at an offset), and ``merge_partial
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 
@@ -247,10 +248,13 @@ def test_holder_killed_midway(replicas, fallback):
 def test_gloo_holder_processes_route_kill_and_fetch():
     """Holders as processes over torch.distributed gloo (``python -m
     mqnc.serving.holder_process`` with the corpus file): route at an offset, route with a holder
-    process killed mid-way (its chunks go to their replica), then fetch from the survivor."""
+    process killed mid-way (its chunks go to their replica), then fetch from the survivor. The
+    caller's environment is left as it was (the holders' loopback interface is theirs)."""
     model, _, prompt, ref = setup("v3")
     corpus = corpus_of("v3", holders=2, replicas=2)
+    before = dict(os.environ)
     with LocalHolders(corpus, transport="gloo", kernels="torch") as hs:
+        assert dict(os.environ) == before
         out, s = generate(model, corpus, hs, prompt=prompt, force="route", offset=77)
         check(ref, out, offset=77)
         assert {r.peer for r in s.records() if r.primitive == "route"} == {1, 2}

@@ -225,6 +225,7 @@ def test_trust_note_is_said_once_per_job_in_two_lines(tmp_path, monkeypatch, cap
     monkeypatch.setattr(service, "make_transport", stop)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # this process keeps its own
     monkeypatch.delenv("LOCAL_RANK", raising=False)  # every rank is its node's first
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)  # the note names 127.0.0.1
     said = {}
     for rank in range(3):
         argv = [

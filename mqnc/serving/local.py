@@ -88,13 +88,18 @@ class LocalHolders:
         self._start_processes(slot, lanes)
 
     def _start_processes(self, slot: int, lanes: int) -> None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         path = self.corpus.path
         if path is None or self.corpus.entries is not None and not path.exists():
             self._tmp = tempfile.TemporaryDirectory(prefix="mqnc-corpus-")
             path = self.corpus.save(Path(self._tmp.name) / "corpus.json")
         self.store = free_port_store(self.world, timeout_s=self.timeout_s)
+        # the holders' gloo pairs on the loopback interface unless the user chose one; this
+        # process's environment is left as it was (the requester binds 127.0.0.1 by argument)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        options = {}
+        if self.kind == "gloo" and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            options["host"] = "127.0.0.1"
         for r in self.corpus.holder_ranks:
             spec = dict(
                 corpus=str(path),
@@ -112,7 +117,7 @@ class LocalHolders:
         self._secret = publish_commitment(self.store, 0)  # before the fabric: the holders' done
         self.transport = connect(
             self.kind, 0, self.world, self.store, slot_bytes=slot, lanes=lanes,
-            agree=corpus_terms(self.corpus),
+            agree=corpus_terms(self.corpus), **options,
         )  # fmt: skip
         # one intra-op thread while the holders run: on small CPU machines torch's workers spin
         # after each op and starve gloo's receive threads; restored on close
