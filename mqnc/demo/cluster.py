@@ -52,7 +52,12 @@ def _process_transport(cfg: DemoConfig, rank: int, world: int, store, geometry) 
     """This rank's engine for a multi-process run: gloo, or NVSHMEM (GPU only, device 0:
     several PEs may share one GPU in NVSHMEM's limited multi-process mode)."""
     slot_bytes = _slot_bytes(cfg, geometry)
-    return connect(cfg.transport, rank, world, store, slot_bytes=slot_bytes, lanes=LANES, device=0)
+    options = {}
+    if cfg.transport == "gloo" and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        options["host"] = "127.0.0.1"  # the loopback interface, as the holders' GLOO_SOCKET_IFNAME
+    return connect(
+        cfg.transport, rank, world, store, slot_bytes=slot_bytes, lanes=LANES, device=0, **options
+    )
 
 
 def _make_holder(cfg: DemoConfig, transport: Transport, model: MLAModel, chunks: dict) -> Holder:
@@ -146,7 +151,6 @@ class Cluster:
             self._start_processes()
 
     def _start_processes(self) -> None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.store = free_port_store(self.world)
         ctx = mp.get_context("spawn")
         cfg_dict = dataclasses.asdict(self.cfg)
