@@ -1085,3 +1085,77 @@ def test_fp8_sweep_candidates_compile_without_spills_under_triton_3_6():
         print(f"{tile}: {name} {regs} regs, {spill} B spilled, {shared} B shared")
     assert all("-fp8[" in row[1] for row in rows)
     assert [row for row in rows if row[3] or row[4] > SM90.shared_per_cta] == []
+
+
+_FP8_SEESAW = """
+import collections, json, re
+from mqnc.triton_kernels.sm90.compile import _cuobjdump, resources
+from mqnc.triton_kernels.sm90.gluon_compile import compile_fp8_seesaw
+rows = []
+for kw in (dict(rows=64, heads=128, num_splits=1),
+           dict(rows=16, heads=16, num_splits=8, blocks=512),
+           dict(rows=4, heads=128, num_splits=2, s_q=2),
+           dict(rows=8, heads=128, num_splits=4, page=16, blocks=12),
+           dict(rows=8, heads=128, topk=2048, num_splits=4),
+           dict(rows=1, heads=128, topk=2048, num_splits=1, page=1)):
+    for name, c in compile_fp8_seesaw(**kw):
+        r = resources(name, c)
+        row = [name, r.registers, r.stack + r.local, r.shared, r.num_warps]
+        if name.startswith("mla_"):
+            sass = _cuobjdump(c.asm["cubin"], "-sass")
+            row.append(dict(collections.Counter(re.findall(r"HGMMA\\.(\\d+x\\d+x\\d+)", sass))))
+            row.append(len(re.findall(r"F2FP\\.F16\\.E4M3\\.UNPACK_B", sass)))
+            row.append(sorted(set(int(x) for x in re.findall(
+                r"setmaxnreg\\.(?:inc|dec)\\.sync\\.aligned\\.u32\\s+(\\d+)", c.asm["ptx"]))))
+        rows.append(row)
+print(json.dumps(rows))
+"""
+
+# The FP8 see-saw's launches (opt-in until a GPU verifies them), compiled under triton 3.6.0:
+# name -> (registers at launch, shared bytes, warps); the see-saw's 222,624 B plus 2 KB of
+# scales, one CTA per SM.
+FP8_SEESAW_PINS = {
+    "mla_decode_gluon[bfloat16,fp8,64x64,seesaw-fp8,w4+4+4,out=bf16]": (168, 224704, 12),
+    "mla_decode_gluon[bfloat16,fp8,64x64,seesaw-fp8,w4+4+4,out=fp32-split]": (168, 224704, 12),
+    "mla_decode_gluon[bfloat16,fp8,64x64,seesaw-fp8,w4+4+4,out=fp32-split,sq=2,causal]": (
+        168,
+        224704,
+        12,
+    ),  # fmt: skip
+    "mla_sparse_gluon[bfloat16,fp8,64x64,seesaw-fp8-gather,w4+4+4,out=fp32-split]": (
+        168,
+        224704,
+        12,
+    ),  # fmt: skip
+    "mla_sparse_gluon[bfloat16,fp8,64x64,seesaw-fp8-gather,w4+4+4,out=bf16]": (168, 224704, 12),
+    "sparse_compact": (54, 128, 4),
+}
+
+
+def test_the_fp8_seesaw_compiles_for_sm90_pinned():
+    """The FP8 see-saw (DeepSeek-V3.2's 656-byte entries; opt-in until a GPU run verifies it)
+    compiles for sm_90 under triton 3.6.0 as a run makes each launch: dense over a padded
+    table (FlashMLA's 128 heads unsplit, the 16-head row split 8 ways, ``s_q`` 2 causal, pages
+    of 16), sparse top-2048 split and unsplit over a token pool, without spills, at the pinned
+    registers, shared memory (the see-saw's plus 2 KB of scales: one CTA per SM) and warps.
+    Its consumers are the see-saw's (the same HGMMA count: 72 of 64x64x16 for ``QK^T``, 16 of
+    64x256x16 for ``PV``), the dequantizing warpgroup converts with the hardware's e4m3 unpack
+    (no emulated conversion) and the register split is the see-saw's (240 for each consumer
+    warpgroup, 32 for the dequantizing one)."""
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip(f"the Gluon kernel targets triton 3.6's Gluon API, not {triton.__version__}")
+    r = _run_script(_FP8_SEESAW, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    seen = {}
+    for name, regs, spill, shared, warps, *sass in rows:
+        print(f"triton {triton.__version__} {name}: {regs} regs, {spill} B spilled, {shared} B")
+        assert spill == 0, (name, spill)
+        assert shared <= SM90.shared_per_cta, (name, shared)
+        seen[name] = (regs, shared, warps)
+        if sass:
+            hgmma, unpack, maxnreg = sass
+            assert hgmma == {"64x64x16": 72, "64x256x16": 16}, (name, hgmma)
+            assert unpack > 0, name
+            assert {32, 240} <= set(maxnreg), (name, maxnreg)
+    assert seen == FP8_SEESAW_PINS

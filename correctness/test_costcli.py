@@ -418,3 +418,46 @@ def test_predict_prints_the_decisions_own_explanation(capsys, argv):
     rc, table, _ = run(capsys, "predict", *argv)
     assert rc == 0 and table == d.explain() + "\n"
     assert got["wire"] == pytest.approx(d.wire)
+
+
+def test_an_fp8_cache_is_priced_with_its_own_splice(tmp_path, capsys):
+    """DeepSeek-V3.2's FP8 cache splices 656-byte entries, not 1152-byte rows: ``mqnc predict
+    --kv-dtype fp8 --splice-from`` reads the FP8 splice records only (``extra.kv_dtype`` fp8),
+    bf16 the others (a record without the field is bf16's); with no FP8 record it is refused,
+    naming the benchmark that measures one. A profile prices an FP8 geometry's fetch with
+    ``splice_fp8`` (per token when only that is measured), else its bf16 splice named as a
+    stand-in, and the profile's JSON keeps it."""
+    from mqnc.cost import MachineProfile, SpliceProfile
+    from mqnc.measure.results_file import record
+
+    path = tmp_path / "r.jsonl"
+    for ct, us in ((1024, 600.0), (2048, 1000.0)):
+        record("splice", "one-launch", ct, (us, us, us), x_name="c_t", path=path)
+        record("splice", "one-launch", ct, (us / 2,) * 3, x_name="c_t", path=path,
+               extra={"kv_dtype": "fp8"})  # fmt: skip
+    argv = ["predict", "--json", "--c-t", "2048", "--splice-from", str(path)]
+    rc, out, _ = run(capsys, *argv)
+    assert rc == 0 and json.loads(out)["fetch"]["splice"] == 1000.0
+    rc, out, _ = run(capsys, *argv, "--kv-dtype", "fp8")
+    assert rc == 0 and json.loads(out)["fetch"]["splice"] == 500.0
+    bf16_only = tmp_path / "bf16.jsonl"
+    record("splice", "one-launch", 2048, (900.0,) * 3, x_name="c_t", path=bf16_only)
+    rc, _, err = run(capsys, "predict", "--c-t", "2048", "--splice-from", str(bf16_only),
+                     "--kv-dtype", "fp8")  # fmt: skip
+    assert rc != 0 and "perf.bench_splice --kv-dtype fp8" in err, err
+
+    g = get_preset("deepseek-v3").replace(cache_dtype="fp8_e4m3")
+    fabric = get_fabric("h100-ibgda")
+    measured = MachineProfile(fabric, splice=SpliceProfile.flat(3000.0, "bf16 one"),
+                              splice_fp8=SpliceProfile.flat(1200.0, "fp8 one"))  # fmt: skip
+    d = pr.decide(g, measured, 16, 2048)
+    assert d.fetch.splice == 1200.0 and d.inputs["splice"] == "fp8 one"
+    assert pr.decide(g.replace(cache_dtype="bf16"), measured, 16, 2048).fetch.splice == 3000.0
+    per_token = MachineProfile(fabric, splice_fp8_us_per_token=0.25)
+    assert pr.decide(g, per_token, 16, 2048).fetch.splice == pytest.approx(512.0)
+    stand_in = pr.decide(
+        g, MachineProfile(fabric, splice=SpliceProfile.flat(3000.0, "x")), 16, 2048
+    )
+    assert stand_in.fetch.splice == 3000.0 and "no FP8 splice measured" in stand_in.inputs["splice"]
+    again = MachineProfile.from_dict(json.loads(json.dumps(measured.to_dict())))
+    assert again.splice_fp8 == measured.splice_fp8

@@ -386,3 +386,58 @@ def test_the_split_cache_plan_reads_two_descriptors_and_joins_a_split_query():
     odd_rows = torch.empty(16, 64, 66, dtype=torch.bfloat16)[..., :64]  # rows 132 B apart
     odd_base = torch.empty(16 * 64 * 64 + 1, dtype=torch.bfloat16)[1:].view(16, 64, 64)
     assert tma_rows(ckv, kpe) and not tma_rows(ckv, odd_rows) and not tma_rows(ckv, odd_base)
+
+
+def test_the_fp8_seesaw_is_opt_in_and_serves_what_it_reads():
+    """DeepSeek-V3.2's FP8 cache on an H200: with no GPU record of the FP8 see-saw the table
+    serves dense and sparse FP8 calls with ``tl`` and says why; forced, ``gluon`` picks the FP8
+    see-saw for a padded table of any page size and for a sparse call, and names what it does
+    not read (a CSR table, a query whose rope part came apart, split ``ckv`` / ``kpe``, an fp16
+    query); a bf16 cache never reaches it."""
+    fp8 = dict(kv="fp8")
+    for op, kernel in (("mla_decode", "mla_decode_gluon[seesaw-fp8]"),
+                       ("mla_sparse", "mla_sparse_gluon[seesaw-fp8]")):  # fmt: skip
+        choice = choose(Case(op, **fp8), SM90)
+        assert choice.backend == "tl" and f"{kernel} has no GPU record" in choice.why, choice
+        with force_backend(op, "gluon"):
+            assert choose(Case(op, page=16, **fp8), SM90).kernel == kernel
+            assert choose(Case(op, page=1, **fp8), SM90).kernel == kernel
+            assert choose(Case(op), SM90).kernel != kernel
+            for bad, why in (
+                (dict(split_q=True), "q_nope / q_pe"),
+                (dict(split_cache=True), "split ckv / kpe"),
+                (dict(q_dtype="fp16"), "not fp16 / fp8"),
+                (dict(tma_rows=False), "16-byte aligned rows"),
+            ):
+                with pytest.raises(ValueError, match=why):
+                    choose(Case(op, **fp8, **bad), SM90)
+        assert f"opt-in: {kernel} has no GPU record" in dispatch.table_text()
+    with force_backend("mla_decode", "gluon"), pytest.raises(ValueError, match="CSR table"):
+        choose(Case("mla_decode", table_entries=1024, **fp8), SM90)
+    interpreter = Target("interpreter", None, (3, 9), True)
+    assert choose(Case("mla_sparse", **fp8), interpreter).backend == "tl"
+
+
+def test_the_fp8_seesaws_views_read_the_entry_as_the_format_lays_it_out():
+    """The FP8 see-saw reads one pool through three views (``mla.gluon_plan.fp8_views``): its
+    FP8 bytes, fp32 words and bf16 halves. Read at the offsets the kernel reads (latent byte
+    ``c``, scale word ``128 + g``, RoPE half ``264 + j``), they decode every entry to the rows
+    of the fp64 reference's dequantization (``reference.dequantized_cache``), 0xFF entries
+    included (NaN both ways)."""
+    from mqnc.reference.attention_ref import dequantized_cache
+    from mqnc.triton_kernels.fp8.quant import fp8_quantize
+    from mqnc.triton_kernels.mla.gluon_plan import fp8_rows, fp8_views
+
+    gen = torch.Generator().manual_seed(3)
+    rows = (torch.randn(3 * 16, 576, generator=gen) * 4).to(torch.bfloat16)
+    entries = fp8_quantize(rows.to(DEVICE), 512).view(3, 16, 656)
+    entries[1, 5] = 0xFF
+    padded = torch.zeros(3, 16, 664, dtype=torch.uint8, device=DEVICE)[..., :656]
+    assert fp8_rows(entries) and not fp8_rows(padded) and not fp8_rows(entries.transpose(0, 1))
+    kv8, kvs, kvb, stride = fp8_views(entries)
+    assert stride == 656 and kvs.shape[1] == 164 and kvb.shape[1] == 328
+    latent = kv8[:, :512].double().view(-1, 4, 128) * kvs[:, 128:132].double()[:, :, None]
+    got = torch.cat([latent.view(-1, 512), kvb[:, 264:328].double()], dim=1)
+    want = dequantized_cache(entries, 512, torch.float64).view(-1, 576)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and bool(torch.isnan(got[21]).all())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())

@@ -363,3 +363,119 @@ def test_planning_without_operands_reads_the_pool_as_fp8():
     idx = (table.long()[0, 0] * PAGE + torch.arange(5, device=DEVICE)).expand(3, 5)
     plan = plan_sparse(q, pool, idx.to(torch.int32), SCALE, D_V, 1)
     assert plan.launches[0].name.startswith("mla_sparse-fp8[")
+
+
+# ---- the FP8 see-saw (sm_90; opt-in until a GPU run verifies it) --------------------------
+
+
+def _fp8_seesaw_why(op: str) -> str | None:
+    from mqnc.triton_kernels.dispatch import Case, Target, choose, force_backend
+
+    if DEVICE.type != "cuda":
+        return "the FP8 see-saw runs on a CUDA sm_90 device only"
+    with force_backend(op, "gluon"):
+        try:
+            choose(Case(op, kv="fp8"), Target.of(DEVICE))
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def _fp8_pages(gen, lengths, page):
+    """A padded table over shuffled ``page``-entry pages holding rows of ``lengths`` entries,
+    -1 past each row's pages; every entry not attended all 0xFF: ``(pool, table, lens)``."""
+    pages = [math.ceil(n / page) for n in lengths]
+    blocks = sum(pages) + 2
+    perm = torch.randperm(blocks, generator=gen)
+    table = torch.full((len(lengths), max(max(pages), 1)), -1, dtype=torch.int32)
+    used, k = [], 0
+    for b, n in enumerate(lengths):
+        for j in range(pages[b]):
+            table[b, j] = int(perm[k])
+            used += [int(perm[k]) * page + t for t in range(min(page, n - j * page))]
+            k += 1
+    pool, _ = _pool(gen, torch.tensor(used, dtype=torch.long), blocks, page)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    return pool, table.to(DEVICE), lens.to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    ("heads", "lengths", "page", "splits"),
+    [(128, (1, 65, 200, 0), 64, None), (128, (300, 1, 128), 64, 3), (16, (2048, 700), 64, 8),
+     (100, (129, 64), 16, None), (64, (90, 1), 1, 2)],
+)  # fmt: skip
+def test_the_fp8_seesaw_dense_matches_fp64(heads, lengths, page, splits):
+    """The FP8 see-saw forced over a padded page table, against fp64 over the dequantized
+    cache on an sm_90 GPU: lengths 0, 1 and partial pages, pages of 64 / 16 / 1, split and
+    unsplit, 16 / 64 / 100 / 128 heads, every entry not attended 0xFF (NaN bytes) and the
+    table -1 past each row's pages. Skipped elsewhere (Gluon: no interpreter runs it);
+    ``perf/gpu_fastpath.sh`` runs such cases too."""
+    why = _fp8_seesaw_why("mla_decode")
+    if why is not None:
+        pytest.skip(why)
+    from mqnc.triton_kernels.dispatch import force_backend
+
+    gen = torch.Generator().manual_seed(sum(lengths) + heads)
+    pool, table, lens = _fp8_pages(gen, lengths, page)
+    q = torch.randn(len(lengths), heads, D_V + D_R, generator=gen).to(DEVICE, torch.bfloat16)
+    with force_backend("mla_decode", "gluon"):
+        o, lse = mla_decode_partial(q, pool, table, lens, softmax_scale=SCALE, num_splits=splits)
+    safe = table.clamp_min(0)
+    ref = mla_decode_reference(q, dequantized_cache(pool, D_V, q.dtype), safe, lens, SCALE)
+    _check(o, lse, ref, torch.bfloat16)
+
+
+def test_the_fp8_seesaw_mtp_causal_matches_fp64():
+    """FlashMLA's call on the FP8 see-saw, forced: ``s_q`` 2 causal (token ``i`` attends the
+    first ``len - s_q + i + 1`` entries) over ``k_cache [blocks, 64, 1, 656]`` float8_e4m3fn,
+    a row of one entry (its first token attends nothing) included."""
+    why = _fp8_seesaw_why("mla_decode")
+    if why is not None:
+        pytest.skip(why)
+    from mqnc.triton_kernels.dispatch import force_backend
+
+    gen = torch.Generator().manual_seed(11)
+    pool, table, lens = _fp8_pages(gen, (130, 1, 64), 64)
+    b, s_q = 3, 2
+    q4 = torch.randn(b, s_q, 128, D_V + D_R, generator=gen).to(DEVICE, torch.bfloat16)
+    k_cache = pool.view(torch.float8_e4m3fn)[:, :, None]
+    with force_backend("mla_decode", "gluon"):
+        o, lse = mla_decode_with_kvcache(
+            q4, k_cache, table, lens, softmax_scale=SCALE, causal=True, is_fp8_kvcache=True
+        )
+    rows = dequantized_cache(pool, D_V, q4.dtype)
+    for i in range(s_q):
+        lens_i = (lens - s_q + i + 1).clamp_min(0).to(torch.int32)
+        ref = mla_decode_reference(q4[:, i], rows, table.clamp_min(0), lens_i, SCALE)
+        _check(o[:, i], lse[:, :, i], ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("B", "heads", "topk", "splits", "page"),
+    [(1, 128, 2048, None, 64), (3, 128, 2048, 4, 64), (2, 16, 300, None, 16), (4, 100, 700, 3, 1),
+     (2, 64, 64, 1, 64)],
+)  # fmt: skip
+def test_the_fp8_seesaw_sparse_matches_fp64(B, heads, topk, splits, page):
+    """The FP8 see-saw forced over a top-k selection, against fp64 over the dequantized cache
+    on an sm_90 GPU: -1 slots (every fourth), a partial top-k (the first row's second half
+    -1), an all-empty row, every entry outside the selection all 0xFF, split and unsplit, pages
+    of 64 / 16 / 1."""
+    why = _fp8_seesaw_why("mla_sparse")
+    if why is not None:
+        pytest.skip(why)
+    from mqnc.triton_kernels.dispatch import force_backend
+
+    gen = torch.Generator().manual_seed(topk + heads + B)
+    blocks = (math.ceil(topk / page) + 1) * B + 2
+    idx = torch.stack([torch.randperm(blocks * page, generator=gen)[:topk] for _ in range(B)])
+    idx[:, ::4] = -1
+    idx[0, topk // 2 :] = -1
+    if B > 2:
+        idx[2] = -1
+    pool, _ = _pool(gen, idx[idx >= 0].unique(), blocks, page)
+    q = torch.randn(B, heads, D_V + D_R, generator=gen).to(DEVICE, torch.bfloat16)
+    idx = idx.to(torch.int32).to(DEVICE)
+    with force_backend("mla_sparse", "gluon"):
+        o, lse = mla_sparse_partial(q, pool, idx, softmax_scale=SCALE, num_splits=splits)
+    ref = mla_sparse_reference(q, dequantized_cache(pool, D_V, q.dtype), idx, SCALE)
+    _check(o, lse, ref, torch.bfloat16)

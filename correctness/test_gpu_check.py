@@ -358,15 +358,18 @@ def test_fastpath_dry_run_records_every_part(tmp_path):
     public default path against fp64 (each naming its backend: the interpreter's ``tl``), the
     goal shapes timed (FLOPs ``2 B H c_t (576 + 512)``, bytes, the fp64 check of the first
     set) and the user's loop per call (host and CPU microseconds), each record with the
-    commit; the fast-path targets printed (not measured off a GPU)."""
+    commit; the FP8 calls (dense, ``s_q`` 2 causal, sparse) among the exact cases; the fast-path
+    targets printed (not measured off a GPU)."""
     r = _script_dry_run(FASTPATH_SCRIPT, tmp_path, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert re.search(r"fast-path check took \d+s of 330s", r.stdout), r.stdout[-1000:]
+    assert re.search(r"fast-path check took \d+s of 420s", r.stdout), r.stdout[-1000:]
     assert "warm: 1 cases, 0 failed" in r.stdout and "not measured in this run" in r.stdout
     recs = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     by = {b: [x for x in recs if x["bench"] == b] for b in ("fastpath_exact", "fastpath",
                                                             "host_loop")}  # fmt: skip
-    assert len(by["fastpath_exact"]) == 13 and len(by["fastpath"]) == 2
+    assert len(by["fastpath_exact"]) == 17 and len(by["fastpath"]) == 2
+    kinds = [x["extra"]["spec"]["kind"] for x in by["fastpath_exact"]]
+    assert kinds.count("fp8_dense") == 2 and kinds.count("fp8_sparse") == 2, kinds
     assert len(by["host_loop"]) == 5
     for rec in recs:
         e = rec["extra"]
@@ -379,7 +382,10 @@ def test_fastpath_dry_run_records_every_part(tmp_path):
     for rec in by["host_loop"]:
         assert rec["p20"] <= rec["p50"] <= rec["p80"] and len(rec["extra"]["cpu_us"]) == 3
     kinds = {rec["extra"]["spec"]["kind"] for rec in by["fastpath_exact"]}
-    assert kinds == {"partial", "flashmla", "csr", "plan", "out", "flashinfer", "sparse"}
+    assert kinds == {
+        "partial", "flashmla", "csr", "plan", "out", "flashinfer", "sparse", "fp8_dense",
+        "fp8_sparse",
+    }  # fmt: skip
 
 
 def test_fastpath_check_fails_a_wrong_answer(tmp_path):

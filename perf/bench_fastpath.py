@@ -1,8 +1,9 @@
 """The default dense decode path, checked and timed as users call it: exactness against fp64
 first, then device time at the goal shapes, then the host time of a user's loop.
 
-``python -m perf.bench_fastpath [--dry-run] [--only warm,exact,device,host] [--jobs 16]`` with
-the flags every benchmark takes (``--reps --warmup --out FILE | --record --check``);
+``python -m perf.bench_fastpath [--dry-run] [--only warm,exact,device,sparse,fp8,host]
+[--jobs 16]`` with the flags every benchmark takes (``--reps --warmup --out FILE | --record
+--check``);
 ``perf/gpu_fastpath.sh`` runs it on an H200 (one call) and its dry run on a CPU.
 
 0. **warm**: every case below launched once by ``--jobs`` worker processes sharing Triton's
@@ -31,7 +32,14 @@ the flags every benchmark takes (``--reps --warmup --out FILE | --record --check
 3. **sparse** (bench ``fastpath_sparse``, GPU only): top-2048 at H 128, B 1 / 8 / 64, the
    table's choice and the sparse gather see-saw forced (opt-in until these records verify it),
    each checked against fp64 on its first token, then CUDA-graph timed.
-4. **host** (bench ``host_loop``): a user's loop, as a user writes it: 200 back-to-back calls on
+4. **fp8** (bench ``fastpath_fp8``, GPU only): DeepSeek-V3.2's 656-byte FP8 cache at the FP8
+   goals' shapes (sparse top-2048 H 128 B 8 / 64; dense H 16 B 16 c_t 32768, H 128 B 64 c_t
+   8192): the table's choice, the FP8 see-saw forced (opt-in until these records verify it)
+   and the bf16 twin over the same values, each checked against fp64 over the dequantized
+   cache first, then CUDA-graph timed. The exact stage runs the FP8 calls too (dense with
+   lengths 0 / 1 / partial pages and ``s_q`` 2 causal, sparse with -1 slots, a partial top-k
+   and an empty row, 0xFF bytes in every entry not attended), forced and by the table.
+5. **host** (bench ``host_loop``): a user's loop, as a user writes it: 200 back-to-back calls on
    the same tensors, no sync between them, the host time per call (wall clock of the loop over
    its calls; the device queue absorbs the launches) and the process CPU time per call, for
    ``mla_decode_with_kvcache`` and ``mla_decode_partial`` with checks off and on, and
@@ -156,6 +164,16 @@ def exact_specs(dry: bool, cuda: bool) -> list[dict]:
         for sH, topk, sp in ((H, 2048 if not dry else 128, None), (16, 300, 3)):
             specs.append(dict(kind="sparse", H=sH, lengths=(topk, topk // 2, 0), splits=sp,
                               forced=forced))  # fmt: skip
+    # DeepSeek-V3.2's FP8 cache (656-byte entries, 0xFF bytes in every entry not attended):
+    # the table's choice, then the FP8 see-saw forced (opt-in): dense with lengths 0 / 1 / a
+    # partial page, s_q 2 causal; sparse with -1 slots, a partial top-k and an all-empty row
+    for forced in (None, "gluon") if cuda else (None,):
+        specs.append(dict(kind="fp8_dense", H=H, lengths=lengths + (0,), forced=forced))
+        specs.append(dict(kind="fp8_dense", H=16, lengths=(1, 129), s_q=2, splits=3,
+                          forced=forced))  # fmt: skip
+        for sH, topk, sp in ((H, 2048 if not dry else 128, None), (16, 300, 3)):
+            specs.append(dict(kind="fp8_sparse", H=sH, lengths=(topk, topk // 2, 0), splits=sp,
+                              forced=forced))  # fmt: skip
     if cuda:
         specs.append(dict(kind="graph", H=H, lengths=lengths))
     return specs
@@ -189,6 +207,8 @@ def build(spec: dict, device, gen):
     kind, H, lengths, s_q = spec["kind"], spec["H"], list(spec["lengths"]), spec.get("s_q", 1)
     if kind == "sparse":
         return _sparse_case(spec, device, gen)
+    if kind.startswith("fp8_"):
+        return _fp8_case(spec, device, gen)
     pool, table, lens = _pool(lengths, spec.get("page", 64), gen, torch.bfloat16, device)
     R = len(lengths) * s_q
     q = torch.randn(R, H, 576, generator=gen).to(device, torch.bfloat16)
@@ -296,6 +316,75 @@ def _sparse_case(spec, device, gen):
     with force_backend("mla_sparse", forced) if forced else contextlib.nullcontext():
         plan = plan_mla_sparse(q, pool, idx, **kw)
     return lambda: plan.run(q, pool, idx), ref, plan
+
+
+def _fp8_entries(rows):
+    """``rows [..., 576]`` (NaN rows: not attended) as 656-byte FP8 entries (uint8), every
+    byte of a NaN row 0xFF (NaN latent, scales and RoPE: a read of it poisons the output)."""
+    import torch
+
+    from mqnc.triton_kernels.fp8.quant import fp8_quantize
+
+    flat = rows.reshape(-1, 576)
+    used = torch.isfinite(flat).all(-1)
+    entries = torch.full((flat.shape[0], 656), 0xFF, dtype=torch.uint8, device=flat.device)
+    if bool(used.any()):
+        entries[used] = fp8_quantize(flat[used].to(torch.bfloat16), 512)
+    return entries.view(*rows.shape[:-1], 656)
+
+
+def _fp8_case(spec, device, gen):
+    """An FP8 call (``fp8_dense``: a padded table, lengths ``lengths``, ``s_q`` tokens causal;
+    ``fp8_sparse``: as :func:`_sparse_case`), compared with fp64 over the dequantized cache;
+    ``forced``: the backend forced while planning."""
+    import contextlib
+
+    import torch
+
+    from mqnc.reference import mla_sparse_reference
+    from mqnc.reference.attention_ref import dequantized_cache
+    from mqnc.triton_kernels import plan_mla_decode, plan_mla_sparse
+    from mqnc.triton_kernels.adapters.flashmla import plan_mla_with_kvcache
+    from mqnc.triton_kernels.dispatch import force_backend
+
+    H, forced, kw = spec["H"], spec.get("forced"), dict(softmax_scale=SCALE)
+    kw["num_splits"] = spec.get("splits")
+    if spec["kind"] == "fp8_sparse":
+        counts = list(spec["lengths"])
+        topk = max(counts[0], 1)
+        blocks = math.ceil(topk / 64) * 2 + 2
+        idx = _sparse_selection(len(counts), topk, counts, blocks * 64, gen)
+        flat = torch.full((blocks * 64, 576), float("nan"))
+        sel = idx[idx >= 0].long().unique()
+        flat[sel] = torch.randn(sel.numel(), 576, generator=gen)
+        pool = _fp8_entries(flat.to(device)).view(blocks, 64, 656)
+        q = torch.randn(len(counts), H, 576, generator=gen).to(device, torch.bfloat16)
+        idx = idx.to(device)
+        rows = dequantized_cache(pool, 512, torch.float64)
+        ref = mla_sparse_reference(q.double(), rows, idx, SCALE)
+        with force_backend("mla_sparse", forced) if forced else contextlib.nullcontext():
+            plan = plan_mla_sparse(q, pool, idx, **kw)
+        return lambda: plan.run(q, pool, idx), ref, plan
+    lengths, s_q = list(spec["lengths"]), spec.get("s_q", 1)
+    bf, table, lens = _pool(lengths, 64, gen, torch.float32, device)
+    pool = _fp8_entries(bf)
+    q = torch.randn(len(lengths) * s_q, H, 576, generator=gen).to(device, torch.bfloat16)
+    ref = _reference(q, dequantized_cache(pool, 512, torch.float64), table, lens, s_q, s_q > 1)
+    if s_q == 1:
+        with force_backend("mla_decode", forced) if forced else contextlib.nullcontext():
+            plan = plan_mla_decode(q, pool, table, lens, **kw)
+        return lambda: plan.run(q, pool, table, lens), ref, plan
+    # FlashMLA's MTP call: q [b, s_q, h, 576], k_cache [blocks, 64, 1, 656] float8_e4m3fn
+    q4, cache = q.view(len(lengths), s_q, H, 576), pool.view(torch.float8_e4m3fn)[:, :, None]
+    with force_backend("mla_decode", forced) if forced else contextlib.nullcontext():
+        fplan = plan_mla_with_kvcache(q4, cache, table, lens, causal=True, is_fp8_kvcache=True,
+                                      **kw)  # fmt: skip
+
+    def run():
+        o, lse = fplan.run(q4, cache, table, lens)
+        return o.reshape(-1, H, 512), lse.transpose(1, 2).reshape(-1, H)
+
+    return run, ref, fplan.plan
 
 
 def _graph_case(plan, q, q2, pool, table, lens):
@@ -465,6 +554,98 @@ def sparse_times(args, dev, record) -> bool:
     return ok_all
 
 
+FP8 = [("sparse", 128, 8, 2048), ("sparse", 128, 64, 2048), ("dense", 16, 16, 32768),
+       ("dense", 128, 64, 8192)]  # (kind, H, B, top-k or c_t): the FP8 goals' shapes  # fmt: skip
+
+
+def _fp8_plans(kind, which, inputs):
+    """One input set's plan at one variant: ``default`` (the FP8 cache, the table's choice),
+    ``gluon`` (the FP8 see-saw forced) or ``bf16`` (the bf16 twin, the table's choice)."""
+    import contextlib
+
+    from mqnc.triton_kernels import plan_mla_decode, plan_mla_sparse
+    from mqnc.triton_kernels.dispatch import force_backend
+
+    fp8, bf16 = inputs
+    args = bf16 if which == "bf16" else fp8
+    op = "mla_sparse" if kind == "sparse" else "mla_decode"
+    with force_backend(op, "gluon") if which == "gluon" else contextlib.nullcontext():
+        if kind == "sparse":
+            return plan_mla_sparse(*args, softmax_scale=SCALE, check_indices=False), args
+        return plan_mla_decode(*args, softmax_scale=SCALE, check_inputs=False), args
+
+
+def _fp8_inputs(kind, H, B, n, dev, gen):
+    """``(fp8 inputs, their bf16 twin)``: the same query, table and values, the cache as
+    656-byte FP8 entries and as the bf16 rows they dequantize to."""
+    from mqnc.reference.attention_ref import dequantized_cache
+
+    if kind == "sparse":
+        q, pool, idx = _sparse_inputs(B, H, n, dev, gen)
+        entries = _fp8_entries(pool)
+        return (q, entries, idx), (q, dequantized_cache(entries, 512, q.dtype), idx)
+    q, pool, table, lens = _dense_inputs(B, H, n, dev, gen)
+    entries = _fp8_entries(pool)
+    return (q, entries, table, lens), (q, dequantized_cache(entries, 512, q.dtype), table, lens)
+
+
+def fp8_times(args, dev, record) -> bool:
+    """DeepSeek-V3.2's FP8 cache at the goals' shapes (``FP8``): the FP8 call by the table's
+    choice (``@default``), the FP8 see-saw forced (``@gluon``, opt-in until these records
+    verify it) and the bf16 twin (``@bf16``, the same values dequantized, the table's choice),
+    each first checked against fp64 over the dequantized cache on its first token, then
+    CUDA-graph timed over input sets larger than twice the L2 (bench ``fastpath_fp8``, variant
+    ``{kind} H=..,B=..@..``, ``extra.kv_dtype`` fp8 / bf16: the FP8 goals compare the twins).
+    GPU only (the dry run's FP8 calls are the exact stage's)."""
+    import torch
+
+    from mqnc.measure import input_sets, l2_bytes, time_kernel
+    from mqnc.reference import mla_sparse_reference
+    from mqnc.reference.attention_ref import dequantized_cache
+
+    if dev.type != "cuda":
+        print("fp8: no GPU, nothing to force (the exact stage ran the FP8 calls)")
+        return True
+    gen = torch.Generator(device=dev).manual_seed(5)
+    ok_all = True
+    for kind, H, B, n in FP8:
+        fp8_bytes = B * n * 656 + B * H * (1152 + 1028)
+        sets = [_fp8_inputs(kind, H, B, n, dev, gen)
+                for _ in range(input_sets(fp8_bytes, l2_bytes(dev)))]  # fmt: skip
+        for which in ("default", "gluon", "bf16"):
+            planned = [_fp8_plans(kind, which, s) for s in sets]
+            plans = [p for p, _ in planned]
+            args0 = planned[0][1]
+            o, lse = plans[0].run(*args0)
+            fp8 = sets[0][0]
+            rows = dequantized_cache(fp8[1], 512, torch.float64)
+            if kind == "sparse":
+                ref = mla_sparse_reference(fp8[0][:1].double(), rows, fp8[2][:1], SCALE)
+            else:
+                ref = _reference(fp8[0][:1], rows, fp8[2][:1], fp8[3][:1])
+            ok, seen = _compare(o[:1], lse[:1], ref)
+            ok_all &= ok
+            calls = [lambda p=p, a=a: p.run(*a) for p, a in planned]
+            nbytes = fp8_bytes if which != "bf16" else B * n * 1152 + B * H * (1152 + 1028)
+            t = time_kernel(calls, working_set_bytes=nbytes, warmup=args.warmup, reps=args.reps,
+                            cuda=True, checks="off")  # fmt: skip
+            flops = 2 * B * H * n * (576 + 512)
+            extra = dict(kind=kind, B=B, H=H, shape=f"{kind} H={H} B={B} n={n}", flops=flops,
+                         tflops=flops / (t.p50 * 1e6), tbps=nbytes / (t.p50 * 1e6),
+                         kv_dtype="bf16" if which == "bf16" else "fp8", variant_of=which,
+                         num_splits=plans[0].num_splits, ok=ok, vs_fp64=dict(ok=ok, seen=seen),
+                         timing=t.how, **_facts(plans[0]))  # fmt: skip
+            print(f"{'' if ok else 'MISMATCH '}fp8 {kind} H={H} B={B} n={n} @{which} "
+                  f"[{extra['backend']}]: p50 {t.p50:.1f} us, {extra['tflops']:.1f} TFLOP/s, "
+                  f"{extra['tbps']:.2f} TB/s")  # fmt: skip
+            record("fastpath_fp8", f"{kind} H={H},B={B}@{which}", n, t.percentiles,
+                   x_name="topk" if kind == "sparse" else "ct", nbytes=nbytes, backend="triton",
+                   extra=extra)  # fmt: skip
+            del planned, plans, calls
+        del sets
+    return ok_all
+
+
 def host_cases(H, B, ct, dev, gen) -> tuple[dict, object]:
     """The calls a user's loop makes at one shape (module docstring), and the plan they use."""
     from mqnc.triton_kernels import mla_decode_partial, plan_mla_decode
@@ -537,8 +718,9 @@ def warm_specs(dry: bool, cuda: bool) -> list[dict]:
     dense = DENSE if not dry else [(16, 1, 128, "us")]
     specs += [dict(kind="dense", H=H, B=B, ct=ct) for H, B, ct, _ in dense]
     specs += [dict(kind="host", H=H, B=B, ct=ct) for H, B, ct in (HOST if not dry else [])]
-    if cuda:  # (the sparse timing's plans, both backends)
+    if cuda:  # (the sparse and FP8 timings' plans, every variant)
         specs += [dict(kind="sparse_timing", H=H, B=B, topk=k) for H, B, k in SPARSE]
+        specs += [dict(kind="fp8_timing", what=w, H=H, B=B, n=n) for w, H, B, n in FP8]
     return specs
 
 
@@ -559,6 +741,12 @@ def warm_one(spec: dict) -> tuple[str, float, str | None]:
         elif spec["kind"] == "host":
             for fn in host_cases(spec["H"], spec["B"], spec["ct"], dev, gen)[0].values():
                 fn()
+        elif spec["kind"] == "fp8_timing":
+            gen = torch.Generator(device=dev).manual_seed(5)
+            inputs = _fp8_inputs(spec["what"], spec["H"], spec["B"], spec["n"], dev, gen)
+            for which in ("default", "gluon", "bf16"):
+                plan, args = _fp8_plans(spec["what"], which, inputs)
+                plan.run(*args)
         elif spec["kind"] == "sparse_timing":
             from mqnc.triton_kernels import plan_mla_sparse
             from mqnc.triton_kernels.dispatch import force_backend
@@ -602,7 +790,7 @@ def warm(args, dev) -> bool:
 def main(argv=None) -> int:
     from mqnc.measure.options import bench_parser, choice_list, finish, parse_bench_args
 
-    parts = ("warm", "exact", "device", "sparse", "host")
+    parts = ("warm", "exact", "device", "sparse", "fp8", "host")
     ap = bench_parser(__doc__, reps="20 (device), loops of the host loop; 2 dry", warmup="3")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes, a few repetitions")
     ap.add_argument("--only", type=choice_list(parts), default=list(parts),
@@ -632,6 +820,8 @@ def main(argv=None) -> int:
         ok &= device_times(args, dev, rec)
     if "sparse" in args.only:
         ok &= sparse_times(args, dev, rec)
+    if "fp8" in args.only:
+        ok &= fp8_times(args, dev, rec)
     if "host" in args.only:
         host_loops(args, dev, rec)
     status = finish(args, FASTPATH_TARGETS)

@@ -20,6 +20,8 @@
 #   warmup       every production kernel variant and the NVSHMEM kernels compiled into the
 #                Triton cache by 16 processes, then every goal shape planned on the GPU
 #   bench_merge, bench_mla, bench_splice   the kernel benchmarks over the production goal shapes
+#                (the splice in bf16 and FP8: the FP8 cache's own splice profile, mqnc predict
+#                --kv-dtype fp8 --splice-from)
 #                (CUDA-graph replays over L2-rotated inputs; extra.timing says how)
 #   bench_fp8    the FP8 cache's goal shapes (dense H 16 B 16 c_t 32768, sparse top-2048 H 128
 #                B 8), each in bf16 and then FP8 (perf.bench_mla --kv-dtype both): the twins the
@@ -203,7 +205,7 @@ step warmup env TRITON_INTERPRET=0 "$PY" -m perf.warmup "${WARMUP_ARGS[@]}"
 step bench_merge "$PY" -m perf.bench_merge "${BENCH_ARGS[@]}" --out "$RESULTS"
 step bench_mla "$PY" -m perf.bench_mla "${BENCH_ARGS[@]}" --out "$RESULTS"
 step bench_fp8 "$PY" -m perf.bench_mla "${FP8_ARGS[@]}" --out "$RESULTS"
-step bench_splice "$PY" -m perf.bench_splice "${BENCH_ARGS[@]}" --out "$RESULTS"
+step bench_splice "$PY" -m perf.bench_splice "${BENCH_ARGS[@]}" --kv-dtype both --out "$RESULTS"
 step launch "$PY" -m perf.bench_host --launch "${LAUNCH_ARGS[@]}" --out "$RESULTS"
 step report env TRITON_INTERPRET=0 "$PY" -m mqnc.measure.kernel_report "${REPORT_ARGS[@]}" \
   --measured "$RESULTS" --out "$OUT/kernel_report.jsonl"

@@ -206,6 +206,29 @@ def _sparse_seesaw_serves(case: Case, target: Target) -> str | None:
     return why
 
 
+def _fp8_seesaw_serves(case: Case, target: Target) -> str | None:
+    """None when the see-saw's FP8 variant can run ``case`` (dense over a padded page table of
+    any page size, or sparse), else why not."""
+    if target.kind != "cuda" or target.arch != "sm_90":
+        where = target.arch or target.kind
+        return f"the Gluon kernel runs on a CUDA sm_90 device only, not {where}"
+    if not target.gluon:
+        return f"triton {target.triton[0]}.{target.triton[1]} has no triton.experimental.gluon"
+    if case.q_dtype != "bf16" or case.kv != "fp8":
+        return f"the FP8 see-saw reads bf16 queries and FP8 caches, not {case.q_dtype} / {case.kv}"
+    if case.split_cache:
+        return "the FP8 see-saw reads fused 656-byte entries, not split ckv / kpe tensors"
+    if (case.d_qk, case.d_v) != (576, 512):
+        return f"the Gluon kernel is written for 576 = 512 + 64, not {case.d_qk} = {case.d_v} + .."
+    if not case.tma_rows:
+        return "the FP8 entries are not 16-byte aligned rows of one 2-D tensor (cp.async)"
+    if case.split_q:
+        return "the FP8 see-saw reads fused 576-wide query rows, not q_nope / q_pe"
+    if case.table_entries:
+        return "the FP8 see-saw reads padded page tables (a CSR table runs the tl kernel)"
+    return None
+
+
 def _seesaw_layout(case: Case) -> str | None:
     """What both see-saws need of the layout (None: they can read it)."""
     if (case.d_qk, case.d_v) != (576, 512):
@@ -242,6 +265,16 @@ TABLE: tuple[Rule, ...] = (
         _seesaw_split_serves,
         evidence="mla_decode_gluon[seesaw-split]",
     ),
+    Rule(
+        "mla_decode",
+        "gluon",
+        "mla_decode_gluon[seesaw-fp8]",
+        "sm_90, bf16 queries over DeepSeek-V3.2's 656-byte FP8 entries (fused, 16-byte aligned "
+        "rows), any page size through a padded page table, s_q >= 1, split-KV: the see-saw's "
+        "consumers, a warpgroup dequantizing each page into shared memory",
+        _fp8_seesaw_serves,
+        evidence="mla_decode_gluon[seesaw-fp8]",
+    ),
     Rule("mla_decode", "tl", "mla_decode", "every other case (any device Triton runs on)", _always),
     Rule(
         "mla_sparse",
@@ -251,6 +284,15 @@ TABLE: tuple[Rule, ...] = (
         "page size and top-k (blocks of 64 selected entries gathered by cp.async), split-KV",
         _sparse_seesaw_serves,
         evidence="mla_sparse_gluon[seesaw]",
+    ),
+    Rule(
+        "mla_sparse",
+        "gluon",
+        "mla_sparse_gluon[seesaw-fp8]",
+        "sm_90, bf16 queries over 656-byte FP8 entries, any page size and top-k: the FP8 "
+        "see-saw over the compacted selection",
+        _fp8_seesaw_serves,
+        evidence="mla_sparse_gluon[seesaw-fp8]",
     ),
     Rule("mla_sparse", "tl", "mla_sparse", "every other case", _always),
     Rule("merge", "tl", "merge", "every case", _always),

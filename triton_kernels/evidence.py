@@ -96,6 +96,8 @@ KERNELS: dict[str, tuple[str, str]] = {
     "mla_decode_gluon[seesaw]": ("mla/gluon_kernels.py", "gluon_mla_seesaw_kernel"),
     "mla_decode_gluon[seesaw-split]": ("mla/gluon_kernels.py", "gluon_mla_seesaw_split_kernel"),
     "mla_sparse_gluon[seesaw]": ("mla/gluon_kernels.py", "gluon_mla_sparse_seesaw_kernel"),
+    "mla_decode_gluon[seesaw-fp8]": ("mla/gluon_kernels.py", "gluon_mla_seesaw_fp8_kernel"),
+    "mla_sparse_gluon[seesaw-fp8]": ("mla/gluon_kernels.py", "gluon_mla_seesaw_fp8_kernel"),
 }
 """Every Gluon kernel the dispatch table names, by name: ``(module, function)`` of its device
 code (what :func:`current_fingerprint` hashes; a GPU run records it beside its results)."""

@@ -95,7 +95,10 @@ _ROUTE_OPTIONS = [
     ),
     (
         "--splice-from",
-        dict(metavar="RESULTS", help="splice profile from a results file (bench 'splice')"),
+        dict(
+            metavar="RESULTS",
+            help="splice profile from a results file (bench 'splice', the records of --kv-dtype)",
+        ),
     ),
     (
         "--splice-variant",
@@ -182,14 +185,16 @@ def _resolve(args):
     )
     _check_flags(args)
     own = {}
+    splice = "splice_fp8" if args.kv_dtype == "fp8" else "splice"  # (the cache's own splice)
     if args.splice_ms is not None:
-        own["splice"] = SpliceProfile.flat(args.splice_ms * 1e3)
+        own[splice] = SpliceProfile.flat(args.splice_ms * 1e3)
     elif args.splice_from is not None:
-        own["splice"] = SpliceProfile.from_results(
+        own[splice] = SpliceProfile.from_results(
             args.splice_from,
             variant=args.splice_variant,
             device=args.splice_device,
             backend=args.splice_backend,
+            kv_dtype=args.kv_dtype,
         )
     if args.host_overhead:
         own["host"] = HOST_PAPER

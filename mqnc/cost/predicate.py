@@ -284,7 +284,7 @@ def _terms(
         round_trips=r.round_trips,
         bw_gbps=bw_gbps,
     )
-    splice = profile.splice_for(r.c_t, r.moved)
+    splice = profile.splice_for(r.c_t, r.moved, geometry.cache_dtype)
     fetch = t_fetch(
         geometry,
         fabric,

@@ -90,7 +90,7 @@ MEASURED_TERMS = (
 """The measured compute terms of a profile (us; None: not measured), as a demo profile names
 them."""
 
-_SPLICES = ("splice", "scatter")
+_SPLICES = ("splice", "splice_fp8", "scatter")
 _PROFILE_OBJECTS = ("fabric", *_SPLICES, "gather", "host")
 _MAPPINGS = ("measured_with", "sources")
 
@@ -108,6 +108,10 @@ class MachineProfile:
     splice : SpliceProfile or None
         ``T_splice(c_t)`` of a chunk that moved (re-rotation and pool write). None:
         ``splice_us_per_token * c_t`` when measured, else :data:`~mqnc.cost.SPLICE_PAPER`.
+    splice_fp8 : SpliceProfile or None
+        The same over DeepSeek-V3.2's FP8 cache (656-byte entries: the RoPE part re-rotated in
+        place, the latent bytes and scales copied). None: ``splice_fp8_us_per_token * c_t``
+        when measured, else the bf16 splice (:meth:`splice_for` names the stand-in).
     scatter : SpliceProfile or None
         What a chunk used at its cached position costs on arrival (the pool write alone).
         None: ``scatter_us_per_token * c_t`` when measured, else nothing (δ = 0 elides, §6.3).
@@ -121,8 +125,8 @@ class MachineProfile:
     c_us : float or None
         Re-prefill cost per token-layer, us (the prefill rate, ``T_local = c_t L c``);
         None: :data:`~mqnc.cost.LOCAL_C_US`.
-    splice_us_per_token, scatter_us_per_token : float or None
-        Measured splice and pool write per token (us).
+    splice_us_per_token, splice_fp8_us_per_token, scatter_us_per_token : float or None
+        Measured splice (bf16 and FP8 caches) and pool write per token (us).
     compute_fixed_us, compute_us_per_row_token : float or None
         The holder's kernel call, ``fixed + per (row x token) x work`` (its compute law past
         the knee, §6.3), measured.
@@ -167,6 +171,8 @@ class MachineProfile:
     merge_us: float | None = None
     fetch_fixed_us: float | None = None
     read_tbps: float | None = None
+    splice_fp8: SpliceProfile | None = None
+    splice_fp8_us_per_token: float | None = None
     measured_with: Mapping[str, str] = dataclasses.field(default_factory=dict)
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
     schema: str = PROFILE_SCHEMA
@@ -176,6 +182,7 @@ class MachineProfile:
         kinds = dict(
             fabric=FabricProfile,
             splice=SpliceProfile,
+            splice_fp8=SpliceProfile,
             scatter=SpliceProfile,
             gather=GatherProfile,
             host=HostOverhead,
@@ -194,7 +201,7 @@ class MachineProfile:
             check_number("MachineProfile.c_us", self.c_us, positive=True)
         if self.read_tbps is not None:
             check_number("MachineProfile.read_tbps", self.read_tbps, positive=True)
-        for name in MEASURED_TERMS:
+        for name in (*MEASURED_TERMS, "splice_fp8_us_per_token"):
             if name != "c_us" and getattr(self, name) is not None:
                 check_number(f"MachineProfile.{name}", getattr(self, name), nonnegative=True)
         for name in _MAPPINGS:
@@ -220,9 +227,18 @@ class MachineProfile:
         """``c`` for ``T_local`` (us per token-layer): measured, else the paper's middle."""
         return LOCAL_C_US if self.c_us is None else self.c_us
 
-    def splice_for(self, c_t: Any, moved: bool = True):
+    def splice_for(self, c_t: Any, moved: bool = True, kv_format: str = "bf16"):
         """What a fetched chunk of ``c_t`` tokens costs on arrival, as a
-        :class:`SpliceProfile`: the splice when it ``moved``, else the pool write alone."""
+        :class:`SpliceProfile`: the splice when it ``moved``, else the pool write alone;
+        ``kv_format`` the cache's (``MLAGeometry.cache_dtype``): an FP8 cache's splice is its
+        own measured profile, else the bf16 one, named as a stand-in."""
+        if moved and kv_format.startswith("fp8"):
+            if self.splice_fp8 is not None:
+                return self.splice_fp8
+            if self.splice_fp8_us_per_token is not None:
+                return _per_token(self.splice_fp8_us_per_token, c_t, "measured FP8 splice")
+            bf16 = self.splice_for(c_t, True)
+            return dataclasses.replace(bf16, name=f"{bf16.name} (bf16: no FP8 splice measured)")
         if moved:
             if self.splice is not None:
                 return self.splice
@@ -307,7 +323,12 @@ class MachineProfile:
             raise ValueError("profile: missing key 'fabric'")
         kw = dict(data)
         kw["fabric"] = FabricProfile.from_dict(_object("fabric", kw["fabric"]))
-        builders = dict(splice=SpliceProfile, scatter=SpliceProfile, gather=GatherProfile)
+        builders = dict(
+            splice=SpliceProfile,
+            splice_fp8=SpliceProfile,
+            scatter=SpliceProfile,
+            gather=GatherProfile,
+        )
         for name, build in (*builders.items(), ("host", HostOverhead)):
             if kw.get(name) is not None:
                 kw[name] = _build(name, build, kw[name])

@@ -183,10 +183,12 @@ class SpliceProfile:
         variant: str | None = None,
         device: str | None = None,
         backend: str | None = None,
+        kv_dtype: str | None = None,
     ) -> SpliceProfile:
         """Build from the results file: records ``bench`` (default ``"splice"``), ``x`` = c_t,
         ``p50`` in us, of one device, backend and variant; the median p50 per ``x`` when a size
-        was measured more than once.
+        was measured more than once; ``kv_dtype`` (``"bf16"``, ``"fp8"``): only the records of
+        that cache format (``extra.kv_dtype``; a record without one is bf16's).
 
         Parameters
         ----------
@@ -213,12 +215,16 @@ class SpliceProfile:
             those present.
         """
         recs = [r for r in read_jsonl(path) if r.get("bench") == bench]
+        if kv_dtype is not None:
+            recs = [r for r in recs if (r.get("extra") or {}).get("kv_dtype", "bf16") == kv_dtype]
         wanted = {"device": device, "backend": backend, "variant": variant}
         for key, value in wanted.items():
             if value is not None:
                 recs = [r for r in recs if r.get(key) == value]
         if not recs:
             given = "".join(f" and {k}={v!r}" for k, v in wanted.items() if v is not None)
+            if kv_dtype is not None:
+                given += f" and kv_dtype={kv_dtype!r} (perf.bench_splice --kv-dtype {kv_dtype})"
             raise ValueError(f"results: no records with bench={bench!r}{given} in {path}")
         groups = sorted({tuple(str(r.get(k)) for k in wanted) for r in recs})
         if len(groups) > 1:

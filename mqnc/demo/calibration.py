@@ -195,9 +195,12 @@ class Calibration:
         sources, read = dict(self.sources), read_ceiling(device_name)
         if read is not None:
             sources["read_tbps"] = read[1]
+        fp8 = cfg.kv_dtype == "fp8"  # (the splice measured is the cache format's own)
         return MachineProfile(
             self.fabric,
             splice=self.splice_profile(cfg, True),
+            splice_fp8=self.splice_profile(cfg, True) if fp8 else None,
+            splice_fp8_us_per_token=self.terms.get("splice_us_per_token") if fp8 else None,
             scatter=self.splice_profile(cfg, False),
             measured_with=measured_with,
             sources=sources,
@@ -210,7 +213,7 @@ class Calibration:
         ``--profile`` loads it, nothing recalibrated). The splice and pool write are stored
         per token (the lines over this corpus' chunk sizes are not)."""
         profile = self.machine_profile(cfg, device_name)
-        profile.replace(splice=None, scatter=None).save(path)
+        profile.replace(splice=None, splice_fp8=None, scatter=None).save(path)
 
 
 def read_ceiling(device_name: str, records: list[dict] | None = None):

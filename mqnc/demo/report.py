@@ -196,7 +196,7 @@ class Report:
         ct, profile = self.corpus.lengths[rec.chunk_id], self.cal.machine_profile(self.cfg)
         if rec.primitive == "fetch":
             moved = self.deltas.get(id(rec), 1) != 0
-            splice = t_splice(ct, profile.splice_for(ct, moved))
+            splice = t_splice(ct, profile.splice_for(ct, moved, self.geometry.cache_dtype))
             pull = profile.fetch_fixed_us + t_pull(self.geometry, profile.fabric, ct)
             return dict(pull=pull, splice=splice, total=pull + splice)
         prefill = t_local(self.geometry, ct, profile.c_us)

@@ -78,7 +78,7 @@ from mqnc.triton_kernels.fp8.cache import (
     fp8_rope_view,
     is_fp8_pool,
 )
-from mqnc.triton_kernels.mla.gluon_plan import plan_seesaw, tma_rows
+from mqnc.triton_kernels.mla.gluon_plan import fp8_rows, plan_fp8_seesaw, plan_seesaw, tma_rows
 from mqnc.triton_kernels.mla.plan import (
     AttentionPlan,
     MlaOperands,
@@ -618,9 +618,14 @@ def checked_plan(
     max_kv_len = _checked_capacity(table, lens, indptr, layout, check_inputs, max_kv_len, kv_pool)
     if ops.fp8 and check_inputs:
         _check_fp8_attended(ops.kv, table, lens, indptr, layout, d_v, kpe_pool)
-    choice = dense_choice(q, kv_pool, table, ops, layout, kpe_pool)
+    choice = dense_choice(q, kv_pool, table, ops, layout, kpe_pool, q_pe is not None)
     attend = None
-    if choice.backend == "gluon":
+    if choice.backend == "gluon" and ops.fp8:
+        template, attend = plan_fp8_seesaw(
+            q, ops.kv, table, scale=scale, num_splits=num_splits, sparse=False,
+            s_q=layout.s_q, causal=layout.causal, max_kv_len=max_kv_len,
+        )  # fmt: skip
+    elif choice.backend == "gluon":
         template, attend = plan_seesaw(
             q,
             kv_pool,
@@ -671,9 +676,11 @@ def checked_plan(
     return plan, ops
 
 
-def dense_choice(q, kv_pool, table, ops: MlaOperands, layout: PagedLayout, kpe_pool=None) -> Choice:
+def dense_choice(q, kv_pool, table, ops: MlaOperands, layout: PagedLayout, kpe_pool=None,
+                 split_q: bool = False) -> Choice:  # fmt: skip
     """The dispatch table's backend for a checked dense call (``dispatch.choose``): the cache
-    split when ``kpe_pool`` is given (a query's rope part apart is not a case of its own)."""
+    split when ``kpe_pool`` is given; ``split_q``: the query's rope part came apart (the bf16
+    see-saws join it per run, the FP8 one does not)."""
     page = kv_pool.shape[1]
     entries = table.shape[0] * (q.shape[0] // layout.s_q) * (page // 64) if layout.csr else 0
     case = Case.of_dtypes(
@@ -681,10 +688,11 @@ def dense_choice(q, kv_pool, table, ops: MlaOperands, layout: PagedLayout, kpe_p
         q.dtype,
         None if ops.fp8 else kv_pool.dtype,
         split_cache=kpe_pool is not None,
+        split_q=split_q,
         d_qk=ops.d_v + ops.d_pe,
         d_v=ops.d_v,
         page=page,
-        tma_rows=tma_rows(kv_pool, kpe_pool),
+        tma_rows=fp8_rows(ops.kv) if ops.fp8 else tma_rows(kv_pool, kpe_pool),
         table_entries=entries,
     )
     return choose(case, Target.of(q.device))

@@ -807,3 +807,200 @@ def gluon_mla_sparse_seesaw_kernel(
     gl.warp_specialize(
         [(_ss_first, args), (_ss_second, args), (_sp_gather, args)], [4, GATHER_WARPS], [240, 32]
     )
+
+
+# ---- the see-saw over DeepSeek-V3.2's FP8 cache (656-byte entries): opt-in until a GPU verifies
+# A dequantizing warpgroup stands in for the TMA warp: a page's raw FP8 latent bytes (32 KB) land
+# by cp.async in the upper half of its own bf16 buffer (box-major: raw box c at bytes 32 KB + 4 KB
+# c), its scales in a small buffer of their own and its bf16 RoPE straight in the rope tile; the
+# warpgroup then writes the page's bf16 latent box by box (the fp8 value times its group's
+# power-of-two scale: exact in bf16), each box on its own mbarrier as the TMA's were. Box 4 + k
+# overwrites raw boxes 2k and 2k + 1, read already; box 7 reads its own raw box whole first. The
+# consumers are the dense see-saw's, unchanged.
+
+FP8_ENTRY = gl.constexpr(656)  # bytes of one entry: 512 fp8 + 4 fp32 scales + 64 bf16
+FP8_GROUP = gl.constexpr(128)  # latent values per scale
+
+
+@gluon.jit
+def _fp8_entries(table_row, pos, valid, page):
+    """Flattened entry ids of block positions ``pos``: a compacted selection's (``page`` 0:
+    ``table_row[pos]``) or a page table's (``table_row[pos // page] * page + pos % page``)."""
+    if page == 0:
+        idx = gl.load(table_row + pos, mask=valid, other=0)
+    else:
+        idx = gl.load(table_row + pos // page, mask=valid, other=0) * page + pos % page
+    return idx.to(gl.int64)
+
+
+@gluon.jit
+def _fp8_issue(KV8, KVS, KVB, stride_e, page, table_row, pos0, n, raw, raw0, scales, scales0, pe):
+    """cp.async one page's bytes: raw FP8 latent box ``c`` into ``raw[raw0 + c]`` ([64, 64] uint8),
+    the scales of group ``g`` into ``scales[scales0 + g]`` (``[64]`` fp32), the bf16 RoPE into
+    ``pe``;
+    rows past ``n`` zero-filled (never attended), then one commit group."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [GATHER_WARPS, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, lay)
+    cols = gl.arange(0, BOX, gl.SliceLayout(0, lay))[None, :]
+    pos = pos0 + gl.arange(0, 64, rows_l)
+    valid = pos < n
+    idx = _fp8_entries(table_row, pos, valid, page)
+    entry = KV8 + idx[:, None] * stride_e + cols
+    for c in gl.static_range(D_V // BOX):
+        dst = raw.index(raw0 + c)
+        async_copy.async_copy_global_to_shared(dst, entry + c * BOX, mask=valid[:, None])
+    lay_pe: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [GATHER_WARPS, 1], [1, 0])
+    rows_pe: gl.constexpr = gl.SliceLayout(1, lay_pe)
+    pos_pe = pos0 + gl.arange(0, 64, rows_pe)
+    valid_pe = pos_pe < n
+    idx_pe = _fp8_entries(table_row, pos_pe, valid_pe, page)
+    cols_pe = gl.arange(0, BOX, gl.SliceLayout(0, lay_pe))[None, :]
+    rope = KVB + idx_pe[:, None] * (stride_e // 2) + (D_V + 16) // 2 + cols_pe
+    async_copy.async_copy_global_to_shared(pe, rope, mask=valid_pe[:, None])
+    lay_s: gl.constexpr = gl.BlockedLayout([1], [32], [GATHER_WARPS], [0])
+    pos_s = pos0 + gl.arange(0, 64, lay_s)
+    valid_s = pos_s < n
+    sc = KVS + _fp8_entries(table_row, pos_s, valid_s, page) * (stride_e // 4) + D_V // 4
+    for g in gl.static_range(D_V // FP8_GROUP):
+        dst = scales.index(scales0 + g)
+        async_copy.async_copy_global_to_shared(dst, sc + g, mask=valid_s)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _fp8_dequant(raw, raw0, scales, scales0, lat, boxes, buf):
+    """The page's bf16 latent, box by box from its raw FP8 bytes and scales (landed and visible
+    to every thread of the warpgroup), each box's mbarrier arrived once it is in place."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [GATHER_WARPS, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, lay)
+    for c in gl.static_range(D_V // BOX):
+        x = raw.index(raw0 + c).load(lay)
+        s = scales.index(scales0 + c * BOX // FP8_GROUP).load(rows_l)[:, None]
+        if c == D_V // BOX - 1:
+            gl.thread_barrier()  # box 7 overwrites its own raw bytes: all read first
+        v = x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * s
+        lat.slice(c * BOX, BOX, dim=1).store(v.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's part of the box written (and raw box c read)
+        mbarrier.arrive(boxes.index(buf * 9 + c), count=1)
+
+
+@gluon.jit
+def _fp8_gather(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_splits, q_lat, q_pe,
+                kv_lat, kv_pe, bars, boxes, stats, O, LSE, o_strides, l_strides, qk_scale,
+                S_Q: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
+    """The dequantizing warpgroup: Q's 64 head rows by cp.async (as the gather see-saw's), then
+    page ``i`` of the split into buffer ``i % 2`` once both consumers released it: its bytes by
+    cp.async (:func:`_fp8_issue`), the RoPE box's mbarrier once they landed, then the latent
+    box by box (:func:`_fp8_dequant`). ``kv_desc``: the pool's FP8, fp32 and bf16 views, the
+    entry stride in bytes, the page size (0: ``TABLE`` is a compacted selection) and the scales'
+    buffers."""
+    Q, stride_qr, stride_qh = q_desc
+    KV8, KVS, KVB, stride_e, page, scales = kv_desc
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [GATHER_WARPS, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, layout)
+    cols = gl.arange(0, BOX, gl.SliceLayout(0, layout))[None, :]
+    r, h0, seq, n, split, blk0, n_iter = _row_range(
+        LENS, H, n_blocks_row, num_splits, S_Q, CAUSAL, 64
+    )
+    heads = h0 + gl.arange(0, 64, rows_l)
+    q_rows = Q + r.to(gl.int64) * stride_qr + heads.to(gl.int64)[:, None] * stride_qh + cols
+    live = (heads < H)[:, None]
+    for c in gl.static_range(D_V // BOX):
+        dst = q_lat.index(0).slice(c * BOX, BOX, dim=1)
+        async_copy.async_copy_global_to_shared(dst, q_rows + c * BOX, mask=live)
+    async_copy.async_copy_global_to_shared(q_pe.index(0), q_rows + D_V, mask=live)
+    async_copy.mbarrier_arrive(bars.index(0), increment_count=False)
+    table_row = TABLE + seq.to(gl.int64) * stride_tb
+    raw_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    raw = kv_lat._reinterpret(gl.uint8, [32, 64, BOX], raw_l)  # buffer b's raw box c: 16 b + 8 + c
+    for i in range(n_iter):
+        buf = i % 2
+        mbarrier.wait(bars.index(1 + buf), ((i // 2) & 1) ^ 1)  # (a fresh barrier passes)
+        lat = kv_lat.index(buf)
+        _fp8_issue(KV8, KVS, KVB, stride_e, page, table_row, (blk0 + i) * 64, n, raw, buf * 16 + 8,
+                   scales, buf * 4, kv_pe.index(buf))  # fmt: skip
+        async_copy.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()  # every thread's copies landed
+        mbarrier.arrive(boxes.index(buf * 9 + D_V // BOX), count=1)  # the RoPE box
+        _fp8_dequant(raw, buf * 16 + 8, scales, buf * 4, lat, boxes, buf)
+
+
+@gluon.jit
+def gluon_mla_seesaw_fp8_kernel(
+    Q,
+    KV8,
+    KVS,
+    KVB,
+    TABLE,
+    LENS,
+    O,
+    LSE,
+    H,
+    n_blocks_row,
+    stride_tb,
+    num_splits,
+    stride_qr,
+    stride_qh,
+    stride_e,
+    page,
+    stride_os,
+    stride_ob,
+    stride_oh,
+    stride_ls,
+    stride_lb,
+    stride_lh,
+    qk_scale,
+    S_Q: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The see-saw over the FP8 cache (``KV8`` its entries as FP8 bytes, ``KVS`` as fp32 and
+    ``KVB`` as bf16: three views of one pool, ``stride_e`` bytes an entry): ``page`` > 0 reads a
+    padded page table of ``page``-entry pages (dense, ``S_Q`` / ``CAUSAL`` as the see-saw's),
+    ``page`` 0 a compacted top-k selection (sparse). The dense see-saw's consumers (``_ss_first``,
+    ``_ss_second``) and shared memory, a dequantizing warpgroup (``_fp8_gather``) in place of the
+    TMA warp, plus 2 KB of scales."""
+    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    q_lat = gl.allocate_shared_memory(gl.bfloat16, [1, 64, D_V], smem)
+    q_pe = gl.allocate_shared_memory(gl.bfloat16, [1, 64, BOX], smem)
+    kv_lat = gl.allocate_shared_memory(gl.bfloat16, [2, 64, D_V], smem)
+    kv_pe = gl.allocate_shared_memory(gl.bfloat16, [2, 64, BOX], smem)
+    stats = gl.allocate_shared_memory(gl.float32, [4, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    scales = gl.allocate_shared_memory(gl.float32, [8, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+    gathering: gl.constexpr = GATHER_WARPS * 32  # (threads: one cp.async arrival each for Q)
+    mbarrier.init(bars.index(0), count=gathering)
+    for i in gl.static_range(1, 5):
+        mbarrier.init(bars.index(i), count=2 if i == 1 or i == 2 else 1)
+    boxes = gl.allocate_shared_memory(gl.int64, [18, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(18):
+        mbarrier.init(boxes.index(i), count=1)
+    args = (
+        (Q, stride_qr, stride_qh),
+        (KV8, KVS, KVB, stride_e, page, scales),
+        TABLE,
+        LENS,
+        H,
+        n_blocks_row,
+        stride_tb,
+        num_splits,
+        q_lat,
+        q_pe,
+        kv_lat,
+        kv_pe,
+        bars,
+        boxes,
+        stats,
+        O,
+        LSE,
+        (stride_os, stride_ob, stride_oh),
+        (stride_ls, stride_lb, stride_lh),
+        qk_scale,
+        S_Q,
+        CAUSAL,
+    )
+    gl.warp_specialize(
+        [(_ss_first, args), (_ss_second, args), (_fp8_gather, args)], [4, GATHER_WARPS], [240, 32]
+    )

@@ -55,7 +55,16 @@ from mqnc.triton_kernels.mla.gluon import (
 )
 from mqnc.triton_kernels.mla.plan import MlaPlan, meta_output, split_outputs, split_strides
 
-__all__ = ["SeesawAttend", "plan_seesaw", "tma_rows", "table_launch"]
+__all__ = [
+    "Fp8SeesawAttend",
+    "SeesawAttend",
+    "fp8_rows",
+    "fp8_views",
+    "plan_fp8_seesaw",
+    "plan_seesaw",
+    "tma_rows",
+    "table_launch",
+]
 
 _TABLE_BLOCK = 256
 
@@ -426,3 +435,162 @@ def plan_sparse_seesaw(
         launches.append(merge_launch(o_part, lse_part, o, lse))
     template = MlaPlan(o, lse, num_splits, tuple(launches))
     return template, SparseSeesawAttend(kernel, compact_launch(indices, table, lens))
+
+
+# ---- the see-saw over DeepSeek-V3.2's FP8 cache, dense and sparse (opt-in until a GPU verifies
+# it): the same kernel reads a padded page table (dense) or a compacted top-k selection (sparse)
+
+
+def fp8_views(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The FP8 kernel's three views of a pool of 656-byte entries (``[pages, page, 656]``
+    uint8, entries rows of one 2-D tensor): its FP8 bytes, its fp32 words (the scales) and its
+    bf16 halves (the RoPE part), and the entry stride in bytes."""
+    flat = pool.reshape(-1, pool.shape[-1])
+    return (
+        flat.view(torch.float8_e4m3fn),
+        flat.view(torch.float32),
+        flat.view(torch.bfloat16),
+        flat.stride(0),
+    )
+
+
+def fp8_rows(kv_pool: torch.Tensor) -> bool:
+    """True when an FP8 pool's (uint8 ``[pages, page, 656]``) entries are rows of one 2-D tensor
+    the FP8 see-saw reads by cp.async and views as fp32 / bf16: unit stride along an entry, 16
+    bytes apart at least a multiple of 16, pages ``page`` entries apart, the base 16-byte
+    aligned."""
+    if kv_pool.dim() != 3:
+        return False
+    sp, se, sd = kv_pool.stride()
+    return sd == 1 and se % 16 == 0 and sp == kv_pool.shape[1] * se and kv_pool.data_ptr() % 16 == 0
+
+
+def _fp8_launch(q, pool, table, lens, o_part, lse_part, *, n_blocks_row, page, scale, s_q,
+                causal, out) -> Launch:  # fmt: skip
+    """The FP8 see-saw's launch (``page`` 0: ``table`` a compacted selection)."""
+    from mqnc.triton_kernels.mla import gluon_kernels
+
+    R, H, _ = q.shape
+    num_splits = o_part.shape[0] if o_part.dim() == 4 else 1
+    kv8, kvs, kvb, stride_e = fp8_views(pool)
+    what = "seesaw-fp8-gather" if page == 0 else "seesaw-fp8"
+    extra = (f",sq={s_q}" if s_q > 1 else "") + (",causal" if causal else "")
+    op = "mla_sparse_gluon" if page == 0 else "mla_decode_gluon"
+    return Launch(
+        name=f"{op}[bfloat16,fp8,64x64,{what},w4+4+4,out={out}{extra}]",
+        kernel=gluon_kernels.gluon_mla_seesaw_fp8_kernel,
+        grid=(R * triton.cdiv(H, BLOCK_H), num_splits),
+        args=(
+            q,
+            kv8,
+            kvs,
+            kvb,
+            table,
+            lens,
+            o_part,
+            lse_part,
+            H,
+            n_blocks_row,
+            table.stride(0),
+            num_splits,
+            q.stride(0),
+            q.stride(1),
+            stride_e,
+            page,
+            *split_strides(o_part, lse_part),
+            scale * LOG2E,
+        ),
+        kwargs=dict(S_Q=s_q, CAUSAL=causal, num_warps=4),
+    )
+
+
+class Fp8SeesawAttend:
+    """The attention step of an FP8 plan on the see-saw, called as a ``LaunchRunner`` is: a
+    dense plan's seven bound tensors ``(q, q_pe, kv_pool, kpe_pool, table, indptr, lens)`` or a
+    sparse plan's five ``(q, q_pe, kv_pool, kpe_pool, indices)``, then ``(o_part, lse_part)``;
+    a sparse run compacts its selection first."""
+
+    def __init__(self, kernel: Launch, compact: Launch | None, *, copy_q: bool,
+                 copy_table: bool) -> None:  # fmt: skip
+        self._kernel = LaunchRunner(kernel, 8)
+        self._compact = LaunchRunner(compact, 3) if compact is not None else None
+        self._shape = tuple(compact.args[1].shape) if compact is not None else None
+        self._copy_q, self._copy_table = copy_q, copy_table
+
+    def __call__(self, interpreted, q, q_pe, kv_pool, kpe_pool, *rest):
+        if self._copy_q:  # (rows the kernel cannot cp.async in place: the small query copied)
+            q = q.contiguous()
+        if q.data_ptr() % 16:
+            q = q.clone(memory_format=torch.contiguous_format)
+        kv8, kvs, kvb, _ = fp8_views(kv_pool)
+        if self._compact is not None:
+            indices, o_part, lse_part = rest
+            table = torch.empty(self._shape, dtype=torch.int32, device=q.device)
+            lens = torch.empty(self._shape[:1], dtype=torch.int32, device=q.device)
+            self._compact(False, indices, table, lens)
+        else:
+            table, _, lens, o_part, lse_part = rest
+            if self._copy_table:
+                table = table.contiguous()
+        self._kernel(False, q, kv8, kvs, kvb, table, lens, o_part, lse_part)
+
+
+def plan_fp8_seesaw(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    table: torch.Tensor,
+    *,
+    scale: float,
+    num_splits: int | None,
+    sparse: bool,
+    s_q: int = 1,
+    causal: bool = False,
+    max_kv_len: int | None = None,
+) -> tuple[MlaPlan, Fp8SeesawAttend | None]:
+    """The template plan and the attention step of an FP8 call on the see-saw, for checked
+    inputs: ``q [R, H, 576]`` bf16 (unit stride along a row), ``kv_pool [pages, page, 656]``
+    uint8 (:func:`fp8_rows`); dense (``sparse`` False): ``table`` a padded ``[S, W]`` block
+    table of ``page``-entry pages (unit stride along a row), ``R = S s_q`` query rows, the
+    lengths per run; sparse: ``table`` the ``[R, K]`` int32 top-k selection into the flattened
+    entries (``-1`` unused). ``max_kv_len``: the longest dense row the split policy plans for
+    (None: the table's capacity)."""
+    R, H, _ = q.shape
+    page = kv_pool.shape[1]
+    if sparse:
+        width = triton.cdiv(max(table.shape[1], 1), PAGE)
+        longest = width * PAGE
+    else:
+        capacity = table.shape[1] * page
+        width = triton.cdiv(capacity, PAGE)
+        longest = capacity if max_kv_len is None else min(max_kv_len, capacity)
+    if num_splits is None:
+        num_splits = choose_splits(R, H, triton.cdiv(max(longest, 1), PAGE), PAGE, q.device, 2)
+    o, lse, o_part, lse_part = split_outputs(R, H, D_V, q.dtype, q.device, num_splits, meta_output)
+    if R * H == 0:
+        return MlaPlan(o, lse, num_splits, ()), None
+    meta = torch.device("meta")
+    out = "fp32-split" if num_splits > 1 else "bf16"
+    qs = q.stride()
+    copy_q = not (qs[2] == 1 and qs[1] % 8 == 0 and qs[0] % 8 == 0)
+    if copy_q:
+        q = torch.empty(q.shape, dtype=q.dtype, device=meta)
+    copy_table = not sparse and table.shape[1] > 1 and table.stride(1) != 1
+    if sparse:
+        compacted = torch.empty((R, width * PAGE), dtype=torch.int32, device=meta)
+        lens = torch.empty((R,), dtype=torch.int32, device=meta)
+        compact = compact_launch(table, compacted, lens)
+    else:
+        compacted = (
+            torch.empty(table.shape, dtype=torch.int32, device=meta) if copy_table else table
+        )
+        lens, compact = torch.empty((R // s_q,), dtype=torch.int32, device=meta), None
+    kernel = _fp8_launch(
+        q, kv_pool, compacted, lens, o_part, lse_part, n_blocks_row=width,
+        page=0 if sparse else page, scale=scale, s_q=s_q, causal=causal, out=out,
+    )  # fmt: skip
+    launches = [kernel]
+    if num_splits > 1:
+        launches.append(merge_launch(o_part, lse_part, o, lse))
+    template = MlaPlan(o, lse, num_splits, tuple(launches))
+    attend = Fp8SeesawAttend(kernel, compact, copy_q=copy_q, copy_table=copy_table)
+    return template, attend

@@ -36,7 +36,12 @@ from mqnc.triton_kernels._core.validate import (
 )
 from mqnc.triton_kernels.dispatch import Case, Target, choose
 from mqnc.triton_kernels.fp8.cache import as_bytes, check_fp8_entries, fp8_rope_view, is_fp8_pool
-from mqnc.triton_kernels.mla.gluon_plan import plan_sparse_seesaw, tma_rows
+from mqnc.triton_kernels.mla.gluon_plan import (
+    fp8_rows,
+    plan_fp8_seesaw,
+    plan_sparse_seesaw,
+    tma_rows,
+)
 from mqnc.triton_kernels.mla.plan import (
     AttentionPlan,
     MlaOperands,
@@ -281,12 +286,16 @@ def plan_mla_sparse(call) -> AttentionPlan:
             d_qk=ops.d_v + ops.d_pe,
             d_v=d_v,
             page=block_size,
-            tma_rows=tma_rows(kv_pool, kpe_pool),
+            tma_rows=fp8_rows(ops.kv) if ops.fp8 else tma_rows(kv_pool, kpe_pool),
         ),
         Target.of(q.device),
     )
     attend = None
-    if choice.backend == "gluon":
+    if choice.backend == "gluon" and ops.fp8:
+        template, attend = plan_fp8_seesaw(
+            q, ops.kv, indices, scale=scale, num_splits=call.num_splits, sparse=True
+        )
+    elif choice.backend == "gluon":
         template, attend = plan_sparse_seesaw(
             q, kv_pool, indices, scale=scale, num_splits=call.num_splits
         )

@@ -12,7 +12,7 @@ from mqnc.triton_kernels.mla.gluon_plan import plan_seesaw, table_launch
 from mqnc.triton_kernels.mla.plan import split_outputs
 from mqnc.triton_kernels.sm90.compile import _compile_only
 
-__all__ = ["compile_gluon_decode", "compile_seesaw", "compile_sparse_seesaw"]
+__all__ = ["compile_gluon_decode", "compile_fp8_seesaw", "compile_seesaw", "compile_sparse_seesaw"]
 
 
 def compile_gluon_decode(
@@ -117,3 +117,51 @@ def compile_sparse_seesaw(*, rows: int, heads: int, topk: int, num_splits: int, 
         c = kernel.kernel.warmup(*first, *rest, grid=kernel.grid, **kernel.kwargs)
         k = compact.kernel.warmup(*compact.args, grid=compact.grid, **compact.kwargs)
     return [(kernel.name, c), (compact.name, k)]
+
+
+def compile_fp8_seesaw(
+    *,
+    rows: int,
+    heads: int,
+    num_splits: int,
+    topk: int | None = None,
+    page: int = PAGE,
+    blocks: int = 4,
+    s_q: int = 1,
+):
+    """Compile the FP8 see-saw's launches for sm_90 as a run makes them (CPU tensors stand in):
+    sparse (``topk`` given: the kernel then the compaction) or dense (a padded table ``blocks``
+    pages wide, ``s_q`` query tokens a sequence, causal when more than one):
+    ``[(launch name, CompiledKernel)]``."""
+    from mqnc.triton_kernels.mla.gluon_plan import fp8_views, plan_fp8_seesaw
+
+    q = torch.empty(rows, heads, D_QK, dtype=torch.bfloat16)
+    S = rows // s_q
+    pool = torch.empty(max(S, 1) * blocks, page, 656, dtype=torch.uint8)
+    sparse = topk is not None
+    table = torch.zeros((rows, topk) if sparse else (S, blocks), dtype=torch.int32)
+    template, attend = plan_fp8_seesaw(
+        q, pool, table, scale=D_QK**-0.5, num_splits=num_splits, sparse=sparse, s_q=s_q,
+        causal=s_q > 1,
+    )  # fmt: skip
+    kernel = template.launches[0]
+    _, _, o_part, lse_part = split_outputs(rows, heads, D_V, q.dtype, q.device, num_splits)
+    if sparse:
+        from mqnc.triton_kernels.mla.gluon_plan import compact_launch
+
+        compacted = torch.zeros(attend._shape, dtype=torch.int32)
+        lens = torch.zeros(rows, dtype=torch.int32)
+        compact = compact_launch(table, compacted, lens)
+    else:
+        compacted, lens, compact = table, torch.zeros(S, dtype=torch.int32), None
+    first = (q, *fp8_views(pool)[:3], compacted, lens, o_part, lse_part)
+    out = []
+    with _compile_only(90):
+        rest = kernel.args[len(first) :]
+        out.append(
+            (kernel.name, kernel.kernel.warmup(*first, *rest, grid=kernel.grid, **kernel.kwargs))
+        )
+        if compact is not None:
+            k = compact.kernel.warmup(*compact.args, grid=compact.grid, **compact.kwargs)
+            out.append((compact.name, k))
+    return out
