@@ -818,8 +818,7 @@ def gluon_mla_sparse_seesaw_kernel(
 # overwrites raw boxes 2k and 2k + 1, read already; box 7 reads its own raw box whole first. The
 # consumers are the dense see-saw's, unchanged.
 
-FP8_ENTRY = gl.constexpr(656)  # bytes of one entry: 512 fp8 + 4 fp32 scales + 64 bf16
-FP8_GROUP = gl.constexpr(128)  # latent values per scale
+FP8_GROUP = gl.constexpr(128)  # latent values per fp32 scale (an entry: 512 fp8, 4 scales, 64 bf16)
 
 
 @gluon.jit
@@ -836,9 +835,9 @@ def _fp8_entries(table_row, pos, valid, page):
 @gluon.jit
 def _fp8_issue(KV8, KVS, KVB, stride_e, page, table_row, pos0, n, raw, raw0, scales, scales0, pe):
     """cp.async one page's bytes: raw FP8 latent box ``c`` into ``raw[raw0 + c]`` ([64, 64] uint8),
-    the scales of group ``g`` into ``scales[scales0 + g]`` (``[64]`` fp32), the bf16 RoPE into
-    ``pe``;
-    rows past ``n`` zero-filled (never attended), then one commit group."""
+    the scales of group ``g`` into ``scales[scales0 + g]`` ([64] fp32), the bf16 RoPE (bytes
+    528 .. 655 of an entry) into ``pe``; rows past ``n`` zero-filled (never attended); then one
+    commit group."""
     lay: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [GATHER_WARPS, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, lay)
     cols = gl.arange(0, BOX, gl.SliceLayout(0, lay))[None, :]
@@ -855,7 +854,8 @@ def _fp8_issue(KV8, KVS, KVB, stride_e, page, table_row, pos0, n, raw, raw0, sca
     valid_pe = pos_pe < n
     idx_pe = _fp8_entries(table_row, pos_pe, valid_pe, page)
     cols_pe = gl.arange(0, BOX, gl.SliceLayout(0, lay_pe))[None, :]
-    rope = KVB + idx_pe[:, None] * (stride_e // 2) + (D_V + 16) // 2 + cols_pe
+    rope_at: gl.constexpr = (D_V + 4 * (D_V // FP8_GROUP)) // 2  # (in bf16 halves)
+    rope = KVB + idx_pe[:, None] * (stride_e // 2) + rope_at + cols_pe
     async_copy.async_copy_global_to_shared(pe, rope, mask=valid_pe[:, None])
     lay_s: gl.constexpr = gl.BlockedLayout([1], [32], [GATHER_WARPS], [0])
     pos_s = pos0 + gl.arange(0, 64, lay_s)
