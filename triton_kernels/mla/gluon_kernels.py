@@ -695,6 +695,24 @@ GATHER_WARPS = gl.constexpr(4)
 
 
 @gluon.jit
+def _gather_query(q_desc, r, h0, H, q_lat, q_pe, bar):
+    """Q's 64 head rows ``h0 ..`` of query row ``r`` (``q_desc``: the query's base, its token
+    and head strides) by cp.async into ``q_lat`` / ``q_pe``, head rows past ``H`` zero-filled;
+    ``bar`` arrived on by each gathering thread once its copies land."""
+    Q, stride_qr, stride_qh = q_desc
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [GATHER_WARPS, 1], [1, 0])
+    cols = gl.arange(0, BOX, gl.SliceLayout(0, layout))[None, :]
+    heads = h0 + gl.arange(0, 64, gl.SliceLayout(1, layout))
+    q_rows = Q + r.to(gl.int64) * stride_qr + heads.to(gl.int64)[:, None] * stride_qh + cols
+    live = (heads < H)[:, None]
+    for c in gl.static_range(D_V // BOX):
+        dst = q_lat.index(0).slice(c * BOX, BOX, dim=1)
+        async_copy.async_copy_global_to_shared(dst, q_rows + c * BOX, mask=live)
+    async_copy.async_copy_global_to_shared(q_pe.index(0), q_rows + D_V, mask=live)
+    async_copy.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
 def _sp_gather(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_splits, q_lat, q_pe,
                kv_lat, kv_pe, bars, boxes, stats, O, LSE, o_strides, l_strides, qk_scale,
                S_Q: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
@@ -703,7 +721,6 @@ def _sp_gather(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_spl
     indices first, ``LENS`` their count; ``kv_desc``: the pool's base and entry stride) into
     buffer ``i % 2`` as soon as both consumers have released it; rows past the count (and head
     rows past ``H``) are zero-filled, never read."""
-    Q, stride_qr, stride_qh = q_desc
     KV, stride_e = kv_desc
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [GATHER_WARPS, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, layout)
@@ -711,14 +728,7 @@ def _sp_gather(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_spl
     r, h0, seq, n, split, blk0, n_iter = _row_range(
         LENS, H, n_blocks_row, num_splits, S_Q, CAUSAL, 64
     )
-    heads = h0 + gl.arange(0, 64, rows_l)
-    q_rows = Q + r.to(gl.int64) * stride_qr + heads.to(gl.int64)[:, None] * stride_qh + cols
-    live = (heads < H)[:, None]
-    for c in gl.static_range(D_V // BOX):
-        dst = q_lat.index(0).slice(c * BOX, BOX, dim=1)
-        async_copy.async_copy_global_to_shared(dst, q_rows + c * BOX, mask=live)
-    async_copy.async_copy_global_to_shared(q_pe.index(0), q_rows + D_V, mask=live)
-    async_copy.mbarrier_arrive(bars.index(0), increment_count=False)
+    _gather_query(q_desc, r, h0, H, q_lat, q_pe, bars.index(0))
     table_row = TABLE + seq.to(gl.int64) * stride_tb
     for i in range(n_iter):
         buf = i % 2
@@ -895,22 +905,11 @@ def _fp8_gather(q_desc, kv_desc, TABLE, LENS, H, n_blocks_row, stride_tb, num_sp
     box by box (:func:`_fp8_dequant`). ``kv_desc``: the pool's FP8, fp32 and bf16 views, the
     entry stride in bytes, the page size (0: ``TABLE`` is a compacted selection) and the scales'
     buffers."""
-    Q, stride_qr, stride_qh = q_desc
     KV8, KVS, KVB, stride_e, page, scales = kv_desc
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [GATHER_WARPS, 1], [1, 0])
-    rows_l: gl.constexpr = gl.SliceLayout(1, layout)
-    cols = gl.arange(0, BOX, gl.SliceLayout(0, layout))[None, :]
     r, h0, seq, n, split, blk0, n_iter = _row_range(
         LENS, H, n_blocks_row, num_splits, S_Q, CAUSAL, 64
     )
-    heads = h0 + gl.arange(0, 64, rows_l)
-    q_rows = Q + r.to(gl.int64) * stride_qr + heads.to(gl.int64)[:, None] * stride_qh + cols
-    live = (heads < H)[:, None]
-    for c in gl.static_range(D_V // BOX):
-        dst = q_lat.index(0).slice(c * BOX, BOX, dim=1)
-        async_copy.async_copy_global_to_shared(dst, q_rows + c * BOX, mask=live)
-    async_copy.async_copy_global_to_shared(q_pe.index(0), q_rows + D_V, mask=live)
-    async_copy.mbarrier_arrive(bars.index(0), increment_count=False)
+    _gather_query(q_desc, r, h0, H, q_lat, q_pe, bars.index(0))
     table_row = TABLE + seq.to(gl.int64) * stride_tb
     raw_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     raw = kv_lat._reinterpret(gl.uint8, [32, 64, BOX], raw_l)  # buffer b's raw box c: 16 b + 8 + c
