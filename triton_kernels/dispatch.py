@@ -175,13 +175,22 @@ def _always(case: Case, target: Target) -> None:
     return None
 
 
-def _seesaw_serves(case: Case, target: Target) -> str | None:
-    """None when the Gluon see-saw decode can run ``case`` on ``target``, else why not."""
+def _gluon_target(target: Target) -> str | None:
+    """None when ``target`` runs the Gluon kernels (a CUDA sm_90 device, a Triton with Gluon),
+    else why not."""
     if target.kind != "cuda" or target.arch != "sm_90":
         where = target.arch or target.kind
         return f"the Gluon kernel runs on a CUDA sm_90 device only, not {where}"
     if not target.gluon:
         return f"triton {target.triton[0]}.{target.triton[1]} has no triton.experimental.gluon"
+    return None
+
+
+def _seesaw_serves(case: Case, target: Target) -> str | None:
+    """None when the Gluon see-saw decode can run ``case`` on ``target``, else why not."""
+    why = _gluon_target(target)
+    if why is not None:
+        return why
     if case.q_dtype != "bf16" or case.kv != "bf16":
         return f"the Gluon kernel reads bf16 queries and caches, not {case.q_dtype} / {case.kv}"
     if case.split_cache:
@@ -209,11 +218,9 @@ def _sparse_seesaw_serves(case: Case, target: Target) -> str | None:
 def _fp8_seesaw_serves(case: Case, target: Target) -> str | None:
     """None when the see-saw's FP8 variant can run ``case`` (dense over a padded page table of
     any page size, or sparse), else why not."""
-    if target.kind != "cuda" or target.arch != "sm_90":
-        where = target.arch or target.kind
-        return f"the Gluon kernel runs on a CUDA sm_90 device only, not {where}"
-    if not target.gluon:
-        return f"triton {target.triton[0]}.{target.triton[1]} has no triton.experimental.gluon"
+    why = _gluon_target(target)
+    if why is not None:
+        return why
     if case.q_dtype != "bf16" or case.kv != "fp8":
         return f"the FP8 see-saw reads bf16 queries and FP8 caches, not {case.q_dtype} / {case.kv}"
     if case.split_cache:
