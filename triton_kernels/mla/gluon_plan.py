@@ -363,6 +363,15 @@ def compact_launch(indices: torch.Tensor, out: torch.Tensor, lens: torch.Tensor)
     )
 
 
+def compacted(compact: LaunchRunner, shape: tuple, indices: torch.Tensor):
+    """A run's compacted selection, ``(table [B, W], lens [B])`` int32 on the indices' device,
+    written by the planned compaction ``compact`` (:func:`compact_launch`'s runner)."""
+    table = torch.empty(shape, dtype=torch.int32, device=indices.device)
+    lens = torch.empty(shape[:1], dtype=torch.int32, device=indices.device)
+    compact(False, indices, table, lens)
+    return table, lens
+
+
 class SparseSeesawAttend:
     """The attention step of a sparse :class:`~mqnc.triton_kernels.mla.plan.AttentionPlan` on
     the see-saw's gather variant: called as a ``LaunchRunner`` is, with the sparse plan's five
@@ -375,9 +384,7 @@ class SparseSeesawAttend:
         self._shape = tuple(compact.args[1].shape)
 
     def __call__(self, interpreted, q, q_pe, kv_pool, kpe_pool, indices, o_part, lse_part):
-        out = torch.empty(self._shape, dtype=torch.int32, device=q.device)
-        lens = torch.empty(self._shape[:1], dtype=torch.int32, device=q.device)
-        self._compact(False, indices, out, lens)
+        out, lens = compacted(self._compact, self._shape, indices)
         self._kernel(False, q, kv_pool, out, lens, o_part, lse_part)
 
 
@@ -525,9 +532,7 @@ class Fp8SeesawAttend:
         kv8, kvs, kvb, _ = fp8_views(kv_pool)
         if self._compact is not None:
             indices, o_part, lse_part = rest
-            table = torch.empty(self._shape, dtype=torch.int32, device=q.device)
-            lens = torch.empty(self._shape[:1], dtype=torch.int32, device=q.device)
-            self._compact(False, indices, table, lens)
+            table, lens = compacted(self._compact, self._shape, indices)
         else:
             table, _, lens, o_part, lse_part = rest
             if self._copy_table:
