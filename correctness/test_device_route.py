@@ -13,6 +13,7 @@ GPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -67,34 +68,45 @@ def _route(slot, B, layer, topk):
     return q, (None if topk is None else _indices(20 + slot, B, topk))
 
 
-def _device(slots=4, max_batch=2, max_topk=256, ctas=3, geom=GEOM, kv=KV):
+SCHEDULES = ("pass", "resident")
+
+
+def _device(slots=4, max_batch=2, max_topk=256, ctas=3, geom=GEOM, kv=KV, schedule="pass",
+            num_splits=None):  # fmt: skip
     buf = allocate(
         RouteLayout(slots, max_batch, GEOM.heads, max_topk=max_topk), LocalBackend(DEVICE)
     )
     buf.rep_o.fill_(float("nan"))
     buf.rep_lse.fill_(float("nan"))
-    holder = DeviceHolder(buf, geom, softmax_scale=SCALE, num_blocks=8, ctas=ctas)
+    holder = DeviceHolder(buf, geom, softmax_scale=SCALE, num_blocks=8, ctas=ctas,
+                          schedule=schedule, num_splits=num_splits)  # fmt: skip
     holder.add_chunk(CHUNK, kv)
     return buf, holder, RouteClient(buf, LocalBackend(DEVICE), spins=4 if EXACT else 1 << 16)
 
 
-def _host_answers(geom, kv, tile=HOLDER_TILE, routes=None):
+def _host_answers(geom, kv, tile=HOLDER_TILE, routes=None, holder=None):
     """The host-driven holder's partial for each request (``routes``: ``(q, indices, layer)``
     each; default :data:`REQUESTS`'), asked one at a time (one kernel call each, so its split
     count is the plan's for that request alone), its ops planned at the holder kernel's
-    tile."""
+    tile. ``holder``: a device holder whose pass serves the dense requests: the host holder
+    then folds dense rows as it does, at its split count, on the default tile (the resident
+    sparse kernel's tile still forced)."""
     if routes is None:
         routes = [(*_route(s, B, layer, topk), layer) for s, B, layer, topk in REQUESTS]
     slot = slot_bytes_for(geom, max_rows=64, max_topk=256, max_chunk_tokens=256)
     fab = LoopbackFabric(2, slot, lanes=1)
+    passed = holder is not None and holder.schedule == "pass"
+    fold = dict(fold=holder.fold, num_splits=holder.num_splits) if passed else {}
     holder = Holder(
-        fab.endpoint(0), geom, softmax_scale=SCALE, num_blocks=8, poll_s=0.02, device=DEVICE
+        fab.endpoint(0), geom, softmax_scale=SCALE, num_blocks=8, poll_s=0.02, device=DEVICE,
+        **fold,
     )
     holder.add_chunk(CHUNK, kv)
     holder.start()
     out = []
+    dense_tile = contextlib.nullcontext() if passed else forced_tile(tile)
     try:
-        with forced_tile(tile), forced_tile(tile, sparse=True):
+        with dense_tile, forced_tile(tile, sparse=True):
             req = Requester(
                 fab.endpoint(1),
                 geom,
@@ -112,10 +124,10 @@ def _host_answers(geom, kv, tile=HOLDER_TILE, routes=None):
     return out
 
 
-def _served(geom, kv):
-    """Four requesters' requests (dense and sparse, split and not) served by one one-shot
-    launch of the holder kernel."""
-    buf, holder, client = _device(geom=geom, kv=kv)
+def _served(geom, kv, schedule="pass", num_splits=None):
+    """Four requesters' requests (dense and sparse, split and not) served one-shot: one pass
+    and one launch of the sparse kernel, or (``"resident"``) one launch of each kernel."""
+    buf, holder, client = _device(geom=geom, kv=kv, schedule=schedule, num_splits=num_splits)
     for slot, B, layer, topk in REQUESTS:
         q, idx = _route(slot, B, layer, topk)
         client.put(slot, q, layer=layer, chunk=CHUNK, indices=idx)
@@ -124,28 +136,31 @@ def _served(geom, kv):
 
 
 @pytest.fixture(scope="module")
-def host_answers():
-    return _host_answers(GEOM, KV)
-
-
-@pytest.fixture(scope="module")
 def served():
     return _served(GEOM, KV)
 
 
-def test_holder_kernel_answers_bit_identical_to_the_host_holder(served, host_answers):
-    _assert_answers_match(served, host_answers)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_holder_kernel_answers_bit_identical_to_the_host_holder(schedule):
+    """The pass (dense rows folded, the dense plan's split count) and the resident kernels
+    answer four requesters' requests (dense and sparse, split and not) served in one go as the
+    host-driven holder answers each alone: with the pass's fold and split count, or at the
+    resident kernel's tile."""
+    served = _served(GEOM, KV, schedule)
+    _assert_answers_match(served, _host_answers(GEOM, KV, holder=served[1]))
 
 
-def test_holder_kernel_over_fp8_entries_answers_bit_identical_to_the_host_holder():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_holder_kernel_over_fp8_entries_answers_bit_identical_to_the_host_holder(schedule):
     """An FP8 geometry: both holders keep the same 656-byte entries (the device holder's pool
-    is uint8, read in place by the kernel's FP8 variant) and answer alike, dense and sparse,
-    split and not; a chunk with a bad scale is refused when added, naming it."""
-    served_fp8 = _served(GEOM_FP8, KV_FP8)
+    is uint8, read in place by the pass's attention or the kernel's FP8 variant) and answer
+    alike, dense and sparse, split and not; a chunk with a bad scale is refused when added,
+    naming it."""
+    served_fp8 = _served(GEOM_FP8, KV_FP8, schedule, num_splits=3)  # (the plan's: 1)
     holder = served_fp8[1]
     assert holder.pages.kv.dtype == torch.uint8 and holder.pages.kv.shape[-1] == 656
     assert torch.equal(holder.pages.gather(holder.chunks[CHUNK].blocks, TOKENS, (0, 2)), KV_FP8)
-    host = _host_answers(GEOM_FP8, KV_FP8, fp8_holder_tile())
+    host = _host_answers(GEOM_FP8, KV_FP8, fp8_holder_tile(), holder=holder)
     _assert_answers_match(served_fp8, host, bound=("mla_fp8", "bfloat16"))
     bad = KV_FP8.clone()
     bad[1, 7, 512:516] = 0  # scale 0 of token 7, layer 1
@@ -157,8 +172,12 @@ def test_holder_kernel_over_fp8_entries_answers_bit_identical_to_the_host_holder
 
 def _assert_answers_match(served, host_answers, bound=("mla", "bfloat16")):
     buf, holder, _ = served
-    splits = holder.tables().splits_dense[CHUNK]
-    assert int(splits[1]) > 1 and int(splits[2]) > 1, "the dense requests must be split"
+    if holder.schedule == "pass":
+        assert holder.num_splits > 1, "the dense requests must be split"
+        assert holder.fold == 2 * GEOM.heads, "two tokens a folded row"
+    else:
+        splits = holder.tables().splits_dense[CHUNK]
+        assert int(splits[1]) > 1 and int(splits[2]) > 1, "the dense requests must be split"
     tile = holder._sparse_tile.block_n
     assert int(holder.tables().splits_sparse[1, -(-200 // tile)]) > 1, "top-200 must be split"
     for (slot, B, _, topk), (o_ref, lse_ref) in zip(REQUESTS, host_answers, strict=True):
@@ -197,8 +216,9 @@ def _raw(buf, slot, seq, *, layer=0, chunk=CHUNK, batch=1, heads=16, mode=0, top
     buf.in_sig[slot] = seq if sig is None else sig
 
 
-def test_bad_headers_get_error_words_and_nothing_is_written():
-    buf, holder, _ = _device(slots=8, max_batch=2, max_topk=64, ctas=2)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_bad_headers_get_error_words_and_nothing_is_written(schedule):
+    buf, holder, _ = _device(slots=8, max_batch=2, max_topk=64, ctas=2, schedule=schedule)
     _raw(buf, 0, 1, layer=2)  # a layer the holder does not hold
     _raw(buf, 1, 1, chunk=5)  # a chunk id in the table, not hosted
     _raw(buf, 2, 1, chunk=99)  # a chunk id outside the table
@@ -228,8 +248,9 @@ def test_an_index_outside_the_chunk_is_refused_and_never_read():
     assert bool(torch.isnan(lse).all()), "a failed route must not merge as empty"
 
 
-def test_sequence_numbers_that_wrap_or_go_backwards_are_refused():
-    buf, holder, client = _device(slots=2, ctas=2)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_sequence_numbers_that_wrap_or_go_backwards_are_refused(schedule):
+    buf, holder, client = _device(slots=2, ctas=2, schedule=schedule)
     buf.in_hdr[0, int(W.H_SEQ)] = (
         2**63 - 1
     )  # the slot's last number: the next put's wraps to -2**63
@@ -250,16 +271,23 @@ def test_sequence_numbers_that_wrap_or_go_backwards_are_refused():
     assert buf.rep_hdr[1].tolist() == [0, 0, 0, 0, 0]
 
 
-def test_stop_word_and_idle_bound_end_the_persistent_loop_and_missing_replies_time_out():
-    buf, holder, client = _device(slots=2, ctas=2)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_stop_word_and_idle_bound_end_the_persistent_loop_and_missing_replies_time_out(schedule):
+    buf, holder, client = _device(slots=2, ctas=2, schedule=schedule)
+
+    def persistent(max_idle=1 << 30):
+        if schedule == "pass":  # the pass's take waits on the device; persistent, it returns
+            holder._run_pass(persistent=True, max_idle=max_idle)  # on the stop word or idle
+        else:
+            holder.launch(persistent=True, max_idle=max_idle)()
+        holder.launch(sparse=True, persistent=True, max_idle=max_idle)()
+
     client.put(0, _randn(4, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, probe=True)
     holder.tables().stop.fill_(1)  # stopped before it starts: one pass, then it returns
-    holder.launch(persistent=True)()
-    holder.launch(sparse=True, persistent=True)()
+    persistent()
     assert buf.rep_hdr[0].tolist() == [1, W.OK, 0, 0, 0]
     holder.tables().stop.fill_(0)
-    holder.launch(persistent=True, max_idle=2)()  # nothing to serve: returns after 2 polls
-    holder.launch(sparse=True, persistent=True, max_idle=2)()
+    persistent(max_idle=2)  # nothing to serve: returns after 2 polls
     client.put(1, _randn(5, 1, GEOM.heads, GEOM.d_qk), layer=0, chunk=CHUNK, probe=True)
     _, lse, status = client.merge([1], 1, GEOM.heads)  # nobody served it: a bounded wait
     assert status.tolist() == [int(W.TIMEOUT)] and bool(torch.isnan(lse).all())
@@ -340,7 +368,7 @@ def test_an_answered_number_is_skipped_by_every_cta_alike():
     it (here: one whose record is set back, as a CTA of the dense kernel that skipped a sparse
     request's number) does not serve it, so the next request's arrivals stay whole and it is
     answered only when every CTA has done its share."""
-    buf, holder, client = _device(slots=1, max_batch=1, ctas=2)
+    buf, holder, client = _device(slots=1, max_batch=1, ctas=2, schedule="resident")
     q = _randn(7, 1, GEOM.heads, GEOM.d_qk)
     client.put(0, q, layer=1, chunk=CHUNK)
     holder.serve_once()
@@ -523,7 +551,8 @@ def test_the_merge_checks_its_out_tensors():
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-def test_a_row_whose_every_score_overflows_is_nan_as_on_the_host_route():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_row_whose_every_score_overflows_is_nan_as_on_the_host_route(schedule):
     """A query row whose every score overflows to ``-inf`` (``q . k`` below float32's range)
     has keys but no finite ``lse``: the host route answers it NaN (never an empty partial),
     and so does the device route (the reply's ``lse`` NaN, its ``o`` what the kernel wrote),
@@ -538,12 +567,15 @@ def test_a_row_whose_every_score_overflows_is_nan_as_on_the_host_route():
     qs[..., 0] = 0.0
     qs[0, 12, 0] = -(2.0**126)
     idx = _indices(32, 1, 200)
-    host = _host_answers(GEOM, kv, routes=[(qd, None, 1), (qs, idx, 0)])
+    buf, holder, client = _device(slots=2, max_batch=2, kv=kv, schedule=schedule)
+    host = _host_answers(GEOM, kv, routes=[(qd, None, 1), (qs, idx, 0)], holder=holder)
     for (_, lse_ref), (b, h) in zip(host, [(1, 3), (0, 12)], strict=True):
         assert bool(torch.isnan(lse_ref[b, h])), "the host route answers NaN"
         assert int(torch.isnan(lse_ref).sum()) == 1
-    buf, holder, client = _device(slots=2, max_batch=2, kv=kv)
-    assert int(holder.tables().splits_dense[CHUNK][2]) > 1, "the dense request must be split"
+    if schedule == "pass":
+        assert holder.num_splits > 1, "the dense request must be split"
+    else:
+        assert int(holder.tables().splits_dense[CHUNK][2]) > 1, "the dense request must be split"
     client.put(0, qd, layer=1, chunk=CHUNK)
     client.put(1, qs, layer=0, chunk=CHUNK, indices=idx)
     holder.serve_once()
@@ -557,3 +589,30 @@ def test_a_row_whose_every_score_overflows_is_nan_as_on_the_host_route():
         assert torch.isnan(lse).nonzero().tolist() == [[b, h]], f"slot {slot}: lse"
         assert bool(torch.isnan(o[b, h].float()).all()), f"slot {slot}: o of the NaN row"
         assert int(torch.isnan(o.float()).sum()) == GEOM.d_v, f"slot {slot}: o"
+
+
+def test_the_pass_takes_a_number_once_and_answers_only_the_rows_asked():
+    """The pass's take serves a number once: set back as if never seen, an answered number is
+    not served again (its reply stays); a request of fewer heads than the slot's gets those
+    heads written, every other row of its slot keeps its poison; a request of 3 tokens spans
+    two folded rows (the second padded by the slot's next token), answered as the host holder
+    folding alike."""
+    buf, holder, client = _device(slots=1, max_batch=4, ctas=2)
+    q = _randn(8, 3, 8, GEOM.d_qk)
+    client.put(0, q, layer=1, chunk=CHUNK)
+    holder.serve_once()
+    assert buf.rep_hdr[0].tolist() == [1, W.OK, 0, 3 * 8, 8]
+    assert bool(torch.isnan(buf.rep_o[0, :3, 8:].float()).all()), "heads not asked: not written"
+    assert bool(torch.isnan(buf.rep_o[0, 3:].float()).all()), "tokens not asked: not written"
+    o, lse, status = client.merge([0], 3, 8)
+    check_status(status, [0])
+    ref = _host_answers(GEOM, KV, routes=[(q, None, 1)], holder=holder)
+    _same(o, ref[0][0], "o of 8 heads")
+    _same(lse, ref[0][1], "lse of 8 heads")
+    holder._pass_state["seen"].zero_()  # as if the take never saw number 1
+    buf.rep_o.fill_(float("nan"))
+    holder.serve_once()
+    assert bool(torch.isnan(buf.rep_o.float()).all()), "an answered number was served again"
+    client.put(0, q, layer=1, chunk=CHUNK)
+    holder.serve_once()
+    assert buf.rep_hdr[0].tolist() == [2, W.OK, 0, 3 * 8, 8]

@@ -94,7 +94,13 @@ class RouteBatcher:
 
     ``reply(src, lane, buf, seq)`` puts an answer; ``error(src, lane, request_id, seq,
     message)`` answers with an ``ERROR``; ``stats`` is the holder's :class:`HolderStats`;
-    ``crc``: whether replies carry a payload CRC.
+    ``crc``: whether replies carry a payload CRC. ``fold``: dense rows of one request folded
+    ``fold`` to a query row (``fold / heads`` tokens of the request share each read of its
+    chunk, the request's tokens padded with zero rows to whole folded rows; the device
+    holder's pass does the same, ``mqnc.triton_kernels.route.holder_pass.fold_width``);
+    ``num_splits``: the dense call's split count (None: its plan's). With both set as a device
+    holder's (:attr:`~mqnc.serving.device_holder.DeviceHolder.fold`, ``.num_splits``) a dense
+    answer is the pass's, bit for bit.
     """
 
     def __init__(
@@ -107,8 +113,12 @@ class RouteBatcher:
         error: Callable[[int, int, int, int, str], None],
         name: str,
         crc: bool | None = None,
+        fold: int | None = None,
+        num_splits: int | None = None,
     ) -> None:
         self.pool = pool
+        self.fold = fold
+        self.num_splits = num_splits
         self.geometry = geometry
         self.softmax_scale = softmax_scale
         self.stats = stats
@@ -252,6 +262,8 @@ class RouteBatcher:
                 self._tables.clear()
             self._tables[key] = tables
         block_table, seqlens, keyed = tables
+        if self.fold is not None or self.num_splits is not None:
+            return self._dense_folded(group, layer, q, out, keyed)
         got = self.dense_kernel(
             q,
             self._layers[layer],
@@ -263,6 +275,49 @@ class RouteBatcher:
             out=out,
         )
         _written(got, out)
+        return keyed
+
+    def _dense_folded(self, group: list[RouteJob], layer: int, q, out, keyed):
+        """The dense call with each request's rows folded ``fold`` to a query row (zero rows
+        pad its last one) at ``num_splits``; the answer's rows copied back into ``out``."""
+        heads = q.shape[1]
+        fold = self.fold or heads
+        if fold % heads:
+            raise ValueError(f"fold: expected a multiple of the request's {heads} heads, got {fold}")
+        per = fold // heads  # tokens a folded row holds
+        parts, tables, lens, b0 = [], [], [], 0
+        width = max(max(int(r.chunk.blocks.numel()) for r in group), 1)
+        for r in group:
+            B = r.header.batch
+            n = -(-B // per)
+            rows = torch.zeros(n * per, heads, q.shape[2], dtype=q.dtype, device=q.device)
+            rows[:B] = q[b0 : b0 + B]
+            parts.append(rows.view(n, fold, q.shape[2]))
+            t = torch.zeros(n, width, dtype=torch.int32)
+            t[:, : r.chunk.blocks.numel()] = r.chunk.blocks
+            tables.append(t)
+            lens.append(torch.full((n,), r.chunk.tokens, dtype=torch.int32))
+            b0 += B
+        dev = q.device
+        o, lse = self.dense_kernel(
+            torch.cat(parts),
+            self._layers[layer],
+            torch.cat(tables).to(dev),
+            torch.cat(lens).to(dev),
+            softmax_scale=self.softmax_scale,
+            d_v=self.geometry.d_v,
+            num_splits=self.num_splits,
+            check_inputs=False,
+        )
+        o = o.view(-1, heads, o.shape[2])
+        lse = lse.view(-1, heads)
+        g0, b0 = 0, 0
+        for part, r in zip(parts, group, strict=True):
+            B = r.header.batch
+            out[0][b0 : b0 + B] = o[g0 : g0 + B]
+            out[1][b0 : b0 + B] = lse[g0 : g0 + B]
+            g0 += part.shape[0] * per
+            b0 += B
         return keyed
 
     def _rows(self, group: list[RouteJob], rows: int) -> torch.Tensor:

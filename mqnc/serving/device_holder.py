@@ -1,15 +1,27 @@
-"""The device holder: a pool of canonical chunks served by the resident holder kernel
-(``mqnc.triton_kernels.route.holder_loop``) over a device route (``mqnc.transport.device_route``),
-with no host call per request (§3.1-§3.3, §6.3).
+"""The device holder: a pool of canonical chunks served over a device route
+(``mqnc.transport.device_route``) with no host call per request (§3.1-§3.3, §6.3).
 
-The host's part is set-up only: chunks are copied into a :class:`~mqnc.serving.pool.PagedPool`
+Two schedules. ``"pass"`` (the default): dense requests are served by the holder's pass
+(``mqnc.triton_kernels.route.holder_pass``): a device-side take, the package's dense attention
+over every taken slot's rows folded ``F`` to a query row (the chunk read once per ``F`` rows,
+on the fast kernel where the device has it) and a reply copy, captured once in a CUDA graph and
+replayed back to back by a thread (a host call per pass, none per request); sparse requests by
+the resident sparse holder kernel. ``"resident"``: both modes by the resident holder kernels
+(``mqnc.triton_kernels.route.holder_loop``), one (token, head block, split) item at a time.
+
+The host's part is set-up only (and, for ``"pass"``, the replay thread): chunks are copied into a :class:`~mqnc.serving.pool.PagedPool`
 as :class:`~mqnc.serving.Holder` does, the kernel's chunk table (each chunk's pool blocks and
 ``c_t``, indexed by chunk id) and split tables are written, then the kernel is launched: once
 per :meth:`DeviceHolder.serve_once` (one-shot: the requests already signalled; what the CPU's
 interpreter runs), or once for good by :meth:`DeviceHolder.start` (persistent, on its own
 stream, until :meth:`DeviceHolder.stop` sets the stop word).
 
-Tiles and split counts are the host ops' for the same call planned at the holder kernel's tile
+The pass's answer to a dense request is ``mla_decode_partial``'s over the request's rows folded
+at :attr:`DeviceHolder.fold` with the pass's split count (:attr:`DeviceHolder.num_splits`), bit
+for bit: what the host-driven ``Holder`` answers with ``fold=`` and ``num_splits=`` set alike.
+
+In the resident kernels, tiles and split counts are the host ops' for the same call planned at
+the holder kernel's tile
 (``route.holder_loop.HOLDER_TILE``, one of ``mla.decode``'s own tiles, forced with
 ``mla.plan.forced_tile``): one request of ``B`` tokens at the holder's heads over the
 chunk's pages, or its selection width. The holder kernel's answer to a request is then the
@@ -34,13 +46,21 @@ from mqnc.base.checks import check_int, check_number
 from mqnc.model.geometry import MLAGeometry
 from mqnc.serving.batching import HostedChunk
 from mqnc.serving.pool import PagedPool
-from mqnc.triton_kernels.mla.decode import plan_decode
+from mqnc.triton_kernels.mla.decode import plan_decode, plan_mla_decode
 from mqnc.triton_kernels.mla.plan import forced_tile, meta_output
 from mqnc.triton_kernels.mla.sparse import plan_sparse
 from mqnc.triton_kernels.route.holder_loop import HolderTables, holder_loop_launch, holder_tiles
+from mqnc.triton_kernels.route.holder_pass import (
+    PASS_WORDS,
+    fold_width,
+    route_reply_launch,
+    route_take_launch,
+)
 from mqnc.triton_kernels.route.words import RouteBuffers
 
-__all__ = ["DeviceHolder"]
+__all__ = ["DeviceHolder", "SCHEDULES"]
+
+SCHEDULES = ("pass", "resident")
 
 
 class DeviceHolder:
@@ -58,7 +78,19 @@ class DeviceHolder:
     num_blocks, block_size : int
         Pool capacity in blocks of ``block_size`` tokens (per layer).
     ctas : int
-        ``k``, the kernel's CTAs (leave the requesters SMs: a handful of the 132).
+        ``k``, each resident kernel's CTAs (leave the requesters SMs: a handful of the 132).
+    schedule : {"pass", "resident"}
+        How dense requests are served: the pass (a take, the dense attention over folded rows,
+        a reply; docs/device-route.md) or the resident kernel.
+    num_splits : int or None
+        The pass's split-KV count (None: the dense plan's choice for the pass's shape, which
+        fills the device: the route's latency first). It is the policy of how many SMs the
+        pass takes: the attention launches ``slots x groups x num_splits`` programs, the
+        idle slots' at once exiting; a holder that also decodes its own requests passes fewer
+        splits to leave it SMs, at the cost of a longer pass.
+    serve_sparse : bool
+        ``"pass"``: run the resident sparse kernel beside the pass (False: no SM is held by
+        it, and a sparse request is answered ``ERR_MODE``).
     max_chunks : int
         Chunk ids are ``0 .. max_chunks - 1``.
     max_rows : int or None
@@ -72,7 +104,8 @@ class DeviceHolder:
     def __init__(self, buffers: RouteBuffers, geometry: MLAGeometry, *, softmax_scale: float,
                  num_blocks: int, block_size: int = 64, ctas: int = 4, max_chunks: int = 8,
                  max_rows: int | None = None, nvshmem_lib: str | None = None,
-                 slot_pe: list[int] | None = None) -> None:  # fmt: skip
+                 slot_pe: list[int] | None = None, schedule: str = "pass",
+                 num_splits: int | None = None, serve_sparse: bool = True) -> None:  # fmt: skip
         if not isinstance(buffers, RouteBuffers):
             raise TypeError(f"buffers: expected RouteBuffers, got {type(buffers).__name__}")
         if geometry.heads != buffers.heads or geometry.d_qk != buffers.in_q.shape[3]:
@@ -89,6 +122,16 @@ class DeviceHolder:
         self.max_rows = buffers.max_batch * buffers.heads if max_rows is None else max_rows
         check_int("max_rows", self.max_rows, minimum=1)
         self.nvshmem_lib = nvshmem_lib
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+        self.schedule = schedule
+        if num_splits is not None:
+            check_int("num_splits", num_splits, minimum=1)
+        self._num_splits = num_splits
+        if not isinstance(serve_sparse, bool):
+            raise TypeError(f"serve_sparse: expected a bool, got {type(serve_sparse).__name__}")
+        self.serve_sparse = serve_sparse or schedule == "resident"
+        self.fold = fold_width(buffers.heads, buffers.max_batch)
         self.pages = PagedPool(geometry.layers, num_blocks, block_size, geometry.d_qk,
                                dtype=self.dtype, device=self.device,
                                fp8=geometry.fp8_layout)  # fmt: skip
@@ -122,8 +165,16 @@ class DeviceHolder:
             for _ in range(2)
         ]
         self._resize_workspace()
+        # the pass's own state: the take's last numbers, the pass record, the reply's counters
+        self._pass_state = dict(
+            seen=torch.zeros(n, dtype=torch.int64, device=dev),
+            record=torch.zeros(n, PASS_WORDS, dtype=torch.int64, device=dev),
+            arrive=torch.zeros(n, dtype=torch.int32, device=dev),
+        )
+        self._pass = None  # the pass's plan, table and staging (made when first served)
         self._streams: list | None = None
-        self.launches = 0  # holder kernel launches (two per serve_once or start)
+        self._replayer = None
+        self.launches = 0  # kernel launches (a pass's replays count once each)
 
     # ---- the pool and the tables ------------------------------------------------------------
     def add_chunk(self, chunk_id: int, kv: torch.Tensor, position: int = 0) -> HostedChunk:
@@ -146,8 +197,10 @@ class DeviceHolder:
         self.chunks[chunk_id] = c
         self._t["chunk_blocks"][chunk_id, : len(blocks)] = c.blocks.to(self.device)
         self._t["chunk_tokens"][chunk_id] = c.tokens
-        self._t["splits_dense"][chunk_id] = self._dense_splits(len(blocks)).to(self.device)
-        self._resize_workspace()
+        if self.schedule == "resident":  # (the pass plans its own split count)
+            self._t["splits_dense"][chunk_id] = self._dense_splits(len(blocks)).to(self.device)
+            self._resize_workspace()
+        self._pass = None  # the pass's table is as wide as the widest chunk
         return c
 
     def _plan_q(self, B: int) -> torch.Tensor:
@@ -203,9 +256,69 @@ class DeviceHolder:
         """What the dense (``sparse``: the sparse) kernel reads: the shared tables, its state."""
         return HolderTables(**self._t, **self._state[int(sparse)])
 
+    # ---- the pass ---------------------------------------------------------------------------
+    def _pass_parts(self) -> dict:
+        """The pass's plan over the slots' rows folded ``F`` to a query row (``in_q`` viewed
+        ``[slots * groups, F, d_qk]``: no copy) and the layer-flattened pool (``[L * blocks,
+        page, entry]``: layer ``l``'s block ``b`` is ``l * blocks + b``), its table (as wide as
+        the widest hosted chunk), lengths and staging outputs; made once after the chunks."""
+        if self._pass is not None:
+            return self._pass
+        buf, g = self.buffers, self.geometry
+        n, F = buf.slots, self.fold
+        groups = buf.max_batch * buf.heads // F
+        width = max([int(c.blocks.numel()) for c in self.chunks.values()] + [1])
+        kv = self.pages.kv
+        pool = kv.view(kv.shape[0] * kv.shape[1], *kv.shape[2:])
+        q = buf.in_q.view(n * groups, F, buf.in_q.shape[3])
+        table = torch.zeros(n * groups, width, dtype=torch.int32, device=self.device)
+        lens = torch.zeros(n * groups, dtype=torch.int32, device=self.device)
+        plan = plan_mla_decode(q, pool, table, lens, softmax_scale=self.softmax_scale,
+                               d_v=g.d_v, num_splits=self._num_splits)  # fmt: skip
+        o = torch.empty(n * groups, F, g.d_v, dtype=self.dtype, device=self.device)
+        lse = torch.empty(n * groups, F, dtype=torch.float32, device=self.device)
+        self._pass = dict(plan=plan, q=q, pool=pool, table=table, lens=lens, o=o, lse=lse)
+        return self._pass
+
+    @property
+    def num_splits(self) -> int:
+        """The pass's split-KV count (the plan's choice unless given)."""
+        return self._pass_parts()["plan"].num_splits
+
+    def pass_launches(self, persistent: bool = False, max_idle: int = 1 << 30):
+        """The pass: ``(take, attend, reply)``, each a callable launching on the current
+        stream (``attend`` the dense plan's run into the staging outputs)."""
+        parts, buf, t = self._pass_parts(), self.buffers, self._t
+        st = self._pass_state
+        take = route_take_launch(
+            buf, stop=t["stop"], seen=st["seen"], record=st["record"],
+            chunk_blocks=t["chunk_blocks"], chunk_tokens=t["chunk_tokens"],
+            table=parts["table"], lens=parts["lens"], layers=self.geometry.layers,
+            num_blocks=self.pages.kv.shape[1], max_rows=self.max_rows, fold=self.fold,
+            take_sparse=not self.serve_sparse, persistent=persistent, max_idle=max_idle,
+            nvshmem=self.nvshmem_lib is not None,
+        )  # fmt: skip
+        view = (buf.slots, buf.max_batch, buf.heads)
+        reply = route_reply_launch(
+            buf, record=st["record"], o=parts["o"].view(*view, -1), lse=parts["lse"].view(view),
+            arrive=st["arrive"], slot_pe=t["slot_pe"], nvshmem_lib=self.nvshmem_lib,
+        )  # fmt: skip
+        plan = parts["plan"]
+
+        def attend():
+            plan.run(parts["q"], parts["pool"], parts["table"], parts["lens"],
+                     out=(parts["o"], parts["lse"]))  # fmt: skip
+
+        return take, attend, reply
+
+    def _run_pass(self, persistent: bool = False, max_idle: int = 1 << 30) -> None:
+        for step in self.pass_launches(persistent, max_idle):
+            step()
+            self.launches += 1
+
     # ---- serving ----------------------------------------------------------------------------
     def launch(self, sparse: bool = False, persistent: bool = False, max_idle: int = 1 << 30):
-        """The dense (``sparse``: the sparse) holder kernel's launch
+        """The dense (``sparse``: the sparse) resident holder kernel's launch
         (``mqnc.triton_kernels._core.launch.Launch``)."""
         return holder_loop_launch(self.buffers, self.tables(sparse),
                                   softmax_scale=self.softmax_scale, max_rows=self.max_rows,
@@ -213,32 +326,54 @@ class DeviceHolder:
                                   nvshmem_lib=self.nvshmem_lib)  # fmt: skip
 
     def serve_once(self) -> None:
-        """One-shot: serve the requests already signalled, then return (the dense kernel's
-        launch, then the sparse one's)."""
-        for sparse in (False, True):
-            self.launch(sparse)()
+        """One-shot: serve the requests already signalled, then return (``"pass"``: one pass,
+        then the sparse kernel's launch; ``"resident"``: the dense kernel's launch, then the
+        sparse one's)."""
+        if self.schedule == "pass":
+            self._run_pass()
+        else:
+            self.launch(False)()
+            self.launches += 1
+        if self.serve_sparse:
+            self.launch(True)()
             self.launches += 1
 
-    def start(self, max_idle: int = 1 << 30) -> DeviceHolder:
-        """Launch the two persistent kernels, each on its own stream (a GPU): they serve until
-        :meth:`stop` (or ``max_idle`` empty polls). While they run, synchronize streams, never
-        the device (``torch.cuda.synchronize``, and ``torch.cuda.graph``, which calls it when
-        a capture begins, would wait for them forever): stop them around a capture."""
+    def start(self, max_idle: int = 1 << 30, ahead: int = 4) -> DeviceHolder:
+        """Serve until :meth:`stop` (a GPU). ``"resident"``: the two persistent kernels, each on
+        its own stream. ``"pass"``: the pass captured once in a CUDA graph (its take waits on
+        the device, at most ``max_idle`` empty polls), replayed back to back on its own stream
+        by a thread that keeps ``ahead`` passes enqueued (a host call per pass, none per
+        request), and the persistent sparse kernel beside it (``serve_sparse``). While they
+        run, synchronize streams, never the device (``torch.cuda.synchronize``, and
+        ``torch.cuda.graph``, which calls it when a capture begins, would wait for them
+        forever): stop the holder around a capture."""
         if self.device.type != "cuda":
             raise RuntimeError("device holder: a persistent kernel needs a GPU (use serve_once)")
         if self._streams is not None:
             raise RuntimeError("device holder: already started")
+        check_int("ahead", ahead, minimum=1)
         self._t["stop"].zero_()
         torch.cuda.synchronize(self.device)
-        self._streams = [torch.cuda.Stream(self.device) for _ in range(2)]
-        for sparse, stream in zip((False, True), self._streams, strict=True):
+        self._streams = []
+        if self.schedule == "pass":
+            self._replayer = _PassReplayer(self, max_idle, ahead)
+            self._streams.append(self._replayer.stream)
+        kinds = [sparse for sparse in (False, True) if sparse or self.schedule == "resident"]
+        for sparse in kinds:
+            if sparse and not self.serve_sparse:
+                continue
+            stream = torch.cuda.Stream(self.device)
             with torch.cuda.stream(stream):
                 self.launch(sparse, persistent=True, max_idle=max_idle)()
+            self._streams.append(stream)
             self.launches += 1
+        if self._replayer is not None:
+            self._replayer.begin()
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Set the stop word (from another stream) and wait for the kernels to return."""
+        """Set the stop word (from another stream) and wait for the kernels (and the pass's
+        replays) to return."""
         if self._streams is None:
             return
         import time
@@ -247,8 +382,64 @@ class DeviceHolder:
         with torch.cuda.stream(side):
             self._t["stop"].fill_(1)
         deadline = time.monotonic() + check_number("timeout_s", timeout_s, positive=True)
+        if self._replayer is not None:
+            self._replayer.end(timeout_s)
+            self.launches += self._replayer.replays
+            self._replayer = None
         while not all(s.query() for s in self._streams):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"device holder: kernels did not stop within {timeout_s} s")
             time.sleep(1e-3)
         self._streams = None
+
+
+class _PassReplayer:
+    """The pass captured in a CUDA graph and replayed back to back by a thread, ``ahead``
+    passes enqueued at most (each replay's event waited on ``ahead`` replays later)."""
+
+    def __init__(self, holder: DeviceHolder, max_idle: int, ahead: int) -> None:
+        import threading
+
+        self.stream = torch.cuda.Stream(holder.device)
+        self.ahead = ahead
+        self.replays = 0
+        self._halt = threading.Event()
+        self.failure: BaseException | None = None
+        take, attend, reply = holder.pass_launches(persistent=True, max_idle=max_idle)
+        holder._t["stop"].fill_(1)  # compiled (and the plan's workspaces made) with no wait
+        with torch.cuda.stream(self.stream):
+            take(), attend(), reply()
+        self.stream.synchronize()
+        holder._t["stop"].zero_()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=self.stream):
+            take(), attend(), reply()
+        self._thread = threading.Thread(target=self._loop, name="device-holder-pass", daemon=True)
+
+    def begin(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        from collections import deque
+
+        pending: deque = deque()
+        try:
+            with torch.cuda.stream(self.stream):
+                while not self._halt.is_set():
+                    if len(pending) >= self.ahead:
+                        pending.popleft().synchronize()
+                    self.graph.replay()
+                    ev = torch.cuda.Event()
+                    ev.record(self.stream)
+                    pending.append(ev)
+                    self.replays += 1
+        except BaseException as exc:  # noqa: BLE001  (reported by end())
+            self.failure = exc
+
+    def end(self, timeout_s: float) -> None:
+        self._halt.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"device holder: the pass did not stop within {timeout_s} s")
+        if self.failure is not None:
+            raise RuntimeError(f"device holder: the pass failed: {self.failure}") from self.failure

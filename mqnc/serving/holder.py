@@ -236,6 +236,11 @@ class Holder:
     kernels : {"triton", "torch"}
         Partial attention by the Triton kernels or their torch references
         (:mod:`mqnc.serving.compute`).
+    fold, num_splits : int or None
+        Dense rows folded ``fold`` to a query row and the dense call's split count
+        (:class:`~mqnc.serving.batching.RouteBatcher`; None: one query row per token, the
+        plan's split count): a device holder's ``fold`` and ``num_splits`` make this holder's
+        dense answers its pass's, bit for bit.
     """
 
     def __init__(
@@ -255,6 +260,8 @@ class Holder:
         max_topk: int | None = None,
         shutdown_from: Collection[int] | None = (0,),
         kernels: str = "triton",
+        fold: int | None = None,
+        num_splits: int | None = None,
     ) -> None:
         if not isinstance(transport, Transport):
             raise TypeError(f"transport: expected a Transport, got {type(transport).__name__}")
@@ -304,6 +311,9 @@ class Holder:
         self._batcher = RouteBatcher(
             self.pages, geometry, self.softmax_scale, self.stats, self._outbox.reply, self._error,
             self._me, crc=self._crc,
+            fold=None if fold is None else check_int("fold", fold, minimum=1),
+            num_splits=None if num_splits is None else check_int("num_splits", num_splits,
+                                                                 minimum=1),
         )  # fmt: skip
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -39,7 +39,7 @@ import torch
 from mqnc.base.checks import check_int
 from mqnc.triton_kernels.route import words
 from mqnc.triton_kernels.route.put import route_put_launch
-from mqnc.triton_kernels.route.wait_merge import route_merge_launch
+from mqnc.triton_kernels.route.wait_merge import route_merge_launch, route_wait_launch
 from mqnc.triton_kernels.route.words import HEADER_WORDS, REPLY_WORDS, STATUS_NAMES, RouteBuffers
 
 __all__ = [
@@ -301,11 +301,10 @@ class RouteClient:
         idx = self._slot_lists.get(key)  # made once, eagerly: a captured step copies nothing
         if idx is None:
             idx = self._slot_lists[key] = torch.tensor(key, dtype=torch.int64).to(dev)
-        route_merge_launch(
-            buf, self.seq, idx, o, lse, status, local=local, spins=self.spins,
-            nvshmem=self.backend.nvshmem_lib is not None,
-        )()  # fmt: skip
-        self.launches += 1
+        route_wait_launch(buf, self.seq, idx, status, batch, heads, spins=self.spins,
+                          nvshmem=self.backend.nvshmem_lib is not None)()  # fmt: skip
+        route_merge_launch(buf, idx, o, lse, status, local=local)()
+        self.launches += 2
         return o, lse, status
 
 
@@ -367,7 +366,8 @@ def device_route_launches(
     ``mla.decode`` / ``mla.sparse`` launch there) on small CPU tensors (only dtypes, alignment
     and constexprs decide the compiled variant; every runtime int is unspecialised):
     ``{name: Launch}`` for the holder kernel (one-shot and persistent), the put (dense and
-    sparse) and the merge. ``nvshmem_lib``: the NVSHMEM backend's variants. ``fp8``: only the
+    sparse), the wait and the merge, and the pass's take (one-shot and persistent) and reply
+    (the attention between them is ``mla.decode``'s, compiled with it). ``nvshmem_lib``: the NVSHMEM backend's variants. ``fp8``: only the
     holder kernel's four launches over an FP8 pool (uint8 656-byte entries; the put and the
     merge move bf16 rows whatever the cache keeps)."""
     from mqnc.triton_kernels.route.holder_loop import HolderTables, holder_loop_launch
@@ -399,8 +399,44 @@ def device_route_launches(
                               nvshmem_lib=nvshmem_lib)  # fmt: skip
         out[ln.name] = ln
     o, lse = z(2, heads, 512, dtype=torch.bfloat16), z(2, heads)
-    ln = route_merge_launch(buf, seq, z(1, dtype=i64), o, lse, z(1, dtype=i64),
-                            nvshmem=nvshmem_lib is not None)  # fmt: skip
+    ln = route_wait_launch(buf, seq, z(1, dtype=i64), z(1, dtype=i64), 2, heads,
+                           nvshmem=nvshmem_lib is not None)  # fmt: skip
+    out[ln.name] = ln
+    ln = route_merge_launch(buf, z(1, dtype=i64), o, lse, z(1, dtype=i64))
+    out[ln.name] = ln
+    out.update(_pass_launches(buf, heads, nvshmem_lib))
+    return out
+
+
+def _pass_launches(buf: RouteBuffers, heads: int, nvshmem_lib: str | None) -> dict:
+    """The holder's pass around the attention (its take, one-shot and persistent, and its
+    reply) at production values: 16 slots, a fold of 128 rows (``holder_pass.fold_width``)."""
+    from mqnc.triton_kernels.route.holder_pass import (
+        PASS_WORDS,
+        fold_width,
+        route_reply_launch,
+        route_take_launch,
+    )
+
+    i32, i64, z = torch.int32, torch.int64, torch.zeros
+    buf = allocate(RouteLayout(slots=16, max_batch=64, heads=heads, max_topk=64),
+                   LocalBackend("cpu"))  # fmt: skip
+    fold = fold_width(heads, 64)
+    rows = 16 * 64 * heads // fold
+    record, arrive = z(16, PASS_WORDS, dtype=i64), z(16, dtype=i32)
+    out = {}
+    for persistent in (False, True):
+        ln = route_take_launch(
+            buf, stop=z(1, dtype=i64), seen=z(16, dtype=i64), record=record,
+            chunk_blocks=z(4, 40, dtype=i32), chunk_tokens=z(4, dtype=i32),
+            table=z(rows, 33, dtype=i32), lens=z(rows, dtype=i32), layers=4, num_blocks=40,
+            max_rows=64 * heads, fold=fold, take_sparse=False, persistent=persistent,
+            nvshmem=nvshmem_lib is not None,
+        )  # fmt: skip
+        out[ln.name] = ln
+    ln = route_reply_launch(buf, record=record, o=z(16, 64, heads, 512, dtype=torch.bfloat16),
+                            lse=z(16, 64, heads), arrive=arrive, slot_pe=z(16, dtype=i32),
+                            nvshmem_lib=nvshmem_lib)  # fmt: skip
     out[ln.name] = ln
     return out
 

@@ -380,13 +380,25 @@ def _answer(InHdr, InIdx, ChunkTokens, SplitsD, SplitsS, RepSig, RepHdr, RepO, R
     if served:
         _nan_without_finite_lse(InHdr, InIdx, ChunkTokens, RepLse, s, batch, heads, n_chunks, H,
                                 max_batch, max_topk, SPARSE)  # fmt: skip
+    tl.atomic_xchg(Arrive + s, 0, sem="relaxed", scope=SCOPE)
+    _publish(RepSig, RepHdr, RepO, RepLse, SlotPe, s, sig, status, detail, served, batch, heads,
+             H, max_batch, D_LAT, ELT, NVSHMEM, SCOPE)  # fmt: skip
+
+
+@triton.jit
+def _publish(RepSig, RepHdr, RepO, RepLse, SlotPe, s, sig, status, detail, served, batch, heads,
+             H, max_batch, D_LAT: tl.constexpr, ELT: tl.constexpr, NVSHMEM: tl.constexpr,
+             SCOPE: tl.constexpr):  # fmt: skip
+    """Slot ``s``'s reply made visible, its rows already written: the reply header (sequence
+    ``sig``, status, detail, rows ``batch x heads`` and heads when ``served``, else 0), then the
+    reply signal raised to ``sig`` (release); on ``NVSHMEM`` the rows, their lse, a fence, then
+    the header with a put-with-signal to the slot's PE (and this PE's copy of the signal)."""
     rep = RepHdr + s * _RW
     tl.store(rep + R_SEQ, sig)
     tl.store(rep + R_STATUS, _wide(status))
     tl.store(rep + R_DETAIL, detail.to(tl.int64))
     tl.store(rep + R_ROWS, tl.where(served, batch * heads, 0).to(tl.int64))
     tl.store(rep + R_HEADS, tl.where(served, heads, 0).to(tl.int64))
-    tl.atomic_xchg(Arrive + s, 0, sem="relaxed", scope=SCOPE)
     tl.debug_barrier()
     if NVSHMEM:
         pe = tl.load(SlotPe + s)

@@ -1,0 +1,296 @@
+"""The holder's pass: a device-side take in front of the package's dense attention and a reply
+behind it, so that every dense row routed to a holder runs through the fast kernel's schedule
+with no host call per request (§3.1-§3.3, §6.3; the host-driven holder is
+``mqnc.serving.Holder``, the resident kernel ``route.holder_loop``).
+
+A pass is three launches, captured once in a CUDA graph and replayed back to back on the
+holder's stream (``mqnc.serving.device_holder``), or run once (one-shot, the interpreter):
+
+1. :func:`route_take_kernel` (one CTA) polls every slot's inbox signal at once (one vector of
+   acquire loads); ``PERSISTENT``: until a request it serves has arrived, the stop word is set
+   or ``max_idle`` polls found nothing (a bound, never a hang). It takes every request it has
+   not seen (dense, probe, and a mode it does not serve; sparse ones too when the holder runs
+   no sparse kernel, answered ``ERR_MODE``), checks each header (``holder_loop._check``: the
+   same codes), and writes the pass record ``Pass [slots, PASS_WORDS]`` and the attention's
+   table: the folded query rows of a served slot get its chunk's pool blocks plus the layer's
+   offset in the layer-flattened pool and the chunk's length, every other folded row length 0.
+2. The dense attention (``mla.decode``'s plan, whatever backend the dispatch table gives the
+   device: the see-saw on an H200) over the slots' query rows folded ``F`` rows to a query row
+   (:func:`fold_width`: ``F / H`` tokens of one slot share a query row, so the chunk is read
+   once per ``F`` rows instead of once per token), into a staging output.
+3. :func:`route_reply_kernel` (``slots x P`` programs) copies each served request's rows from
+   the staging output into its reply slot (the rows it asked for; nothing else of the slot is
+   written), applies the host route's NaN rule (a row with keys but no finite ``lse`` is
+   answered NaN, never ``-inf``), and the last program of a slot writes the reply header and
+   raises the reply signal (``holder_loop._publish``; on NVSHMEM a put-with-signal).
+
+The staging output keeps the attention from writing a reply slot whose previous reply a
+requester not served in this pass may still be merging. Lengths of 0 make the folded rows of
+idle slots cost a launch of programs that exit at once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mqnc.triton_kernels._core.launch import Launch
+from mqnc.triton_kernels.route.holder_loop import _acquire, _check, _publish, _wide
+from mqnc.triton_kernels.route.words import (
+    ERR_MODE,
+    H_BATCH,
+    H_CHUNK,
+    H_HEADS,
+    H_LAYER,
+    H_MODE,
+    H_SEQ,
+    H_TOPK,
+    HEADER_WORDS,
+    MODE_DENSE,
+    MODE_SPARSE,
+    OK,
+    RouteBuffers,
+)
+
+__all__ = [
+    "PASS_WORDS",
+    "fold_width",
+    "route_take_kernel",
+    "route_reply_kernel",
+    "route_take_launch",
+    "route_reply_launch",
+]
+
+_HW = tl.constexpr(HEADER_WORDS)
+# the pass record of a slot: [slots, PASS_WORDS] int64
+PASS_WORDS = 8
+P_SIG = tl.constexpr(0)  # the sequence number taken in this pass (0: none)
+P_STATUS = tl.constexpr(1)
+P_DETAIL = tl.constexpr(2)
+P_BATCH = tl.constexpr(3)
+P_HEADS = tl.constexpr(4)
+P_SERVED = tl.constexpr(5)  # 1: a dense request whose rows the attention computes
+P_TOKENS = tl.constexpr(6)  # the chunk's c_t (keys: > 0)
+_PW = tl.constexpr(PASS_WORDS)
+
+REPLY_PROGRAMS = 8  # programs per slot of the reply copy
+REPLY_ROWS = 16  # rows (token x head) a reply program copies at once
+
+
+def fold_width(heads: int, max_batch: int) -> int:
+    """``F``, the query rows one folded row holds: the largest of 128, 64, 32 and 16 that is a
+    multiple of ``heads`` and divides a slot's ``max_batch * heads`` rows (so a folded row
+    holds whole tokens of one slot), else ``heads`` (no fold). 128 first: the Hopper see-saw's
+    128-head schedule is its fastest (docs/gluon-decode.md); ``F / heads`` tokens share each
+    read of the chunk."""
+    for f in (128, 64, 32, 16):
+        if f % heads == 0 and (max_batch * heads) % f == 0:
+            return f
+    return heads
+
+
+@triton.jit
+def _taken(InSig, InHdr, RepSig, Seen, offs, live, TAKE_SPARSE: tl.constexpr,
+           SCOPE: tl.constexpr):  # fmt: skip
+    """One poll of every slot: the signals (one vector of acquire loads) and which are new
+    requests this pass serves (not seen, not answered; not sparse unless ``TAKE_SPARSE``)."""
+    sig = tl.where(live, tl.atomic_add(InSig + offs, 0, mask=live, sem="acquire", scope=SCOPE), 0)
+    seen = tl.load(Seen + offs, mask=live, other=0)
+    answered = tl.load(RepSig + offs, mask=live, other=0, cache_modifier=".cg")
+    new = live & (sig != seen) & (sig != answered)
+    mode = tl.load(InHdr + offs * _HW + H_MODE, mask=new, other=0, cache_modifier=".cg")
+    if TAKE_SPARSE:
+        mine = new
+    else:
+        mine = new & (mode != MODE_SPARSE)
+    return sig, seen, mine
+
+
+_TAKE_INTS = ["n_slots", "n_chunks", "layers", "H", "max_batch", "max_rows", "max_topk",
+              "max_blocks", "num_blocks", "groups", "width", "max_idle"]  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_TAKE_INTS)
+def route_take_kernel(
+    InSig, InHdr, RepSig, Stop, Seen, Pass, ChunkBlocks, ChunkTokens, Table, Lens, n_slots,
+    n_chunks, layers, H, max_batch, max_rows, max_topk, max_blocks, num_blocks, groups, width,
+    max_idle, SLOTS: tl.constexpr, TOKENS_PER_ROW: tl.constexpr, GROUPS: tl.constexpr,
+    WIDTH: tl.constexpr, TAKE_SPARSE: tl.constexpr, PERSISTENT: tl.constexpr,
+    SCOPE: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(1,)``. Inbox ``InSig [n_slots]``, ``InHdr [n_slots, 8]`` int64, ``RepSig
+    [n_slots]``; state ``Stop [1]``, ``Seen [n_slots]`` int64 (the last number taken per
+    slot); out ``Pass [n_slots, PASS_WORDS]`` int64, ``Table [n_slots * groups, width]`` /
+    ``Lens [n_slots * groups]`` int32 (``groups = max_batch * H / F`` folded rows a slot,
+    ``TOKENS_PER_ROW = F / H``); the chunk table ``ChunkBlocks [n_chunks, max_blocks]`` /
+    ``ChunkTokens [n_chunks]`` int32 (-1: not hosted), the pool ``num_blocks`` blocks a layer.
+    ``SLOTS``, ``GROUPS``, ``WIDTH``: powers of two >= ``n_slots``, ``groups``, ``width``."""
+    offs = tl.arange(0, SLOTS)
+    live = offs < n_slots
+    sig, seen, mine = _taken(InSig, InHdr, RepSig, Seen, offs, live, TAKE_SPARSE, SCOPE)
+    if PERSISTENT:
+        idle = 0
+        go = tl.where(tl.sum(mine.to(tl.int32), 0) > 0, 0, 1)
+        while go != 0:
+            sig, seen, mine = _taken(InSig, InHdr, RepSig, Seen, offs, live, TAKE_SPARSE, SCOPE)
+            idle += 1
+            stop = _acquire(Stop, SCOPE)
+            found = tl.sum(mine.to(tl.int32), 0) > 0
+            go = tl.where(found | (stop != 0) | (idle >= max_idle), 0, 1)
+    hdr = InHdr + offs * _HW
+    seq = tl.load(hdr + H_SEQ, mask=mine, other=0, cache_modifier=".cg")
+    layer = tl.load(hdr + H_LAYER, mask=mine, other=0, cache_modifier=".cg")
+    chunk = tl.load(hdr + H_CHUNK, mask=mine, other=0, cache_modifier=".cg")
+    batch = tl.load(hdr + H_BATCH, mask=mine, other=0, cache_modifier=".cg")
+    heads = tl.load(hdr + H_HEADS, mask=mine, other=0, cache_modifier=".cg")
+    mode = tl.load(hdr + H_MODE, mask=mine, other=0, cache_modifier=".cg")
+    topk = tl.load(hdr + H_TOPK, mask=mine, other=0, cache_modifier=".cg")
+    c = tl.minimum(tl.maximum(chunk, 0), n_chunks - 1)
+    tokens = tl.load(ChunkTokens + c, mask=mine, other=-1)
+    status, detail = _check(seq, sig, seen, mode, layer, chunk, batch, heads, topk, tokens,
+                            n_chunks, layers, H, max_batch, max_rows, max_topk)  # fmt: skip
+    if TAKE_SPARSE:  # no sparse kernel runs beside the pass: a sparse request is not served
+        bad = (status == OK) & (mode == MODE_SPARSE)
+        status, detail = tl.where(bad, ERR_MODE, status), tl.where(bad, mode, detail)
+    served = mine & (status == OK) & (mode == MODE_DENSE)
+    tl.store(Seen + offs, sig, mask=mine)
+    rec = Pass + offs * _PW
+    tl.store(rec + P_SIG, tl.where(mine, sig, 0), mask=live)
+    tl.store(rec + P_STATUS, _wide(status), mask=live)
+    tl.store(rec + P_DETAIL, detail.to(tl.int64), mask=live)
+    tl.store(rec + P_BATCH, batch, mask=live)
+    tl.store(rec + P_HEADS, heads, mask=live)
+    tl.store(rec + P_SERVED, served.to(tl.int64), mask=live)
+    tl.store(rec + P_TOKENS, tokens.to(tl.int64), mask=live)
+    tl.debug_barrier()
+    # the attention's table: a served slot's folded rows that hold its tokens read its chunk
+    offs_g = tl.arange(0, GROUPS)
+    offs_w = tl.arange(0, WIDTH)
+    for s in range(0, n_slots):
+        r = Pass + _wide(s) * _PW
+        srv = tl.load(r + P_SERVED) != 0
+        b = tl.load(r + P_BATCH)
+        n = tl.load(r + P_TOKENS)
+        need = srv & (offs_g < groups) & (offs_g * TOKENS_PER_ROW < b)
+        tl.store(Lens + _wide(s) * groups + offs_g, tl.where(need, n, 0).to(tl.int32),
+                 mask=offs_g < groups)  # fmt: skip
+        if srv:
+            at = InHdr + _wide(s) * _HW
+            cs = tl.minimum(tl.maximum(tl.load(at + H_CHUNK, cache_modifier=".cg"), 0),
+                            n_chunks - 1)  # fmt: skip
+            base = tl.load(at + H_LAYER, cache_modifier=".cg") * num_blocks
+            blocks = tl.load(ChunkBlocks + _wide(cs) * max_blocks + offs_w, mask=offs_w < width,
+                             other=0)  # fmt: skip
+            row = (blocks + base).to(tl.int32)
+            for j in range(0, tl.cdiv(b, TOKENS_PER_ROW)):
+                tl.store(Table + (_wide(s) * groups + j) * width + offs_w, row,
+                         mask=offs_w < width)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["H", "max_batch"])
+def route_reply_kernel(
+    Pass, SO, SLse, RepSig, RepHdr, RepO, RepLse, Arrive, SlotPe, H, max_batch,
+    D_LAT: tl.constexpr, ROWS: tl.constexpr, ELT: tl.constexpr, NVSHMEM: tl.constexpr,
+    SCOPE: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(n_slots, P)``. ``Pass [n_slots, PASS_WORDS]`` int64 (the take's); the staging
+    output ``SO [n_slots, max_batch, H, D_LAT]`` (the slots' dtype) / ``SLse [n_slots,
+    max_batch, H]`` fp32 (the attention's over the folded rows, unfolded by a view); the reply
+    slots as ``mqnc.transport.device_route`` lays them out; ``Arrive [n_slots]`` int32;
+    ``SlotPe [n_slots]`` int32 (``NVSHMEM``)."""
+    s = tl.program_id(0)
+    p = tl.program_id(1)
+    P = tl.num_programs(1)
+    rec = Pass + _wide(s) * _PW
+    sig = tl.load(rec + P_SIG)
+    if sig != 0:
+        served = tl.load(rec + P_SERVED) != 0
+        batch = tl.load(rec + P_BATCH)
+        heads = tl.load(rec + P_HEADS)
+        if served:
+            keyed = tl.load(rec + P_TOKENS) > 0
+            n = batch * H
+            offs_r = tl.arange(0, ROWS)
+            offs_d = tl.arange(0, D_LAT)
+            for r0 in range(p * ROWS, n, P * ROWS):
+                r = r0 + offs_r
+                ok = (r < n) & ((r % H) < heads)
+                at = _wide(s) * max_batch * H + r
+                o = tl.load(SO + at[:, None] * D_LAT + offs_d[None, :], mask=ok[:, None])
+                tl.store(RepO + at[:, None] * D_LAT + offs_d[None, :], o, mask=ok[:, None])
+                x = tl.load(SLse + at, mask=ok, other=0.0)
+                # the host route's rule (holder_loop._nan_without_finite_lse): keys, no finite lse
+                bad = tl.where(keyed, (x != x) | (tl.abs(x) == float("inf")), False)
+                tl.store(RepLse + at, tl.where(bad, float("nan"), x), mask=ok)
+        tl.debug_barrier()
+        old = tl.atomic_add(Arrive + s, 1, sem="acq_rel", scope=SCOPE)
+        if old == P - 1:
+            tl.debug_barrier()
+            tl.atomic_xchg(Arrive + s, 0, sem="relaxed", scope=SCOPE)
+            _publish(RepSig, RepHdr, RepO, RepLse, SlotPe, s, sig, tl.load(rec + P_STATUS),
+                     tl.load(rec + P_DETAIL), served, batch, heads, H, max_batch, D_LAT, ELT,
+                     NVSHMEM, SCOPE)  # fmt: skip
+
+
+# ---- the launches -----------------------------------------------------------------------------
+
+
+def route_take_launch(buf: RouteBuffers, *, stop, seen, record, chunk_blocks, chunk_tokens, table,
+                      lens, layers: int, num_blocks: int, max_rows: int, fold: int,
+                      take_sparse: bool, persistent: bool = False, max_idle: int = 1 << 30,
+                      nvshmem: bool = False) -> Launch:  # fmt: skip
+    """The take's launch (no checks: the device holder built every tensor): ``record [slots,
+    PASS_WORDS]`` int64, ``table [slots * groups, width]`` / ``lens [slots * groups]`` int32,
+    ``fold`` rows a folded row (:func:`fold_width`)."""
+    H = buf.heads
+    groups = buf.max_batch * H // fold
+    width = table.shape[1]
+    args = (
+        buf.in_sig, buf.in_hdr, buf.rep_sig, stop, seen, record, chunk_blocks, chunk_tokens,
+        table, lens, buf.slots, chunk_tokens.shape[0], layers, H, buf.max_batch, max_rows,
+        buf.max_topk, chunk_blocks.shape[1], num_blocks, groups, width, max_idle,
+    )  # fmt: skip
+    mode = "persistent" if persistent else "one-shot"
+    return Launch(
+        name=f"route_take[{mode},F={fold}{',sparse' if take_sparse else ''}]",
+        kernel=route_take_kernel,
+        grid=(1,),
+        args=args,
+        kwargs=dict(
+            SLOTS=triton.next_power_of_2(buf.slots),
+            TOKENS_PER_ROW=fold // H,
+            GROUPS=triton.next_power_of_2(groups),
+            WIDTH=triton.next_power_of_2(width),
+            TAKE_SPARSE=bool(take_sparse),
+            PERSISTENT=bool(persistent),
+            SCOPE="sys" if nvshmem else "gpu",
+            num_warps=4,
+        ),
+    )
+
+
+def route_reply_launch(buf: RouteBuffers, *, record, o, lse, arrive, slot_pe,
+                       nvshmem_lib: str | None = None) -> Launch:  # fmt: skip
+    """The reply's launch: staging ``o [slots, max_batch, H, d_v]`` / ``lse [slots, max_batch,
+    H]`` fp32 (the attention's outputs viewed per slot), ``arrive [slots]`` int32."""
+    d_v = buf.rep_o.shape[3]
+    kwargs = dict(
+        D_LAT=d_v,
+        ROWS=REPLY_ROWS,
+        ELT=buf.rep_o.element_size(),
+        NVSHMEM=nvshmem_lib is not None,
+        SCOPE="sys" if nvshmem_lib is not None else "gpu",
+        num_warps=4,
+    )
+    if nvshmem_lib is not None:
+        kwargs["extern_libs"] = {"libnvshmem_device": nvshmem_lib}
+    backend = "nvshmem" if nvshmem_lib is not None else "local"
+    return Launch(
+        name=f"route_reply[{backend}]",
+        kernel=route_reply_kernel,
+        grid=(buf.slots, REPLY_PROGRAMS),
+        args=(record, o, lse, buf.rep_sig, buf.rep_hdr, buf.rep_o, buf.rep_lse, arrive, slot_pe,
+              buf.heads, buf.max_batch),  # fmt: skip
+        kwargs=kwargs,
+    )
+
