@@ -906,7 +906,7 @@ def _route_compile(*, nvshmem: bool, fp8: bool) -> dict:
 
 
 def _check_route(kernels: dict, nvshmem: bool) -> None:
-    assert len(kernels) == 11, sorted(kernels)
+    assert len(kernels) == 12, sorted(kernels)
     for name, res in kernels.items():
         print(f"{name}: {res}")
         assert res["stack"] == 0 and res["local"] == 0, f"{name} spills: {res}"
@@ -914,24 +914,24 @@ def _check_route(kernels: dict, nvshmem: bool) -> None:
         if name.startswith(("route_take", "route_wait", "route_merge")):
             # (one-CTA waits and the per-row merge: 28-32 registers under 3.6.0 and 3.9.0)
             assert res["registers"] <= 48 and res["shared"] <= 256, (name, res)
-        if name.startswith("route_reply"):  # a row copy: 72-80 registers
+        if name.startswith(("route_reply", "route_gather")):  # row copies: 72-80 registers
             assert res["registers"] <= 128 and res["shared"] <= 256, (name, res)
         if not nvshmem:
             assert res["calls"] == [], name
-        elif not name.startswith(("route_merge", "route_wait", "route_take")):
+        elif not name.startswith(("route_merge", "route_wait", "route_take", "route_gather")):
             assert {"nvshmemx_putmem_signal_nbi_block", "nvshmem_fence"} <= set(res["calls"])
 
 
 def test_device_route_kernels_compile_without_spills():
     """The device route's kernels (the holder kernel dense and sparse, one-shot and persistent;
     the requester's put, dense and sparse; the wait and the merge; the pass's take, one-shot and
-    persistent, and its reply) compile for sm_90 at their
+    persistent, its gather and its reply) compile for sm_90 at their
     launches' values without spills, on the ``local`` backend (no NVSHMEM call)."""
     _check_route(_route_compile(nvshmem=False, fp8=False), nvshmem=False)
 
 
 def test_device_route_kernels_compile_without_spills_over_nvshmem(nvshmem_device_bitcode):
-    """The same eleven kernels on the ``nvshmem`` backend (where NVSHMEM's device bitcode is
+    """The same twelve kernels on the ``nvshmem`` backend (where NVSHMEM's device bitcode is
     installed): the same bounds, and the variants call NVSHMEM's block-scope put (with signal),
     fence and (persistent holder, put) quiet. Long tier (the bitcode's link)."""
     _check_route(_route_compile(nvshmem=True, fp8=False), nvshmem=True)

@@ -1,27 +1,35 @@
-"""The device route timed: the host-free probe round trip, the route over M_q (H 16, c_t 2048;
-and H 128), and N requesters at once (the fan-in elbow, §6.3's Fig. 4(b) with the transport in
-it), all through the resident holder kernel (``mqnc.serving.device_holder``).
+"""The device route timed against the device fetch on one GPU: the host-free probe round trip,
+the route over M_q at c_t 2048 and 8192 (H 16; and H 128), N requesters at once (the fan-in
+elbow, §6.3's Fig. 4(b) with the transport in it), the holder's compute against the default
+kernel at the same shape, and the fetch (pull and splice) of the same chunks: the measured
+route / fetch crossover in M_q, and the predicate's from the profile fitted to these records
+(``mqnc.cost.device_profile``).
 
 ``python -m perf.bench_device_route [--out FILE | --record] [--reps N] [--dry-run] [--check]``
 (the shared benchmark flags, :func:`mqnc.measure.options.bench_parser`; ``--quick`` is the dry
-run's small sweep; ``--check`` exits with status 1 when, on a GPU, the probe's p50 is over
-5 us or the route's at M_q 1 (H 16) over 20 us: the goals of ``docs/device-route.md``).
+run; ``--schedule resident`` times the resident holder kernels instead of the pass;
+``--check`` exits with status 1 when, on a GPU, a goal of :data:`TARGETS_US` is missed or a
+measured crossover is more than 15% from the predicate's: docs/device-route.md).
 
-What is timed (a GPU): the requester's step for ``--layers`` layers, each layer one put
-(``route.put``) and one wait-then-merge (``route.wait_merge``), captured once in a CUDA graph and
-replayed: a replay is the only host call of a step, so ``extra.host_calls_per_layer`` is
-``1 / layers`` (counted: graph replays over routed layers) and ``extra.host_free`` is true.
-The holder is the two persistent kernels on their own streams (``ctas`` CTAs each), started
-once. Each sample is ``--inner`` replays between two CUDA events, divided by the round trips
-in them; p20 / p50 / p80 of ``--reps`` samples. Records: ``bench="probe"`` (a header-only
-round trip, ``x`` 1), ``bench="route"`` (``x`` = M_q = tokens x heads; ``extra.heads``,
-``extra.c_t``, ``extra.requesters``), ``transport`` = ``device-<backend>``. Every routed answer
-is checked against fp64 on its first step within the bf16 bound (``extra.vs_fp64``: the worst
-absolute error; a miss fails the run).
+What is timed (a GPU; ``mqnc.measure.device_route``): each step is ``--layers`` layers captured
+once in a CUDA graph and replayed between CUDA events, so ``extra.host_calls_per_layer`` is
+graph replays over routed layers and ``extra.host_free`` is true. The holder is started once
+(the pass's graph replayed by its thread; no resident sparse kernel). p20 / p50 / p80 of
+``--reps`` samples of ``--inner`` replays. Records (``transport`` ``device-local``):
 
-``--dry-run`` (a CPU machine): the same steps, tiny (c_t 128, 1 layer, M_q 16 at 16 heads with
-N 1 and 2, M_q 128 at 128 heads), eager and interpreted, the holder one-shot between the puts
-and the merges (no graph: every launch counted as a host call, ``extra.host_free`` false); its
+- ``bench="probe"``: a header-only round trip (``x`` 1);
+- ``bench="route"``: ``x`` = M_q = tokens x heads, the round trip per routed layer
+  (``extra.heads``, ``extra.c_t``, ``extra.requesters``, ``extra.vs_fp64``: every answer checked
+  against fp64 first; a miss fails the run);
+- ``bench="holder_attend"`` / ``bench="default_attend"``: the pass's attention alone (the
+  holder's compute at M_q 1024) and ``mla_decode_partial`` at the unfolded shape (64 tokens x
+  16 heads over the chunk), ``x`` = M_q;
+- ``bench="fetch"``: ``x`` = c_t, the pull and splice of all layers per layer
+  (``extra.pull_us``, ``extra.splice_us`` per layer, ``extra.vs_fp64`` of the spliced pool).
+
+``--dry-run`` (a CPU machine): the same steps, tiny (c_t 128 and 256, 1 layer, M_q 16 at 16
+heads with N 1 and 2, M_q 128 at 128 heads), eager and interpreted, the holder one-shot
+between the puts and the merges (every launch a host call, ``extra.host_free`` false); its
 records show the shapes, never a speed.
 """
 
@@ -36,163 +44,123 @@ import time
 import torch
 
 from mqnc.cost.results_reader import read_jsonl
+from mqnc.measure.device_route import RouteRig, time_step
 from mqnc.measure.options import bench_parser, parse_bench_args
-from mqnc.model import PRESETS, RopeSpec
-from mqnc.reference import partial_attention_reference
-from mqnc.serving.device_holder import DeviceHolder
-from mqnc.testing import TOLERANCES, assert_close
-from mqnc.transport.device_route import LocalBackend, RouteClient, RouteLayout, allocate
 
-CHUNK = 0
-
-
-TARGETS_US = {"probe": 5.0, "route": 20.0}  # p50 goals on a GPU: probe; route at M_q 1, H 16
+TARGETS_US = {
+    # (bench, M_q or None for any, requesters): p50 goal, us (docs/device-route.md)
+    ("probe", 1, 1): 5.0,
+    ("route", 1, 1): 15.0,
+    ("route", 16, 1): 15.0,
+    ("route", 1024, 1): 40.0,
+    ("route", 16, 16): 60.0,
+}
+"""p50 goals on a GPU, at H 16 and c_t 2048: probe, route at M_q 1, 16 and 1024, 16 requesters
+of M_q 16 at once."""
+ATTEND_RATIO = 1.5  # the holder's compute within 1.5x of the default kernel at the same shape
+CROSSOVER_TOL = 0.15  # the measured route / fetch crossover within 15% of the predicate's
 
 
 def _parser() -> argparse.ArgumentParser:
     ap = bench_parser(__doc__, reps=20, warmup=1)
     ap.add_argument("--inner", type=int, default=20, help="graph replays per sample")
     ap.add_argument("--layers", type=int, default=4, help="routed layers per captured step")
-    ap.add_argument("--ctas", type=int, default=8, help="CTAs per holder kernel")
+    ap.add_argument("--ctas", type=int, default=8, help="CTAs per resident holder kernel")
+    ap.add_argument("--schedule", choices=("pass", "resident"), default="pass",
+                    help="the holder's dense schedule")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes, interpreted (a CPU)")
     ap.add_argument("--commit", default=None, help="the commit the records name")
     return ap
-
-
-class Bench:
-    """One holder (chunk of ``c_t`` tokens, ``heads`` heads) and one client on ``slots``."""
-
-    def __init__(self, heads, c_t, slots, max_batch, layers, ctas, device, dry) -> None:
-        geom = PRESETS["deepseek-v2-lite"].replace(layers=layers, heads=heads)
-        self.scale = RopeSpec.from_preset("deepseek-v2-lite").softmax_scale
-        self.geom, self.dry, self.device = geom, dry, torch.device(device)
-        layout = RouteLayout(slots, max_batch, heads, max_topk=64)
-        self.buf = allocate(layout, LocalBackend(device))
-        blocks = -(-c_t // 64) + 1
-        self.holder = DeviceHolder(self.buf, geom, softmax_scale=self.scale, num_blocks=blocks,
-                                   ctas=ctas, max_chunks=1)  # fmt: skip
-        g = torch.Generator().manual_seed(0)
-        self.kv = (0.5 * torch.randn(layers, c_t, geom.d_qk, generator=g)).to(torch.bfloat16)
-        self.holder.add_chunk(CHUNK, self.kv.to(device))
-        # bounds, never hangs: a reply waited for ~1-4 s of polls; the holder returns after
-        # ~2**22 empty passes over its slots (tens of seconds idle) if the stop word is lost
-        self.client = RouteClient(self.buf, LocalBackend(device), spins=1 << 22)
-        self.routed = 0
-        if not dry:
-            self.holder.start(max_idle=1 << 22)
-
-    def step(self, B, heads, requesters, probe=False, q=None):
-        """Every layer: each requester's put, (dry: the one-shot holder), each merge."""
-        outs = []
-        for layer in range(self.geom.layers):
-            for r in range(requesters):
-                self.client.put(r, q[r], layer=layer, chunk=CHUNK, probe=probe)
-            if self.dry:
-                self.holder.serve_once()
-            for r in range(requesters):
-                outs.append(self.client.merge([r], 1 if probe else B, 1 if probe else heads))
-            self.routed += requesters
-        return outs
-
-    def close(self) -> None:
-        if not self.dry:
-            self.holder.stop()
-
-
-def _check(bench: Bench, q, outs, B, heads, requesters) -> float:
-    """The routed answers against fp64 within the bf16 bound (an ``AssertionError`` if not);
-    returns the worst absolute error."""
-    tol = TOLERANCES[("mla", "bfloat16")]
-    worst = 0.0
-    for i, (o, _, status) in enumerate(outs):
-        assert status.tolist() == [0], f"route failed: status {status.tolist()}"
-        layer, r = divmod(i, requesters)
-        keys = bench.kv[layer].to(bench.device).double()  # fp64 on the device: seconds saved
-        valid = torch.ones(B, keys.shape[0], dtype=torch.bool, device=bench.device)
-        o_ref, _ = partial_attention_reference(q[r], keys, valid, bench.scale)
-        worst = max(worst, assert_close(o.cpu(), o_ref, tol, name="routed o").max_abs)
-    return worst
-
-
-def _time(bench: Bench, fn, reps: int, inner: int, trips: int, warmup: int = 1) -> tuple:
-    """p20/p50/p80 microseconds per round trip: a CUDA graph of ``fn`` replayed ``inner``
-    times per sample (GPU), or ``fn`` eager once per sample (dry run)."""
-    samples = []
-    if bench.dry:  # host calls counted as made: every launch
-        before = bench.client.launches + bench.holder.launches
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e6 / trips)
-        return _pct(samples), trips * reps, bench.client.launches + bench.holder.launches - before
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(max(1, warmup)):
-            fn()  # warm (compiled, the holder answering)
-    side.synchronize()  # (a stream, never the device: the holder kernels never finish)
-    # torch.cuda.graph synchronizes the device when it begins: the resident holder stops for
-    # the capture (which runs nothing) and starts again before the replays
-    bench.holder.stop()
-    with torch.cuda.graph(graph):
-        fn()
-    bench.holder.start(max_idle=1 << 22)
-    replays = 0
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        replays += inner
-        samples.append(a.elapsed_time(b) * 1e3 / (inner * trips))
-    return _pct(samples), trips * reps * inner, replays
-
-
-def _pct(xs) -> tuple:
-    t = torch.tensor(xs, dtype=torch.float64)
-    return tuple(float(torch.quantile(t, p)) for p in (0.2, 0.5, 0.8))
-
-
-def _record(out, bench_name, x, pct, bench: Bench, routed, calls, extra, commit) -> dict:
-    rec = dict(
-        bench=bench_name, variant="device-route", x=x, x_name="M_q" if x > 1 else "bytes",
-        p20=pct[0], p50=pct[1], p80=pct[2], unit="us", transport="device-local",
-        backend="triton", device=_device_name(bench.device), commit=commit,
-        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        extra=dict(host_free=not bench.dry, host_calls_per_layer=calls / routed, **extra),
-    )  # fmt: skip
-    line = json.dumps(rec)
-    print(line)
-    if out:
-        with open(out, "a") as f:
-            f.write(line + "\n")
-    return rec
 
 
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
 
 
-def _sweep(bench: Bench, heads, points, args, commit, c_t) -> None:
+class _Records:
+    def __init__(self, args, commit: str) -> None:
+        self.args, self.commit = args, commit
+
+    def write(self, bench_name: str, x, pct, rig: RouteRig, units, calls, **extra) -> dict:
+        rec = dict(
+            bench=bench_name, variant=f"device-route-{self.args.schedule}", x=x,
+            x_name={"fetch": "c_t", "probe": "bytes"}.get(bench_name, "M_q"),
+            p20=pct[0], p50=pct[1], p80=pct[2], unit="us", transport="device-local",
+            backend="triton", device=_device_name(rig.device), commit=self.commit,
+            date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            extra=dict(host_free=not rig.dry, host_calls_per_layer=calls / units,
+                       layers=rig.geom.layers, schedule=self.args.schedule,
+                       fold=rig.holder.fold, **extra),
+        )  # fmt: skip
+        line = json.dumps(rec)
+        print(line, flush=True)
+        if self.args.out:
+            with open(self.args.out, "a") as f:
+                f.write(line + "\n")
+        return rec
+
+
+def _rows(B: int, hq: int, n: int, device) -> list[torch.Tensor]:
+    return [
+        (0.5 * torch.randn(B, hq, 576, generator=torch.Generator().manual_seed(r)))
+        .to(torch.bfloat16)
+        .to(device)
+        for r in range(n)
+    ]
+
+
+def _route_points(rig: RouteRig, points, rec: _Records, heads: int) -> None:
     """Route records at ``points`` (tokens, requesters, query heads); the first step of each
     checked against fp64. ``extra.heads`` is the holder's, ``extra.query_heads`` the rows'."""
+    a = rec.args
     for B, n, hq in points:
-        q = [
-            (0.5 * torch.randn(B, hq, 576, generator=torch.Generator().manual_seed(r)))
-            .to(torch.bfloat16)
-            .to(bench.device)
-            for r in range(n)
-        ]
-        worst = _check(bench, q, bench.step(B, hq, n, q=q), B, hq, n)
-        trips = bench.geom.layers * n
-        step = functools.partial(bench.step, B, hq, n, q=q)
-        pct, routed, calls = _time(bench, step, args.reps, args.inner, trips, args.warmup)
-        extra = dict(heads=heads, query_heads=hq, c_t=c_t, requesters=n, tokens=B,
-                     vs_fp64=worst, layers=bench.geom.layers, ctas=args.ctas)  # fmt: skip
-        _record(args.out, "route", B * hq, pct, bench, routed, calls, extra, commit)
+        q = _rows(B, hq, n, rig.device)
+        worst = rig.check_route(q, rig.route_step(B, hq, n, q), B, hq, n)
+        step = functools.partial(rig.route_step, B, hq, n, q)
+        pct, units, calls = time_step(rig, step, a.reps, a.inner, rig.geom.layers * n, a.warmup)
+        rec.write("route", B * hq, pct, rig, units, calls, heads=heads, query_heads=hq,
+                  c_t=rig.c_t, requesters=n, tokens=B, vs_fp64=worst, ctas=a.ctas,
+                  num_splits=rig.holder.num_splits)  # fmt: skip
+
+
+def _attend_points(rig: RouteRig, rec: _Records, B: int) -> None:
+    """The holder's compute (the pass's attention, left as the last ``B``-token route set its
+    lengths) and the default kernel at the unfolded shape, ``B`` tokens x 16 heads."""
+    a = rec.args
+    pct, units, calls = time_step(rig, rig.attend_step, a.reps, a.inner, 1, a.warmup)
+    rec.write("holder_attend", B * 16, pct, rig, units, calls, heads=16, c_t=rig.c_t, tokens=B,
+              num_splits=rig.holder.num_splits)  # fmt: skip
+    q = _rows(B, 16, 1, rig.device)[0]
+    pct, units, calls = time_step(rig, functools.partial(rig.default_step, q), a.reps, a.inner,
+                                  1, a.warmup)  # fmt: skip
+    rec.write("default_attend", B * 16, pct, rig, units, calls, heads=16, c_t=rig.c_t, tokens=B)
+
+
+def _fetch_point(rig: RouteRig, rec: _Records) -> None:
+    """The fetch of the rig's chunk (pull and splice, all layers), per layer; the pull and the
+    splice alone beside it."""
+    a = rec.args
+    rig.fetch_step()
+    worst = rig.check_fetch()
+    L = rig.geom.layers
+    pct, units, calls = time_step(rig, rig.fetch_step, a.reps, a.inner, L, a.warmup)
+    parts = {}
+    pool = rig.holder.pages.kv
+    staged = rig.staged.view(pool.shape[0], -1, *pool.shape[2:])
+
+    def pull():
+        torch.index_select(pool, 1, rig._blocks, out=staged)
+
+    def splice():
+        from mqnc.triton_kernels import rope_splice
+
+        rope_splice(rig.staged[:, : rig.c_t], rig.pool, rig.slots, rig.delta, rig.rope,
+                    validate=False)  # fmt: skip
+
+    for name, fn in (("pull_us", pull), ("splice_us", splice)):
+        parts[name] = time_step(rig, fn, a.reps, a.inner, L, a.warmup)[0][1]
+    rec.write("fetch", rig.c_t, pct, rig, units, calls, heads=rig.geom.heads, c_t=rig.c_t,
+              vs_fp64=worst, entry_bytes=rig.geom.d_qk * 2, **parts)  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -204,39 +172,67 @@ def main(argv=None) -> int:
     device = "cpu" if dry else "cuda"
     if dry:
         args.reps, args.inner, args.layers, args.ctas = 1, 1, 1, 2
-    commit = args.commit or "unknown"
-    c_t = 128 if dry else 2048
+    rec = _Records(args, args.commit or "unknown")
+    c_ts = (128, 256) if dry else (2048, 8192)
     # (tokens, requesters, query heads): M_q 1 (one head), 16..1024, then N requesters at once
     sizes = [(1, 1, 16)] if dry else [(1, 1, 1)] + [(2**i, 1, 16) for i in range(7)]
     fan_in = [(1, 2, 16)] if dry else [(1, n, 16) for n in (2, 4, 8, 16)]
+    coarse = [(1, 1, 16)] if dry else [(1, 1, 1), (1, 1, 16), (4, 1, 16), (16, 1, 16),
+                                        (64, 1, 16)]  # fmt: skip
     wide = [(1, 1, 128)] if dry else [(1, 1, 128), (8, 1, 128)]
-    for heads, max_b, points in ((16, 64, sizes + fan_in), (128, 8, wide)):
-        bench = Bench(heads, c_t, 16 if not dry else 2, max_b if not dry else 1, args.layers,
-                      args.ctas, device, dry)  # fmt: skip
+    slots, max_b = (2, 1) if dry else (16, 64)
+    rig_kw = dict(device=device, dry=dry, ctas=args.ctas, schedule=args.schedule)
+    for c_t in c_ts:
+        rig = RouteRig(16, c_t, slots, max_b, args.layers, **rig_kw)
         try:
-            if heads == 16:
+            if c_t == c_ts[0]:
                 q = [torch.zeros(1, 1, 576, dtype=torch.bfloat16, device=device)]
-                step = functools.partial(bench.step, 1, 1, 1, True, q)
-                pct, routed, calls = _time(
-                    bench, step, args.reps, args.inner, bench.geom.layers, args.warmup
-                )
-                extra = dict(heads=heads, layers=bench.geom.layers, ctas=args.ctas)
-                _record(args.out, "probe", 1, pct, bench, routed, calls, extra, commit)
-            _sweep(bench, heads, points, args, commit, c_t)
+                step = functools.partial(rig.route_step, 1, 1, 1, q, True)
+                pct, units, calls = time_step(rig, step, args.reps, args.inner, args.layers,
+                                              args.warmup)  # fmt: skip
+                rec.write("probe", 1, pct, rig, units, calls, heads=16, c_t=c_t, ctas=args.ctas)
+                _route_points(rig, sizes, rec, 16)
+                if args.schedule == "pass":
+                    _attend_points(rig, rec, sizes[-1][0])
+                _route_points(rig, fan_in, rec, 16)
+            else:
+                _route_points(rig, coarse, rec, 16)
+            _fetch_point(rig, rec)
         finally:
-            bench.close()
+            rig.close()
+    rig = RouteRig(128, c_ts[0], slots, 1 if dry else 8, args.layers, **rig_kw)
+    try:
+        _route_points(rig, wide, rec, 128)
+    finally:
+        rig.close()
     return _missed(args.out, args.results_lines) if args.check and not dry else 0
 
 
 def _missed(out: str, skip: int) -> int:
-    """``--check``: 1 when this run's probe or M_q 1 (H 16) route p50 misses its goal."""
+    """``--check``: 1 when this run misses a goal of :data:`TARGETS_US` (H 16, c_t 2048), the
+    holder's compute is over :data:`ATTEND_RATIO` times the default kernel's, or a measured
+    route / fetch crossover is more than :data:`CROSSOVER_TOL` from the predicate's; each miss
+    named on stderr."""
+    from mqnc.cost.device_profile import crossovers
+
+    recs = read_jsonl(out)[skip:]
     missed = []
-    for rec in read_jsonl(out)[skip:]:
-        extra = rec.get("extra") or {}
-        if rec["bench"] == "route" and (rec["x"] != 1 or extra.get("heads") != 16):
+    for r in recs:
+        extra = r.get("extra") or {}
+        if extra.get("heads", 16) != 16 or extra.get("c_t", 2048) != 2048:
             continue
-        if rec["bench"] in TARGETS_US and rec["p50"] > TARGETS_US[rec["bench"]]:
-            missed.append(f"{rec['bench']} p50 {rec['p50']:.2f} us > {TARGETS_US[rec['bench']]}")
+        key = (r["bench"], r["x"], extra.get("requesters", 1))
+        if key in TARGETS_US and r["p50"] > TARGETS_US[key]:
+            what = f"{r['bench']} M_q {r['x']}" + (f" x {key[2]}" if key[2] > 1 else "")
+            missed.append(f"{what} p50 {r['p50']:.2f} us > {TARGETS_US[key]}")
+    attend = {r["bench"]: r["p50"] for r in recs if r["bench"].endswith("_attend")}
+    if len(attend) == 2 and attend["holder_attend"] > ATTEND_RATIO * attend["default_attend"]:
+        missed.append(f"holder_attend p50 {attend['holder_attend']:.2f} us > {ATTEND_RATIO} x "
+                      f"default_attend {attend['default_attend']:.2f} us")  # fmt: skip
+    for c in crossovers(recs):
+        print(f"crossover at c_t {c.c_t}: {c.describe()}")
+        if not c.agrees(CROSSOVER_TOL):
+            missed.append(f"crossover at c_t {c.c_t}: {c.describe()}")
     for line in missed:
         print(f"missed: {line}", file=sys.stderr)
     return 1 if missed else 0

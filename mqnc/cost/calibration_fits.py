@@ -330,7 +330,8 @@ def fit_tp(records: Iterable[dict]) -> TPFit:
 
 
 def fit_device_route(
-    records: Iterable[dict], *, heads: int = 16, qp_row_bytes: int = 2184, name: str | None = None
+    records: Iterable[dict], *, heads: int = 16, qp_row_bytes: int = 2184, name: str | None = None,
+    c_t: int | None = None,
 ) -> FabricProfile:
     """The device route's profile, fitted from ``perf.bench_device_route`` records.
 
@@ -342,8 +343,9 @@ def fit_device_route(
     fitted turnaround and bandwidth carry that compute, which the host-driven fabrics' echo
     round trips leave to ``T_compute``; the profile's ``description`` says so and its
     ``source`` names the records' device, commit and ``c_t``. ``host_fixed_us`` is 0 (no host
-    call per routed layer: the step is a replayed CUDA graph). A ``ValueError`` when the
-    records hold no probe or fewer than two route points.
+    call per routed layer: the step is a replayed CUDA graph). ``c_t``: only route points over
+    chunks of that size (the compute the fit carries is that chunk's; None: every size). A
+    ``ValueError`` when the records hold no probe or fewer than two route points.
     """
     recs = [r for r in records if str(r.get("transport", "")).startswith("device-")]
     probes = [float(r["p50"]) for r in recs if r.get("bench") == "probe"]
@@ -353,6 +355,7 @@ def fit_device_route(
         if r.get("bench") == "route"
         and r.get("extra", {}).get("requesters") == 1
         and r.get("extra", {}).get("heads") == heads
+        and (c_t is None or r.get("extra", {}).get("c_t") == c_t)
     ]
     if not probes or len({r["x"] for r in route}) < 2:
         raise ValueError(
@@ -374,8 +377,8 @@ def fit_device_route(
         host_fixed_us=0.0,
         host_per_row_us=0.0,
         description=(
-            "device route (resident holder kernel, requester step in a CUDA graph); the round "
-            "trip includes the holder's partial attention over the chunk"
+            "device route (the holder's pass or resident kernels, requester step in a CUDA "
+            "graph); the round trip includes the holder's partial attention over the chunk"
         ),
         source=source,
     )

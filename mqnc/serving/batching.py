@@ -94,10 +94,10 @@ class RouteBatcher:
 
     ``reply(src, lane, buf, seq)`` puts an answer; ``error(src, lane, request_id, seq,
     message)`` answers with an ``ERROR``; ``stats`` is the holder's :class:`HolderStats`;
-    ``crc``: whether replies carry a payload CRC. ``fold``: dense rows of one request folded
-    ``fold`` to a query row (``fold / heads`` tokens of the request share each read of its
-    chunk, the request's tokens padded with zero rows to whole folded rows; the device
-    holder's pass does the same, ``mqnc.triton_kernels.route.holder_pass.fold_width``);
+    ``crc``: whether replies carry a payload CRC. ``fold``: the ``B x H`` query rows of one
+    request folded ``fold`` to a query row (they share each read of its chunk; zero rows pad
+    the last; the device holder's pass packs rows alike, ``mqnc.triton_kernels.route.
+    holder_pass``);
     ``num_splits``: the dense call's split count (None: its plan's). With both set as a device
     holder's (:attr:`~mqnc.serving.device_holder.DeviceHolder.fold`, ``.num_splits``) a dense
     answer is the pass's, bit for bit.
@@ -278,22 +278,20 @@ class RouteBatcher:
         return keyed
 
     def _dense_folded(self, group: list[RouteJob], layer: int, q, out, keyed):
-        """The dense call with each request's rows folded ``fold`` to a query row (zero rows
-        pad its last one) at ``num_splits``; the answer's rows copied back into ``out``."""
-        heads = q.shape[1]
+        """The dense call with each request's ``B x H`` query rows folded ``fold`` to a query
+        row (zero rows pad its last one) at ``num_splits``; the answer's rows copied back into
+        ``out``."""
+        heads, width = q.shape[1], q.shape[2]
         fold = self.fold or heads
-        if fold % heads:
-            raise ValueError(f"fold: expected a multiple of the request's {heads} heads, got {fold}")
-        per = fold // heads  # tokens a folded row holds
         parts, tables, lens, b0 = [], [], [], 0
-        width = max(max(int(r.chunk.blocks.numel()) for r in group), 1)
+        blocks = max(max(int(r.chunk.blocks.numel()) for r in group), 1)
         for r in group:
             B = r.header.batch
-            n = -(-B // per)
-            rows = torch.zeros(n * per, heads, q.shape[2], dtype=q.dtype, device=q.device)
-            rows[:B] = q[b0 : b0 + B]
-            parts.append(rows.view(n, fold, q.shape[2]))
-            t = torch.zeros(n, width, dtype=torch.int32)
+            n = -(-(B * heads) // fold)
+            rows = torch.zeros(n * fold, width, dtype=q.dtype, device=q.device)
+            rows[: B * heads] = q[b0 : b0 + B].reshape(B * heads, width)
+            parts.append(rows.view(n, fold, width))
+            t = torch.zeros(n, blocks, dtype=torch.int32)
             t[:, : r.chunk.blocks.numel()] = r.chunk.blocks
             tables.append(t)
             lens.append(torch.full((n,), r.chunk.tokens, dtype=torch.int32))
@@ -309,14 +307,14 @@ class RouteBatcher:
             num_splits=self.num_splits,
             check_inputs=False,
         )
-        o = o.view(-1, heads, o.shape[2])
-        lse = lse.view(-1, heads)
+        o = o.reshape(-1, o.shape[2])
+        lse = lse.reshape(-1)
         g0, b0 = 0, 0
         for part, r in zip(parts, group, strict=True):
             B = r.header.batch
-            out[0][b0 : b0 + B] = o[g0 : g0 + B]
-            out[1][b0 : b0 + B] = lse[g0 : g0 + B]
-            g0 += part.shape[0] * per
+            out[0][b0 : b0 + B] = o[g0 : g0 + B * heads].view(B, heads, -1)
+            out[1][b0 : b0 + B] = lse[g0 : g0 + B * heads].view(B, heads)
+            g0 += part.shape[0] * fold
             b0 += B
         return keyed
 

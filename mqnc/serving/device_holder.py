@@ -2,11 +2,12 @@
 (``mqnc.transport.device_route``) with no host call per request (§3.1-§3.3, §6.3).
 
 Two schedules. ``"pass"`` (the default): dense requests are served by the holder's pass
-(``mqnc.triton_kernels.route.holder_pass``): a device-side take, the package's dense attention
-over every taken slot's rows folded ``F`` to a query row (the chunk read once per ``F`` rows,
-on the fast kernel where the device has it) and a reply copy, captured once in a CUDA graph and
-replayed back to back by a thread (a host call per pass, none per request); sparse requests by
-the resident sparse holder kernel. ``"resident"``: both modes by the resident holder kernels
+(``mqnc.triton_kernels.route.holder_pass``): a device-side take that packs every taken
+request's rows, those asking one (chunk, layer) together, ``F`` to a query row; the package's
+dense attention over them (the chunk read once per ``F`` rows, on the fast kernel where the
+device has it); a reply copy. It is captured once in a CUDA graph and replayed back to back by a
+thread (a host call per pass, none per request). Sparse requests are served by the resident
+sparse holder kernel. ``"resident"``: both modes by the resident holder kernels
 (``mqnc.triton_kernels.route.holder_loop``), one (token, head block, split) item at a time.
 
 The host's part is set-up only (and, for ``"pass"``, the replay thread): chunks are copied into a :class:`~mqnc.serving.pool.PagedPool`
@@ -51,8 +52,11 @@ from mqnc.triton_kernels.mla.plan import forced_tile, meta_output
 from mqnc.triton_kernels.mla.sparse import plan_sparse
 from mqnc.triton_kernels.route.holder_loop import HolderTables, holder_loop_launch, holder_tiles
 from mqnc.triton_kernels.route.holder_pass import (
+    FOLD,
     PASS_WORDS,
-    fold_width,
+    SERVED_WORD,
+    pass_shape,
+    route_gather_launch,
     route_reply_launch,
     route_take_launch,
 )
@@ -84,10 +88,14 @@ class DeviceHolder:
         a reply; docs/device-route.md) or the resident kernel.
     num_splits : int or None
         The pass's split-KV count (None: the dense plan's choice for the pass's shape, which
-        fills the device: the route's latency first). It is the policy of how many SMs the
-        pass takes: the attention launches ``slots x groups x num_splits`` programs, the
-        idle slots' at once exiting; a holder that also decodes its own requests passes fewer
-        splits to leave it SMs, at the cost of a longer pass.
+        fills the device: the route's latency first). With ``pass_rows`` it is the policy of
+        how many SMs the pass takes: the attention launches ``G x num_splits`` programs (those
+        of unused folded rows exit at once); a holder that also decodes its own requests
+        passes fewer splits to leave it SMs, at the cost of a longer pass.
+    fold, pass_rows : int or None
+        The pass's query rows: ``fold`` (a power of two >= 16; default 128) rows a folded row,
+        and at least ``pass_rows`` rows a pass (default: the larger of one full slot and
+        1,024; never less than one full slot). Requests past it wait for the next pass.
     serve_sparse : bool
         ``"pass"``: run the resident sparse kernel beside the pass (False: no SM is held by
         it, and a sparse request is answered ``ERR_MODE``).
@@ -105,7 +113,8 @@ class DeviceHolder:
                  num_blocks: int, block_size: int = 64, ctas: int = 4, max_chunks: int = 8,
                  max_rows: int | None = None, nvshmem_lib: str | None = None,
                  slot_pe: list[int] | None = None, schedule: str = "pass",
-                 num_splits: int | None = None, serve_sparse: bool = True) -> None:  # fmt: skip
+                 num_splits: int | None = None, serve_sparse: bool = True, fold: int = FOLD,
+                 pass_rows: int | None = None) -> None:  # fmt: skip
         if not isinstance(buffers, RouteBuffers):
             raise TypeError(f"buffers: expected RouteBuffers, got {type(buffers).__name__}")
         if geometry.heads != buffers.heads or geometry.d_qk != buffers.in_q.shape[3]:
@@ -131,7 +140,13 @@ class DeviceHolder:
         if not isinstance(serve_sparse, bool):
             raise TypeError(f"serve_sparse: expected a bool, got {type(serve_sparse).__name__}")
         self.serve_sparse = serve_sparse or schedule == "resident"
-        self.fold = fold_width(buffers.heads, buffers.max_batch)
+        fold = check_int("fold", fold, minimum=16)
+        if fold & (fold - 1):
+            raise ValueError(f"fold: expected a power of two >= 16, got {fold}")
+        if pass_rows is not None:
+            check_int("pass_rows", pass_rows, minimum=1)
+        self.groups, self.fold = pass_shape(buffers.heads, buffers.max_batch, buffers.slots,
+                                            fold, pass_rows)  # fmt: skip
         self.pages = PagedPool(geometry.layers, num_blocks, block_size, geometry.d_qk,
                                dtype=self.dtype, device=self.device,
                                fp8=geometry.fp8_layout)  # fmt: skip
@@ -169,6 +184,7 @@ class DeviceHolder:
         self._pass_state = dict(
             seen=torch.zeros(n, dtype=torch.int64, device=dev),
             record=torch.zeros(n, PASS_WORDS, dtype=torch.int64, device=dev),
+            deferred=torch.zeros(1, dtype=torch.int64, device=dev),
             arrive=torch.zeros(n, dtype=torch.int32, device=dev),
         )
         self._pass = None  # the pass's plan, table and staging (made when first served)
@@ -258,25 +274,24 @@ class DeviceHolder:
 
     # ---- the pass ---------------------------------------------------------------------------
     def _pass_parts(self) -> dict:
-        """The pass's plan over the slots' rows folded ``F`` to a query row (``in_q`` viewed
-        ``[slots * groups, F, d_qk]``: no copy) and the layer-flattened pool (``[L * blocks,
-        page, entry]``: layer ``l``'s block ``b`` is ``l * blocks + b``), its table (as wide as
-        the widest hosted chunk), lengths and staging outputs; made once after the chunks."""
+        """The pass's plan over its ``G`` folded rows of ``F`` query rows (``q [G, F, d_qk]``,
+        filled by the gather) and the layer-flattened pool (``[L * blocks, page, entry]``:
+        layer ``l``'s block ``b`` is ``l * blocks + b``), its table (as wide as the widest
+        hosted chunk), lengths and staging outputs; made once after the chunks."""
         if self._pass is not None:
             return self._pass
         buf, g = self.buffers, self.geometry
-        n, F = buf.slots, self.fold
-        groups = buf.max_batch * buf.heads // F
+        G, F = self.groups, self.fold
         width = max([int(c.blocks.numel()) for c in self.chunks.values()] + [1])
         kv = self.pages.kv
         pool = kv.view(kv.shape[0] * kv.shape[1], *kv.shape[2:])
-        q = buf.in_q.view(n * groups, F, buf.in_q.shape[3])
-        table = torch.zeros(n * groups, width, dtype=torch.int32, device=self.device)
-        lens = torch.zeros(n * groups, dtype=torch.int32, device=self.device)
+        q = torch.zeros(G, F, buf.in_q.shape[3], dtype=self.dtype, device=self.device)
+        table = torch.zeros(G, width, dtype=torch.int32, device=self.device)
+        lens = torch.zeros(G, dtype=torch.int32, device=self.device)
         plan = plan_mla_decode(q, pool, table, lens, softmax_scale=self.softmax_scale,
                                d_v=g.d_v, num_splits=self._num_splits)  # fmt: skip
-        o = torch.empty(n * groups, F, g.d_v, dtype=self.dtype, device=self.device)
-        lse = torch.empty(n * groups, F, dtype=torch.float32, device=self.device)
+        o = torch.empty(G, F, g.d_v, dtype=self.dtype, device=self.device)
+        lse = torch.empty(G, F, dtype=torch.float32, device=self.device)
         self._pass = dict(plan=plan, q=q, pool=pool, table=table, lens=lens, o=o, lse=lse)
         return self._pass
 
@@ -286,22 +301,23 @@ class DeviceHolder:
         return self._pass_parts()["plan"].num_splits
 
     def pass_launches(self, persistent: bool = False, max_idle: int = 1 << 30):
-        """The pass: ``(take, attend, reply)``, each a callable launching on the current
-        stream (``attend`` the dense plan's run into the staging outputs)."""
+        """The pass: ``(take, gather, attend, reply)``, each a callable launching on the
+        current stream (``attend`` the dense plan's run into the staging outputs)."""
         parts, buf, t = self._pass_parts(), self.buffers, self._t
         st = self._pass_state
         take = route_take_launch(
-            buf, stop=t["stop"], seen=st["seen"], record=st["record"],
+            buf, stop=t["stop"], seen=st["seen"], record=st["record"], deferred=st["deferred"],
             chunk_blocks=t["chunk_blocks"], chunk_tokens=t["chunk_tokens"],
             table=parts["table"], lens=parts["lens"], layers=self.geometry.layers,
             num_blocks=self.pages.kv.shape[1], max_rows=self.max_rows, fold=self.fold,
             take_sparse=not self.serve_sparse, persistent=persistent, max_idle=max_idle,
             nvshmem=self.nvshmem_lib is not None,
         )  # fmt: skip
-        view = (buf.slots, buf.max_batch, buf.heads)
+        gather = route_gather_launch(buf, record=st["record"], q=parts["q"].view(-1, buf.in_q.shape[3]))
         reply = route_reply_launch(
-            buf, record=st["record"], o=parts["o"].view(*view, -1), lse=parts["lse"].view(view),
-            arrive=st["arrive"], slot_pe=t["slot_pe"], nvshmem_lib=self.nvshmem_lib,
+            buf, record=st["record"], o=parts["o"].view(-1, self.geometry.d_v),
+            lse=parts["lse"].view(-1), arrive=st["arrive"], slot_pe=t["slot_pe"],
+            nvshmem_lib=self.nvshmem_lib,
         )  # fmt: skip
         plan = parts["plan"]
 
@@ -309,12 +325,19 @@ class DeviceHolder:
             plan.run(parts["q"], parts["pool"], parts["table"], parts["lens"],
                      out=(parts["o"], parts["lse"]))  # fmt: skip
 
-        return take, attend, reply
+        return take, gather, attend, reply
 
     def _run_pass(self, persistent: bool = False, max_idle: int = 1 << 30) -> None:
-        for step in self.pass_launches(persistent, max_idle):
+        """One pass, eagerly. Off a GPU (the interpreter) the gather and the attention are
+        skipped when the take packed no rows (a host read; they would only write rows nobody
+        reads), which changes no answer."""
+        take, gather, attend, reply = self.pass_launches(persistent, max_idle)
+        take()
+        rows = self.device.type == "cuda" or bool(self._pass_state["record"][:, SERVED_WORD].any())
+        for step in (gather, attend) if rows else ():
             step()
-            self.launches += 1
+        reply()
+        self.launches += 4 if rows else 2
 
     # ---- serving ----------------------------------------------------------------------------
     def launch(self, sparse: bool = False, persistent: bool = False, max_idle: int = 1 << 30):
@@ -331,6 +354,8 @@ class DeviceHolder:
         sparse one's)."""
         if self.schedule == "pass":
             self._run_pass()
+            while int(self._pass_state["deferred"][0]):  # (a host read: one-shot only)
+                self._run_pass()
         else:
             self.launch(False)()
             self.launches += 1
@@ -405,15 +430,19 @@ class _PassReplayer:
         self.replays = 0
         self._halt = threading.Event()
         self.failure: BaseException | None = None
-        take, attend, reply = holder.pass_launches(persistent=True, max_idle=max_idle)
+        steps = holder.pass_launches(persistent=True, max_idle=max_idle)
         holder._t["stop"].fill_(1)  # compiled (and the plan's workspaces made) with no wait
+        self.stream.wait_stream(torch.cuda.current_stream(holder.device))
         with torch.cuda.stream(self.stream):
-            take(), attend(), reply()
+            for step in steps:
+                step()
         self.stream.synchronize()
         holder._t["stop"].zero_()
+        torch.cuda.synchronize(holder.device)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=self.stream):
-            take(), attend(), reply()
+            for step in steps:
+                step()
         self._thread = threading.Thread(target=self._loop, name="device-holder-pass", daemon=True)
 
     def begin(self) -> None:

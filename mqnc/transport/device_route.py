@@ -366,7 +366,8 @@ def device_route_launches(
     ``mla.decode`` / ``mla.sparse`` launch there) on small CPU tensors (only dtypes, alignment
     and constexprs decide the compiled variant; every runtime int is unspecialised):
     ``{name: Launch}`` for the holder kernel (one-shot and persistent), the put (dense and
-    sparse), the wait and the merge, and the pass's take (one-shot and persistent) and reply
+    sparse), the wait and the merge, and the pass's take (one-shot and persistent), gather and
+    reply
     (the attention between them is ``mla.decode``'s, compiled with it). ``nvshmem_lib``: the NVSHMEM backend's variants. ``fp8``: only the
     holder kernel's four launches over an FP8 pool (uint8 656-byte entries; the put and the
     merge move bf16 rows whatever the cache keeps)."""
@@ -409,11 +410,13 @@ def device_route_launches(
 
 
 def _pass_launches(buf: RouteBuffers, heads: int, nvshmem_lib: str | None) -> dict:
-    """The holder's pass around the attention (its take, one-shot and persistent, and its
-    reply) at production values: 16 slots, a fold of 128 rows (``holder_pass.fold_width``)."""
+    """The holder's pass around the attention (its take, one-shot and persistent, its gather
+    and its reply) at production values: 16 slots of 64 tokens, folded rows of 128
+    (``holder_pass.pass_shape``)."""
     from mqnc.triton_kernels.route.holder_pass import (
         PASS_WORDS,
-        fold_width,
+        pass_shape,
+        route_gather_launch,
         route_reply_launch,
         route_take_launch,
     )
@@ -421,48 +424,23 @@ def _pass_launches(buf: RouteBuffers, heads: int, nvshmem_lib: str | None) -> di
     i32, i64, z = torch.int32, torch.int64, torch.zeros
     buf = allocate(RouteLayout(slots=16, max_batch=64, heads=heads, max_topk=64),
                    LocalBackend("cpu"))  # fmt: skip
-    fold = fold_width(heads, 64)
-    rows = 16 * 64 * heads // fold
+    groups, fold = pass_shape(heads, 64, 16)
     record, arrive = z(16, PASS_WORDS, dtype=i64), z(16, dtype=i32)
     out = {}
     for persistent in (False, True):
         ln = route_take_launch(
             buf, stop=z(1, dtype=i64), seen=z(16, dtype=i64), record=record,
-            chunk_blocks=z(4, 40, dtype=i32), chunk_tokens=z(4, dtype=i32),
-            table=z(rows, 33, dtype=i32), lens=z(rows, dtype=i32), layers=4, num_blocks=40,
-            max_rows=64 * heads, fold=fold, take_sparse=False, persistent=persistent,
-            nvshmem=nvshmem_lib is not None,
+            deferred=z(1, dtype=i64), chunk_blocks=z(4, 40, dtype=i32),
+            chunk_tokens=z(4, dtype=i32), table=z(groups, 33, dtype=i32),
+            lens=z(groups, dtype=i32), layers=4, num_blocks=40, max_rows=64 * heads, fold=fold,
+            take_sparse=False, persistent=persistent, nvshmem=nvshmem_lib is not None,
         )  # fmt: skip
         out[ln.name] = ln
-    ln = route_reply_launch(buf, record=record, o=z(16, 64, heads, 512, dtype=torch.bfloat16),
-                            lse=z(16, 64, heads), arrive=arrive, slot_pe=z(16, dtype=i32),
+    rows = groups * fold
+    ln = route_gather_launch(buf, record=record, q=z(rows, 576, dtype=torch.bfloat16))
+    out[ln.name] = ln
+    ln = route_reply_launch(buf, record=record, o=z(rows, 512, dtype=torch.bfloat16),
+                            lse=z(rows), arrive=arrive, slot_pe=z(16, dtype=i32),
                             nvshmem_lib=nvshmem_lib)  # fmt: skip
     out[ln.name] = ln
-    return out
-
-
-def compile_device_route(
-    arch: int = 90, *, heads: int = 16, nvshmem: bool = False, fp8: bool = False
-) -> dict:
-    """Compile :func:`device_route_launches` for ``sm_<arch>`` exactly as they launch (run with
-    ``TRITON_INTERPRET=0``); ``nvshmem``: against NVSHMEM's device bitcode; ``fp8``: the
-    holder kernel's FP8 variants. Returns, per
-    launch, registers, stack and local bytes (spills), shared bytes, and the NVSHMEM device
-    functions its PTX calls."""
-    from mqnc.triton_kernels.sm90.compile import compile_launch, resources
-
-    lib = None
-    if nvshmem:
-        from mqnc.transport.nvshmem import device_library_path
-
-        lib = device_library_path(arch)
-    names = ("nvshmemx_putmem_nbi_block", "nvshmemx_putmem_signal_nbi_block", "nvshmem_fence",
-             "nvshmem_quiet")  # fmt: skip
-    out = {}
-    for name, ln in device_route_launches(heads, lib, fp8).items():
-        k = compile_launch(ln.kernel, ln.args, ln.kwargs, grid=ln.grid, arch=arch)
-        r = resources(name, k)
-        calls = [n for n in names if n in k.asm["ptx"]]
-        out[name] = dict(registers=r.registers, stack=r.stack, local=r.local, shared=r.shared,
-                         calls=calls)  # fmt: skip
     return out

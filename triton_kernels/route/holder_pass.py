@@ -3,30 +3,41 @@ behind it, so that every dense row routed to a holder runs through the fast kern
 with no host call per request (§3.1-§3.3, §6.3; the host-driven holder is
 ``mqnc.serving.Holder``, the resident kernel ``route.holder_loop``).
 
-A pass is three launches, captured once in a CUDA graph and replayed back to back on the
+A pass is four launches, captured once in a CUDA graph and replayed back to back on the
 holder's stream (``mqnc.serving.device_holder``), or run once (one-shot, the interpreter):
 
 1. :func:`route_take_kernel` (one CTA) polls every slot's inbox signal at once (one vector of
    acquire loads); ``PERSISTENT``: until a request it serves has arrived, the stop word is set
    or ``max_idle`` polls found nothing (a bound, never a hang). It takes every request it has
    not seen (dense, probe, and a mode it does not serve; sparse ones too when the holder runs
-   no sparse kernel, answered ``ERR_MODE``), checks each header (``holder_loop._check``: the
-   same codes), and writes the pass record ``Pass [slots, PASS_WORDS]`` and the attention's
-   table: the folded query rows of a served slot get its chunk's pool blocks plus the layer's
-   offset in the layer-flattened pool and the chunk's length, every other folded row length 0.
-2. The dense attention (``mla.decode``'s plan, whatever backend the dispatch table gives the
-   device: the see-saw on an H200) over the slots' query rows folded ``F`` rows to a query row
-   (:func:`fold_width`: ``F / H`` tokens of one slot share a query row, so the chunk is read
-   once per ``F`` rows instead of once per token), into a staging output.
-3. :func:`route_reply_kernel` (``slots x P`` programs) copies each served request's rows from
-   the staging output into its reply slot (the rows it asked for; nothing else of the slot is
+   no sparse kernel, answered ``ERR_MODE``) and checks each header (``holder_loop._check``: the
+   same codes). Then it **packs** the dense requests, in slot order, into the pass's query
+   rows: ``G`` folded rows of ``F`` query rows each (``G x F`` rows, :func:`pass_shape`).
+   Every row of a folded row asks the same (chunk, layer): a request whose (chunk, layer) is
+   the previous one's continues its folded row, any other starts a new one, so the rows of
+   every requester asking one chunk at one layer are one batch against it (the chunk read
+   once per ``F`` rows). A request that does not fit is left for the next pass (counted in
+   ``Deferred``). It writes the pass record ``Pass [slots, PASS_WORDS]`` (the request's
+   number, status, rows and its first pass row) and the attention's table: a used folded row
+   gets its chunk's pool blocks plus the layer's offset in the layer-flattened pool and the
+   chunk's length, every other one length 0.
+2. :func:`route_gather_kernel` (``slots x P`` programs) copies each packed request's rows from
+   its inbox slot into the pass's query rows.
+3. The dense attention (``mla.decode``'s plan, whatever backend the dispatch table gives the
+   device: the see-saw on an H200) over the ``G`` folded rows of ``F`` heads, into a staging
+   output.
+4. :func:`route_reply_kernel` (``slots x P`` programs) copies each request's rows from the
+   staging output into its reply slot (the rows it asked for; nothing else of the slot is
    written), applies the host route's NaN rule (a row with keys but no finite ``lse`` is
    answered NaN, never ``-inf``), and the last program of a slot writes the reply header and
    raises the reply signal (``holder_loop._publish``; on NVSHMEM a put-with-signal).
 
-The staging output keeps the attention from writing a reply slot whose previous reply a
-requester not served in this pass may still be merging. Lengths of 0 make the folded rows of
-idle slots cost a launch of programs that exit at once.
+A row's partial depends on its folded row's chunk and length, the tile and the split count,
+never on the other rows it shares the folded row with: the host holder folding each request
+alone (``mqnc.serving.batching.RouteBatcher``, ``fold=`` and ``num_splits=``) answers it bit
+for bit. The staging output keeps the attention from writing a reply slot whose previous reply
+a requester not served in this pass may still be merging. Folded rows of length 0 cost a launch
+of programs that exit at once; ``G`` is the pass's capacity, sized to the work of one pass.
 """
 
 from __future__ import annotations
@@ -54,10 +65,13 @@ from mqnc.triton_kernels.route.words import (
 
 __all__ = [
     "PASS_WORDS",
-    "fold_width",
+    "FOLD",
+    "pass_shape",
     "route_take_kernel",
+    "route_gather_kernel",
     "route_reply_kernel",
     "route_take_launch",
+    "route_gather_launch",
     "route_reply_launch",
 ]
 
@@ -69,24 +83,28 @@ P_STATUS = tl.constexpr(1)
 P_DETAIL = tl.constexpr(2)
 P_BATCH = tl.constexpr(3)
 P_HEADS = tl.constexpr(4)
-P_SERVED = tl.constexpr(5)  # 1: a dense request whose rows the attention computes
+SERVED_WORD = 5
+P_SERVED = tl.constexpr(SERVED_WORD)  # 1: a dense request whose rows the attention computes
 P_TOKENS = tl.constexpr(6)  # the chunk's c_t (keys: > 0)
+OFF_WORD = 7
+P_OFF = tl.constexpr(OFF_WORD)  # its first row among the pass's G x F query rows
 _PW = tl.constexpr(PASS_WORDS)
 
-REPLY_PROGRAMS = 8  # programs per slot of the reply copy
-REPLY_ROWS = 16  # rows (token x head) a reply program copies at once
+FOLD = 128
+"""``F``, query rows a folded row holds: the Hopper see-saw's 128-head schedule, its fastest
+(docs/gluon-decode.md)."""
+COPY_PROGRAMS = 16  # programs per slot of the gather and the reply copies
+COPY_ROWS = 16  # rows a copy program moves at once
 
 
-def fold_width(heads: int, max_batch: int) -> int:
-    """``F``, the query rows one folded row holds: the largest of 128, 64, 32 and 16 that is a
-    multiple of ``heads`` and divides a slot's ``max_batch * heads`` rows (so a folded row
-    holds whole tokens of one slot), else ``heads`` (no fold). 128 first: the Hopper see-saw's
-    128-head schedule is its fastest (docs/gluon-decode.md); ``F / heads`` tokens share each
-    read of the chunk."""
-    for f in (128, 64, 32, 16):
-        if f % heads == 0 and (max_batch * heads) % f == 0:
-            return f
-    return heads
+def pass_shape(heads: int, max_batch: int, slots: int, fold: int = FOLD,
+               pass_rows: int | None = None) -> tuple[int, int]:  # fmt: skip
+    """``(G, F)``: the pass's folded rows and their width. ``pass_rows`` (default: the larger
+    of one full slot, ``max_batch x heads``, and 1,024 rows) rounded up to whole folded rows;
+    never less than one full slot (a request always fits an empty pass)."""
+    slot_rows = max_batch * heads
+    rows = max(slot_rows, 1024) if pass_rows is None else max(pass_rows, slot_rows)
+    return triton.cdiv(rows, fold), fold
 
 
 @triton.jit
@@ -112,19 +130,19 @@ _TAKE_INTS = ["n_slots", "n_chunks", "layers", "H", "max_batch", "max_rows", "ma
 
 @triton.jit(do_not_specialize=_TAKE_INTS)
 def route_take_kernel(
-    InSig, InHdr, RepSig, Stop, Seen, Pass, ChunkBlocks, ChunkTokens, Table, Lens, n_slots,
-    n_chunks, layers, H, max_batch, max_rows, max_topk, max_blocks, num_blocks, groups, width,
-    max_idle, SLOTS: tl.constexpr, TOKENS_PER_ROW: tl.constexpr, GROUPS: tl.constexpr,
+    InSig, InHdr, RepSig, Stop, Seen, Pass, Deferred, ChunkBlocks, ChunkTokens, Table, Lens,
+    n_slots, n_chunks, layers, H, max_batch, max_rows, max_topk, max_blocks, num_blocks, groups,
+    width, max_idle, F: tl.constexpr, SLOTS: tl.constexpr, GROUPS: tl.constexpr,
     WIDTH: tl.constexpr, TAKE_SPARSE: tl.constexpr, PERSISTENT: tl.constexpr,
     SCOPE: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(1,)``. Inbox ``InSig [n_slots]``, ``InHdr [n_slots, 8]`` int64, ``RepSig
     [n_slots]``; state ``Stop [1]``, ``Seen [n_slots]`` int64 (the last number taken per
-    slot); out ``Pass [n_slots, PASS_WORDS]`` int64, ``Table [n_slots * groups, width]`` /
-    ``Lens [n_slots * groups]`` int32 (``groups = max_batch * H / F`` folded rows a slot,
-    ``TOKENS_PER_ROW = F / H``); the chunk table ``ChunkBlocks [n_chunks, max_blocks]`` /
-    ``ChunkTokens [n_chunks]`` int32 (-1: not hosted), the pool ``num_blocks`` blocks a layer.
-    ``SLOTS``, ``GROUPS``, ``WIDTH``: powers of two >= ``n_slots``, ``groups``, ``width``."""
+    slot); out ``Pass [n_slots, PASS_WORDS]`` int64, ``Deferred [1]`` int64 (requests left for
+    the next pass), ``Table [groups, width]`` / ``Lens [groups]`` int32 (``groups`` folded rows
+    of ``F``); the chunk table ``ChunkBlocks [n_chunks, max_blocks]`` / ``ChunkTokens
+    [n_chunks]`` int32 (-1: not hosted), the pool ``num_blocks`` blocks a layer. ``SLOTS``,
+    ``GROUPS``, ``WIDTH``: powers of two >= ``n_slots``, ``groups``, ``width``."""
     offs = tl.arange(0, SLOTS)
     live = offs < n_slots
     sig, seen, mine = _taken(InSig, InHdr, RepSig, Seen, offs, live, TAKE_SPARSE, SCOPE)
@@ -153,7 +171,6 @@ def route_take_kernel(
         bad = (status == OK) & (mode == MODE_SPARSE)
         status, detail = tl.where(bad, ERR_MODE, status), tl.where(bad, mode, detail)
     served = mine & (status == OK) & (mode == MODE_DENSE)
-    tl.store(Seen + offs, sig, mask=mine)
     rec = Pass + offs * _PW
     tl.store(rec + P_SIG, tl.where(mine, sig, 0), mask=live)
     tl.store(rec + P_STATUS, _wide(status), mask=live)
@@ -162,29 +179,75 @@ def route_take_kernel(
     tl.store(rec + P_HEADS, heads, mask=live)
     tl.store(rec + P_SERVED, served.to(tl.int64), mask=live)
     tl.store(rec + P_TOKENS, tokens.to(tl.int64), mask=live)
-    tl.debug_barrier()
-    # the attention's table: a served slot's folded rows that hold its tokens read its chunk
     offs_g = tl.arange(0, GROUPS)
+    tl.store(Lens + offs_g, tl.zeros([GROUPS], tl.int32), mask=offs_g < groups)
+    tl.debug_barrier()
+    # the packing, in slot order: a request continues the open folded row when it asks the
+    # same (chunk, layer), else starts the next one; one that does not fit waits a pass
     offs_w = tl.arange(0, WIDTH)
+    end = _wide(0)
+    key_chunk = _wide(-1)
+    key_layer = _wide(-1)
+    deferred = _wide(0)
     for s in range(0, n_slots):
         r = Pass + _wide(s) * _PW
-        srv = tl.load(r + P_SERVED) != 0
-        b = tl.load(r + P_BATCH)
-        n = tl.load(r + P_TOKENS)
-        need = srv & (offs_g < groups) & (offs_g * TOKENS_PER_ROW < b)
-        tl.store(Lens + _wide(s) * groups + offs_g, tl.where(need, n, 0).to(tl.int32),
-                 mask=offs_g < groups)  # fmt: skip
-        if srv:
-            at = InHdr + _wide(s) * _HW
-            cs = tl.minimum(tl.maximum(tl.load(at + H_CHUNK, cache_modifier=".cg"), 0),
-                            n_chunks - 1)  # fmt: skip
-            base = tl.load(at + H_LAYER, cache_modifier=".cg") * num_blocks
-            blocks = tl.load(ChunkBlocks + _wide(cs) * max_blocks + offs_w, mask=offs_w < width,
-                             other=0)  # fmt: skip
-            row = (blocks + base).to(tl.int32)
-            for j in range(0, tl.cdiv(b, TOKENS_PER_ROW)):
-                tl.store(Table + (_wide(s) * groups + j) * width + offs_w, row,
-                         mask=offs_w < width)  # fmt: skip
+        got = tl.load(r + P_SIG)
+        if got != 0:
+            if tl.load(r + P_SERVED) != 0:
+                at = InHdr + _wide(s) * _HW
+                ch = tl.load(at + H_CHUNK, cache_modifier=".cg")
+                ly = tl.load(at + H_LAYER, cache_modifier=".cg")
+                rows = tl.load(r + P_BATCH) * H
+                same = (ch == key_chunk) & (ly == key_layer)
+                start = tl.where(same, end, tl.cdiv(end, F) * F)
+                stop_row = start + rows
+                if tl.cdiv(stop_row, F) <= groups:
+                    tl.store(r + P_OFF, start)
+                    tl.store(Seen + s, got)
+                    blocks = tl.load(ChunkBlocks + _wide(ch) * max_blocks + offs_w,
+                                     mask=offs_w < width, other=0)  # fmt: skip
+                    row = (blocks + ly * num_blocks).to(tl.int32)
+                    n = tl.load(r + P_TOKENS).to(tl.int32)
+                    for g in range(start // F, tl.cdiv(stop_row, F)):
+                        tl.store(Table + _wide(g) * width + offs_w, row, mask=offs_w < width)
+                        tl.store(Lens + g, n)
+                    end = stop_row
+                    key_chunk = ch
+                    key_layer = ly
+                else:  # not in this pass: the next one takes it again
+                    tl.store(r + P_SIG, _wide(0))
+                    tl.store(r + P_SERVED, _wide(0))
+                    deferred += 1
+            else:
+                tl.store(Seen + s, got)
+    tl.store(Deferred, deferred)
+
+
+@triton.jit(do_not_specialize=["H", "max_batch"])
+def route_gather_kernel(Pass, InQ, QC, H, max_batch, D_LAT: tl.constexpr, D_PE: tl.constexpr,
+                        ROWS: tl.constexpr):  # fmt: skip
+    """Grid ``(n_slots, P)``. Copies each packed request's ``B x H`` rows from ``InQ [n_slots,
+    max_batch, H, D_LAT + D_PE]`` to the pass's query rows ``QC [G x F, D_LAT + D_PE]`` from
+    its row ``Pass[s, P_OFF]``."""
+    s = tl.program_id(0)
+    p = tl.program_id(1)
+    P = tl.num_programs(1)
+    rec = Pass + _wide(s) * _PW
+    if (tl.load(rec + P_SIG) != 0) & (tl.load(rec + P_SERVED) != 0):
+        n = tl.load(rec + P_BATCH) * H
+        off = tl.load(rec + P_OFF)
+        offs_r = tl.arange(0, ROWS)
+        d_lat = tl.arange(0, D_LAT)
+        d_pe = tl.arange(0, D_PE)
+        for r0 in range(p * ROWS, n, P * ROWS):
+            r = r0 + offs_r
+            ok = (r < n)[:, None]
+            src = InQ + (_wide(s) * max_batch * H + r)[:, None] * (D_LAT + D_PE)
+            dst = QC + (off + r)[:, None] * (D_LAT + D_PE)
+            x = tl.load(src + d_lat[None, :], mask=ok, cache_modifier=".cg")
+            tl.store(dst + d_lat[None, :], x, mask=ok)
+            x = tl.load(src + D_LAT + d_pe[None, :], mask=ok, cache_modifier=".cg")
+            tl.store(dst + D_LAT + d_pe[None, :], x, mask=ok)
 
 
 @triton.jit(do_not_specialize=["H", "max_batch"])
@@ -194,10 +257,9 @@ def route_reply_kernel(
     SCOPE: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(n_slots, P)``. ``Pass [n_slots, PASS_WORDS]`` int64 (the take's); the staging
-    output ``SO [n_slots, max_batch, H, D_LAT]`` (the slots' dtype) / ``SLse [n_slots,
-    max_batch, H]`` fp32 (the attention's over the folded rows, unfolded by a view); the reply
-    slots as ``mqnc.transport.device_route`` lays them out; ``Arrive [n_slots]`` int32;
-    ``SlotPe [n_slots]`` int32 (``NVSHMEM``)."""
+    output ``SO [G x F, D_LAT]`` (the slots' dtype) / ``SLse [G x F]`` fp32 (the attention's
+    over the pass's rows); the reply slots as ``mqnc.transport.device_route`` lays them out;
+    ``Arrive [n_slots]`` int32; ``SlotPe [n_slots]`` int32 (``NVSHMEM``)."""
     s = tl.program_id(0)
     p = tl.program_id(1)
     P = tl.num_programs(1)
@@ -209,6 +271,7 @@ def route_reply_kernel(
         heads = tl.load(rec + P_HEADS)
         if served:
             keyed = tl.load(rec + P_TOKENS) > 0
+            off = tl.load(rec + P_OFF)
             n = batch * H
             offs_r = tl.arange(0, ROWS)
             offs_d = tl.arange(0, D_LAT)
@@ -216,9 +279,9 @@ def route_reply_kernel(
                 r = r0 + offs_r
                 ok = (r < n) & ((r % H) < heads)
                 at = _wide(s) * max_batch * H + r
-                o = tl.load(SO + at[:, None] * D_LAT + offs_d[None, :], mask=ok[:, None])
+                o = tl.load(SO + (off + r)[:, None] * D_LAT + offs_d[None, :], mask=ok[:, None])
                 tl.store(RepO + at[:, None] * D_LAT + offs_d[None, :], o, mask=ok[:, None])
-                x = tl.load(SLse + at, mask=ok, other=0.0)
+                x = tl.load(SLse + off + r, mask=ok, other=0.0)
                 # the host route's rule (holder_loop._nan_without_finite_lse): keys, no finite lse
                 bad = tl.where(keyed, (x != x) | (tl.abs(x) == float("inf")), False)
                 tl.store(RepLse + at, tl.where(bad, float("nan"), x), mask=ok)
@@ -235,20 +298,19 @@ def route_reply_kernel(
 # ---- the launches -----------------------------------------------------------------------------
 
 
-def route_take_launch(buf: RouteBuffers, *, stop, seen, record, chunk_blocks, chunk_tokens, table,
-                      lens, layers: int, num_blocks: int, max_rows: int, fold: int,
-                      take_sparse: bool, persistent: bool = False, max_idle: int = 1 << 30,
-                      nvshmem: bool = False) -> Launch:  # fmt: skip
+def route_take_launch(buf: RouteBuffers, *, stop, seen, record, deferred, chunk_blocks,
+                      chunk_tokens, table, lens, layers: int, num_blocks: int, max_rows: int,
+                      fold: int, take_sparse: bool, persistent: bool = False,
+                      max_idle: int = 1 << 30, nvshmem: bool = False) -> Launch:  # fmt: skip
     """The take's launch (no checks: the device holder built every tensor): ``record [slots,
-    PASS_WORDS]`` int64, ``table [slots * groups, width]`` / ``lens [slots * groups]`` int32,
-    ``fold`` rows a folded row (:func:`fold_width`)."""
-    H = buf.heads
-    groups = buf.max_batch * H // fold
-    width = table.shape[1]
+    PASS_WORDS]`` / ``deferred [1]`` int64, ``table [G, width]`` / ``lens [G]`` int32, ``fold``
+    rows a folded row (:func:`pass_shape`)."""
+    groups, width = table.shape
     args = (
-        buf.in_sig, buf.in_hdr, buf.rep_sig, stop, seen, record, chunk_blocks, chunk_tokens,
-        table, lens, buf.slots, chunk_tokens.shape[0], layers, H, buf.max_batch, max_rows,
-        buf.max_topk, chunk_blocks.shape[1], num_blocks, groups, width, max_idle,
+        buf.in_sig, buf.in_hdr, buf.rep_sig, stop, seen, record, deferred, chunk_blocks,
+        chunk_tokens, table, lens, buf.slots, chunk_tokens.shape[0], layers, buf.heads,
+        buf.max_batch, max_rows, buf.max_topk, chunk_blocks.shape[1], num_blocks, groups, width,
+        max_idle,
     )  # fmt: skip
     mode = "persistent" if persistent else "one-shot"
     return Launch(
@@ -257,8 +319,8 @@ def route_take_launch(buf: RouteBuffers, *, stop, seen, record, chunk_blocks, ch
         grid=(1,),
         args=args,
         kwargs=dict(
+            F=fold,
             SLOTS=triton.next_power_of_2(buf.slots),
-            TOKENS_PER_ROW=fold // H,
             GROUPS=triton.next_power_of_2(groups),
             WIDTH=triton.next_power_of_2(width),
             TAKE_SPARSE=bool(take_sparse),
@@ -269,14 +331,26 @@ def route_take_launch(buf: RouteBuffers, *, stop, seen, record, chunk_blocks, ch
     )
 
 
+def route_gather_launch(buf: RouteBuffers, *, record, q) -> Launch:
+    """The gather's launch: the pass's query rows ``q [G x F, d_qk]`` (the slots' dtype)."""
+    d_v = buf.rep_o.shape[3]
+    return Launch(
+        name="route_gather",
+        kernel=route_gather_kernel,
+        grid=(buf.slots, COPY_PROGRAMS),
+        args=(record, buf.in_q, q, buf.heads, buf.max_batch),
+        kwargs=dict(D_LAT=d_v, D_PE=buf.in_q.shape[3] - d_v, ROWS=COPY_ROWS, num_warps=4),
+    )
+
+
 def route_reply_launch(buf: RouteBuffers, *, record, o, lse, arrive, slot_pe,
                        nvshmem_lib: str | None = None) -> Launch:  # fmt: skip
-    """The reply's launch: staging ``o [slots, max_batch, H, d_v]`` / ``lse [slots, max_batch,
-    H]`` fp32 (the attention's outputs viewed per slot), ``arrive [slots]`` int32."""
+    """The reply's launch: staging ``o [G x F, d_v]`` / ``lse [G x F]`` fp32 (the attention's
+    outputs, flattened), ``arrive [slots]`` int32."""
     d_v = buf.rep_o.shape[3]
     kwargs = dict(
         D_LAT=d_v,
-        ROWS=REPLY_ROWS,
+        ROWS=COPY_ROWS,
         ELT=buf.rep_o.element_size(),
         NVSHMEM=nvshmem_lib is not None,
         SCOPE="sys" if nvshmem_lib is not None else "gpu",
@@ -288,9 +362,8 @@ def route_reply_launch(buf: RouteBuffers, *, record, o, lse, arrive, slot_pe,
     return Launch(
         name=f"route_reply[{backend}]",
         kernel=route_reply_kernel,
-        grid=(buf.slots, REPLY_PROGRAMS),
+        grid=(buf.slots, COPY_PROGRAMS),
         args=(record, o, lse, buf.rep_sig, buf.rep_hdr, buf.rep_o, buf.rep_lse, arrive, slot_pe,
               buf.heads, buf.max_batch),  # fmt: skip
         kwargs=kwargs,
     )
-
