@@ -444,3 +444,30 @@ def _pass_launches(buf: RouteBuffers, heads: int, nvshmem_lib: str | None) -> di
                             nvshmem_lib=nvshmem_lib)  # fmt: skip
     out[ln.name] = ln
     return out
+
+
+def compile_device_route(
+    arch: int = 90, *, heads: int = 16, nvshmem: bool = False, fp8: bool = False
+) -> dict:
+    """Compile :func:`device_route_launches` for ``sm_<arch>`` exactly as they launch (run with
+    ``TRITON_INTERPRET=0``); ``nvshmem``: against NVSHMEM's device bitcode; ``fp8``: the
+    holder kernel's FP8 variants. Returns, per
+    launch, registers, stack and local bytes (spills), shared bytes, and the NVSHMEM device
+    functions its PTX calls."""
+    from mqnc.triton_kernels.sm90.compile import compile_launch, resources
+
+    lib = None
+    if nvshmem:
+        from mqnc.transport.nvshmem import device_library_path
+
+        lib = device_library_path(arch)
+    names = ("nvshmemx_putmem_nbi_block", "nvshmemx_putmem_signal_nbi_block", "nvshmem_fence",
+             "nvshmem_quiet")  # fmt: skip
+    out = {}
+    for name, ln in device_route_launches(heads, lib, fp8).items():
+        k = compile_launch(ln.kernel, ln.args, ln.kwargs, grid=ln.grid, arch=arch)
+        r = resources(name, k)
+        calls = [n for n in names if n in k.asm["ptx"]]
+        out[name] = dict(registers=r.registers, stack=r.stack, local=r.local, shared=r.shared,
+                         calls=calls)  # fmt: skip
+    return out
