@@ -102,7 +102,12 @@ def _host_answers(geom, kv, tile=HOLDER_TILE, routes=None, holder=None):
     passed = holder is not None and holder.schedule == "pass"
     fold = dict(fold=holder.fold, num_splits=holder.num_splits) if passed else {}
     holder = Holder(
-        fab.endpoint(0), geom, softmax_scale=SCALE, num_blocks=8, poll_s=0.02, device=DEVICE,
+        fab.endpoint(0),
+        geom,
+        softmax_scale=SCALE,
+        num_blocks=8,
+        poll_s=0.02,
+        device=DEVICE,
         **fold,
     )
     holder.add_chunk(CHUNK, kv)
@@ -334,20 +339,38 @@ def test_the_device_route_profile_is_fitted_from_bench_records():
         fit_device_route(route)
 
 
-def test_the_demo_routes_its_corpus_over_the_device_route(tmp_path, capsys):
-    """``mqnc demo --device-route``: the demo model's prefilled chunks on the holder kernel, an
-    agent's rows put to every chunk and merged in one launch, within the bf16 bound of fp64
-    attention over the chunks' union (the run asserts it), timed and written down."""
+def test_the_demo_routes_its_corpus_over_the_device_route(tmp_path, capsys, monkeypatch):
+    """``mqnc demo --device-route``: the demo model's prefilled chunks on a device holder; a
+    calibration measured on this device (probe, route at both agents' ``M_q``, fetch) fits the
+    profile each (chunk, agent) is decided with (route or fetch, both costs printed); then every
+    layer runs as decided, routed replies and fetched chunks' local partials merged in one
+    launch, within the bf16 bound of fp64 attention over the chunks' union (the run asserts
+    it). Here every other decision is flipped, so that both primitives run whatever the
+    interpreter's timings pick."""
     import json
 
+    import mqnc.demo.device_route as demo
     from mqnc.cli import main
 
+    decide = demo._decide
+
+    def both(*args):
+        got = decide(*args)
+        for i, d in enumerate(got):
+            d["choice"] = ("route", "fetch")[i % 2]
+        return got
+
+    monkeypatch.setattr(demo, "_decide", both)
     argv = ["demo", "--device-route", "--layers", "1", "--chunks", "2", "--min-tokens", "16",
             "--max-tokens", "40", "--out", str(tmp_path)]  # fmt: skip
     assert main(argv) == 0
-    assert "device route: 2 chunks" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "device route: 2 chunks" in out and "decisions: route 2, fetch 2" in out
     got = json.loads((tmp_path / "device_route.json").read_text())
-    assert got["chunks"] == 2 and len(got["layer_us"]) == 1 and len(got["vs_fp64_max_abs"]) == 1
+    assert got["chunks"] == 2 and len(got["layer_us"]) == 2 and len(got["vs_fp64_max_abs"]) == 2
+    assert {d["choice"] for d in got["decisions"]} == {"route", "fetch"}
+    assert {r["bench"] for r in got["calibration"]} == {"probe", "route", "fetch"}
+    assert all(d["route_us"] > 0 and d["fetch_us"] > 0 for d in got["decisions"])
     assert got["host_free"] is (DEVICE.type == "cuda")
 
 
@@ -657,9 +680,67 @@ def test_the_pass_packs_one_chunk_and_layer_together_and_defers_what_does_not_fi
         else:
             assert record[:, OFF_WORD].tolist()[2] == 0, "the last pass took only slot 2"
         assert holder.launches - before == 4 * passes + 1  # (+ the sparse kernel's)
-        host = _host_answers(GEOM, KV, routes=[(q, None, ly) for q, (_, _, ly) in
-                                               zip(qs, routes, strict=True)], holder=holder)  # fmt: skip
+        asked = [(q, None, ly) for q, (_, _, ly) in zip(qs, routes, strict=True)]
+        host = _host_answers(GEOM, KV, routes=asked, holder=holder)
         for (slot, B, _), (o_ref, lse_ref) in zip(routes, host, strict=True):
             assert buf.rep_hdr[slot].tolist() == [1, W.OK, 0, B * GEOM.heads, GEOM.heads]
             _same(buf.rep_o[slot, :B], o_ref, f"slot {slot} o ({passes} passes)")
             _same(buf.rep_lse[slot, :B], lse_ref, f"slot {slot} lse ({passes} passes)")
+
+
+def _profile_records(c_t, *, probe=4.0, turnaround=10.0, bw=50.0, pull_us=2.0, splice_us=6.0,
+                     m_qs=(1, 16, 256, 1024)):  # fmt: skip
+    """Bench records drawn from the affine model: a route round trip of ``probe + turnaround
+    + M_q (q + p) / bw`` per layer, a fetch of ``pull_us + splice_us`` per layer."""
+
+    def rec(bench, x, p50, **extra):
+        return dict(bench=bench, x=x, p50=p50, transport="device-local", device="test",
+                    commit="c0", extra=dict(heads=16, c_t=c_t, requesters=1, **extra))  # fmt: skip
+
+    out = [rec("probe", 1, probe)]
+    out += [rec("route", m, probe + turnaround + m * 2184 / (bw * 1e3)) for m in m_qs]
+    out.append(rec("fetch", c_t, pull_us + splice_us, pull_us=pull_us, splice_us=splice_us,
+                   entry_bytes=1152))  # fmt: skip
+    return out
+
+
+def test_the_device_profile_prices_route_and_fetch_as_measured():
+    """``device_profile`` fits the route per chunk size and the fetch's pull rate and splice
+    from the bench's records; the predicate with it turns from route to fetch where the
+    model's two lines cross, and so does the measured crossover (linear between the route
+    points); fetch faster everywhere is 0, route faster everywhere None, and they agree
+    by side."""
+    from mqnc.cost.device_profile import (
+        Crossover,
+        crossovers,
+        device_profile,
+        measured_crossover,
+        predicted_crossover,
+    )
+
+    recs = _profile_records(2048, pull_us=20.0, splice_us=14.0)  # fetch 34 us a layer
+    prof = device_profile(recs, 2048)
+    assert prof.fabric.t_probe_us == pytest.approx(4.0)
+    assert prof.fabric.turnaround_us == pytest.approx(10.0, rel=1e-6)
+    assert prof.fabric.bulk_bw_gbps == pytest.approx(2048 * 1152 / 20.0 / 1e3)
+    assert prof.splice.at(2048) == pytest.approx(14.0)
+    want = (34.0 - 14.0) * 50e3 / 2184  # where 14 + M_q 2184 / 50e3 meets 34: 457.9 rows
+    assert predicted_crossover(prof, PRESETS["deepseek-v2-lite"], 2048) == pytest.approx(
+        want, rel=2e-3
+    )
+    m, span = measured_crossover(recs, 2048)
+    assert span == (1.0, 1024.0) and m == pytest.approx(want, rel=1e-9)  # (linear: exact)
+    (c,) = crossovers(recs)
+    assert c.c_t == 2048 and c.agrees(0.15), c.describe()
+    assert not Crossover(2048, 300.0, want, span).agrees(0.15)
+    slow = _profile_records(8192, pull_us=1.0, splice_us=2.0)  # fetch beats every route point
+    assert measured_crossover(slow, 8192)[0] == 0.0
+    assert crossovers(slow)[0].agrees()
+    assert "fetch wins from M_q 1" in crossovers(slow)[0].describe()
+    fast = _profile_records(8192, pull_us=300.0, splice_us=300.0)  # route wins past the sweep
+    assert measured_crossover(fast, 8192)[0] is None
+    assert crossovers(fast)[0].agrees()
+    with pytest.raises(ValueError, match="route points at >= 2 M_q values"):
+        device_profile(recs, 4096)
+    with pytest.raises(ValueError, match="fetch record at c_t 2048"):
+        device_profile([r for r in recs if r["bench"] != "fetch"], 2048)

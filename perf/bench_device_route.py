@@ -145,19 +145,7 @@ def _fetch_point(rig: RouteRig, rec: _Records) -> None:
     L = rig.geom.layers
     pct, units, calls = time_step(rig, rig.fetch_step, a.reps, a.inner, L, a.warmup)
     parts = {}
-    pool = rig.holder.pages.kv
-    staged = rig.staged.view(pool.shape[0], -1, *pool.shape[2:])
-
-    def pull():
-        torch.index_select(pool, 1, rig._blocks, out=staged)
-
-    def splice():
-        from mqnc.triton_kernels import rope_splice
-
-        rope_splice(rig.staged[:, : rig.c_t], rig.pool, rig.slots, rig.delta, rig.rope,
-                    validate=False)  # fmt: skip
-
-    for name, fn in (("pull_us", pull), ("splice_us", splice)):
+    for name, fn in (("pull_us", rig.pull_step), ("splice_us", rig.splice_step)):
         parts[name] = time_step(rig, fn, a.reps, a.inner, L, a.warmup)[0][1]
     rec.write("fetch", rig.c_t, pct, rig, units, calls, heads=rig.geom.heads, c_t=rig.c_t,
               vs_fp64=worst, entry_bytes=rig.geom.d_qk * 2, **parts)  # fmt: skip
@@ -183,7 +171,7 @@ def main(argv=None) -> int:
     slots, max_b = (2, 1) if dry else (16, 64)
     rig_kw = dict(device=device, dry=dry, ctas=args.ctas, schedule=args.schedule)
     for c_t in c_ts:
-        rig = RouteRig(16, c_t, slots, max_b, args.layers, **rig_kw)
+        rig = RouteRig.random(16, c_t, slots, max_b, args.layers, **rig_kw)
         try:
             if c_t == c_ts[0]:
                 q = [torch.zeros(1, 1, 576, dtype=torch.bfloat16, device=device)]
@@ -200,7 +188,7 @@ def main(argv=None) -> int:
             _fetch_point(rig, rec)
         finally:
             rig.close()
-    rig = RouteRig(128, c_ts[0], slots, 1 if dry else 8, args.layers, **rig_kw)
+    rig = RouteRig.random(128, c_ts[0], slots, 1 if dry else 8, args.layers, **rig_kw)
     try:
         _route_points(rig, wide, rec, 128)
     finally:

@@ -330,7 +330,11 @@ def fit_tp(records: Iterable[dict]) -> TPFit:
 
 
 def fit_device_route(
-    records: Iterable[dict], *, heads: int = 16, qp_row_bytes: int = 2184, name: str | None = None,
+    records: Iterable[dict],
+    *,
+    heads: int = 16,
+    qp_row_bytes: int = 2184,
+    name: str | None = None,
     c_t: int | None = None,
 ) -> FabricProfile:
     """The device route's profile, fitted from ``perf.bench_device_route`` records.

@@ -10,8 +10,8 @@ against one layer's chunk; both scale with ``L``):
   sweep). It includes the holder's partial attention and the merge, so the request is priced
   with ``attention=False`` (nothing charged twice);
 - fetch: the pull of one layer's ``c_t`` entries at the measured pull rate (``bulk_bw_gbps``
-  of the fabric) plus the splice of one layer (a flat :class:`~mqnc.cost.SpliceProfile` at the
-  measured splice), priced with a one-layer geometry.
+  of the fabric) plus the splice of one layer (a :class:`~mqnc.cost.SpliceProfile` through
+  the measured sizes), priced with a one-layer geometry.
 
 :func:`device_profile` builds the profile; :func:`crossovers` puts, for each ``c_t`` with both
 kinds of records, the measured crossover (the ``M_q`` where the route's measured round trip
@@ -42,22 +42,31 @@ def _fetch_record(records: list[dict], c_t: int) -> dict:
 
 
 def device_profile(records: Iterable[dict], c_t: int, *, heads: int = 16) -> MachineProfile:
-    """The device's profile at chunk size ``c_t``: the route fitted from that ``c_t``'s route
-    records (``heads`` heads, one requester), the fetch's pull rate and splice from its fetch
-    record (per layer). Price requests with ``attention=False`` and a one-layer geometry
-    (:func:`predicted_crossover` does). A ``ValueError`` naming what the records lack."""
+    """The device's profile for chunks of ``c_t`` tokens: the route fitted from that ``c_t``'s
+    route records (``heads`` heads, one requester), the pull rate from its fetch record, and
+    the splice (and a non-moved chunk's write, the same kernel) through every fetch record's
+    size (per layer; :class:`~mqnc.cost.SpliceProfile`: flat below the first, the last
+    segment's slope above the last). Price requests with ``attention=False`` and a one-layer
+    geometry (:func:`predicted_crossover` does). A ``ValueError`` naming what the records
+    lack."""
     records = list(records)
     fabric = fit_device_route(records, heads=heads, c_t=c_t)
     f = _fetch_record(records, c_t)
     extra = f.get("extra") or {}
     entry = float(extra.get("entry_bytes", 1152))
-    pull_us, splice_us = float(extra["pull_us"]), float(extra["splice_us"])
-    bulk = c_t * entry / pull_us / 1e3  # GB/s: one layer's entries over one layer's pull
+    bulk = c_t * entry / float(extra["pull_us"]) / 1e3  # GB/s: a layer's entries over its pull
     fabric = dataclasses.replace(fabric, bulk_bw_gbps=bulk)
+    sizes = {}
+    for r in records:
+        if r.get("bench") == "fetch":
+            sizes[int(r["x"])] = float((r.get("extra") or {})["splice_us"])
     source = f"perf.bench_device_route fetch on {f.get('device', '?')} at {f.get('commit', '?')}"
+    splice = SpliceProfile(tuple(sorted(sizes)), tuple(sizes[k] for k in sorted(sizes)),
+                           name=f"device splice, one layer ({source})")  # fmt: skip
     return MachineProfile(
         fabric=fabric,
-        splice=SpliceProfile.flat(splice_us, name=f"device splice, one layer ({source})"),
+        splice=splice,
+        scatter=splice,
         host=HostOverhead(0.0, 0.0),
         t_compute_us=0.0,
         t_merge_us=0.0,

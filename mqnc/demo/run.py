@@ -17,6 +17,7 @@ from mqnc.base.runtime import device_name, kernel_mode
 from mqnc.demo.calibration import Calibration, calibrate, lacking, median_rounds
 from mqnc.demo.cluster import Cluster
 from mqnc.demo.config import DemoConfig
+from mqnc.demo.device_route import run_device_route
 from mqnc.demo.preflight import Prepared
 from mqnc.demo.progress import Progress
 from mqnc.demo.report import WIDTH, Report, median_calls, plot, print_table, spread_mape
@@ -362,84 +363,3 @@ def _write(cfg: DemoConfig, result: dict, errors, checked, cal) -> None:
 
 
 # ---- the corpus over the device route ------------------------------------------------------------
-
-
-def run_device_route(cfg: DemoConfig) -> dict:
-    """``mqnc demo --device-route``: the demo's corpus (its model's prefilled chunks) routed over
-    the device route, checked and timed.
-
-    One holder kernel (``mqnc.serving.device_holder``) hosts ``cfg.chunks`` chunks; one agent's
-    query rows (a fixed random ``[1, H, d_qk]`` per layer: the caches are the model's, the rows
-    need not be) are put to every chunk (one slot each) and the replies merged in one
-    wait-then-merge launch per layer, against fp64 attention over the concatenated chunks
-    (the partial kernels' bf16 bound, one bf16 ulp: an ``AssertionError`` past it). On a GPU
-    the holder is resident (started once) and each layer's step is one put per chunk and one
-    merge, no host poll; on
-    a CPU the holder runs one-shot, interpreted, between them. Prints and returns the per-layer
-    wall time (measured here; on a CPU the interpreter's) and writes ``device_route.json`` in
-    ``cfg.out``."""
-    import time
-
-    from mqnc.reference import partial_attention_reference
-    from mqnc.serving.device_holder import DeviceHolder
-    from mqnc.testing import TOLERANCES, assert_close
-    from mqnc.transport.device_route import (
-        LocalBackend,
-        RouteClient,
-        RouteLayout,
-        allocate,
-        check_status,
-    )
-
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = build_model(cfg)
-    corpus = Corpus(cfg, model)
-    g = model.geometry
-    backend = LocalBackend(device)
-    buf = allocate(RouteLayout(slots=cfg.chunks, max_batch=1, heads=g.heads), backend)
-    blocks = sum(-(-n // 64) for n in corpus.lengths)
-    holder = DeviceHolder(buf, g, softmax_scale=model.softmax_scale, num_blocks=blocks,
-                          ctas=4, max_chunks=cfg.chunks)  # fmt: skip
-    for c in range(cfg.chunks):
-        holder.add_chunk(c, corpus.kv(c).to(device), position=corpus.positions[c])
-    client = RouteClient(buf, backend, spins=1 << 22)
-    resident = device.type == "cuda"
-    if resident:
-        holder.start(max_idle=1 << 22)
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-    times, errors = [], []
-    try:
-        for layer in range(g.layers):
-            q = (0.5 * torch.randn(1, g.heads, g.d_qk, generator=gen)).to(torch.bfloat16)
-            t0 = time.perf_counter()
-            for c in range(cfg.chunks):
-                client.put(c, q.to(device), layer=layer, chunk=c)
-            if not resident:
-                holder.serve_once()
-            o, lse, status = client.merge(list(range(cfg.chunks)), 1, g.heads)
-            check_status(status, list(range(cfg.chunks)))
-            if resident:
-                torch.cuda.current_stream(device).synchronize()  # (never the device's)
-            times.append((time.perf_counter() - t0) * 1e6)
-            keys = torch.cat([corpus.kv(c)[layer] for c in range(cfg.chunks)]).double()
-            valid = torch.ones(1, keys.shape[0], dtype=torch.bool)
-            o_ref, _ = partial_attention_reference(q, keys, valid, model.softmax_scale)
-            s = assert_close(o.cpu(), o_ref, TOLERANCES[("mla", "bfloat16")],
-                             name=f"layer {layer} o")  # fmt: skip
-            errors.append(s.max_abs)
-    finally:
-        holder.stop()
-    result = dict(
-        transport="device-local", device=device_name(),
-        kernels=kernel_mode(), chunks=cfg.chunks, layers=g.layers, tokens=corpus.total,
-        layer_us=times, vs_fp64_max_abs=errors, host_free=resident,
-        host_calls_per_layer=(cfg.chunks + 1) + (0 if resident else 2),
-    )  # fmt: skip
-    print(
-        f"device route: {cfg.chunks} chunks ({corpus.total} tokens), {g.layers} layers on "
-        f"{result['device']}: per layer {statistics.median(times):.0f} us (median, measured "
-        f"{'on the GPU' if resident else 'interpreted'}), worst |o - fp64| {max(errors):.2e}"
-    )
-    Path(cfg.out).mkdir(parents=True, exist_ok=True)
-    (Path(cfg.out) / "device_route.json").write_text(json.dumps(result, indent=2))
-    return result

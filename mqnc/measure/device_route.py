@@ -37,70 +37,105 @@ CHUNK = 0
 
 
 class RouteRig:
-    """One device holder hosting one chunk of ``c_t`` tokens (``layers`` layers, ``heads``
-    heads, bf16; the chunk drawn from a fixed seed), a client on ``slots`` slots of
-    ``max_batch`` tokens, and a requester pool the fetch splices into.
+    """A device holder hosting ``chunks`` (each ``[L, c_t, d_qk]`` bf16, canonical positions
+    from ``positions``), a client on ``slots`` slots of ``max_batch`` tokens, and a
+    requester pool the fetch splices every chunk into (each to its own blocks, ``delta``
+    positions on). :meth:`random` makes the bench's: one chunk drawn from a fixed seed.
 
     ``schedule`` and ``num_splits``: the holder's (``DeviceHolder``); ``serve_sparse`` False
     (no resident sparse kernel holds SMs). On a GPU the holder is started (persistent); on a
     CPU (``dry``) it serves one-shot between the puts and the merges."""
 
-    def __init__(self, heads: int, c_t: int, slots: int, max_batch: int, layers: int, *,
-                 device: torch.device | str, dry: bool, ctas: int = 8, schedule: str = "pass",
-                 num_splits: int | None = None, preset: str = "deepseek-v2-lite") -> None:  # fmt: skip
-        self.geom = PRESETS[preset].replace(layers=layers, heads=heads)
-        self.rope = RopeSpec.from_preset(preset)
-        self.scale = self.rope.softmax_scale
-        self.dry, self.device, self.c_t = dry, torch.device(device), c_t
+    def __init__(self, geometry, rope, chunks: list, *, slots: int, max_batch: int,
+                 device: torch.device | str, dry: bool, positions: list[int] | None = None,
+                 ctas: int = 8, schedule: str = "pass", num_splits: int | None = None,
+                 delta: int = 4096) -> None:  # fmt: skip
+        self.geom, self.rope = geometry, rope
+        self.scale = rope.softmax_scale
+        self.dry, self.device = dry, torch.device(device)
+        self.kv = [c.to(torch.bfloat16).cpu() for c in chunks]
+        heads, d = geometry.heads, geometry.d_qk
         self.buf = allocate(RouteLayout(slots, max_batch, heads, max_topk=64),
                             LocalBackend(self.device))  # fmt: skip
-        blocks = -(-c_t // 64)
-        self.holder = DeviceHolder(self.buf, self.geom, softmax_scale=self.scale,
-                                   num_blocks=blocks + 1, ctas=ctas, max_chunks=1,
-                                   schedule=schedule, num_splits=num_splits,
-                                   serve_sparse=False)  # fmt: skip
-        g = torch.Generator().manual_seed(0)
-        self.kv = (0.5 * torch.randn(layers, c_t, self.geom.d_qk, generator=g)).to(torch.bfloat16)
-        self.holder.add_chunk(CHUNK, self.kv.to(self.device))
+        blocks = [-(-c.shape[1] // 64) for c in self.kv]
+        self.holder = DeviceHolder(self.buf, geometry, softmax_scale=self.scale,
+                                   num_blocks=sum(blocks) + 1, ctas=ctas,
+                                   max_chunks=len(chunks), schedule=schedule,
+                                   num_splits=num_splits, serve_sparse=False)  # fmt: skip
+        positions = positions or [0] * len(chunks)
+        for i, c in enumerate(self.kv):
+            self.holder.add_chunk(i, c.to(self.device), position=positions[i])
         # bounds, never hangs: a reply waited for ~1-4 s of polls; the holder's take returns
         # after ~2**22 empty polls (seconds idle) if the stop word is lost
         self.client = RouteClient(self.buf, LocalBackend(self.device), spins=1 << 22)
-        # the fetch: a staging chunk (the pull's destination) and the requester's pool
-        self._blocks = self.holder.chunks[CHUNK].blocks.to(self.device).long()
-        self.staged = torch.empty(layers, blocks * 64, self.geom.d_qk, dtype=torch.bfloat16,
+        # the fetch: a staging chunk (the pull's destination) and the requester's pool, every
+        # chunk spliced to its own blocks (block 0 left free)
+        L = geometry.layers
+        self.staged = torch.empty(L, max(blocks) * 64, d, dtype=torch.bfloat16,
                                   device=self.device)  # fmt: skip
-        self.pool = torch.zeros(layers, blocks + 1, 64, self.geom.d_qk, dtype=torch.bfloat16,
+        self.pool = torch.zeros(L, sum(blocks) + 1, 64, d, dtype=torch.bfloat16,
                                 device=self.device)  # fmt: skip
-        self.slots = torch.arange(64, 64 + c_t, dtype=torch.int64, device=self.device)
-        self.delta = 4096  # re-homed 4096 positions on
-        self.host_calls = 0
+        self._blocks, self.slots, first = [], [], 64
+        for i, c in enumerate(self.kv):
+            self._blocks.append(self.holder.chunks[i].blocks.to(self.device).long())
+            self.slots.append(torch.arange(first, first + c.shape[1], dtype=torch.int64,
+                                           device=self.device))  # fmt: skip
+            first += blocks[i] * 64
+        self.delta = delta
         if not dry:
             self.holder.start(max_idle=1 << 22)
 
+    @classmethod
+    def random(cls, heads: int, c_t: int, slots: int, max_batch: int, layers: int,
+               preset: str = "deepseek-v2-lite", **kw) -> RouteRig:  # fmt: skip
+        """The bench's rig: one chunk of ``c_t`` tokens (``N(0, 0.25)``, seed 0) of
+        ``preset``'s geometry at ``layers`` layers and ``heads`` heads."""
+        geom = PRESETS[preset].replace(layers=layers, heads=heads)
+        g = torch.Generator().manual_seed(0)
+        kv = 0.5 * torch.randn(layers, c_t, geom.d_qk, generator=g)
+        return cls(geom, RopeSpec.from_preset(preset), [kv], slots=slots, max_batch=max_batch,
+                   **kw)  # fmt: skip
+
+    @property
+    def c_t(self) -> int:
+        """Chunk 0's tokens."""
+        return self.kv[0].shape[1]
+
     # ---- the steps --------------------------------------------------------------------------
-    def route_step(self, B: int, heads: int, requesters: int, q: list, probe: bool = False):
-        """Every layer: each requester's put, (a CPU: the one-shot holder), each merge.
-        Returns the merges' ``(o, lse, status)`` in (layer, requester) order."""
+    def route_step(self, B: int, heads: int, requesters: int, q: list, probe: bool = False,
+                   chunk: int = CHUNK):  # fmt: skip
+        """Every layer: each requester's put (to ``chunk``), (a CPU: the one-shot holder), each
+        merge. Returns the merges' ``(o, lse, status)`` in (layer, requester) order."""
         outs = []
         for layer in range(self.geom.layers):
             for r in range(requesters):
-                self.client.put(r, q[r], layer=layer, chunk=CHUNK, probe=probe)
+                self.client.put(r, q[r], layer=layer, chunk=chunk, probe=probe)
             if self.dry:
                 self.holder.serve_once()
             for r in range(requesters):
                 outs.append(self.client.merge([r], 1 if probe else B, 1 if probe else heads))
         return outs
 
-    def fetch_step(self) -> torch.Tensor:
-        """The pull (the chunk's pool blocks of every layer gathered into the staging chunk)
-        and the splice of all layers into the requester's pool at ``delta`` positions on."""
+    def pull_step(self, chunk: int = CHUNK) -> None:
+        """The pull: the chunk's pool blocks of every layer gathered into the staging chunk."""
+        pool = self.holder.pages.kv
+        n = self._blocks[chunk].numel()
+        out = self.staged[:, : n * 64].view(pool.shape[0], n, *pool.shape[2:])
+        torch.index_select(pool, 1, self._blocks[chunk], out=out)
+
+    def splice_step(self, chunk: int = CHUNK) -> None:
+        """The splice of the staged chunk, all layers, into the requester's pool at ``delta``
+        positions on (``rope_splice``: one launch)."""
         from mqnc.triton_kernels import rope_splice
 
-        pool = self.holder.pages.kv
-        torch.index_select(pool, 1, self._blocks, out=self.staged.view(pool.shape[0], -1,
-                           *pool.shape[2:]))  # fmt: skip
-        rope_splice(self.staged[:, : self.c_t], self.pool, self.slots, self.delta, self.rope,
+        c_t = self.kv[chunk].shape[1]
+        rope_splice(self.staged[:, :c_t], self.pool, self.slots[chunk], self.delta, self.rope,
                     validate=False)  # fmt: skip
+
+    def fetch_step(self, chunk: int = CHUNK) -> torch.Tensor:
+        """The fetch: the pull, then the splice."""
+        self.pull_step(chunk)
+        self.splice_step(chunk)
         return self.pool
 
     def attend_step(self) -> None:
@@ -128,21 +163,22 @@ class RouteRig:
         for i, (o, _, status) in enumerate(outs):
             assert status.tolist() == [0], f"route failed: status {status.tolist()}"
             layer, r = divmod(i, requesters)
-            keys = self.kv[layer].to(self.device).double()
+            keys = self.kv[CHUNK][layer].to(self.device).double()
             valid = torch.ones(B, keys.shape[0], dtype=torch.bool, device=self.device)
             o_ref, _ = partial_attention_reference(q[r], keys, valid, self.scale)
             worst = max(worst, assert_close(o.cpu(), o_ref, tol, name="routed o").max_abs)
         return worst
 
-    def check_fetch(self) -> float:
-        """The fetched pool against the chunk re-rotated in fp64 (the splice's bound)."""
+    def check_fetch(self, chunk: int = CHUNK) -> float:
+        """The chunk's fetched entries against it re-rotated in fp64 (the rotation's bound)."""
         from mqnc.reference import rope_splice_reference
 
         pool = torch.zeros(self.pool.shape, dtype=torch.float64)
-        want = rope_splice_reference(self.kv.double(), pool, self.slots.cpu(), self.delta,
-                                     self.rope)  # fmt: skip
-        return assert_close(self.pool.cpu(), want, TOLERANCES[("rope", "bfloat16")],
-                            name="fetched pool").max_abs  # fmt: skip
+        slots = self.slots[chunk].cpu()
+        want = rope_splice_reference(self.kv[chunk].double(), pool, slots, self.delta, self.rope)
+        got = self.pool.cpu().flatten(1, 2)[:, slots]
+        return assert_close(got, want.flatten(1, 2)[:, slots], TOLERANCES[("rope", "bfloat16")],
+                            name="fetched chunk").max_abs  # fmt: skip
 
     def close(self) -> None:
         if not self.dry:

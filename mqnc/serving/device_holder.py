@@ -10,26 +10,25 @@ thread (a host call per pass, none per request). Sparse requests are served by t
 sparse holder kernel. ``"resident"``: both modes by the resident holder kernels
 (``mqnc.triton_kernels.route.holder_loop``), one (token, head block, split) item at a time.
 
-The host's part is set-up only (and, for ``"pass"``, the replay thread): chunks are copied into a :class:`~mqnc.serving.pool.PagedPool`
-as :class:`~mqnc.serving.Holder` does, the kernel's chunk table (each chunk's pool blocks and
-``c_t``, indexed by chunk id) and split tables are written, then the kernel is launched: once
-per :meth:`DeviceHolder.serve_once` (one-shot: the requests already signalled; what the CPU's
-interpreter runs), or once for good by :meth:`DeviceHolder.start` (persistent, on its own
-stream, until :meth:`DeviceHolder.stop` sets the stop word).
+The host's part is set-up only (and, for ``"pass"``, the replay thread): chunks are copied
+into a :class:`~mqnc.serving.pool.PagedPool` as :class:`~mqnc.serving.Holder` does, the
+kernels' chunk table (each chunk's pool blocks and ``c_t``, indexed by chunk id) and split
+tables are written, then the kernels are launched: once per :meth:`DeviceHolder.serve_once`
+(one-shot: the requests already signalled; what the CPU's interpreter runs), or once for good
+by :meth:`DeviceHolder.start` (persistent, until :meth:`DeviceHolder.stop` sets the stop
+word).
 
 The pass's answer to a dense request is ``mla_decode_partial``'s over the request's rows folded
 at :attr:`DeviceHolder.fold` with the pass's split count (:attr:`DeviceHolder.num_splits`), bit
 for bit: what the host-driven ``Holder`` answers with ``fold=`` and ``num_splits=`` set alike.
 
-In the resident kernels, tiles and split counts are the host ops' for the same call planned at
-the holder kernel's tile
-(``route.holder_loop.HOLDER_TILE``, one of ``mla.decode``'s own tiles, forced with
-``mla.plan.forced_tile``): one request of ``B`` tokens at the holder's heads over the
-chunk's pages, or its selection width. The holder kernel's answer to a request is then the
-host-driven holder's answer to it alone at that tile, bit for bit (its dispatcher batches
-concurrent requests into one call, whose split count may differ: the same rows, another
-rounding). Chunk ids are indices of the table
-(``0 <= chunk_id < max_chunks``).
+In the resident kernels, tiles and split counts are the host ops' for the same call planned at the
+holder kernel's tile (``route.holder_loop.HOLDER_TILE``, one of ``mla.decode``'s own tiles, forced
+with ``mla.plan.forced_tile``): one request of ``B`` tokens at the holder's heads over the chunk's
+pages, or its selection width. The holder kernel's answer to a request is then the host-driven
+holder's answer to it alone at that tile, bit for bit (its dispatcher batches concurrent requests
+into one call, whose split count may differ: the same rows, another rounding). Chunk ids are
+indices of the table (``0 <= chunk_id < max_chunks``).
 
 A geometry whose ``cache_dtype`` is ``"fp8_e4m3"`` gets a pool of FP8 entries (DeepSeek-V3.2's
 656-byte token, docs/fp8-cache.md), the chunks quantized or copied as entries as the host
@@ -313,7 +312,9 @@ class DeviceHolder:
             take_sparse=not self.serve_sparse, persistent=persistent, max_idle=max_idle,
             nvshmem=self.nvshmem_lib is not None,
         )  # fmt: skip
-        gather = route_gather_launch(buf, record=st["record"], q=parts["q"].view(-1, buf.in_q.shape[3]))
+        gather = route_gather_launch(
+            buf, record=st["record"], q=parts["q"].view(-1, buf.in_q.shape[3])
+        )
         reply = route_reply_launch(
             buf, record=st["record"], o=parts["o"].view(-1, self.geometry.d_v),
             lse=parts["lse"].view(-1), arrive=st["arrive"], slot_pe=t["slot_pe"],

@@ -367,8 +367,8 @@ def device_route_launches(
     and constexprs decide the compiled variant; every runtime int is unspecialised):
     ``{name: Launch}`` for the holder kernel (one-shot and persistent), the put (dense and
     sparse), the wait and the merge, and the pass's take (one-shot and persistent), gather and
-    reply
-    (the attention between them is ``mla.decode``'s, compiled with it). ``nvshmem_lib``: the NVSHMEM backend's variants. ``fp8``: only the
+    reply (the attention between them is ``mla.decode``'s, compiled with it). ``nvshmem_lib``:
+    the NVSHMEM backend's variants. ``fp8``: only the
     holder kernel's four launches over an FP8 pool (uint8 656-byte entries; the put and the
     merge move bf16 rows whatever the cache keeps)."""
     from mqnc.triton_kernels.route.holder_loop import HolderTables, holder_loop_launch

@@ -363,7 +363,18 @@ def route_reply_launch(buf: RouteBuffers, *, record, o, lse, arrive, slot_pe,
         name=f"route_reply[{backend}]",
         kernel=route_reply_kernel,
         grid=(buf.slots, COPY_PROGRAMS),
-        args=(record, o, lse, buf.rep_sig, buf.rep_hdr, buf.rep_o, buf.rep_lse, arrive, slot_pe,
-              buf.heads, buf.max_batch),  # fmt: skip
+        args=(
+            record,
+            o,
+            lse,
+            buf.rep_sig,
+            buf.rep_hdr,
+            buf.rep_o,
+            buf.rep_lse,
+            arrive,
+            slot_pe,
+            buf.heads,
+            buf.max_batch,
+        ),  # fmt: skip
         kwargs=kwargs,
     )

@@ -13,13 +13,13 @@ it writes each slot's status into ``Status [n]``. One CTA waits, not one per row
 programs spinning on every SM would keep a holder's pass (on the same GPU) from the SMs it
 needs to answer them. The merge (:func:`route_merge_kernel`, grid ``(B * H,)``: one program
 per (token, head) row, the 512-wide latent in one block), launched after the wait, reads the
-statuses and the replies. The merge is ``merge``'s fold (the max of the lse values first, ``+inf`` read as empty,
-then the partials in order: the replies in ``Slots`` order, the local partial last; an empty
-partial's ``o`` is never read); a NaN ``lse`` (a holder's row with keys but no finite ``lse``)
-makes the row NaN. The statuses are ``route.words``' (``OK``, the holder's error code,
-``ERR_SEQ``, ``UNANSWERED`` or ``TIMEOUT``). A row whose step
-had any status but ``OK`` is written as NaN (``o`` and ``lse``): a failed route is never merged
-as if it were empty.
+statuses and the replies. The merge is ``merge``'s fold (the max of the lse values first,
+``+inf`` read as empty, then the partials in order: the replies in ``Slots`` order, the local
+partial last; an empty partial's ``o`` is never read); a NaN ``lse`` (a holder's row with keys
+but no finite ``lse``) makes the row NaN. The statuses are ``route.words``' (``OK``, the
+holder's error code, ``ERR_SEQ``, ``UNANSWERED`` or ``TIMEOUT``). A row whose step had any
+status but ``OK`` is written as NaN (``o`` and ``lse``): a failed route is never merged as if
+it were empty.
 """
 
 from __future__ import annotations
@@ -140,8 +140,9 @@ def route_wait_launch(buf: RouteBuffers, seq: torch.Tensor, slots: torch.Tensor,
         kernel=route_wait_kernel,
         grid=(1,),
         args=(buf.rep_sig, buf.rep_hdr, seq, slots, status, n, B, H, spins),
-        kwargs=dict(SLOTS=triton.next_power_of_2(max(n, 1)), SCOPE="sys" if nvshmem else "gpu",
-                    num_warps=1),  # fmt: skip
+        kwargs=dict(
+            SLOTS=triton.next_power_of_2(max(n, 1)), SCOPE="sys" if nvshmem else "gpu", num_warps=1
+        ),  # fmt: skip
     )
 
 
@@ -164,8 +165,21 @@ def route_merge_launch(
         name=f"route_merge[{dtype_name(o.dtype)},D={d_v}{',local' if local else ''}]",
         kernel=route_merge_kernel,
         grid=(B * H,),
-        args=(buf.rep_o, buf.rep_lse, slots, o_loc, lse_loc, o, lse, status, slots.shape[0], B,
-              H, buf.heads, buf.max_batch),  # fmt: skip
+        args=(
+            buf.rep_o,
+            buf.rep_lse,
+            slots,
+            o_loc,
+            lse_loc,
+            o,
+            lse,
+            status,
+            slots.shape[0],
+            B,
+            H,
+            buf.heads,
+            buf.max_batch,
+        ),  # fmt: skip
         kwargs=dict(
             D_LAT=d_v,
             HAS_LOCAL=local is not None,
