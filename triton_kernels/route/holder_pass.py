@@ -20,7 +20,10 @@ holder's stream (``mqnc.serving.device_holder``), or run once (one-shot, the int
    ``Deferred``). It writes the pass record ``Pass [slots, PASS_WORDS]`` (the request's
    number, status, rows and its first pass row) and the attention's table: a used folded row
    gets its chunk's pool blocks plus the layer's offset in the layer-flattened pool and the
-   chunk's length, every other one length 0.
+   chunk's length, every other one length 0. A request with no rows (a probe, a bad header)
+   is answered by the take itself (the local backend; on NVSHMEM by the reply), so a probe's
+   round trip is the take's poll, not the pass. Every step is a vector over the slots: no
+   loop of dependent loads lies between a request's signal and the attention.
 2. :func:`route_gather_kernel` (``slots x P`` programs) copies each packed request's rows from
    its inbox slot into the pass's query rows.
 3. The dense attention (``mla.decode``'s plan, whatever backend the dispatch table gives the
@@ -60,6 +63,12 @@ from mqnc.triton_kernels.route.words import (
     MODE_DENSE,
     MODE_SPARSE,
     OK,
+    R_DETAIL,
+    R_HEADS,
+    R_ROWS,
+    R_SEQ,
+    R_STATUS,
+    REPLY_WORDS,
     RouteBuffers,
 )
 
@@ -76,6 +85,7 @@ __all__ = [
 ]
 
 _HW = tl.constexpr(HEADER_WORDS)
+_RW = tl.constexpr(REPLY_WORDS)
 # the pass record of a slot: [slots, PASS_WORDS] int64
 PASS_WORDS = 8
 P_SIG = tl.constexpr(0)  # the sequence number taken in this pass (0: none)
@@ -94,6 +104,7 @@ FOLD = 128
 """``F``, query rows a folded row holds: the Hopper see-saw's 128-head schedule, its fastest
 (docs/gluon-decode.md)."""
 COPY_PROGRAMS = 16  # programs per slot of the gather and the reply copies
+TABLE_COLUMNS = 128  # table columns (pages) the take writes at once
 COPY_ROWS = 16  # rows a copy program moves at once
 
 
@@ -130,19 +141,25 @@ _TAKE_INTS = ["n_slots", "n_chunks", "layers", "H", "max_batch", "max_rows", "ma
 
 @triton.jit(do_not_specialize=_TAKE_INTS)
 def route_take_kernel(
-    InSig, InHdr, RepSig, Stop, Seen, Pass, Deferred, ChunkBlocks, ChunkTokens, Table, Lens,
-    n_slots, n_chunks, layers, H, max_batch, max_rows, max_topk, max_blocks, num_blocks, groups,
-    width, max_idle, F: tl.constexpr, SLOTS: tl.constexpr, GROUPS: tl.constexpr,
-    WIDTH: tl.constexpr, TAKE_SPARSE: tl.constexpr, PERSISTENT: tl.constexpr,
-    SCOPE: tl.constexpr,
+    InSig, InHdr, RepSig, RepHdr, Stop, Seen, Pass, Deferred, ChunkBlocks, ChunkTokens, Table,
+    Lens, n_slots, n_chunks, layers, H, max_batch, max_rows, max_topk, max_blocks, num_blocks,
+    groups, width, max_idle, F: tl.constexpr, SLOTS: tl.constexpr, GROUPS: tl.constexpr,
+    WIDTH: tl.constexpr, TAKE_SPARSE: tl.constexpr, ANSWER: tl.constexpr,
+    PERSISTENT: tl.constexpr, SCOPE: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(1,)``. Inbox ``InSig [n_slots]``, ``InHdr [n_slots, 8]`` int64, ``RepSig
-    [n_slots]``; state ``Stop [1]``, ``Seen [n_slots]`` int64 (the last number taken per
-    slot); out ``Pass [n_slots, PASS_WORDS]`` int64, ``Deferred [1]`` int64 (requests left for
-    the next pass), ``Table [groups, width]`` / ``Lens [groups]`` int32 (``groups`` folded rows
-    of ``F``); the chunk table ``ChunkBlocks [n_chunks, max_blocks]`` / ``ChunkTokens
-    [n_chunks]`` int32 (-1: not hosted), the pool ``num_blocks`` blocks a layer. ``SLOTS``,
-    ``GROUPS``, ``WIDTH``: powers of two >= ``n_slots``, ``groups``, ``width``."""
+    """Grid ``(1,)``. Inbox ``InSig [n_slots]``, ``InHdr [n_slots, 8]`` int64; replies
+    ``RepSig [n_slots]``, ``RepHdr [n_slots, 5]`` int64; state ``Stop [1]``, ``Seen [n_slots]``
+    int64 (the last number taken per slot); out ``Pass [n_slots, PASS_WORDS]`` int64,
+    ``Deferred [1]`` int64 (requests left for the next pass), ``Table [groups, width]`` /
+    ``Lens [groups]`` int32 (``groups`` folded rows of ``F``); the chunk table ``ChunkBlocks
+    [n_chunks, max_blocks]`` / ``ChunkTokens [n_chunks]`` int32 (-1: not hosted), the pool
+    ``num_blocks`` blocks a layer. ``SLOTS``, ``GROUPS``: powers of two >= ``n_slots``,
+    ``groups``; ``WIDTH`` the table columns written at once. ``ANSWER`` (the local backend): a
+    taken request with no rows (a probe, an error) is answered here, at once (its header, then
+    its signal, released); else by the reply.
+
+    Every step is a vector over the slots (or ``[slots, slots]`` for the packing): no loop of
+    dependent loads between a request's signal and its table."""
     offs = tl.arange(0, SLOTS)
     live = offs < n_slots
     sig, seen, mine = _taken(InSig, InHdr, RepSig, Seen, offs, live, TAKE_SPARSE, SCOPE)
@@ -171,56 +188,63 @@ def route_take_kernel(
         bad = (status == OK) & (mode == MODE_SPARSE)
         status, detail = tl.where(bad, ERR_MODE, status), tl.where(bad, mode, detail)
     served = mine & (status == OK) & (mode == MODE_DENSE)
+    # the packing: the requests asking one (chunk, layer) contiguous, in slot order, that key's
+    # block of rows rounded up to whole folded rows, the keys in the order of their first slot
+    rows = tl.where(served, batch * H, 0)
+    key = tl.where(served, c * layers + layer, -1)
+    before_me = offs[None, :] < offs[:, None]  # [s, t]: t before s
+    same = (key[:, None] == key[None, :]) & served[:, None] & served[None, :]
+    ahead = tl.sum(tl.where(same & before_me, rows[None, :], 0), axis=1)
+    first_slot = tl.min(tl.where(same, offs[None, :], SLOTS), axis=1)
+    total = tl.sum(tl.where(same, rows[None, :], 0), axis=1)
+    first = served & (first_slot == offs)
+    block = tl.where(first, tl.cdiv(total, F) * F, 0)
+    base = tl.sum(tl.where(offs[None, :] < first_slot[:, None], block[None, :], 0), axis=1)
+    off = base + ahead
+    fits = served & (off + rows <= groups * F)
+    taken = mine & ~(served & ~fits)  # a request that does not fit waits for the next pass
+    tl.store(Deferred, tl.sum((served & ~fits).to(tl.int64), 0))
+    tl.store(Seen + offs, sig, mask=taken)
+    # the attention's table: folded row g holds rows of the requests whose rows reach into it
+    # (one key: they share its chunk and layer)
+    gs = tl.arange(0, GROUPS)
+    end = off + rows
+    owns = fits[None, :] & (gs[:, None] * F < end[None, :]) & ((gs[:, None] + 1) * F > off[None, :])
+    used = (tl.sum(owns.to(tl.int32), axis=1) > 0) & (gs < groups)
+    g_chunk = tl.max(tl.where(owns, c[None, :], 0), axis=1)
+    g_layer = tl.max(tl.where(owns, layer[None, :], 0), axis=1)
+    g_tokens = tl.max(tl.where(owns, tokens[None, :], 0), axis=1)
+    tl.store(Lens + gs, tl.where(used, g_tokens, 0).to(tl.int32), mask=gs < groups)
+    for w0 in range(0, width, WIDTH):
+        ws = w0 + tl.arange(0, WIDTH)
+        at = used[:, None] & (ws[None, :] < width)
+        blocks = tl.load(ChunkBlocks + g_chunk[:, None] * max_blocks + ws[None, :], mask=at,
+                         other=0)  # fmt: skip
+        tl.store(Table + gs[:, None] * width + ws[None, :],
+                 (blocks + g_layer[:, None] * num_blocks).to(tl.int32), mask=at)  # fmt: skip
+    # the pass record; a request with no rows is answered here when ANSWER
+    now = taken & ~fits
+    if ANSWER:
+        rep = RepHdr + offs * _RW
+        tl.store(rep + R_SEQ, sig, mask=now)
+        tl.store(rep + R_STATUS, _wide(status), mask=now)
+        tl.store(rep + R_DETAIL, detail.to(tl.int64), mask=now)
+        tl.store(rep + R_ROWS, tl.zeros([SLOTS], tl.int64), mask=now)
+        tl.store(rep + R_HEADS, tl.zeros([SLOTS], tl.int64), mask=now)
+        tl.debug_barrier()
+        tl.atomic_xchg(RepSig + offs, sig, mask=now, sem="release", scope=SCOPE)
+        later = fits
+    else:
+        later = taken
     rec = Pass + offs * _PW
-    tl.store(rec + P_SIG, tl.where(mine, sig, 0), mask=live)
+    tl.store(rec + P_SIG, tl.where(later, sig, 0), mask=live)
     tl.store(rec + P_STATUS, _wide(status), mask=live)
     tl.store(rec + P_DETAIL, detail.to(tl.int64), mask=live)
     tl.store(rec + P_BATCH, batch, mask=live)
     tl.store(rec + P_HEADS, heads, mask=live)
-    tl.store(rec + P_SERVED, served.to(tl.int64), mask=live)
+    tl.store(rec + P_SERVED, fits.to(tl.int64), mask=live)
     tl.store(rec + P_TOKENS, tokens.to(tl.int64), mask=live)
-    offs_g = tl.arange(0, GROUPS)
-    tl.store(Lens + offs_g, tl.zeros([GROUPS], tl.int32), mask=offs_g < groups)
-    tl.debug_barrier()
-    # the packing, in slot order: a request continues the open folded row when it asks the
-    # same (chunk, layer), else starts the next one; one that does not fit waits a pass
-    offs_w = tl.arange(0, WIDTH)
-    end = _wide(0)
-    key_chunk = _wide(-1)
-    key_layer = _wide(-1)
-    deferred = _wide(0)
-    for s in range(0, n_slots):
-        r = Pass + _wide(s) * _PW
-        got = tl.load(r + P_SIG)
-        if got != 0:
-            if tl.load(r + P_SERVED) != 0:
-                at = InHdr + _wide(s) * _HW
-                ch = tl.load(at + H_CHUNK, cache_modifier=".cg")
-                ly = tl.load(at + H_LAYER, cache_modifier=".cg")
-                rows = tl.load(r + P_BATCH) * H
-                same = (ch == key_chunk) & (ly == key_layer)
-                start = tl.where(same, end, tl.cdiv(end, F) * F)
-                stop_row = start + rows
-                if tl.cdiv(stop_row, F) <= groups:
-                    tl.store(r + P_OFF, start)
-                    tl.store(Seen + s, got)
-                    blocks = tl.load(ChunkBlocks + _wide(ch) * max_blocks + offs_w,
-                                     mask=offs_w < width, other=0)  # fmt: skip
-                    row = (blocks + ly * num_blocks).to(tl.int32)
-                    n = tl.load(r + P_TOKENS).to(tl.int32)
-                    for g in range(start // F, tl.cdiv(stop_row, F)):
-                        tl.store(Table + _wide(g) * width + offs_w, row, mask=offs_w < width)
-                        tl.store(Lens + g, n)
-                    end = stop_row
-                    key_chunk = ch
-                    key_layer = ly
-                else:  # not in this pass: the next one takes it again
-                    tl.store(r + P_SIG, _wide(0))
-                    tl.store(r + P_SERVED, _wide(0))
-                    deferred += 1
-            else:
-                tl.store(Seen + s, got)
-    tl.store(Deferred, deferred)
+    tl.store(rec + P_OFF, off, mask=live)
 
 
 @triton.jit(do_not_specialize=["H", "max_batch"])
@@ -307,10 +331,10 @@ def route_take_launch(buf: RouteBuffers, *, stop, seen, record, deferred, chunk_
     rows a folded row (:func:`pass_shape`)."""
     groups, width = table.shape
     args = (
-        buf.in_sig, buf.in_hdr, buf.rep_sig, stop, seen, record, deferred, chunk_blocks,
-        chunk_tokens, table, lens, buf.slots, chunk_tokens.shape[0], layers, buf.heads,
-        buf.max_batch, max_rows, buf.max_topk, chunk_blocks.shape[1], num_blocks, groups, width,
-        max_idle,
+        buf.in_sig, buf.in_hdr, buf.rep_sig, buf.rep_hdr, stop, seen, record, deferred,
+        chunk_blocks, chunk_tokens, table, lens, buf.slots, chunk_tokens.shape[0], layers,
+        buf.heads, buf.max_batch, max_rows, buf.max_topk, chunk_blocks.shape[1], num_blocks,
+        groups, width, max_idle,
     )  # fmt: skip
     mode = "persistent" if persistent else "one-shot"
     return Launch(
@@ -322,8 +346,9 @@ def route_take_launch(buf: RouteBuffers, *, stop, seen, record, deferred, chunk_
             F=fold,
             SLOTS=triton.next_power_of_2(buf.slots),
             GROUPS=triton.next_power_of_2(groups),
-            WIDTH=triton.next_power_of_2(width),
+            WIDTH=min(triton.next_power_of_2(width), TABLE_COLUMNS),
             TAKE_SPARSE=bool(take_sparse),
+            ANSWER=not nvshmem,
             PERSISTENT=bool(persistent),
             SCOPE="sys" if nvshmem else "gpu",
             num_warps=4,
