@@ -5,9 +5,12 @@ kernel at the same shape, and the fetch (pull and splice) of the same chunks: th
 route / fetch crossover in M_q, and the predicate's from the profile fitted to these records
 (``mqnc.cost.device_profile``).
 
-``python -m perf.bench_device_route [--out FILE | --record] [--reps N] [--dry-run] [--check]``
-(the shared benchmark flags, :func:`mqnc.measure.options.bench_parser`; ``--quick`` is the dry
-run; ``--schedule resident`` times the resident holder kernels instead of the pass;
+``python -m perf.bench_device_route [--out FILE | --record] [--reps N] [--dry-run] [--check]
+[--warm-jobs N]`` (the shared benchmark flags, :func:`mqnc.measure.options.bench_parser`;
+``--quick`` is the dry run; ``--schedule resident`` times the resident holder kernels instead
+of the pass; ``--warm-jobs N``: first compile every kernel the run, the device-route tests and
+the demo launch, by ``N`` worker processes sharing Triton's on-disk cache (the see-saw's
+specialisations take ~30 s each on the H200's host; :func:`warm_specs`);
 ``--check`` exits with status 1 when, on a GPU, a goal of :data:`TARGETS_US` is missed or a
 measured crossover is more than 15% from the predicate's: docs/device-route.md).
 
@@ -69,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--schedule", choices=("pass", "resident"), default="pass",
                     help="the holder's dense schedule")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes, interpreted (a CPU)")
+    ap.add_argument("--warm-jobs", type=int, default=0,
+                    help="compile first, by this many processes (0: no warm-up)")  # fmt: skip
     ap.add_argument("--commit", default=None, help="the commit the records name")
     return ap
 
@@ -161,6 +166,8 @@ def main(argv=None) -> int:
     if dry:
         args.reps, args.inner, args.layers, args.ctas = 1, 1, 1, 2
     rec = _Records(args, args.commit or "unknown")
+    if args.warm_jobs > 0 and not warm(args.warm_jobs, dry):
+        return 1
     c_ts = (128, 256) if dry else (2048, 8192)
     # (tokens, requesters, query heads): M_q 1 (one head), 16..1024, then N requesters at once
     sizes = [(1, 1, 16)] if dry else [(1, 1, 1)] + [(2**i, 1, 16) for i in range(7)]
@@ -194,6 +201,85 @@ def main(argv=None) -> int:
     finally:
         rig.close()
     return _missed(args.out, args.results_lines) if args.check and not dry else 0
+
+
+def warm_specs(dry: bool) -> list[dict]:
+    """What the run, ``correctness/test_device_route.py`` and ``mqnc demo --device-route``
+    compile, as data a worker process rebuilds: the route's small kernels at 16 and 128 heads
+    (the resident holder kernels, the put, wait and merge, the pass's take, gather and reply;
+    the FP8 holder kernels); the pass's attention over 128-row folded rows at the run's, the
+    tests' and the demo's shapes (split and not: the see-saw's two specialisations on an H200);
+    the default kernel at the unfolded shape; the splice."""
+    if dry:
+        return [dict(kind="pass", G=1, c_t=128, splits=None)]
+    specs = [dict(kind="route_kernels", heads=h, fp8=f) for h in (16, 128) for f in (False, True)]
+    specs += [dict(kind="pass", G=8, c_t=c_t, splits=None) for c_t in (512, 2048, 8192)]
+    specs += [dict(kind="pass", G=2, c_t=200, splits=3), dict(kind="default", B=64, c_t=2048)]
+    return specs + [dict(kind="splice", c_t=2048)]
+
+
+def warm_one(spec: dict) -> tuple[str, float, str | None]:
+    """Compile one spec of :func:`warm_specs` (a worker process): ``(what, seconds, error)``."""
+    t0 = time.perf_counter()
+    try:
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        g = torch.Generator().manual_seed(0)
+        if spec["kind"] == "route_kernels":
+            from mqnc.transport.device_route import device_route_launches
+
+            for ln in device_route_launches(spec["heads"], fp8=spec["fp8"]).values():
+                args = tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in ln.args)
+                ln.kernel.warmup(*args, grid=ln.grid, **ln.kwargs)
+        elif spec["kind"] in ("pass", "default"):
+            from mqnc.triton_kernels import mla_decode_partial, plan_mla_decode
+
+            n = -(-spec["c_t"] // 64)
+            pool = (0.5 * torch.randn(n + 1, 64, 576, generator=g)).bfloat16().to(dev)
+            rows, heads = (spec["G"], 128) if spec["kind"] == "pass" else (spec["B"], 16)
+            q = torch.zeros(rows, heads, 576, dtype=torch.bfloat16, device=dev)
+            table = torch.arange(n, dtype=torch.int32, device=dev)[None].repeat(rows, 1)
+            lens = torch.full((rows,), spec["c_t"], dtype=torch.int32, device=dev)
+            if spec["kind"] == "pass":
+                plan = plan_mla_decode(q, pool, table, lens, softmax_scale=0.1,
+                                       num_splits=spec["splits"])  # fmt: skip
+                plan.run(q, pool, table, lens)
+            else:
+                mla_decode_partial(q, pool, table, lens, softmax_scale=0.1)
+        else:
+            from mqnc.model import RopeSpec
+            from mqnc.triton_kernels import rope_splice
+
+            chunk = torch.zeros(4, spec["c_t"], 576, dtype=torch.bfloat16, device=dev)
+            pool = torch.zeros(4, spec["c_t"] // 64 + 1, 64, 576, dtype=torch.bfloat16,
+                               device=dev)  # fmt: skip
+            slots = torch.arange(spec["c_t"], dtype=torch.int64, device=dev)
+            rope_splice(chunk, pool, slots, 7, RopeSpec.from_preset("deepseek-v2-lite"))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        return str(spec), time.perf_counter() - t0, None
+    except Exception as exc:  # noqa: BLE001 - reported per spec, the others go on
+        return str(spec), time.perf_counter() - t0, f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
+def warm(jobs: int, dry: bool) -> bool:
+    """Every spec of :func:`warm_specs` compiled by ``jobs`` worker processes sharing Triton's
+    cache (in-process for the dry run); each printed; False if any failed."""
+    import concurrent.futures
+    import multiprocessing
+
+    specs = warm_specs(dry)
+    t0 = time.perf_counter()
+    if dry or jobs <= 1:
+        results = [warm_one(s) for s in specs]
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            results = list(pool.map(warm_one, specs))
+    for what, secs, err in results:
+        print(f"warm {secs:6.1f} s  {'ok    ' if err is None else 'FAILED'}  {what} {err or ''}")
+    failed = sum(err is not None for _, _, err in results)
+    print(f"warm: {len(results)} specs, {failed} failed, {time.perf_counter() - t0:.1f} s")
+    return not failed
 
 
 def _missed(out: str, skip: int) -> int:

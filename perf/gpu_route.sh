@@ -5,26 +5,31 @@
 #   bash perf/gpu_route.sh --dry-run   on a CPU machine: the same commands, interpreted, tiny
 #
 # Steps (docs/device-route.md):
-#   1. the proof, on the GPU (the suite runs it interpreted; not in the dry run):
-#      correctness/test_device_route.py (the holder kernel one-shot against the host-driven
-#      holder, bit for bit; bad headers, stop, sequence wrap);
-#   2. perf.bench_device_route: the host-free probe round trip, the route at M_q 16..1024 (H 16,
-#      c_t 2048, 4 layers a captured step) and 1 (one head), H 128 at B 1 / 8, N requesters
-#      2..16 (the fan-in elbow), each answer checked against fp64 first; records
-#      ($OUT/results_route.jsonl, each with the commit) bench "probe" / "route", transport
-#      "device-local", extra.host_free, extra.host_calls_per_layer (graph replays over routed
-#      layers, counted);
-#   3. the demo over the device route: mqnc demo --device-route (the demo's corpus, 16 chunks of
-#      256-512 tokens, 4 layers, each layer checked against fp64; $OUT/demo/device_route.json).
+#   1. perf.bench_device_route --check, after its warm-up (--warm-jobs 16: every kernel the run,
+#      the tests and the demo compile, by 16 processes sharing Triton's cache): the host-free
+#      probe round trip, the route over M_q 1..1024 at c_t 2048 (H 16, 4 layers a captured step)
+#      and 1..1024 at c_t 8192, 16 requesters at once, H 128 at B 1 / 8, the holder's compute
+#      against the default kernel, the fetch (pull and splice) of both chunks, every answer
+#      checked against fp64 first; records ($OUT/results_route.jsonl, each with the commit)
+#      with extra.host_free and extra.host_calls_per_layer; --check fails the step on a missed
+#      goal (probe 5 us; route M_q 1, 16: 15 us; M_q 1024: 40 us; 16 x M_q 16: 60 us; holder
+#      compute 1.5x the default kernel) or a crossover more than 15% from the predicate's, and
+#      prints every crossover (the records are kept either way);
+#   2. the proof, on the GPU (the suite runs it interpreted; not in the dry run):
+#      correctness/test_device_route.py (the pass and the resident kernels against the
+#      host-driven holder; bad headers, stop, sequence wrap, packing, the profile's fit);
+#   3. the demo over the device route: mqnc demo --device-route (the demo's corpus, 16 chunks
+#      of 256-512 tokens, 4 layers; its calibration measured there, each (chunk, agent) decided
+#      by the predicate from it, each layer checked against fp64; $OUT/demo/device_route.json).
 #
-# Budget, 4 minutes on an H200 ($BUDGET_S, 240; the run fails past it), estimated (no run yet):
-# ~30 s of compiles (the holder kernels, put and merge, twice: 16 and 128 heads), 14 route
-# points and a probe at 20 samples of 20 graph replays of a 4-layer step (each replay < 1 ms
-# expected: well under 10 s), two holders' set-up (the split tables: ~65 plans each, ~5 s),
-# the proof's 7 tests on the GPU (~20 s), the demo (~60 s).
+# Budget, 5 minutes on an H200 ($BUDGET_S, 300; the run fails past it), estimated (no run of
+# this layout yet): install ~30 s; warm-up ~60 s (the see-saw's two specialisations ~30 s each,
+# in parallel with the small kernels); ~30 timed steps of 20 samples of 20 graph replays, each
+# with a holder restart and two captures (~0.5 s each: ~15 s); the proof's 27 tests (~60 s);
+# the demo (~40 s).
 source "$(dirname "$0")/gpu_common.sh"
 gpu_python
-BUDGET_S=${BUDGET_S:-240}
+BUDGET_S=${BUDGET_S:-300}
 mkdir -p "$OUT/logs"
 gpu_interpreter
 gpu_commit
@@ -40,9 +45,9 @@ step() { # name, command...: logged to $OUT/logs/<name>.log, one line in $OUT/su
   echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
   ((rc == 0)) || { tail -20 "$OUT/logs/$name.log" && status=1; }
 }
-((DRY)) || step proof "$PY" -m pytest correctness/test_device_route.py -q -p no:cacheprovider
 step bench "$PY" -m perf.bench_device_route --out "$OUT/results_route.jsonl" \
-  --commit "$MQNC_COMMIT" $( ((DRY)) && echo --dry-run)
+  --commit "$MQNC_COMMIT" $( ((DRY)) && echo --dry-run --warm-jobs 1 || echo --warm-jobs 16 --check)
+((DRY)) || step proof "$PY" -m pytest correctness/test_device_route.py -q -p no:cacheprovider
 if ((DRY)); then # the demo's own test runs it interpreted (test_device_route)
   echo "demo skipped in the dry run" | tee -a "$OUT/summary.txt"
 else
