@@ -349,7 +349,7 @@ def test_the_demo_routes_its_corpus_over_the_device_route(tmp_path, capsys, monk
     interpreter's timings pick."""
     import json
 
-    import mqnc.demo.device_route as demo
+    import mqnc.demo.device_demo as demo
     from mqnc.cli import main
 
     decide = demo._decide

@@ -14,7 +14,7 @@ specialisations take ~30 s each on the H200's host; :func:`warm_specs`);
 ``--check`` exits with status 1 when, on a GPU, a goal of :data:`TARGETS_US` is missed or a
 measured crossover is more than 15% from the predicate's: docs/device-route.md).
 
-What is timed (a GPU; ``mqnc.measure.device_route``): each step is ``--layers`` layers captured
+What is timed (a GPU; ``mqnc.measure.route_rig``): each step is ``--layers`` layers captured
 once in a CUDA graph and replayed between CUDA events, so ``extra.host_calls_per_layer`` is
 graph replays over routed layers and ``extra.host_free`` is true. The holder is started once
 (the pass's graph replayed by its thread; no resident sparse kernel). p20 / p50 / p80 of
@@ -47,7 +47,7 @@ import time
 import torch
 
 from mqnc.cost.results_reader import read_jsonl
-from mqnc.measure.device_route import RouteRig, time_step
+from mqnc.measure.route_rig import RouteRig, time_step
 from mqnc.measure.options import bench_parser, parse_bench_args
 
 TARGETS_US = {

@@ -17,7 +17,7 @@ from mqnc.base.runtime import device_name, kernel_mode
 from mqnc.demo.calibration import Calibration, calibrate, lacking, median_rounds
 from mqnc.demo.cluster import Cluster
 from mqnc.demo.config import DemoConfig
-from mqnc.demo.device_route import run_device_route
+from mqnc.demo.device_demo import run_device_route
 from mqnc.demo.preflight import Prepared
 from mqnc.demo.progress import Progress
 from mqnc.demo.report import WIDTH, Report, median_calls, plot, print_table, spread_mape

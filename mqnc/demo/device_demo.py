@@ -4,7 +4,7 @@ docs/device-route.md).
 
 1. **Host**: the corpus's chunks (the demo model's prefilled caches, canonical positions) on a
    device holder (``mqnc.serving.device_holder``, the pass), a requester pool beside it.
-2. **Calibrate**, measured here the bench's way (``mqnc.measure.device_route``: a step of every
+2. **Calibrate**, measured here the bench's way (``mqnc.measure.route_rig``: a step of every
    layer captured in a CUDA graph and replayed on a GPU; eagerly and interpreted on a CPU,
    where the numbers only exercise the path): the probe round trip, the route at both agents'
    ``M_q`` over the smallest and the largest chunk, and the fetch (pull and splice) of each
@@ -45,7 +45,7 @@ def _calibrate(rig, agents: dict, sizes: list[int], reps: int, inner: int) -> li
     the route at every agent's ``M_q`` over chunks ``sizes``, their fetch."""
     import functools
 
-    from mqnc.measure.device_route import time_step
+    from mqnc.measure.route_rig import time_step
 
     g, L = rig.geom, rig.geom.layers
     recs = []
@@ -129,7 +129,7 @@ def run_device_route(cfg: DemoConfig) -> dict:
     """The demo over the device route (module docstring). Prints the decisions and the
     per-layer wall time (measured here; on a CPU the interpreter's) and returns what it writes
     to ``device_route.json``."""
-    from mqnc.measure.device_route import RouteRig
+    from mqnc.measure.route_rig import RouteRig
     from mqnc.reference import partial_attention_reference
     from mqnc.testing import TOLERANCES, assert_close
     from mqnc.transport.device_route import check_status
