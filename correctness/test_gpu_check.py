@@ -455,24 +455,34 @@ ROUTE_SCRIPT = ROOT / "perf" / "gpu_route.sh"
 
 def test_dry_run_of_the_device_route_records_probe_and_route_with_host_calls(tmp_path):
     """``perf/gpu_route.sh --dry-run``: the device route's bench runs its real commands
-    interpreted and tiny and records the probe and the route (16 heads with 1 and 2 requesters,
-    128 heads), each with the commit, transport ``device-local``, the answer's fp64 check and
+    interpreted and tiny (its warm-up in-process) and records the probe, the route (16 heads
+    with 1 and 2 requesters at c_t 128, 1 requester at c_t 256, 128 heads), the holder's
+    compute beside the default kernel's and the fetch of both chunks (its pull and splice
+    alone beside it), each with the commit, transport ``device-local``, the fp64 check and
     ``extra.host_calls_per_layer`` counted (every launch a host call in the dry run, which has
     no graph: ``host_free`` false there); the budget line is printed."""
     out = tmp_path / "gpu_route"
     r = _script_dry_run(ROUTE_SCRIPT, out, timeout=900)
     print(r.stdout[-4000:])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert re.search(r"route run took \d+s of 240s", r.stdout), r.stdout[-2000:]
+    assert re.search(r"route run took \d+s of 300s", r.stdout), r.stdout[-2000:]
+    assert "warm: 1 specs, 0 failed" in (out / "logs" / "bench.log").read_text()
     recs = [json.loads(x) for x in (out / "results_route.jsonl").read_text().splitlines()]
-    got = [(r["bench"], r["x"], r["extra"]["heads"], r["extra"].get("requesters")) for r in recs]
-    assert got == [("probe", 1, 16, None), ("route", 16, 16, 1), ("route", 16, 16, 2),
-                   ("route", 128, 128, 1)]  # fmt: skip
+    got = [(r["bench"], r["x"], r["extra"]["heads"], r["extra"].get("requesters"),
+            r["extra"]["c_t"]) for r in recs]  # fmt: skip
+    assert got == [("probe", 1, 16, None, 128), ("route", 16, 16, 1, 128),
+                   ("holder_attend", 16, 16, None, 128), ("default_attend", 16, 16, None, 128),
+                   ("route", 16, 16, 2, 128), ("fetch", 128, 16, None, 128),
+                   ("route", 16, 16, 1, 256), ("fetch", 256, 16, None, 256),
+                   ("route", 128, 128, 1, 128)]  # fmt: skip
     for rec in recs:
         e = rec["extra"]
         assert rec["commit"] == "dryrun0commit" and rec["transport"] == "device-local"
-        assert e["host_free"] is False and e["host_calls_per_layer"] >= 2, e  # put + merge
-        assert rec["bench"] == "probe" or e["vs_fp64"] >= 0.0, e  # checked within the bound
+        assert e["host_free"] is False and e["host_calls_per_layer"] >= 1, e
+        if rec["bench"] == "route":  # put, the pass (take, gather, attend, reply), wait, merge
+            assert e["host_calls_per_layer"] >= 2 and e["vs_fp64"] >= 0.0, e
+        if rec["bench"] == "fetch":
+            assert e["pull_us"] > 0 and e["splice_us"] > 0 and e["vs_fp64"] >= 0.0, e
 
 
 @pytest.fixture(scope="module")

@@ -135,6 +135,50 @@ def _taken(InSig, InHdr, RepSig, Seen, offs, live, TAKE_SPARSE: tl.constexpr,
     return sig, seen, mine
 
 
+@triton.jit
+def _pack(served, c, layer, batch, offs, H, layers, groups, F: tl.constexpr,
+          SLOTS: tl.constexpr):  # fmt: skip
+    """The packing, vectors over the slots: the requests asking one (chunk, layer) contiguous,
+    in slot order, that key's block of rows rounded up to whole folded rows of ``F``, the keys
+    in the order of their first slot. ``(off, rows, fits)``: each request's first row, its
+    rows, whether it fits the pass's ``groups`` folded rows."""
+    rows = tl.where(served, batch * H, 0)
+    key = tl.where(served, c * layers + layer, -1)
+    before_me = offs[None, :] < offs[:, None]  # [s, t]: t before s
+    same = (key[:, None] == key[None, :]) & served[:, None] & served[None, :]
+    ahead = tl.sum(tl.where(same & before_me, rows[None, :], 0), axis=1)
+    first_slot = tl.min(tl.where(same, offs[None, :], SLOTS), axis=1)
+    total = tl.sum(tl.where(same, rows[None, :], 0), axis=1)
+    block = tl.where(served & (first_slot == offs), tl.cdiv(total, F) * F, 0)
+    base = tl.sum(tl.where(offs[None, :] < first_slot[:, None], block[None, :], 0), axis=1)
+    off = base + ahead
+    return off, rows, served & (off + rows <= groups * F)
+
+
+@triton.jit
+def _table(ChunkBlocks, Table, Lens, off, rows, fits, c, layer, tokens, max_blocks, num_blocks,
+           groups, width, F: tl.constexpr, GROUPS: tl.constexpr,
+           WIDTH: tl.constexpr):  # fmt: skip
+    """The attention's table and lengths: folded row ``g`` holds rows of the requests whose
+    rows reach into it (one key: they share its chunk and layer): their chunk's pool blocks
+    plus the layer's offset, its length; an unused folded row length 0."""
+    gs = tl.arange(0, GROUPS)
+    end = off + rows
+    owns = fits[None, :] & (gs[:, None] * F < end[None, :]) & ((gs[:, None] + 1) * F > off[None, :])
+    used = (tl.sum(owns.to(tl.int32), axis=1) > 0) & (gs < groups)
+    g_chunk = tl.max(tl.where(owns, c[None, :], 0), axis=1)
+    g_layer = tl.max(tl.where(owns, layer[None, :], 0), axis=1)
+    g_tokens = tl.max(tl.where(owns, tokens[None, :], 0), axis=1)
+    tl.store(Lens + gs, tl.where(used, g_tokens, 0).to(tl.int32), mask=gs < groups)
+    for w0 in range(0, width, WIDTH):
+        ws = w0 + tl.arange(0, WIDTH)
+        at = used[:, None] & (ws[None, :] < width)
+        blocks = tl.load(ChunkBlocks + g_chunk[:, None] * max_blocks + ws[None, :], mask=at,
+                         other=0)  # fmt: skip
+        tl.store(Table + gs[:, None] * width + ws[None, :],
+                 (blocks + g_layer[:, None] * num_blocks).to(tl.int32), mask=at)  # fmt: skip
+
+
 _TAKE_INTS = ["n_slots", "n_chunks", "layers", "H", "max_batch", "max_rows", "max_topk",
               "max_blocks", "num_blocks", "groups", "width", "max_idle"]  # fmt: skip
 
@@ -188,40 +232,12 @@ def route_take_kernel(
         bad = (status == OK) & (mode == MODE_SPARSE)
         status, detail = tl.where(bad, ERR_MODE, status), tl.where(bad, mode, detail)
     served = mine & (status == OK) & (mode == MODE_DENSE)
-    # the packing: the requests asking one (chunk, layer) contiguous, in slot order, that key's
-    # block of rows rounded up to whole folded rows, the keys in the order of their first slot
-    rows = tl.where(served, batch * H, 0)
-    key = tl.where(served, c * layers + layer, -1)
-    before_me = offs[None, :] < offs[:, None]  # [s, t]: t before s
-    same = (key[:, None] == key[None, :]) & served[:, None] & served[None, :]
-    ahead = tl.sum(tl.where(same & before_me, rows[None, :], 0), axis=1)
-    first_slot = tl.min(tl.where(same, offs[None, :], SLOTS), axis=1)
-    total = tl.sum(tl.where(same, rows[None, :], 0), axis=1)
-    first = served & (first_slot == offs)
-    block = tl.where(first, tl.cdiv(total, F) * F, 0)
-    base = tl.sum(tl.where(offs[None, :] < first_slot[:, None], block[None, :], 0), axis=1)
-    off = base + ahead
-    fits = served & (off + rows <= groups * F)
+    off, rows, fits = _pack(served, c, layer, batch, offs, H, layers, groups, F, SLOTS)
     taken = mine & ~(served & ~fits)  # a request that does not fit waits for the next pass
     tl.store(Deferred, tl.sum((served & ~fits).to(tl.int64), 0))
     tl.store(Seen + offs, sig, mask=taken)
-    # the attention's table: folded row g holds rows of the requests whose rows reach into it
-    # (one key: they share its chunk and layer)
-    gs = tl.arange(0, GROUPS)
-    end = off + rows
-    owns = fits[None, :] & (gs[:, None] * F < end[None, :]) & ((gs[:, None] + 1) * F > off[None, :])
-    used = (tl.sum(owns.to(tl.int32), axis=1) > 0) & (gs < groups)
-    g_chunk = tl.max(tl.where(owns, c[None, :], 0), axis=1)
-    g_layer = tl.max(tl.where(owns, layer[None, :], 0), axis=1)
-    g_tokens = tl.max(tl.where(owns, tokens[None, :], 0), axis=1)
-    tl.store(Lens + gs, tl.where(used, g_tokens, 0).to(tl.int32), mask=gs < groups)
-    for w0 in range(0, width, WIDTH):
-        ws = w0 + tl.arange(0, WIDTH)
-        at = used[:, None] & (ws[None, :] < width)
-        blocks = tl.load(ChunkBlocks + g_chunk[:, None] * max_blocks + ws[None, :], mask=at,
-                         other=0)  # fmt: skip
-        tl.store(Table + gs[:, None] * width + ws[None, :],
-                 (blocks + g_layer[:, None] * num_blocks).to(tl.int32), mask=at)  # fmt: skip
+    _table(ChunkBlocks, Table, Lens, off, rows, fits, c, layer, tokens, max_blocks, num_blocks,
+           groups, width, F, GROUPS, WIDTH)  # fmt: skip
     # the pass record; a request with no rows is answered here when ANSWER
     now = taken & ~fits
     if ANSWER:
