@@ -8,9 +8,10 @@ route / fetch crossover in M_q, and the predicate's from the profile fitted to t
 ``python -m perf.bench_device_route [--out FILE | --record] [--reps N] [--dry-run] [--check]
 [--warm-jobs N]`` (the shared benchmark flags, :func:`mqnc.measure.options.bench_parser`;
 ``--quick`` is the dry run; ``--schedule resident`` times the resident holder kernels instead
-of the pass; ``--warm-jobs N``: first compile every kernel the run, the device-route tests and
-the demo launch, by ``N`` worker processes sharing Triton's on-disk cache (the see-saw's
-specialisations take ~30 s each on the H200's host; :func:`warm_specs`);
+of the pass; ``--warm-jobs N``: first compile the attention, splice and default-kernel
+specialisations the run, the device-route tests and the demo launch, by ``N`` worker
+processes sharing Triton's on-disk cache (the see-saw's take ~30 s each on the H200's host;
+:func:`warm_specs`; the route's own kernels: ``python -m perf.warmup --ops route``);
 ``--check`` exits with status 1 when, on a GPU, a goal of :data:`TARGETS_US` is missed or a
 measured crossover is more than 15% from the predicate's: docs/device-route.md).
 
@@ -47,8 +48,8 @@ import time
 import torch
 
 from mqnc.cost.results_reader import read_jsonl
-from mqnc.measure.route_rig import RouteRig, time_step
 from mqnc.measure.options import bench_parser, parse_bench_args
+from mqnc.measure.route_rig import RouteRig, time_step
 
 TARGETS_US = {
     # (bench, M_q or None for any, requesters): p50 goal, us (docs/device-route.md)
@@ -205,15 +206,13 @@ def main(argv=None) -> int:
 
 def warm_specs(dry: bool) -> list[dict]:
     """What the run, ``correctness/test_device_route.py`` and ``mqnc demo --device-route``
-    compile, as data a worker process rebuilds: the route's small kernels at 16 and 128 heads
-    (the resident holder kernels, the put, wait and merge, the pass's take, gather and reply;
-    the FP8 holder kernels); the pass's attention over 128-row folded rows at the run's, the
+    compile besides the route's own kernels (``python -m perf.warmup --ops route``), as data a
+    worker process rebuilds: the pass's attention over 128-row folded rows at the run's, the
     tests' and the demo's shapes (split and not: the see-saw's two specialisations on an H200);
     the default kernel at the unfolded shape; the splice."""
     if dry:
         return [dict(kind="pass", G=1, c_t=128, splits=None)]
-    specs = [dict(kind="route_kernels", heads=h, fp8=f) for h in (16, 128) for f in (False, True)]
-    specs += [dict(kind="pass", G=8, c_t=c_t, splits=None) for c_t in (512, 2048, 8192)]
+    specs = [dict(kind="pass", G=8, c_t=c_t, splits=None) for c_t in (512, 2048, 8192)]
     specs += [dict(kind="pass", G=2, c_t=200, splits=3), dict(kind="default", B=64, c_t=2048)]
     return specs + [dict(kind="splice", c_t=2048)]
 
@@ -224,13 +223,7 @@ def warm_one(spec: dict) -> tuple[str, float, str | None]:
     try:
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         g = torch.Generator().manual_seed(0)
-        if spec["kind"] == "route_kernels":
-            from mqnc.transport.device_route import device_route_launches
-
-            for ln in device_route_launches(spec["heads"], fp8=spec["fp8"]).values():
-                args = tuple(a.to(dev) if isinstance(a, torch.Tensor) else a for a in ln.args)
-                ln.kernel.warmup(*args, grid=ln.grid, **ln.kwargs)
-        elif spec["kind"] in ("pass", "default"):
+        if spec["kind"] in ("pass", "default"):
             from mqnc.triton_kernels import mla_decode_partial, plan_mla_decode
 
             n = -(-spec["c_t"] // 64)

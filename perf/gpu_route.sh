@@ -5,8 +5,12 @@
 #   bash perf/gpu_route.sh --dry-run   on a CPU machine: the same commands, interpreted, tiny
 #
 # Steps (docs/device-route.md):
-#   1. perf.bench_device_route --check, after its warm-up (--warm-jobs 16: every kernel the run,
-#      the tests and the demo compile, by 16 processes sharing Triton's cache): the host-free
+#   0. perf.warmup --ops route: the route's own kernels (resident holder kernels, put, wait,
+#      merge, the pass's take, gather and reply) compiled by 16 processes (not in the dry run:
+#      test_compile_sm90 compiles the same launches);
+#   1. perf.bench_device_route --check, after its warm-up (--warm-jobs 16: the attention,
+#      splice and default-kernel specialisations the run, the tests and the demo compile, by 16
+#      processes sharing Triton's cache): the host-free
 #      probe round trip, the route over M_q 1..1024 at c_t 2048 (H 16, 4 layers a captured step)
 #      and 1..1024 at c_t 8192, 16 requesters at once, H 128 at B 1 / 8, the holder's compute
 #      against the default kernel, the fetch (pull and splice) of both chunks, every answer
@@ -45,6 +49,7 @@ step() { # name, command...: logged to $OUT/logs/<name>.log, one line in $OUT/su
   echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
   ((rc == 0)) || { tail -20 "$OUT/logs/$name.log" && status=1; }
 }
+((DRY)) || step warmup "$PY" -m perf.warmup --ops route --jobs 16
 step bench "$PY" -m perf.bench_device_route --out "$OUT/results_route.jsonl" \
   --commit "$MQNC_COMMIT" $( ((DRY)) && echo --dry-run --warm-jobs 1 || echo --warm-jobs 16 --check)
 ((DRY)) || step proof "$PY" -m pytest correctness/test_device_route.py -q -p no:cacheprovider

@@ -1,6 +1,7 @@
 """Compile every production kernel variant into Triton's cache before anything is timed.
 
 ``python -m perf.warmup [--jobs 16] [--ops mla_decode,mla_sparse,merge,splice,rotate,nvshmem]``
+(``--ops route``: the device route's kernels instead, ``perf/gpu_route.sh``'s first step)
 
 The first step of ``perf/gpu_check.sh`` after the copy ceiling: a cold cache would otherwise
 put compiles (0.2-3 s per variant, ~10 s for an NVSHMEM kernel linking the device bitcode) into
@@ -8,7 +9,10 @@ the first timed call of every benchmark and test. Two phases:
 
 1. **parallel**: every variant the goal shapes launch (``sm90.variants.production_variants``, once
    each, planned as on a CPU) and the NVSHMEM engine's put and wait kernels (when the device
-   bitcode is found), compiled by ``--jobs`` processes sharing the on-disk cache
+   bitcode is found) or, with ``route``, the device route's own kernels at 16 and 128 heads
+   (``mqnc.transport.device_route.device_route_launches``: the resident holder kernels, bf16
+   and FP8, the put, wait and merge, the pass's take, gather and reply), compiled by
+   ``--jobs`` processes sharing the on-disk cache
    (``~/.triton/cache``). On a GPU each is the JIT's own ``kernel.warmup`` on device tensors;
    without one (the dry run) ``sm90.compile.compile_launch`` for sm_90, which builds the same cache
    entry (same source, specialisation, options and target).
@@ -31,13 +35,16 @@ import os
 import sys
 import time
 
-OPS = ("mla_decode", "mla_sparse", "merge", "splice", "rotate", "nvshmem")
+DEFAULT_OPS = ("mla_decode", "mla_sparse", "merge", "splice", "rotate", "nvshmem")
+OPS = DEFAULT_OPS + ("route",)
 _CACHE: dict = {}
 
 
 def _op(name: str) -> str:
     if name.startswith("nvshmem:"):
         return "nvshmem"
+    if name.startswith("route:"):
+        return "route"
     return name.split("[", 1)[0]
 
 
@@ -58,6 +65,12 @@ def _launches() -> dict[str, tuple]:
                 _CACHE[f"nvshmem:{name}"] = launches[name]
         except Exception:  # noqa: BLE001 - no NVSHMEM bitcode here: nothing of it to warm
             pass
+        from mqnc.transport.device_route import device_route_launches
+
+        for heads in (16, 128):
+            for fp8 in (False, True):
+                for name, ln in device_route_launches(heads, fp8=fp8).items():
+                    _CACHE[f"route:{name},H={heads}"] = (ln.kernel, ln.args, ln.kwargs, ln.grid)
     return _CACHE
 
 
@@ -102,7 +115,8 @@ def _verify() -> tuple[int, float]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
-    ap.add_argument("--ops", default=",".join(OPS), help=f"comma list out of {', '.join(OPS)}")
+    ap.add_argument("--ops", default=",".join(DEFAULT_OPS),
+                    help=f"comma list out of {', '.join(OPS)} (default: not route)")  # fmt: skip
     args = ap.parse_args(argv)
     from mqnc.base.runtime import use_compiled_kernels
 

@@ -141,7 +141,8 @@ class RouteRig:
     def attend_step(self) -> None:
         """The pass's dense attention alone (over every slot's folded rows; the slots' lengths
         as the last pass left them)."""
-        self.holder.pass_launches()[1]()
+        _, _, attend, _ = self.holder.pass_launches()
+        attend()
 
     def default_step(self, q: torch.Tensor):
         """The default dense kernel at the unfolded shape: ``q [B, H, d_qk]``, every token over
