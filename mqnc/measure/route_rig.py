@@ -82,6 +82,7 @@ class RouteRig:
                                            device=self.device))  # fmt: skip
             first += blocks[i] * 64
         self.delta = delta
+        self._default = None  # the default kernel's plan (default_step)
         if not dry:
             self.holder.start(max_idle=1 << 22)
 
@@ -146,14 +147,21 @@ class RouteRig:
 
     def default_step(self, q: torch.Tensor):
         """The default dense kernel at the unfolded shape: ``q [B, H, d_qk]``, every token over
-        the chunk's pages of layer 0."""
-        from mqnc.triton_kernels import mla_decode_partial
+        chunk 0's pages of layer 0 (planned on the first call, outside any capture; then the
+        plan's run: no check, no host sync)."""
+        from mqnc.triton_kernels import plan_mla_decode
 
-        B = q.shape[0]
-        table = self.holder.chunks[CHUNK].blocks.to(self.device)[None].expand(B, -1).contiguous()
-        lens = torch.full((B,), self.c_t, dtype=torch.int32, device=self.device)
-        return mla_decode_partial(q, self.holder.pages.kv[0], table, lens,
-                                  softmax_scale=self.scale, d_v=self.geom.d_v)  # fmt: skip
+        if self._default is None or self._default[1].shape != q.shape:
+            B = q.shape[0]
+            blocks = self.holder.chunks[CHUNK].blocks.to(self.device)
+            table = blocks[None].expand(B, -1).contiguous()
+            lens = torch.full((B,), self.c_t, dtype=torch.int32, device=self.device)
+            pool = self.holder.pages.kv[0]
+            plan = plan_mla_decode(q, pool, table, lens, softmax_scale=self.scale,
+                                   d_v=self.geom.d_v)  # fmt: skip
+            self._default = (plan, q, pool, table, lens)
+        plan, _, pool, table, lens = self._default
+        return plan.run(q, pool, table, lens)
 
     # ---- checks -----------------------------------------------------------------------------
     def check_route(self, q: list, outs, B: int, heads: int, requesters: int) -> float:
