@@ -306,7 +306,14 @@ TABLE: tuple[Rule, ...] = (
     Rule("splice", "tl", "rope_splice / rope_rotate", "every case", _always),
     Rule("fp8_quant", "tl", "fp8_quantize / fp8_dequantize", "every case", _always),
     Rule("tp", "tl", "tp_partial_scores / tp_partial_values", "every case", _always),
-    Rule("route", "tl", "holder_loop / route_put / route_merge", "every case", _always),
+    Rule(
+        "route",
+        "tl",
+        "route_take / route_gather / route_reply (around the dense plan), "
+        "holder_loop, route_put / route_wait / route_merge",
+        "every case",
+        _always,
+    ),
 )
 """The dispatch table, first matching rule per op wins."""
 
