@@ -740,7 +740,29 @@ def test_the_device_profile_prices_route_and_fetch_as_measured():
     fast = _profile_records(8192, pull_us=300.0, splice_us=300.0)  # route wins past the sweep
     assert measured_crossover(fast, 8192)[0] is None
     assert crossovers(fast)[0].agrees()
-    with pytest.raises(ValueError, match="route points at >= 2 M_q values"):
+    with pytest.raises(ValueError, match="fetch record at c_t 4096"):
         device_profile(recs, 4096)
+    with pytest.raises(ValueError, match="route points at >= 2 M_q values"):
+        device_profile(recs + _profile_records(4096)[-1:], 4096)
     with pytest.raises(ValueError, match="fetch record at c_t 2048"):
         device_profile([r for r in recs if r["bench"] != "fetch"], 2048)
+
+
+def test_a_route_sweep_that_does_not_grow_takes_the_rows_at_the_pull_rate():
+    """A route sweep whose round trips do not grow with ``M_q`` beyond their noise (all fixed
+    cost, as a fast holder's can be) cannot be fitted for a bandwidth: ``fit_device_route``
+    refuses it alone, and ``device_profile`` takes the rows at the measured pull rate, the
+    fixed part the fastest point's, saying so."""
+    from mqnc.cost.calibration_fits import fit_device_route
+    from mqnc.cost.device_profile import device_profile
+
+    recs = _profile_records(2048, pull_us=20.0, splice_us=14.0)
+    for r, t in zip((r for r in recs if r["bench"] == "route"), (20.0, 19.0, 19.5, 18.0),
+                    strict=True):  # fmt: skip
+        r["p50"] = t
+    with pytest.raises(ValueError, match="does not grow"):
+        fit_device_route(recs, c_t=2048)
+    prof = device_profile(recs, 2048)
+    assert prof.fabric.bw_gbps == pytest.approx(2048 * 1152 / 20.0 / 1e3)
+    assert prof.fabric.turnaround_us == pytest.approx(18.0 - 4.0)  # the fastest, less the probe
+    assert "pull rate" in prof.fabric.description

@@ -336,6 +336,7 @@ def fit_device_route(
     qp_row_bytes: int = 2184,
     name: str | None = None,
     c_t: int | None = None,
+    bulk_bw_gbps: float | None = None,
 ) -> FabricProfile:
     """The device route's profile, fitted from ``perf.bench_device_route`` records.
 
@@ -348,7 +349,10 @@ def fit_device_route(
     round trips leave to ``T_compute``; the profile's ``description`` says so and its
     ``source`` names the records' device, commit and ``c_t``. ``host_fixed_us`` is 0 (no host
     call per routed layer: the step is a replayed CUDA graph). ``c_t``: only route points over
-    chunks of that size (the compute the fit carries is that chunk's; None: every size). A
+    chunks of that size (the compute the fit carries is that chunk's; None: every size).
+    ``bulk_bw_gbps``: the device's measured pull rate, the rows' rate when the round trip does
+    not grow with ``M_q`` beyond the timing's noise (the turnaround then the fastest round
+    trip's less the probe; the fabric's ``description`` says so); None: that is an error. A
     ``ValueError`` when the records hold no probe or fewer than two route points.
     """
     recs = [r for r in records if str(r.get("transport", "")).startswith("device-")]
@@ -367,9 +371,12 @@ def fit_device_route(
             f"({heads} heads, one requester), got {len(probes)} probes and "
             f"{len({r['x'] for r in route})} M_q values"
         )
-    res = fit_route(
-        [(r["x"], r["p50"]) for r in route], probes, qp_row_bytes=qp_row_bytes, strict=True
-    )
+    points = [(r["x"], r["p50"]) for r in route]
+    res = fit_route(points, probes, qp_row_bytes=qp_row_bytes, strict=bulk_bw_gbps is None)
+    if res.error is not None:  # all fixed cost: the fastest round trip, rows at the pull rate
+        probe = float(np.median(probes))
+        fixed = max(min(t for _, t in points) - probe, 0.0)
+        res = RouteFit(probe, fixed, bulk_bw_gbps, None, res.error)
     first = route[0]
     transport = str(first.get("transport"))
     source = (
@@ -383,6 +390,7 @@ def fit_device_route(
         description=(
             "device route (the holder's pass or resident kernels, requester step in a CUDA "
             "graph); the round trip includes the holder's partial attention over the chunk"
+            + ("" if res.error is None else f"; rows at the pull rate ({res.error})")
         ),
         source=source,
     )

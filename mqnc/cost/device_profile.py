@@ -7,8 +7,9 @@ against one layer's chunk; both scale with ``L``):
 
 - route: the device route's round trip per routed layer at ``c_t``
   (:func:`~mqnc.cost.calibration_fits.fit_device_route` over that ``c_t``'s one-requester
-  sweep). It includes the holder's partial attention and the merge, so the request is priced
-  with ``attention=False`` (nothing charged twice);
+  sweep; a sweep that does not grow with ``M_q`` beyond its noise, where the round trip is all
+  fixed cost, takes the rows at the pull rate). It includes the holder's partial attention and
+  the merge, so the request is priced with ``attention=False`` (nothing charged twice);
 - fetch: the pull of one layer's ``c_t`` entries at the measured pull rate (``bulk_bw_gbps``
   of the fabric) plus the splice of one layer (a :class:`~mqnc.cost.SpliceProfile` through
   the measured sizes), priced with a one-layer geometry.
@@ -50,11 +51,11 @@ def device_profile(records: Iterable[dict], c_t: int, *, heads: int = 16) -> Mac
     geometry (:func:`predicted_crossover` does). A ``ValueError`` naming what the records
     lack."""
     records = list(records)
-    fabric = fit_device_route(records, heads=heads, c_t=c_t)
     f = _fetch_record(records, c_t)
     extra = f.get("extra") or {}
     entry = float(extra.get("entry_bytes", 1152))
     bulk = c_t * entry / float(extra["pull_us"]) / 1e3  # GB/s: a layer's entries over its pull
+    fabric = fit_device_route(records, heads=heads, c_t=c_t, bulk_bw_gbps=bulk)
     fabric = dataclasses.replace(fabric, bulk_bw_gbps=bulk)
     sizes = {}
     for r in records:
