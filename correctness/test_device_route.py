@@ -766,3 +766,25 @@ def test_a_route_sweep_that_does_not_grow_takes_the_rows_at_the_pull_rate():
     assert prof.fabric.bw_gbps == pytest.approx(2048 * 1152 / 20.0 / 1e3)
     assert prof.fabric.turnaround_us == pytest.approx(18.0 - 4.0)  # the fastest, less the probe
     assert "pull rate" in prof.fabric.description
+
+
+def test_the_device_holder_refuses_a_bad_schedule_fold_or_pass_by_name():
+    """``schedule``, ``fold`` (a power of two >= 16), ``pass_rows``, ``num_splits`` and
+    ``serve_sparse`` are checked when the holder is made, each error naming its argument; a
+    pass is never smaller than one full slot."""
+    buf = allocate(RouteLayout(1, 2, GEOM.heads, max_topk=64), LocalBackend(DEVICE))
+    make = dict(softmax_scale=SCALE, num_blocks=8)
+    for kw, err, match in (
+        (dict(schedule="resident-pass"), ValueError, "schedule: expected one of"),
+        (dict(fold=48), ValueError, "fold: expected a power of two"),
+        (dict(fold=8), ValueError, "fold"),
+        (dict(pass_rows=0), ValueError, "pass_rows"),
+        (dict(num_splits=0), ValueError, "num_splits"),
+        (dict(serve_sparse=1), TypeError, "serve_sparse: expected a bool"),
+    ):
+        with pytest.raises(err, match=match):
+            DeviceHolder(buf, GEOM, **make, **kw)
+    holder = DeviceHolder(buf, GEOM, **make, pass_rows=1)
+    assert (holder.groups, holder.fold) == (1, 128), "one slot's 32 rows: one folded row"
+    big = allocate(RouteLayout(1, 16, GEOM.heads, max_topk=64), LocalBackend(DEVICE))
+    assert DeviceHolder(big, GEOM, **make, pass_rows=1).groups == 2, "a full slot fits a pass"
