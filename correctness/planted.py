@@ -128,6 +128,15 @@ PLANTED: tuple[Planted, ...] = (
         ("test_fp8_cache.py",),
         "every FP8 latent value dequantized with its entry's first scale",
     ),
+    Planted(
+        "pass-pack",
+        "triton_kernels/route/holder_pass.py",
+        "    off = base + ahead\n",
+        "    off = base\n",
+        ("test_device_route.py -k 'packs_one_chunk'",),
+        "the holder's pass packs every request of one (chunk, layer) at its key's first row: "
+        "their rows overwrite each other, all but the last answered with another's partial",
+    ),
 )
 
 
