@@ -454,7 +454,7 @@ class _PassReplayer:
 
         pending: deque = deque()
         try:
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.device(self.stream.device), torch.cuda.stream(self.stream):
                 while not self._halt.is_set():
                     if len(pending) >= self.ahead:
                         pending.popleft().synchronize()
