@@ -42,14 +42,15 @@ class RouteRig:
     requester pool the fetch splices every chunk into (each to its own blocks, ``delta``
     positions on). :meth:`random` makes the bench's: one chunk drawn from a fixed seed.
 
-    ``schedule`` and ``num_splits``: the holder's (``DeviceHolder``); ``serve_sparse`` False
-    (no resident sparse kernel holds SMs). On a GPU the holder is started (persistent); on a
-    CPU (``dry``) it serves one-shot between the puts and the merges."""
+    ``schedule``, ``num_splits`` and ``pass_rows``: the holder's (``DeviceHolder``);
+    ``serve_sparse`` False (no resident sparse kernel holds SMs). On a GPU the holder is
+    started (persistent); on a CPU (``dry``) it serves one-shot between the puts and the
+    merges."""
 
     def __init__(self, geometry, rope, chunks: list, *, slots: int, max_batch: int,
                  device: torch.device | str, dry: bool, positions: list[int] | None = None,
                  ctas: int = 8, schedule: str = "pass", num_splits: int | None = None,
-                 delta: int = 4096) -> None:  # fmt: skip
+                 delta: int = 4096, pass_rows: int | None = None) -> None:  # fmt: skip
         self.geom, self.rope = geometry, rope
         self.scale = rope.softmax_scale
         self.dry, self.device = dry, torch.device(device)
@@ -61,7 +62,8 @@ class RouteRig:
         self.holder = DeviceHolder(self.buf, geometry, softmax_scale=self.scale,
                                    num_blocks=sum(blocks) + 1, ctas=ctas,
                                    max_chunks=len(chunks), schedule=schedule,
-                                   num_splits=num_splits, serve_sparse=False)  # fmt: skip
+                                   num_splits=num_splits, serve_sparse=False,
+                                   pass_rows=pass_rows)  # fmt: skip
         positions = positions or [0] * len(chunks)
         for i, c in enumerate(self.kv):
             self.holder.add_chunk(i, c.to(self.device), position=positions[i])

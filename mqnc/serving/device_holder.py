@@ -94,7 +94,8 @@ class DeviceHolder:
     fold, pass_rows : int or None
         The pass's query rows: ``fold`` (a power of two >= 16; default 128) rows a folded row,
         and at least ``pass_rows`` rows a pass (default: the larger of one full slot and
-        1,024; never less than one full slot). Requests past it wait for the next pass.
+        1,024 on a GPU, one full slot elsewhere, where the interpreter runs every folded row's
+        programs; never less than one full slot). Requests past it wait for the next pass.
     serve_sparse : bool
         ``"pass"``: run the resident sparse kernel beside the pass (False: no SM is held by
         it, and a sparse request is answered ``ERR_MODE``).
@@ -144,6 +145,8 @@ class DeviceHolder:
             raise ValueError(f"fold: expected a power of two >= 16, got {fold}")
         if pass_rows is not None:
             check_int("pass_rows", pass_rows, minimum=1)
+        elif self.device.type != "cuda":  # the interpreter runs every folded row's programs
+            pass_rows = 1
         self.groups, self.fold = pass_shape(buffers.heads, buffers.max_batch, buffers.slots,
                                             fold, pass_rows)  # fmt: skip
         self.pages = PagedPool(geometry.layers, num_blocks, block_size, geometry.d_qk,
