@@ -113,11 +113,16 @@ GPU_TIER = (
 # correctness/planted.py in a copy of the tree, its tests run there (and once unchanged, the
 # control): minutes of reruns of tests the suite runs anyway, to show they catch each defect.
 # ``suite_dry_run``: perf/gpu_suite.sh --dry-run, the whole suite collected (~30-60 s).
+# ``route_dry_run``: perf/gpu_route.sh --dry-run, the device route's bench interpreted;
+# ``fastpath_dry_run`` (and ``_off``, its outputs 1% off): perf/gpu_fastpath.sh --dry-run.
 # ``random_run``: the property tests of the model, the predicate, the wire, the merge and RoPE
 # under the ``random`` Hypothesis profile (new draws each run, 100 examples each).
 LONG_TIER = (
     ("test_gpu_check.py", "dry_run"),
     ("test_gpu_check.py", "tiles_dry_run"),
+    ("test_gpu_check.py", "route_dry_run"),
+    ("test_gpu_check.py", "fastpath_dry_run"),
+    ("test_gpu_check.py", "fastpath_dry_run_off"),
     ("test_compile_sm90.py", "nvshmem_device_bitcode"),
     ("test_transport.py", "nvshmem_device_bitcode"),
     ("test_nvshmem_kernels.py", "nvshmem_device_bitcode"),

@@ -353,14 +353,29 @@ def test_gluon_check_fails_a_wrong_kernel(tmp_path):
 FASTPATH_SCRIPT = ROOT / "perf" / "gpu_fastpath.sh"
 
 
-def test_fastpath_dry_run_records_every_part(tmp_path):
+@pytest.fixture(scope="module")
+def fastpath_dry_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """``bash perf/gpu_fastpath.sh --dry-run`` (long tier: ~9-15 s of a loaded 2-core
+    machine; its cases and benches are tested one by one elsewhere)."""
+    out = tmp_path_factory.mktemp("fastpath")
+    return out, _script_dry_run(FASTPATH_SCRIPT, out, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def fastpath_dry_run_off(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The same with its outputs scaled 1% off (``$FASTPATH_DRY_OFF``), long tier."""
+    out = tmp_path_factory.mktemp("fastpath_off")
+    return out, _script_dry_run(FASTPATH_SCRIPT, out, timeout=600, FASTPATH_DRY_OFF="1.01")
+
+
+def test_fastpath_dry_run_records_every_part(fastpath_dry_run):
     """``perf/gpu_fastpath.sh --dry-run``: the warm-up, then every exactness case through the
     public default path against fp64 (each naming its backend: the interpreter's ``tl``), the
     goal shapes timed (FLOPs ``2 B H c_t (576 + 512)``, bytes, the fp64 check of the first
     set) and the user's loop per call (host and CPU microseconds), each record with the
     commit; the FP8 calls (dense, ``s_q`` 2 causal, sparse) among the exact cases; the fast-path
     targets printed (not measured off a GPU)."""
-    r = _script_dry_run(FASTPATH_SCRIPT, tmp_path, timeout=600)
+    tmp_path, r = fastpath_dry_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert re.search(r"fast-path check took \d+s of 420s", r.stdout), r.stdout[-1000:]
     assert "warm: 1 cases, 0 failed" in r.stdout and "not measured in this run" in r.stdout
@@ -388,10 +403,10 @@ def test_fastpath_dry_run_records_every_part(tmp_path):
     }  # fmt: skip
 
 
-def test_fastpath_check_fails_a_wrong_answer(tmp_path):
+def test_fastpath_check_fails_a_wrong_answer(fastpath_dry_run_off):
     """The fast path's fp64 comparisons catch an output 1% off (the dry run's outputs scaled by
     ``$FASTPATH_DRY_OFF``): every exactness case MISMATCHes and the run fails."""
-    r = _script_dry_run(FASTPATH_SCRIPT, tmp_path, timeout=600, FASTPATH_DRY_OFF="1.01")
+    tmp_path, r = fastpath_dry_run_off
     assert r.returncode != 0, r.stdout[-2000:]
     assert "MISMATCH partial" in r.stdout and "MISMATCHED" in r.stdout, r.stdout[-2000:]
     recs = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
@@ -453,7 +468,16 @@ def test_tile_sweep_dry_run_times_the_16_head_candidates(tiles_dry_run):
 ROUTE_SCRIPT = ROOT / "perf" / "gpu_route.sh"
 
 
-def test_dry_run_of_the_device_route_records_probe_and_route_with_host_calls(tmp_path):
+@pytest.fixture(scope="module")
+def route_dry_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """``bash perf/gpu_route.sh --dry-run`` (long tier: ~7-12 s of a loaded 2-core machine,
+    the bench's every step interpreted; its pieces are tested one by one in
+    test_device_route.py)."""
+    out = tmp_path_factory.mktemp("gpu_route")
+    return out, _script_dry_run(ROUTE_SCRIPT, out, timeout=900)
+
+
+def test_dry_run_of_the_device_route_records_probe_and_route_with_host_calls(route_dry_run):
     """``perf/gpu_route.sh --dry-run``: the device route's bench runs its real commands
     interpreted and tiny (its warm-up in-process) and records the probe, the route (16 heads
     with 1 and 2 requesters at c_t 128, 1 requester at c_t 256, 128 heads), the holder's
@@ -461,8 +485,7 @@ def test_dry_run_of_the_device_route_records_probe_and_route_with_host_calls(tmp
     alone beside it), each with the commit, transport ``device-local``, the fp64 check and
     ``extra.host_calls_per_layer`` counted (every launch a host call in the dry run, which has
     no graph: ``host_free`` false there); the budget line is printed."""
-    out = tmp_path / "gpu_route"
-    r = _script_dry_run(ROUTE_SCRIPT, out, timeout=900)
+    out, r = route_dry_run
     print(r.stdout[-4000:])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert re.search(r"route run took \d+s of 300s", r.stdout), r.stdout[-2000:]

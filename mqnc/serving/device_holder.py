@@ -131,24 +131,7 @@ class DeviceHolder:
         self.max_rows = buffers.max_batch * buffers.heads if max_rows is None else max_rows
         check_int("max_rows", self.max_rows, minimum=1)
         self.nvshmem_lib = nvshmem_lib
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
-        self.schedule = schedule
-        if num_splits is not None:
-            check_int("num_splits", num_splits, minimum=1)
-        self._num_splits = num_splits
-        if not isinstance(serve_sparse, bool):
-            raise TypeError(f"serve_sparse: expected a bool, got {type(serve_sparse).__name__}")
-        self.serve_sparse = serve_sparse or schedule == "resident"
-        fold = check_int("fold", fold, minimum=16)
-        if fold & (fold - 1):
-            raise ValueError(f"fold: expected a power of two >= 16, got {fold}")
-        if pass_rows is not None:
-            check_int("pass_rows", pass_rows, minimum=1)
-        elif self.device.type != "cuda":  # the interpreter runs every folded row's programs
-            pass_rows = 1
-        self.groups, self.fold = pass_shape(buffers.heads, buffers.max_batch, buffers.slots,
-                                            fold, pass_rows)  # fmt: skip
+        self._schedule(schedule, num_splits, serve_sparse, fold, pass_rows)
         self.pages = PagedPool(geometry.layers, num_blocks, block_size, geometry.d_qk,
                                dtype=self.dtype, device=self.device,
                                fp8=geometry.fp8_layout)  # fmt: skip
@@ -193,6 +176,28 @@ class DeviceHolder:
         self._streams: list | None = None
         self._replayer = None
         self.launches = 0  # kernel launches (a pass's replays count once each)
+
+    def _schedule(self, schedule, num_splits, serve_sparse, fold, pass_rows) -> None:
+        """The schedule's arguments, checked (each error naming its argument), and the pass's
+        shape (:func:`~mqnc.triton_kernels.route.holder_pass.pass_shape`)."""
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
+        self.schedule = schedule
+        if num_splits is not None:
+            check_int("num_splits", num_splits, minimum=1)
+        self._num_splits = num_splits
+        if not isinstance(serve_sparse, bool):
+            raise TypeError(f"serve_sparse: expected a bool, got {type(serve_sparse).__name__}")
+        self.serve_sparse = serve_sparse or schedule == "resident"
+        fold = check_int("fold", fold, minimum=16)
+        if fold & (fold - 1):
+            raise ValueError(f"fold: expected a power of two >= 16, got {fold}")
+        if pass_rows is not None:
+            check_int("pass_rows", pass_rows, minimum=1)
+        elif self.device.type != "cuda":  # the interpreter runs every folded row's programs
+            pass_rows = 1
+        buf = self.buffers
+        self.groups, self.fold = pass_shape(buf.heads, buf.max_batch, buf.slots, fold, pass_rows)
 
     # ---- the pool and the tables ------------------------------------------------------------
     def add_chunk(self, chunk_id: int, kv: torch.Tensor, position: int = 0) -> HostedChunk:
