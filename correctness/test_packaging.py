@@ -157,7 +157,7 @@ def test_plain_make_installs_the_environment(tmp_path):
                        capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert f"-m venv {venv}" in r.stdout, r.stdout
-    assert f"{venv}/bin/python -m pip install --quiet --no-compile -e '.[test," in r.stdout, r.stdout
+    assert f"{venv}/bin/python -m pip install --quiet -e '.[test," in r.stdout, r.stdout
     assert f"touch {venv}/.mqnc-installed" in r.stdout, r.stdout
     assert not venv.exists()  # a dry run
     db = subprocess.run([make, "-pn", "-C", str(ROOT), f"VENV={venv}"],
