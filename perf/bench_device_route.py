@@ -257,22 +257,9 @@ def warm_one(spec: dict) -> tuple[str, float, str | None]:
 def warm(jobs: int, dry: bool) -> bool:
     """Every spec of :func:`warm_specs` compiled by ``jobs`` worker processes sharing Triton's
     cache (in-process for the dry run); each printed; False if any failed."""
-    import concurrent.futures
-    import multiprocessing
+    from perf.bench_fastpath import warm_in_parallel
 
-    specs = warm_specs(dry)
-    t0 = time.perf_counter()
-    if dry or jobs <= 1:
-        results = [warm_one(s) for s in specs]
-    else:
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            results = list(pool.map(warm_one, specs))
-    for what, secs, err in results:
-        print(f"warm {secs:6.1f} s  {'ok    ' if err is None else 'FAILED'}  {what} {err or ''}")
-    failed = sum(err is not None for _, _, err in results)
-    print(f"warm: {len(results)} specs, {failed} failed, {time.perf_counter() - t0:.1f} s")
-    return not failed
+    return warm_in_parallel(warm_one, warm_specs(dry), 1 if dry else jobs, "specs")
 
 
 def _missed(out: str, skip: int) -> int:

@@ -769,21 +769,29 @@ def warm(args, dev) -> bool:
     """Every case launched once by ``--jobs`` worker processes sharing Triton's cache (the
     Gluon kernel's specialisations take ~30 s each to compile on the H200's host), before
     anything is timed; in-process and the first case only for the dry run."""
+    specs = warm_specs(args.dry_run, dev.type == "cuda")
+    jobs = 1 if args.dry_run else args.jobs
+    return warm_in_parallel(warm_one, specs[: 1 if args.dry_run else None], jobs, "cases")
+
+
+def warm_in_parallel(fn, specs: list, jobs: int, noun: str) -> bool:
+    """``fn(spec) -> (what, seconds, error)`` for every spec, by ``jobs`` worker processes
+    sharing Triton's on-disk cache (in-process for ``jobs <= 1``); each printed, then
+    ``warm: N <noun>, F failed``; False if any failed (``bench_device_route`` warms alike)."""
     import concurrent.futures
     import multiprocessing
 
-    specs = warm_specs(args.dry_run, dev.type == "cuda")
     t0 = time.perf_counter()
-    if args.dry_run or args.jobs <= 1:
-        results = [warm_one(s) for s in specs[: 1 if args.dry_run else None]]
+    if jobs <= 1:
+        results = [fn(s) for s in specs]
     else:
         ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
-            results = list(pool.map(warm_one, specs))
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            results = list(pool.map(fn, specs))
     for what, secs, err in results:
         print(f"warm {secs:6.1f} s  {'ok    ' if err is None else 'FAILED'}  {what} {err or ''}")
     failed = sum(err is not None for _, _, err in results)
-    print(f"warm: {len(results)} cases, {failed} failed, {time.perf_counter() - t0:.1f} s")
+    print(f"warm: {len(results)} {noun}, {failed} failed, {time.perf_counter() - t0:.1f} s")
     return not failed
 
 

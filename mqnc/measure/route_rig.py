@@ -197,7 +197,7 @@ class RouteRig:
 
 
 def time_step(rig: RouteRig, fn: Callable[[], object], reps: int, inner: int, units: int,
-              warmup: int = 1, holder_running: bool = True) -> tuple:  # fmt: skip
+              warmup: int = 1) -> tuple:  # fmt: skip
     """``((p20, p50, p80) us per unit, units timed, host calls)``: a CUDA graph of ``fn``
     replayed ``inner`` times per sample between CUDA events (a GPU; the holder stopped around
     the capture, which synchronizes the device, and started again), or ``fn`` eagerly once per
@@ -218,12 +218,10 @@ def time_step(rig: RouteRig, fn: Callable[[], object], reps: int, inner: int, un
         for _ in range(max(1, warmup)):
             fn()  # warm (compiled, the holder answering)
     side.synchronize()  # (a stream, never the device: the holder's pass never finishes)
-    if holder_running:
-        rig.holder.stop()
+    rig.holder.stop()
     with torch.cuda.graph(graph):
         fn()
-    if holder_running:
-        rig.holder.start(max_idle=1 << 22)
+    rig.holder.start(max_idle=1 << 22)
     replays = 0
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
